@@ -1,0 +1,128 @@
+"""The one object that knows the device mesh.
+
+Axis order is fixed, outermost first: ``pp, dp_replicate, dp_shard, ep, tp`` (tensor parallel
+innermost, so its groups are the closest ranks, which share a node whenever they can). The
+topology is built once from the config, validated against the world size, and passed down
+explicitly; nothing reads a global process group deep inside a layer.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from plait.config import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from plait.config import Config
+
+
+class MeshAxis(enum.StrEnum):
+    PP = "pp"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    EP = "ep"
+    TP = "tp"
+
+
+AXIS_ORDER: tuple[MeshAxis, ...] = tuple(MeshAxis)
+
+
+def resolve_degrees(cfg: Config, world_size: int) -> dict[str, int]:
+    """Degrees per axis for ``world_size`` ranks; infers dp when it is 0; raises a readable error."""
+    p = cfg.parallel
+    for name in ("tp", "pp", "ep"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"parallel.{name} must be at least 1; got {getattr(p, name)}")
+    if p.dp < 0:
+        raise ConfigError(f"parallel.dp must be at least 1 (or 0 to infer it); got {p.dp}")
+    model_par = p.tp * p.pp * p.ep
+    dp = p.dp
+    if dp == 0:
+        if world_size % model_par:
+            raise ConfigError(
+                f"world size {world_size} does not divide by tp x pp x ep = {model_par}; "
+                f"use a world size that is a multiple of {model_par} (parallel.nproc) or change the degrees"
+            )
+        dp = world_size // model_par
+    degrees = {"pp": p.pp, "dp_replicate": dp, "dp_shard": 1, "ep": p.ep, "tp": p.tp}
+    product = math.prod(degrees.values())
+    if product != world_size:
+        raise ConfigError(
+            f"parallel degrees dp={dp} x tp={p.tp} x pp={p.pp} x ep={p.ep} = {product} do not match "
+            f"the world size {world_size}; set parallel.nproc={product}, or set parallel.dp=0 to infer "
+            f"dp from the world size"
+        )
+    return degrees
+
+
+@dataclass
+class Topology:
+    """Mesh degrees, this rank's coordinates, and the device mesh with its per-axis groups."""
+
+    degrees: dict[str, int]
+    rank: int
+    world_size: int
+    device: torch.device
+    mesh: DeviceMesh | None = None
+    _groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
+
+    @property
+    def dp(self) -> int:
+        return self.degrees["dp_replicate"] * self.degrees["dp_shard"]
+
+    def degree(self, axis: MeshAxis | str) -> int:
+        return self.degrees[str(axis)]
+
+    def coord(self, axis: MeshAxis | str) -> int:
+        """This rank's index along ``axis`` (row-major over AXIS_ORDER)."""
+        stride = 1
+        for a in reversed(AXIS_ORDER):
+            if a == axis:
+                return (self.rank // stride) % self.degrees[a]
+            stride *= self.degrees[a]
+        raise KeyError(axis)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coord(MeshAxis.DP_REPLICATE) * self.degrees["dp_shard"] + self.coord(MeshAxis.DP_SHARD)
+
+    def group(self, *axes: MeshAxis | str) -> dist.ProcessGroup | None:
+        """Process group spanning ``axes`` (None when there is no process group: one process)."""
+        key = "+".join(str(a) for a in axes)
+        if key in self._groups:
+            return self._groups[key]
+        if self.mesh is None:
+            return None
+        names = [str(a) for a in axes]
+        sub = self.mesh[tuple(names)] if len(names) > 1 else self.mesh[names[0]]
+        grp = sub._flatten().get_group() if len(names) > 1 else sub.get_group()
+        self._groups[key] = grp
+        return grp
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.group(MeshAxis.DP_REPLICATE) if self.degrees["dp_shard"] == 1 else self.group(
+            MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD
+        )
+
+
+def build_topology(cfg: Config, device: torch.device) -> Topology:
+    """Build the topology for the current process group (or a single process when none is initialized)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        degrees = resolve_degrees(cfg, 1)
+        return Topology(degrees=degrees, rank=0, world_size=1, device=device)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    degrees = resolve_degrees(cfg, world)
+    names = tuple(str(a) for a in AXIS_ORDER)
+    mesh = init_device_mesh(device.type, tuple(degrees[n] for n in names), mesh_dim_names=names)
+    return Topology(degrees=degrees, rank=dist.get_rank(), world_size=world, device=device, mesh=mesh)
