@@ -271,6 +271,11 @@ def validate(cfg: Config, world_size: int) -> Config:
             raise ConfigError(f"train.{name} must be at least 1")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError("data.val_fraction must be between 0 and 1 (exclusive)")
+    if cfg.data.path and not Path(cfg.data.path).is_file():
+        raise ConfigError(
+            f"data file {cfg.data.path} does not exist; set data.path to a UTF-8 text file or a uint16 .bin "
+            "token file, or leave it empty for the embedded corpus"
+        )
     if p.bucket_mb <= 0:
         raise ConfigError("parallel.bucket_mb must be positive")
     from plait.topology import resolve_degrees  # the topology owns degree arithmetic

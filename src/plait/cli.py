@@ -1,0 +1,174 @@
+"""``plait train | sample``: the command line.
+
+    plait train [CONFIG.toml] [--section.key=value ...] [--resume RUN_DIR]
+    plait sample RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
+
+Errors a user can cause end in one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from plait.config import Config, ConfigError, load_config, to_toml, validate
+
+
+def _split_train_args(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
+    """Separate the optional CONFIG path, ``--resume DIR`` and ``--section.key=value`` overrides."""
+    config_path, resume, overrides = None, None, []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--resume" or a.startswith("--resume="):
+            if "=" in a:
+                resume = a.split("=", 1)[1]
+            elif i + 1 < len(argv):
+                resume, i = argv[i + 1], i + 1
+            else:
+                raise ConfigError("--resume needs a run directory: --resume RUN_DIR")
+        elif a.startswith("--") and "." in a.split("=", 1)[0]:
+            if "=" in a:
+                overrides.append(a)
+            elif i + 1 < len(argv):
+                overrides.append(f"{a}={argv[i + 1]}")
+                i += 1
+            else:
+                raise ConfigError(f"{a} needs a value: {a}=VALUE")
+        elif a.startswith("-"):
+            raise ConfigError(f"unknown option {a}; options are --resume RUN_DIR and --section.key=value")
+        elif config_path is None:
+            config_path = a
+        else:
+            raise ConfigError(f"unexpected argument {a!r}; pass at most one CONFIG.toml")
+        i += 1
+    return config_path, resume, overrides
+
+
+def _prepare_run(argv: list[str]) -> tuple[Config, Path, bool]:
+    from plait.launch import external_world_size, launched_externally
+    from plait.train.checkpoint import latest_checkpoint
+
+    config_path, resume, overrides = _split_train_args(argv)
+    if resume:
+        run_dir = Path(resume)
+        if config_path:
+            raise ConfigError("pass either CONFIG.toml or --resume RUN_DIR (a resumed run uses its saved config)")
+        if not (run_dir / "config.toml").is_file() or latest_checkpoint(run_dir) is None:
+            raise ConfigError(
+                f"{run_dir} holds no checkpoint to resume from (no {run_dir}/checkpoints/latest); "
+                "start a new run without --resume, or point --resume at a run directory that saved one"
+            )
+        cfg = load_config(run_dir / "config.toml", overrides)
+        cfg.run.dir = str(run_dir)
+    else:
+        cfg = load_config(config_path, overrides)
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID")
+        run_dir = Path(cfg.run.dir or f"runs/plait-{run_id or time.strftime('%Y%m%d-%H%M%S')}")
+        if (run_dir / "checkpoints" / "latest").exists():
+            raise ConfigError(
+                f"{run_dir} already holds a run with checkpoints; continue it with --resume {run_dir}, "
+                "or choose another run.dir"
+            )
+        cfg.run.dir = str(run_dir)
+    world = external_world_size() if launched_externally() else cfg.parallel.nproc
+    if world < 1:
+        raise ConfigError(f"parallel.nproc must be at least 1; got {world}")
+    validate(cfg, world)
+    return cfg, run_dir, bool(resume)
+
+
+def cmd_train(argv: list[str]) -> int:
+    from plait.launch import launch_local, launched_externally, worker_main
+
+    cfg, run_dir, resume = _prepare_run(argv)
+    external = launched_externally()
+    is_rank0 = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
+    if is_rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+    if external:
+        summary = worker_main(cfg, str(run_dir), resume)
+    elif cfg.parallel.nproc == 1:
+        from plait.train.trainer import train
+
+        summary = train(cfg, run_dir, resume)
+    else:
+        summary = launch_local(cfg, run_dir, resume)
+    if is_rank0:
+        print(
+            f"\nplait: trained {summary['steps']} steps on {summary['world_size']} worker(s): "
+            f"val loss {summary['final_val_loss']:.4f} nats/token, {summary['tokens_per_s']:,.0f} tokens/s\n"
+            f"  run directory: {run_dir}\n"
+            f"  metrics:       {run_dir / 'metrics.jsonl'} (TensorBoard: {run_dir / 'tensorboard'})\n"
+            f"  summary:       {run_dir / 'summary.json'}\n"
+            f"  sample:        plait sample {run_dir} --prompt \"def \""
+        )
+    return 0
+
+
+def cmd_sample(argv: list[str]) -> int:
+    import torch
+
+    from plait.models.gpt import GPT
+    from plait.train.export import load_safetensors
+
+    ap = argparse.ArgumentParser(prog="plait sample", description="Generate text from a trained run.")
+    ap.add_argument("run_dir")
+    ap.add_argument("--prompt", default="\n")
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-k", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    weights = run_dir / "model.safetensors"
+    if not weights.is_file():
+        raise ConfigError(f"{weights} not found; it is written when a run finishes (finish or --resume the run)")
+    cfg = load_config(run_dir / "config.toml")
+    model = GPT(cfg.model)
+    load_safetensors(model, weights)
+    model.eval()
+    prompt = args.prompt.encode("utf-8") or b"\n"
+    if cfg.model.vocab_size < 256:
+        raise ConfigError("this run's vocabulary is not byte-level; sampling from text needs vocab_size >= 256")
+    idx = torch.tensor([list(prompt)], dtype=torch.long)
+    gen = torch.Generator().manual_seed(args.seed)
+    out = model.generate(idx, args.tokens, temperature=args.temperature, top_k=args.top_k, generator=gen)
+    ids = out[0].tolist()
+    if max(ids) < 256:
+        print(bytes(ids).decode("utf-8", errors="replace"))
+    else:
+        print(ids)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "sample": cmd_sample}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns the process exit code."""
+    from plait.launch import WorkerFailed
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(__doc__.strip(), file=sys.stderr)
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except ConfigError as e:
+        print(f"plait: error: {e}", file=sys.stderr)
+        return 2
+    except WorkerFailed as e:
+        print(f"plait: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("plait: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""Data parallelism: plait's bucketed, overlapped gradient reducer, and PyTorch DDP as its reference.
+
+plait's reducer keeps every gradient inside a flat per-bucket buffer (``param.grad`` is a view into
+it), so autograd accumulates straight into the buffer and no copy is made before or after the
+all-reduce. Buckets hold parameters in reverse registration order, the order in which backward
+produces their gradients. A post-accumulate-grad hook counts each bucket down; when a bucket is
+complete its all-reduce starts asynchronously while backward continues on earlier layers. Buckets
+are launched strictly in index order on every rank, because c10d matches collectives on a group by
+issue order; buckets whose parameters got no gradient this step are launched, in order, from a
+callback that runs when backward finishes. On non-final accumulation micro-steps nothing is
+communicated (``no_sync``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.comm.collectives import Comm
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    flat: torch.Tensor  # (numel,) gradient storage shared by the params' .grad views
+    views: list[torch.Tensor]
+    pending: int = 0
+    work: dist.Work | None = None
+    ready: bool = False
+    launched: bool = False
+
+
+def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
+    """Group params (already in gradient-ready order) into same-dtype buckets of about bucket_bytes."""
+    groups: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if groups and groups[-1][-1].dtype == p.dtype and size + nbytes <= bucket_bytes:
+            groups[-1].append(p)
+            size += nbytes
+        else:
+            groups.append([p])
+            size = nbytes
+    buckets = []
+    for ps in groups:
+        flat = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
+        views, off = [], 0
+        for p in ps:
+            views.append(flat[off: off + p.numel()].view_as(p))
+            off += p.numel()
+        buckets.append(_Bucket(params=ps, flat=flat, views=views))
+    return buckets
+
+
+class GradReducer:
+    """Averages gradients over ``group`` with bucketed all-reduces overlapped with backward.
+
+    Contract: build it before the optimizer; call ``finish()`` after the final micro-step's
+    ``backward()`` and before reading gradients; wrap non-final micro-steps in ``no_sync()``; zero
+    gradients with ``zero_grad()`` (or ``optimizer.zero_grad(set_to_none=False)``).
+    """
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, comm: Comm,
+                 bucket_mb: float = 25.0) -> None:
+        self.module = model
+        self.group = group
+        self.comm = comm
+        self.world = dist.get_world_size(group)
+        self.require_sync = True
+        self._callback_queued = False
+        self._broadcast_initial_state()
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.buckets = _make_buckets(list(reversed(params)), int(bucket_mb * 2**20))
+        self._where: dict[nn.Parameter, tuple[_Bucket, int]] = {}
+        self._next = 0
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                self._where[p] = (b, i)
+                p.grad = b.views[i]
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._reset()
+
+    def _broadcast_initial_state(self) -> None:
+        """Every rank starts from rank 0's parameters and buffers (one broadcast per tensor)."""
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                self.comm.broadcast(t.data, src=src, group=self.group)
+
+    def _reset(self) -> None:
+        self._next = 0
+        self._callback_queued = False
+        for b in self.buckets:
+            b.pending, b.ready, b.launched, b.work = len(b.params), False, False, None
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        bucket, i = self._where[p]
+        if p.grad is None or p.grad.data_ptr() != bucket.views[i].data_ptr():
+            # The optimizer dropped the views (zero_grad with set_to_none): put the gradient back.
+            bucket.views[i].copy_(p.grad)
+            p.grad = bucket.views[i]
+        if not self.require_sync:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._launch_remaining)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            bucket.ready = True
+            self._launch_ready()
+
+    def _launch(self, b: _Bucket) -> None:
+        b.flat.div_(self.world)  # average = sum of pre-divided gradients
+        b.work = self.comm.all_reduce_async(b.flat, self.group)
+        b.launched = True
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].ready:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch_remaining(self) -> None:
+        """End of backward: buckets with unused parameters go now, still in index order."""
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def finish(self) -> None:
+        """Wait for every bucket's all-reduce; afterwards each ``param.grad`` holds the average."""
+        if not self._callback_queued:
+            # No gradient reached a hook on this rank (e.g. no backward ran): still take part.
+            self._launch_remaining()
+        for b in self.buckets:
+            self.comm.wait(b.work)
+        self._reset()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; nothing is communicated inside this context."""
+        prev, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = prev
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.flat.zero_()
+        for b in self.buckets:
+            for p, v in zip(b.params, b.views, strict=True):
+                p.grad = v
+
+
+class TorchDDP:
+    """PyTorch DDP behind the reducer's interface: the reference plait's reducer is measured against."""
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, bucket_mb: float) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.module = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb)
+
+    def finish(self) -> None:
+        """DDP has already waited for its all-reduces inside backward."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.module.no_sync()
+
+    def zero_grad(self) -> None:
+        self.module.zero_grad(set_to_none=False)
+
+
+class LocalGrads:
+    """One data-parallel rank: nothing to reduce."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.module = model
+
+    def finish(self) -> None:
+        """Gradients are already complete."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def zero_grad(self) -> None:
+        self.module.zero_grad(set_to_none=False)
+
+
+def apply_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, dp: int, impl: str,
+                        bucket_mb: float, comm: Comm) -> GradReducer | TorchDDP | LocalGrads:
+    """Wrap ``model`` for data parallelism over ``group`` (dp ranks) with plait's reducer or DDP."""
+    if dp == 1:
+        return LocalGrads(model)
+    if impl == "torch":
+        return TorchDDP(model, group, bucket_mb)
+    return GradReducer(model, group, comm, bucket_mb)

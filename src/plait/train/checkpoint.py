@@ -1,0 +1,147 @@
+"""Sharded checkpoints on ``torch.distributed.checkpoint`` (DCP), saved so a crash never damages one.
+
+Layout under ``RUN_DIR/checkpoints``::
+
+    step_000200/            DCP shards of {"model", "optim"} + rank<r>.pt (RNG) + meta.json
+    latest                  the name of the newest complete checkpoint
+
+Every rank writes into ``step_N.tmp``; after a barrier rank 0 writes ``meta.json``, renames the
+directory to ``step_N`` and then atomically replaces ``latest``. A crash at any point leaves
+``latest`` naming the previous complete checkpoint; leftover ``.tmp`` directories are ignored and
+cleaned up. Model and optimizer states are keyed by the unwrapped model's parameter names
+(``get_state_dict``), so DCP can load them at another world size. Nothing is ever unpickled: DCP
+reads tensors, per-rank state is read with ``weights_only=True``, metadata is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from plait.config import ConfigError
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint is missing or unusable; the message says what to do."""
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of ``run_dir``, or None when it holds none."""
+    root = checkpoint_root(run_dir)
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    if not (path / "meta.json").is_file():
+        raise CheckpointError(
+            f"{pointer} names {path.name}, which is incomplete or missing; delete {pointer} to start over, "
+            "or restore the checkpoint directory"
+        )
+    return path
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    meta: dict[str, Any], rank: int, keep: int) -> Path:
+    """Save a complete checkpoint for ``step``; every rank calls it. Returns the final directory."""
+    root = checkpoint_root(run_dir)
+    name = f"step_{step:07d}"
+    tmp, final = root / f"{name}.tmp", root / name
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    torch.save(rng_state(), tmp / f"rank{rank}.pt")
+    _barrier()
+    if rank == 0:
+        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer_tmp = root / "latest.tmp"
+        pointer_tmp.write_text(name)
+        os.replace(pointer_tmp, root / "latest")
+        _prune(root, keep)
+    _barrier()
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    latest = (root / "latest").read_text().strip()
+    for p in done[: max(0, len(done) - keep)]:
+        if p.name != latest:
+            shutil.rmtree(p)
+    for p in root.glob("step_*.tmp"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+@torch.no_grad()
+def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors (a step with zero gradients and lr 0) so DCP has
+    destinations to load into. Gradient tensors are kept (zeroed, not dropped), because the
+    data-parallel reducer's gradients are views into its buckets."""
+    if optimizer.state:
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=False)
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    rank: int) -> dict[str, Any]:
+    """Load model and optimizer state (resharded by DCP to this world size) and this rank's RNG.
+
+    Returns the checkpoint's metadata (step, sampler position, scaler state, counters).
+    """
+    meta = json.loads((path / "meta.json").read_text())
+    _materialize_optimizer_state(optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rank_file = path / f"rank{rank}.pt"
+    if rank_file.is_file():
+        set_rng_state(torch.load(rank_file, weights_only=True))
+    return meta

@@ -1,0 +1,25 @@
+"""Export the full weights as safetensors, under the single-process model's ``state_dict()`` names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+
+def export_safetensors(model: nn.Module, path: Path) -> None:
+    """Write every entry of ``model.state_dict()``; tied tensors are stored under each of their names
+    (safetensors refuses shared storage, so each is written as its own copy)."""
+    tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt", "producer": "plait"})
+    tmp.replace(path)
+
+
+def load_safetensors(model: nn.Module, path: Path) -> None:
+    """Load exported weights into ``model`` (strict: every name must match)."""
+    state = load_file(str(path))
+    model.load_state_dict({k: v.to(torch.get_default_dtype()) if v.is_floating_point() else v
+                           for k, v in state.items()})

@@ -1,0 +1,259 @@
+"""The training loop: one optimizer step = accumulation micro-steps, gradient reduction, clipping, update.
+
+Every worker runs ``train(cfg, run_dir, resume)``. Timings of each phase go into ``metrics.jsonl``;
+``comm_exposed_s`` is the time spent waiting for gradient communication after backward finished,
+the part that overlap did not hide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.comm.collectives import Comm
+from plait.config import Config
+from plait.data.corpus import load_splits
+from plait.data.sampler import WindowSampler, validation_batches
+from plait.models.gpt import GPT
+from plait.observe.log import get_logger
+from plait.observe.metrics import MetricsWriter, ProgressBar
+from plait.parallel.apply import apply_parallel
+from plait.topology import Topology, build_topology
+from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from plait.train.export import export_safetensors
+from plait.train.optim import build_optimizer, lr_at
+from plait.train.precision import autocast, build_scaler
+
+
+@dataclass
+class StepTimes:
+    data_s: float = 0.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    comm_exposed_s: float = 0.0
+    optimizer_s: float = 0.0
+
+
+@dataclass
+class RunState:
+    step: int = 0
+    skipped_steps: int = 0
+    last_loss: float = float("nan")
+    val_loss: float = float("nan")
+    tokens_seen: int = 0
+    train_seconds: float = 0.0
+
+
+def select_device() -> torch.device:
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def set_determinism(cfg: Config) -> None:
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+class Trainer:
+    """Builds everything from the config and runs the loop on one worker."""
+
+    def __init__(self, cfg: Config, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.device = select_device()
+        set_determinism(cfg)
+        self.topo: Topology = build_topology(cfg, self.device)
+        self.rank0 = self.topo.rank == 0
+        self.log = get_logger(self.topo.rank)
+        self.comm = Comm()
+        splits = load_splits(cfg.data.path, cfg.model.vocab_size, cfg.data.val_fraction, cfg.model.seq_len)
+        self.log.info("data: %s, %d train / %d val tokens", splits.source, len(splits.train), len(splits.val))
+        t = cfg.train
+        self.sampler = WindowSampler(splits.train, cfg.model.seq_len, t.global_batch_size, t.micro_batch_size,
+                                     self.topo.dp_rank, self.topo.dp, t.seed)
+        self.val_batches = validation_batches(splits.val, cfg.model.seq_len, t.micro_batch_size,
+                                              t.eval_batches, self.topo.dp_rank, self.topo.dp)
+        torch.manual_seed(t.seed)  # identical initial weights on every rank
+        model = GPT(cfg.model).to(self.device)
+        self.model = model
+        self.num_params = model.num_params()
+        self.dp = apply_parallel(model, self.topo, cfg, self.comm)
+        self.optimizer = build_optimizer(model, cfg.optim)
+        self.scaler = build_scaler(t.precision, self.device)
+        torch.manual_seed(t.seed + 7919 * (self.topo.rank + 1))  # per-rank dropout streams
+        self.state = RunState()
+        self.metrics = MetricsWriter(run_dir, self.rank0, cfg.observe.tensorboard)
+        self.log.info("model: %.2fM parameters, world %d, dp %d x accumulation %d, precision %s",
+                      self.num_params / 1e6, self.topo.world_size, self.topo.dp, cfg.grad_accum, t.precision)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def resume(self) -> None:
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            return
+        meta = load_checkpoint(path, self.dp.module, self.optimizer, self.topo.rank)
+        self.sampler.load_state_dict(meta["sampler"])
+        self.scaler.load_state_dict(meta["scaler"])
+        for k in ("step", "skipped_steps", "tokens_seen", "train_seconds"):
+            setattr(self.state, k, meta[k])
+        self.log.info("resumed from %s at step %d", path, self.state.step)
+
+    def save(self) -> None:
+        s = self.state
+        meta = {"sampler": self.sampler.state_dict(), "scaler": self.scaler.state_dict(),
+                "skipped_steps": s.skipped_steps, "tokens_seen": s.tokens_seen,
+                "train_seconds": s.train_seconds, "world_size": self.topo.world_size}
+        path = save_checkpoint(self.run_dir, s.step, self.dp.module, self.optimizer, meta, self.topo.rank,
+                               self.cfg.checkpoint.keep)
+        self.log.info("checkpoint saved: %s", path)
+
+    # -- one step ----------------------------------------------------------------------------------
+    def _forward_backward(self, batches: list, times: StepTimes) -> float:
+        """Run the accumulation micro-steps; returns this rank's mean loss over them."""
+        model, n = self.dp.module, len(batches)
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(batches):
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            sync = i == n - 1
+            ctx = self.dp.no_sync() if not sync else contextlib.nullcontext()
+            with ctx:
+                t0 = time.perf_counter()
+                with autocast(self.cfg.train.precision, self.device):
+                    loss = model(x, y) / n
+                t1 = time.perf_counter()
+                self.scaler.scale(loss).backward()
+                t2 = time.perf_counter()
+            times.forward_s += t1 - t0
+            times.backward_s += t2 - t1
+            total += loss.detach()
+        return float(total)
+
+    def _apply_update(self, lr: float) -> float:
+        """Unscale, clip, and step unless the gradients hold NaN/inf; returns the gradient norm."""
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.dp.module.parameters() if p.grad is not None]
+        clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(params, clip, foreach=False))
+        if math.isfinite(norm):
+            self.scaler.step(self.optimizer)
+        else:
+            self.state.skipped_steps += 1
+            self.log.warning("step %d: gradient norm is %s; update skipped", self.state.step, norm)
+        self.scaler.update()
+        self.dp.zero_grad()
+        return norm
+
+    def train_step(self) -> dict[str, Any]:
+        times = StepTimes()
+        t_start = time.perf_counter()
+        self.comm.stats.reset()
+        batches = self.sampler.next_batch()
+        times.data_s = time.perf_counter() - t_start
+        loss = self._forward_backward(batches, times)
+        t0 = time.perf_counter()
+        self.dp.finish()
+        times.comm_exposed_s = time.perf_counter() - t0
+        lr = lr_at(self.state.step, self.cfg.optim, self.cfg.train.steps)
+        t0 = time.perf_counter()
+        norm = self._apply_update(lr)
+        times.optimizer_s = time.perf_counter() - t0
+        step_s = time.perf_counter() - t_start
+        tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_len
+        self.state.step += 1
+        self.state.tokens_seen += tokens
+        self.state.train_seconds += step_s
+        return {"step": self.state.step, "loss": loss, "lr": lr, "grad_norm": norm,
+                "tokens_per_s": tokens / step_s, "step_s": step_s, **times.__dict__}
+
+    # -- evaluation --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        model = self.dp.module
+        model.eval()
+        acc = torch.zeros(2, dtype=torch.float64)  # (sum of losses, number of batches)
+        for x, y in self.val_batches:
+            with autocast(self.cfg.train.precision, self.device):
+                acc[0] += float(model(x.to(self.device), y.to(self.device)))
+            acc[1] += 1
+        model.train()
+        acc = self._dp_sum(acc)
+        return float(acc[0] / acc[1].clamp(min=1))
+
+    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.topo.dp > 1:
+            self.comm.all_reduce_sum(t, self.topo.dp_group)
+        return t
+
+    def _mean_over_dp(self, value: float) -> float:
+        return float(self._dp_sum(torch.tensor([value], dtype=torch.float64))[0]) / self.topo.dp
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        cfg, s = self.cfg, self.state
+        bar = ProgressBar(cfg.train.steps, s.step, self.rank0 and cfg.observe.progress)
+        try:
+            while s.step < cfg.train.steps:
+                rec = self.train_step()
+                last = s.step == cfg.train.steps
+                if s.step % cfg.train.log_every == 0 or last or s.step == 1:
+                    rec["loss"] = self._mean_over_dp(rec["loss"])
+                    rec["comm_bytes"] = self.comm.stats.bytes_sent
+                    s.last_loss = rec["loss"]
+                    if cfg.train.eval_every and s.step % cfg.train.eval_every == 0 and not last:
+                        rec["val_loss"] = s.val_loss = self.evaluate()
+                        self.log.info("step %d: train loss %.4f, val loss %.4f", s.step, rec["loss"],
+                                      s.val_loss)
+                    self.metrics.log(rec)
+                    bar.update(s.step, rec["loss"], rec["tokens_per_s"])
+                if cfg.checkpoint.every and s.step % cfg.checkpoint.every == 0 and not last:
+                    self.save()
+        finally:
+            bar.close()
+        return self.finish()
+
+    def finish(self) -> dict[str, Any]:
+        s = self.state
+        s.val_loss = self.evaluate()
+        self.metrics.log({"step": s.step, "val_loss": s.val_loss})
+        self.save()
+        if self.rank0:
+            export_safetensors(self.model, self.run_dir / "model.safetensors")
+        summary = {
+            "final_train_loss": s.last_loss, "final_val_loss": s.val_loss, "steps": s.step,
+            "tokens_per_s": s.tokens_seen / s.train_seconds if s.train_seconds else 0.0,
+            "total_seconds": s.train_seconds, "world_size": self.topo.world_size, "dp": self.topo.dp,
+            "skipped_steps": s.skipped_steps, "num_params": self.num_params, "precision": self.cfg.train.precision,
+        }
+        if self.rank0:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.metrics.close()
+        return summary
+
+
+def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:
+    """Train on this worker (process group already initialized when there are several)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    trainer = Trainer(cfg, run_dir)
+    if resume:
+        trainer.resume()
+    summary = trainer.fit()
+    if dist.is_initialized():
+        dist.barrier()
+    return summary
+

@@ -1,0 +1,76 @@
+"""Config: strict keys with suggestions, typed overrides, TOML round trip, and cross-field checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.config import Config, ConfigError, load_config, to_toml, validate
+
+
+def test_defaults_validate_for_two_workers() -> None:
+    cfg = validate(load_config(), 2)
+    assert cfg.parallel.dp == 2
+    assert cfg.grad_accum == cfg.train.global_batch_size // (cfg.train.micro_batch_size * 2)
+
+
+def test_unknown_key_names_nearest() -> None:
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.stpes'; did you mean 'train.steps'"):
+        load_config(overrides=["--train.stpes=3"])
+
+
+def test_unknown_section_names_nearest() -> None:
+    with pytest.raises(ConfigError, match=r"unknown config section 'trian'; did you mean 'train'"):
+        load_config(overrides=["--trian.steps=3"])
+
+
+def test_overrides_are_typed() -> None:
+    cfg = load_config(overrides=["--train.steps=7", "--optim.lr=1e-3", "--train.deterministic=true",
+                                 "--train.precision=bf16"])
+    assert (cfg.train.steps, cfg.optim.lr, cfg.train.deterministic) == (7, 1e-3, True)
+    with pytest.raises(ConfigError, match="train.steps must be an integer"):
+        load_config(overrides=["--train.steps=seven"])
+    with pytest.raises(ConfigError, match="train.precision must be one of fp32, bf16, fp16"):
+        load_config(overrides=["--train.precision=fp8"])
+
+
+def test_toml_round_trip(tmp_path) -> None:
+    cfg = load_config(overrides=["--run.dir=x \"y\"", "--model.n_layer=3", "--comm.timeout_s=9"])
+    path = tmp_path / "c.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(path) == cfg
+
+
+def test_toml_file_unknown_key(tmp_path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[model]\nn_layers = 2\n")
+    with pytest.raises(ConfigError, match="did you mean 'model.n_layer'"):
+        load_config(path)
+
+
+def test_global_batch_must_divide() -> None:
+    cfg = load_config(overrides=["--train.global_batch_size=30", "--train.micro_batch_size=4"])
+    with pytest.raises(ConfigError, match=r"global_batch_size=30 must equal micro_batch_size \(4\) x dp \(2\)"
+                       r" x accumulation steps; try train.global_batch_size=24 or 32"):
+        validate(cfg, 2)
+
+
+def test_degrees_must_match_world() -> None:
+    cfg = load_config(overrides=["--parallel.dp=3"])
+    with pytest.raises(ConfigError, match=r"dp=3 x tp=1 x pp=1 x ep=1 = 3 do not match the world size 2"):
+        validate(cfg, 2)
+
+
+def test_inferred_dp_needs_divisible_world() -> None:
+    cfg = load_config(overrides=["--parallel.tp=2"])
+    with pytest.raises(ConfigError, match="world size 3 does not divide by tp x pp x ep = 2"):
+        validate(cfg, 3)
+
+
+def test_heads_must_divide_width() -> None:
+    with pytest.raises(ConfigError, match="model.d_model=100 must divide by model.n_head=3"):
+        validate(load_config(overrides=["--model.d_model=100", "--model.n_head=3"]), 1)
+
+
+def test_config_sections_complete() -> None:
+    names = {f for f in Config.__dataclass_fields__}
+    assert names == {"run", "model", "data", "train", "optim", "parallel", "comm", "checkpoint", "observe"}
