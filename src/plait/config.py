@@ -56,7 +56,7 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     # Optimizer steps to run in total.
-    steps: int = 400
+    steps: int = 300
     # Sequences per optimizer step, summed over all data-parallel ranks and accumulation micro-steps.
     global_batch_size: int = 32
     # Sequences per forward pass on one rank.

@@ -1,0 +1,25 @@
+# Quick start: `make train` runs the main job, `make test` runs the whole suite.
+# Each target creates .venv and installs what it needs on first use (torch 2.13.0 CPU build explicitly).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: train test lint bench
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0 numpy
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+train: $(VENV)/.installed
+	$(VENV)/bin/plait train
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check src tests bench
+
+test: lint
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(PY) bench/dp.py

@@ -1,0 +1,120 @@
+"""plait's data-parallel reducer against PyTorch DDP, side by side in one run, 2 gloo ranks.
+
+For each config, three trainers are built from the same weights and data: plait's reducer, DDP, and
+a compute-only twin (no gradient communication at all). Steps are interleaved in rounds so that
+machine noise hits all three alike; the median step time of each is reported. The exposed-
+communication fraction of an implementation is (its step time - compute-only step time) / its step
+time, the same measurement for both. Prints JSON; ``ratio`` = plait step time / DDP step time.
+
+    python bench/dp.py [--rounds 6] [--steps-per-round 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+CONFIGS = {
+    # Compute-bound: the default GPT, 16 sequences of 128 tokens per rank per step.
+    "compute_bound": ["--model.n_layer=4", "--model.d_model=128", "--model.n_head=4", "--model.seq_len=128",
+                      "--train.global_batch_size=32", "--train.micro_batch_size=16"],
+    # Communication-heavy: ~25M parameters (100 MB of fp32 gradients), one short sequence per rank.
+    "comm_heavy": ["--model.n_layer=8", "--model.d_model=512", "--model.n_head=8", "--model.seq_len=32",
+                   "--train.global_batch_size=2", "--train.micro_batch_size=1"],
+}
+COMMON = ["--train.steps=100000", "--optim.warmup_steps=1", "--observe.progress=false",
+          "--observe.tensorboard=false", "--train.eval_every=0"]
+
+
+def _trainers(name: str, overrides: list[str], root: str) -> dict:
+    from plait.config import load_config, validate
+    from plait.parallel.data import LocalGrads
+    from plait.train.trainer import Trainer
+
+    out = {}
+    for impl in ("plait", "torch", "compute_only"):
+        run_dir = Path(root, f"{name}-{impl}")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cfg = validate(load_config(overrides=COMMON + overrides + [
+            f"--parallel.impl={'torch' if impl == 'torch' else 'plait'}", f"--run.dir={run_dir}"]), 2)
+        t = Trainer(cfg, run_dir)
+        if impl == "compute_only":
+            t.dp.require_sync = False  # its hooks never launch a collective
+            t.dp = LocalGrads(t.model)
+        out[impl] = t
+    return out
+
+
+def _bench_config(name: str, overrides: list[str], rounds: int, per_round: int, root: str) -> dict:
+    trainers = _trainers(name, overrides, root)
+    times: dict[str, list[float]] = {k: [] for k in trainers}
+    exposed: list[float] = []
+    for impl, t in trainers.items():  # warm-up: allocations, first-touch, DDP's bucket rebuild
+        for _ in range(2):
+            t.train_step()
+    for _ in range(rounds):
+        for impl, t in trainers.items():
+            for _ in range(per_round):
+                dist.barrier()
+                rec = t.train_step()
+                times[impl].append(rec["step_s"])
+                if impl == "plait":
+                    exposed.append(rec["comm_exposed_s"])
+    med = {k: statistics.median(v) for k, v in times.items()}
+    t0 = trainers["plait"]
+    return {
+        "config": " ".join(overrides), "num_params": t0.num_params,
+        "grad_bytes": t0.num_params * 4, "buckets": len(t0.dp.buckets),
+        "plait_step_s": med["plait"], "ddp_step_s": med["torch"], "compute_only_step_s": med["compute_only"],
+        "ratio_plait_over_ddp": med["plait"] / med["torch"],
+        "plait_exposed_comm_fraction": max(0.0, med["plait"] - med["compute_only"]) / med["plait"],
+        "ddp_exposed_comm_fraction": max(0.0, med["torch"] - med["compute_only"]) / med["torch"],
+        "plait_measured_wait_fraction": statistics.median(exposed) / med["plait"],
+        "samples_per_impl": len(times["plait"]),
+    }
+
+
+def _worker(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=300))
+    results = {name: _bench_config(name, ov, args.rounds, args.steps_per_round, root)
+               for name, ov in CONFIGS.items() if not args.only or name == args.only}
+    if rank == 0:
+        print(json.dumps({
+            "bench": "dp", "world_size": 2, "backend": "gloo", "torch": torch.__version__,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "results": results,
+        }, indent=1))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps-per-round", type=int, default=3)
+    ap.add_argument("--only", choices=list(CONFIGS))
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 1 step: checks that it runs")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.steps_per_round = 2, 1
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from plait.comm.collectives import free_port
+
+    with tempfile.TemporaryDirectory() as root:
+        mp.spawn(_worker, args=(free_port(), args, root), nprocs=2, join=True)
+
+
+if __name__ == "__main__":
+    main()
