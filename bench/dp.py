@@ -60,7 +60,7 @@ def _bench_config(name: str, overrides: list[str], rounds: int, per_round: int, 
     trainers = _trainers(name, overrides, root)
     times: dict[str, list[float]] = {k: [] for k in trainers}
     exposed: list[float] = []
-    for impl, t in trainers.items():  # warm-up: allocations, first-touch, DDP's bucket rebuild
+    for t in trainers.values():  # warm-up: allocations, first-touch, DDP's bucket rebuild
         for _ in range(2):
             t.train_step()
     for _ in range(rounds):

@@ -9,6 +9,7 @@ traceback; a rank that hangs makes it fail after ``timeout`` seconds instead of 
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -38,7 +39,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
             timeout=timedelta(seconds=pg_timeout_s),
         )
         out = fn(rank, world_size, *args)
-        results.put((rank, "ok", out))
+        # Plain pickle sends tensors by value; the queue's own pickler would pass shared-memory handles
+        # that die with this process.
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report every failure to the parent, whatever it is
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -64,7 +67,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
         for _ in range(world_size):
             rank, status, value = results.get(timeout=timeout)
             if status == "ok":
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
                 break

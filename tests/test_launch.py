@@ -1,0 +1,48 @@
+"""The same `plait train` entry point runs under torchrun and under SLURM's environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import free_port
+from test_cli import TINY
+
+from plait.launch import _first_slurm_host
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def test_under_torchrun(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "-m", "plait.cli", "train", *TINY, "--train.steps=2",
+           "--parallel.nproc=1", f"--run.dir={tmp_path}/r"]
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = json.loads((tmp_path / "r/summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["dp"] == 2  # nproc is ignored: torchrun owns the world
+
+
+def test_under_slurm_environment(tmp_path: Path) -> None:
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_JOB_ID="77",
+                   SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "plait.cli", "train", *TINY, "--train.steps=2", f"--run.dir={tmp_path}/s"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert json.loads((tmp_path / "s/summary.json").read_text())["world_size"] == 2
+
+
+def test_slurm_nodelist_parsing() -> None:
+    assert _first_slurm_host("node[03-05,07],gpu1") == "node03"
+    assert _first_slurm_host("gpu7") == "gpu7"

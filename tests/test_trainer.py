@@ -1,0 +1,79 @@
+"""Trainer behaviour on one process: precision modes, skipped non-finite steps, determinism, schedule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import run_ranks
+
+from plait.config import OptimConfig, load_config, validate
+from plait.train.optim import lr_at
+
+TINY = ["--model.n_layer=1", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=16",
+        "--train.global_batch_size=4", "--train.micro_batch_size=2", "--train.eval_batches=1",
+        "--observe.progress=false", "--observe.tensorboard=false", "--optim.warmup_steps=1"]
+
+
+def _trainer(root: str, name: str, extra: list[str]):
+    from plait.train.trainer import Trainer
+
+    cfg = validate(load_config(overrides=TINY + extra + [f"--run.dir={root}/{name}"]), 1)
+    Path(cfg.run.dir).mkdir(parents=True)
+    return Trainer(cfg, Path(cfg.run.dir))
+
+
+def _skip_nonfinite(rank: int, world: int, root: str, precision: str) -> dict:
+    t = _trainer(root, precision, [f"--train.precision={precision}"])
+    first = t.train_step()
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    scale_before = t.scaler.get_scale() if t.scaler.is_enabled() else 1.0
+    handle = t.model.blocks[0].mlp.fc.weight.register_hook(lambda g: g * float("inf"))
+    bad = t.train_step()
+    handle.remove()
+    unchanged = all(torch.equal(before[k], v) for k, v in t.model.state_dict().items())
+    scale_after = t.scaler.get_scale() if t.scaler.is_enabled() else 1.0
+    good = t.train_step()
+    moved = not all(torch.equal(before[k], v) for k, v in t.model.state_dict().items())
+    return {"first_loss": first["loss"], "bad_norm": bad["grad_norm"], "skipped": t.state.skipped_steps,
+            "unchanged": unchanged, "moved_after": moved, "scale_before": scale_before,
+            "scale_after": scale_after, "good_loss": good["loss"]}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_nonfinite_step_is_skipped_and_counted(tmp_path, precision: str) -> None:
+    r = run_ranks(_skip_nonfinite, 1, str(tmp_path), precision)[0]
+    assert r["skipped"] == 1 and r["unchanged"] and r["moved_after"]
+    assert not torch.isfinite(torch.tensor(r["bad_norm"]))
+    assert 4.0 < r["first_loss"] < 7.0 and torch.isfinite(torch.tensor(r["good_loss"]))
+    if precision == "fp16":
+        assert r["scale_after"] == r["scale_before"] / 2  # the dynamic loss scaler backed off
+    else:
+        assert r["scale_before"] == r["scale_after"] == 1.0
+
+
+def _two_runs(rank: int, world: int, root: str) -> list[dict]:
+    out = []
+    for name in ("a", "b"):
+        t = _trainer(root, name, ["--train.deterministic=true", "--model.dropout=0.1"])
+        for _ in range(3):
+            t.train_step()
+        out.append({k: v.clone() for k, v in t.model.state_dict().items()})
+    return out
+
+
+def test_deterministic_runs_repeat_bit_for_bit(tmp_path) -> None:
+    a, b = run_ranks(_two_runs, 1, str(tmp_path))[0]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_schedule_warmup_then_cosine() -> None:
+    cfg = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    lrs = [lr_at(s, cfg, 110) for s in range(110)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:], strict=False))
+    assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
+    # decay_steps decouples the schedule from train.steps, so a run can stop early and resume on it
+    cfg.decay_steps = 220
+    assert lr_at(109, cfg, 110) > 0.5
