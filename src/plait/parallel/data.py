@@ -116,6 +116,12 @@ class GradReducer:
             self._launch_ready()
 
     def _launch(self, b: _Bucket) -> None:
+        if b.pending:
+            # Some parameters got no gradient this step. Where the optimizer dropped their .grad, the
+            # bucket still holds an old gradient: send zeros instead, as the other ranks may have real ones.
+            for p, view in zip(b.params, b.views, strict=True):
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    view.zero_()
         b.flat.div_(self.world)  # average = sum of pre-divided gradients
         b.work = self.comm.all_reduce_async(b.flat, self.group)
         b.launched = True
