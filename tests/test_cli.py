@@ -64,6 +64,7 @@ def test_failing_worker_is_named(tmp_path: Path) -> None:
     p = plait("train", *TINY, "--train.steps=2", f"--data.path={bad}", f"--run.dir={tmp_path}/f", cwd=tmp_path)
     assert p.returncode == 1
     assert "plait: error: rank " in p.stderr and "failed: DataError:" in p.stderr and "odd number of bytes" in p.stderr
+    assert "Traceback" not in p.stderr
 
 
 @pytest.mark.parametrize(("args", "message"), [

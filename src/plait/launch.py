@@ -9,6 +9,7 @@ and its error, and a non-zero exit.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import traceback
@@ -104,6 +105,14 @@ def _failure_message(run_dir: Path, nproc: int, fallback: str) -> str:
     return f"rank {rank} failed: {first_line}{also} (details: {_error_file(run_dir, rank)})"
 
 
+def _quiet_elastic_logs() -> None:
+    """The agent logs each worker's traceback; plait reports the failure itself in one line and keeps the
+    traceback in RUN_DIR/errors, so the agent's own loggers only speak for critical problems."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def launch_local(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
     """Run ``cfg.parallel.nproc`` local workers under the elastic agent; returns rank 0's summary."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -111,6 +120,7 @@ def launch_local(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
 
     from plait.comm.collectives import free_port
 
+    _quiet_elastic_logs()
     nproc = cfg.parallel.nproc
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     lc = LaunchConfig(
