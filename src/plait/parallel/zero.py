@@ -170,6 +170,18 @@ class ZeroOptimizer:
     def state(self) -> Any:
         return self.optimizer.state
 
+    def finish_grad_sync(self) -> None:
+        """Make the averaged gradient shards ready now (``step`` and ``clip_grad_norm_`` call it).
+
+        Communication: reduce-scatter of every bucket not yet launched, then waits for all; no
+        backward. Collective: every rank must call it at the same point.
+        """
+        self._ensure_reduced()
+
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """Gradient storage this optimizer holds (full local buffers still alive, and the shards)."""
+        return [t for b in self.buckets for t in (b.grad_full, b.grad_shard) if t is not None]
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally without communicating (non-final accumulation micro-steps)."""
@@ -313,9 +325,10 @@ def _normalize_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
 
 def _param_fqns(model: nn.Module) -> dict[nn.Parameter, str]:
     """First name of each parameter (a tied weight keeps its first name, as torch's state dicts do)."""
+    # Activation checkpointing inserts a wrapper level into module names; state dicts do not show it.
     out: dict[nn.Parameter, str] = {}
     for name, p in model.named_parameters():
-        out.setdefault(p, name)
+        out.setdefault(p, name.replace("_checkpoint_wrapped_module.", ""))
     return out
 
 
