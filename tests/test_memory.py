@@ -65,7 +65,8 @@ def test_measured_model_state_matches_prediction(world):
         for (stage, precision), measured in measured_all.items():
             pred = predict_model_state_bytes(psi, stage=stage, dp=world, precision=precision)
             for key in ("params", "grads", "optimizer", "total"):
-                assert measured[key] == pytest.approx(pred[key], rel=0.05), (stage, precision, key, measured, pred)
+                assert measured[key] == pytest.approx(pred[key], rel=0.05), (stage, precision, key,
+                                                                              measured, pred)
 
 
 def _saved_bytes(model, x, y):

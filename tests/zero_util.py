@@ -50,8 +50,13 @@ def reference_run(make_opt: Callable, clip: float, steps: int = STEPS) -> tuple[
     """Single process, whole global batch per step: the losses and final parameters to match."""
     model = make_model()
     opt = make_opt(model)
+    losses = reference_steps(model, opt, clip, steps)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference_steps(model, opt, clip: float, steps: int, first: int = 0) -> list[float]:
     losses = []
-    for x, y in batches(steps):
+    for x, y in batches(first + steps)[first:]:
         loss = model(x, y)
         loss.backward()
         if clip > 0:
@@ -59,14 +64,15 @@ def reference_run(make_opt: Callable, clip: float, steps: int = STEPS) -> tuple[
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses
 
 
 def distributed_run(model: torch.nn.Module, opt, rank: int, world: int, accum: int, clip: float,
-                    no_sync: Callable | None = None, steps: int = STEPS) -> list[float]:
-    """A minimal data-parallel loop: accumulate ``accum`` micro-steps, clip, step; global mean loss."""
+                    no_sync: Callable | None = None, steps: int = STEPS, first: int = 0) -> list[float]:
+    """A minimal data-parallel loop: accumulate ``accum`` micro-steps, clip, step; global mean loss.
+    Runs global batches ``first .. first + steps - 1`` of the fixed sequence."""
     losses = []
-    for x, y in batches(steps):
+    for x, y in batches(first + steps)[first:]:
         micro = local_micro_batches(x, y, rank, world, accum)
         total = torch.zeros(())
         for i, (mx, my) in enumerate(micro):
