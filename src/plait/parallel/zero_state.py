@@ -68,8 +68,8 @@ def gather_state_dict(zopt: ZeroOptimizer) -> dict[str, Any]:
                 for p, off in zip(b.params, b.offsets, strict=True):
                     state.setdefault(zopt._fqn[p], {})[key] = full[off:off + p.numel()].view_as(p).clone()
             else:  # per-tensor scalars (AdamW's step): identical on every chunk of every rank
-                copy = value.clone() if torch.is_tensor(value) else value
-                for p in b.params:
+                for p in b.params:  # one tensor per parameter, as the unsharded optimizer has
+                    copy = value.clone() if torch.is_tensor(value) else value
                     state.setdefault(zopt._fqn[p], {})[key] = copy
     groups = []
     for g, fqns in zip(zopt.optimizer.param_groups, zopt._group_fqns, strict=True):
