@@ -1,0 +1,91 @@
+"""ZeRO stage 3 on FSDP2: ``fully_shard`` per transformer block and at the root.
+
+Each ``model.blocks[i]`` becomes its own FSDP unit (its parameters are all-gathered just before the
+block runs and freed after, so at most about one block is unsharded at a time), and the root unit
+holds the rest: embeddings, final norm and the head. The head's weight is tied to ``tok_emb``; both
+modules belong to the root unit, so the one shared parameter is sharded once and its gradient
+gets both contributions before the reduce-scatter. Tying must happen before this call (GPT does it
+in its constructor); FSDP2 replaces parameters with DTensors and the tie survives because both
+modules hold the same Parameter object.
+
+Communication (per unit, done by FSDP2): forward all-gathers the unit's parameters (and, with
+``reshard_after_forward=True``, all-gathers them again in backward); backward reduce-scatters its
+gradients (averaged over the mesh) in ``reduce_dtype``.
+
+Checked on this CPU build (torch 2.13, gloo): ``fully_shard`` and ``MixedPrecisionPolicy`` (bf16)
+work on CPU; ``CPUOffloadPolicy`` does not ("Cannot access accelerator device when none is
+available"), so ``offload="params"`` is rejected up front on CPU with a message instead.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from plait.parallel.zero import ZeroConfigError
+
+
+def _mesh_device_type(mesh: DeviceMesh) -> str:
+    return mesh.device_type
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None,
+               reduce_dtype: torch.dtype | None = torch.float32,
+               offload: Literal["none", "params"] = "none",
+               reshard_after_forward: bool = True) -> nn.Module:
+    """Shard ``model`` with FSDP2 over the 1-D data-parallel ``mesh``; return the same module.
+
+    Contract: ``model`` has a ``blocks`` ModuleList (plait's GPT); call it last in the composition
+    order (after tensor parallelism and activation checkpointing) and build the optimizer on
+    ``model.parameters()`` afterwards (they are DTensors then). ``param_dtype=torch.bfloat16`` runs
+    forward/backward in bf16 with fp32 sharded master parameters; ``reduce_dtype`` is the gradient
+    reduce-scatter dtype. ``reshard_after_forward=False`` keeps each block unsharded between forward
+    and backward (ZeRO-2-like memory, one all-gather fewer). Raises ``ZeroConfigError`` for a mesh of
+    size 1, an unknown offload, offload on a CPU device, or a model without ``blocks``.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if mesh.ndim != 1:
+        raise ZeroConfigError(f"apply_fsdp takes the 1-D data-parallel mesh; got a {mesh.ndim}-D mesh "
+                              "(pass topology.mesh['dp_replicate'])")
+    if mesh.size() < 2:
+        raise ZeroConfigError("parallel.zero=3 shards parameters across the data-parallel ranks, but the "
+                              "data-parallel mesh has 1 rank; use parallel.zero=0 or dp >= 2")
+    if offload not in ("none", "params"):
+        raise ZeroConfigError(f"zero=3 offload must be 'none' or 'params'; got {offload!r}")
+    if offload == "params" and _mesh_device_type(mesh) == "cpu":
+        raise ZeroConfigError(
+            "parallel.offload=params (FSDP2 CPUOffloadPolicy) needs an accelerator: it moves sharded "
+            "parameters, gradients and optimizer states from GPU memory to CPU memory, and this run is "
+            "already on the CPU (torch's CPUOffloadPolicy fails here with 'Cannot access accelerator "
+            "device'). Set parallel.offload=none"
+        )
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ZeroConfigError("apply_fsdp needs a model with a `blocks` ModuleList (plait's GPT)")
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload_policy = CPUOffloadPolicy() if offload == "params" else OffloadPolicy()
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload_policy,
+                    reshard_after_forward=reshard_after_forward)
+    # The root unit's parameters are needed first in backward too (the tied head): never reshard the
+    # root after forward, since backward would all-gather it again at once.
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload_policy,
+                reshard_after_forward=False)
+    return model
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm of an FSDP2 model; return the total norm as a plain tensor.
+
+    Communication: torch computes each shard's norm locally and all-reduces it across the mesh (the
+    DTensor reduction); no backward. The returned norm may be non-finite: the trainer should skip
+    the step then.
+    """
+    from torch.distributed.tensor import DTensor
+
+    total = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+    return total.full_tensor() if isinstance(total, DTensor) else total

@@ -1,0 +1,361 @@
+"""ZeRO stages 1 and 2: plait's sharded optimizer over the data-parallel ranks.
+
+Layout. Trainable parameters are packed, in reverse definition order (roughly the order backward
+produces their gradients), into buckets of about ``bucket_mb``; a bucket never mixes param groups.
+Each bucket is one flat buffer padded to a multiple of the world size, and the model's parameters
+become views into it (``p.data = flat[a:b].view_as(p)``), so the all-gather after the step updates
+the model in place with no copy. Rank ``r`` owns the ``r``-th 1/N of every bucket: every rank owns
+exactly the same number of elements, and each bucket's reduce-scatter lands directly in its owner's
+slot. The inner ``torch.optim`` optimizer is built on the rank's chunks (one tensor per bucket, one
+param group per trainer group with its hyperparameters); elementwise optimizers (AdamW, SGD) then
+compute exactly what they compute unsharded. The chunk of the fp32 flat buffer is itself the fp32
+master copy; a separate fp32 master is kept only when parameters are not fp32 or are offloaded.
+
+Gradients. Autograd accumulates each parameter's gradient as usual; a post-accumulate-grad hook adds
+it into the bucket's flat gradient buffer and drops ``p.grad``. Stage 1 reduce-scatters every bucket
+when the step (or clipping) asks for gradients and keeps the full local gradient buffers. Stage 2
+launches each bucket's reduce-scatter from the hooks while backward continues, always in the fixed
+bucket order (so every rank issues the same collectives in the same order), and frees the full local
+buffer once its reduce-scatter is done: only the reduced 1/N shard survives backward. Reduce-scatter
+rather than all-reduce: each rank only needs its own shard, and reduce-scatter moves half the bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+OFFLOAD_CHOICES = ("none", "optimizer", "params")
+
+# torch 2.13 renamed the flat-tensor collectives; older releases (pyproject allows >= 2.4) lack the new names.
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+class ZeroConfigError(ValueError):
+    """An impossible ZeRO/offload combination; the message says what to change."""
+
+
+def validate_zero(stage: int, dp: int, offload: str, device_type: str) -> None:
+    """Reject impossible ``parallel.zero`` / ``parallel.offload`` choices with one clear message.
+
+    Contract: ``stage`` in 0..3; stages >= 1 shard over the data-parallel ranks so they need dp >= 2;
+    ``offload="optimizer"`` belongs to stages 1-2 and ``"params"`` to stage 3; any offload needs
+    parameters on an accelerator, because offload moves state from accelerator memory to CPU memory
+    and on a CPU device the state already lives there.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ZeroConfigError(f"parallel.zero must be 0, 1, 2 or 3; got {stage!r}")
+    if stage >= 1 and dp < 2:
+        raise ZeroConfigError(
+            f"parallel.zero={stage} shards model state across the data-parallel ranks, but dp={dp}: "
+            "there is nothing to shard across. Use parallel.zero=0, or run with dp >= 2 "
+            "(for example parallel.nproc=2)"
+        )
+    if offload not in OFFLOAD_CHOICES:
+        raise ZeroConfigError(f"parallel.offload must be one of {OFFLOAD_CHOICES}; got {offload!r}")
+    if offload == "optimizer" and stage not in (1, 2):
+        raise ZeroConfigError(
+            f"parallel.offload=optimizer offloads the sharded optimizer of zero=1 or 2, not zero={stage}; "
+            "use parallel.zero=1 or 2, or parallel.offload=params with parallel.zero=3"
+        )
+    if offload == "params" and stage != 3:
+        raise ZeroConfigError(
+            f"parallel.offload=params needs parallel.zero=3 (FSDP2 CPU offload); got zero={stage}. "
+            "Use parallel.zero=3, or parallel.offload=optimizer with zero=1 or 2"
+        )
+    if offload != "none" and device_type == "cpu":
+        raise ZeroConfigError(
+            f"parallel.offload={offload} moves state from accelerator memory to CPU memory, but this run "
+            "trains on the CPU, where that state already lives: there is nothing to offload. "
+            "Set parallel.offload=none (or train on a GPU)"
+        )
+
+
+class _Bucket:
+    """One flat parameter buffer, its gradient buffers and this rank's chunk of it."""
+
+    def __init__(self, params: list[nn.Parameter], group_index: int, world: int, rank: int) -> None:
+        self.params = params
+        self.group_index = group_index
+        self.offsets: list[int] = []
+        total = 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = math.ceil(total / world) * world  # padded so the N chunks are equal
+        self.chunk = self.numel // world
+        ref = params[0]
+        self.flat = torch.zeros(self.numel, dtype=ref.dtype, device=ref.device)
+        with torch.no_grad():
+            for p, off in zip(params, self.offsets, strict=True):
+                self.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = self.flat[off:off + p.numel()].view_as(p)
+        self.shard = self.flat[rank * self.chunk:(rank + 1) * self.chunk]  # view: updated in place
+        self.grad_full: torch.Tensor | None = None  # local (unreduced) gradient, (numel,)
+        self.grad_shard = torch.zeros(self.chunk, dtype=torch.float32, device=ref.device)
+        self.master: torch.Tensor = self.shard
+        self.ready: set[int] = set()
+        self.work: Any = None
+        self.launched = False
+
+    def ensure_grad_full(self) -> torch.Tensor:
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.numel, dtype=torch.float32, device=self.flat.device)
+        return self.grad_full
+
+
+class ZeroOptimizer:
+    """ZeRO-1/2 sharded optimizer wrapping any elementwise ``torch.optim`` optimizer.
+
+    Contract: ``params`` are the trainer's param groups (dicts with ``"params"`` and per-group
+    hyperparameters, or a plain iterable of parameters) covering every trainable parameter of
+    ``model`` exactly once; all must share one dtype and device. Construction rewrites the model's
+    parameters as views of flat buffers (same values) and registers gradient hooks; build it after
+    the model is final (checkpointing applied) and before training. Per step: backward (wrap
+    non-final accumulation micro-steps in ``no_sync()``), optionally ``clip_grad_norm_``, ``step()``,
+    ``zero_grad()``. Gradients are averaged over ``group``. ``p.grad`` stays None on the model: the
+    reduced gradients live in the optimizer's shard tensors (``param_groups[i]["params"][j].grad``).
+    """
+
+    def __init__(self, model: nn.Module, params: Iterable[Any], optimizer_cls: type = torch.optim.AdamW,
+                 *, group: dist.ProcessGroup | None = None, stage: int = 2, bucket_mb: float = 25.0,
+                 offload: bool = False, **defaults: Any) -> None:
+        if stage not in (1, 2):
+            raise ZeroConfigError(f"ZeroOptimizer implements zero=1 and zero=2; got stage={stage} "
+                                  "(zero=3 is plait.parallel.fsdp.apply_fsdp, zero=0 is plain data parallel)")
+        self.model, self.stage, self.group = model, stage, group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        groups = _normalize_groups(params)
+        self._fqn = _param_fqns(model)
+        self.buckets = _build_buckets(model, groups, bucket_mb, self.world, self.rank)
+        self._group_fqns = [[self._fqn[p] for p in g["params"]] for g in groups]
+        self._check_device(offload)
+        self.offload = offload
+        for b in self.buckets:
+            if offload or b.flat.dtype != torch.float32:
+                dev = torch.device("cpu") if offload else b.flat.device
+                b.master = b.shard.detach().to(device=dev, dtype=torch.float32).clone()
+                if offload and dev.type == "cpu" and torch.cuda.is_available():
+                    b.master = b.master.pin_memory()
+        inner_groups = []
+        for gi, g in enumerate(groups):
+            hp = {k: v for k, v in g.items() if k != "params"}
+            inner_groups.append({"params": [b.master for b in self.buckets if b.group_index == gi], **hp})
+        self.optimizer = optimizer_cls(inner_groups, **defaults)
+        self._sync = True
+        self._next_launch = 0
+        self._reduced = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
+                       for b in self.buckets for i, p in enumerate(b.params)]
+
+    def _check_device(self, offload: bool) -> None:
+        dev = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
+        if offload and dev.type == "cpu":
+            validate_zero(self.stage, self.world, "optimizer", "cpu")
+
+    # -- the torch.optim surface the trainer uses -------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def finish_grad_sync(self) -> None:
+        """Make the averaged gradient shards ready now (``step`` and ``clip_grad_norm_`` call it).
+
+        Communication: reduce-scatter of every bucket not yet launched, then waits for all; no
+        backward. Collective: every rank must call it at the same point.
+        """
+        self._ensure_reduced()
+
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """Gradient storage this optimizer holds (full local buffers still alive, and the shards)."""
+        return [t for b in self.buckets for t in (b.grad_full, b.grad_shard) if t is not None]
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally without communicating (non-final accumulation micro-steps)."""
+        prev, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = prev
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear local gradient accumulation; stage 1 keeps (zeroes) its full buffers, stage 2 frees them."""
+        for b in self.buckets:
+            if self.stage == 1 and b.grad_full is not None:
+                b.grad_full.zero_()
+            else:
+                b.grad_full = None
+            for p in b.params:
+                p.grad = None
+        self._reset_sync_state()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm to ``max_norm``; return the (pre-clip) total norm.
+
+        Communication: one all-reduce (sum) of a scalar, the local shard's sum of squares, over the
+        group; no backward. Each element is owned by exactly one rank, so the sum over ranks is the
+        full gradient's squared norm. A non-finite norm is returned unchanged and nothing is scaled,
+        so the trainer can skip the step.
+        """
+        self._ensure_reduced()
+        dev = self.buckets[0].grad_shard.device
+        sq = torch.zeros((), dtype=torch.float32, device=dev)
+        for b in self.buckets:
+            sq += b.grad_shard.pow(2).sum()
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
+        total = sq.sqrt()
+        if torch.isfinite(total):
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # same formula as torch's clip
+            for b in self.buckets:
+                b.grad_shard.mul_(coef)
+        return total
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """Update this rank's shard, then all-gather every bucket into the model's parameters.
+
+        Communication: reduce-scatter of any bucket not yet reduced (see ``_launch``), then one
+        all-gather per bucket (each rank contributes its chunk); none in backward.
+        """
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step does not take a closure; run forward/backward before step()")
+        self._ensure_reduced()
+        for b in self.buckets:
+            b.master.grad = b.grad_shard if b.master is b.shard else b.grad_shard.to(b.master.device)
+        self.optimizer.step()
+        works = []
+        for b in self.buckets:
+            if b.master is not b.shard:
+                b.shard.copy_(b.master, non_blocking=True)
+            # The input is a copy: gloo does not promise in-place all-gather when input aliases output.
+            works.append(all_gather_flat(b.flat, b.shard.clone(), group=self.group,
+                                                     async_op=True))
+        for w in works:
+            w.wait()
+        self._reset_sync_state()
+
+    # -- gradient synchronisation -------------------------------------------------------------------
+    def _make_hook(self, bucket: _Bucket, index: int):
+        off, n = bucket.offsets[index], bucket.params[index].numel()
+
+        def hook(p: torch.Tensor) -> None:
+            if bucket.launched:
+                raise RuntimeError("a gradient arrived for a bucket already reduced in this step; "
+                                   "call zero_grad()/step() between backward passes")
+            bucket.ensure_grad_full()[off:off + n].add_(p.grad.reshape(-1))
+            p.grad = None  # the bucket buffer holds it now
+            if self._sync:
+                bucket.ready.add(index)
+                if self.stage == 2:
+                    self._launch_ready()
+        return hook
+
+    def _launch_ready(self) -> None:
+        # Launch strictly in bucket order so every rank issues identical collectives.
+        while self._next_launch < len(self.buckets):
+            b = self.buckets[self._next_launch]
+            if len(b.ready) < len(b.params):
+                return
+            self._launch(b)
+
+    def _launch(self, b: _Bucket) -> None:
+        """Reduce-scatter (sum) bucket ``b``'s local gradient into this rank's shard; async.
+
+        Communication: forward-of-optimizer only; one reduce-scatter of ``numel`` elements.
+        """
+        self._reduced = False
+        b.work = reduce_scatter_flat(b.grad_shard, b.ensure_grad_full(), op=dist.ReduceOp.SUM,
+                                            group=self.group, async_op=True)
+        b.launched = True
+        self._next_launch += 1
+
+    def _ensure_reduced(self) -> None:
+        if self._reduced:
+            return
+        while self._next_launch < len(self.buckets):  # buckets some of whose params got no gradient
+            self._launch(self.buckets[self._next_launch])
+        for b in self.buckets:
+            b.work.wait()
+            b.work = None
+            b.grad_shard.div_(self.world)  # average over the data-parallel ranks
+            if self.stage == 2:
+                b.grad_full = None  # only the reduced shard survives
+        self._reduced = True
+
+    def _reset_sync_state(self) -> None:
+        for b in self.buckets:
+            b.ready.clear()
+            b.launched = False
+        self._next_launch = 0
+        self._reduced = False
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        from plait.parallel.zero_state import gather_state_dict
+
+        return gather_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from plait.parallel.zero_state import scatter_state_dict
+
+        scatter_state_dict(self, state_dict)
+
+
+def _normalize_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    items = list(params)
+    if not items:
+        raise ValueError("ZeroOptimizer got no parameters; pass the model's trainable parameters")
+    if not isinstance(items[0], dict):
+        items = [{"params": items}]
+    return [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in items]
+
+
+def _param_fqns(model: nn.Module) -> dict[nn.Parameter, str]:
+    """First name of each parameter (a tied weight keeps its first name, as torch's state dicts do)."""
+    # Activation checkpointing inserts a wrapper level into module names; state dicts do not show it.
+    out: dict[nn.Parameter, str] = {}
+    for name, p in model.named_parameters():
+        out.setdefault(p, name.replace("_checkpoint_wrapped_module.", ""))
+    return out
+
+
+def _build_buckets(model: nn.Module, groups: list[dict[str, Any]], bucket_mb: float, world: int,
+                   rank: int) -> list[_Bucket]:
+    owner: dict[nn.Parameter, int] = {}
+    for gi, g in enumerate(groups):
+        for p in g["params"]:
+            if p in owner:
+                raise ValueError("a parameter appears in two param groups; list each parameter once")
+            owner[p] = gi
+    trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+    missing = [p for p in trainable if p not in owner]
+    if missing or len(owner) != len(trainable):
+        raise ValueError("the param groups must cover the model's trainable parameters exactly "
+                         f"({len(trainable)} in the model, {len(owner)} in the groups)")
+    kinds = {(p.dtype, p.device) for p in trainable}
+    if len(kinds) != 1:
+        raise ValueError(f"ZeroOptimizer needs one dtype and device for all parameters; got {kinds}")
+    limit = max(1, int(bucket_mb * 2**20 / trainable[0].element_size()))
+    buckets: list[_Bucket] = []
+    open_: dict[int, list[nn.Parameter]] = {}
+    for p in reversed(trainable):  # backward produces gradients roughly in reverse order
+        gi = owner[p]
+        open_.setdefault(gi, []).append(p)
+        if sum(q.numel() for q in open_[gi]) >= limit:
+            buckets.append(_Bucket(open_.pop(gi), gi, world, rank))
+    for gi in sorted(open_):
+        buckets.append(_Bucket(open_[gi], gi, world, rank))
+    return buckets

@@ -1,0 +1,184 @@
+"""Per-rank memory model for data parallelism and ZeRO stages 0-3, and the measurement to check it.
+
+Model states (Psi = trainable parameter count, N = data-parallel size, k = optimizer state tensors
+per parameter: AdamW 2, SGD with momentum 1). What plait really holds, in bytes, at the point
+right after backward (gradients reduced, optimizer states initialised):
+
+=========  =====================  ===========================  =============
+stage      parameters             gradients                    optimizer
+=========  =====================  ===========================  =============
+0          4 Psi                  4 Psi                        4k Psi
+1          4 Psi                  4 Psi (local) + 4 Psi / N    4k Psi / N
+2          4 Psi                  4 Psi / N                    4k Psi / N
+3 (FSDP2)  4 Psi / N              4 Psi / N                    4k Psi / N
+=========  =====================  ===========================  =============
+
+Stage 1 keeps the full local gradient buffers and reduce-scatters them into a 1/N shard at step
+time, hence both terms. Stages 1-2 pad each bucket to a multiple of N (a few elements). plait's
+bf16 is autocast: parameters, gradients and optimizer states stay fp32 and the bf16 copies are
+transient (they live with the activations), so the bf16 row equals the fp32 row; with FSDP2's
+bf16 ``param_dtype`` the unsharded bf16 parameters exist only around each block's compute.
+
+The ZeRO paper's accounting (``accounting="paper"``) is also available: mixed-precision Adam holds
+2 Psi bf16 parameters, 2 Psi bf16 gradients and K Psi = 12 Psi of fp32 master weights plus two
+states; fp32 Adam holds 4 Psi + 4 Psi + 8 Psi. Stage 1 shards the K term, stage 2 also the
+gradients, stage 3 also the parameters. Its total is the same 16 Psi at stage 0.
+
+Activations (plait's GPT, fp32, no dropout): the tensors autograd saves by the end of forward are
+exactly, per block, 16 BTC + 4 BT + B H T elements (LayerNorm inputs/outputs and statistics, q, k,
+v, attention output and its log-sum-exp, the projection input, MLP hidden before/after GELU), and
+for the head 2 BTC + 2 BT + BTV elements (final norm, logits' log-softmax) plus the int64 token ids
+and targets (16 BT bytes). A checkpointed block saves only its input (BTC) and adds one block's
+activations transiently while it is recomputed in backward. Under bf16 autocast the fp32 formula
+is an upper bound (matmul inputs are saved in bf16); it is calibrated for fp32 only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+Precision = Literal["fp32", "bf16"]
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """What the activation formula needs: per-rank micro-batch and the model's sizes."""
+
+    micro_batch: int
+    seq_len: int
+    d_model: int
+    n_head: int
+    n_layer: int
+    vocab_size: int
+
+
+def gpt_num_params(n_layer: int, d_model: int, vocab_size: int, seq_len: int) -> int:
+    """Trainable parameters of plait's GPT (tied head counted once)."""
+    per_block = 12 * d_model * d_model + 13 * d_model  # q,k,v,proj,fc,proj weights+biases, 2 norms
+    return vocab_size * d_model + seq_len * d_model + n_layer * per_block + 2 * d_model
+
+
+def predict_model_state_bytes(num_params: int, *, stage: int, dp: int, precision: Precision = "fp32",
+                              optimizer: str = "adamw",
+                              accounting: Literal["plait", "paper"] = "plait") -> dict[str, int]:
+    """Per-rank bytes of parameters, gradients and optimizer states; keys ``params``, ``grads``,
+    ``optimizer``, ``total``. See the module docstring for the table it implements.
+    Raises ValueError for an unknown stage, optimizer or precision.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0..3; got {stage}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}; got {optimizer!r}")
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be fp32 or bf16 for the memory model; got {precision!r}")
+    n, psi, k = max(dp, 1), num_params, OPTIMIZER_STATES[optimizer]
+    shard = math.ceil(psi / n)
+    if accounting == "paper" and precision == "bf16":
+        p_b, g_b, s_b = 2 * psi, 2 * psi, (4 + 4 * k) * psi  # K = 12 for Adam
+        sharded = {"params": 2 * shard, "grads": 2 * shard, "optimizer": (4 + 4 * k) * shard}
+    else:
+        p_b, g_b, s_b = 4 * psi, 4 * psi, 4 * k * psi
+        sharded = {"params": 4 * shard, "grads": 4 * shard, "optimizer": 4 * k * shard}
+    out = {"params": p_b, "grads": g_b, "optimizer": s_b}
+    if stage >= 1:
+        out["optimizer"] = sharded["optimizer"]
+    if stage >= 2:
+        out["grads"] = sharded["grads"]
+    if stage == 3:
+        out["params"] = sharded["params"]
+    if stage == 1 and accounting == "plait":
+        out["grads"] += sharded["grads"]  # the reduced shard next to the full local buffers
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+def predict_activation_bytes(shape: GPTShape, *, checkpointing: str = "none", k: int = 1,
+                             precision: Precision = "fp32") -> dict[str, int]:
+    """Activation bytes saved by the end of forward (``saved``) and the transient recompute peak
+    added in backward (``recompute``), per rank, for plait's GPT. fp32-calibrated; an upper bound
+    under bf16 autocast (see the module docstring)."""
+    B, T, C, H = shape.micro_batch, shape.seq_len, shape.d_model, shape.n_head
+    block = 4 * (16 * B * T * C + 4 * B * T + B * H * T)
+    head = 4 * (2 * B * T * C + 2 * B * T + B * T * shape.vocab_size) + 16 * B * T
+    if checkpointing == "none":
+        wrapped = 0
+    elif checkpointing == "full":
+        wrapped = shape.n_layer
+    elif checkpointing == "every_k":
+        wrapped = len(range(0, shape.n_layer, max(k, 1)))
+    else:
+        raise ValueError(f"checkpointing must be none, full or every_k; got {checkpointing!r}")
+    saved = (shape.n_layer - wrapped) * block + wrapped * 4 * B * T * C + head
+    return {"saved": saved, "recompute": block if wrapped else 0}
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def _count(tensors: Any, seen: dict[int, int]) -> int:
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        ptr, nbytes = _storage_key(t)
+        if ptr == 0 or ptr in seen:
+            continue  # empty, or a storage already counted (views of one flat buffer, tied weights)
+        seen[ptr] = nbytes
+        total += nbytes
+    return total
+
+
+def measure_model_state_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:
+    """Bytes this rank actually holds for parameters, gradients and optimizer states.
+
+    Counts tensor storages, each storage once across all three categories (in that order), so
+    parameters that are views of one flat buffer, a tied weight, or an optimizer master that is a
+    view of the parameters are counted once. DTensors count their local shard. Gradients include
+    the model's ``.grad`` and those of the optimizer's own parameters (the ZeRO shards).
+    """
+    seen: dict[int, int] = {}
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    params = _count(list(model.parameters()) + opt_params, seen)
+    grads = _count([p.grad for p in list(model.parameters()) + opt_params if p.grad is not None], seen)
+    extra = getattr(optimizer, "grad_buffers", None)
+    if callable(extra):
+        grads += _count(extra(), seen)
+    states = _count([v for st in optimizer.state.values() for v in st.values()], seen)
+    return {"params": params, "grads": grads, "optimizer": states, "total": params + grads + states}
+
+
+def format_memory_table(num_params: int, *, dp: int, stage: int, precision: Precision = "fp32",
+                        optimizer: str = "adamw", shape: GPTShape | None = None,
+                        checkpointing: str = "none", k: int = 1) -> str:
+    """Plain-text breakdown for ``plait plan memory``: plait's prediction and the paper's, in MiB."""
+    ours = predict_model_state_bytes(num_params, stage=stage, dp=dp, precision=precision, optimizer=optimizer)
+    paper = predict_model_state_bytes(num_params, stage=stage, dp=dp, precision=precision,
+                                      optimizer=optimizer, accounting="paper")
+    rows = [(name, ours[key], paper[key]) for name, key in
+            (("parameters", "params"), ("gradients", "grads"), ("optimizer states", "optimizer"))]
+    total_ours, total_paper = ours["total"], paper["total"]
+    if shape is not None:
+        act = predict_activation_bytes(shape, checkpointing=checkpointing, k=k, precision=precision)
+        rows.append(("activations (saved)", act["saved"], act["saved"]))
+        rows.append(("activations (recompute)", act["recompute"], act["recompute"]))
+        total_ours += act["saved"] + act["recompute"]
+        total_paper += act["saved"] + act["recompute"]
+    rows.append(("total", total_ours, total_paper))
+    mib = 2**20
+    head = (f"per-rank memory: {num_params:,} params, zero={stage}, dp={dp}, {precision}, {optimizer}, "
+            f"checkpointing={checkpointing}")
+    lines = [head, f"{'':<26}{'plait (MiB)':>14}{'ZeRO paper (MiB)':>18}"]
+    lines += [f"{name:<26}{a / mib:>14.3f}{b / mib:>18.3f}" for name, a, b in rows]
+    return "\n".join(lines)
