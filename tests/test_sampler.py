@@ -53,11 +53,13 @@ def test_exact_resume_mid_epoch(stop: int, dp: int) -> None:
     assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(got, expected, strict=True))
 
 
-def test_validation_split_is_shared_out() -> None:
-    both = validation_batches(TOKENS, 16, 2, 5, 0, 1)
-    parts = validation_batches(TOKENS, 16, 2, 5, 0, 2) + validation_batches(TOKENS, 16, 2, 5, 1, 2)
-    assert len(both) == len(parts) == 5
-    assert sorted(x[0].tolist() for x, _ in both) == sorted(x[0].tolist() for x, _ in parts)
+def test_validation_set_is_shared_out_and_layout_independent() -> None:
+    both = validation_batches(TOKENS, 16, 2, 10, 0, 1)
+    parts = validation_batches(TOKENS, 16, 2, 10, 0, 2) + validation_batches(TOKENS, 16, 2, 10, 1, 2)
+    wide = validation_batches(TOKENS, 16, 4, 10, 0, 1)  # another micro-batch size: the same 10 sequences
+    assert len(both) == len(parts) == 5 and sum(len(x) for x, _ in wide) == 10
+    rows = [sorted(r.tolist() for x, _ in b for r in x) for b in (both, parts, wide)]
+    assert rows[0] == rows[1] == rows[2]
 
 
 def test_embedded_corpus_and_split() -> None:

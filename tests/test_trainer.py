@@ -12,7 +12,7 @@ from plait.config import OptimConfig, load_config, validate
 from plait.train.optim import lr_at
 
 TINY = ["--model.n_layer=1", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=16",
-        "--train.global_batch_size=4", "--train.micro_batch_size=2", "--train.eval_batches=1",
+        "--train.global_batch_size=4", "--train.micro_batch_size=2", "--train.eval_sequences=4",
         "--observe.progress=false", "--observe.tensorboard=false", "--optim.warmup_steps=1"]
 
 
@@ -28,12 +28,12 @@ def _skip_nonfinite(rank: int, world: int, root: str, precision: str) -> dict:
     t = _trainer(root, precision, [f"--train.precision={precision}"])
     first = t.train_step()
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
-    scale_before = t.scaler.get_scale() if t.scaler.is_enabled() else 1.0
+    scale_before = t.scaler.scale
     handle = t.model.blocks[0].mlp.fc.weight.register_hook(lambda g: g * float("inf"))
     bad = t.train_step()
     handle.remove()
     unchanged = all(torch.equal(before[k], v) for k, v in t.model.state_dict().items())
-    scale_after = t.scaler.get_scale() if t.scaler.is_enabled() else 1.0
+    scale_after = t.scaler.scale
     good = t.train_step()
     moved = not all(torch.equal(before[k], v) for k, v in t.model.state_dict().items())
     return {"first_loss": first["loss"], "bad_norm": bad["grad_norm"], "skipped": t.state.skipped_steps,

@@ -9,6 +9,7 @@ Errors a user can cause end in one line on stderr and a non-zero exit, never a t
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import time
@@ -48,7 +49,9 @@ def _split_train_args(argv: list[str]) -> tuple[str | None, str | None, list[str
     return config_path, resume, overrides
 
 
-def _prepare_run(argv: list[str]) -> tuple[Config, Path, bool]:
+def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
+    """Returns (validated config, config as written to the run dir, run dir, resume?). The written copy
+    keeps inferred values unresolved (parallel.dp=0 stays 0) so a resumed run may change the world size."""
     from plait.launch import external_world_size, launched_externally
     from plait.train.checkpoint import latest_checkpoint
 
@@ -77,19 +80,20 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Path, bool]:
     world = external_world_size() if launched_externally() else cfg.parallel.nproc
     if world < 1:
         raise ConfigError(f"parallel.nproc must be at least 1; got {world}")
+    written = copy.deepcopy(cfg)
     validate(cfg, world)
-    return cfg, run_dir, bool(resume)
+    return cfg, written, run_dir, bool(resume)
 
 
 def cmd_train(argv: list[str]) -> int:
     from plait.launch import launch_local, launched_externally, worker_main
 
-    cfg, run_dir, resume = _prepare_run(argv)
+    cfg, written, run_dir, resume = _prepare_run(argv)
     external = launched_externally()
     is_rank0 = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
     if is_rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(to_toml(cfg))
+        (run_dir / "config.toml").write_text(to_toml(written))
     if external:
         summary = worker_main(cfg, str(run_dir), resume)
     elif cfg.parallel.nproc == 1:

@@ -69,10 +69,15 @@ class TrainConfig:
     deterministic: bool = False
     # Validate every this many steps (0: only at the end).
     eval_every: int = 100
-    # Micro-batches of validation data per evaluation, split over data-parallel ranks.
-    eval_batches: int = 16
+    # Validation sequences per evaluation (a fixed set, split over data-parallel ranks).
+    eval_sequences: int = 128
     # Write a metrics line every this many steps.
     log_every: int = 10
+    # Recompute transformer blocks in backward instead of keeping their activations: none, full (every
+    # block) or every_k (every checkpoint_every_k-th block).
+    activation_checkpointing: Literal["none", "full", "every_k"] = "none"
+    # k for activation_checkpointing=every_k.
+    checkpoint_every_k: int = 2
 
 
 @dataclass
@@ -110,8 +115,15 @@ class ParallelConfig:
     ep: int = 1
     # Data-parallel implementation: plait's bucketed reducer, or PyTorch DDP as the reference.
     impl: Literal["plait", "torch"] = "plait"
-    # Gradient bucket size in MiB for the data-parallel all-reduce.
+    # Gradient bucket size in MiB for the data-parallel all-reduce and the ZeRO reduce-scatter.
     bucket_mb: float = 25.0
+    # ZeRO stage: 0 replicates everything; 1 shards optimizer states; 2 also gradients (plait's sharded
+    # optimizer); 3 also parameters (FSDP2).
+    zero: int = 0
+    # Move state to CPU memory: optimizer (the ZeRO-1/2 optimizer shard) or params (zero=3, FSDP2).
+    offload: Literal["none", "optimizer", "params"] = "none"
+    # zero=3: free each block's gathered parameters after forward (false keeps them until backward).
+    reshard_after_forward: bool = True
 
 
 @dataclass
@@ -282,6 +294,19 @@ def validate(cfg: Config, world_size: int) -> Config:
 
     degrees = resolve_degrees(cfg, world_size)
     p.dp = degrees["dp_replicate"] * degrees["dp_shard"]
+    if t.checkpoint_every_k < 1:
+        raise ConfigError(f"train.checkpoint_every_k must be at least 1; got {t.checkpoint_every_k}")
+    from plait.parallel.zero import validate_zero
+
+    try:
+        validate_zero(p.zero, p.dp, p.offload, "cuda" if _cuda_available() else "cpu")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if p.zero and p.impl == "torch":
+        raise ConfigError(
+            f"parallel.impl=torch selects PyTorch DDP, which does not shard (parallel.zero={p.zero}); "
+            "use parallel.impl=plait with ZeRO"
+        )
     per_step = t.micro_batch_size * p.dp
     if t.global_batch_size % per_step:
         lo = max(per_step, t.global_batch_size // per_step * per_step)
@@ -294,6 +319,12 @@ def validate(cfg: Config, world_size: int) -> Config:
             f"{divisors[:8]}"
         )
     return cfg
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def to_toml(cfg: Config) -> str:

@@ -76,15 +76,17 @@ class WindowSampler:
         self.consumed = int(state["consumed"])
 
 
-def validation_batches(tokens: torch.Tensor, seq_len: int, micro_batch_size: int, num_batches: int,
+def validation_batches(tokens: torch.Tensor, seq_len: int, micro_batch_size: int, num_sequences: int,
                        dp_rank: int, dp_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed validation set of up to ``num_batches`` micro-batches, dealt round-robin to dp ranks."""
+    """A fixed validation set: the first ``num_sequences`` windows of the split (the same set whatever
+    the layout, so validation losses compare across runs), cut into micro-batches dealt round-robin
+    to the data-parallel ranks."""
     n_windows = (len(tokens) - 1) // seq_len
-    n_batches = max(1, min(num_batches, n_windows // micro_batch_size))
+    starts = torch.arange(min(num_sequences, n_windows)) * seq_len
     ar = torch.arange(seq_len + 1)
     out = []
-    for b in range(dp_rank, n_batches, dp_size):
-        starts = torch.arange(b * micro_batch_size, (b + 1) * micro_batch_size) % n_windows * seq_len
-        w = tokens[starts[:, None] + ar[None, :]]
-        out.append((w[:, :-1].contiguous(), w[:, 1:].contiguous()))
+    for i, chunk in enumerate(starts.split(micro_batch_size)):
+        if i % dp_size == dp_rank:
+            w = tokens[chunk[:, None] + ar[None, :]]  # (b, T + 1)
+            out.append((w[:, :-1].contiguous(), w[:, 1:].contiguous()))
     return out

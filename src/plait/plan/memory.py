@@ -182,3 +182,14 @@ def format_memory_table(num_params: int, *, dp: int, stage: int, precision: Prec
     lines = [head, f"{'':<26}{'plait (MiB)':>14}{'ZeRO paper (MiB)':>18}"]
     lines += [f"{name:<26}{a / mib:>14.3f}{b / mib:>18.3f}" for name, a, b in rows]
     return "\n".join(lines)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process so far: allocated CUDA memory on a GPU, resident set size on CPU
+    (which also counts the interpreter and libraries, so compare CPU peaks between runs, not with the
+    model-state prediction)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -8,8 +8,9 @@ Layout under ``RUN_DIR/checkpoints``::
 Every rank writes into ``step_N.tmp``; after a barrier rank 0 writes ``meta.json``, renames the
 directory to ``step_N`` and then atomically replaces ``latest``. A crash at any point leaves
 ``latest`` naming the previous complete checkpoint; leftover ``.tmp`` directories are ignored and
-cleaned up. Model and optimizer states are keyed by the unwrapped model's parameter names
-(``get_state_dict``), so DCP can load them at another world size. Nothing is ever unpickled: DCP
+cleaned up. Model and optimizer states come from the layout (``Layout.state_dicts``), keyed by the
+single-process model's parameter names whatever the sharding, so DCP can load them at another world
+size or ZeRO stage. Nothing is ever unpickled: DCP
 reads tensors, per-rank state is read with ``weights_only=True``, metadata is JSON.
 """
 
@@ -19,15 +20,19 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from plait.config import ConfigError
+
+
+class StatefulLayout(Protocol):
+    def state_dicts(self) -> tuple[dict, dict]: ...
+
+    def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None: ...
 
 
 class CheckpointError(ConfigError):
@@ -75,8 +80,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    meta: dict[str, Any], rank: int, keep: int) -> Path:
+def save_checkpoint(run_dir: Path, step: int, layout: StatefulLayout, meta: dict[str, Any], rank: int,
+                    keep: int) -> Path:
     """Save a complete checkpoint for ``step``; every rank calls it. Returns the final directory."""
     root = checkpoint_root(run_dir)
     name = f"step_{step:07d}"
@@ -85,7 +90,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = layout.state_dicts()
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not _distributed())
     torch.save(rng_state(), tmp / f"rank{rank}.pt")
     _barrier()
@@ -112,39 +117,16 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-@torch.no_grad()
-def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state tensors (a step with zero gradients and lr 0) so DCP has
-    destinations to load into. Gradient tensors are kept (zeroed, not dropped), because the
-    data-parallel reducer's gradients are views into its buckets."""
-    if optimizer.state:
-        return
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0
-        for p in g["params"]:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            else:
-                p.grad.zero_()
-    optimizer.step()
-    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
-        g["lr"] = lr
-    optimizer.zero_grad(set_to_none=False)
-
-
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    rank: int) -> dict[str, Any]:
+def load_checkpoint(path: Path, layout: StatefulLayout, rank: int) -> dict[str, Any]:
     """Load model and optimizer state (resharded by DCP to this world size) and this rank's RNG.
 
     Returns the checkpoint's metadata (step, sampler position, scaler state, counters).
     """
     meta = json.loads((path / "meta.json").read_text())
-    _materialize_optimizer_state(optimizer)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = layout.state_dicts()
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    layout.load_state_dicts(state["model"], state["optim"])
     rank_file = path / f"rank{rank}.pt"
     if rank_file.is_file():
         set_rng_state(torch.load(rank_file, weights_only=True))

@@ -9,10 +9,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 
-def export_safetensors(model: nn.Module, path: Path) -> None:
-    """Write every entry of ``model.state_dict()``; tied tensors are stored under each of their names
+def export_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
+    """Write every entry of a full model state dict; tied tensors are stored under each of their names
     (safetensors refuses shared storage, so each is written as its own copy)."""
-    tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt", "producer": "plait"})
     tmp.replace(path)

@@ -35,3 +35,24 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, decay_steps - cfg.warmup_steps))
     min_lr = cfg.lr * cfg.min_lr_ratio
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors (a step with zero gradients and lr 0) so DCP has
+    destinations to load into. Gradient tensors are kept (zeroed, not dropped), because the
+    data-parallel reducer's gradients are views into its buckets."""
+    if optimizer.state:
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=False)

@@ -27,11 +27,12 @@ from plait.models.gpt import GPT
 from plait.observe.log import get_logger
 from plait.observe.metrics import MetricsWriter, ProgressBar
 from plait.parallel.apply import apply_parallel
+from plait.plan.memory import measure_model_state_bytes
 from plait.topology import Topology, build_topology
 from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from plait.train.export import export_safetensors
-from plait.train.optim import build_optimizer, lr_at
-from plait.train.precision import autocast, build_scaler
+from plait.train.optim import lr_at
+from plait.train.precision import LossScaler, autocast
 
 
 @dataclass
@@ -85,14 +86,17 @@ class Trainer:
         self.sampler = WindowSampler(splits.train, cfg.model.seq_len, t.global_batch_size, t.micro_batch_size,
                                      self.topo.dp_rank, self.topo.dp, t.seed)
         self.val_batches = validation_batches(splits.val, cfg.model.seq_len, t.micro_batch_size,
-                                              t.eval_batches, self.topo.dp_rank, self.topo.dp)
+                                              t.eval_sequences, self.topo.dp_rank, self.topo.dp)
         torch.manual_seed(t.seed)  # identical initial weights on every rank
         model = GPT(cfg.model).to(self.device)
         self.model = model
         self.num_params = model.num_params()
-        self.dp = apply_parallel(model, self.topo, cfg, self.comm)
-        self.optimizer = build_optimizer(model, cfg.optim)
-        self.scaler = build_scaler(t.precision, self.device)
+        self.layout = apply_parallel(model, self.topo, cfg, self.comm)
+        self.optimizer = self.layout.optimizer
+        self.scaler = LossScaler(enabled=t.precision == "fp16")
+        # zero=3 runs forward in bf16 through FSDP2's mixed-precision policy instead of autocast.
+        self.use_autocast = not (cfg.parallel.zero == 3 and t.precision == "bf16")
+        self.memory: dict[str, Any] = {}
         torch.manual_seed(t.seed + 7919 * (self.topo.rank + 1))  # per-rank dropout streams
         self.state = RunState()
         self.metrics = MetricsWriter(run_dir, self.rank0, cfg.observe.tensorboard)
@@ -104,7 +108,7 @@ class Trainer:
         path = latest_checkpoint(self.run_dir)
         if path is None:
             return
-        meta = load_checkpoint(path, self.dp.module, self.optimizer, self.topo.rank)
+        meta = load_checkpoint(path, self.layout, self.topo.rank)
         self.sampler.load_state_dict(meta["sampler"])
         self.scaler.load_state_dict(meta["scaler"])
         for k in ("step", "skipped_steps", "tokens_seen", "train_seconds"):
@@ -116,25 +120,24 @@ class Trainer:
         meta = {"sampler": self.sampler.state_dict(), "scaler": self.scaler.state_dict(),
                 "skipped_steps": s.skipped_steps, "tokens_seen": s.tokens_seen,
                 "train_seconds": s.train_seconds, "world_size": self.topo.world_size}
-        path = save_checkpoint(self.run_dir, s.step, self.dp.module, self.optimizer, meta, self.topo.rank,
-                               self.cfg.checkpoint.keep)
+        path = save_checkpoint(self.run_dir, s.step, self.layout, meta, self.topo.rank, self.cfg.checkpoint.keep)
         self.log.info("checkpoint saved: %s", path)
 
     # -- one step ----------------------------------------------------------------------------------
     def _forward_backward(self, batches: list, times: StepTimes) -> float:
         """Run the accumulation micro-steps; returns this rank's mean loss over them."""
-        model, n = self.dp.module, len(batches)
+        model, n = self.layout.module, len(batches)
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(batches):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             sync = i == n - 1
-            ctx = self.dp.no_sync() if not sync else contextlib.nullcontext()
+            ctx = self.layout.no_sync() if not sync else contextlib.nullcontext()
             with ctx:
                 t0 = time.perf_counter()
-                with autocast(self.cfg.train.precision, self.device):
+                with autocast(self.cfg.train.precision, self.device, self.use_autocast):
                     loss = model(x, y) / n
                 t1 = time.perf_counter()
-                self.scaler.scale(loss).backward()
+                self.scaler.scale_loss(loss).backward()
                 t2 = time.perf_counter()
             times.forward_s += t1 - t0
             times.backward_s += t2 - t1
@@ -145,17 +148,20 @@ class Trainer:
         """Unscale, clip, and step unless the gradients hold NaN/inf; returns the gradient norm."""
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        self.scaler.unscale_(self.optimizer)
-        params = [p for p in self.dp.module.parameters() if p.grad is not None]
+        self.scaler.unscale(self.layout.grads())
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(params, clip, foreach=False))
+        norm = self.layout.clip_grad_norm(clip)
         if math.isfinite(norm):
-            self.scaler.step(self.optimizer)
+            if not self.memory and self.optimizer.state:
+                # Parameters, reduced gradients and optimizer states all exist only here, from the
+                # second update on: measure what this rank holds once.
+                self.memory = measure_model_state_bytes(self.model, self.optimizer)
+            self.optimizer.step()
         else:
             self.state.skipped_steps += 1
             self.log.warning("step %d: gradient norm is %s; update skipped", self.state.step, norm)
-        self.scaler.update()
-        self.dp.zero_grad()
+        self.scaler.update(not math.isfinite(norm))
+        self.layout.zero_grad()
         return norm
 
     def train_step(self) -> dict[str, Any]:
@@ -166,7 +172,7 @@ class Trainer:
         times.data_s = time.perf_counter() - t_start
         loss = self._forward_backward(batches, times)
         t0 = time.perf_counter()
-        self.dp.finish()
+        self.layout.finish()
         times.comm_exposed_s = time.perf_counter() - t0
         lr = lr_at(self.state.step, self.cfg.optim, self.cfg.train.steps)
         t0 = time.perf_counter()
@@ -183,13 +189,13 @@ class Trainer:
     # -- evaluation --------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float:
-        model = self.dp.module
+        model = self.layout.module
         model.eval()
-        acc = torch.zeros(2, dtype=torch.float64)  # (sum of losses, number of batches)
+        acc = torch.zeros(2, dtype=torch.float64)  # (sum of per-sequence mean losses, sequences)
         for x, y in self.val_batches:
-            with autocast(self.cfg.train.precision, self.device):
-                acc[0] += float(model(x.to(self.device), y.to(self.device)))
-            acc[1] += 1
+            with autocast(self.cfg.train.precision, self.device, self.use_autocast):
+                acc[0] += float(model(x.to(self.device), y.to(self.device))) * len(x)
+            acc[1] += len(x)
         model.train()
         acc = self._dp_sum(acc)
         return float(acc[0] / acc[1].clamp(min=1))
@@ -226,18 +232,40 @@ class Trainer:
             bar.close()
         return self.finish()
 
+    # -- memory ------------------------------------------------------------------------------------
+    def _memory_summary(self) -> dict[str, Any]:
+        """Per-rank lists (index = global rank) of predicted and measured model-state bytes and peak bytes."""
+        from plait.plan.memory import peak_memory_bytes, predict_model_state_bytes
+
+        precision = "bf16" if self.cfg.train.precision != "fp32" else "fp32"
+        predicted = predict_model_state_bytes(self.num_params, stage=self.cfg.parallel.zero, dp=self.topo.dp,
+                                              precision=precision)
+        mine = {"predicted": predicted, "measured": self.memory or None, "peak_bytes": peak_memory_bytes(self.device)}
+        ranks = [mine]
+        if dist.is_initialized():
+            ranks = [None] * self.topo.world_size
+            dist.all_gather_object(ranks, mine)
+        return {
+            "predicted_model_state_bytes": [r["predicted"]["total"] for r in ranks],
+            "measured_model_state_bytes": [r["measured"]["total"] if r["measured"] else None for r in ranks],
+            "peak_bytes": [r["peak_bytes"] for r in ranks],
+            "breakdown": ranks,
+        }
+
     def finish(self) -> dict[str, Any]:
         s = self.state
         s.val_loss = self.evaluate()
         self.metrics.log({"step": s.step, "val_loss": s.val_loss})
         self.save()
+        full = self.layout.full_model_state()
         if self.rank0:
-            export_safetensors(self.model, self.run_dir / "model.safetensors")
+            export_safetensors(full, self.run_dir / "model.safetensors")
         summary = {
             "final_train_loss": s.last_loss, "final_val_loss": s.val_loss, "steps": s.step,
             "tokens_per_s": s.tokens_seen / s.train_seconds if s.train_seconds else 0.0,
             "total_seconds": s.train_seconds, "world_size": self.topo.world_size, "dp": self.topo.dp,
             "skipped_steps": s.skipped_steps, "num_params": self.num_params, "precision": self.cfg.train.precision,
+            "zero": self.cfg.parallel.zero, "memory": self._memory_summary(),
         }
         if self.rank0:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
