@@ -150,12 +150,19 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
     return model
 
 
-def loss_context(model: nn.Module) -> contextlib.AbstractContextManager:
+def uses_loss_parallel(model: nn.Module) -> bool:
+    """Whether ``apply_tensor_parallel`` left ``model``'s logits vocabulary-sharded."""
+    return bool(getattr(model, _LOSS_PARALLEL_ATTR, False))
+
+
+def loss_context(model: nn.Module | bool) -> contextlib.AbstractContextManager:
     """Context for forward + backward of a tensor-parallel model: ``loss_parallel()`` when it is on.
 
-    A plain ``nullcontext`` for models not built with ``loss_parallel`` (or not tensor-parallel).
+    Takes the model (or the flag ``uses_loss_parallel(model)``); a plain ``nullcontext`` for models
+    not built with ``loss_parallel`` or not tensor-parallel.
     """
-    return loss_parallel() if getattr(model, _LOSS_PARALLEL_ATTR, False) else contextlib.nullcontext()
+    enabled = model if isinstance(model, bool) else uses_loss_parallel(model)
+    return loss_parallel() if enabled else contextlib.nullcontext()
 
 
 def tp_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
