@@ -192,7 +192,7 @@ def stage_ranks(num_ranks: int, num_stages: int, style: str) -> list[int]:
     return [s % num_ranks for s in range(num_stages)]
 
 
-def _check_layout(schedule: str, num_ranks: int, microbatches: int, virtual: int) -> None:
+def check_pipeline_layout(schedule: str, num_ranks: int, microbatches: int, virtual: int) -> None:
     """Readable errors for layouts the schedules cannot run."""
     if schedule not in SCHEDULES:
         raise PipelineConfigError(
@@ -363,7 +363,7 @@ def build_pipeline(model: GPT, pp: DeviceMesh | dist.ProcessGroup, *, schedule: 
     group = _as_group(pp)
     num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     virtual = virtual_stages_per_rank or _NATURAL_VIRTUAL.get(schedule, 1)
-    _check_layout(schedule, num_ranks, microbatches, virtual)
+    check_pipeline_layout(schedule, num_ranks, microbatches, virtual)
     num_stages = num_ranks * virtual
     n = len(model.blocks)
     if costs is None:
