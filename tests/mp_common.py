@@ -67,11 +67,10 @@ def max_param_diff(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor])
 
 def allreduce_grads_mean(params, group) -> None:
     """Plain data parallelism for the tests: average each local gradient shard over ``group``."""
+    from plait.parallel.tensor import local_grads
+
     n = dist.get_world_size(group)
-    for p in params:
-        if p.grad is None:
-            continue
-        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+    for g in local_grads(list(params)):
         dist.all_reduce(g, group=group)
         g.div_(n)
 

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 from plait.config import ConfigError
 from plait.models.gpt import GPT
 from plait.parallel.pipeline_trace import PipeEvent, StepSpan, bubble_summary, instrument_stage
-from plait.parallel.tensor import local_value, loss_context, uses_loss_parallel
+from plait.parallel.tensor import local_grads, local_value, loss_context, uses_loss_parallel
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
              "zbv": ScheduleZBVZeroBubble}
@@ -236,6 +236,7 @@ class PipelineRunner:
     loss_parallel: bool
     tied_shape: torch.Size | None
     tie_is_local: bool
+    tie_group: dist.ProcessGroup | None
     events: list[PipeEvent] = field(default_factory=list)
     span: StepSpan | None = None
 
@@ -287,8 +288,10 @@ class PipelineRunner:
     def sync_tied_grads(self) -> None:
         """Sum the gradients of the embedding (first stage) and its head copy (last stage).
 
-        Communication: one all-reduce of the ``(V/tp, C)`` table gradient over the pp group (middle
+        Communication: one all-reduce of the ``(V/tp, C)`` table gradient over the pp ranks (middle
         ranks contribute zeros; the backward has already run, so there is no backward counterpart).
+        It runs on its own process group over the same ranks: the schedule may leave point-to-point
+        sends in flight on the pp group, and gloo would match their messages against the all-reduce's.
         A local sum when this rank holds both ends; nothing when the pipeline is one stage (still tied).
         """
         if self.tied_shape is None or (self.tie_is_local and not self.has_first):
@@ -300,7 +303,7 @@ class PipelineRunner:
         for g in grads[1:]:
             total += g
         if not self.tie_is_local:
-            dist.all_reduce(total, group=self.group)
+            dist.all_reduce(total, group=self.tie_group)
         for g in grads:
             g.copy_(total)
 
@@ -340,7 +343,7 @@ class PipelineRunner:
 def _local_grad(p: nn.Parameter) -> torch.Tensor:
     if p.grad is None:
         p.grad = torch.zeros_like(p)
-    return p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+    return local_grads([p])[0]
 
 
 def _as_group(pp: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
@@ -370,7 +373,10 @@ def build_pipeline(model: GPT, pp: DeviceMesh | dist.ProcessGroup, *, schedule: 
         costs = LayerCosts(embed=0.0, blocks=[1.0] * n, head=0.0)
     ranges = partition_layers(costs.blocks, num_stages, first_cost=costs.embed, last_cost=costs.head)
     owner = stage_ranks(num_ranks, num_stages, "v" if schedule == "zbv" else "loop")
-    tied_shape = None
+    tied_shape, tie_group = None, None
+    tie_is_local = owner[0] == owner[-1]
+    if num_stages > 1 and not tie_is_local:
+        tie_group = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
     if num_stages > 1:
         w = model.tok_emb.weight
         tied_shape = (w.to_local() if isinstance(w, DTensor) else w).shape
@@ -390,4 +396,5 @@ def build_pipeline(model: GPT, pp: DeviceMesh | dist.ProcessGroup, *, schedule: 
         else cls(stages, microbatches, loss_fn=loss_fn)
     return PipelineRunner(modules=modules, stages=stages, schedule=sched, group=group,
                           microbatches=microbatches, virtual_stages=virtual, loss_parallel=loss_parallel,
-                          tied_shape=tied_shape, tie_is_local=owner[0] == owner[-1], events=events)
+                          tied_shape=tied_shape, tie_is_local=tie_is_local, tie_group=tie_group,
+                          events=events)

@@ -188,9 +188,20 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def local_grads(params: Iterator[nn.Parameter] | list[nn.Parameter]) -> list[torch.Tensor]:
-    """This rank's gradient shards as plain tensors, for a data-parallel reducer to all-reduce in place."""
+    """This rank's gradient shards as plain tensors, for a data-parallel reducer to all-reduce in place.
+
+    DTensor autograd may leave a gradient with other placements than its parameter (the embedding's
+    gradient comes back ``Replicate`` for a ``Shard(0)`` table); it is first laid out like the
+    parameter (a local slice, no communication), so every returned tensor has the local shard's shape.
+    """
     out = []
     for p in params:
-        if p.grad is not None:
-            out.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor):
+            if p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+            out.append(p.grad.to_local())
+        else:
+            out.append(p.grad)
     return out
