@@ -1,0 +1,207 @@
+"""Tensor and sequence parallelism for the plait GPT, built on DTensor's ``parallelize_module``.
+
+Why DTensor rather than plait's own autograd collectives: the Megatron layout is a sharding *plan*
+(which Linear is column- or row-parallel, where the sequence is sharded), and DTensor turns such a
+plan into the right forward/backward collectives, vocabulary-parallel embedding (masked lookup and
+a partial sum), the loss over vocabulary-sharded logits (``loss_parallel``), sharded state dicts that
+``torch.distributed.checkpoint`` reshards, and ``full_tensor()`` for export. Writing those by hand
+would duplicate PyTorch; plait owns the plan for its model and the checks around it.
+
+Layout on a ``tp`` mesh of size t (Megatron):
+
+* ``attn.q/k/v``: column-parallel, so each rank holds ``n_head / t`` whole heads; ``attn.proj`` is
+  row-parallel. Forward: one all-reduce (sequence parallel: a reduce-scatter) after ``proj``;
+  backward: one all-reduce (sequence parallel: an all-gather) of the block input's gradient.
+* ``mlp.fc`` column-parallel, ``mlp.proj`` row-parallel: the same one collective each way.
+* ``tok_emb``: vocabulary-parallel (row-wise on the ``(V, C)`` table): each rank looks up the tokens of
+  its vocabulary slice, zeros the others, and the partial embeddings are summed (all-reduce, or
+  reduce-scatter along the sequence with sequence parallelism).
+* ``head``: column-parallel on the vocabulary, its output kept as a vocabulary-sharded DTensor, and the
+  cross-entropy computed under ``loss_parallel()`` without gathering the ``(B, T, V)`` logits.
+* Tied weights: ``head.weight`` is ``tok_emb.weight``, a ``(V, C)`` table. Row-wise on the embedding and
+  column-wise on the head both shard dim 0 (the vocabulary) of that same table, so one DTensor
+  ``Shard(0)`` parameter serves both. ``parallelize_module`` replaces the parameter of each module
+  separately, so the tie is restored after the plan (``head.weight = tok_emb.weight``): one parameter,
+  one gradient that accumulates both uses, as in the single-process model.
+* Sequence parallelism: ``ln1``, ``ln2``, ``ln_f``, the dropouts and the residual stream hold
+  ``(B, T / t, C)`` (sequence ``Shard(1)``); the position embedding looks up only this rank's
+  positions. Before attention/MLP an all-gather restores the full sequence (backward: a
+  reduce-scatter); after ``proj`` a reduce-scatter replaces the all-reduce (backward: all-gather).
+  LayerNorm and position-embedding parameters are replicated DTensors, so their partial gradients are
+  summed over the tp ranks by DTensor.
+
+Training under loss parallelism must run the forward *and* the backward inside ``loss_context(model)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from plait.config import ConfigError
+from plait.models.gpt import GPT
+
+_LOSS_PARALLEL_ATTR = "_plait_loss_parallel"
+
+
+class TensorParallelError(ConfigError):
+    """The model cannot be split over the requested tensor-parallel degree."""
+
+
+def check_tensor_parallel(n_head: int, d_model: int, vocab_size: int, seq_len: int, tp: int,
+                          sequence_parallel: bool) -> None:
+    """Raise ``TensorParallelError`` naming what to change when the GPT cannot split ``tp`` ways."""
+    if tp < 1:
+        raise TensorParallelError(f"parallel.tp must be at least 1; got {tp}")
+    if n_head % tp:
+        raise TensorParallelError(
+            f"model.n_head={n_head} does not divide by parallel.tp={tp}: tensor parallelism splits whole "
+            f"attention heads; choose tp among the divisors of n_head or change model.n_head"
+        )
+    if vocab_size % tp:
+        raise TensorParallelError(
+            f"model.vocab_size={vocab_size} does not divide by parallel.tp={tp}: the embedding and head "
+            f"are split along the vocabulary; pad vocab_size to a multiple of tp"
+        )
+    if (4 * d_model) % tp:
+        raise TensorParallelError(f"the MLP width 4*d_model={4 * d_model} does not divide by tp={tp}")
+    if sequence_parallel and seq_len % tp:
+        raise TensorParallelError(
+            f"sequence parallelism shards the sequence: model.seq_len={seq_len} must divide by tp={tp} "
+            f"(and so must every batch's sequence length)"
+        )
+
+
+def _block_plan(sp: bool) -> dict[str, object]:
+    """Per-block plan: column-parallel in, row-parallel out, optional sequence-sharded norms."""
+    seq = Shard(1) if sp else Replicate()
+    plan: dict[str, object] = {
+        "attn.q": ColwiseParallel(),
+        "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(output_layouts=seq),
+        "mlp.fc": ColwiseParallel(),
+        "mlp.proj": RowwiseParallel(output_layouts=seq),
+    }
+    if sp:
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel(), "attn": gather,
+                     "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),))})
+    return plan
+
+
+def _shard_position_embedding(pos_emb: nn.Embedding, tp_mesh: DeviceMesh) -> None:
+    """Sequence parallelism: each rank embeds its own slice of positions with a replicated table.
+
+    Forward: positions ``(T,)`` are split locally (no communication); the table is a replicated
+    DTensor. Backward: the table's partial gradients are summed over tp by DTensor (all-reduce).
+    """
+    pos_emb.weight = nn.Parameter(distribute_tensor(pos_emb.weight.data, tp_mesh, [Replicate()]))
+    parallelize_module(pos_emb, tp_mesh, PrepareModuleInput(
+        input_layouts=(Replicate(),), desired_input_layouts=(Shard(0),), use_local_output=False))
+    parallelize_module(pos_emb, tp_mesh, PrepareModuleOutput(
+        output_layouts=(Shard(0),), desired_output_layouts=(Shard(0),), use_local_output=True))
+
+
+def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
+                          loss_parallel: bool = True) -> GPT:
+    """Shard ``model`` in place over the 1-D ``tp_mesh`` (Megatron layout) and return it.
+
+    Contract: call on identical full models on every tp rank (same seed), before any optimizer is
+    built. Afterwards every sharded parameter is a DTensor on ``tp_mesh``; with ``sequence_parallel``
+    the norms and the position embedding are replicated DTensors too, otherwise they stay plain
+    tensors (computed identically on all tp ranks). ``model(idx, targets)`` still returns the mean
+    cross-entropy, as a replicated DTensor when ``loss_parallel``; run forward and backward inside
+    ``loss_context(model)``. Inputs ``idx``/``targets`` are the full ``(B, T)`` batch on every tp rank.
+    Raises ``TensorParallelError`` when heads, vocabulary or (with sp) the sequence do not divide.
+    """
+    cfg = model.cfg
+    tp = tp_mesh.size()
+    check_tensor_parallel(cfg.n_head, cfg.d_model, cfg.vocab_size, cfg.seq_len, tp, sequence_parallel)
+    seq = Shard(1) if sequence_parallel else Replicate()
+    parallelize_module(model, tp_mesh, {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                use_local_output=not loss_parallel),
+        **({"ln_f": SequenceParallel()} if sequence_parallel else {}),
+    })
+    model.head.weight = model.tok_emb.weight  # both Shard(0) on the vocabulary: one parameter again
+    if sequence_parallel:
+        _shard_position_embedding(model.pos_emb, tp_mesh)
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel))
+        block.attn.n_head = cfg.n_head // tp  # local heads; the forward reshapes with -1 anyway
+    setattr(model, _LOSS_PARALLEL_ATTR, loss_parallel)
+    return model
+
+
+def uses_loss_parallel(model: nn.Module) -> bool:
+    """Whether ``apply_tensor_parallel`` left ``model``'s logits vocabulary-sharded."""
+    return bool(getattr(model, _LOSS_PARALLEL_ATTR, False))
+
+
+def loss_context(model: nn.Module | bool) -> contextlib.AbstractContextManager:
+    """Context for forward + backward of a tensor-parallel model: ``loss_parallel()`` when it is on.
+
+    Takes the model (or the flag ``uses_loss_parallel(model)``); a plain ``nullcontext`` for models
+    not built with ``loss_parallel`` or not tensor-parallel.
+    """
+    enabled = model if isinstance(model, bool) else uses_loss_parallel(model)
+    return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+def tp_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Forward and backward of one micro-batch; returns the detached mean loss as a plain tensor."""
+    with loss_context(model):
+        loss = model(idx, targets)
+        loss.backward()
+    return local_value(loss.detach())
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor holding the full value of ``t`` (gathers a DTensor; communication if sharded)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded, natural-shape state dict with the FQNs of the single-process model.
+
+    Collective over the tp mesh (every sharded entry is all-gathered); every rank gets the full dict.
+    The tied ``head.weight`` appears like in ``GPT.state_dict()``, equal to ``tok_emb.weight``.
+    """
+    return {k: local_value(v).detach().clone() for k, v in model.state_dict().items()}
+
+
+def local_grads(params: Iterator[nn.Parameter] | list[nn.Parameter]) -> list[torch.Tensor]:
+    """This rank's gradient shards as plain tensors, for a data-parallel reducer to all-reduce in place.
+
+    DTensor autograd may leave a gradient with other placements than its parameter (the embedding's
+    gradient comes back ``Replicate`` for a ``Shard(0)`` table); it is first laid out like the
+    parameter (a local slice, no communication), so every returned tensor has the local shard's shape.
+    """
+    out = []
+    for p in params:
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor):
+            if p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+            out.append(p.grad.to_local())
+        else:
+            out.append(p.grad)
+    return out
