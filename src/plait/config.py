@@ -124,6 +124,18 @@ class ParallelConfig:
     offload: Literal["none", "optimizer", "params"] = "none"
     # zero=3: free each block's gathered parameters after forward (false keeps them until backward).
     reshard_after_forward: bool = True
+    # Tensor parallel: shard LayerNorm/dropout regions along the sequence (needs tp > 1).
+    sequence_parallel: bool = False
+    # Tensor parallel: compute the loss on vocabulary-sharded logits instead of gathering them.
+    loss_parallel: bool = True
+    # Pipeline schedule: gpipe, 1f1b, interleaved (several stages per rank) or zbv (zero-bubble V).
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved", "zbv"] = "1f1b"
+    # Pipeline micro-batches per forward/backward of one accumulation micro-batch.
+    microbatches: int = 4
+    # Pipeline stages per rank; 0 picks the schedule's natural value (1, or 2 for interleaved/zbv).
+    pp_virtual_stages: int = 0
+    # Pipeline stage split: by per-layer cost measured in a profiling step, or by layer count.
+    pp_balance: Literal["cost", "count"] = "cost"
 
 
 @dataclass
@@ -302,6 +314,7 @@ def validate(cfg: Config, world_size: int) -> Config:
         validate_zero(p.zero, p.dp, p.offload, "cuda" if _cuda_available() else "cpu")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _validate_model_parallel(cfg)
     if p.zero and p.impl == "torch":
         raise ConfigError(
             f"parallel.impl=torch selects PyTorch DDP, which does not shard (parallel.zero={p.zero}); "
@@ -319,6 +332,39 @@ def validate(cfg: Config, world_size: int) -> Config:
             f"{divisors[:8]}"
         )
     return cfg
+
+
+def _validate_model_parallel(cfg: Config) -> None:
+    """Tensor/pipeline/expert settings that cannot work, named before any worker starts."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.ep > 1:
+        raise ConfigError("parallel.ep > 1 (expert parallelism) is not available in this build; set parallel.ep=1")
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
+    if p.tp > 1:
+        from plait.parallel.tensor import check_tensor_parallel
+
+        check_tensor_parallel(m.n_head, m.d_model, m.vocab_size, m.seq_len, p.tp, p.sequence_parallel)
+    if p.pp > 1:
+        from plait.parallel.pipeline import NATURAL_VIRTUAL, check_pipeline_layout
+
+        virtual = p.pp_virtual_stages or NATURAL_VIRTUAL.get(p.pp_schedule, 1)
+        check_pipeline_layout(p.pp_schedule, p.pp, p.microbatches, virtual)
+        if m.n_layer < p.pp * virtual:
+            raise ConfigError(
+                f"{p.pp * virtual} pipeline stages (pp={p.pp} x {virtual} per rank) but model.n_layer="
+                f"{m.n_layer}: every stage needs at least one block; lower parallel.pp or raise model.n_layer"
+            )
+        if t.micro_batch_size % p.microbatches:
+            raise ConfigError(
+                f"train.micro_batch_size={t.micro_batch_size} must divide into parallel.microbatches="
+                f"{p.microbatches} pipeline micro-batches; make it a multiple of {p.microbatches}"
+            )
+    if (p.tp > 1 or p.pp > 1) and (p.zero or p.impl == "torch"):
+        raise ConfigError(
+            f"parallel.tp={p.tp}/pp={p.pp} compose with plait's data-parallel reducer only in this build; "
+            "set parallel.zero=0 and parallel.impl=plait"
+        )
 
 
 def _cuda_available() -> bool:

@@ -63,6 +63,12 @@ class WindowSampler:
         micro = windows.split(self.micro_batch_size)
         return [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in micro]
 
+    def peek(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The next step's micro-batches without advancing (e.g. to profile layer costs)."""
+        batches = self.next_batch()
+        self.consumed -= 1
+        return batches
+
     def state_dict(self) -> dict[str, int]:
         return {"consumed": self.consumed, "seed": self.seed, "global_batch_size": self.global_batch_size}
 

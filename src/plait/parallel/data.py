@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from plait.comm.collectives import Comm
 
@@ -35,12 +36,30 @@ class _Bucket:
     launched: bool = False
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (tensor-parallel parameters), the tensor itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_grad(p: nn.Parameter) -> torch.Tensor | None:
+    """This rank's gradient shard, laid out like the parameter's shard.
+
+    DTensor autograd may leave a gradient with other placements than its parameter (a vocabulary-
+    sharded embedding can get a replicated gradient); it is first redistributed like the parameter."""
+    g = p.grad
+    if isinstance(g, DTensor):
+        if g.placements != p.placements:
+            p.grad = g = g.redistribute(p.device_mesh, p.placements)
+        return g.to_local()
+    return g
+
+
 def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
     """Group params (already in gradient-ready order) into same-dtype buckets of about bucket_bytes."""
     groups: list[list[nn.Parameter]] = []
     size = 0
     for p in params:
-        nbytes = p.numel() * p.element_size()
+        nbytes = _local(p).numel() * p.element_size()
         if groups and groups[-1][-1].dtype == p.dtype and size + nbytes <= bucket_bytes:
             groups[-1].append(p)
             size += nbytes
@@ -49,11 +68,12 @@ def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket
             size = nbytes
     buckets = []
     for ps in groups:
-        flat = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
+        shards = [_local(p) for p in ps]
+        flat = torch.zeros(sum(s.numel() for s in shards), dtype=ps[0].dtype, device=shards[0].device)
         views, off = [], 0
-        for p in ps:
-            views.append(flat[off: off + p.numel()].view_as(p))
-            off += p.numel()
+        for s in shards:
+            views.append(flat[off: off + s.numel()].view_as(s))
+            off += s.numel()
         buckets.append(_Bucket(params=ps, flat=flat, views=views))
     return buckets
 
@@ -69,6 +89,9 @@ class GradReducer:
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, comm: Comm,
                  bucket_mb: float = 25.0) -> None:
         self.module = model
+        # Tensor-parallel (DTensor) parameters cannot take a plain view as .grad: their local gradient
+        # shards are copied into the bucket when it launches and back when it is reduced.
+        self.copy_grads = any(isinstance(p, DTensor) for p in model.parameters())
         self.group = group
         self.comm = comm
         self.world = dist.get_world_size(group)
@@ -82,7 +105,8 @@ class GradReducer:
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self._where[p] = (b, i)
-                p.grad = b.views[i]
+                if not self.copy_grads:
+                    p.grad = b.views[i]
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._reset()
 
@@ -91,7 +115,7 @@ class GradReducer:
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
-                self.comm.broadcast(t.data, src=src, group=self.group)
+                self.comm.broadcast(_local(t.data), src=src, group=self.group)
 
     def _reset(self) -> None:
         self._next = 0
@@ -101,7 +125,9 @@ class GradReducer:
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         bucket, i = self._where[p]
-        if p.grad is None or p.grad.data_ptr() != bucket.views[i].data_ptr():
+        if self.copy_grads:
+            pass  # copied at launch
+        elif p.grad is None or p.grad.data_ptr() != bucket.views[i].data_ptr():
             # The optimizer dropped the views (zero_grad with set_to_none): put the gradient back.
             bucket.views[i].copy_(p.grad)
             p.grad = bucket.views[i]
@@ -116,7 +142,14 @@ class GradReducer:
             self._launch_ready()
 
     def _launch(self, b: _Bucket) -> None:
-        if b.pending:
+        if self.copy_grads:
+            for p, view in zip(b.params, b.views, strict=True):
+                g = local_grad(p)
+                if g is None:
+                    view.zero_()
+                else:
+                    view.copy_(g)
+        elif b.pending:
             # Some parameters got no gradient this step. Where the optimizer dropped their .grad, the
             # bucket still holds an old gradient: send zeros instead, as the other ranks may have real ones.
             for p, view in zip(b.params, b.views, strict=True):
@@ -144,6 +177,11 @@ class GradReducer:
             self._launch_remaining()
         for b in self.buckets:
             self.comm.wait(b.work)
+            if self.copy_grads:
+                for p, view in zip(b.params, b.views, strict=True):
+                    g = local_grad(p)
+                    if g is not None:
+                        g.copy_(view)
         self._reset()
 
     @contextlib.contextmanager
@@ -156,6 +194,9 @@ class GradReducer:
             self.require_sync = prev
 
     def zero_grad(self) -> None:
+        if self.copy_grads:
+            self.module.zero_grad(set_to_none=True)
+            return
         for b in self.buckets:
             b.flat.zero_()
         for b in self.buckets:

@@ -48,7 +48,7 @@ from plait.parallel.tensor import local_grads, local_value, loss_context, uses_l
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
              "zbv": ScheduleZBVZeroBubble}
-_NATURAL_VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbv": 2}
+NATURAL_VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbv": 2}
 
 
 class PipelineConfigError(ConfigError):
@@ -365,7 +365,7 @@ def build_pipeline(model: GPT, pp: DeviceMesh | dist.ProcessGroup, *, schedule: 
     """
     group = _as_group(pp)
     num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-    virtual = virtual_stages_per_rank or _NATURAL_VIRTUAL.get(schedule, 1)
+    virtual = virtual_stages_per_rank or NATURAL_VIRTUAL.get(schedule, 1)
     check_pipeline_layout(schedule, num_ranks, microbatches, virtual)
     num_stages = num_ranks * virtual
     n = len(model.blocks)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -10,12 +11,14 @@ from torch import nn
 from plait.config import OptimConfig
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Matrices decay; biases, norms and embeddings do not. Tied parameters appear once."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
+def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    """Matrices decay; biases, norms and embeddings do not. Each parameter appears once (the first
+    name of a tied parameter decides, as in ``named_parameters()``)."""
+    decay, no_decay, seen = [], [], set()
+    for name, p in named_params:
+        if not p.requires_grad or id(p) in seen:
             continue
+        seen.add(id(p))
         is_matrix = p.dim() >= 2 and "emb" not in name
         (decay if is_matrix else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -23,7 +26,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """AdamW over ``model``'s trainable parameters. foreach=False keeps CPU runs bit-repeatable."""
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
+    return torch.optim.AdamW(param_groups(model.named_parameters(), cfg.weight_decay), lr=cfg.lr,
                              betas=(cfg.beta1, cfg.beta2), foreach=False)
 
 

@@ -91,7 +91,7 @@ class Trainer:
         model = GPT(cfg.model).to(self.device)
         self.model = model
         self.num_params = model.num_params()
-        self.layout = apply_parallel(model, self.topo, cfg, self.comm)
+        self.layout = apply_parallel(model, self.topo, cfg, self.comm, self.sampler.peek()[0])
         self.optimizer = self.layout.optimizer
         self.scaler = LossScaler(enabled=t.precision == "fp16")
         # zero=3 runs forward in bf16 through FSDP2's mixed-precision policy instead of autocast.
@@ -124,25 +124,21 @@ class Trainer:
         self.log.info("checkpoint saved: %s", path)
 
     # -- one step ----------------------------------------------------------------------------------
+    def _amp(self) -> contextlib.AbstractContextManager:
+        return autocast(self.cfg.train.precision, self.device, self.use_autocast)
+
     def _forward_backward(self, batches: list, times: StepTimes) -> float:
         """Run the accumulation micro-steps; returns this rank's mean loss over them."""
-        model, n = self.layout.module, len(batches)
-        total = torch.zeros((), device=self.device)
+        n = len(batches)
+        factor = self.scaler.scale / n
+        total = torch.zeros((), dtype=torch.float64)
+        acc = {"forward_s": 0.0, "backward_s": 0.0}
         for i, (x, y) in enumerate(batches):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            sync = i == n - 1
-            ctx = self.layout.no_sync() if not sync else contextlib.nullcontext()
-            with ctx:
-                t0 = time.perf_counter()
-                with autocast(self.cfg.train.precision, self.device, self.use_autocast):
-                    loss = model(x, y) / n
-                t1 = time.perf_counter()
-                self.scaler.scale_loss(loss).backward()
-                t2 = time.perf_counter()
-            times.forward_s += t1 - t0
-            times.backward_s += t2 - t1
-            total += loss.detach()
-        return float(total)
+            with self.layout.no_sync() if i < n - 1 else contextlib.nullcontext():
+                total += self.layout.forward_backward(x, y, factor, self._amp, acc).double().cpu() / n
+        times.forward_s, times.backward_s = acc["forward_s"], acc["backward_s"]
+        return float(self.layout.reduce_loss(total))
 
     def _apply_update(self, lr: float) -> float:
         """Unscale, clip, and step unless the gradients hold NaN/inf; returns the gradient norm."""
@@ -155,7 +151,7 @@ class Trainer:
             if not self.memory and self.optimizer.state:
                 # Parameters, reduced gradients and optimizer states all exist only here, from the
                 # second update on: measure what this rank holds once.
-                self.memory = measure_model_state_bytes(self.model, self.optimizer)
+                self.memory = measure_model_state_bytes(self.layout.model, self.optimizer)
             self.optimizer.step()
         else:
             self.state.skipped_steps += 1
@@ -189,14 +185,14 @@ class Trainer:
     # -- evaluation --------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float:
-        model = self.layout.module
-        model.eval()
+        """Mean validation loss over the fixed validation set (all data-parallel ranks together)."""
+        self.layout.module.eval()
         acc = torch.zeros(2, dtype=torch.float64)  # (sum of per-sequence mean losses, sequences)
         for x, y in self.val_batches:
-            with autocast(self.cfg.train.precision, self.device, self.use_autocast):
-                acc[0] += float(model(x.to(self.device), y.to(self.device))) * len(x)
+            loss = self.layout.evaluate(x.to(self.device), y.to(self.device), self._amp)
+            acc[0] += float(self.layout.reduce_loss(loss.double().cpu())) * len(x)
             acc[1] += len(x)
-        model.train()
+        self.layout.module.train()
         acc = self._dp_sum(acc)
         return float(acc[0] / acc[1].clamp(min=1))
 
@@ -238,15 +234,17 @@ class Trainer:
         from plait.plan.memory import peak_memory_bytes, predict_model_state_bytes
 
         precision = "bf16" if self.cfg.train.precision != "fp32" else "fp32"
-        predicted = predict_model_state_bytes(self.num_params, stage=self.cfg.parallel.zero, dp=self.topo.dp,
-                                              precision=precision)
+        predicted = None
+        if self.topo.degree("tp") == self.topo.degree("pp") == 1:  # the model covers data parallel + ZeRO
+            predicted = predict_model_state_bytes(self.num_params, stage=self.cfg.parallel.zero, dp=self.topo.dp,
+                                                  precision=precision)
         mine = {"predicted": predicted, "measured": self.memory or None, "peak_bytes": peak_memory_bytes(self.device)}
         ranks = [mine]
         if dist.is_initialized():
             ranks = [None] * self.topo.world_size
             dist.all_gather_object(ranks, mine)
         return {
-            "predicted_model_state_bytes": [r["predicted"]["total"] for r in ranks],
+            "predicted_model_state_bytes": [r["predicted"]["total"] if r["predicted"] else None for r in ranks],
             "measured_model_state_bytes": [r["measured"]["total"] if r["measured"] else None for r in ranks],
             "peak_bytes": [r["peak_bytes"] for r in ranks],
             "breakdown": ranks,

@@ -1,0 +1,217 @@
+"""Tensor and pipeline parallelism behind the trainer's ``Layout`` interface.
+
+``TensorLayout``: the GPT sharded over the ``tp`` axis (Megatron layout on DTensor), data parallel over
+the dp axis with plait's reducer (which copies DTensor gradient shards into its buckets).
+
+``PipelineLayout``: the (possibly tensor-parallel) GPT split into stages over the ``pp`` axis and driven
+by a ``torch.distributed.pipelining`` schedule; each accumulation micro-batch is one schedule step over
+``parallel.microbatches`` pipeline micro-batches. The loss exists only on the last stage's rank; it is
+summed over the pp group so every rank can log it.
+
+Gradient clipping with a mix of sharded and replicated parameters: the squared norm of tensor-
+parallel shards is summed over the tp group, replicated parameters count once, and the stages' sums
+are added over the pp group, with the last stage's copy of the tied embedding left out (it is the
+same parameter as the first stage's).
+
+Checkpoints use one format for every layout: model entries and optimizer states keyed by the
+single-process model's parameter names. Here the optimizer state tensors themselves are handed to
+DCP, which loads into them in place; the pipeline's copy of the tied table takes its state under
+``tok_emb.weight``, the name that parameter has in the single-process model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from plait.comm.collectives import Comm
+from plait.config import Config
+from plait.parallel.data import GradReducer, LocalGrads, local_grad
+from plait.parallel.layout import AmpFactory, Layout
+from plait.parallel.pipeline import build_pipeline, gpt_loss, measure_layer_costs
+from plait.parallel.tensor import full_state_dict, local_value, loss_context
+from plait.topology import Topology
+from plait.train.optim import materialize_optimizer_state, param_groups
+
+
+@dataclass
+class ScaledLoss:
+    """The pipeline's loss function: mean cross-entropy times ``factor`` (1 / accumulation x loss
+    scale), set by the layout before each schedule step and reset to 1 for evaluation."""
+
+    factor: float = 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return gpt_loss(logits, targets) * self.factor
+
+
+class ModelParallelLayout(Layout):
+    """Shared parts of the tensor and pipeline layouts (see the module docstring)."""
+
+    named: list[tuple[str, nn.Parameter]]  # (single-process name, parameter), each parameter once
+    tied_copy: nn.Parameter | None = None  # the last pipeline stage's copy of tok_emb.weight
+
+    def _init_common(self, cfg: Config, topo: Topology, comm: Comm, holder: nn.Module) -> None:
+        self.topo = topo
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(param_groups(self.named, o.weight_decay), lr=o.lr,
+                                           betas=(o.beta1, o.beta2), foreach=False)
+        self.engine = GradReducer(holder, topo.dp_group, comm, cfg.parallel.bucket_mb) if topo.dp > 1 \
+            else LocalGrads(holder)
+
+    def grads(self) -> list[torch.Tensor]:
+        return [g for _, p in self.named if (g := local_grad(p)) is not None]
+
+    def zero_grad(self) -> None:
+        for _, p in self.named:
+            p.grad = None
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global gradient norm over tp shards and pp stages; scales the local gradients in place."""
+        sharded = torch.zeros((), dtype=torch.float64)
+        replicated = torch.zeros((), dtype=torch.float64)
+        for _, p in self.named:
+            g = local_grad(p)
+            if g is None or p is self.tied_copy:
+                continue
+            sq = g.detach().double().pow(2).sum()
+            if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements):
+                sharded += sq
+            else:
+                replicated += sq
+        if self.topo.degree("tp") > 1:
+            dist.all_reduce(sharded, group=self.topo.group("tp"))
+        total = sharded + replicated
+        if self.topo.degree("pp") > 1:
+            dist.all_reduce(total, group=self.topo.group("pp"))
+        norm = float(total.sqrt())
+        if norm == norm and norm != float("inf"):
+            coef = min(1.0, max_norm / (norm + 1e-6))
+            if coef < 1.0:
+                for g in self.grads():
+                    g.mul_(coef)
+        return norm
+
+    def state_dicts(self) -> tuple[dict, dict]:
+        materialize_optimizer_state(self.optimizer)
+        state = {}
+        for name, p in self.named:
+            key = "tok_emb.weight" if p is self.tied_copy else name
+            state[key] = self.optimizer.state[p]
+        return self.model_state(), {"state": state}
+
+    def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
+        """DCP loaded in place into the tensors ``state_dicts`` handed out. Where one rank holds both ends
+        of the pipeline's tied table, only one of the two parameters' states was in the template."""
+        if self.tied_copy is None:
+            return
+        first = next((p for n, p in self.named if n == "tok_emb.weight" and p is not self.tied_copy), None)
+        if first is not None:
+            for k, v in self.optimizer.state[self.tied_copy].items():
+                self.optimizer.state[first][k].copy_(v)
+
+
+class TensorLayout(ModelParallelLayout):
+    """A tensor-parallel GPT (already sharded by ``apply_tensor_parallel``), data parallel over dp."""
+
+    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm) -> None:
+        self.model = self.module = model
+        self.named = list(self.model.named_parameters())
+        self._init_common(cfg, topo, comm, self.model)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, factor: float, amp: AmpFactory,
+                         times: dict[str, float]) -> torch.Tensor:
+        with loss_context(self.model):  # forward and backward both inside it (loss parallel)
+            return local_value(super().forward_backward(x, y, factor, amp, times))
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor, amp: AmpFactory) -> torch.Tensor:
+        with loss_context(self.model):
+            return local_value(super().evaluate(x, y, amp))
+
+    def model_state(self) -> dict:
+        return self.model.state_dict()
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        return full_state_dict(self.model)
+
+
+class PipelineLayout(ModelParallelLayout):
+    """The GPT (tensor-parallel already, or not) split into pipeline stages over the pp axis."""
+
+    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm,
+                 sample: tuple[torch.Tensor, torch.Tensor]) -> None:
+        p = cfg.parallel
+        costs = None
+        if p.pp_balance == "cost":
+            x, y = sample
+            mb = max(1, x.size(0) // p.microbatches)
+            costs = measure_layer_costs(model, x[:mb], y[:mb], repeats=2)
+        self.loss_fn = ScaledLoss()
+        self.runner = build_pipeline(model, topo.mesh["pp"], schedule=p.pp_schedule, microbatches=p.microbatches,
+                                     virtual_stages_per_rank=p.pp_virtual_stages or None, loss_fn=self.loss_fn,
+                                     costs=costs)
+        holder = nn.ModuleList(self.runner.modules)
+        self.model = self.module = holder
+        seen: set[int] = set()
+        self.named = []
+        for m in self.runner.modules:
+            for name, param in m.named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    self.named.append((name, param))
+        if self.runner.tied_shape is not None:
+            self.tied_copy = next((m.head.weight for m in self.runner.modules if m.is_last), None)
+            # In the single-process model this parameter is tok_emb.weight: same name for its optimizer
+            # group (no weight decay) and its checkpointed state.
+            self.named = [("tok_emb.weight" if q is self.tied_copy else n, q) for n, q in self.named]
+        self._init_common(cfg, topo, comm, holder)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, factor: float, amp: AmpFactory,
+                         times: dict[str, float]) -> torch.Tensor:
+        """One schedule step over the micro-batch ``(B, T)``; returns the unscaled mean loss (0 on ranks
+        without the last stage). Forward and backward interleave, so all of it counts as backward_s."""
+        t0 = time.perf_counter()
+        self.loss_fn.factor = factor
+        with amp():
+            loss = self.runner.step(x, y)
+        times["backward_s"] += time.perf_counter() - t0
+        return loss / factor if loss is not None else torch.zeros(())
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor, amp: AmpFactory) -> torch.Tensor:
+        self.loss_fn.factor = 1.0
+        losses: list | None = [] if self.runner.has_last else None
+        sched = self.runner.schedule
+        with loss_context(self.runner.loss_parallel), amp():
+            if self.runner.has_first:
+                sched.eval(x, target=y if self.runner.has_last else None, losses=losses)
+            else:
+                sched.eval(target=y if self.runner.has_last else None, losses=losses)
+        if not losses:
+            return torch.zeros(())
+        return torch.stack([local_value(v.detach()) for v in losses]).mean()
+
+    def reduce_loss(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the pp group: brings the last stage's loss to every pipeline rank."""
+        t = t.detach().double().reshape(1)
+        dist.all_reduce(t, group=self.topo.group("pp"))
+        return t[0]
+
+    def model_state(self) -> dict:
+        return self.runner.state_dict()
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """Full weights gathered to every rank: stage entries all-gathered over pp, tp shards gathered."""
+        mine = {k: local_value(v).detach().cpu() for k, v in self.runner.state_dict().items()}
+        parts: list = [None] * self.topo.degree("pp")
+        dist.all_gather_object(parts, mine, group=self.topo.group("pp"))
+        full: dict[str, torch.Tensor] = {}
+        for part in parts:
+            full.update(part)
+        return full
