@@ -14,9 +14,9 @@ from plait.comm.guard import CollectiveGuard, CollectiveTimeout
 TIMEOUT_S = 2.0
 
 
-def _skip_one(rank: int, n: int) -> dict:
+def _skip_one(rank: int, n: int, async_marks: bool) -> dict:
     store = dist.distributed_c10d._get_default_store()
-    guard = CollectiveGuard(store, TIMEOUT_S, rank)
+    guard = CollectiveGuard(store, TIMEOUT_S, rank, async_marks=async_marks)
     out: dict = {}
     # Step 1: rank 2 is late but within the timeout, so everyone completes.
     if rank == 2:
@@ -27,6 +27,7 @@ def _skip_one(rank: int, n: int) -> dict:
     # Step 2: rank 2 skips the collective.
     if rank == 2:
         time.sleep(TIMEOUT_S + 3)  # stay alive past the others' timeout, as a stuck rank would
+        guard.close()
         return out
     start = time.monotonic()
     try:
@@ -34,11 +35,12 @@ def _skip_one(rank: int, n: int) -> dict:
     except CollectiveTimeout as e:
         out["error"] = str(e)
     out["elapsed"] = time.monotonic() - start
+    guard.close()
     return out
 
 
 def test_skipped_collective_raises_named_timeout() -> None:
-    results = run_ranks(_skip_one, 3)
+    results = run_ranks(_skip_one, 3, True)  # the default, background-thread marks
     assert all(r["sum"] == [3.0, 3.0, 3.0] for r in results)
     for rank in (0, 1):
         msg = results[rank].get("error", "")
@@ -59,3 +61,15 @@ def test_guard_rejects_blocking_calls_and_bad_timeouts() -> None:
     assert guard._wait(fut) is True
     with pytest.raises(TypeError, match="async_op=True"):
         guard._wait(None)
+
+
+@pytest.mark.parametrize("async_marks", [True, False])
+def test_missing_ranks_read_from_the_store(async_marks: bool) -> None:
+    store = dist.HashStore()
+    guards = [CollectiveGuard(store, 1.0, r, async_marks=async_marks) for r in range(3)]
+    guards[0]._mark("g", 2)
+    guards[1]._mark("g", 1)  # rank 1 is one collective behind; rank 2 never issued any
+    for g in guards:
+        g.close()
+    assert guards[0]._missing("g", [0, 1, 2], 2) == [1, 2]
+    assert guards[0]._missing("g", [0, 1, 2], 1) == [2]

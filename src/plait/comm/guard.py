@@ -1,8 +1,10 @@
 """Hang detection for collectives: a peer that never arrives becomes a named error, not a hang.
 
 Before issuing collective number ``seq`` on a group, each rank records ``seq`` under
-``<prefix>/<group name>/<rank>`` in the rendezvous store (one small ``set`` per collective; the key
-is overwritten, so the store holds one key per rank and group however long the run). The
+``<prefix>/<group name>/<rank>`` in the rendezvous store (the key is overwritten, so the store holds
+one key per rank and group however long the run). By default the record is written by a daemon
+thread (the caller only stores an int and sets an event), because a store round trip costs more
+than a small collective; the thread has the whole timeout to land it before anyone reads it. The
 collective is issued asynchronously and waited for with the timeout. If it does not complete in
 time, the waiting rank reads every group member's last recorded ``seq`` from the store: those
 below its own never reached this collective. It raises ``CollectiveTimeout`` naming the
@@ -14,6 +16,7 @@ caller must let the error end the process (non-zero exit), as the trainer does.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -36,18 +39,59 @@ class CollectiveGuard:
     ``torch.distributed.distributed_c10d._get_default_store()``, or any TCPStore/FileStore),
     ``timeout_s`` the seconds a collective may wait for its peers, ``rank`` this process's global
     rank. Every rank of a group must issue the same guarded collectives on it in the same order
-    (as c10d requires anyway), so the per-group sequence numbers agree.
+    (as c10d requires anyway), so the per-group sequence numbers agree. ``async_marks=False``
+    writes each arrival synchronously instead of from the background thread. Call ``close()``
+    when done (the thread is a daemon, so a process that exits without it does not hang).
     """
 
-    def __init__(self, store: dist.Store, timeout_s: float, rank: int, prefix: str = "plait/arrive"):
+    def __init__(self, store: dist.Store, timeout_s: float, rank: int, prefix: str = "plait/arrive",
+                 async_marks: bool = True):
         if timeout_s <= 0:
             raise ValueError(f"collective timeout must be positive seconds; got {timeout_s}")
         self.store = store
         self.timeout_s = float(timeout_s)
         self.rank = rank
         self.prefix = prefix
+        self.async_marks = async_marks
         self._seq: dict[str, int] = {}
         self._members: dict[str, list[int]] = {}
+        self._unsent: dict[str, int] = {}  # latest seq per group not yet written by the thread
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def close(self) -> None:
+        """Write any pending arrival marks and stop the background thread."""
+        self._closed = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._flush()
+
+    def _mark(self, tag: str, seq: int) -> None:
+        if not self.async_marks:
+            self.store.set(f"{self.prefix}/{tag}/{self.rank}", str(seq))
+            return
+        with self._lock:
+            self._unsent[tag] = seq
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._push_marks, name="plait-guard", daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def _push_marks(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            self._wake.clear()
+            self._flush()
+
+    def _flush(self) -> None:
+        with self._lock:
+            marks, self._unsent = self._unsent, {}
+        for tag, seq in marks.items():
+            self.store.set(f"{self.prefix}/{tag}/{self.rank}", str(seq))
 
     def run(self, name: str, group: dist.ProcessGroup | None, step: int,
             fn: Callable[[], Handle]) -> Handle:
@@ -60,7 +104,7 @@ class CollectiveGuard:
         tag, members = self._group(group)
         seq = self._seq.get(tag, 0) + 1
         self._seq[tag] = seq
-        self.store.set(f"{self.prefix}/{tag}/{self.rank}", str(seq))
+        self._mark(tag, seq)
         handle = fn()
         start = time.monotonic()
         try:
