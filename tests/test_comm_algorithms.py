@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from helpers import run_ranks
 
-from plait.comm.algorithms import AllReduceConfigError, get_allreduce
+from plait.comm.algorithms import AllReduceConfigError, get_allreduce, node_ids_for_ranks
 
 # Large enough that a ring segment exceeds the 1 MiB chunk target, so pipelining is exercised.
 _CHUNKED = 2 * 262_144 * 4 + 5
@@ -107,3 +107,10 @@ def test_unknown_algorithm_and_missing_layout_are_clear_errors() -> None:
     with pytest.raises(AllReduceConfigError, match="needs the node layout"):
         get_allreduce("hierarchical")
     assert issubclass(AllReduceConfigError, ValueError)
+
+
+def test_node_ids_for_a_strided_group() -> None:
+    # A data-parallel group of global ranks 1, 3, 5, 7 on hosts of 4 ranks: two per host.
+    assert node_ids_for_ranks([1, 3, 5, 7], 4) == [0, 0, 1, 1]
+    with pytest.raises(AllReduceConfigError, match="at least 1"):
+        node_ids_for_ranks([0], 0)

@@ -284,6 +284,18 @@ def node_ids_from(num_ranks: int, ranks_per_node: int | None = None,
     return [r // ranks_per_node for r in range(num_ranks)]
 
 
+def node_ids_for_ranks(global_ranks: Sequence[int], ranks_per_host: int) -> list[int]:
+    """Node id of each member of a group, given its global ranks and the ranks per host.
+
+    Launchers place consecutive global ranks on a host (``LOCAL_WORLD_SIZE`` of them), so the
+    node of global rank ``g`` is ``g // ranks_per_host``. Pass the result as ``node_ids`` for a
+    group such as ``dist.get_process_group_ranks(dp_group)``.
+    """
+    if ranks_per_host < 1:
+        raise AllReduceConfigError(f"ranks per host must be at least 1; got {ranks_per_host}")
+    return [g // ranks_per_host for g in global_ranks]
+
+
 def hierarchical_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                             ranks_per_node: int | None = None,
                             node_ids: Sequence[int] | None = None) -> None:
