@@ -26,6 +26,7 @@ differ between ranks), so a resumed run continues exactly.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -52,8 +53,13 @@ class Compressor:
 
     name = "none"
 
-    def __init__(self, *, error_feedback: bool = False, seed: int = 0):
+    def __init__(self, *, error_feedback: bool = False, seed: int = 0,
+                 allreduce: Callable[[torch.Tensor, dist.ProcessGroup | None], None] | None = None):
         self.error_feedback = error_feedback
+        # The all-reduce (SUM, in place) for fp32 payloads: the backend's unless one of
+        # plait.comm.algorithms is chosen; half-precision casts always use the backend, because
+        # those algorithms carry half types in fp32 and would undo the compression.
+        self._allreduce = allreduce
         self.wire_bytes = 0
         self.seed = seed
         self._residuals: dict[int, torch.Tensor] = {}
@@ -138,7 +144,10 @@ class Compressor:
 
     def _all_reduce(self, t: torch.Tensor, group: dist.ProcessGroup | None, n: int) -> None:
         if n > 1:
-            dist.all_reduce(t, group=group)
+            if self._allreduce is None or t.dtype != torch.float32:
+                dist.all_reduce(t, group=group)
+            else:
+                self._allreduce(t, group)
             self.wire_bytes += 2 * (n - 1) * t.numel() * t.element_size() // n
 
     def _all_gather(self, t: torch.Tensor, group: dist.ProcessGroup | None, n: int) -> list[torch.Tensor]:
@@ -341,13 +350,17 @@ class PowerSGDCompressor(Compressor):
 
 def build_compressor(name: str, *, ratio: float = 0.01, powersgd_rank: int = 4,
                      error_feedback: bool = True, stochastic_rounding: bool = False,
-                     seed: int = 0, quant_block: int = 1024) -> Compressor:
+                     seed: int = 0, quant_block: int = 1024,
+                     allreduce: Callable[[torch.Tensor, dist.ProcessGroup | None], None] | None = None,
+                     ) -> Compressor:
     """The compressor called ``name`` (one of ``COMPRESSORS``), configured and validated.
 
     ``ratio`` is the kept fraction for topk/randomk, ``powersgd_rank`` the rank r of PowerSGD,
     ``stochastic_rounding`` applies to int8/int4 only, ``quant_block`` is the elements per scale
     for int8/int4, and ``seed`` must be the same on every rank (randomk indices and PowerSGD's
     initial Q depend on it). Error feedback is ignored for ``none``, which loses nothing.
+    ``allreduce`` (e.g. ``plait.comm.algorithms.get_allreduce(comm.allreduce)``) carries the fp32
+    all-reduces of none/randomk/powersgd; None means the backend's.
     """
     if name not in COMPRESSORS:
         raise CompressConfigError(f"unknown compressor {name!r}; choose one of {', '.join(COMPRESSORS)}")
@@ -359,7 +372,7 @@ def build_compressor(name: str, *, ratio: float = 0.01, powersgd_rank: int = 4,
         raise CompressConfigError(
             f"stochastic rounding applies to int8/int4 quantization, not {name!r}; turn it off"
         )
-    kw = {"error_feedback": error_feedback and name != "none", "seed": seed}
+    kw = {"error_feedback": error_feedback and name != "none", "seed": seed, "allreduce": allreduce}
     if name == "none":
         return Compressor(**kw)
     if name in ("fp16", "bf16"):
