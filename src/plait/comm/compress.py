@@ -1,0 +1,387 @@
+"""Gradient compressors for data-parallel buckets, with per-bucket error feedback.
+
+One interface, ``Compressor.allreduce_mean(key, flat, group)``: every rank of ``group`` passes its
+1-D fp32 bucket ``flat`` (same length on all ranks, buckets in the same order) and gets back the
+(approximate) average over the group as a new tensor, identical on every rank. ``key`` names the
+bucket (its index) so state that must persist between steps (error-feedback residuals, PowerSGD's
+warm-started Q) is kept per bucket.
+
+Error feedback (``error_feedback=True``): each rank adds its residual to the bucket before
+compressing, and keeps ``residual = (flat + old residual) - local_hat``, where ``local_hat`` is what
+its own contribution looks like after compression. The sum over steps of what was sent therefore
+equals the sum of the true gradients minus the current residual, which stays bounded: nothing is
+lost, only delayed.
+
+Bytes on the wire (``wire_bytes``, cumulative per rank) follow the ring model of each collective:
+an all-reduce of ``b`` bytes puts ``2 (n-1)/n * b`` on the wire, an all-gather of ``b`` bytes per
+rank puts ``(n-1) * b``.
+
+Without an initialized process group (or with a group of one) every compressor behaves as a world
+of one: no communication, and the result is the round trip of the rank's own bucket.
+
+``state_dict()`` holds only tensors and ints, per rank (residuals and the stochastic-rounding RNG
+differ between ranks), so a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+COMPRESSORS = ("none", "fp16", "bf16", "int8", "int4", "topk", "randomk", "powersgd")
+
+
+class CompressConfigError(ValueError):
+    """A compressor was asked for with a name or setting it cannot use, or given a bad bucket."""
+
+
+def _world(group: dist.ProcessGroup | None) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+class Compressor:
+    """No compression: an fp32 all-reduce of the bucket, divided by the group size (exact mean).
+
+    Round-trip error bound: zero. Mean error: fp32 summation rounding only.
+    Communication (forward): one all-reduce of the bucket. Backward: none.
+    """
+
+    name = "none"
+
+    def __init__(self, *, error_feedback: bool = False, seed: int = 0,
+                 allreduce: Callable[[torch.Tensor, dist.ProcessGroup | None], None] | None = None):
+        self.error_feedback = error_feedback
+        # The all-reduce (SUM, in place) for fp32 payloads: the backend's unless one of
+        # plait.comm.algorithms is chosen; half-precision casts always use the backend, because
+        # those algorithms carry half types in fp32 and would undo the compression.
+        self._allreduce = allreduce
+        self.wire_bytes = 0
+        self.seed = seed
+        self._residuals: dict[int, torch.Tensor] = {}
+        self._shared_rng = torch.Generator().manual_seed(seed)  # same stream on every rank
+        self._local_rng: torch.Generator | None = None  # differs per rank; seeded on first use
+
+    # -- the interface ---------------------------------------------------------------------------
+    def allreduce_mean(self, key: int, flat: torch.Tensor,
+                       group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """Average of every rank's ``flat`` (1-D fp32) over ``group``, through this compressor.
+
+        Blocking; every rank of ``group`` must call it with the same ``key`` sequence and bucket
+        lengths. Returns a new tensor, identical on every rank; ``flat`` is not modified.
+        """
+        if flat.dim() != 1 or flat.dtype != torch.float32:
+            raise CompressConfigError(
+                f"compressors take a flat 1-D fp32 bucket; got shape {tuple(flat.shape)} dtype "
+                f"{flat.dtype}: flatten the bucket and cast it with .float() first"
+            )
+        if flat.numel() == 0:
+            return flat.clone()
+        x = flat + self._residuals[key] if self.error_feedback and key in self._residuals else flat
+        mean, local_hat = self._exchange(key, x, group, _world(group))
+        if self.error_feedback:
+            self._residuals[key] = x - local_hat
+        return mean
+
+    def roundtrip(self, key: int, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's bucket after compression and decompression, with no communication.
+
+        Uses and advances the same per-key state as ``allreduce_mean`` (PowerSGD's Q, RNGs) but
+        not the error-feedback residual; this is what the docstring bounds refer to.
+        """
+        if flat.numel() == 0:
+            return flat.clone()
+        return self._exchange(key, flat, None, 1)[1]
+
+    def residual(self, key: int) -> torch.Tensor | None:
+        """The error-feedback residual of bucket ``key`` (None before its first step)."""
+        return self._residuals.get(key)
+
+    def state_dict(self) -> dict[str, torch.Tensor | int]:
+        """Per-rank state: residuals, PowerSGD Q matrices, RNG states and the byte counter."""
+        sd: dict[str, torch.Tensor | int] = {"wire_bytes": self.wire_bytes, "seed": self.seed}
+        for k, r in self._residuals.items():
+            sd[f"residual.{k}"] = r.clone()
+        sd["rng.shared"] = self._shared_rng.get_state()
+        if self._local_rng is not None:
+            sd["rng.local"] = self._local_rng.get_state()
+        sd.update(self._extra_state())
+        return sd
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor | int]) -> None:
+        """Restore what ``state_dict`` returned (from the same rank of the same configuration)."""
+        if int(sd["seed"]) != self.seed:
+            raise CompressConfigError(
+                f"compressor state was saved with seed {sd['seed']} but this run uses seed "
+                f"{self.seed}; resume with the original comm seed"
+            )
+        self.wire_bytes = int(sd["wire_bytes"])
+        self._residuals = {int(k.split(".", 1)[1]): v.clone() for k, v in sd.items()
+                           if k.startswith("residual.")}
+        self._shared_rng.set_state(sd["rng.shared"])
+        if "rng.local" in sd:
+            self._local_rng = torch.Generator()
+            self._local_rng.set_state(sd["rng.local"])
+        self._load_extra_state(sd)
+
+    # -- for subclasses --------------------------------------------------------------------------
+    def _exchange(self, key: int, x: torch.Tensor, group: dist.ProcessGroup | None,
+                  n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean over the group, this rank's decompressed contribution) for bucket ``x``."""
+        total = x.clone()
+        self._all_reduce(total, group, n)
+        return total / n, x
+
+    def _extra_state(self) -> dict[str, torch.Tensor | int]:
+        return {}
+
+    def _load_extra_state(self, sd: dict[str, torch.Tensor | int]) -> None:
+        return None
+
+    def _all_reduce(self, t: torch.Tensor, group: dist.ProcessGroup | None, n: int) -> None:
+        if n > 1:
+            if self._allreduce is None or t.dtype != torch.float32:
+                dist.all_reduce(t, group=group)
+            else:
+                self._allreduce(t, group)
+            self.wire_bytes += 2 * (n - 1) * t.numel() * t.element_size() // n
+
+    def _all_gather(self, t: torch.Tensor, group: dist.ProcessGroup | None, n: int) -> list[torch.Tensor]:
+        if n == 1:
+            return [t]
+        out = [torch.empty_like(t) for _ in range(n)]
+        dist.all_gather(out, t, group=group)
+        self.wire_bytes += (n - 1) * t.numel() * t.element_size()
+        return out
+
+    def _rank_rng(self) -> torch.Generator:
+        if self._local_rng is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            self._local_rng = torch.Generator().manual_seed(self.seed + 1_000_003 * (rank + 1))
+        return self._local_rng
+
+
+class CastCompressor(Compressor):
+    """fp16 or bf16: divide by n, cast, all-reduce (summed in that dtype by the backend), cast back.
+
+    Round-trip error bound, per element: ``|x - x_hat| <= u |x|`` with ``u = 2**-11`` (fp16) or
+    ``2**-8`` (bf16), plus ``2**-25`` absolute for fp16 values below its normal range (6.1e-5).
+    Mean error: ``<= n u max_i |x_i|`` (rounding of each term and of each of the n-1 partial sums),
+    plus ``n 2**-25`` for fp16. fp16 overflows to inf beyond ``65504`` per ``x/n``: use bf16 for
+    gradients of unbounded range. Communication (forward): one all-reduce of half the bytes.
+    """
+
+    def __init__(self, dtype: torch.dtype, **kw):
+        super().__init__(**kw)
+        self.dtype = dtype
+        self.name = "fp16" if dtype == torch.float16 else "bf16"
+
+    def _exchange(self, key, x, group, n):
+        y = (x / n).to(self.dtype)
+        local_hat = y.float() * n
+        self._all_reduce(y, group, n)
+        return y.float(), local_hat
+
+
+class QuantCompressor(Compressor):
+    """int8 or int4 with one fp32 scale per block of ``block`` elements, exchanged by all-gather.
+
+    ``scale = max|x| / L`` per block (``L = 127`` for int8, ``7`` for int4; int4 packs two values
+    per byte). Payloads are all-gathered, not summed, because a sum of n int8 values overflows
+    int8; each rank then decodes every payload and averages in fp32 (same order on every rank).
+    Round-trip error bound, per element: ``<= scale / 2`` with round-to-nearest, ``< scale`` with
+    stochastic rounding (which is unbiased). Mean error: ``<=`` the largest of the ranks' bounds.
+    Communication (forward): one all-gather of ``bits/8`` bytes per element plus 4 bytes per block.
+    """
+
+    def __init__(self, bits: int, *, block: int = 1024, stochastic_rounding: bool = False, **kw):
+        super().__init__(**kw)
+        if bits not in (4, 8):
+            raise CompressConfigError(f"quantization supports 8 or 4 bits, not {bits}")
+        if block < 2 or block % 2:
+            raise CompressConfigError(f"quantization block must be an even number >= 2, not {block}")
+        self.bits, self.block, self.stochastic = bits, block, stochastic_rounding
+        self.levels = 127 if bits == 8 else 7
+        self.name = f"int{bits}"
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(payload, scales) for bucket ``x``: int8 values, or uint8 with two int4 values per byte."""
+        pad = -x.numel() % self.block
+        blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, self.block)  # (num_blocks, block)
+        scales = blocks.abs().amax(dim=1) / self.levels  # (num_blocks,)
+        q = blocks / torch.where(scales > 0, scales, 1.0)[:, None]
+        if self.stochastic:
+            q = torch.floor(q + torch.rand(q.shape, generator=self._rank_rng()))
+        else:
+            q = torch.round(q)
+        q = q.clamp_(-self.levels, self.levels).view(-1)
+        if self.bits == 8:
+            return q.to(torch.int8), scales
+        nib = (q + 8).to(torch.uint8)  # 1..15
+        return nib[0::2] | (nib[1::2] << 4), scales
+
+    def decode(self, payload: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
+        """Inverse of ``encode`` (up to the rounding), trimmed to ``numel`` elements."""
+        if self.bits == 8:
+            q = payload.float()
+        else:
+            q = torch.stack([payload & 0xF, payload >> 4], dim=1).view(-1).float() - 8
+        return (q.view(-1, self.block) * scales[:, None]).view(-1)[:numel]
+
+    def _exchange(self, key, x, group, n):
+        payload, scales = self.encode(x)
+        local_hat = self.decode(payload, scales, x.numel())
+        payloads, all_scales = self._all_gather(payload, group, n), self._all_gather(scales, group, n)
+        total = torch.zeros_like(x)
+        for p, s in zip(payloads, all_scales, strict=True):
+            total += self.decode(p, s, x.numel())
+        return total / n, local_hat
+
+
+class TopKCompressor(Compressor):
+    """Top-k: each rank keeps its ``k = ceil(ratio N)`` largest-magnitude entries.
+
+    (index, value) pairs (int32 + fp32) are all-gathered; every rank scatters them into a dense
+    buffer and divides by n. Round-trip error bound: every dropped entry is no larger in magnitude
+    than the smallest kept one, and ``||x - x_hat||^2 <= (1 - k/N) ||x||^2``. The mean is the exact
+    mean of the ranks' sparsified buckets. Communication (forward): one all-gather of 8k bytes.
+    """
+
+    name = "topk"
+
+    def __init__(self, ratio: float, **kw):
+        super().__init__(**kw)
+        self.ratio = ratio
+
+    def _exchange(self, key, x, group, n):
+        k = min(x.numel(), max(1, math.ceil(self.ratio * x.numel())))
+        idx = x.abs().topk(k, sorted=False).indices
+        vals = x[idx]
+        local_hat = torch.zeros_like(x).index_put_((idx,), vals)
+        all_idx = self._all_gather(idx.to(torch.int32), group, n)
+        all_vals = self._all_gather(vals, group, n)
+        total = torch.zeros_like(x)
+        for i, v in zip(all_idx, all_vals, strict=True):
+            total.index_add_(0, i.long(), v)
+        return total / n, local_hat
+
+
+class RandomKCompressor(Compressor):
+    """Random-k: every rank keeps the same ``k = ceil(ratio N)`` random entries.
+
+    The indices come from a generator seeded identically on all ranks (advanced once per call, in
+    the same order everywhere), so only the values travel, in one all-reduce; this halves the
+    bytes of an (index, value) all-gather and does not grow with n. Values are not rescaled by
+    N/k: the estimate is biased towards zero, which error feedback corrects over steps.
+    Round-trip error bound: exact on the kept entries, zero elsewhere, so ``||x - x_hat|| <= ||x||``
+    and ``E||x - x_hat||^2 = (1 - k/N) ||x||^2``. Communication (forward): an all-reduce of 4k bytes.
+    """
+
+    name = "randomk"
+
+    def __init__(self, ratio: float, **kw):
+        super().__init__(**kw)
+        self.ratio = ratio
+
+    def _exchange(self, key, x, group, n):
+        k = min(x.numel(), max(1, math.ceil(self.ratio * x.numel())))
+        idx = torch.randperm(x.numel(), generator=self._shared_rng)[:k].sort().values
+        vals = x[idx]
+        local_hat = torch.zeros_like(x).index_put_((idx,), vals)
+        self._all_reduce(vals, group, n)
+        return torch.zeros_like(x).index_put_((idx,), vals / n), local_hat
+
+
+class PowerSGDCompressor(Compressor):
+    """PowerSGD: a rank-r approximation ``P Q^T`` of the bucket seen as a matrix, warm-started.
+
+    The bucket of N entries is zero-padded to a ``rows x cols`` matrix M with
+    ``rows = ceil(sqrt N)``, ``cols = ceil(N / rows)`` (the most square shape, which keeps the
+    factors smallest). Per step: ``P = M Q``; all-reduce P; orthonormalize P (reduced QR);
+    ``Q = M^T P``; all-reduce Q; the mean is ``P Q^T``, and Q is kept for the next step's warm start.
+    Q starts from a generator seeded identically on all ranks. This rank's decompressed
+    contribution (for error feedback) is ``P (M^T P)^T``, its projection on the shared basis.
+    Round-trip error bound: ``||M - P P^T M||_F <= ||M||_F`` always; zero (to fp32 rounding) when
+    M has rank <= r; with the warm start, repeated steps on a fixed M approach the best rank-r
+    error ``sqrt(sum_{i>r} sigma_i^2)``. Communication (forward): two all-reduces,
+    ``4 r (rows + cols)`` bytes in all, about ``8 r / sqrt N`` of the fp32 bucket.
+    """
+
+    name = "powersgd"
+
+    def __init__(self, rank: int, **kw):
+        super().__init__(**kw)
+        self.rank = rank
+        self._q: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def shape(numel: int) -> tuple[int, int]:
+        rows = math.isqrt(numel - 1) + 1 if numel > 1 else 1
+        return rows, -(-numel // rows)
+
+    def _exchange(self, key, x, group, n):
+        rows, cols = self.shape(x.numel())
+        m = torch.nn.functional.pad(x, (0, rows * cols - x.numel())).view(rows, cols)  # (rows, cols)
+        r = min(self.rank, rows, cols)
+        q = self._q.get(key)
+        if q is None or q.shape != (cols, r):
+            q = torch.randn(cols, r, generator=self._shared_rng)  # (cols, r)
+        p = m @ q  # (rows, r)
+        self._all_reduce(p, group, n)
+        p = torch.linalg.qr(p / n, mode="reduced").Q  # (rows, r), orthonormal columns
+        q_local = m.t() @ p  # (cols, r)
+        local_hat = (p @ q_local.t()).view(-1)[: x.numel()]
+        q_mean = q_local.clone()
+        self._all_reduce(q_mean, group, n)
+        q_mean /= n
+        self._q[key] = q_mean
+        return (p @ q_mean.t()).view(-1)[: x.numel()], local_hat
+
+    def _extra_state(self):
+        return {f"q.{k}": q.clone() for k, q in self._q.items()}
+
+    def _load_extra_state(self, sd):
+        self._q = {int(k.split(".", 1)[1]): v.clone() for k, v in sd.items() if k.startswith("q.")}
+
+
+def build_compressor(name: str, *, ratio: float = 0.01, powersgd_rank: int = 4,
+                     error_feedback: bool = True, stochastic_rounding: bool = False,
+                     seed: int = 0, quant_block: int = 1024,
+                     allreduce: Callable[[torch.Tensor, dist.ProcessGroup | None], None] | None = None,
+                     ) -> Compressor:
+    """The compressor called ``name`` (one of ``COMPRESSORS``), configured and validated.
+
+    ``ratio`` is the kept fraction for topk/randomk, ``powersgd_rank`` the rank r of PowerSGD,
+    ``stochastic_rounding`` applies to int8/int4 only, ``quant_block`` is the elements per scale
+    for int8/int4, and ``seed`` must be the same on every rank (randomk indices and PowerSGD's
+    initial Q depend on it). Error feedback is ignored for ``none``, which loses nothing.
+    ``allreduce`` (e.g. ``plait.comm.algorithms.get_allreduce(comm.allreduce)``) carries the fp32
+    all-reduces of none/randomk/powersgd; None means the backend's.
+    """
+    if name not in COMPRESSORS:
+        raise CompressConfigError(f"unknown compressor {name!r}; choose one of {', '.join(COMPRESSORS)}")
+    if name in ("topk", "randomk") and not 0.0 < ratio <= 1.0:
+        raise CompressConfigError(f"compress ratio must be in (0, 1] (kept fraction); got {ratio}")
+    if name == "powersgd" and powersgd_rank < 1:
+        raise CompressConfigError(f"powersgd rank must be at least 1; got {powersgd_rank}")
+    if stochastic_rounding and name not in ("int8", "int4"):
+        raise CompressConfigError(
+            f"stochastic rounding applies to int8/int4 quantization, not {name!r}; turn it off"
+        )
+    kw = {"error_feedback": error_feedback and name != "none", "seed": seed, "allreduce": allreduce}
+    if name == "none":
+        return Compressor(**kw)
+    if name in ("fp16", "bf16"):
+        return CastCompressor(torch.float16 if name == "fp16" else torch.bfloat16, **kw)
+    if name in ("int8", "int4"):
+        return QuantCompressor(int(name[3:]), block=quant_block, stochastic_rounding=stochastic_rounding,
+                               **kw)
+    if name == "topk":
+        return TopKCompressor(ratio, **kw)
+    if name == "randomk":
+        return RandomKCompressor(ratio, **kw)
+    return PowerSGDCompressor(powersgd_rank, **kw)
