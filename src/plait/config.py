@@ -144,6 +144,22 @@ class CommConfig:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     # Seconds a collective may wait for its peers before the job fails with a named error.
     timeout_s: float = 300.0
+    # All-reduce algorithm of the data-parallel reducer: the backend's own, or plait's ring,
+    # recursive halving-doubling or hierarchical (reduce in node, all-reduce across nodes, broadcast).
+    allreduce: Literal["backend", "ring", "halving_doubling", "hierarchical"] = "backend"
+    # Ranks per node for the hierarchical all-reduce (0: LOCAL_WORLD_SIZE from the launcher).
+    ranks_per_node: int = 0
+    # Gradient compression of the data-parallel reduction; auto measures the first steps and turns it on
+    # only when communication is exposed.
+    compress: Literal["none", "auto", "fp16", "bf16", "int8", "int4", "topk", "randomk", "powersgd"] = "none"
+    # Kept fraction for topk and randomk.
+    compress_ratio: float = 0.01
+    # Rank of the PowerSGD approximation.
+    powersgd_rank: int = 4
+    # Keep the compression error per bucket and add it to the next step's gradient.
+    error_feedback: bool = True
+    # Stochastic rounding for int8/int4 quantization.
+    stochastic_rounding: bool = False
 
 
 @dataclass
