@@ -42,25 +42,46 @@ FOUR_RANKS = {
 }
 
 
-def _train(rank: int, world: int, root: str, variants: dict[str, list[str]]) -> dict:
+def _train(rank: int, world: int, root: str, variants: dict[str, list[str]], resume: bool = False) -> dict:
     from plait.train.trainer import Trainer
 
     out = {}
     for name, extra in variants.items():
         cfg = validate(load_config(overrides=BASE + extra + [f"--run.dir={root}/{name}"]), world)
         Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-        Trainer(cfg, Path(cfg.run.dir)).fit()
+        trainer = Trainer(cfg, Path(cfg.run.dir))
+        if resume:
+            trainer.resume()
+        trainer.fit()
         out[name] = cfg.run.dir
     return out
+
+
+# Checkpoints reshard across layouts: 3 steps at pp=2 (or tp=2), then 3 more in one process, equal 6 straight.
+RESHARD = ["--optim.decay_steps=6", "--train.micro_batch_size=8"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("mp")
-    ref = run_ranks(_train, 1, str(root), {"ref": ["--train.micro_batch_size=8"]})[0]
-    two = run_ranks(_train, 2, str(root), TWO_RANKS, timeout=400)[0]
+    ref = run_ranks(_train, 1, str(root), {"ref": ["--train.micro_batch_size=8"],
+                                           "ref6": RESHARD + ["--train.steps=6"]})[0]
+    halves = {"pp2_then_1": RESHARD + ["--parallel.pp=2"], "tp2_then_1": RESHARD + ["--parallel.tp=2"]}
+    two = run_ranks(_train, 2, str(root), {**TWO_RANKS, **halves}, timeout=400)[0]
+    resumed = run_ranks(_train, 1, str(root), {k: RESHARD + ["--train.steps=6"] for k in halves}, True)[0]
     four = run_ranks(_train, 4, str(root), FOUR_RANKS, timeout=400)[0]
-    return {**ref, **two, **four}
+    return {**ref, **two, **four, **{f"{k}_resumed": v for k, v in resumed.items()}}
+
+
+@pytest.mark.parametrize("variant", ["pp2_then_1", "tp2_then_1"])
+def test_checkpoint_reshards_to_one_process(runs: dict, variant: str) -> None:
+    ref = load_file(f"{runs['ref6']}/model.safetensors")
+    got = load_file(f"{runs[variant + '_resumed']}/model.safetensors")
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], atol=5e-5, rtol=0, msg=f"{variant}: {k}")
+    # The second half resumed rather than retrained: steps 1-3 were logged by the 2-rank run, 4-6 after it.
+    lines = [json.loads(x) for x in Path(runs[variant], "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
 
 def _losses(run_dir: str) -> list[float]:
