@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 IMPLS = ("single", "dp2", "tp2", "tp2_sp")
-FULL = {"n_layer": 4, "d_model": 512, "n_head": 8, "seq_len": 128, "vocab_size": 4096, "batch": 8}
+FULL = {"n_layer": 4, "d_model": 512, "n_head": 8, "seq_len": 128, "vocab_size": 4096, "batch": 4}
 QUICK = {"n_layer": 2, "d_model": 128, "n_head": 4, "seq_len": 64, "vocab_size": 512, "batch": 4}
 
 
