@@ -11,7 +11,7 @@ Runs gloo ranks on CPU (one thread each) and prints one JSON document:
   built here in plain PyTorch, no plait code. ``speedup_over_torch`` = torch step time / plait step
   time. The first step's loss of each shows that the three compute the same thing.
 
-    PYTHONPATH=src python bench/pipeline.py [--steps 3] [--rounds 5] [--quick]
+    PYTHONPATH=src python bench/pipeline.py [--steps 3] [--rounds 5] [--only bubble|partition] [--quick]
 """
 
 from __future__ import annotations
@@ -171,10 +171,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
                             timeout=timedelta(seconds=300))
     out: dict = {"bubble": [], "partition": {}}
     cfg = ModelConfig(n_layer=8, d_model=32, n_head=4, seq_len=32, vocab_size=256)
-    for m in args.microbatches:
+    for m in args.microbatches if args.only != "partition" else ():
         runner, _ = _run(cfg, "gpipe", m, batch=m * 2, steps=args.steps, costs=None)
         out["bubble"].append(runner.local_summary())
-    if world == 2:
+    if world == 2 and args.only != "bubble":
         out["partition"] = _partition(HEAVY_QUICK if args.quick else HEAVY, args.rounds, args.steps_per_round)
     queue.put((rank, out))
     dist.destroy_process_group()
@@ -203,9 +203,15 @@ def _partition_report(ranks: list[dict], quick: bool) -> dict:
               "model": {k: getattr(cfg, k) for k in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size")},
               "measured_costs_ms": ranks[0]["partition"]["measured_costs_ms"],
               "first_step_loss": last["first_step_loss"]}
+    costs = report["measured_costs_ms"]
     for name in names:
-        report[name] = {"step_s": ranks[0]["partition"][name]["step_s"],
-                        "blocks_per_rank": [r["partition"][name]["blocks_on_rank"] for r in ranks]}
+        blocks = [r["partition"][name]["blocks_on_rank"] for r in ranks]
+        # What the split predicts: each rank's summed measured cost; the largest paces the pipeline.
+        stage_ms = [sum(costs["blocks"][b] for b in own) for own in blocks]
+        stage_ms[0] += costs["embed"]
+        stage_ms[-1] += costs["head"]
+        report[name] = {"step_s": ranks[0]["partition"][name]["step_s"], "blocks_per_rank": blocks,
+                        "stage_cost_ms": [round(c, 3) for c in stage_ms]}
     torch_s = report["torch_count_balanced"]["step_s"]
     report["speedup_over_torch"] = {name: round(torch_s / report[name]["step_s"], 3) for name in names[:2]}
     return report
@@ -216,6 +222,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps per bubble measurement")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the partition comparison")
     parser.add_argument("--steps-per-round", type=int, default=2)
+    parser.add_argument("--only", choices=("bubble", "partition"), help="run one of the two parts")
     parser.add_argument("--quick", action="store_true", help="m in (1, 4), a small model, 2 rounds: checks it runs")
     args = parser.parse_args()
     args.microbatches = (1, 4) if args.quick else MICROBATCHES
@@ -223,15 +230,15 @@ def main() -> None:
         args.steps, args.rounds, args.steps_per_round = 2, 2, 1
     report: dict = {"bubble": [], "partition": {},
                     "note": "CPU gloo ranks, one thread each; timings from a shared 2-core machine"}
-    for world in (2, 4):
+    for world in (2, 4) if args.only != "partition" else (2,):
         ranks = _launch(world, args)
-        for i, m in enumerate(args.microbatches):
+        for i, m in enumerate(args.microbatches if args.only != "partition" else ()):
             rows = [r["bubble"][i] for r in ranks]
             report["bubble"].append({
                 "p": world, "m": m, "bubble_theory": rows[0]["bubble_theory"],
                 "bubble_measured_mean": round(statistics.mean(r["bubble_measured"] for r in rows), 4),
                 "bubble_measured_per_rank": [r["bubble_measured"] for r in rows]})
-        if world == 2:
+        if world == 2 and args.only != "bubble":
             report["partition"] = _partition_report(ranks, args.quick)
     print(json.dumps(report, indent=1))
 
