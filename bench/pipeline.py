@@ -9,7 +9,8 @@ Runs gloo ranks on CPU (one thread each) and prints one JSON document:
   runner with equal blocks per stage; and the same schedule driven directly through
   ``torch.distributed.pipelining`` (``PipelineStage`` + ``Schedule1F1B``) on count-balanced stages
   built here in plain PyTorch, no plait code. ``speedup_over_torch`` = torch step time / plait step
-  time. The first step's loss of each shows that the three compute the same thing.
+  time. The first step's loss of each, and the largest gradient difference between the two count-
+  balanced pipelines, show that they compute the same thing.
 
     PYTHONPATH=src python bench/pipeline.py [--steps 3] [--rounds 5] [--only bubble|partition] [--quick]
 """
@@ -140,8 +141,13 @@ def _partition(cfg: ModelConfig, rounds: int, per_round: int) -> dict:
     g = torch.Generator().manual_seed(1)
     idx, tgt = (torch.randint(0, cfg.vocab_size, (PART_BATCH, cfg.seq_len), generator=g) for _ in range(2))
     first_loss, times = {}, {name: [] for name in pipes}
-    for name, (step, params, _) in pipes.items():  # warm-up; same weights and data, so same loss
+    for name, (step, _, _) in pipes.items():  # warm-up; same weights and data, so same loss
         first_loss[name] = step(idx, tgt)
+    # The baseline must do the same work: same split, so the same gradients (in the same order).
+    pairs = zip(pipes["plait_count_balanced"][1], pipes["torch_count_balanced"][1], strict=True)
+    diff = torch.tensor([max((a.grad - b.grad).abs().max().item() for a, b in pairs)])
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    for _, params, _ in pipes.values():
         for p in params:
             p.grad = None
     for _ in range(rounds):
@@ -153,7 +159,7 @@ def _partition(cfg: ModelConfig, rounds: int, per_round: int) -> dict:
                 times[name].append(time.perf_counter() - start)
                 for p in params:
                     p.grad = None
-    out: dict = {"first_step_loss": first_loss,
+    out: dict = {"first_step_loss": first_loss, "grad_max_abs_diff_torch_vs_plait_count": diff.item(),
                  "measured_costs_ms": {"embed": round(costs.embed * 1e3, 3),
                                        "blocks": [round(c * 1e3, 3) for c in costs.blocks],
                                        "head": round(costs.head * 1e3, 3)}}
@@ -202,7 +208,8 @@ def _partition_report(ranks: list[dict], quick: bool) -> dict:
     report = {"schedule": "1f1b", "p": 2, "m": PART_M, "batch": PART_BATCH,
               "model": {k: getattr(cfg, k) for k in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size")},
               "measured_costs_ms": ranks[0]["partition"]["measured_costs_ms"],
-              "first_step_loss": last["first_step_loss"]}
+              "first_step_loss": last["first_step_loss"],
+              "grad_max_abs_diff_torch_vs_plait_count": last["grad_max_abs_diff_torch_vs_plait_count"]}
     costs = report["measured_costs_ms"]
     for name in names:
         blocks = [r["partition"][name]["blocks_on_rank"] for r in ranks]
