@@ -14,9 +14,10 @@ Steps (forward, backward, gradient communication, AdamW update) are interleaved 
 machine noise hits every trainer alike; the step time of a distributed trainer is the slower rank's,
 and the median over all timed steps is reported. Memory per rank: parameter + gradient + optimizer
 state bytes counted by storage (``measure_model_state_bytes``: DTensors count their local shard, a
-bucket's flat gradient buffer once) and the peak bytes saved for backward during one step
-(``SavedTensorMeter``). The first step's loss of every trainer is reported to show they compute the
-same thing. Prints JSON; ``ratios`` divide tp2 by dp2 and by single.
+bucket's flat gradient buffer once) and the peak activation bytes saved for backward during one step
+(``SavedTensorMeter``, leaving out the weights layers save, which are parameters). The first step's
+loss of every trainer is reported to show they compute the same thing. Prints JSON; ``ratios``
+divide tp2 by dp2 and by single.
 
     PYTHONPATH=src python bench/tensor.py [--rounds 5] [--steps-per-round 2] [--quick]
 """
@@ -118,15 +119,38 @@ def _build(impl: str, cfg, batch: tuple[torch.Tensor, torch.Tensor], rank: int) 
     return Trainer(model, opt, fwd_bwd_tp, lambda: opt.zero_grad(set_to_none=True), active=True)
 
 
-def _measure_memory(t: Trainer) -> dict[str, int]:
-    """One step: peak bytes saved for backward, and model-state bytes after the update (before the
-    gradients are cleared, so parameters, gradients and AdamW states are all present)."""
+def _storage_ptr(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
+
+
+def _activation_meter(model: torch.nn.Module):
+    """A ``SavedTensorMeter`` that leaves out the weights layers save for backward (they are
+    parameters, counted once in the model states), so its peak is activations only."""
     from plait.parallel.memory import SavedTensorMeter
+
+    params = {_storage_ptr(p) for p in model.parameters()}
+
+    class ActivationMeter(SavedTensorMeter):
+        def _pack(self, t: torch.Tensor):
+            return t if _storage_ptr(t) in params else super()._pack(t)
+
+        @staticmethod
+        def _unpack(saved):
+            return saved if isinstance(saved, torch.Tensor) else SavedTensorMeter._unpack(saved)
+
+    return ActivationMeter()
+
+
+def _measure_memory(t: Trainer) -> dict[str, int]:
+    """One step: peak activation bytes saved for backward, and model-state bytes after the update
+    (before the gradients are cleared, so parameters, gradients and AdamW states are all present)."""
     from plait.plan.memory import measure_model_state_bytes
 
     if not t.active:
         return {}
-    with SavedTensorMeter() as meter:
+    with _activation_meter(t.model) as meter:
         t.forward_backward()
     t.optimizer.step()
     states = measure_model_state_bytes(t.model, t.optimizer)
