@@ -104,7 +104,19 @@ class Network:
             total += int(sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes"))
         return total
 
+    def kill_leftovers(self) -> None:
+        """SIGKILL any process still inside this network's namespaces: all of them were started here
+        (torchrun puts its workers in their own sessions, so ending an agent can orphan its worker)."""
+        for ns in self.namespaces:
+            r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+            for pid in r.stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
     def close(self) -> None:
+        self.kill_leftovers()
         for ns in self.namespaces:  # deleting a namespace also deletes the veth end inside it
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self.namespaces = []
@@ -185,6 +197,7 @@ def run_one(method: str, net: Network, index: int, root: Path, args: argparse.Na
     try:
         launch(cmds, logs, args.run_timeout)
     except RuntimeError as e:
+        net.kill_leftovers()
         print(f"[compress] {net.kind} {method}: FAILED: {e}", file=sys.stderr)
         return {"method": method, "network": net.kind, "error": str(e).splitlines()[0]}
     res = {"method": method, "network": net.kind, "wall_s": time.perf_counter() - t0,
