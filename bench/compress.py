@@ -232,6 +232,46 @@ def annotate(results: list[dict]) -> dict:
     }
 
 
+def conclusion(report: dict) -> str:
+    """One honest sentence on the issue's target: a compressor 2x faster to target than DDP on 1 Gbit/s."""
+    net = report["networks"].get("netns")
+    if net is None:
+        return "not evaluated: the netns (1 Gbit/s) network was not run"
+    v = net["verdict"]
+    if not v["compressors_applied"]:
+        return ("not met: no plait compressor changed the bytes sent (none run, or comm.compress is not "
+                "wired into the reducer in this build)")
+    if v["best_speedup_vs_ddp"] is None:
+        by = {r["method"]: r for r in net["results"] if "error" not in r}
+        hits = [by[m] for m in v["compressors_applied"] if by[m]["reached"]]
+        if not hits or "ddp" not in by:
+            return "not met: every compressed run missed the target loss within the step cap (or DDP failed)"
+        best = min(hits, key=lambda r: r["time_to_target_s"])
+        bound = by["ddp"]["train_seconds"] / best["time_to_target_s"]
+        return (f"{'met' if bound >= 2 else 'undecided'}: DDP missed the target within the step cap; "
+                f"{best['method']} reached it at least {bound:.2f}x faster than DDP's whole run")
+    verb = "met" if v["target_2x_vs_ddp_met"] else "not met"
+    return (f"{verb}: the best compressor, {v['best_compressor']}, reached the target "
+            f"{v['best_speedup_vs_ddp']:.2f}x faster than DDP")
+
+
+def print_table(report: dict) -> None:
+    """Time to target and DDP's time divided by it, per network and run (stderr, for people)."""
+    for kind, net in report["networks"].items():
+        print(f"[compress] {kind}: method, time to target (s), final val loss, comm MB/step, "
+              "DDP time / time, DDP+PowerSGD time / time", file=sys.stderr)
+        for r in net["results"]:
+            if "error" in r:
+                print(f"  {r['method']:14s} FAILED: {r['error']}", file=sys.stderr)
+                continue
+            ratio = [f"{x:.2f}" if x else "-" for x in (r.get("speedup_vs_ddp"), r.get("speedup_vs_ddp-powersgd"))]
+            t = f"{r['time_to_target_s']:.1f}" if r["reached"] else "not reached"
+            note = "" if r.get("compression_applied", True) else "  (compression not applied)"
+            print(f"  {r['method']:14s} {t:>11s} {r['final_val_loss']:6.3f} {r['comm_bytes_per_step'] / 1e6:8.2f} "
+                  f"{ratio[0]:>6s} {ratio[1]:>6s}{note}", file=sys.stderr)
+    print(f"[compress] issue target (2x faster than DDP on 1 Gbit/s): {report['issue_target']}", file=sys.stderr)
+
+
 def check_environment(networks: list[str]) -> None:
     if os.geteuid() != 0:
         raise BenchError("bench/compress.py creates network namespaces and must run as root (sudo)")
@@ -301,6 +341,8 @@ def main() -> int:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
     report["bench_seconds"] = time.perf_counter() - t_start
+    report["issue_target"] = conclusion(report)
+    print_table(report)
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:
