@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import platform
 import queue as queue_mod
-import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +24,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from plait.comm.collectives import free_port  # noqa: E402, F401 - re-exported for the scripts
+
 # Overrides every benchmark trainer shares: a long schedule (no decay effects), no I/O, no evaluation.
 COMMON = ["--train.steps=100000", "--optim.warmup_steps=1", "--observe.progress=false",
           "--observe.tensorboard=false", "--train.eval_every=0"]
@@ -32,12 +33,6 @@ COMMON = ["--train.steps=100000", "--optim.warmup_steps=1", "--observe.progress=
 
 class GroupError(RuntimeError):
     """A spawned group of ranks failed or timed out; the message names the group and the exit codes."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_worker(rank: int, world: int, port: int) -> None:

@@ -47,6 +47,20 @@ PEERS = ("ddp", "zero_redundancy", "fsdp_no_reshard", "fsdp")
 MODEL = ["--model.n_layer=4", "--model.d_model=256", "--model.n_head=4", "--model.seq_len=64",
          "--train.micro_batch_size=2"]
 
+NOTES = {
+    "model_state": "bytes per rank by tensor storage, right before the 2nd optimizer step (gradients reduced, "
+                   "optimizer states exist); *_max is the largest rank",
+    "peak": "process peak RSS minus RSS before the model was built, per rank; CPU RSS is coarse (allocator "
+            "caching, pages), compare it between implementations only",
+    "stage1": "plait stage 1 holds the full local gradient buffers plus the reduced 1/N gradient shard; "
+              "ZeroRedundancyOptimizer keeps only DDP's full all-reduced gradients (DDP's own bucket copies "
+              "are not parameter storage and are not counted)",
+    "stage2": "fully_shard(reshard_after_forward=False) still reshards parameters at the end of backward, so at "
+              "the measuring point it holds 1/N parameters while plait stage 2 holds full ones; its unsharded "
+              "parameters live from forward to backward and show in the peak, not in model_state",
+    "step_s": "median over timed steps of the slowest rank's step; noisy on a shared machine",
+}
+
 
 def overrides(dp: int) -> list[str]:
     """The benchmark config at data-parallel size ``dp``: one micro-batch of 2 sequences per rank per step."""
@@ -251,7 +265,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         by_dp = {f"dp{dp}": sweep(dp, args, root) for dp in args.dp}
     print(json.dumps({
-        "bench": "zero", **_common.machine_info(), "config": " ".join(MODEL) + " (global batch 2 x dp)",
+        "bench": "zero", "notes": NOTES, **_common.machine_info(), "config": " ".join(MODEL) + " (global batch 2 x dp)",
         "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds,
         "wall_s": round(time.perf_counter() - started, 1), **by_dp,
     }, indent=1))
