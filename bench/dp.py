@@ -13,15 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import sys
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 
-import torch
+import _common
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -33,22 +29,15 @@ CONFIGS = {
     "comm_heavy": ["--model.n_layer=8", "--model.d_model=512", "--model.n_head=8", "--model.seq_len=32",
                    "--train.global_batch_size=2", "--train.micro_batch_size=1"],
 }
-COMMON = ["--train.steps=100000", "--optim.warmup_steps=1", "--observe.progress=false",
-          "--observe.tensorboard=false", "--train.eval_every=0"]
 
 
 def _trainers(name: str, overrides: list[str], root: str) -> dict:
-    from plait.config import load_config, validate
     from plait.parallel.data import LocalGrads
-    from plait.train.trainer import Trainer
 
     out = {}
     for impl in ("plait", "torch", "compute_only"):
-        run_dir = Path(root, f"{name}-{impl}")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        cfg = validate(load_config(overrides=COMMON + overrides + [
-            f"--parallel.impl={'torch' if impl == 'torch' else 'plait'}", f"--run.dir={run_dir}"]), 2)
-        t = Trainer(cfg, run_dir)
+        t = _common.make_trainer(overrides + [f"--parallel.impl={'torch' if impl == 'torch' else 'plait'}"],
+                                 Path(root, f"{name}-{impl}"), 2)
         if impl == "compute_only":
             t.layout.engine.require_sync = False  # its hooks never launch a collective
             t.layout.engine = LocalGrads(t.model)
@@ -86,17 +75,12 @@ def _bench_config(name: str, overrides: list[str], rounds: int, per_round: int, 
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
-    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=300))
+    _common.init_worker(rank, 2, port)
     results = {name: _bench_config(name, ov, args.rounds, args.steps_per_round, root)
                for name, ov in CONFIGS.items() if not args.only or name == args.only}
     if rank == 0:
-        print(json.dumps({
-            "bench": "dp", "world_size": 2, "backend": "gloo", "torch": torch.__version__,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "results": results,
-        }, indent=1))
+        print(json.dumps({"bench": "dp", "world_size": 2, **_common.machine_info(), "results": results},
+                         indent=1))
     dist.destroy_process_group()
 
 
@@ -109,11 +93,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.steps_per_round = 2, 1
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from plait.comm.collectives import free_port
-
     with tempfile.TemporaryDirectory() as root:
-        mp.spawn(_worker, args=(free_port(), args, root), nprocs=2, join=True)
+        mp.spawn(_worker, args=(_common.free_port(), args, root), nprocs=2, join=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,134 @@
+"""Helpers shared by the benchmarks: gloo worker setup, trainers from overrides, groups of spawned ranks,
+and process memory readings.
+
+The benchmarks run as scripts (``python bench/<name>.py``), so this module is imported as ``_common``
+with ``bench/`` on the path; it puts the repository's ``src`` on the path itself, and spawned ranks
+inherit that path.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import queue as queue_mod
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+if str(SRC) not in sys.path:
+    sys.path.insert(0, str(SRC))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from plait.comm.collectives import free_port  # noqa: E402, F401 - re-exported for the scripts
+
+# Overrides every benchmark trainer shares: a long schedule (no decay effects), no I/O, no evaluation.
+COMMON = ["--train.steps=100000", "--optim.warmup_steps=1", "--observe.progress=false",
+          "--observe.tensorboard=false", "--train.eval_every=0"]
+
+
+class GroupError(RuntimeError):
+    """A spawned group of ranks failed or timed out; the message names the group and the exit codes."""
+
+
+def init_worker(rank: int, world: int, port: int) -> None:
+    """One CPU thread per rank (ranks share the cores) and a gloo process group over TCP."""
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+
+
+def make_trainer(overrides: list[str], run_dir: Path, world: int) -> Any:
+    """A ``Trainer`` from ``COMMON + overrides``, validated for ``world`` ranks, writing into ``run_dir``."""
+    from plait.config import load_config, validate
+    from plait.train.trainer import Trainer
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = validate(load_config(overrides=COMMON + overrides + [f"--run.dir={run_dir}"]), world)
+    return Trainer(cfg, run_dir)
+
+
+def machine_info() -> dict[str, str]:
+    return {"backend": "gloo", "torch": torch.__version__,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process (Linux /proc; 0 where unavailable)."""
+    kib = _status_kib("VmRSS")
+    return kib * 1024 if kib is not None else 0
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (VmHWM, else getrusage's ru_maxrss)."""
+    kib = _status_kib("VmHWM")
+    if kib is None:
+        import resource
+
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux: write 5 to /proc/self/clear_refs); False if not possible,
+    in which case the peak also covers what happened before (imports, process-group start-up)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _entry(fn: Any, rank: int, world: int, port: int, out: Any, args: tuple) -> None:
+    init_worker(rank, world, port)
+    try:
+        out.put((rank, fn(rank, world, *args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_group(fn: Any, world: int, *args: Any, name: str = "group", timeout_s: float = 600) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh spawned gloo ranks; return the results by rank.
+
+    ``fn`` must be a module-level function returning something picklable. Raises ``GroupError`` when a
+    rank exits without a result or the group takes longer than ``timeout_s``.
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, out, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        while len(results) < world:
+            try:
+                rank, res = out.get(timeout=5)
+                results[rank] = res
+            except queue_mod.Empty:
+                timeout_s -= 5
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or timeout_s <= 0:
+                    raise GroupError(f"{name}: ranks exited with codes {[p.exitcode for p in procs]} "
+                                     f"after {len(results)}/{world} results (see stderr above)") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]

@@ -1,0 +1,275 @@
+"""plait's ZeRO stages 0-3 against PyTorch's peers (and DeepSpeed's ZeRO if given), for dp=2 and dp=4.
+
+Implementations (all from the same GPT weights, data order and AdamW hyperparameters, clipping at 1.0):
+  plait0..plait3      plait's Trainer with parallel.zero=0..3 (0: plait's bucketed reducer)
+  ddp                 DistributedDataParallel                                   (stage 0 peer)
+  zero_redundancy     DDP + torch's ZeroRedundancyOptimizer over AdamW          (stage 1 peer)
+  fsdp_no_reshard     fully_shard per block + root, reshard_after_forward=False (stage 2 peer)
+  fsdp                fully_shard per block + root, defaults                    (stage 3 peer)
+  deepspeed1..3       DeepSpeed ZeRO 1-3 on CPU/gloo (only with --deepspeed-python; bench/_zero_deepspeed.py)
+
+Each implementation runs in its own freshly spawned group of gloo ranks (one CPU thread each), so the
+process peak memory of one cannot leak into another's. Per rank it records:
+* ``model_state``: bytes held by parameters, gradients and optimizer states, counted by tensor storage
+  (``plait.plan.memory.measure_model_state_bytes``) right before the second optimizer step, the same
+  point for every implementation. This is the primary, exact memory figure. (DDP's internal bucket
+  copies of the gradients are not parameters' storage and are not counted; they show in the peak.)
+* ``peak_rss``: the process's peak resident set size during build + steps (VmHWM, reset after imports
+  and process-group start-up), and ``peak_above_baseline`` = peak - RSS before the model was built.
+  On CPU this is coarse (allocator caching, page granularity) but it is per process and per implementation.
+* step times: ``--warmup`` untimed steps, then ``--steps`` timed ones, each after a barrier; a step's time is
+  the slowest rank's; the median over steps (pooled over ``--rounds`` repetitions of the whole sweep, in
+  rotated order so that machine noise is spread) is reported.
+Ratios: plait stage k over its peer (model-state memory and step time); targets are memory <= 1 and
+step time <= 1.05. ``final_loss`` (rank 0, last step) is a sanity check that all loops trained alike.
+
+    python bench/zero.py [--dp 2 4] [--steps 8] [--rounds 2] [--quick] [--deepspeed-python /tmp/dsvenv/bin/python]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _common
+import torch
+import torch.distributed as dist
+
+PLAIT = ("plait0", "plait1", "plait2", "plait3")
+PEERS = ("ddp", "zero_redundancy", "fsdp_no_reshard", "fsdp")
+MODEL = ["--model.n_layer=4", "--model.d_model=256", "--model.n_head=4", "--model.seq_len=64",
+         "--train.micro_batch_size=2"]
+
+NOTES = {
+    "model_state": "bytes per rank by tensor storage, right before the 2nd optimizer step (gradients reduced, "
+                   "optimizer states exist); *_max is the largest rank",
+    "peak": "process peak RSS minus RSS before the model was built, per rank; CPU RSS is coarse (allocator "
+            "caching, pages), compare it between implementations only",
+    "stage1": "plait stage 1 holds the full local gradient buffers plus the reduced 1/N gradient shard; "
+              "ZeroRedundancyOptimizer keeps only DDP's full all-reduced gradients (DDP's own bucket copies "
+              "are not parameter storage and are not counted)",
+    "stage2": "fully_shard(reshard_after_forward=False) still reshards parameters at the end of backward, so at "
+              "the measuring point it holds 1/N parameters while plait stage 2 holds full ones; its unsharded "
+              "parameters live from forward to backward and show in the peak, not in model_state",
+    "step_s": "median over timed steps of the slowest rank's step; noisy on a shared machine",
+}
+
+
+def overrides(dp: int) -> list[str]:
+    """The benchmark config at data-parallel size ``dp``: one micro-batch of 2 sequences per rank per step."""
+    return MODEL + [f"--train.global_batch_size={2 * dp}"]
+
+
+def _build_peer(impl: str, cfg, world: int):
+    """(module to run, optimizer to step, optimizer whose ``state`` holds the states) for a PyTorch peer."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from plait.models.gpt import GPT
+    from plait.train.optim import param_groups
+
+    torch.manual_seed(cfg.train.seed)  # the Trainer's initial weights
+    model = GPT(cfg.model)
+    o = cfg.optim
+    hyper = {"lr": o.lr, "betas": (o.beta1, o.beta2), "foreach": False}
+    groups = param_groups(model, o.weight_decay)
+    if impl in ("ddp", "zero_redundancy"):
+        module = DDP(model, bucket_cap_mb=cfg.parallel.bucket_mb)
+        if impl == "ddp":
+            opt = torch.optim.AdamW(groups, **hyper)
+            return module, model, opt, opt
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **hyper)
+        return module, model, opt, opt.optim
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    reshard = impl == "fsdp"
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    opt = torch.optim.AdamW(param_groups(model, o.weight_decay), **hyper)
+    return model, model, opt, opt
+
+
+def _peer_step(impl: str, parts, sampler, cfg, step: int, measure: bool) -> tuple[float, dict | None]:
+    """One optimizer step of a peer's minimal loop (same phases as the Trainer); returns (loss, memory)."""
+    from torch.distributed.tensor import DTensor
+
+    from plait.plan.memory import measure_model_state_bytes
+    from plait.train.optim import lr_at
+
+    module, model, opt, state_opt = parts
+    ((x, y),) = sampler.next_batch()
+    loss = module(x, y)  # (), mean cross-entropy
+    loss.backward()
+    for g in opt.param_groups:
+        g["lr"] = lr_at(step, cfg.optim, cfg.train.steps)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=False)
+    norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    memory = measure_model_state_bytes(model, state_opt) if measure else None
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss), memory
+
+
+def run_impl(rank: int, world: int, impl: str, dp_overrides: list[str], root: str, warmup: int,
+             steps: int) -> dict:
+    """Build one implementation in this rank, run ``warmup + steps`` steps; the per-rank record."""
+    baseline = _common.rss_bytes()
+    reset = _common.reset_peak_rss()
+    times, losses, memory = [], [], None
+    if impl in PLAIT:
+        trainer = _common.make_trainer(dp_overrides + [f"--parallel.zero={impl[-1]}"], Path(root, impl), world)
+    else:
+        from plait.config import load_config, validate
+        from plait.data.corpus import load_splits
+        from plait.data.sampler import WindowSampler
+
+        cfg = validate(load_config(overrides=_common.COMMON + dp_overrides), world)
+        t = cfg.train
+        splits = load_splits(cfg.data.path, cfg.model.vocab_size, cfg.data.val_fraction, cfg.model.seq_len)
+        sampler = WindowSampler(splits.train, cfg.model.seq_len, t.global_batch_size, t.micro_batch_size,
+                                rank, world, t.seed)
+        parts = _build_peer(impl, cfg, world)
+    for step in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if impl in PLAIT:
+            loss = trainer.train_step()["loss"]
+        else:
+            loss, mem = _peer_step(impl, parts, sampler, cfg, step, measure=step == 1)
+            memory = mem or memory
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+    if impl in PLAIT:
+        memory = trainer.memory
+    peak = _common.peak_rss_bytes()
+    return {"step_s": times[warmup:], "final_loss": losses[-1], "model_state": memory, "peak_rss": peak,
+            "peak_above_baseline": peak - baseline, "peak_reset": reset}
+
+
+def merge_ranks(per_rank: list[dict]) -> dict:
+    """Per-rank records of one run -> one record: the slowest rank's time per step, per-rank memory."""
+    return {
+        "step_s": [max(s) for s in zip(*(r["step_s"] for r in per_rank), strict=True)],
+        "final_loss": per_rank[0]["final_loss"],
+        "model_state_bytes": [r["model_state"]["total"] if r["model_state"] else None for r in per_rank],
+        "model_state_breakdown_rank0": per_rank[0]["model_state"],
+        "peak_rss_bytes": [r["peak_rss"] for r in per_rank],
+        "peak_above_baseline_bytes": [r["peak_above_baseline"] for r in per_rank],
+    }
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Records of one implementation over rounds -> median step time (pooled) and max memory over ranks."""
+    out = dict(runs[-1])
+    samples = [s for r in runs for s in r["step_s"]]
+    out["step_s"] = statistics.median(samples)
+    out["step_samples"] = len(samples)
+    for key in ("model_state_bytes", "peak_rss_bytes", "peak_above_baseline_bytes"):
+        vals = [v for r in runs for v in r[key] if v is not None]
+        out[key + "_max"] = max(vals) if vals else None
+    return out
+
+
+def ratios(results: dict) -> dict:
+    """plait stage k over its PyTorch peer (and DeepSpeed's stage k where it ran): memory and time."""
+    out = {}
+    for k, peer in enumerate(PEERS):
+        mine = results.get(f"plait{k}")
+        for other in (peer, f"deepspeed{k}"):
+            theirs = results.get(other)
+            if not isinstance(mine, dict) or not isinstance(theirs, dict) or k == 0 and other == "deepspeed0":
+                continue
+            mem = _ratio(mine["model_state_bytes_max"], theirs["model_state_bytes_max"])
+            step = mine["step_s"] / theirs["step_s"]
+            out[f"stage{k}_vs_{other}"] = {
+                "model_state_ratio": mem, "step_time_ratio": round(step, 3),
+                "peak_above_baseline_ratio": _ratio(mine["peak_above_baseline_bytes_max"],
+                                                    theirs["peak_above_baseline_bytes_max"]),
+                "meets_memory_target": mem is not None and mem <= 1.0, "meets_time_target": step <= 1.05,
+            }
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def _deepspeed(python: str, stage: int, dp: int, args: argparse.Namespace) -> dict | str:
+    """DeepSpeed ZeRO ``stage`` in a subprocess with DeepSpeed's interpreter; its merged record or why not."""
+    script = Path(__file__).with_name("_zero_deepspeed.py")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    cmd = [python, str(script), "--stage", str(stage), "--dp", str(dp), "--warmup", str(args.warmup),
+           "--steps", str(args.steps), *overrides(dp)]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"not run: {e}"
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return f"failed (exit {done.returncode}): {' | '.join(tail)}"
+    return json.loads(lines[-1])
+
+
+def sweep(dp: int, args: argparse.Namespace, root: str) -> dict:
+    impls = list(PLAIT + PEERS)
+    runs: dict[str, list[dict]] = {i: [] for i in impls}
+    results: dict[str, dict | str] = {}
+    for r in range(args.rounds):
+        for impl in impls[r % len(impls):] + impls[:r % len(impls)]:
+            try:
+                per_rank = _common.spawn_group(run_impl, dp, impl, overrides(dp), root, args.warmup, args.steps,
+                                               name=f"{impl} dp={dp}")
+                runs[impl].append(merge_ranks(per_rank))
+            except _common.GroupError as e:
+                results[impl] = f"failed: {e}"
+            print(f"[zero bench] dp={dp} round {r + 1}/{args.rounds} {impl} done", file=sys.stderr)
+    for impl, rs in runs.items():
+        if rs and impl not in results:
+            results[impl] = summarize(rs)
+    if args.deepspeed_python:
+        for stage in (1, 2, 3):
+            rec = _deepspeed(args.deepspeed_python, stage, dp, args)
+            results[f"deepspeed{stage}"] = summarize([rec]) if isinstance(rec, dict) else rec
+            print(f"[zero bench] dp={dp} deepspeed{stage} done", file=sys.stderr)
+    else:
+        results["deepspeed"] = "not run: pass --deepspeed-python PYTHON (an interpreter with deepspeed installed)"
+    return {"results": results, "ratios": ratios(results)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dp", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps (>= 2: optimizer states exist)")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    ap.add_argument("--rounds", type=int, default=2, help="repetitions of the whole sweep, rotated order")
+    ap.add_argument("--quick", action="store_true", help="2 warm-up + 2 timed steps, 1 round")
+    ap.add_argument("--deepspeed-python", default="", help="interpreter with deepspeed (run as a subprocess)")
+    args = ap.parse_args()
+    if args.quick:
+        args.warmup, args.steps, args.rounds = 2, 2, 1
+    if args.warmup < 2:
+        ap.error("--warmup must be at least 2: memory is measured before the second optimizer step")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as root:
+        by_dp = {f"dp{dp}": sweep(dp, args, root) for dp in args.dp}
+    print(json.dumps({
+        "bench": "zero", "notes": NOTES, **_common.machine_info(), "config": " ".join(MODEL) + " (global batch 2 x dp)",
+        "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds,
+        "wall_s": round(time.perf_counter() - started, 1), **by_dp,
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
