@@ -12,12 +12,13 @@ compute exactly what they compute unsharded. The chunk of the fp32 flat buffer i
 master copy; a separate fp32 master is kept only when parameters are not fp32 or are offloaded.
 
 Gradients. Autograd accumulates each parameter's gradient as usual; a post-accumulate-grad hook adds
-it into the bucket's flat gradient buffer and drops ``p.grad``. Stage 1 reduce-scatters every bucket
-when the step (or clipping) asks for gradients and keeps the full local gradient buffers. Stage 2
+it into the bucket's flat gradient buffer and drops ``p.grad``. Stage 1 keeps the full local gradient
+buffers and all-reduces them in place when the step (or clipping) asks for gradients; its shard is a
+slice of that buffer, so it holds no more gradient memory than an unsharded optimizer. Stage 2
 launches each bucket's reduce-scatter from the hooks while backward continues, always in the fixed
 bucket order (so every rank issues the same collectives in the same order), and frees the full local
 buffer once its reduce-scatter is done: only the reduced 1/N shard survives backward. Reduce-scatter
-rather than all-reduce: each rank only needs its own shard, and reduce-scatter moves half the bytes.
+rather than all-reduce at stage 2: each rank only needs its own shard, and it moves half the bytes.
 """
 
 from __future__ import annotations
@@ -150,6 +151,9 @@ class ZeroOptimizer:
             hp = {k: v for k, v in g.items() if k != "params"}
             inner_groups.append({"params": [b.master for b in self.buckets if b.group_index == gi], **hp})
         self.optimizer = optimizer_cls(inner_groups, **defaults)
+        if stage == 1:
+            for b in self.buckets:  # the shard is a slice of the kept full buffer: no extra gradient memory
+                b.grad_shard = b.ensure_grad_full()[self.rank * b.chunk:(self.rank + 1) * b.chunk]
         self._sync = True
         self._next_launch = 0
         self._reduced = False
@@ -272,13 +276,19 @@ class ZeroOptimizer:
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
-        """Reduce-scatter (sum) bucket ``b``'s local gradient into this rank's shard; async.
+        """Sum bucket ``b``'s local gradient over the group into this rank's shard; async.
 
-        Communication: forward-of-optimizer only; one reduce-scatter of ``numel`` elements.
+        Communication (no autograd involvement): stage 2, one reduce-scatter of ``numel`` elements
+        into the separate shard buffer; stage 1, one in-place all-reduce of the full local buffer,
+        whose slice is the shard (the full buffer is kept at stage 1 anyway, so this holds no second
+        gradient buffer, at twice the reduce-scatter's bytes).
         """
         self._reduced = False
-        b.work = reduce_scatter_flat(b.grad_shard, b.ensure_grad_full(), op=dist.ReduceOp.SUM,
-                                            group=self.group, async_op=True)
+        if self.stage == 1:
+            b.work = dist.all_reduce(b.ensure_grad_full(), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        else:
+            b.work = reduce_scatter_flat(b.grad_shard, b.ensure_grad_full(), op=dist.ReduceOp.SUM,
+                                         group=self.group, async_op=True)
         b.launched = True
         self._next_launch += 1
 

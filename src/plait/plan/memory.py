@@ -8,13 +8,13 @@ right after backward (gradients reduced, optimizer states initialised):
 stage      parameters             gradients                    optimizer
 =========  =====================  ===========================  =============
 0          4 Psi                  4 Psi                        4k Psi
-1          4 Psi                  4 Psi (local) + 4 Psi / N    4k Psi / N
+1          4 Psi                  4 Psi (local, reduced in place) 4k Psi / N
 2          4 Psi                  4 Psi / N                    4k Psi / N
 3 (FSDP2)  4 Psi / N              4 Psi / N                    4k Psi / N
 =========  =====================  ===========================  =============
 
-Stage 1 keeps the full local gradient buffers and reduce-scatters them into a 1/N shard at step
-time, hence both terms. Stages 1-2 pad each bucket to a multiple of N (a few elements). plait's
+Stage 1 keeps the full local gradient buffers and all-reduces them in place at step time; its
+shard is a slice of that buffer. Stages 1-2 pad each bucket to a multiple of N (a few elements). plait's
 bf16 is autocast: parameters, gradients and optimizer states stay fp32 and the bf16 copies are
 transient (they live with the activations), so the bf16 row equals the fp32 row; with FSDP2's
 bf16 ``param_dtype`` the unsharded bf16 parameters exist only around each block's compute.
@@ -92,8 +92,6 @@ def predict_model_state_bytes(num_params: int, *, stage: int, dp: int, precision
         out["grads"] = sharded["grads"]
     if stage == 3:
         out["params"] = sharded["params"]
-    if stage == 1 and accounting == "plait":
-        out["grads"] += sharded["grads"]  # the reduced shard next to the full local buffers
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
 
