@@ -214,13 +214,56 @@ def _hang(rank: int, world: int, root: str, extra: list[str]) -> dict:
     return {"error": None}
 
 
-@pytest.mark.parametrize("extra", [[], ["--comm.allreduce=ring", "--comm.compress=int8"]],
-                         ids=["backend", "ring-int8-thread"])
-def test_skipped_gradient_collective_names_the_missing_rank(tmp_path, extra: list[str]) -> None:
-    r0, r1 = run_ranks(_hang, 2, str(tmp_path), extra, timeout=60)
+def test_skipped_compressed_collective_on_comm_thread_names_the_missing_rank(tmp_path) -> None:
+    """The comm-thread path (plait's ring carrying int8 payloads): the waiter's guard still fires."""
+    r0, r1 = run_ranks(_hang, 2, str(tmp_path), ["--comm.allreduce=ring", "--comm.compress=int8"], timeout=60)
     assert r1 == {"skipped": True}
     msg = r0["error"]
     assert msg is not None, "rank 0 finished a step its peer never communicated in"
     assert "collective 'gradient bucket" in msg and "at step 2" in msg, msg
     assert "ranks [1] did not arrive" in msg, msg
     assert r0["elapsed"] <= HANG_TIMEOUT_S + 5
+
+
+# Loaded into every Python process of the CLI run below (via PYTHONPATH): makes rank 1 stall before
+# issuing its step-2 gradient all-reduces, as a rank stuck in a divergent code path would.
+_SKIP_HOOK = """
+import os
+import time
+
+from plait.comm import collectives
+
+_orig = collectives.Comm.all_reduce_async
+
+
+def _skipping(self, tensor, group, name="all_reduce"):
+    if os.environ.get("RANK") == "1" and self.step == 2 and name.startswith("gradient"):
+        time.sleep(120)
+    return _orig(self, tensor, group, name)
+
+
+collectives.Comm.all_reduce_async = _skipping
+"""
+
+
+def test_cli_run_with_a_stalled_rank_exits_with_one_named_error(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_SKIP_HOOK)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+    args = [a for a in SMALL if not a.startswith("--parallel.bucket_mb")]
+    start = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "plait.cli", "train", *args, "--train.steps=4",
+                        f"--comm.timeout_s={HANG_TIMEOUT_S}", f"--run.dir={tmp_path}/run"],
+                       env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 1, p.stderr[-2000:]
+    line = [x for x in p.stderr.splitlines() if x.startswith("plait: error:")]
+    assert len(line) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "rank 0 failed: CollectiveTimeout: collective 'gradient bucket 0'" in line[0], line[0]
+    assert "at step 2" in line[0] and "ranks [1] did not arrive" in line[0], line[0]
+    assert time.monotonic() - start < 200  # not the 120 s stall plus a hang
