@@ -267,3 +267,19 @@ def test_cli_run_with_a_stalled_rank_exits_with_one_named_error(tmp_path) -> Non
     assert "rank 0 failed: CollectiveTimeout: collective 'gradient bucket 0'" in line[0], line[0]
     assert "at step 2" in line[0] and "ranks [1] did not arrive" in line[0], line[0]
     assert time.monotonic() - start < 200  # not the 120 s stall plus a hang
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--comm.timeout_s=0"], "comm.timeout_s must be positive"),
+    (["--comm.compress=topk", "--comm.compress_ratio=0"], "comm.compress_ratio is the kept fraction"),
+    (["--comm.compress=powersgd", "--comm.powersgd_rank=0"], "comm.powersgd_rank must be at least 1"),
+    (["--comm.compress=powersgd", "--comm.stochastic_rounding=true"], "applies to comm.compress=int8 or int4"),
+    (["--parallel.impl=torch", "--comm.compress=int8"], "set parallel.impl=plait"),
+    (["--parallel.impl=torch", "--comm.allreduce=ring"], "set parallel.impl=plait"),
+    (["--parallel.zero=3", "--comm.compress=powersgd"], "use parallel.zero=0, 1 or 2"),
+])
+def test_comm_config_errors_say_what_to_do(args: list[str], message: str) -> None:
+    from plait.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config(overrides=SMALL + args), 2)
