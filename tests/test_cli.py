@@ -74,6 +74,13 @@ def test_failing_worker_is_named(tmp_path: Path) -> None:
      "train.global_batch_size=10 must equal micro_batch_size (4) x dp (2) x accumulation steps; try"),
     (["--data.path=/nonexistent/corpus.txt"], "data file /nonexistent/corpus.txt does not exist"),
     (["--resume", "EMPTY"], "holds no checkpoint to resume from"),
+    (["--parallel.pp=2", "--model.n_layer=1"], "2 pipeline stages (pp=2 x 1 per rank) but model.n_layer=1"),
+    (["--parallel.tp=2", "--model.n_head=3", "--model.d_model=96"], "model.n_head=3 does not divide by parallel.tp=2"),
+    (["--parallel.pp=2", "--parallel.pp_schedule=interleaved", "--parallel.microbatches=1"],
+     "schedule 'interleaved' needs at least as many micro-batches as pipeline stages"),
+    (["--parallel.zero=3", "--parallel.nproc=1"], "parallel.zero=3 shards model state across the data-parallel ranks"),
+    (["--parallel.zero=2", "--parallel.offload=optimizer"], "this run trains on the CPU"),
+    (["--parallel.zero=1", "--parallel.offload=params"], "parallel.offload=params needs parallel.zero=3"),
 ])
 def test_bad_input_gives_clear_message(tmp_path: Path, args: list[str], message: str) -> None:
     (tmp_path / "EMPTY").mkdir()

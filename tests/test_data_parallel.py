@@ -91,3 +91,14 @@ def test_export_names_match_single_process_model(runs: dict) -> None:
 
     cfg = load_config(overrides=BASE)
     assert set(load_file(f"{runs['plait']}/model.safetensors")) == set(GPT(cfg.model).state_dict())
+
+
+@pytest.mark.parametrize("variant", ["plait", "zero1_accum2", "zero2_small_buckets", "zero3_accum2"])
+def test_measured_model_state_matches_prediction(runs: dict, variant: str) -> None:
+    """summary.json: measured model-state bytes per rank within 5% of plait.plan.memory's prediction."""
+    memory = json.loads(Path(runs[variant], "summary.json").read_text())["memory"]
+    assert len(memory["measured_model_state_bytes"]) == 2
+    for predicted, measured in zip(memory["predicted_model_state_bytes"], memory["measured_model_state_bytes"],
+                                   strict=True):
+        assert abs(measured - predicted) <= 0.05 * predicted, (variant, measured, predicted)
+    assert all(p > 0 for p in memory["peak_bytes"])

@@ -1,7 +1,8 @@
-"""``plait train | sample``: the command line.
+"""``plait train | sample | plan``: the command line.
 
     plait train [CONFIG.toml] [--section.key=value ...] [--resume RUN_DIR]
     plait sample RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
+    plait plan memory [CONFIG.toml] [--section.key=value ...]
 
 Errors a user can cause end in one line on stderr and a non-zero exit, never a traceback.
 """
@@ -150,7 +151,33 @@ def cmd_sample(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "sample": cmd_sample}
+def cmd_plan(argv: list[str]) -> int:
+    """``plait plan memory [CONFIG.toml] [--section.key=value ...]``: predicted per-rank memory, no launch."""
+    from plait.plan.memory import GPTShape, format_memory_table, gpt_num_params
+
+    if not argv or argv[0] != "memory":
+        raise ConfigError("usage: plait plan memory [CONFIG.toml] [--section.key=value ...]")
+    config_path, resume, overrides = _split_train_args(argv[1:])
+    if resume:
+        raise ConfigError("plait plan memory takes a CONFIG.toml, not --resume")
+    cfg = validate(load_config(config_path, overrides), cfg_world(config_path, overrides))
+    m, t = cfg.model, cfg.train
+    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
+        raise ConfigError("plait plan memory models data parallelism and ZeRO 0-3; set parallel.tp=1 and pp=1")
+    shape = GPTShape(micro_batch=t.micro_batch_size, seq_len=m.seq_len, d_model=m.d_model, n_head=m.n_head,
+                     n_layer=m.n_layer, vocab_size=m.vocab_size)
+    print(format_memory_table(gpt_num_params(m.n_layer, m.d_model, m.vocab_size, m.seq_len), dp=cfg.parallel.dp,
+                              stage=cfg.parallel.zero, precision="fp32" if t.precision == "fp32" else "bf16",
+                              shape=shape, checkpointing=t.activation_checkpointing, k=t.checkpoint_every_k))
+    return 0
+
+
+def cfg_world(config_path: str | None, overrides: list[str]) -> int:
+    """The world size a config asks for: parallel.nproc workers."""
+    return load_config(config_path, overrides).parallel.nproc
+
+
+COMMANDS = {"train": cmd_train, "sample": cmd_sample, "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,6 +61,10 @@ class Layout:
         """Mean loss of one validation micro-batch (forward only)."""
         with amp():
             return self.module(x, y).detach()
+
+    def report(self, run_dir: Path) -> dict[str, Any]:
+        """Layout-specific results for summary.json (collective where the layout needs it)."""
+        return {}
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """This rank's loss as a plain tensor every rank of its data-parallel replica agrees on."""

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,7 @@ from plait.config import Config
 from plait.parallel.data import GradReducer, LocalGrads, local_grad
 from plait.parallel.layout import AmpFactory, Layout
 from plait.parallel.pipeline import build_pipeline, gpt_loss, measure_layer_costs
+from plait.parallel.pipeline_trace import bubble_summary, write_chrome_trace
 from plait.parallel.tensor import full_state_dict, local_value, loss_context
 from plait.topology import Topology
 from plait.train.optim import materialize_optimizer_state, param_groups
@@ -42,12 +45,17 @@ from plait.train.optim import materialize_optimizer_state, param_groups
 @dataclass
 class ScaledLoss:
     """The pipeline's loss function: mean cross-entropy times ``factor`` (1 / accumulation x loss
-    scale), set by the layout before each schedule step and reset to 1 for evaluation."""
+    scale), set by the layout before each schedule step. With ``record`` set, the unscaled losses are
+    also appended to it."""
 
     factor: float = 1.0
+    record: list[torch.Tensor] | None = None
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return gpt_loss(logits, targets) * self.factor
+        loss = gpt_loss(logits, targets)
+        if self.record is not None:
+            self.record.append(local_value(loss.detach()))
+        return loss * self.factor
 
 
 class ModelParallelLayout(Layout):
@@ -153,9 +161,10 @@ class PipelineLayout(ModelParallelLayout):
             mb = max(1, x.size(0) // p.microbatches)
             costs = measure_layer_costs(model, x[:mb], y[:mb], repeats=2)
         self.loss_fn = ScaledLoss()
+        self.schedule = p.pp_schedule
         self.runner = build_pipeline(model, topo.mesh["pp"], schedule=p.pp_schedule, microbatches=p.microbatches,
                                      virtual_stages_per_rank=p.pp_virtual_stages or None, loss_fn=self.loss_fn,
-                                     costs=costs)
+                                     costs=costs, scale_grads=False)
         holder = nn.ModuleList(self.runner.modules)
         self.model = self.module = holder
         seen: set[int] = set()
@@ -177,14 +186,21 @@ class PipelineLayout(ModelParallelLayout):
         """One schedule step over the micro-batch ``(B, T)``; returns the unscaled mean loss (0 on ranks
         without the last stage). Forward and backward interleave, so all of it counts as backward_s."""
         t0 = time.perf_counter()
-        self.loss_fn.factor = factor
-        with amp():
-            loss = self.runner.step(x, y)
+        # The schedule does not average over pipeline micro-batches (scale_grads=False): the loss does.
+        self.loss_fn.factor = factor / self.runner.microbatches
+        # Every pipeline micro-batch runs its own backward, so the reducer's end-of-backward callback
+        # would fire after the first one: gradients are reduced in finish() instead, after the whole
+        # step (no overlap of the data-parallel reduction with the pipeline's backward).
+        with amp(), self.engine.no_sync():
+            loss = self.runner.step(x, y, sync_tied=False)  # tied table: once per optimizer step, in finish()
         times["backward_s"] += time.perf_counter() - t0
-        return loss / factor if loss is not None else torch.zeros(())
+        return loss / self.loss_fn.factor if loss is not None else torch.zeros(())
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor, amp: AmpFactory) -> torch.Tensor:
+        """Mean validation loss of the micro-batch on the last stage's rank (0 elsewhere)."""
+        if self.schedule == "zbv":
+            return self._evaluate_by_zero_step(x, y, amp)
         self.loss_fn.factor = 1.0
         losses: list | None = [] if self.runner.has_last else None
         sched = self.runner.schedule
@@ -196,6 +212,42 @@ class PipelineLayout(ModelParallelLayout):
         if not losses:
             return torch.zeros(())
         return torch.stack([local_value(v.detach()) for v in losses]).mean()
+
+    def _evaluate_by_zero_step(self, x: torch.Tensor, y: torch.Tensor, amp: AmpFactory) -> torch.Tensor:
+        """The zero-bubble V schedule's forward-only mode fails in torch 2.13 ("can't steal_bwd_input if
+        this stage doesn't have backward"), so evaluation runs a full step with the loss multiplied by 0,
+        records the unscaled losses, and drops the (zero) gradients: twice the cost of a forward pass,
+        same numbers."""
+        self.loss_fn.factor, self.loss_fn.record = 0.0, []
+        try:
+            with torch.enable_grad(), self.no_sync(), amp():
+                self.runner.step(x, y, sync_tied=False)
+            values = self.loss_fn.record
+        finally:
+            self.loss_fn.factor, self.loss_fn.record = 1.0, None
+        self.zero_grad()
+        return torch.stack(values).mean() if values else torch.zeros(())
+
+    def finish(self) -> None:
+        """Data-parallel reduction, then the tied table's gradient summed across the first and last
+        stage: once per optimizer step, after all accumulation micro-steps (both are sums, so their
+        order does not matter)."""
+        self.engine.finish()
+        self.runner.sync_tied_grads()
+
+    def report(self, run_dir: Path) -> dict[str, Any]:
+        """Bubble accounting of the last pipeline step and ``pipeline_trace.json`` (collective over pp).
+
+        Each stage's measured idle fraction (1 - busy / step span) next to the theoretical
+        (p-1)/(v*m+p-1); the trace holds every forward/backward of every micro-batch on every stage."""
+        gathered = self.runner.gather_timeline()
+        if gathered is None or self.topo.rank != 0:
+            return {}
+        events, spans = gathered
+        r = self.runner
+        write_chrome_trace(run_dir / "pipeline_trace.json", events, spans)
+        summary = bubble_summary(events, spans, r.microbatches, r.virtual_stages, self.topo.degree("pp"))
+        return {"pipeline": {"schedule": self.schedule, **summary, "trace": "pipeline_trace.json"}}
 
     def reduce_loss(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the pp group: brings the last stage's loss to every pipeline rank."""

@@ -258,7 +258,7 @@ class PipelineRunner:
                     out.append(p)
         return out
 
-    def step(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def step(self, idx: torch.Tensor, targets: torch.Tensor, sync_tied: bool = True) -> torch.Tensor | None:
         """Forward + backward of the batch ``(B, T)`` split in ``microbatches``; syncs tied grads.
 
         Every pipeline rank passes the same batch (only the first stage reads ``idx``, only the last
@@ -280,7 +280,8 @@ class PipelineRunner:
             else:
                 self.schedule.step(target=targets if self.has_last else None, losses=losses)
         self.span = StepSpan(rank, start, time.time_ns())
-        self.sync_tied_grads()
+        if sync_tied:  # with gradient accumulation, sync once after the last micro-step instead
+            self.sync_tied_grads()
         if losses is None:
             return None
         return torch.stack([local_value(loss.detach()) for loss in losses]).mean()
@@ -353,12 +354,14 @@ def _as_group(pp: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
 def build_pipeline(model: GPT, pp: DeviceMesh | dist.ProcessGroup, *, schedule: str, microbatches: int,
                    virtual_stages_per_rank: int | None = None,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gpt_loss,
-                   costs: LayerCosts | None = None) -> PipelineRunner:
+                   costs: LayerCosts | None = None, scale_grads: bool = True) -> PipelineRunner:
     """Split ``model`` (tensor-parallel already, or not) into this rank's pipeline stages.
 
     Consumes ``model``: its modules move into the stage modules (the unowned ones are dropped), so do
     not use ``model`` afterwards. ``costs`` (from ``measure_layer_costs``) balance the split; without
-    them every block counts the same. ``virtual_stages_per_rank`` defaults to the schedule's natural
+    them every block counts the same. With ``scale_grads=False`` the gradients are those of the sum of
+    the micro-batch losses (for callers that accumulate over several steps and scale the loss
+    themselves). ``virtual_stages_per_rank`` defaults to the schedule's natural
     value (1 for gpipe/1f1b, 2 for interleaved/zbv). Every rank must pass the same arguments.
     Raises ``PipelineConfigError`` for an unknown schedule, more stages than layers, or too few
     micro-batches for the interleaved and zbv schedules.
@@ -392,8 +395,11 @@ def build_pipeline(model: GPT, pp: DeviceMesh | dist.ProcessGroup, *, schedule: 
     loss_parallel = uses_loss_parallel(model)
     model.blocks = nn.ModuleList()  # drop the full model's hold on blocks this rank does not own
     cls = SCHEDULES[schedule]
-    sched = cls(stages[0], microbatches, loss_fn=loss_fn) if virtual == 1 and schedule in ("gpipe", "1f1b") \
-        else cls(stages, microbatches, loss_fn=loss_fn)
+    # scale_grads=False: the loss function divides by the micro-batch count itself. The schedule's own
+    # scaling divides every accumulated gradient of the stage, including earlier accumulation steps'.
+    sched = cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=scale_grads) \
+        if virtual == 1 and schedule in ("gpipe", "1f1b") \
+        else cls(stages, microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
     return PipelineRunner(modules=modules, stages=stages, schedule=sched, group=group,
                           microbatches=microbatches, virtual_stages=virtual, loss_parallel=loss_parallel,
                           tied_shape=tied_shape, tie_is_local=tie_is_local, tie_group=tie_group,

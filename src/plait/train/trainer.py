@@ -297,6 +297,7 @@ class Trainer:
 
     def finish(self) -> dict[str, Any]:
         s = self.state
+        layout_report = self.layout.report(self.run_dir)  # before evaluation, which runs forward passes
         s.val_loss = self.evaluate()
         self.metrics.log({"step": s.step, "val_loss": s.val_loss})
         self.save()
@@ -308,7 +309,7 @@ class Trainer:
             "tokens_per_s": s.tokens_seen / s.train_seconds if s.train_seconds else 0.0,
             "total_seconds": s.train_seconds, "world_size": self.topo.world_size, "dp": self.topo.dp,
             "skipped_steps": s.skipped_steps, "num_params": self.num_params, "precision": self.cfg.train.precision,
-            "zero": self.cfg.parallel.zero, "memory": self._memory_summary(),
+            "zero": self.cfg.parallel.zero, "memory": self._memory_summary(), **layout_report,
             **self._comm_summary(),
         }
         if self.rank0:
