@@ -331,6 +331,7 @@ def validate(cfg: Config, world_size: int) -> Config:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _validate_model_parallel(cfg)
+    _validate_comm(cfg)
     if p.zero and p.impl == "torch":
         raise ConfigError(
             f"parallel.impl=torch selects PyTorch DDP, which does not shard (parallel.zero={p.zero}); "
@@ -380,6 +381,32 @@ def _validate_model_parallel(cfg: Config) -> None:
         raise ConfigError(
             f"parallel.tp={p.tp}/pp={p.pp} compose with plait's data-parallel reducer only in this build; "
             "set parallel.zero=0 and parallel.impl=plait"
+        )
+
+
+def _validate_comm(cfg: Config) -> None:
+    """Communication settings that cannot work, named before any worker starts."""
+    c, p = cfg.comm, cfg.parallel
+    if c.timeout_s <= 0:
+        raise ConfigError(f"comm.timeout_s must be positive seconds; got {c.timeout_s}")
+    if c.ranks_per_node < 0:
+        raise ConfigError(f"comm.ranks_per_node must be >= 1, or 0 for LOCAL_WORLD_SIZE; got {c.ranks_per_node}")
+    if c.compress in ("topk", "randomk") and not 0.0 < c.compress_ratio <= 1.0:
+        raise ConfigError(f"comm.compress_ratio is the kept fraction, in (0, 1]; got {c.compress_ratio}")
+    if c.compress in ("powersgd", "auto") and c.powersgd_rank < 1:
+        raise ConfigError(f"comm.powersgd_rank must be at least 1; got {c.powersgd_rank}")
+    if c.stochastic_rounding and c.compress not in ("int8", "int4"):
+        raise ConfigError(f"comm.stochastic_rounding applies to comm.compress=int8 or int4, not {c.compress}; "
+                          "set comm.stochastic_rounding=false")
+    if p.impl == "torch" and (c.compress != "none" or c.allreduce != "backend"):
+        raise ConfigError(
+            "parallel.impl=torch (PyTorch DDP) runs its own all-reduce, so comm.compress and comm.allreduce "
+            "do not apply to it; set parallel.impl=plait to use them"
+        )
+    if p.zero == 3 and (c.compress != "none" or c.allreduce != "backend"):
+        raise ConfigError(
+            "parallel.zero=3 reduces gradients inside FSDP2, which comm.compress and comm.allreduce do not "
+            "reach; use parallel.zero=0, 1 or 2 with them"
         )
 
 

@@ -16,16 +16,30 @@ caller must let the error end the process (non-zero exit), as the trainer does.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-Handle = Any  # dist.Work or torch.futures.Future
+Handle = Any  # dist.Work, torch.futures.Future or concurrent.futures.Future
+
+
+@dataclass
+class Started:
+    """A guarded collective that has been issued and not yet waited for (see ``CollectiveGuard.start``)."""
+
+    name: str
+    tag: str
+    members: list[int]
+    step: int
+    seq: int
+    handle: Handle
 
 
 class CollectiveTimeout(RuntimeError):
@@ -101,19 +115,33 @@ class CollectiveGuard:
         Raises ``CollectiveTimeout`` if the collective does not complete in time or fails while
         waiting (a peer that crashed closes its connections).
         """
+        return self.wait(self.start(name, group, step, fn))
+
+    def start(self, name: str, group: dist.ProcessGroup | None, step: int,
+              fn: Callable[[], Handle]) -> Started:
+        """The first half of ``run``: mark arrival and issue the collective, without waiting.
+
+        Lets a caller overlap the collective with computation (gradient buckets during backward);
+        pass the result to ``wait``. Guarded collectives on one group must be started in the same
+        order on every rank; they may be waited for in any order.
+        """
         tag, members = self._group(group)
         seq = self._seq.get(tag, 0) + 1
         self._seq[tag] = seq
         self._mark(tag, seq)
-        handle = fn()
-        start = time.monotonic()
+        return Started(name, tag, members, step, seq, fn())
+
+    def wait(self, started: Started) -> Handle:
+        """The second half of ``run``: wait up to ``timeout_s`` (from now) for ``started``."""
+        s = started
+        begin = time.monotonic()
         try:
-            done = self._wait(handle)
+            done = self._wait(s.handle)
         except RuntimeError as e:  # gloo reports its own timeout, or a lost peer, as RuntimeError
-            raise self._error(name, tag, members, step, seq, time.monotonic() - start, e) from e
+            raise self._error(s.name, s.tag, s.members, s.step, s.seq, time.monotonic() - begin, e) from e
         if not done:
-            raise self._error(name, tag, members, step, seq, time.monotonic() - start, None)
-        return handle
+            raise self._error(s.name, s.tag, s.members, s.step, s.seq, time.monotonic() - begin, None)
+        return s.handle
 
     def _group(self, group: dist.ProcessGroup | None) -> tuple[str, list[int]]:
         pg = group if group is not None else dist.group.WORLD
@@ -135,6 +163,13 @@ class CollectiveGuard:
                 time.sleep(pause)
                 pause = min(pause * 2, 0.05)
             handle.wait()  # re-raises the collective's own error, if any
+            return True
+        if isinstance(handle, concurrent.futures.Future):
+            # Blocking algorithms run on a comm thread; its future wakes the waiter without polling.
+            try:
+                handle.result(timeout=self.timeout_s)  # re-raises the collective's own error, if any
+            except concurrent.futures.TimeoutError:
+                return False
             return True
         raise TypeError(
             f"a guarded collective must return its Work or Future (issue it with async_op=True); "

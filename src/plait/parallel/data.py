@@ -9,6 +9,11 @@ are launched strictly in index order on every rank, because c10d matches collect
 issue order; buckets whose parameters got no gradient this step are launched, in order, from a
 callback that runs when backward finishes. On non-final accumulation micro-steps nothing is
 communicated (``no_sync``).
+
+The all-reduce algorithm, gradient compression and the hang guard belong to the ``Comm`` the
+reducer is given. With compression on, each bucket's average is ``compressor.allreduce_mean`` run on
+the comm thread (overlapping backward like an uncompressed bucket) and copied back into the bucket;
+the compressor keeps its error-feedback state per bucket index.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from plait.comm.collectives import Comm
+from plait.comm.collectives import Comm, CommWork
+from plait.comm.compress import Compressor
 
 
 @dataclass
@@ -31,7 +37,7 @@ class _Bucket:
     flat: torch.Tensor  # (numel,) gradient storage shared by the params' .grad views
     views: list[torch.Tensor]
     pending: int = 0
-    work: dist.Work | None = None
+    work: CommWork | None = None
     ready: bool = False
     launched: bool = False
 
@@ -108,6 +114,8 @@ class GradReducer:
                 if not self.copy_grads:
                     p.grad = b.views[i]
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        # Built after the buckets so every rank registers compressors in the same order.
+        self.compressor: Compressor | None = comm.make_compressor()
         self._reset()
 
     def _broadcast_initial_state(self) -> None:
@@ -115,7 +123,7 @@ class GradReducer:
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
-                self.comm.broadcast(_local(t.data), src=src, group=self.group)
+                self.comm.broadcast(_local(t.data), src=src, group=self.group, name="initial broadcast")
 
     def _reset(self) -> None:
         self._next = 0
@@ -141,7 +149,8 @@ class GradReducer:
             bucket.ready = True
             self._launch_ready()
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, index: int) -> None:
+        b = self.buckets[index]
         if self.copy_grads:
             for p, view in zip(b.params, b.views, strict=True):
                 g = local_grad(p)
@@ -155,19 +164,29 @@ class GradReducer:
             for p, view in zip(b.params, b.views, strict=True):
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     view.zero_()
-        b.flat.div_(self.world)  # average = sum of pre-divided gradients
-        b.work = self.comm.all_reduce_async(b.flat, self.group)
+        if self.compressor is not None and self.comm.compress_active:
+            name = f"gradient bucket {index} ({self.compressor.name})"
+            b.work = self.comm.run_async(name, self.group, lambda: self._compressed_mean(index, b.flat))
+        else:
+            b.flat.div_(self.world)  # average = sum of pre-divided gradients
+            b.work = self.comm.all_reduce_async(b.flat, self.group, name=f"gradient bucket {index}")
         b.launched = True
+
+    def _compressed_mean(self, index: int, flat: torch.Tensor) -> int:
+        """Runs on the comm thread: replace ``flat`` by the compressed average; returns wire bytes."""
+        before = self.compressor.wire_bytes
+        flat.copy_(self.compressor.allreduce_mean(index, flat.float(), self.group))
+        return self.compressor.wire_bytes - before
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].ready:
-            self._launch(self.buckets[self._next])
+            self._launch(self._next)
             self._next += 1
 
     def _launch_remaining(self) -> None:
         """End of backward: buckets with unused parameters go now, still in index order."""
         while self._next < len(self.buckets):
-            self._launch(self.buckets[self._next])
+            self._launch(self._next)
             self._next += 1
 
     def finish(self) -> None:
@@ -244,5 +263,10 @@ def apply_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, dp: i
     if dp == 1:
         return LocalGrads(model)
     if impl == "torch":
+        if comm.compression is not None or comm.algorithm != "backend":
+            # DDP's comm hooks keep state (PowerSGD's residuals) that plait's checkpoint cannot
+            # save, so a resumed run would silently diverge: rejected rather than half-supported.
+            raise ValueError("parallel.impl=torch (PyTorch DDP) runs its own all-reduce: comm.compress and "
+                             "comm.allreduce apply to plait's reducer; set parallel.impl=plait")
         return TorchDDP(model, group, bucket_mb)
     return GradReducer(model, group, comm, bucket_mb)

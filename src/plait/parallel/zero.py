@@ -18,7 +18,21 @@ slice of that buffer, so it holds no more gradient memory than an unsharded opti
 launches each bucket's reduce-scatter from the hooks while backward continues, always in the fixed
 bucket order (so every rank issues the same collectives in the same order), and frees the full local
 buffer once its reduce-scatter is done: only the reduced 1/N shard survives backward. Reduce-scatter
+<<<<<<< HEAD
 rather than all-reduce at stage 2: each rank only needs its own shard, and it moves half the bytes.
+=======
+rather than all-reduce: each rank only needs its own shard, and reduce-scatter moves half the bytes.
+
+Communication layer. ``use_comm(comm)`` routes every collective through plait's ``Comm`` (counted
+in ``comm_bytes``, guarded by the hang timeout). With compression on, a bucket is reduced with the
+compressor's ``allreduce_mean`` over the whole bucket, and this rank keeps its 1/N slice: the
+compressors have no reduce-scatter form (PowerSGD's factors and the quantized or sparse payloads
+describe the whole bucket), so a compressed bucket costs a full compressed all-reduce where the
+uncompressed path pays a reduce-scatter, and the decompression work is done for the whole bucket
+on every rank. That pays only where the compressed all-reduce is smaller than the reduce-scatter's
+``(n-1)/n`` of the fp32 bucket: PowerSGD (``~8 r / sqrt(N)`` of it), int8/int4 and sparse
+compressors on few ranks (their all-gathers grow with ``n - 1``); fp16/bf16 do not pay here.
+>>>>>>> ci
 """
 
 from __future__ import annotations
@@ -31,6 +45,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from plait.comm.collectives import Comm, ring_allreduce_bytes, ring_half_bytes
 
 OFFLOAD_CHOICES = ("none", "optimizer", "params")
 
@@ -151,6 +167,8 @@ class ZeroOptimizer:
             hp = {k: v for k, v in g.items() if k != "params"}
             inner_groups.append({"params": [b.master for b in self.buckets if b.group_index == gi], **hp})
         self.optimizer = optimizer_cls(inner_groups, **defaults)
+        self.comm: Comm | None = None
+        self.compressor = None
         if stage == 1:
             for b in self.buckets:  # the shard is a slice of the kept full buffer: no extra gradient memory
                 b.grad_shard = b.ensure_grad_full()[self.rank * b.chunk:(self.rank + 1) * b.chunk]
@@ -159,6 +177,19 @@ class ZeroOptimizer:
         self._reduced = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
                        for b in self.buckets for i, p in enumerate(b.params)]
+
+    def use_comm(self, comm: Comm) -> None:
+        """Issue every collective through ``comm`` (counted, guarded, compressed if it compresses).
+
+        Call once, before the first backward, on every rank."""
+        self.comm = comm
+        self.compressor = comm.make_compressor()
+
+    def _wait(self, work: Any) -> None:
+        if self.comm is not None:
+            self.comm.wait(work)
+        else:
+            work.wait()
 
     def _check_device(self, offload: bool) -> None:
         dev = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
@@ -219,7 +250,10 @@ class ZeroOptimizer:
         sq = torch.zeros((), dtype=torch.float32, device=dev)
         for b in self.buckets:
             sq += b.grad_shard.pow(2).sum()
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
+        if self.comm is not None:
+            self.comm.all_reduce_sum(sq, self.group, name="zero gradient norm")
+        else:
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
         total = sq.sqrt()
         if torch.isfinite(total):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # same formula as torch's clip
@@ -241,15 +275,25 @@ class ZeroOptimizer:
             b.master.grad = b.grad_shard if b.master is b.shard else b.grad_shard.to(b.master.device)
         self.optimizer.step()
         works = []
-        for b in self.buckets:
+        for i, b in enumerate(self.buckets):
             if b.master is not b.shard:
                 b.shard.copy_(b.master, non_blocking=True)
-            # The input is a copy: gloo does not promise in-place all-gather when input aliases output.
-            works.append(all_gather_flat(b.flat, b.shard.clone(), group=self.group,
-                                                     async_op=True))
+            works.append(self._all_gather(i, b))
         for w in works:
-            w.wait()
+            self._wait(w)
         self._reset_sync_state()
+
+    def _all_gather(self, index: int, b: _Bucket) -> Any:
+        # The input is a copy: gloo does not promise in-place all-gather when input aliases output.
+        shard = b.shard.clone()
+
+        def issue() -> Any:
+            return all_gather_flat(b.flat, shard, group=self.group, async_op=True)
+
+        if self.comm is None:
+            return issue()
+        nbytes = ring_half_bytes(b.flat.numel() * b.flat.element_size(), self.world)
+        return self.comm.issue_async(f"zero all-gather bucket {index}", self.group, issue, nbytes)
 
     # -- gradient synchronisation -------------------------------------------------------------------
     def _make_hook(self, bucket: _Bucket, index: int):
@@ -284,13 +328,34 @@ class ZeroOptimizer:
         gradient buffer, at twice the reduce-scatter's bytes).
         """
         self._reduced = False
-        if self.stage == 1:
-            b.work = dist.all_reduce(b.ensure_grad_full(), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        index, full = self._next_launch, b.ensure_grad_full()
+        stage1 = self.stage == 1
+
+        def issue() -> Any:
+            if stage1:
+                return dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            return reduce_scatter_flat(b.grad_shard, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+        if self.comm is None:
+            b.work = issue()
+        elif self.compressor is not None and self.comm.compress_active:
+            name = f"zero bucket {index} ({self.compressor.name})"
+            b.work = self.comm.run_async(name, self.group, lambda: self._compressed_shard(index, b, full))
         else:
-            b.work = reduce_scatter_flat(b.grad_shard, b.ensure_grad_full(), op=dist.ReduceOp.SUM,
-                                         group=self.group, async_op=True)
+            size = full.numel() * full.element_size()
+            nbytes = ring_allreduce_bytes(size, self.world) if stage1 else ring_half_bytes(size, self.world)
+            b.work = self.comm.issue_async(f"zero {'all-reduce' if stage1 else 'reduce-scatter'} bucket {index}",
+                                           self.group, issue, nbytes)
         b.launched = True
         self._next_launch += 1
+
+    def _compressed_shard(self, index: int, b: _Bucket, full: torch.Tensor) -> int:
+        """Comm thread: compressed average of the whole bucket, this rank's slice kept as a sum (the
+        caller divides every shard by the world size). Returns the bytes put on the wire."""
+        before = self.compressor.wire_bytes
+        mean = self.compressor.allreduce_mean(index, full, self.group)
+        b.grad_shard.copy_(mean[self.rank * b.chunk:(self.rank + 1) * b.chunk]).mul_(self.world)
+        return self.compressor.wire_bytes - before
 
     def _ensure_reduced(self) -> None:
         if self._reduced:
@@ -298,7 +363,7 @@ class ZeroOptimizer:
         while self._next_launch < len(self.buckets):  # buckets some of whose params got no gradient
             self._launch(self.buckets[self._next_launch])
         for b in self.buckets:
-            b.work.wait()
+            self._wait(b.work)
             b.work = None
             b.grad_shard.div_(self.world)  # average over the data-parallel ranks
             if self.stage == 2:

@@ -2,7 +2,7 @@
 
 Layout under ``RUN_DIR/checkpoints``::
 
-    step_000200/            DCP shards of {"model", "optim"} + rank<r>.pt (RNG) + meta.json
+    step_000200/            DCP shards of {"model", "optim"} + rank<r>.pt (RNG, comm state) + meta.json
     latest                  the name of the newest complete checkpoint
 
 Every rank writes into ``step_N.tmp``; after a barrier rank 0 writes ``meta.json``, renames the
@@ -81,8 +81,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, layout: StatefulLayout, meta: dict[str, Any], rank: int,
-                    keep: int) -> Path:
-    """Save a complete checkpoint for ``step``; every rank calls it. Returns the final directory."""
+                    keep: int, rank_state: dict[str, Any] | None = None) -> Path:
+    """Save a complete checkpoint for ``step``; every rank calls it. Returns the final directory.
+
+    ``rank_state`` is this rank's own state beyond RNGs (the comm layer's compressor residuals,
+    which differ per rank); it must hold only tensors, numbers, strings, lists and dicts, as it is
+    read back with ``weights_only=True``."""
     root = checkpoint_root(run_dir)
     name = f"step_{step:07d}"
     tmp, final = root / f"{name}.tmp", root / name
@@ -92,7 +96,7 @@ def save_checkpoint(run_dir: Path, step: int, layout: StatefulLayout, meta: dict
     _barrier()
     model_sd, optim_sd = layout.state_dicts()
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not _distributed())
-    torch.save(rng_state(), tmp / f"rank{rank}.pt")
+    torch.save({**rng_state(), "rank_state": rank_state}, tmp / f"rank{rank}.pt")
     _barrier()
     if rank == 0:
         (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
@@ -120,7 +124,8 @@ def _prune(root: Path, keep: int) -> None:
 def load_checkpoint(path: Path, layout: StatefulLayout, rank: int) -> dict[str, Any]:
     """Load model and optimizer state (resharded by DCP to this world size) and this rank's RNG.
 
-    Returns the checkpoint's metadata (step, sampler position, scaler state, counters).
+    Returns the checkpoint's metadata (step, sampler position, scaler state, counters), with this
+    rank's ``rank_state`` (see ``save_checkpoint``; None if absent) under ``"rank_state"``.
     """
     meta = json.loads((path / "meta.json").read_text())
     model_sd, optim_sd = layout.state_dicts()
@@ -128,6 +133,9 @@ def load_checkpoint(path: Path, layout: StatefulLayout, rank: int) -> dict[str, 
     dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
     layout.load_state_dicts(state["model"], state["optim"])
     rank_file = path / f"rank{rank}.pt"
+    meta["rank_state"] = None
     if rank_file.is_file():
-        set_rng_state(torch.load(rank_file, weights_only=True))
+        saved = torch.load(rank_file, weights_only=True)
+        set_rng_state(saved)
+        meta["rank_state"] = saved.get("rank_state")
     return meta

@@ -19,7 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait.comm.auto import AUTO_COMPRESSOR, AutoCompress
 from plait.comm.collectives import Comm
+from plait.comm.guard import CollectiveGuard
 from plait.config import Config
 from plait.data.corpus import load_splits
 from plait.data.sampler import WindowSampler, validation_batches
@@ -68,6 +70,23 @@ def set_determinism(cfg: Config) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+def build_comm(cfg: Config, rank: int, world_size: int) -> Comm:
+    """The comm layer from ``comm.*``: algorithm, compression, and (with several ranks) the hang guard
+    on the default process group's store, so every rank's arrivals are visible to the others."""
+    c = cfg.comm
+    guard = None
+    if world_size > 1 and dist.is_initialized():
+        guard = CollectiveGuard(dist.distributed_c10d._get_default_store(), c.timeout_s, rank)
+    comm = Comm(c.allreduce, ranks_per_node=c.ranks_per_node or None, guard=guard)
+    if c.compress != "none":
+        name = AUTO_COMPRESSOR if c.compress == "auto" else c.compress
+        comm.set_compression(name, active=c.compress != "auto", ratio=c.compress_ratio,
+                             powersgd_rank=c.powersgd_rank, error_feedback=c.error_feedback,
+                             stochastic_rounding=c.stochastic_rounding and name in ("int8", "int4"),
+                             seed=cfg.train.seed)
+    return comm
+
+
 class Trainer:
     """Builds everything from the config and runs the loop on one worker."""
 
@@ -79,7 +98,8 @@ class Trainer:
         self.topo: Topology = build_topology(cfg, self.device)
         self.rank0 = self.topo.rank == 0
         self.log = get_logger(self.topo.rank)
-        self.comm = Comm()
+        self.comm = build_comm(cfg, self.topo.rank, self.topo.world_size)
+        self.auto = AutoCompress() if cfg.comm.compress == "auto" and self.topo.dp > 1 else None
         splits = load_splits(cfg.data.path, cfg.model.vocab_size, cfg.data.val_fraction, cfg.model.seq_len)
         self.log.info("data: %s, %d train / %d val tokens", splits.source, len(splits.train), len(splits.val))
         t = cfg.train
@@ -93,6 +113,8 @@ class Trainer:
         self.num_params = model.num_params()
         self.layout = apply_parallel(model, self.topo, cfg, self.comm, self.sampler.peek()[0])
         self.optimizer = self.layout.optimizer
+        if hasattr(self.optimizer, "use_comm"):  # ZeRO-1/2: its collectives go through the comm layer too
+            self.optimizer.use_comm(self.comm)
         self.scaler = LossScaler(enabled=t.precision == "fp16")
         # zero=3 runs forward in bf16 through FSDP2's mixed-precision policy instead of autocast.
         self.use_autocast = not (cfg.parallel.zero == 3 and t.precision == "bf16")
@@ -113,6 +135,10 @@ class Trainer:
         self.scaler.load_state_dict(meta["scaler"])
         for k in ("step", "skipped_steps", "tokens_seen", "train_seconds"):
             setattr(self.state, k, meta[k])
+        if meta["rank_state"] is not None:  # compressor residuals: the resumed run continues exactly
+            self.comm.load_state_dict(meta["rank_state"]["comm"])
+            if self.auto is not None and meta["rank_state"].get("auto") is not None:
+                self.auto.load_state_dict(meta["rank_state"]["auto"])
         self.log.info("resumed from %s at step %d", path, self.state.step)
 
     def save(self) -> None:
@@ -120,7 +146,9 @@ class Trainer:
         meta = {"sampler": self.sampler.state_dict(), "scaler": self.scaler.state_dict(),
                 "skipped_steps": s.skipped_steps, "tokens_seen": s.tokens_seen,
                 "train_seconds": s.train_seconds, "world_size": self.topo.world_size}
-        path = save_checkpoint(self.run_dir, s.step, self.layout, meta, self.topo.rank, self.cfg.checkpoint.keep)
+        rank_state = {"comm": self.comm.state_dict(), "auto": self.auto.state_dict() if self.auto else None}
+        path = save_checkpoint(self.run_dir, s.step, self.layout, meta, self.topo.rank, self.cfg.checkpoint.keep,
+                               rank_state)
         self.log.info("checkpoint saved: %s", path)
 
     # -- one step ----------------------------------------------------------------------------------
@@ -164,6 +192,7 @@ class Trainer:
         times = StepTimes()
         t_start = time.perf_counter()
         self.comm.stats.reset()
+        self.comm.step = self.state.step + 1  # named by a collective timeout
         batches = self.sampler.next_batch()
         times.data_s = time.perf_counter() - t_start
         loss = self._forward_backward(batches, times)
@@ -179,8 +208,15 @@ class Trainer:
         self.state.step += 1
         self.state.tokens_seen += tokens
         self.state.train_seconds += step_s
-        return {"step": self.state.step, "loss": loss, "lr": lr, "grad_norm": norm,
-                "tokens_per_s": tokens / step_s, "step_s": step_s, **times.__dict__}
+        stats = self.comm.stats
+        rec = {"step": self.state.step, "loss": loss, "lr": lr, "grad_norm": norm,
+               "tokens_per_s": tokens / step_s, "step_s": step_s, **times.__dict__,
+               "comm_bytes": stats.bytes_sent, "comm_wait_s": stats.wait_s}
+        if self.auto is not None and self.auto.observe(self.state.step, times.comm_exposed_s, step_s,
+                                                       stats.bytes_sent, stats.wait_s):
+            decision = self.auto.decide(self.comm, self.topo.dp_group)
+            self.log.info("comm.compress=auto after step %d: %s", self.state.step, decision["reason"])
+        return rec
 
     # -- evaluation --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -214,7 +250,6 @@ class Trainer:
                 last = s.step == cfg.train.steps
                 if s.step % cfg.train.log_every == 0 or last or s.step == 1:
                     rec["loss"] = self._mean_over_dp(rec["loss"])
-                    rec["comm_bytes"] = self.comm.stats.bytes_sent
                     s.last_loss = rec["loss"]
                     if cfg.train.eval_every and s.step % cfg.train.eval_every == 0 and not last:
                         rec["val_loss"] = s.val_loss = self.evaluate()
@@ -250,6 +285,16 @@ class Trainer:
             "breakdown": ranks,
         }
 
+    def _comm_summary(self) -> dict[str, Any]:
+        c = self.cfg.comm
+        out: dict[str, Any] = {"comm": {"allreduce": c.allreduce, "compress": c.compress,
+                                        "compress_active": self.comm.compress_active}}
+        if self.auto is not None:
+            out["comm_auto"] = self.auto.decision or {
+                "decision": "undecided", "reason": f"the run ended before the measurement window "
+                f"(steps {self.auto.first}-{self.auto.last}) was complete; compression stayed off"}
+        return out
+
     def finish(self) -> dict[str, Any]:
         s = self.state
         layout_report = self.layout.report(self.run_dir)  # before evaluation, which runs forward passes
@@ -265,6 +310,7 @@ class Trainer:
             "total_seconds": s.train_seconds, "world_size": self.topo.world_size, "dp": self.topo.dp,
             "skipped_steps": s.skipped_steps, "num_params": self.num_params, "precision": self.cfg.train.precision,
             "zero": self.cfg.parallel.zero, "memory": self._memory_summary(), **layout_report,
+            **self._comm_summary(),
         }
         if self.rank0:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -282,5 +328,6 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:
     summary = trainer.fit()
     if dist.is_initialized():
         dist.barrier()
+    trainer.comm.close()  # not on failure: after a timeout its thread may be stuck in a receive
     return summary
 

@@ -1,0 +1,94 @@
+"""Per-collective overhead of plait's comm layer (``Comm``: counting, hang guard, comm thread).
+
+Times a small all-reduce (``--numel`` fp32 elements, default 1) on 2 gloo ranks, mean microseconds
+per call over ``--calls`` calls, slowest rank:
+
+- ``bare``: ``dist.all_reduce`` directly;
+- ``comm``: ``Comm.all_reduce_sum`` without a guard (counting only);
+- ``comm_guarded``: with the ``CollectiveGuard`` the trainer installs (store marks on a thread);
+- ``comm_thread_ring_guarded``: ``comm.allreduce=ring``, which runs on the comm thread, guarded;
+- ``ring_direct``: the same ring algorithm called directly (the thread's own cost is the difference).
+
+    python bench/comm_layer.py [--calls 500] [--numel 1]
+
+Prints one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from plait.comm.algorithms import ring_all_reduce  # noqa: E402
+from plait.comm.collectives import Comm, free_port  # noqa: E402
+from plait.comm.guard import CollectiveGuard  # noqa: E402
+
+
+def _time(fn, calls: int) -> float:
+    for _ in range(10):
+        fn()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def _worker(rank: int, world: int, port: int, calls: int, numel: int, out: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    store = dist.distributed_c10d._get_default_store()
+    t = torch.ones(numel)
+    plain = Comm()
+    guarded = Comm(guard=CollectiveGuard(store, 60.0, rank, prefix="bench/g"))
+    ring = Comm("ring", guard=CollectiveGuard(store, 60.0, rank, prefix="bench/r"))
+    res = {
+        "bare": _time(lambda: dist.all_reduce(t), calls),
+        "comm": _time(lambda: plain.all_reduce_sum(t, None), calls),
+        "comm_guarded": _time(lambda: guarded.all_reduce_sum(t, None), calls),
+        "ring_direct": _time(lambda: ring_all_reduce(t, None), calls),
+        "comm_thread_ring_guarded": _time(lambda: ring.all_reduce_sum(t, None), calls),
+    }
+    slowest = torch.tensor(list(res.values()), dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    for c in (plain, guarded, ring):
+        c.close()
+    if rank == 0:
+        out.put(dict(zip(res, [round(v, 1) for v in slowest.tolist()], strict=True)))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=500)
+    ap.add_argument("--numel", type=int, default=1)
+    args = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, args.calls, args.numel, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    us = out.get(timeout=600)
+    for p in procs:
+        p.join()
+    overhead = {"comm": us["comm"] - us["bare"], "comm_guarded": us["comm_guarded"] - us["bare"],
+                "comm_thread_ring_guarded": us["comm_thread_ring_guarded"] - us["ring_direct"]}
+    report = {"world": 2, "numel": args.numel, "calls": args.calls, "mean_us_per_call": us,
+              "overhead_us": {k: round(v, 1) for k, v in overhead.items()}}
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
