@@ -18,10 +18,7 @@ slice of that buffer, so it holds no more gradient memory than an unsharded opti
 launches each bucket's reduce-scatter from the hooks while backward continues, always in the fixed
 bucket order (so every rank issues the same collectives in the same order), and frees the full local
 buffer once its reduce-scatter is done: only the reduced 1/N shard survives backward. Reduce-scatter
-<<<<<<< HEAD
 rather than all-reduce at stage 2: each rank only needs its own shard, and it moves half the bytes.
-=======
-rather than all-reduce: each rank only needs its own shard, and reduce-scatter moves half the bytes.
 
 Communication layer. ``use_comm(comm)`` routes every collective through plait's ``Comm`` (counted
 in ``comm_bytes``, guarded by the hang timeout). With compression on, a bucket is reduced with the
@@ -32,7 +29,6 @@ uncompressed path pays a reduce-scatter, and the decompression work is done for 
 on every rank. That pays only where the compressed all-reduce is smaller than the reduce-scatter's
 ``(n-1)/n`` of the fp32 bucket: PowerSGD (``~8 r / sqrt(N)`` of it), int8/int4 and sparse
 compressors on few ranks (their all-gathers grow with ``n - 1``); fp16/bf16 do not pay here.
->>>>>>> ci
 """
 
 from __future__ import annotations
