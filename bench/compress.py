@@ -41,11 +41,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 COMPRESSORS = ["fp16", "bf16", "int8", "int4", "topk", "randomk", "powersgd"]
 QUICK_METHODS = ["plait-none", "plait-powersgd", "plait-int8", "ddp", "ddp-powersgd"]
-# ~3.2M parameters (12.9 MB of fp32 gradients) and one 64-token sequence per rank per step: on the
-# shared 2-core machine a step computes ~0.17 s and its all-reduce waits ~0.12 s at 1 Gbit/s, so
-# communication is exposed on the slow link. With 2 sequences per step the validation loss is noisy;
-# the 200-step cosine schedule brings uncompressed plait below 2.6 at about step 90.
-MODEL = ["--model.n_layer=4", "--model.d_model=256", "--model.n_head=4", "--model.seq_len=64",
+# ~12.7M parameters (51 MB of fp32 gradients: ~0.4 s per all-reduce at 1 Gbit/s) and one 32-token
+# sequence per rank per step (~0.25 s of compute on one core): communication dominates on the slow
+# link, which is the regime where compression can pay; on loopback it mostly does not.
+MODEL = ["--model.n_layer=4", "--model.d_model=512", "--model.n_head=8", "--model.seq_len=32",
          "--train.global_batch_size=2", "--train.micro_batch_size=1"]
 COMMON = ["--train.log_every=1", "--train.eval_sequences=64", "--optim.warmup_steps=20",
           "--checkpoint.every=0", "--observe.progress=false", "--observe.tensorboard=false"]
