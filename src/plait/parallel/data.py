@@ -60,13 +60,20 @@ def local_grad(p: nn.Parameter) -> torch.Tensor | None:
     return g
 
 
+FIRST_BUCKET_BYTES = 2**20
+
+
 def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
-    """Group params (already in gradient-ready order) into same-dtype buckets of about bucket_bytes."""
+    """Group params (already in gradient-ready order) into same-dtype buckets of about bucket_bytes.
+
+    The first bucket is capped at 1 MiB: its gradients are ready earliest, and a small first bucket
+    starts communication early in backward even when the whole model would fit in one bucket."""
     groups: list[list[nn.Parameter]] = []
     size = 0
     for p in params:
         nbytes = _local(p).numel() * p.element_size()
-        if groups and groups[-1][-1].dtype == p.dtype and size + nbytes <= bucket_bytes:
+        cap = min(bucket_bytes, FIRST_BUCKET_BYTES) if len(groups) == 1 else bucket_bytes
+        if groups and groups[-1][-1].dtype == p.dtype and size + nbytes <= cap:
             groups[-1].append(p)
             size += nbytes
         else:
