@@ -82,7 +82,8 @@ def run_rank(rank: int, world: int, stage: int, overrides: list[str], warmup: in
                             world, t.seed)
     torch.manual_seed(t.seed)
     model = GPT(cfg.model)
-    opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), foreach=False)
+    opt = torch.optim.AdamW(param_groups(model.named_parameters(), o.weight_decay), lr=o.lr,
+                            betas=(o.beta1, o.beta2), foreach=False)
     ds_cfg = {"train_micro_batch_size_per_gpu": t.micro_batch_size, "gradient_accumulation_steps": 1,
               "gradient_clipping": o.grad_clip, "zero_optimization": {"stage": stage},
               "zero_allow_untested_optimizer": True}

@@ -78,7 +78,7 @@ def _build_peer(impl: str, cfg, world: int):
     model = GPT(cfg.model)
     o = cfg.optim
     hyper = {"lr": o.lr, "betas": (o.beta1, o.beta2), "foreach": False}
-    groups = param_groups(model, o.weight_decay)
+    groups = param_groups(model.named_parameters(), o.weight_decay)
     if impl in ("ddp", "zero_redundancy"):
         module = DDP(model, bucket_cap_mb=cfg.parallel.bucket_mb)
         if impl == "ddp":
@@ -96,7 +96,7 @@ def _build_peer(impl: str, cfg, world: int):
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    opt = torch.optim.AdamW(param_groups(model, o.weight_decay), **hyper)
+    opt = torch.optim.AdamW(param_groups(model.named_parameters(), o.weight_decay), **hyper)
     return model, model, opt, opt
 
 
