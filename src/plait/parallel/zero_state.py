@@ -19,30 +19,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from plait.parallel.zero import all_gather_flat
+from plait.train.optim import materialize_optimizer_state
 
 if TYPE_CHECKING:
     from plait.parallel.zero import ZeroOptimizer, _Bucket
 
 
 def init_state(zopt: ZeroOptimizer) -> None:
-    """Create the inner optimizer's state (a step with zero gradients and lr=0) if it has none yet.
-
-    Same approach as torch's own state-dict helpers: a template with every key is needed before a
-    checkpoint can be loaded into it. No communication; parameters do not change.
-    """
-    inner = zopt.optimizer
-    if inner.state:
-        return
-    lrs = [g["lr"] for g in inner.param_groups]
-    for g in inner.param_groups:
-        g["lr"] = 0.0
-        for m in g["params"]:
-            m.grad = torch.zeros_like(m)
-    inner.step()
-    for g, lr in zip(inner.param_groups, lrs, strict=True):
-        g["lr"] = lr
-        for m in g["params"]:
-            m.grad = None
+    """Create the inner optimizer's state if it has none yet (a template with every key is needed
+    before a checkpoint can be loaded into it). No communication; parameters do not change."""
+    materialize_optimizer_state(zopt.optimizer, keep_grads=False)
 
 
 def _is_sharded(value: Any, bucket: _Bucket) -> bool:

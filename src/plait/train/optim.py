@@ -41,10 +41,11 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
 
 
 @torch.no_grad()
-def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+def materialize_optimizer_state(optimizer: torch.optim.Optimizer, keep_grads: bool = True) -> None:
     """Create the optimizer's state tensors (a step with zero gradients and lr 0) so DCP has
-    destinations to load into. Gradient tensors are kept (zeroed, not dropped), because the
-    data-parallel reducer's gradients are views into its buckets."""
+    destinations to load into; parameters do not change. With ``keep_grads`` existing gradient
+    tensors are kept (zeroed, not dropped), because the data-parallel reducer's gradients are views
+    into its buckets; otherwise every gradient is dropped afterwards."""
     if optimizer.state:
         return
     lrs = [g["lr"] for g in optimizer.param_groups]
@@ -58,4 +59,4 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
     for g, lr in zip(optimizer.param_groups, lrs, strict=True):
         g["lr"] = lr
-    optimizer.zero_grad(set_to_none=False)
+    optimizer.zero_grad(set_to_none=not keep_grads)
