@@ -81,3 +81,28 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
     if errors:
         raise AssertionError("\n".join(errors))
     return [out[r] for r in range(world_size)]
+
+
+def logged_losses(run_dir: str) -> list[float]:
+    """The training losses a run logged in metrics.jsonl, in step order."""
+    import json
+    from pathlib import Path
+
+    lines = [json.loads(x) for x in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in lines if "loss" in r]
+
+
+def assert_same_training(ref_dir: str, got_dir: str, *, atol: float, loss_tol: float, steps: int) -> None:
+    """Two runs ended with the same exported weights (within ``atol``) after logging the same
+    ``steps`` losses (within ``loss_tol``), and training did move the weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    ref, got = load_file(f"{ref_dir}/model.safetensors"), load_file(f"{got_dir}/model.safetensors")
+    assert ref.keys() == got.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], atol=atol, rtol=0, msg=f"{got_dir}: {k}")
+    a, b = logged_losses(ref_dir), logged_losses(got_dir)
+    assert len(a) == len(b) == steps
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < loss_tol
+    assert a[-1] < a[0]

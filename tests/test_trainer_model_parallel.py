@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_ranks
+from helpers import assert_same_training, run_ranks
 from safetensors.torch import load_file
 
 from plait.config import load_config, validate
@@ -84,21 +84,9 @@ def test_checkpoint_reshards_to_one_process(runs: dict, variant: str) -> None:
     assert [r["step"] for r in lines if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
 
-def _losses(run_dir: str) -> list[float]:
-    lines = [json.loads(x) for x in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in lines if "loss" in r]
-
-
 @pytest.mark.parametrize("variant", list(TWO_RANKS) + list(FOUR_RANKS))
 def test_matches_single_process(runs: dict, variant: str) -> None:
-    ref = load_file(f"{runs['ref']}/model.safetensors")
-    got = load_file(f"{runs[variant]}/model.safetensors")
-    assert ref.keys() == got.keys()
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], atol=5e-5, rtol=0, msg=f"{variant}: {k}")
-    a, b = _losses(runs["ref"]), _losses(runs[variant])
-    assert len(a) == len(b) == 3 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 2e-5
-    assert a[-1] < a[0]
+    assert_same_training(runs["ref"], runs[variant], atol=5e-5, loss_tol=2e-5, steps=3)
 
 
 @pytest.mark.parametrize("variant", ["pp2_gpipe", "pp2_interleaved", "tp2_pp2"])
