@@ -37,7 +37,7 @@ def apply_parallel(model: nn.Module, topo: Topology, cfg: Config, comm: Comm,
 
         return PipelineLayout(model, cfg, topo, comm, sample) if p.pp > 1 else TensorLayout(model, cfg, topo, comm)
     if p.zero in (1, 2):
-        return ZeroLayout(model, cfg, topo)
+        return ZeroLayout(model, cfg, topo, comm)
     if p.zero == 3:
         return FsdpLayout(model, cfg, topo)
     engine = apply_data_parallel(model, topo.dp_group, topo.dp, p.impl, p.bucket_mb, comm)

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from plait.comm.collectives import Comm
 from plait.config import Config
 from plait.parallel.data import GradReducer, LocalGrads, TorchDDP
 from plait.topology import Topology
@@ -108,7 +109,7 @@ class Layout:
 class ZeroLayout(Layout):
     """ZeRO stages 1-2: plait's sharded optimizer owns gradient synchronization."""
 
-    def __init__(self, model: nn.Module, cfg: Config, topo: Topology) -> None:
+    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm) -> None:
         from plait.parallel.zero import ZeroOptimizer
 
         o = cfg.optim
@@ -119,6 +120,7 @@ class ZeroLayout(Layout):
             stage=cfg.parallel.zero, bucket_mb=cfg.parallel.bucket_mb,
             offload=cfg.parallel.offload == "optimizer", lr=o.lr, betas=(o.beta1, o.beta2), foreach=False,
         )
+        self.optimizer.use_comm(comm)  # its collectives go through the comm layer: counted, guarded, compressed
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.optimizer.no_sync()

@@ -54,6 +54,7 @@ from torch.distributed.tensor.parallel import (
 
 from plait.config import ConfigError
 from plait.models.gpt import GPT
+from plait.parallel.data import local_grad
 
 _LOSS_PARALLEL_ATTR = "_plait_loss_parallel"
 
@@ -188,20 +189,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def local_grads(params: Iterator[nn.Parameter] | list[nn.Parameter]) -> list[torch.Tensor]:
-    """This rank's gradient shards as plain tensors, for a data-parallel reducer to all-reduce in place.
-
-    DTensor autograd may leave a gradient with other placements than its parameter (the embedding's
-    gradient comes back ``Replicate`` for a ``Shard(0)`` table); it is first laid out like the
-    parameter (a local slice, no communication), so every returned tensor has the local shard's shape.
-    """
-    out = []
-    for p in params:
-        if p.grad is None:
-            continue
-        if isinstance(p.grad, DTensor):
-            if p.grad.placements != p.placements:
-                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-            out.append(p.grad.to_local())
-        else:
-            out.append(p.grad)
-    return out
+    """This rank's gradient shards as plain tensors, each laid out like its parameter's shard
+    (``plait.parallel.data.local_grad``), for a data-parallel reducer to all-reduce in place."""
+    return [g for p in params if (g := local_grad(p)) is not None]

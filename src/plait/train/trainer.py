@@ -113,8 +113,6 @@ class Trainer:
         self.num_params = model.num_params()
         self.layout = apply_parallel(model, self.topo, cfg, self.comm, self.sampler.peek()[0])
         self.optimizer = self.layout.optimizer
-        if hasattr(self.optimizer, "use_comm"):  # ZeRO-1/2: its collectives go through the comm layer too
-            self.optimizer.use_comm(self.comm)
         self.scaler = LossScaler(enabled=t.precision == "fp16")
         # zero=3 runs forward in bf16 through FSDP2's mixed-precision policy instead of autocast.
         self.use_autocast = not (cfg.parallel.zero == 3 and t.precision == "bf16")
