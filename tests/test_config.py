@@ -74,3 +74,20 @@ def test_heads_must_divide_width() -> None:
 def test_config_sections_complete() -> None:
     names = {f for f in Config.__dataclass_fields__}
     assert names == {"run", "model", "data", "train", "optim", "parallel", "comm", "checkpoint", "observe"}
+
+
+@pytest.mark.parametrize(("args", "world", "message"), [
+    (["--parallel.tp=2", "--parallel.zero=2"], 4, r"parallel.zero=2 .* does not take tensor-parallel .* use "
+                                                  r"parallel.zero=3"),
+    (["--parallel.pp=2", "--parallel.zero=3"], 4, r"parallel.pp=2 composes with plait's data-parallel reducer only"),
+    (["--parallel.tp=2", "--parallel.impl=torch"], 4, r"set parallel.impl=plait"),
+    (["--parallel.tp=2", "--parallel.zero=3"], 2, r"parallel.zero=3 shards model state .* dp=1"),
+])
+def test_model_parallel_with_zero_combinations(args: list[str], world: int, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config(overrides=args), world)
+
+
+def test_tensor_parallel_composes_with_zero3() -> None:
+    cfg = validate(load_config(overrides=["--parallel.tp=2", "--parallel.zero=3"]), 4)
+    assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.zero) == (2, 2, 3)

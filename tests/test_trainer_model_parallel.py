@@ -39,6 +39,10 @@ FOUR_RANKS = {
     "dp2_pp2": ["--train.micro_batch_size=4", "--parallel.pp=2", "--parallel.microbatches=2"],
     "tp2_pp2": ["--train.micro_batch_size=8", "--parallel.tp=2", "--parallel.pp=2", "--parallel.dp=1"],
     "pp4_1f1b": ["--train.micro_batch_size=8", "--parallel.pp=4", "--parallel.dp=1"],
+    # 2-D: FSDP2 (ZeRO-3) over dp on top of tp; with sequence parallelism and accumulation (no_sync).
+    "dp2_tp2_zero3": ["--train.micro_batch_size=4", "--parallel.tp=2", "--parallel.zero=3"],
+    "dp2_tp2_sp_zero3_accum2": ["--train.micro_batch_size=2", "--parallel.tp=2", "--parallel.zero=3",
+                                "--parallel.sequence_parallel=true"],
 }
 
 
@@ -57,7 +61,8 @@ def _train(rank: int, world: int, root: str, variants: dict[str, list[str]], res
     return out
 
 
-# Checkpoints reshard across layouts: 3 steps at pp=2 (or tp=2), then 3 more in one process, equal 6 straight.
+# Checkpoints reshard across layouts: 3 steps at pp=2 (or tp=2, or dp=2 x tp=2 with ZeRO-3), then 3 more in one
+# process, equal 6 straight.
 RESHARD = ["--optim.decay_steps=6", "--train.micro_batch_size=8"]
 
 
@@ -67,13 +72,16 @@ def runs(tmp_path_factory) -> dict:
     ref = run_ranks(_train, 1, str(root), {"ref": ["--train.micro_batch_size=8"],
                                            "ref6": RESHARD + ["--train.steps=6"]})[0]
     halves = {"pp2_then_1": RESHARD + ["--parallel.pp=2"], "tp2_then_1": RESHARD + ["--parallel.tp=2"]}
+    halves4 = {"dp2_tp2_zero3_then_1": ["--optim.decay_steps=6", "--train.micro_batch_size=4", "--parallel.tp=2",
+                                        "--parallel.zero=3"]}
     two = run_ranks(_train, 2, str(root), {**TWO_RANKS, **halves}, timeout=400)[0]
-    resumed = run_ranks(_train, 1, str(root), {k: RESHARD + ["--train.steps=6"] for k in halves}, True)[0]
-    four = run_ranks(_train, 4, str(root), FOUR_RANKS, timeout=400)[0]
+    four = run_ranks(_train, 4, str(root), {**FOUR_RANKS, **halves4}, timeout=400)[0]
+    resumed = run_ranks(_train, 1, str(root), {k: RESHARD + ["--train.steps=6"] for k in {**halves, **halves4}},
+                        True)[0]
     return {**ref, **two, **four, **{f"{k}_resumed": v for k, v in resumed.items()}}
 
 
-@pytest.mark.parametrize("variant", ["pp2_then_1", "tp2_then_1"])
+@pytest.mark.parametrize("variant", ["pp2_then_1", "tp2_then_1", "dp2_tp2_zero3_then_1"])
 def test_checkpoint_reshards_to_one_process(runs: dict, variant: str) -> None:
     ref = load_file(f"{runs['ref6']}/model.safetensors")
     got = load_file(f"{runs[variant + '_resumed']}/model.safetensors")

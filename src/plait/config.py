@@ -377,10 +377,16 @@ def _validate_model_parallel(cfg: Config) -> None:
                 f"train.micro_batch_size={t.micro_batch_size} must divide into parallel.microbatches="
                 f"{p.microbatches} pipeline micro-batches; make it a multiple of {p.microbatches}"
             )
-    if (p.tp > 1 or p.pp > 1) and (p.zero or p.impl == "torch"):
+    if (p.tp > 1 or p.pp > 1) and p.impl == "torch":
+        raise ConfigError(f"parallel.tp={p.tp}/pp={p.pp} compose with plait's data-parallel reducer or with "
+                          "parallel.zero=3, not with PyTorch DDP; set parallel.impl=plait")
+    if p.pp > 1 and p.zero:
+        raise ConfigError(f"parallel.pp={p.pp} composes with plait's data-parallel reducer only in this build "
+                          f"(parallel.zero={p.zero}); set parallel.zero=0")
+    if p.tp > 1 and p.zero in (1, 2):
         raise ConfigError(
-            f"parallel.tp={p.tp}/pp={p.pp} compose with plait's data-parallel reducer only in this build; "
-            "set parallel.zero=0 and parallel.impl=plait"
+            f"parallel.zero={p.zero} (plait's flat-buffer sharded optimizer) does not take tensor-parallel "
+            f"parameters; with parallel.tp={p.tp} use parallel.zero=3 (FSDP2 over dp on top of tp: 2-D) or 0"
         )
 
 

@@ -32,6 +32,10 @@ def apply_parallel(model: nn.Module, topo: Topology, cfg: Config, comm: Comm,
         model = apply_tensor_parallel(model, topo.mesh["tp"], sequence_parallel=p.sequence_parallel,
                                       loss_parallel=p.loss_parallel)
     model = apply_activation_checkpointing(model, t.activation_checkpointing, t.checkpoint_every_k)
+    if p.tp > 1 and p.zero == 3:
+        from plait.parallel.mp_layout import TensorFsdpLayout
+
+        return TensorFsdpLayout(model, cfg, topo)
     if p.pp > 1 or p.tp > 1:
         from plait.parallel.mp_layout import PipelineLayout, TensorLayout
 

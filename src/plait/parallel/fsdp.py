@@ -19,6 +19,8 @@ available"), so ``offload="params"`` is rejected up front on CPU with a message 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -89,3 +91,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
 
     total = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
     return total.full_tensor() if isinstance(total, DTensor) else total
+
+
+@contextmanager
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulation micro-steps of an FSDP2 model without the gradient reduce-scatter (kept unsharded)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -160,13 +160,10 @@ class FsdpLayout(Layout):
         self.engine = None
         self.optimizer = build_optimizer(model, cfg.optim)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self.module.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.module.set_requires_gradient_sync(True)
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        from plait.parallel.fsdp import no_gradient_sync
+
+        return no_gradient_sync(self.module)
 
     def finish(self) -> None:
         """FSDP2 waits for its reduce-scatters at the end of backward."""

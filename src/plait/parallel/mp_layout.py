@@ -8,10 +8,12 @@ by a ``torch.distributed.pipelining`` schedule; each accumulation micro-batch is
 ``parallel.microbatches`` pipeline micro-batches. The loss exists only on the last stage's rank; it is
 summed over the pp group so every rank can log it.
 
-Gradient clipping with a mix of sharded and replicated parameters: the squared norm of tensor-
-parallel shards is summed over the tp group, replicated parameters count once, and the stages' sums
-are added over the pp group, with the last stage's copy of the tied embedding left out (it is the
-same parameter as the first stage's).
+``TensorFsdpLayout``: 2-D, the tensor-parallel GPT sharded again over dp with FSDP2 (ZeRO-3).
+
+Gradient clipping with a mix of sharded and replicated parameters: each parameter's squared norm is
+summed over the mesh axes it is sharded on (tp for Megatron shards, dp for FSDP shards), replicated
+ones count once, and the stages' sums are added over the pp group, with the last stage's copy of the
+tied embedding left out (it is the same parameter as the first stage's).
 
 Checkpoints use one format for every layout: model entries and optimizer states keyed by the
 single-process model's parameter names. Here the optimizer state tensors themselves are handed to
@@ -22,6 +24,8 @@ DCP, which loads into them in place; the pipeline's copy of the tied table takes
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dp shard of a tp shard
 
 from plait.comm.collectives import Comm
 from plait.config import Config
@@ -58,6 +63,32 @@ class ScaledLoss:
         return loss * self.factor
 
 
+def sum_sharded_squares(pairs: Iterable[tuple[nn.Parameter, torch.Tensor]]) -> torch.Tensor:
+    """Sum of squared gradient entries over every rank's shards, as a float64 scalar on every rank.
+
+    ``pairs`` are (parameter, local gradient shard). A DTensor's local sum counts once per mesh axis it is
+    replicated on and must be summed over each axis it is sharded on (tp for a Megatron shard, dp for an
+    FSDP shard, both for a 2-D one): parameters are grouped by that set of axes, and each group's sum is
+    all-reduced over those axes' groups. Plain tensors are replicated: their local sum is the sum.
+    """
+    groups: dict[tuple, torch.Tensor] = {}
+    axes: dict[tuple, list[dist.ProcessGroup]] = {}
+    for p, g in pairs:
+        key: tuple = ()
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            dims = [i for i, pl in enumerate(p.placements) if pl.is_shard() or isinstance(pl, _StridedShard)]
+            key = (id(mesh), *dims)
+            axes.setdefault(key, [mesh.get_group(i) for i in dims])
+        groups[key] = groups.get(key, torch.zeros((), dtype=torch.float64)) + g.detach().double().pow(2).sum()
+    total = torch.zeros((), dtype=torch.float64)
+    for key, sq in groups.items():
+        for group in axes.get(key, []):
+            dist.all_reduce(sq, group=group)
+        total += sq
+    return total
+
+
 class ModelParallelLayout(Layout):
     """Shared parts of the tensor and pipeline layouts (see the module docstring)."""
 
@@ -80,21 +111,10 @@ class ModelParallelLayout(Layout):
             p.grad = None
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Global gradient norm over tp shards and pp stages; scales the local gradients in place."""
-        sharded = torch.zeros((), dtype=torch.float64)
-        replicated = torch.zeros((), dtype=torch.float64)
-        for _, p in self.named:
-            g = local_grad(p)
-            if g is None or p is self.tied_copy:
-                continue
-            sq = g.detach().double().pow(2).sum()
-            if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements):
-                sharded += sq
-            else:
-                replicated += sq
-        if self.topo.degree("tp") > 1:
-            dist.all_reduce(sharded, group=self.topo.group("tp"))
-        total = sharded + replicated
+        """Global gradient norm over tp shards, FSDP dp shards and pp stages; scales the local gradients
+        in place. Communication: one all-reduce per (sharding pattern, mesh axis) pair, then one over pp."""
+        total = sum_sharded_squares((p, g) for _, p in self.named
+                                    if (g := local_grad(p)) is not None and p is not self.tied_copy)
         if self.topo.degree("pp") > 1:
             dist.all_reduce(total, group=self.topo.group("pp"))
         norm = float(total.sqrt())
@@ -147,6 +167,38 @@ class TensorLayout(ModelParallelLayout):
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.model)
+
+
+class TensorFsdpLayout(TensorLayout):
+    """2-D: the tensor-parallel GPT sharded again over dp with FSDP2 (ZeRO-3), on one (dp, tp) mesh.
+
+    ``fully_shard`` on the dp axis turns each tensor-parallel DTensor into a 2-D DTensor: dim 0 sharded
+    over dp, its Megatron placement kept over tp (parameters that tensor parallelism left plain become
+    1-D dp shards). Forward all-gathers a block's dp shards, so each rank runs the tensor-parallel block on
+    its own data; backward reduce-scatters the gradients over dp (``plait.parallel.fsdp``). The optimizer
+    holds only this rank's 1/(dp*tp) of the states; clipping sums the squares over both axes.
+    """
+
+    def __init__(self, model: nn.Module, cfg: Config, topo: Topology) -> None:
+        from plait.parallel.fsdp import apply_fsdp
+
+        p, o = cfg.parallel, cfg.optim
+        param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
+        self.model = self.module = apply_fsdp(model, topo.mesh["dp_replicate"], param_dtype=param_dtype,
+                                              offload=p.offload, reshard_after_forward=p.reshard_after_forward)
+        self.named = list(self.model.named_parameters())
+        self.topo = topo
+        self.engine = None
+        self.optimizer = torch.optim.AdamW(param_groups(self.named, o.weight_decay), lr=o.lr,
+                                           betas=(o.beta1, o.beta2), foreach=False)
+
+    def no_sync(self) -> AbstractContextManager:
+        from plait.parallel.fsdp import no_gradient_sync
+
+        return no_gradient_sync(self.module)
+
+    def finish(self) -> None:
+        """FSDP2 waits for its reduce-scatters at the end of backward."""
 
 
 class PipelineLayout(ModelParallelLayout):
