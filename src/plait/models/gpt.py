@@ -9,13 +9,46 @@ module so a tensor-parallel plan can shard heads and update it.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from plait.config import ModelConfig
+
+
+@contextlib.contextmanager
+def dropout_stream(stream: int, device: torch.device) -> Iterator[None]:
+    """Draw the dropout masks inside from stream ``stream`` (0: the shared generator itself).
+
+    For ``stream > 0`` one seed is drawn from the shared generator and the masks come from a generator
+    forked from it with ``seed + stream``; the shared one is left just one draw further. Ranks that
+    share the generator but not the stream (tensor-parallel ranks holding different heads or sequence
+    slices) get independent masks and stay in step for the dropouts they must share, and activation
+    checkpointing, which restores the shared generator before recomputing, replays the same masks.
+    """
+    if not stream:
+        yield
+        return
+    seed = int(torch.randint(0, 2**62, (1,)))
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed + stream)
+        yield
+
+
+class Dropout(nn.Dropout):
+    """``nn.Dropout`` with a ``stream`` (see ``dropout_stream``); 0 by default, like ``nn.Dropout``."""
+
+    stream: int = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with dropout_stream(self.stream if self.training and self.p > 0 else 0, x.device):
+            return super().forward(x)
 
 
 class CausalSelfAttention(nn.Module):
@@ -28,6 +61,7 @@ class CausalSelfAttention(nn.Module):
         self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
+        self.dropout_stream = 0  # attention-dropout stream (``dropout_stream``); tensor parallel sets it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape  # (B, T, C)
@@ -36,7 +70,8 @@ class CausalSelfAttention(nn.Module):
         k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, D)
+        with dropout_stream(self.dropout_stream if p > 0 else 0, x.device):
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C_local)
         return self.proj(y)
 
@@ -58,7 +93,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.ln1(x)))
@@ -73,7 +108,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

@@ -30,6 +30,12 @@ Layout on a ``tp`` mesh of size t (Megatron):
   LayerNorm and position-embedding parameters are replicated DTensors, so their partial gradients are
   summed over the tp ranks by DTensor.
 
+Dropout: the trainer seeds every tp rank of a model replica alike, so dropout on replicated activations
+(the residual stream without sequence parallelism) draws the same mask on all of them, as it must: a
+rank with another mask would compute another gradient for the replicated parameters. Attention
+dropout over a rank's own heads, and with sequence parallelism the residual dropout over its own
+sequence slice, draw from a per-rank stream instead (``plait.models.gpt.dropout_stream``).
+
 Training under loss parallelism must run the forward *and* the backward inside ``loss_context(model)``.
 """
 
@@ -144,9 +150,15 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
     model.head.weight = model.tok_emb.weight  # both Shard(0) on the vocabulary: one parameter again
     if sequence_parallel:
         _shard_position_embedding(model.pos_emb, tp_mesh)
+    stream = tp_mesh.get_local_rank() + 1
     for block in model.blocks:
         parallelize_module(block, tp_mesh, _block_plan(sequence_parallel))
         block.attn.n_head = cfg.n_head // tp  # local heads; the forward reshapes with -1 anyway
+        block.attn.dropout_stream = stream  # this rank's heads: masks of their own
+        if sequence_parallel:
+            block.drop.stream = stream  # this rank's sequence slice: masks of its own
+    if sequence_parallel:
+        model.drop.stream = stream
     setattr(model, _LOSS_PARALLEL_ATTR, loss_parallel)
     return model
 

@@ -117,7 +117,9 @@ class Trainer:
         # zero=3 runs forward in bf16 through FSDP2's mixed-precision policy instead of autocast.
         self.use_autocast = not (cfg.parallel.zero == 3 and t.precision == "bf16")
         self.memory: dict[str, Any] = {}
-        torch.manual_seed(t.seed + 7919 * (self.topo.rank + 1))  # per-rank dropout streams
+        # Dropout streams per model replica and pipeline stage; tensor-parallel ranks (tp is the innermost
+        # axis) share one, so replicated activations get one mask (see plait.parallel.tensor).
+        torch.manual_seed(t.seed + 7919 * (self.topo.rank // self.topo.degree("tp") + 1))
         self.state = RunState()
         self.metrics = MetricsWriter(run_dir, self.rank0, cfg.observe.tensorboard)
         self.log.info("model: %.2fM parameters, world %d, dp %d x accumulation %d, precision %s",
