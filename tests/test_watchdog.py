@@ -85,7 +85,7 @@ def test_explain_names_backend_failures_only_and_close_leaves_no_thread() -> Non
     assert wd.explain(bug) is bug  # a genuine error stays what it is
     wd.enter(2, "optimizer")
     wd.enter(3, "forward/backward")
-    store.set("plait/phase/1", "1|2|optimizer|busy|model.py:7 in forward")  # one phase behind
+    store.set(f"{wd.prefix}/1", "1|2|optimizer|busy|model.py:7 in forward")  # one phase behind
     gloo = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv")
     assert is_comm_failure(gloo) and not is_comm_failure(CollectiveTimeout("x"))
     named = wd.explain(gloo)

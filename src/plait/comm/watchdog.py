@@ -7,7 +7,8 @@ the model-parallel layouts. The watchdog covers all of them from the outside:
 
 - The trainer calls ``enter(step, phase)`` at each phase of its loop ("forward/backward",
   "optimizer", "evaluate", "checkpoint save", ...). That only stores a few attributes; the record
-  ``seq|step|phase|state|where`` reaches the rendezvous store (key ``<prefix>/<rank>``, overwritten)
+  ``seq|step|phase|state|where`` reaches the rendezvous store (key ``<prefix>/<n>/<rank>``, where
+  ``n`` counts the watchdogs this process made, overwritten)
   from a daemon thread, at most once per sampling interval, so no store round trip is on the
   critical path.
 - The same thread samples the main thread's Python stack every interval (``sys._current_frames``).
@@ -91,7 +92,7 @@ def locate(frames: list[FrameType]) -> tuple[str, str, FrameType | None]:
         if comm or _TORCH_DIR not in path:
             where = f"{_short(path)}:{f.f_lineno} in {f.f_code.co_name}"
             return ("waiting" if comm else "busy"), where, f
-    return "busy", "PyTorch internals", None
+    return "busy", ("PyTorch internals" if frames else "a collective with no Python stack"), None
 
 
 def _stack(frame: FrameType | None) -> list[FrameType]:
@@ -130,13 +131,18 @@ class StepWatchdog:
     ``enter`` at each phase (the thread starts at the first call) and ``close`` at the end.
     """
 
+    _made = 0
+
     def __init__(self, store: dist.Store | None, timeout_s: float, rank: int, world_size: int,
                  error_path: Path | None = None, kinds: str = "", prefix: str = "plait/phase",
                  interval_s: float | None = None, margin_s: float = 3.0) -> None:
         if timeout_s <= 0:
             raise ValueError(f"collective timeout must be positive seconds; got {timeout_s}")
         self.store, self.timeout_s, self.rank, self.world_size = store, float(timeout_s), rank, world_size
-        self.error_path, self.kinds, self.prefix = error_path, kinds, prefix
+        # Every rank builds its watchdogs in the same order, so the n-th ones share keys and a
+        # stale one (a test building several trainers in one process) cannot mix with a newer one.
+        StepWatchdog._made += 1
+        self.error_path, self.kinds, self.prefix = error_path, kinds, f"{prefix}/{StepWatchdog._made}"
         self.interval_s = interval_s if interval_s is not None else min(1.0, max(0.1, timeout_s / 10))
         self.margin_s = margin_s
         self._seq, self._step, self._phase, self._since = 0, 0, "", 0.0
