@@ -66,7 +66,8 @@ def pick_backend(cfg: Config) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _error_file(run_dir: Path, rank: int) -> Path:
+def error_file(run_dir: Path, rank: int) -> Path:
+    """Where worker ``rank`` reports the error that ended it (its first line is what the launcher prints)."""
     return run_dir / "errors" / f"rank{rank}.txt"
 
 
@@ -80,7 +81,7 @@ def worker_main(cfg: Config, run_dir: str, resume: bool) -> dict[str, Any]:
         dist.init_process_group(pick_backend(cfg), timeout=timedelta(seconds=cfg.comm.timeout_s))
         return train(cfg, Path(run_dir), resume)
     except BaseException as e:
-        path = _error_file(Path(run_dir), rank)
+        path = error_file(Path(run_dir), rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         detail = "" if isinstance(e, ConfigError) else "\n" + traceback.format_exc()
         path.write_text(f"{type(e).__name__}: {e}{detail}")
@@ -93,7 +94,7 @@ def worker_main(cfg: Config, run_dir: str, resume: bool) -> dict[str, Any]:
 def _failure_message(run_dir: Path, nproc: int, fallback: str) -> str:
     reports = []
     for r in range(nproc):
-        f = _error_file(run_dir, r)
+        f = error_file(run_dir, r)
         if f.is_file():
             reports.append((f.stat().st_mtime, r, f.read_text().strip()))
     if not reports:
@@ -102,7 +103,7 @@ def _failure_message(run_dir: Path, nproc: int, fallback: str) -> str:
     first_line = text.splitlines()[0]
     others = sorted(r for _, r, _ in reports if r != rank)
     also = f"; ranks {others} failed after it" if others else ""
-    return f"rank {rank} failed: {first_line}{also} (details: {_error_file(run_dir, rank)})"
+    return f"rank {rank} failed: {first_line}{also} (details: {error_file(run_dir, rank)})"
 
 
 def _quiet_elastic_logs() -> None:

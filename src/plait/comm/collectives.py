@@ -10,7 +10,9 @@ metrics can show communication next to compute. It also
 - runs gradient compression (``set_compression``) on the same thread, so a compressed bucket's
   exchange overlaps the rest of backward exactly like an uncompressed one;
 - guards every collective with a ``CollectiveGuard`` when one is given: a peer that never arrives
-  becomes a ``CollectiveTimeout`` naming the collective, group, step and missing ranks.
+  becomes a ``CollectiveTimeout`` naming the collective, group, step and missing ranks. Collectives
+  that do not pass through ``Comm`` (DTensor, pipeline P2P, FSDP2, DCP) are bounded by the
+  trainer's ``plait.comm.watchdog.StepWatchdog`` instead.
 
 Handles returned by the ``*_async`` methods must be passed to ``wait``; the time spent there is the
 communication that computation did not hide.

@@ -12,6 +12,12 @@ collective, the group's ranks, the training step and the ranks that did not arri
 
 After a timeout the process group has an unfinished operation and cannot be used again: the
 caller must let the error end the process (non-zero exit), as the trainer does.
+
+What covers what: this guard covers the collectives plait issues through ``Comm`` (data-parallel
+reducer, ZeRO-1/2, loss and evaluation reductions) and names the exact collective. Collectives
+PyTorch issues on plait's behalf (DTensor for tensor parallel, pipeline P2P, FSDP2, DCP checkpoint
+save/load, direct ``dist.*`` calls in the model-parallel layouts) are covered by
+``plait.comm.watchdog.StepWatchdog``, which names the step, the phase and the late ranks.
 """
 
 from __future__ import annotations

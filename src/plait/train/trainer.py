@@ -22,9 +22,11 @@ import torch.distributed as dist
 from plait.comm.auto import AUTO_COMPRESSOR, AutoCompress
 from plait.comm.collectives import Comm
 from plait.comm.guard import CollectiveGuard
+from plait.comm.watchdog import StepWatchdog
 from plait.config import Config
 from plait.data.corpus import load_splits
 from plait.data.sampler import WindowSampler, validation_batches
+from plait.launch import error_file
 from plait.models.gpt import GPT
 from plait.observe.log import get_logger
 from plait.observe.metrics import MetricsWriter, ProgressBar
@@ -87,6 +89,21 @@ def build_comm(cfg: Config, rank: int, world_size: int) -> Comm:
     return comm
 
 
+def build_watchdog(cfg: Config, topo: Topology, run_dir: Path) -> StepWatchdog:
+    """The step watchdog (``plait.comm.watchdog``) on the default group's store: bounds the waits in
+    the collectives PyTorch issues for the layout (DTensor, pipeline P2P, FSDP2, DCP), which
+    ``Comm``'s guard does not see. Inert on one process."""
+    store = None
+    if topo.world_size > 1 and dist.is_initialized():
+        store = dist.distributed_c10d._get_default_store()
+    z = cfg.parallel.zero
+    kinds = [name for name, used in (("tensor-parallel", topo.degree("tp") > 1), ("pipeline", topo.degree("pp") > 1),
+                                     ("expert", topo.degree("ep") > 1), ("FSDP", z == 3), ("ZeRO", z in (1, 2)),
+                                     ("data-parallel", topo.dp > 1 and z == 0)) if used]
+    return StepWatchdog(store, cfg.comm.timeout_s, topo.rank, topo.world_size, error_file(run_dir, topo.rank),
+                        "/".join(kinds))
+
+
 class Trainer:
     """Builds everything from the config and runs the loop on one worker."""
 
@@ -99,6 +116,8 @@ class Trainer:
         self.rank0 = self.topo.rank == 0
         self.log = get_logger(self.topo.rank)
         self.comm = build_comm(cfg, self.topo.rank, self.topo.world_size)
+        self.watchdog = build_watchdog(cfg, self.topo, run_dir)
+        self.watchdog.enter(0, "setup")
         self.auto = AutoCompress() if cfg.comm.compress == "auto" and self.topo.dp > 1 else None
         splits = load_splits(cfg.data.path, cfg.model.vocab_size, cfg.data.val_fraction, cfg.model.seq_len)
         self.log.info("data: %s, %d train / %d val tokens", splits.source, len(splits.train), len(splits.val))
@@ -130,6 +149,7 @@ class Trainer:
         path = latest_checkpoint(self.run_dir)
         if path is None:
             return
+        self.watchdog.enter(self.state.step, "checkpoint load")
         meta = load_checkpoint(path, self.layout, self.topo.rank)
         self.sampler.load_state_dict(meta["sampler"])
         self.scaler.load_state_dict(meta["scaler"])
@@ -143,6 +163,7 @@ class Trainer:
 
     def save(self) -> None:
         s = self.state
+        self.watchdog.enter(s.step, "checkpoint save")
         meta = {"sampler": self.sampler.state_dict(), "scaler": self.scaler.state_dict(),
                 "skipped_steps": s.skipped_steps, "tokens_seen": s.tokens_seen,
                 "train_seconds": s.train_seconds, "world_size": self.topo.world_size}
@@ -193,6 +214,7 @@ class Trainer:
         t_start = time.perf_counter()
         self.comm.stats.reset()
         self.comm.step = self.state.step + 1  # named by a collective timeout
+        self.watchdog.enter(self.comm.step, "forward/backward")
         batches = self.sampler.next_batch()
         times.data_s = time.perf_counter() - t_start
         loss = self._forward_backward(batches, times)
@@ -201,6 +223,7 @@ class Trainer:
         times.comm_exposed_s = time.perf_counter() - t0
         lr = lr_at(self.state.step, self.cfg.optim, self.cfg.train.steps)
         t0 = time.perf_counter()
+        self.watchdog.enter(self.comm.step, "optimizer")
         norm = self._apply_update(lr)
         times.optimizer_s = time.perf_counter() - t0
         step_s = time.perf_counter() - t_start
@@ -222,6 +245,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over the fixed validation set (all data-parallel ranks together)."""
+        self.watchdog.enter(self.state.step, "evaluate")
         self.layout.module.eval()
         acc = torch.zeros(2, dtype=torch.float64)  # (sum of per-sequence mean losses, sequences)
         for x, y in self.val_batches:
@@ -249,6 +273,7 @@ class Trainer:
                 rec = self.train_step()
                 last = s.step == cfg.train.steps
                 if s.step % cfg.train.log_every == 0 or last or s.step == 1:
+                    self.watchdog.enter(s.step, "loss logging")
                     rec["loss"] = self._mean_over_dp(rec["loss"])
                     s.last_loss = rec["loss"]
                     if cfg.train.eval_every and s.step % cfg.train.eval_every == 0 and not last:
@@ -297,10 +322,12 @@ class Trainer:
 
     def finish(self) -> dict[str, Any]:
         s = self.state
+        self.watchdog.enter(s.step, "report")
         layout_report = self.layout.report(self.run_dir)  # before evaluation, which runs forward passes
         s.val_loss = self.evaluate()
         self.metrics.log({"step": s.step, "val_loss": s.val_loss})
         self.save()
+        self.watchdog.enter(s.step, "export")
         full = self.layout.full_model_state()
         if self.rank0:
             export_safetensors(full, self.run_dir / "model.safetensors")
@@ -323,11 +350,19 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     trainer = Trainer(cfg, run_dir)
-    if resume:
-        trainer.resume()
-    summary = trainer.fit()
-    if dist.is_initialized():
-        dist.barrier()
+    try:
+        if resume:
+            trainer.resume()
+        summary = trainer.fit()
+        if dist.is_initialized():
+            dist.barrier()
+    except Exception as e:
+        named = trainer.watchdog.explain(e)  # a backend timeout becomes the error naming the late ranks
+        if named is e:
+            raise
+        raise named from e
+    finally:
+        trainer.watchdog.close()
     trainer.comm.close()  # not on failure: after a timeout its thread may be stuck in a receive
     return summary
 
