@@ -17,7 +17,7 @@ from helpers import run_ranks
 from plait.comm.algorithms import ring_all_reduce
 from plait.comm.compress import COMPRESSORS, CompressConfigError, PowerSGDCompressor, build_compressor
 
-N = 5000  # not a multiple of the quantization block (1024) nor a square
+N = 5000  # not a multiple of the quantization block (128) nor a square
 
 
 def _bucket(seed: int, numel: int = N) -> torch.Tensor:
@@ -26,7 +26,7 @@ def _bucket(seed: int, numel: int = N) -> torch.Tensor:
     return torch.randn(numel, generator=g) * torch.exp(2 * torch.randn(numel, generator=g))
 
 
-def _block_scales(x: torch.Tensor, levels: int, block: int = 1024) -> torch.Tensor:
+def _block_scales(x: torch.Tensor, levels: int, block: int = 128) -> torch.Tensor:
     """Per-element quantization step ``max|block| / levels``."""
     pad = -x.numel() % block
     blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, block)
@@ -56,7 +56,7 @@ def test_quant_roundtrip_within_bound(name: str, levels: int) -> None:
 def test_int4_packs_two_values_per_byte() -> None:
     comp = build_compressor("int4")
     payload, scales = comp.encode(_bucket(2))
-    assert payload.dtype == torch.uint8 and payload.numel() == 5 * 1024 // 2 and scales.numel() == 5
+    assert payload.dtype == torch.uint8 and payload.numel() == 40 * 128 // 2 and scales.numel() == 40
 
 
 def test_topk_and_randomk_roundtrip_within_bound() -> None:

@@ -215,9 +215,14 @@ class QuantCompressor(Compressor):
     Round-trip error bound, per element: ``<= scale / 2`` with round-to-nearest, ``< scale`` with
     stochastic rounding (which is unbiased). Mean error: ``<=`` the largest of the ranks' bounds.
     Communication (forward): one all-gather of ``bits/8`` bytes per element plus 4 bytes per block.
+    Blocks are small (128 by default: 3% more bytes for int8, 6% for int4) because a bucket packs
+    tensors whose gradients differ by orders of magnitude: with 1024-element blocks a tensor of
+    small gradients that shares a block with a large one quantizes to zero, moves only when error
+    feedback releases a whole quantization step, and training ended 21% (int8) above fp32 in
+    tests/test_comm_training.py's setup instead of within 0.5%.
     """
 
-    def __init__(self, bits: int, *, block: int = 1024, stochastic_rounding: bool = False, **kw):
+    def __init__(self, bits: int, *, block: int = 128, stochastic_rounding: bool = False, **kw):
         super().__init__(**kw)
         if bits not in (4, 8):
             raise CompressConfigError(f"quantization supports 8 or 4 bits, not {bits}")
@@ -229,36 +234,39 @@ class QuantCompressor(Compressor):
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload, scales) for bucket ``x``: int8 values, or uint8 with two int4 values per byte."""
+        # In-place steps on one bucket-sized temporary: on a CPU rank this work competes with backward.
         pad = -x.numel() % self.block
-        blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, self.block)  # (num_blocks, block)
+        blocks = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(-1, self.block)  # (num_blocks, block)
         scales = blocks.abs().amax(dim=1) / self.levels  # (num_blocks,)
         q = blocks / torch.where(scales > 0, scales, 1.0)[:, None]
         if self.stochastic:
-            q = torch.floor(q + torch.rand(q.shape, generator=self._rank_rng()))
+            q.add_(torch.rand(q.shape, generator=self._rank_rng())).floor_()
         else:
-            q = torch.round(q)
+            q.round_()
         q = q.clamp_(-self.levels, self.levels).view(-1)
         if self.bits == 8:
             return q.to(torch.int8), scales
-        nib = (q + 8).to(torch.uint8)  # 1..15
+        nib = q.add_(8).to(torch.uint8)  # 1..15
         return nib[0::2] | (nib[1::2] << 4), scales
 
     def decode(self, payload: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
         """Inverse of ``encode`` (up to the rounding), trimmed to ``numel`` elements."""
         if self.bits == 8:
             q = payload.float()
-        else:
-            q = torch.stack([payload & 0xF, payload >> 4], dim=1).view(-1).float() - 8
-        return (q.view(-1, self.block) * scales[:, None]).view(-1)[:numel]
+        else:  # unpacked and re-centred on bytes, which is cheaper than on floats
+            lo, hi = (payload & 0xF).view(torch.int8) - 8, (payload >> 4).view(torch.int8) - 8
+            q = torch.stack([lo, hi], dim=1).view(-1).float()
+        return q.view(-1, self.block).mul_(scales[:, None]).view(-1)[:numel]
 
     def _exchange(self, key, x, group, n, shapes=None):
         payload, scales = self.encode(x)
         local_hat = self.decode(payload, scales, x.numel())
         payloads, all_scales = self._all_gather(payload, group, n), self._all_gather(scales, group, n)
+        me = dist.get_rank(group) if n > 1 else 0
         total = torch.zeros_like(x)
-        for p, s in zip(payloads, all_scales, strict=True):
-            total += self.decode(p, s, x.numel())
-        return total / n, local_hat
+        for i, (p, s) in enumerate(zip(payloads, all_scales, strict=True)):  # rank order on every rank
+            total += local_hat if i == me else self.decode(p, s, x.numel())
+        return total.div_(n), local_hat
 
 
 class TopKCompressor(Compressor):
@@ -420,7 +428,7 @@ class PowerSGDCompressor(Compressor):
 
 def build_compressor(name: str, *, ratio: float = 0.01, powersgd_rank: int = 4,
                      error_feedback: bool = True, stochastic_rounding: bool = False,
-                     seed: int = 0, quant_block: int = 1024,
+                     seed: int = 0, quant_block: int = 128,
                      allreduce: Callable[[torch.Tensor, dist.ProcessGroup | None], None] | None = None,
                      ) -> Compressor:
     """The compressor called ``name`` (one of ``COMPRESSORS``), configured and validated.
