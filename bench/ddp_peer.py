@@ -8,6 +8,11 @@ rank sends in a bandwidth-optimal all-reduce (2 (n - 1) / n of the buffer) of th
 all gradient elements for plain DDP and for the hook's vanilla warm-up steps, and afterwards the hook's
 own count of compressed elements (P and Q factors plus the tensors it leaves uncompressed).
 
+With ``--hook=powersgd`` the whole model is one DDP bucket: ``powerSGD_hook`` on gloo is not safe with
+several buckets (its callbacks issue collectives from gloo's worker threads and wait on them there;
+ranks then disagree on the collectives' order and gloo aborts or hangs after the vanilla warm-up steps).
+The cost is that DDP+PowerSGD communicates only after backward, not overlapped with it.
+
     torchrun ... bench/ddp_peer.py --hook=none|powersgd [--start-iter=2] --run.dir=DIR [--section.key=value ...]
 """
 
@@ -75,7 +80,14 @@ def main() -> None:
     val = validation_batches(splits.val, m.seq_len, t.micro_batch_size, t.eval_sequences, rank, world)
     torch.manual_seed(t.seed)  # the same initial weights as plait's trainer
     model = GPT(m)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.parallel.bucket_mb)
+    bucket_mb = cfg.parallel.bucket_mb
+    if args.hook == "powersgd":
+        # One bucket: powerSGD_hook's future callbacks issue their next all_reduce from whichever gloo
+        # worker thread finished the previous one and block on it, so with several buckets in flight the
+        # ranks can issue collectives in different orders (gloo aborts with "collective mismatch") or
+        # starve both worker threads (a hang). With one bucket each step's chain is sequential.
+        bucket_mb = max(bucket_mb, sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
     state = _hook_state(ddp, args.hook, cfg.comm.powersgd_rank, args.start_iter)
     optimizer = build_optimizer(model, cfg.optim)
     grad_numel = sum(p.numel() for p in model.parameters())

@@ -23,18 +23,27 @@ SMALL = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model
          "--parallel.nproc=2", "--parallel.bucket_mb=0.02"]  # ~5k-element buckets: several per step
 
 TRAIN_STEPS = 30
-# Compressed runs (all with error feedback) must end within 5% of the uncompressed final loss.
+# Compressed runs (all with error feedback) must not end more than 5% above the uncompressed final
+# loss. Ending lower is no loss of quality: PowerSGD here ends ~5% below.
 LOSS_TOLERANCE = 0.05
 # plait's algorithms sum in another order than gloo: fp32 rounding only, amplified a little by Adam.
 ALGORITHM_ATOL = 1e-4
 
+# Each compressor with its documented defaults (comm.compress_ratio 0.01, 128-element quantization
+# blocks), all with error feedback. Measured here (final val loss vs uncompressed): fp16 -0.3%,
+# bf16 +0.1%, int8 -0.2% (round to nearest) / +3.5% (stochastic), int4 -0.4%, topk -2.4%,
+# powersgd -4.9%, zero2+powersgd -5.0%. Not held to the bound: randomk (+64% at ratio 0.01, +31% at
+# 0.1) sends each entry only every ~1/ratio steps, so in 30 steps most entries have barely moved;
+# topk at ratio 0.1 ended +10% and int4 with stochastic rounding +4% (its rounding noise is large).
 QUALITY = {
     "none": [],
+    "fp16": ["--comm.compress=fp16"],
+    "bf16": ["--comm.compress=bf16"],
+    "int8": ["--comm.compress=int8"],
+    "int8-stochastic": ["--comm.compress=int8", "--comm.stochastic_rounding=true"],
+    "int4": ["--comm.compress=int4"],
+    "topk": ["--comm.compress=topk"],
     "powersgd": ["--comm.compress=powersgd", "--comm.powersgd_rank=4"],
-    # Stochastic rounding: with round-to-nearest, error feedback releases small entries in bursts of
-    # one quantization step, which Adam turns into loss spikes here (final val loss ~20% above). top-k
-# (ratio 0.1) ends ~10% above for the same reason and is not held to the 5% bound.
-    "int8": ["--comm.compress=int8", "--comm.stochastic_rounding=true"],
     "zero2+powersgd": ["--parallel.zero=2", "--comm.compress=powersgd", "--comm.powersgd_rank=4"],
 }
 ALGORITHMS = {
@@ -75,7 +84,7 @@ def test_compressed_training_reaches_uncompressed_loss(tmp_path) -> None:
         if name == "none":
             continue
         loss = r0[name]["val_loss"]
-        assert abs(loss - base) <= LOSS_TOLERANCE * base, f"{name}: {loss} vs uncompressed {base}"
+        assert loss <= (1 + LOSS_TOLERANCE) * base, f"{name}: {loss} vs uncompressed {base}"
         # comm_bytes counts the compressed payloads: fewer bytes than the fp32 reduction
         assert sum(r0[name]["bytes"]) < sum(r0["none"]["bytes"]), name
         for k, v in r0[name]["params"].items():  # every rank applied the same averaged gradients

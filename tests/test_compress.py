@@ -17,7 +17,7 @@ from helpers import run_ranks
 from plait.comm.algorithms import ring_all_reduce
 from plait.comm.compress import COMPRESSORS, CompressConfigError, PowerSGDCompressor, build_compressor
 
-N = 5000  # not a multiple of the quantization block (1024) nor a square
+N = 5000  # not a multiple of the quantization block (128) nor a square
 
 
 def _bucket(seed: int, numel: int = N) -> torch.Tensor:
@@ -26,7 +26,7 @@ def _bucket(seed: int, numel: int = N) -> torch.Tensor:
     return torch.randn(numel, generator=g) * torch.exp(2 * torch.randn(numel, generator=g))
 
 
-def _block_scales(x: torch.Tensor, levels: int, block: int = 1024) -> torch.Tensor:
+def _block_scales(x: torch.Tensor, levels: int, block: int = 128) -> torch.Tensor:
     """Per-element quantization step ``max|block| / levels``."""
     pad = -x.numel() % block
     blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, block)
@@ -56,7 +56,7 @@ def test_quant_roundtrip_within_bound(name: str, levels: int) -> None:
 def test_int4_packs_two_values_per_byte() -> None:
     comp = build_compressor("int4")
     payload, scales = comp.encode(_bucket(2))
-    assert payload.dtype == torch.uint8 and payload.numel() == 5 * 1024 // 2 and scales.numel() == 5
+    assert payload.dtype == torch.uint8 and payload.numel() == 40 * 128 // 2 and scales.numel() == 40
 
 
 def test_topk_and_randomk_roundtrip_within_bound() -> None:
@@ -90,6 +90,31 @@ def test_powersgd_roundtrip_within_bound() -> None:
     errs = [(comp.roundtrip(1, x) - x).norm() for _ in range(30)]
     assert all(e <= x.norm() for e in errs)
     assert errs[-1] <= 1.05 * best and errs[-1] < errs[0]
+
+
+def test_powersgd_compresses_each_matrix_of_a_bucket() -> None:
+    """With the bucket's shapes, low-rank weight gradients are reproduced and 1-D tensors sent exactly;
+    the same bucket as one padded matrix loses most of it (the reshape breaks each matrix's rank)."""
+    g = torch.Generator().manual_seed(6)
+    shapes = [(48, 40), (40,), (40, 3, 8), (7,)]
+    parts = [(torch.randn(48, 2, generator=g) @ torch.randn(2, 40, generator=g)).view(-1),
+             torch.randn(40, generator=g),
+             (torch.randn(40, 3, generator=g) @ torch.randn(3, 24, generator=g)).view(-1),
+             torch.randn(7, generator=g)]
+    x = torch.cat(parts)
+    comp = build_compressor("powersgd", powersgd_rank=4)
+    hat = comp.roundtrip(0, x, shapes=shapes)
+    assert (hat - x).norm() <= 1e-5 * x.norm()
+    assert torch.equal(hat[1920:1960], parts[1]) and torch.equal(hat[-7:], parts[3])
+    flat = build_compressor("powersgd", powersgd_rank=4).roundtrip(0, x)
+    assert (flat - x).norm() > 0.3 * x.norm()
+    # Error feedback keeps the exact complement: residual = input - this rank's contribution.
+    comp = build_compressor("powersgd", powersgd_rank=1)
+    y = x + 0.1 * torch.randn(x.numel(), generator=g)
+    out = comp.allreduce_mean(1, y, None, shapes=shapes)
+    torch.testing.assert_close(out + comp.residual(1), y, rtol=0, atol=1e-5)
+    with pytest.raises(CompressConfigError, match="shapes hold 2000 elements"):
+        comp.allreduce_mean(1, y, None, shapes=[(50, 40)])
 
 
 @pytest.mark.parametrize("name", ["fp16", "int4", "topk", "randomk", "powersgd"])

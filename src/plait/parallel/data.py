@@ -182,7 +182,8 @@ class GradReducer:
     def _compressed_mean(self, index: int, flat: torch.Tensor) -> int:
         """Runs on the comm thread: replace ``flat`` by the compressed average; returns wire bytes."""
         before = self.compressor.wire_bytes
-        flat.copy_(self.compressor.allreduce_mean(index, flat.float(), self.group))
+        shapes = [v.shape for v in self.buckets[index].views]  # PowerSGD compresses each matrix on its own
+        flat.copy_(self.compressor.allreduce_mean(index, flat.float(), self.group, shapes=shapes))
         return self.compressor.wire_bytes - before
 
     def _launch_ready(self) -> None:

@@ -103,6 +103,8 @@ class _Bucket:
             self.offsets.append(total)
             total += p.numel()
         self.numel = math.ceil(total / world) * world  # padded so the N chunks are equal
+        # What the flat buffer holds, padding included: PowerSGD compresses each matrix on its own.
+        self.shapes = [tuple(p.shape) for p in params] + ([(self.numel - total,)] if self.numel > total else [])
         self.chunk = self.numel // world
         ref = params[0]
         self.flat = torch.zeros(self.numel, dtype=ref.dtype, device=ref.device)
@@ -349,7 +351,7 @@ class ZeroOptimizer:
         """Comm thread: compressed average of the whole bucket, this rank's slice kept as a sum (the
         caller divides every shard by the world size). Returns the bytes put on the wire."""
         before = self.compressor.wire_bytes
-        mean = self.compressor.allreduce_mean(index, full, self.group)
+        mean = self.compressor.allreduce_mean(index, full, self.group, shapes=b.shapes)
         b.grad_shard.copy_(mean[self.rank * b.chunk:(self.rank + 1) * b.chunk]).mul_(self.world)
         return self.compressor.wire_bytes - before
 
