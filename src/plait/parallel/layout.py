@@ -26,7 +26,7 @@ from plait.comm.collectives import Comm
 from plait.config import Config
 from plait.parallel.data import GradReducer, LocalGrads, TorchDDP
 from plait.topology import Topology
-from plait.train.optim import build_optimizer, materialize_optimizer_state, param_groups
+from plait.train.optim import adamw_options, build_optimizer, materialize_optimizer_state, param_groups
 
 AmpFactory = Callable[[], contextlib.AbstractContextManager]
 
@@ -118,7 +118,7 @@ class ZeroLayout(Layout):
         self.optimizer = ZeroOptimizer(
             model, param_groups(model.named_parameters(), o.weight_decay), torch.optim.AdamW, group=topo.dp_group,
             stage=cfg.parallel.zero, bucket_mb=cfg.parallel.bucket_mb,
-            offload=cfg.parallel.offload == "optimizer", lr=o.lr, betas=(o.beta1, o.beta2), foreach=False,
+            offload=cfg.parallel.offload == "optimizer", **adamw_options(o),
         )
         self.optimizer.use_comm(comm)  # its collectives go through the comm layer: counted, guarded, compressed
 

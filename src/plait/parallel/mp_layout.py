@@ -44,7 +44,7 @@ from plait.parallel.pipeline import build_pipeline, gpt_loss, measure_layer_cost
 from plait.parallel.pipeline_trace import bubble_summary, write_chrome_trace
 from plait.parallel.tensor import full_state_dict, local_value, loss_context
 from plait.topology import Topology
-from plait.train.optim import materialize_optimizer_state, param_groups
+from plait.train.optim import adamw, materialize_optimizer_state
 
 
 @dataclass
@@ -98,8 +98,7 @@ class ModelParallelLayout(Layout):
     def _init_common(self, cfg: Config, topo: Topology, comm: Comm, holder: nn.Module) -> None:
         self.topo = topo
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(param_groups(self.named, o.weight_decay), lr=o.lr,
-                                           betas=(o.beta1, o.beta2), foreach=False)
+        self.optimizer = adamw(self.named, o)
         self.engine = GradReducer(holder, topo.dp_group, comm, cfg.parallel.bucket_mb) if topo.dp > 1 \
             else LocalGrads(holder)
 
@@ -189,8 +188,7 @@ class TensorFsdpLayout(TensorLayout):
         self.named = list(self.model.named_parameters())
         self.topo = topo
         self.engine = None
-        self.optimizer = torch.optim.AdamW(param_groups(self.named, o.weight_decay), lr=o.lr,
-                                           betas=(o.beta1, o.beta2), foreach=False)
+        self.optimizer = adamw(self.named, o)
 
     def no_sync(self) -> AbstractContextManager:
         from plait.parallel.fsdp import no_gradient_sync

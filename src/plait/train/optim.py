@@ -24,10 +24,31 @@ def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def adamw_options(cfg: OptimConfig) -> dict:
+    """AdamW keyword arguments from ``optim.*``: the fused kernel with ``optim.fused``, else the plain
+    per-parameter loop (foreach=False), which keeps CPU runs bit-repeatable across layouts."""
+    kernel = {"fused": True} if cfg.fused else {"foreach": False}
+    return {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), **kernel}
+
+
+def adamw(named_params: Iterable[tuple[str, nn.Parameter]], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over the named parameters (``param_groups`` decides weight decay by name).
+
+    The fused kernel takes a whole group at once and cannot mix DTensors with plain tensors (tensor
+    parallelism leaves norms plain): with ``optim.fused`` each group is split by kind."""
+    groups = param_groups(named_params, cfg.weight_decay)
+    if cfg.fused:
+        from torch.distributed.tensor import DTensor
+
+        groups = [{**g, "params": [p for p in g["params"] if isinstance(p, DTensor) == kind]}
+                  for g in groups for kind in (False, True)]
+        groups = [g for g in groups if g["params"]]
+    return torch.optim.AdamW(groups, **adamw_options(cfg))
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW over ``model``'s trainable parameters. foreach=False keeps CPU runs bit-repeatable."""
-    return torch.optim.AdamW(param_groups(model.named_parameters(), cfg.weight_decay), lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2), foreach=False)
+    """AdamW over ``model``'s trainable parameters."""
+    return adamw(model.named_parameters(), cfg)
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
