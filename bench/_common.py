@@ -132,3 +132,49 @@ def spawn_group(fn: Any, world: int, *args: Any, name: str = "group", timeout_s:
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world)]
+
+
+class StatePeak:
+    """Model-state bytes (parameters, gradients, optimizer states) sampled at named points of a step.
+
+    ``sources()`` returns ``{"params": [...], "grads": [...], "optimizer": [...]}``, the tensors an
+    implementation holds right now (``None`` entries are skipped). Each storage is counted once, in the
+    first category that names it, as ``plait.plan.memory.measure_model_state_bytes`` counts, so flat
+    buffers and the views into them, or a freed (resized-to-zero) unsharded parameter, count correctly.
+    ``result()`` gives the largest total sampled, its breakdown and point, and every point's largest total.
+    """
+
+    CATEGORIES = ("params", "grads", "optimizer")
+
+    def __init__(self, sources: Any) -> None:
+        self.sources = sources
+        self.points: dict[str, dict[str, int]] = {}
+
+    def sample(self, point: str) -> None:
+        from plait.plan.memory import _count
+
+        seen: dict[int, int] = {}
+        tensors = self.sources()
+        rec = {k: _count([t for t in tensors.get(k, []) if t is not None], seen) for k in self.CATEGORIES}
+        rec["total"] = sum(rec.values())
+        best = self.points.get(point)
+        rec["samples"] = (best["samples"] if best else 0) + 1
+        if best is None or rec["total"] > best["total"]:
+            self.points[point] = rec
+        else:
+            best["samples"] = rec["samples"]
+
+    def hook_backward(self, params: Any) -> list[Any]:
+        """Sample from a post-accumulate-grad hook on each of ``params`` (point ``"backward"``).
+
+        Register after the implementation has registered its own hooks so ours fire after theirs; the
+        handles are returned for removal."""
+        return [p.register_post_accumulate_grad_hook(lambda _p: self.sample("backward"))
+                for p in dict.fromkeys(params) if p.requires_grad]
+
+    def result(self) -> dict[str, Any]:
+        if not self.points:
+            raise RuntimeError("StatePeak.result() before any sample")
+        point, rec = max(self.points.items(), key=lambda kv: kv[1]["total"])
+        return {**{k: rec[k] for k in (*self.CATEGORIES, "total")}, "at": point,
+                "by_point": {p: {"total": r["total"], "samples": r["samples"]} for p, r in self.points.items()}}

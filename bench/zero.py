@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 PLAIT = ("plait0", "plait1", "plait2", "plait3")
 PEERS = ("ddp", "zero_redundancy", "fsdp_no_reshard", "fsdp")
+MEASURE_STEPS = 2  # untimed steps after the timed ones that sample model state (DDP's buckets: see below)
 MODEL = ["--model.n_layer=4", "--model.d_model=256", "--model.n_head=4", "--model.seq_len=64",
          "--train.micro_batch_size=2"]
 
@@ -100,25 +101,156 @@ def _build_peer(impl: str, cfg, world: int):
     return model, model, opt, opt
 
 
-def _peer_step(impl: str, parts, sampler, cfg, step: int, measure: bool) -> tuple[float, dict | None]:
-    """One optimizer step of a peer's minimal loop (same phases as the Trainer); returns (loss, memory)."""
+def _peer_step(impl: str, parts, sampler, cfg, step: int, measure: bool,
+               probe=None) -> tuple[float, dict | None]:
+    """One optimizer step of a peer's minimal loop (same phases as the Trainer); returns (loss, memory).
+
+    ``probe(point)``, when given, samples model state after forward, after backward, before and after the
+    optimizer step and after zero_grad (the measurement step only)."""
     from torch.distributed.tensor import DTensor
 
     from plait.plan.memory import measure_model_state_bytes
     from plait.train.optim import lr_at
 
+    probe = probe or (lambda point: None)
     module, model, opt, state_opt = parts
     ((x, y),) = sampler.next_batch()
     loss = module(x, y)  # (), mean cross-entropy
+    probe("after forward")
     loss.backward()
+    probe("after backward")
     for g in opt.param_groups:
         g["lr"] = lr_at(step, cfg.optim, cfg.train.steps)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=False)
     norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     memory = measure_model_state_bytes(model, state_opt) if measure else None
+    probe("before step")
     opt.step()
+    probe("after step")
     opt.zero_grad(set_to_none=True)
+    probe("after zero_grad")
     return float(loss), memory
+
+
+def _fsdp_groups(model: torch.nn.Module) -> list:
+    """FSDP2's parameter groups of every ``fully_shard``-ed module in ``model`` (empty without FSDP)."""
+    groups = []
+    for m in model.modules():
+        get = getattr(m, "_get_fsdp_state", None)
+        if get is None:
+            continue
+        state = get()
+        found = getattr(state, "_fsdp_param_groups", None)
+        if found is None:  # older torch: one group per state
+            found = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
+        groups += [g for g in found if g not in groups]
+    return groups
+
+
+def _fsdp_tensors(groups: list) -> dict[str, list]:
+    """What FSDP2 holds beyond the module's current parameters: sharded parameters (and their gradients),
+    unsharded parameters and their all-gather outputs (freed ones have an empty storage and count 0),
+    unsharded gradients, and the in-flight all-gather outputs and reduce-scatter inputs."""
+    params, grads = [], []
+    for g in groups:
+        for fp in g.fsdp_params:
+            unsharded = getattr(fp, "_unsharded_param", None)
+            params += [fp.sharded_param, unsharded, *fp.all_gather_outputs]
+            grads += [fp.sharded_param.grad, unsharded.grad if unsharded is not None else None,
+                      fp.unsharded_accumulated_grad]
+        ctx = g.comm_ctx
+        for result in (g._all_gather_result, getattr(ctx.all_gather_state, "all_gather_result", None)):
+            params.append(getattr(result, "all_gather_output", None))
+        grads += [st.reduce_scatter_input for st in getattr(ctx, "reduce_scatter_states", [])]
+        grads.append(getattr(g, "_partial_reduce_output", None))
+    return {"params": params, "grads": grads}
+
+
+def _state_sources(model: torch.nn.Module, state_opt, extra_grads: list | None = None):
+    """``StatePeak`` sources: the model's parameters and gradients, the optimizer's own parameters,
+    gradient buffers (``grad_buffers()``, plait's ZeRO) and states, FSDP2's internals, ``extra_grads``."""
+    groups = _fsdp_groups(model)
+
+    def sources() -> dict[str, list]:
+        params = list(model.parameters()) + [p for g in state_opt.param_groups for p in g["params"]]
+        grads = [p.grad for p in params] + list(extra_grads or [])
+        if callable(getattr(state_opt, "grad_buffers", None)):
+            grads += state_opt.grad_buffers()
+        fsdp = _fsdp_tensors(groups)
+        states = [v for st in state_opt.state.values() for v in st.values()]
+        return {"params": params + fsdp["params"], "grads": grads + fsdp["grads"], "optimizer": states}
+    return sources
+
+
+def _backward_leaves(model: torch.nn.Module) -> list:
+    """The tensors autograd accumulates gradients into: FSDP2's unsharded parameters, else the model's."""
+    groups = _fsdp_groups(model)
+    if groups:
+        return [fp._unsharded_param for g in groups for fp in g.fsdp_params if hasattr(fp, "_unsharded_param")]
+    return list(model.parameters())
+
+
+def _ddp_bucket_buffers(module) -> list:
+    """DDP's flat gradient buckets (``gradient_as_bucket_view=False``: copies of the gradients, alive for
+    the module's life), collected by an all-reduce comm hook equal to DDP's built-in one. Registered
+    only for the untimed measurement steps; the buffers are filled in during the first of them."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    buffers: list = []
+
+    def hook(state, bucket):
+        if all(b is not bucket.buffer() for b in buffers):
+            buffers.append(bucket.buffer())
+        return default_hooks.allreduce_hook(state, bucket)
+    module.register_comm_hook(None, hook)
+    return buffers
+
+
+def _measure_peer(impl: str, parts, sampler, cfg, step: int) -> dict:
+    """``MEASURE_STEPS`` untimed steps of a peer sampling model state; the peak record."""
+    module, model, opt, state_opt = parts
+    extra = _ddp_bucket_buffers(module) if impl in ("ddp", "zero_redundancy") else []
+    peak = _common.StatePeak(_state_sources(model, state_opt, extra))
+    handles = peak.hook_backward(_backward_leaves(model))
+    for i in range(MEASURE_STEPS):
+        _peer_step(impl, parts, sampler, cfg, step + i, measure=False, probe=peak.sample)
+    for h in handles:
+        h.remove()
+    return peak.result()
+
+
+def _measure_trainer(trainer) -> dict:
+    """``MEASURE_STEPS`` untimed ``train_step`` calls sampling model state at the same points as the
+    peers: a forward hook on the model, post-accumulate-grad hooks, and wrappers around the layout's
+    ``finish``/``zero_grad`` and the optimizer's ``step`` (instance attributes, removed afterwards)."""
+    layout, opt = trainer.layout, trainer.optimizer
+    peak = _common.StatePeak(_state_sources(layout.model, opt))
+    handles = [layout.model.register_forward_hook(lambda *_: peak.sample("after forward"))]
+    handles += peak.hook_backward(_backward_leaves(layout.model))
+    wrapped = [(layout, "finish", None, "after backward"), (opt, "step", "before step", "after step"),
+               (layout, "zero_grad", None, "after zero_grad")]
+    for obj, name, before, after in wrapped:
+        setattr(obj, name, _sampled(getattr(obj, name), peak, before, after))
+    try:
+        for _ in range(MEASURE_STEPS):
+            trainer.train_step()
+    finally:
+        for obj, name, *_ in wrapped:
+            delattr(obj, name)
+        for h in handles:
+            h.remove()
+    return peak.result()
+
+
+def _sampled(fn, peak, before: str | None, after: str | None):
+    def call(*args, **kwargs):
+        if before:
+            peak.sample(before)
+        out = fn(*args, **kwargs)
+        if after:
+            peak.sample(after)
+        return out
+    return call
 
 
 def run_impl(rank: int, world: int, impl: str, dp_overrides: list[str], root: str, warmup: int,
@@ -150,23 +282,34 @@ def run_impl(rank: int, world: int, impl: str, dp_overrides: list[str], root: st
             memory = mem or memory
         times.append(time.perf_counter() - t0)
         losses.append(loss)
+    dist.barrier()
     if impl in PLAIT:
         memory = trainer.memory
+        peak_state = _measure_trainer(trainer)
+    else:
+        peak_state = _measure_peer(impl, parts, sampler, cfg, warmup + steps)
     peak = _common.peak_rss_bytes()
-    return {"step_s": times[warmup:], "final_loss": losses[-1], "model_state": memory, "peak_rss": peak,
-            "peak_above_baseline": peak - baseline, "peak_reset": reset}
+    return {"step_s": times[warmup:], "final_loss": losses[-1], "model_state": memory,
+            "model_state_peak": peak_state, "peak_rss": peak, "peak_above_baseline": peak - baseline,
+            "peak_reset": reset}
 
 
 def merge_ranks(per_rank: list[dict]) -> dict:
     """Per-rank records of one run -> one record: the slowest rank's time per step, per-rank memory."""
+    boundary = [r["model_state"] for r in per_rank]
     return {
         "step_s": [max(s) for s in zip(*(r["step_s"] for r in per_rank), strict=True)],
         "final_loss": per_rank[0]["final_loss"],
-        "model_state_bytes": [r["model_state"]["total"] if r["model_state"] else None for r in per_rank],
-        "model_state_breakdown_rank0": per_rank[0]["model_state"],
+        "model_state_peak_bytes": [r["model_state_peak"]["total"] for r in per_rank],
+        "model_state_peak_rank0": per_rank[0]["model_state_peak"],
+        "model_state_boundary_bytes": [m["total"] if m else None for m in boundary],
+        "model_state_boundary_rank0": boundary[0],
         "peak_rss_bytes": [r["peak_rss"] for r in per_rank],
         "peak_above_baseline_bytes": [r["peak_above_baseline"] for r in per_rank],
     }
+
+
+MEMORY_KEYS = ("model_state_peak_bytes", "model_state_boundary_bytes", "peak_rss_bytes", "peak_above_baseline_bytes")
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -175,14 +318,17 @@ def summarize(runs: list[dict]) -> dict:
     samples = [s for r in runs for s in r["step_s"]]
     out["step_s"] = statistics.median(samples)
     out["step_samples"] = len(samples)
-    for key in ("model_state_bytes", "peak_rss_bytes", "peak_above_baseline_bytes"):
+    for key in MEMORY_KEYS:
         vals = [v for r in runs for v in r[key] if v is not None]
         out[key + "_max"] = max(vals) if vals else None
     return out
 
 
 def ratios(results: dict) -> dict:
-    """plait stage k over its PyTorch peer (and DeepSpeed's stage k where it ran): memory and time."""
+    """plait stage k over its PyTorch peer (and DeepSpeed's stage k where it ran): memory and time.
+
+    The memory target is on ``model_state_peak`` (what limits a device is the peak inside a step); the
+    step-boundary ratio is reported beside it."""
     out = {}
     for k, peer in enumerate(PEERS):
         mine = results.get(f"plait{k}")
@@ -190,10 +336,12 @@ def ratios(results: dict) -> dict:
             theirs = results.get(other)
             if not isinstance(mine, dict) or not isinstance(theirs, dict) or k == 0 and other == "deepspeed0":
                 continue
-            mem = _ratio(mine["model_state_bytes_max"], theirs["model_state_bytes_max"])
+            mem = _ratio(mine["model_state_peak_bytes_max"], theirs["model_state_peak_bytes_max"])
             step = mine["step_s"] / theirs["step_s"]
             out[f"stage{k}_vs_{other}"] = {
-                "model_state_ratio": mem, "step_time_ratio": round(step, 3),
+                "model_state_peak_ratio": mem, "step_time_ratio": round(step, 3),
+                "model_state_boundary_ratio": _ratio(mine["model_state_boundary_bytes_max"],
+                                                     theirs["model_state_boundary_bytes_max"]),
                 "peak_above_baseline_ratio": _ratio(mine["peak_above_baseline_bytes_max"],
                                                     theirs["peak_above_baseline_bytes_max"]),
                 "meets_memory_target": mem is not None and mem <= 1.0, "meets_time_target": step <= 1.05,
@@ -223,11 +371,11 @@ def _deepspeed(python: str, stage: int, dp: int, args: argparse.Namespace) -> di
 
 
 def sweep(dp: int, args: argparse.Namespace, root: str) -> dict:
-    impls = list(PLAIT + PEERS)
+    impls = [i for i in PLAIT + PEERS if not args.only or i in args.only]
     runs: dict[str, list[dict]] = {i: [] for i in impls}
     results: dict[str, dict | str] = {}
     for r in range(args.rounds):
-        for impl in impls[r % len(impls):] + impls[:r % len(impls)]:
+        for impl in impls[r % max(len(impls), 1):] + impls[:r % max(len(impls), 1)]:
             try:
                 per_rank = _common.spawn_group(run_impl, dp, impl, overrides(dp), root, args.warmup, args.steps,
                                                name=f"{impl} dp={dp}")
@@ -239,7 +387,7 @@ def sweep(dp: int, args: argparse.Namespace, root: str) -> dict:
         if rs and impl not in results:
             results[impl] = summarize(rs)
     if args.deepspeed_python:
-        for stage in (1, 2, 3):
+        for stage in [s for s in (1, 2, 3) if not args.only or f"deepspeed{s}" in args.only]:
             rec = _deepspeed(args.deepspeed_python, stage, dp, args)
             results[f"deepspeed{stage}"] = summarize([rec]) if isinstance(rec, dict) else rec
             print(f"[zero bench] dp={dp} deepspeed{stage} done", file=sys.stderr)
@@ -255,6 +403,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="timed steps per run")
     ap.add_argument("--rounds", type=int, default=2, help="repetitions of the whole sweep, rotated order")
     ap.add_argument("--quick", action="store_true", help="2 warm-up + 2 timed steps, 1 round")
+    ap.add_argument("--only", nargs="+", default=[], choices=PLAIT + PEERS + ("deepspeed1", "deepspeed2", "deepspeed3"),
+                    help="run only these implementations")
     ap.add_argument("--deepspeed-python", default="", help="interpreter with deepspeed (run as a subprocess)")
     args = ap.parse_args()
     if args.quick:

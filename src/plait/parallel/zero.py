@@ -150,14 +150,10 @@ class ZeroOptimizer:
         self._fqn = _param_fqns(model)
         self.buckets = _build_buckets(model, groups, bucket_mb, self.world, self.rank)
         self._group_fqns = [[self._fqn[p] for p in g["params"]] for g in groups]
-        self._check_device(offload)
         self.offload = offload
         for b in self.buckets:
             if offload or b.flat.dtype != torch.float32:
-                dev = torch.device("cpu") if offload else b.flat.device
-                b.master = b.shard.detach().to(device=dev, dtype=torch.float32).clone()
-                if offload and dev.type == "cpu" and torch.cuda.is_available():
-                    b.master = b.master.pin_memory()
+                b.master = _master_copy(b.shard, offload)
         inner_groups = []
         for gi, g in enumerate(groups):
             hp = {k: v for k, v in g.items() if k != "params"}
@@ -186,11 +182,6 @@ class ZeroOptimizer:
             self.comm.wait(work)
         else:
             work.wait()
-
-    def _check_device(self, offload: bool) -> None:
-        dev = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
-        if offload and dev.type == "cpu":
-            validate_zero(self.stage, self.world, "optimizer", "cpu")
 
     # -- the torch.optim surface the trainer uses -------------------------------------------------
     @property
@@ -268,7 +259,13 @@ class ZeroOptimizer:
             raise ValueError("ZeroOptimizer.step does not take a closure; run forward/backward before step()")
         self._ensure_reduced()
         for b in self.buckets:
-            b.master.grad = b.grad_shard if b.master is b.shard else b.grad_shard.to(b.master.device)
+            if self.offload:  # to the host buffer; blocking: the CPU optimizer reads it right after
+                if b.master.grad is None:
+                    b.master.grad = _master_copy(b.grad_shard, True)
+                else:
+                    b.master.grad.copy_(b.grad_shard)
+            else:  # grad_shard is fp32, on the master's device: no copy
+                b.master.grad = b.grad_shard
         self.optimizer.step()
         works = []
         for i, b in enumerate(self.buckets):
@@ -383,6 +380,13 @@ class ZeroOptimizer:
         from plait.parallel.zero_state import scatter_state_dict
 
         scatter_state_dict(self, state_dict)
+
+
+def _master_copy(t: torch.Tensor, offload: bool) -> torch.Tensor:
+    """A separate fp32 copy of ``t``: in host memory when offloading (pinned where CUDA is, so copies
+    to and from the GPU can be asynchronous; a CPU-only build cannot pin), else on ``t``'s device."""
+    out = t.detach().to(device="cpu" if offload else t.device, dtype=torch.float32, copy=True)
+    return out.pin_memory() if offload and torch.cuda.is_available() else out
 
 
 def _normalize_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
