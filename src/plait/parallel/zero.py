@@ -17,8 +17,12 @@ buffers and all-reduces them in place when the step (or clipping) asks for gradi
 slice of that buffer, so it holds no more gradient memory than an unsharded optimizer. Stage 2
 launches each bucket's reduce-scatter from the hooks while backward continues, always in the fixed
 bucket order (so every rank issues the same collectives in the same order), and frees the full local
-buffer once its reduce-scatter is done: only the reduced 1/N shard survives backward. Reduce-scatter
-rather than all-reduce at stage 2: each rank only needs its own shard, and it moves half the bytes.
+buffer once its reduce-scatter is done (polled from the hooks; when more than ``MAX_FULL_IN_FLIGHT``
+launched buckets still hold theirs, backward waits for the oldest), so during backward the full
+gradients alive are a few buckets', and only the reduced 1/N shard survives backward. Stage 2's
+transient gradient memory thus scales with ``bucket_mb``, not the model: it needs buckets much smaller
+than the model. Reduce-scatter rather than all-reduce at stage 2: each rank only needs its own shard,
+and it moves half the bytes.
 
 Communication layer. ``use_comm(comm)`` routes every collective through plait's ``Comm`` (counted
 in ``comm_bytes``, guarded by the hang timeout). With compression on, a bucket is reduced with the
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,6 +50,9 @@ from torch import nn
 from plait.comm.collectives import Comm, ring_allreduce_bytes, ring_half_bytes
 
 OFFLOAD_CHOICES = ("none", "optimizer", "params")
+# Stage 2: launched buckets that may still hold their full local gradient during backward (the newest
+# ones, whose reduce-scatter is in flight); more than this and backward waits for the oldest.
+MAX_FULL_IN_FLIGHT = 2
 
 # torch 2.13 renamed the flat-tensor collectives; older releases (pyproject allows >= 2.4) lack the new names.
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -302,7 +310,22 @@ class ZeroOptimizer:
                 bucket.ready.add(index)
                 if self.stage == 2:
                     self._launch_ready()
+                    self._release_reduced()
         return hook
+
+    def _release_reduced(self) -> None:
+        """Stage 2, during backward: free the full local buffer of every launched bucket whose
+        reduce-scatter has finished (polled: backward is not held up), and wait for the oldest when
+        more than ``MAX_FULL_IN_FLIGHT`` launched buckets still hold one, so the full gradients alive
+        in backward are bounded by a few buckets, not the model. No communication of its own."""
+        launched = [b for b in self.buckets[:self._next_launch] if b.grad_full is not None]
+        for b in launched:
+            if b.work is not None and _is_done(getattr(b.work, "handle", b.work)):
+                b.grad_full = None
+        launched = [b for b in launched if b.grad_full is not None]
+        for b in launched[:max(0, len(launched) - MAX_FULL_IN_FLIGHT)]:
+            self._wait(b.work)
+            b.work, b.grad_full = None, None
 
     def _launch_ready(self) -> None:
         # Launch strictly in bucket order so every rank issues identical collectives.
@@ -356,7 +379,8 @@ class ZeroOptimizer:
         while self._next_launch < len(self.buckets):  # buckets some of whose params got no gradient
             self._launch(self.buckets[self._next_launch])
         for b in self.buckets:
-            self._wait(b.work)
+            if b.work is not None:  # None: already waited for in backward (_release_reduced)
+                self._wait(b.work)
             b.work = None
             b.grad_shard.div_(self.world)  # average over the data-parallel ranks
             if self.stage == 2:
@@ -380,6 +404,13 @@ class ZeroOptimizer:
         from plait.parallel.zero_state import scatter_state_dict
 
         scatter_state_dict(self, state_dict)
+
+
+def _is_done(handle: Any) -> bool:
+    """Whether a c10d ``Work`` or a comm-thread future has finished, without waiting."""
+    if isinstance(handle, Future):
+        return handle.done()
+    return bool(handle.is_completed())
 
 
 def _master_copy(t: torch.Tensor, offload: bool) -> torch.Tensor:
