@@ -10,20 +10,27 @@ Implementations (all from the same GPT weights, data order and AdamW hyperparame
 
 Each implementation runs in its own freshly spawned group of gloo ranks (one CPU thread each), so the
 process peak memory of one cannot leak into another's. Per rank it records:
-* ``model_state``: bytes held by parameters, gradients and optimizer states, counted by tensor storage
-  (``plait.plan.memory.measure_model_state_bytes``) right before the second optimizer step, the same
-  point for every implementation. This is the primary, exact memory figure. (DDP's internal bucket
-  copies of the gradients are not parameters' storage and are not counted; they show in the peak.)
+* ``model_state_peak`` (the memory target): the largest model-state bytes at any sampled instant of
+  ``MEASURE_STEPS`` untimed steps run after the timed ones. Model state is the unique storages of
+  parameters (incl. flat buffers, shards and FSDP2's unsharded parameters and all-gather outputs),
+  gradients (incl. plait's bucket buffers and shards, DDP's buckets, FSDP2's unsharded gradients and
+  reduce-scatter inputs, DeepSpeed's partitions and IPG buckets) and optimizer states (incl. fp32
+  masters), each storage once. Sampled after forward, from a post-accumulate-grad hook on every
+  parameter during backward (registered after the implementation's own hooks), after backward, before
+  and after the optimizer step and after zero_grad; ``by_point`` keeps each point's largest value.
+  Transient buffers that live only inside one collective call are not seen by any implementation.
+* ``model_state_boundary``: the same count at one instant, right before the second optimizer step
+  (``plait.plan.memory.measure_model_state_bytes``; DDP's buckets are not included there).
 * ``peak_rss``: the process's peak resident set size during build + steps (VmHWM, reset after imports
   and process-group start-up), and ``peak_above_baseline`` = peak - RSS before the model was built.
   On CPU this is coarse (allocator caching, page granularity) but it is per process and per implementation.
 * step times: ``--warmup`` untimed steps, then ``--steps`` timed ones, each after a barrier; a step's time is
   the slowest rank's; the median over steps (pooled over ``--rounds`` repetitions of the whole sweep, in
   rotated order so that machine noise is spread) is reported.
-Ratios: plait stage k over its peer (model-state memory and step time); targets are memory <= 1 and
+Ratios: plait stage k over its peer (model-state peak and step time); targets are memory <= 1 and
 step time <= 1.05. ``final_loss`` (rank 0, last step) is a sanity check that all loops trained alike.
 
-    python bench/zero.py [--dp 2 4] [--steps 8] [--rounds 2] [--quick] [--deepspeed-python /tmp/dsvenv/bin/python]
+    python bench/zero.py [--dp 2 4] [--steps 16] [--rounds 2] [--quick] [--deepspeed-python /tmp/dsvenv/bin/python]
 """
 
 from __future__ import annotations
@@ -44,28 +51,47 @@ import torch.distributed as dist
 
 PLAIT = ("plait0", "plait1", "plait2", "plait3")
 PEERS = ("ddp", "zero_redundancy", "fsdp_no_reshard", "fsdp")
+BUCKET_MB = 1.0  # see NOTES["buckets"]
 MEASURE_STEPS = 2  # untimed steps after the timed ones that sample model state (DDP's buckets: see below)
 MODEL = ["--model.n_layer=4", "--model.d_model=256", "--model.n_head=4", "--model.seq_len=64",
          "--train.micro_batch_size=2"]
 
 NOTES = {
-    "model_state": "bytes per rank by tensor storage, right before the 2nd optimizer step (gradients reduced, "
-                   "optimizer states exist); *_max is the largest rank",
+    "model_state_peak": "largest model-state bytes per rank at any sampled instant of an untimed step (see the "
+                        "docstring); *_max is the largest rank; the memory target. psi = fp32 parameter bytes, "
+                        "N = dp, b = one gradient bucket (bucket_mb)",
+    "model_state_boundary": "the same count right before the 2nd optimizer step (one instant, without DDP's buckets)",
+    "expected_peak": {
+        "plait0": "4 psi: params + gradients (views of the reducer's buckets) + 2 AdamW states, at every point",
+        "ddp": "5 psi in backward: params + param.grad + DDP's bucket copies + 2 states (4 psi after zero_grad)",
+        "plait1": "2 psi + 2 psi/N: params + the kept full gradient buffer (the shard is its slice) + states",
+        "zero_redundancy": "3 psi + 2 psi/N: DDP's param.grad and bucket copies + sharded states",
+        "deepspeed1": "2 psi + 4 psi/N + b in backward: param.grad held until the end-of-backward reduction, "
+                      "fp32 master, 2 states and the averaged-gradient partition of 1/N, one IPG bucket",
+        "plait2": "psi + 3 psi/N + ~2 b in backward: full params, gradient shard, states, a bucket reducing "
+                  "while the next fills (full buffers freed once reduce-scattered); psi + 3 psi/N at the boundary",
+        "fsdp_no_reshard": "<= psi + 4 psi/N + unit gradients, early in backward: unsharded params of every unit "
+                           "(kept from forward), sharded params, sharded grads, states, a unit's unsharded "
+                           "gradients and reduce-scatter input; 4 psi/N at the boundary",
+        "deepspeed2": "psi + 4 psi/N + b + bucket gradients: params, fp32 master, states, gradient partition, "
+                      "IPG bucket",
+        "plait3 / fsdp": "4 psi/N + root unit (never resharded after forward) + one block's unsharded params and "
+                         "gradients in backward; 4 psi/N at the boundary",
+    },
+    "buckets": "all bucketed implementations use bucket_mb (default 1 MiB, ~1/13 of this 13 MB model, as 25 MB "
+               "buckets are for a ~300 MB model): DeepSpeed allocates its IPG bucket at the full configured size "
+               "(its default 5e8 elements is 2 GB), and plait ZeRO-2's backward memory is ~2 buckets, so a bucket "
+               "as large as the model would measure a regime no real model is in",
     "peak": "process peak RSS minus RSS before the model was built, per rank; CPU RSS is coarse (allocator "
             "caching, pages), compare it between implementations only",
-    "stage1": "plait stage 1 holds the full local gradient buffers plus the reduced 1/N gradient shard; "
-              "ZeroRedundancyOptimizer keeps only DDP's full all-reduced gradients (DDP's own bucket copies "
-              "are not parameter storage and are not counted)",
-    "stage2": "fully_shard(reshard_after_forward=False) still reshards parameters at the end of backward, so at "
-              "the measuring point it holds 1/N parameters while plait stage 2 holds full ones; its unsharded "
-              "parameters live from forward to backward and show in the peak, not in model_state",
     "step_s": "median over timed steps of the slowest rank's step; noisy on a shared machine",
 }
 
 
-def overrides(dp: int) -> list[str]:
-    """The benchmark config at data-parallel size ``dp``: one micro-batch of 2 sequences per rank per step."""
-    return MODEL + [f"--train.global_batch_size={2 * dp}"]
+def overrides(dp: int, bucket_mb: float = BUCKET_MB) -> list[str]:
+    """The benchmark config at data-parallel size ``dp``: one micro-batch of 2 sequences per rank per step,
+    gradient buckets of ``bucket_mb`` (plait's reducer and ZeRO, DDP, DeepSpeed's reduce/all-gather buckets)."""
+    return MODEL + [f"--train.global_batch_size={2 * dp}", f"--parallel.bucket_mb={bucket_mb}"]
 
 
 def _build_peer(impl: str, cfg, world: int):
@@ -132,86 +158,12 @@ def _peer_step(impl: str, parts, sampler, cfg, step: int, measure: bool,
     return float(loss), memory
 
 
-def _fsdp_groups(model: torch.nn.Module) -> list:
-    """FSDP2's parameter groups of every ``fully_shard``-ed module in ``model`` (empty without FSDP)."""
-    groups = []
-    for m in model.modules():
-        get = getattr(m, "_get_fsdp_state", None)
-        if get is None:
-            continue
-        state = get()
-        found = getattr(state, "_fsdp_param_groups", None)
-        if found is None:  # older torch: one group per state
-            found = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
-        groups += [g for g in found if g not in groups]
-    return groups
-
-
-def _fsdp_tensors(groups: list) -> dict[str, list]:
-    """What FSDP2 holds beyond the module's current parameters: sharded parameters (and their gradients),
-    unsharded parameters and their all-gather outputs (freed ones have an empty storage and count 0),
-    unsharded gradients, and the in-flight all-gather outputs and reduce-scatter inputs."""
-    params, grads = [], []
-    for g in groups:
-        for fp in g.fsdp_params:
-            unsharded = getattr(fp, "_unsharded_param", None)
-            params += [fp.sharded_param, unsharded, *fp.all_gather_outputs]
-            grads += [fp.sharded_param.grad, unsharded.grad if unsharded is not None else None,
-                      fp.unsharded_accumulated_grad]
-        ctx = g.comm_ctx
-        for result in (g._all_gather_result, getattr(ctx.all_gather_state, "all_gather_result", None)):
-            params.append(getattr(result, "all_gather_output", None))
-        grads += [st.reduce_scatter_input for st in getattr(ctx, "reduce_scatter_states", [])]
-        grads.append(getattr(g, "_partial_reduce_output", None))
-    return {"params": params, "grads": grads}
-
-
-def _state_sources(model: torch.nn.Module, state_opt, extra_grads: list | None = None):
-    """``StatePeak`` sources: the model's parameters and gradients, the optimizer's own parameters,
-    gradient buffers (``grad_buffers()``, plait's ZeRO) and states, FSDP2's internals, ``extra_grads``."""
-    groups = _fsdp_groups(model)
-
-    def sources() -> dict[str, list]:
-        params = list(model.parameters()) + [p for g in state_opt.param_groups for p in g["params"]]
-        grads = [p.grad for p in params] + list(extra_grads or [])
-        if callable(getattr(state_opt, "grad_buffers", None)):
-            grads += state_opt.grad_buffers()
-        fsdp = _fsdp_tensors(groups)
-        states = [v for st in state_opt.state.values() for v in st.values()]
-        return {"params": params + fsdp["params"], "grads": grads + fsdp["grads"], "optimizer": states}
-    return sources
-
-
-def _backward_leaves(model: torch.nn.Module) -> list:
-    """The tensors autograd accumulates gradients into: FSDP2's unsharded parameters, else the model's."""
-    groups = _fsdp_groups(model)
-    if groups:
-        return [fp._unsharded_param for g in groups for fp in g.fsdp_params if hasattr(fp, "_unsharded_param")]
-    return list(model.parameters())
-
-
-def _ddp_bucket_buffers(module) -> list:
-    """DDP's flat gradient buckets (``gradient_as_bucket_view=False``: copies of the gradients, alive for
-    the module's life), collected by an all-reduce comm hook equal to DDP's built-in one. Registered
-    only for the untimed measurement steps; the buffers are filled in during the first of them."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    buffers: list = []
-
-    def hook(state, bucket):
-        if all(b is not bucket.buffer() for b in buffers):
-            buffers.append(bucket.buffer())
-        return default_hooks.allreduce_hook(state, bucket)
-    module.register_comm_hook(None, hook)
-    return buffers
-
-
 def _measure_peer(impl: str, parts, sampler, cfg, step: int) -> dict:
     """``MEASURE_STEPS`` untimed steps of a peer sampling model state; the peak record."""
     module, model, opt, state_opt = parts
-    extra = _ddp_bucket_buffers(module) if impl in ("ddp", "zero_redundancy") else []
-    peak = _common.StatePeak(_state_sources(model, state_opt, extra))
-    handles = peak.hook_backward(_backward_leaves(model))
+    extra = _common.ddp_bucket_buffers(module) if impl in ("ddp", "zero_redundancy") else []
+    peak = _common.StatePeak(_common.state_sources(model, state_opt, extra))
+    handles = peak.hook_backward(_common.backward_leaves(model))
     for i in range(MEASURE_STEPS):
         _peer_step(impl, parts, sampler, cfg, step + i, measure=False, probe=peak.sample)
     for h in handles:
@@ -224,13 +176,13 @@ def _measure_trainer(trainer) -> dict:
     peers: a forward hook on the model, post-accumulate-grad hooks, and wrappers around the layout's
     ``finish``/``zero_grad`` and the optimizer's ``step`` (instance attributes, removed afterwards)."""
     layout, opt = trainer.layout, trainer.optimizer
-    peak = _common.StatePeak(_state_sources(layout.model, opt))
+    peak = _common.StatePeak(_common.state_sources(layout.model, opt))
     handles = [layout.model.register_forward_hook(lambda *_: peak.sample("after forward"))]
-    handles += peak.hook_backward(_backward_leaves(layout.model))
+    handles += peak.hook_backward(_common.backward_leaves(layout.model))
     wrapped = [(layout, "finish", None, "after backward"), (opt, "step", "before step", "after step"),
                (layout, "zero_grad", None, "after zero_grad")]
     for obj, name, before, after in wrapped:
-        setattr(obj, name, _sampled(getattr(obj, name), peak, before, after))
+        setattr(obj, name, _common.sampled(getattr(obj, name), peak, before, after))
     try:
         for _ in range(MEASURE_STEPS):
             trainer.train_step()
@@ -240,17 +192,6 @@ def _measure_trainer(trainer) -> dict:
         for h in handles:
             h.remove()
     return peak.result()
-
-
-def _sampled(fn, peak, before: str | None, after: str | None):
-    def call(*args, **kwargs):
-        if before:
-            peak.sample(before)
-        out = fn(*args, **kwargs)
-        if after:
-            peak.sample(after)
-        return out
-    return call
 
 
 def run_impl(rank: int, world: int, impl: str, dp_overrides: list[str], root: str, warmup: int,
@@ -358,7 +299,7 @@ def _deepspeed(python: str, stage: int, dp: int, args: argparse.Namespace) -> di
     script = Path(__file__).with_name("_zero_deepspeed.py")
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     cmd = [python, str(script), "--stage", str(stage), "--dp", str(dp), "--warmup", str(args.warmup),
-           "--steps", str(args.steps), *overrides(dp)]
+           "--steps", str(args.steps), *overrides(dp, args.bucket_mb)]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -377,8 +318,8 @@ def sweep(dp: int, args: argparse.Namespace, root: str) -> dict:
     for r in range(args.rounds):
         for impl in impls[r % max(len(impls), 1):] + impls[:r % max(len(impls), 1)]:
             try:
-                per_rank = _common.spawn_group(run_impl, dp, impl, overrides(dp), root, args.warmup, args.steps,
-                                               name=f"{impl} dp={dp}")
+                per_rank = _common.spawn_group(run_impl, dp, impl, overrides(dp, args.bucket_mb), root, args.warmup,
+                                               args.steps, name=f"{impl} dp={dp}")
                 runs[impl].append(merge_ranks(per_rank))
             except _common.GroupError as e:
                 results[impl] = f"failed: {e}"
@@ -400,9 +341,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps (>= 2: optimizer states exist)")
-    ap.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    ap.add_argument("--steps", type=int, default=16, help="timed steps per run")
     ap.add_argument("--rounds", type=int, default=2, help="repetitions of the whole sweep, rotated order")
     ap.add_argument("--quick", action="store_true", help="2 warm-up + 2 timed steps, 1 round")
+    ap.add_argument("--bucket-mb", type=float, default=BUCKET_MB, help="gradient bucket size (MiB) for all")
     ap.add_argument("--only", nargs="+", default=[], choices=PLAIT + PEERS + ("deepspeed1", "deepspeed2", "deepspeed3"),
                     help="run only these implementations")
     ap.add_argument("--deepspeed-python", default="", help="interpreter with deepspeed (run as a subprocess)")

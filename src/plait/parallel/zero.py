@@ -50,9 +50,10 @@ from torch import nn
 from plait.comm.collectives import Comm, ring_allreduce_bytes, ring_half_bytes
 
 OFFLOAD_CHOICES = ("none", "optimizer", "params")
-# Stage 2: launched buckets that may still hold their full local gradient during backward (the newest
-# ones, whose reduce-scatter is in flight); more than this and backward waits for the oldest.
-MAX_FULL_IN_FLIGHT = 2
+# Stage 2: launched buckets that may still hold their full local gradient during backward (those whose
+# reduce-scatter is in flight); more and backward waits for the oldest. 1 is double buffering: one
+# bucket reducing while the next fills, so a bucket's communication still overlaps the next one's compute.
+MAX_FULL_IN_FLIGHT = 1
 
 # torch 2.13 renamed the flat-tensor collectives; older releases (pyproject allows >= 2.4) lack the new names.
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
