@@ -52,6 +52,7 @@ import torch.distributed as dist
 PLAIT = ("plait0", "plait1", "plait2", "plait3")
 PEERS = ("ddp", "zero_redundancy", "fsdp_no_reshard", "fsdp")
 BUCKET_MB = 1.0  # see NOTES["buckets"]
+STAGE0_BUCKET_MB = 25.0  # DDP's default, for plait0 and ddp
 MEASURE_STEPS = 2  # untimed steps after the timed ones that sample model state (DDP's buckets: see below)
 MODEL = ["--model.n_layer=4", "--model.d_model=256", "--model.n_head=4", "--model.seq_len=64",
          "--train.micro_batch_size=2"]
@@ -66,22 +67,25 @@ NOTES = {
         "ddp": "5 psi in backward: params + param.grad + DDP's bucket copies + 2 states (4 psi after zero_grad)",
         "plait1": "2 psi + 2 psi/N: params + the kept full gradient buffer (the shard is its slice) + states",
         "zero_redundancy": "3 psi + 2 psi/N: DDP's param.grad and bucket copies + sharded states",
-        "deepspeed1": "2 psi + 4 psi/N + b in backward: param.grad held until the end-of-backward reduction, "
-                      "fp32 master, 2 states and the averaged-gradient partition of 1/N, one IPG bucket",
+        "deepspeed1": "2 psi + 3 psi/N + b in backward: params, param.grad held until the end-of-backward "
+                      "reduction, one IPG bucket, fp32 master and 2 states of 1/N",
         "plait2": "psi + 3 psi/N + ~2 b in backward: full params, gradient shard, states, a bucket reducing "
                   "while the next fills (full buffers freed once reduce-scattered); psi + 3 psi/N at the boundary",
         "fsdp_no_reshard": "<= psi + 4 psi/N + unit gradients, early in backward: unsharded params of every unit "
                            "(kept from forward), sharded params, sharded grads, states, a unit's unsharded "
                            "gradients and reduce-scatter input; 4 psi/N at the boundary",
-        "deepspeed2": "psi + 4 psi/N + b + bucket gradients: params, fp32 master, states, gradient partition, "
-                      "IPG bucket",
+        "deepspeed2": "psi + 4 psi/N + b in backward: params, gradient partition, IPG bucket, fp32 master, states",
+        "deepspeed3": "psi + 5 psi/N + b: with its defaults (max live parameters 1e9) the gathered params of this "
+                      "small model stay live (psi), plus fp32-flat partition, gradient partition, master, states",
         "plait3 / fsdp": "4 psi/N + root unit (never resharded after forward) + one block's unsharded params and "
                          "gradients in backward; 4 psi/N at the boundary",
     },
-    "buckets": "all bucketed implementations use bucket_mb (default 1 MiB, ~1/13 of this 13 MB model, as 25 MB "
-               "buckets are for a ~300 MB model): DeepSpeed allocates its IPG bucket at the full configured size "
-               "(its default 5e8 elements is 2 GB), and plait ZeRO-2's backward memory is ~2 buckets, so a bucket "
-               "as large as the model would measure a regime no real model is in",
+    "buckets": "stages 1-3 use bucket_mb (default 1 MiB, ~1/13 of this 13 MB model, as 25 MB buckets are for a "
+               "~300 MB model) for plait, ZeroRedundancyOptimizer's DDP and DeepSpeed's reduce/all-gather buckets: "
+               "DeepSpeed allocates its IPG bucket at the full configured size (its default 5e8 elements is 2 GB) "
+               "and plait ZeRO-2's backward holds ~2 buckets, so a bucket as large as the model measures a regime "
+               "no real model is in. Stage 0 (plait0, ddp) keeps DDP's default 25 MB: there the bucket size does "
+               "not change model state (DDP's buckets are a full gradient copy, plait's gradients are bucket views)",
     "peak": "process peak RSS minus RSS before the model was built, per rank; CPU RSS is coarse (allocator "
             "caching, pages), compare it between implementations only",
     "step_s": "median over timed steps of the slowest rank's step; noisy on a shared machine",
@@ -318,7 +322,8 @@ def sweep(dp: int, args: argparse.Namespace, root: str) -> dict:
     for r in range(args.rounds):
         for impl in impls[r % max(len(impls), 1):] + impls[:r % max(len(impls), 1)]:
             try:
-                per_rank = _common.spawn_group(run_impl, dp, impl, overrides(dp, args.bucket_mb), root, args.warmup,
+                bucket_mb = STAGE0_BUCKET_MB if impl in ("plait0", "ddp") else args.bucket_mb
+                per_rank = _common.spawn_group(run_impl, dp, impl, overrides(dp, bucket_mb), root, args.warmup,
                                                args.steps, name=f"{impl} dp={dp}")
                 runs[impl].append(merge_ranks(per_rank))
             except _common.GroupError as e:

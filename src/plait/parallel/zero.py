@@ -144,6 +144,9 @@ class ZeroOptimizer:
     non-final accumulation micro-steps in ``no_sync()``), optionally ``clip_grad_norm_``, ``step()``,
     ``zero_grad()``. Gradients are averaged over ``group``. ``p.grad`` stays None on the model: the
     reduced gradients live in the optimizer's shard tensors (``param_groups[i]["params"][j].grad``).
+    ``offload=True`` keeps the fp32 master shard, its gradient (copied from the device shard each step)
+    and the optimizer states in host memory; the config allows it only on an accelerator, but the class
+    runs it on CPU too (no pinning there), which is how its tests exercise the copies.
     """
 
     def __init__(self, model: nn.Module, params: Iterable[Any], optimizer_cls: type = torch.optim.AdamW,
