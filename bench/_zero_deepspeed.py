@@ -6,11 +6,13 @@ plait's GPT, data sampler, AdamW parameter groups and schedule come from the rep
 the loop is DeepSpeed's own (engine forward, ``engine.backward``, ``engine.step`` with its gradient
 clipping at the same norm).
 
-Memory: DeepSpeed keeps flat fp32 master partitions and gradient partitions inside its optimizer
-object, not as ``param.grad``. ``model_state`` counts, by storage and each storage once, the tensors
-named in ``deepspeed_state_bytes`` (attributes of DeepSpeed 0.19's ZeRO optimizers, read with getattr:
-a renamed attribute is missed, so the figure is a lower bound if DeepSpeed changes them), taken after
-``engine.backward`` and before ``engine.step`` of the second step, like the other implementations.
+Memory: DeepSpeed keeps flat fp32 master partitions, gradient partitions and IPG buckets inside its
+optimizer object, not as ``param.grad``. ``deepspeed_state_tensors`` finds them by walking the ZeRO
+optimizer's attributes (so a renamed buffer is still found) and counts, by storage and each storage
+once, parameters, gradients and optimizer states. ``model_state_peak`` samples them in
+``zero.MEASURE_STEPS`` untimed steps after the timed ones (after forward, from post-accumulate-grad
+hooks, after ``engine.backward``, after ``engine.step``), like bench/zero.py does for the others;
+``model_state`` is the step-boundary figure (after ``engine.backward`` of the second step).
 
     DS_ACCELERATOR=cpu /tmp/dsvenv/bin/python bench/_zero_deepspeed.py --stage 2 --dp 2 [overrides...]
 """
@@ -27,39 +29,84 @@ import torch
 import torch.distributed as dist
 
 
-def _flat(obj) -> list:
-    """Tensors inside ``obj``: a tensor, or lists/tuples/dicts of them (one level of nesting)."""
+def _walk(obj, path: str, out: list, depth: int = 0) -> None:
+    """(attribute path, tensor) for every tensor reachable from ``obj`` through lists, tuples, dicts and
+    DeepSpeed's bucket records (``IPGBucket``, ``IPGBucketZ3``)."""
+    if depth > 4:
+        return
     if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, list | tuple):
-        return [t for item in obj for t in _flat(item)]
-    return []
+        out.append((path, obj))
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _walk(v, f"{path}.{k}", out, depth + 1)
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            _walk(v, f"{path}[{i}]", out, depth + 1)
+    elif type(obj).__name__.startswith("IPGBucket"):
+        _walk(vars(obj), path, out, depth + 1)
+
+
+def _category(path: str) -> str:
+    """DeepSpeed attribute path -> model-state category: fp32 partitions are optimizer state (master
+    weights), low-precision/flat parameter buffers are parameters, everything else (averaged gradient
+    partitions, IPG buckets, gradient partition buffers) is gradients."""
+    name = path.lower()
+    if "fp32" in name:
+        return "optimizer"
+    if any(k in name for k in ("bit16", "fp16", "lp_param", "param_buffer")) and "grad" not in name:
+        return "params"
+    return "grads"
+
+
+def deepspeed_state_tensors(module: torch.nn.Module, ds_opt) -> dict[str, list]:
+    """Tensors DeepSpeed holds for parameters, gradients and optimizer states on this rank.
+
+    params: the module's parameters (full while gathered at stage 3), their stage-3 partitions
+    (``ds_tensor``) and the flat bit16 buffers; grads: ``param.grad`` and every tensor reachable from
+    the ZeRO optimizer's attributes that is not a parameter buffer or fp32 partition (averaged gradient
+    partitions, IPG buckets, stage-3 gradient partitions); optimizer: fp32 master partitions and the
+    wrapped optimizer's states. Reading attributes generically keeps this right if DeepSpeed renames
+    a buffer; the category of a new attribute follows its name (see ``_category``).
+    """
+    params = list(module.parameters())
+    found: list = []
+    for name, value in vars(ds_opt).items():
+        if name not in ("optimizer", "module"):
+            _walk(value, name, found)
+    out = {"params": params + [getattr(p, "ds_tensor", None) for p in params],
+           "grads": [p.grad for p in params], "optimizer": []}
+    for path, t in found:
+        out[_category(path)].append(t)
+    out["optimizer"] += [v for st in ds_opt.optimizer.state.values() for v in st.values()]
+    return out
 
 
 def deepspeed_state_bytes(module: torch.nn.Module, ds_opt) -> dict[str, int]:
-    """Per-rank bytes of parameters, gradients and optimizer states DeepSpeed holds, by storage, once each.
-
-    params: the module's parameters, their stage-3 partitions and the flat bit16/fp16 buffers;
-    grads: ``param.grad``, the stage-1/2 averaged gradient partitions and bucket, the stage-3 gradient
-    partition buffer; optimizer: fp32 master partitions and the wrapped AdamW's states.
-    """
+    """Per-rank bytes of ``deepspeed_state_tensors``, each storage once (params, then grads, then optimizer)."""
     from plait.plan.memory import _count
 
     seen: dict[int, int] = {}
-    params = list(module.parameters())
-    p_bytes = _count(params + [p.ds_tensor for p in params if hasattr(p, "ds_tensor")]
-                     + _flat(getattr(ds_opt, "bit16_groups_flat", []))
-                     + _flat(getattr(ds_opt, "fp16_partitioned_groups_flat", [])), seen)
-    g_bytes = _count([p.grad for p in params if p.grad is not None]
-                     + _flat(getattr(ds_opt, "averaged_gradients", {}))
-                     + _flat(getattr(ds_opt, "ipg_buffer", None))
-                     + _flat(getattr(ds_opt, "grad_partitions_flat_buffer", None)), seen)
-    o_bytes = _count(_flat(getattr(ds_opt, "single_partition_of_fp32_groups", []))
-                     + _flat(getattr(ds_opt, "fp32_partitioned_groups_flat", []))
-                     + [v for st in ds_opt.optimizer.state.values() for v in st.values()], seen)
-    return {"params": p_bytes, "grads": g_bytes, "optimizer": o_bytes, "total": p_bytes + g_bytes + o_bytes}
+    tensors = deepspeed_state_tensors(module, ds_opt)
+    out = {k: _count([t for t in tensors[k] if t is not None], seen) for k in ("params", "grads", "optimizer")}
+    return out | {"total": sum(out.values())}
+
+
+def _measure(engine, ds_opt, sampler, steps: int) -> dict:
+    """``steps`` untimed steps sampling model state after forward, from post-accumulate-grad hooks,
+    after backward and after ``engine.step`` (which also zeroes the gradients); the peak record."""
+    peak = _common.StatePeak(lambda: deepspeed_state_tensors(engine.module, ds_opt))
+    handles = peak.hook_backward(engine.module.parameters())
+    for _ in range(steps):
+        ((x, y),) = sampler.next_batch()
+        loss = engine(x, y)
+        peak.sample("after forward")
+        engine.backward(loss)
+        peak.sample("after backward")
+        engine.step()
+        peak.sample("after step")
+    for h in handles:
+        h.remove()
+    return peak.result()
 
 
 def run_rank(rank: int, world: int, stage: int, overrides: list[str], warmup: int, steps: int) -> dict:
@@ -84,8 +131,12 @@ def run_rank(rank: int, world: int, stage: int, overrides: list[str], warmup: in
     model = GPT(cfg.model)
     opt = torch.optim.AdamW(param_groups(model.named_parameters(), o.weight_decay), lr=o.lr,
                             betas=(o.beta1, o.beta2), foreach=False)
+    # Buckets sized like plait's and DDP's (parallel.bucket_mb), not DeepSpeed's default 5e8 elements:
+    # its IPG bucket is allocated at full size (2 GB in fp32) whatever the model's size.
+    bucket = int(cfg.parallel.bucket_mb * 2**20 / 4)
+    zero_cfg = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
     ds_cfg = {"train_micro_batch_size_per_gpu": t.micro_batch_size, "gradient_accumulation_steps": 1,
-              "gradient_clipping": o.grad_clip, "zero_optimization": {"stage": stage},
+              "gradient_clipping": o.grad_clip, "zero_optimization": zero_cfg,
               "zero_allow_untested_optimizer": True}
     engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)
     times, losses, memory = [], [], None
@@ -102,9 +153,14 @@ def run_rank(rank: int, world: int, stage: int, overrides: list[str], warmup: in
         engine.step()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
+    dist.barrier()
+    import zero  # bench/zero.py: the same number of measurement steps
+
+    peak_state = _measure(engine, ds_opt, sampler, zero.MEASURE_STEPS)
     peak = _common.peak_rss_bytes()
-    return {"step_s": times[warmup:], "final_loss": losses[-1], "model_state": memory, "peak_rss": peak,
-            "peak_above_baseline": peak - baseline, "peak_reset": reset}
+    return {"step_s": times[warmup:], "final_loss": losses[-1], "model_state": memory,
+            "model_state_peak": peak_state, "peak_rss": peak, "peak_above_baseline": peak - baseline,
+            "peak_reset": reset}
 
 
 def main() -> None:

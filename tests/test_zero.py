@@ -30,26 +30,36 @@ def _sgd(model):
 
 def _zero_worker(rank, world, cases):
     out = []
-    for stage, optim, _, accum, clip, bucket_mb in cases:
+    for stage, optim, _, accum, clip, bucket_mb, offload in cases:
         model = make_model()
         if optim == "adamw":
-            opt = ZeroOptimizer(model, param_groups(model), torch.optim.AdamW, stage=stage,
+            opt = ZeroOptimizer(model, param_groups(model), torch.optim.AdamW, stage=stage, offload=offload,
                                 bucket_mb=bucket_mb, lr=LR, betas=(0.9, 0.95))
         else:
-            opt = ZeroOptimizer(model, param_groups(model), torch.optim.SGD, stage=stage,
+            opt = ZeroOptimizer(model, param_groups(model), torch.optim.SGD, stage=stage, offload=offload,
                                 bucket_mb=bucket_mb, lr=0.05, momentum=0.9)
         losses = distributed_run(model, opt, rank, world, accum, clip, no_sync=opt.no_sync)
         params = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-        out.append((losses, params, len(opt.buckets)))
+        # offload: the master, its gradient and the states are separate copies, not views of the buffers
+        separate = all(b.master.untyped_storage().data_ptr() != b.flat.untyped_storage().data_ptr()
+                       and b.master.grad.data_ptr() != b.grad_shard.data_ptr()
+                       and all(v.data_ptr() != b.flat.untyped_storage().data_ptr()
+                               for v in opt.state[b.master].values() if v.dim())
+                       for b in opt.buckets)
+        out.append((losses, params, len(opt.buckets), separate))
     return out
 
 
 CASES = [
-    # stage, optimizer, world, accumulation micro-steps, grad clip, bucket MiB (small: many buckets)
-    (1, "adamw", 2, 1, 0.0, 25.0),
-    (1, "sgd", 2, 2, 0.05, 0.01),
-    (2, "adamw", 2, 2, 0.05, 0.01),
-    (2, "adamw", 4, 1, 0.0, 0.02),
+    # stage, optimizer, world, accumulation micro-steps, grad clip, bucket MiB (small: many buckets), offload
+    (1, "adamw", 2, 1, 0.0, 25.0, False),
+    (1, "sgd", 2, 2, 0.05, 0.01, False),
+    (2, "adamw", 2, 2, 0.05, 0.01, False),
+    (2, "adamw", 4, 1, 0.0, 0.02, False),
+    # optimizer offload (host master/states, gradient copied to the host buffer): on a CPU-only build the
+    # "host" is the same memory, but the separate copies and their order are exercised
+    (1, "sgd", 2, 2, 0.05, 0.01, True),
+    (2, "adamw", 2, 2, 0.05, 0.01, True),
 ]
 
 
@@ -58,20 +68,28 @@ def test_zero_matches_single_process(world):
     """All cases of one world size share one set of spawned ranks (spawning dominates the runtime)."""
     cases = [c for c in CASES if c[2] == world]
     per_rank = run_ranks(_zero_worker, world, cases)
-    for ci, (_, optim, _, _, clip, bucket_mb) in enumerate(cases):
+    for ci, (_, optim, _, _, clip, bucket_mb, offload) in enumerate(cases):
         ref_losses, ref_params = reference_run(_adamw if optim == "adamw" else _sgd, clip)
         results = [r[ci] for r in per_rank]
-        for losses, params, num_buckets in results:
+        for losses, params, num_buckets, separate in results:
             assert losses == pytest.approx(ref_losses, rel=1e-5)
             for k, v in ref_params.items():
                 torch.testing.assert_close(torch.from_numpy(params[k]), v, atol=PARAM_ATOL, rtol=0,
                                            msg=lambda m, k=k, c=cases[ci]: f"{c} {k}: {m}")
             if bucket_mb < 1:
                 assert num_buckets > 4  # several buckets: the hook-driven launch order is exercised
+            assert separate == offload
         # every rank ends with bit-identical parameters (they come from one all-gather)
-        for _, params, _ in results[1:]:
+        for _, params, _, _ in results[1:]:
             for k in params:
                 assert (params[k] == results[0][1][k]).all()
+    # offload does the same fp32 arithmetic on copies: identical to its twin without offload
+    for ci, case in enumerate(cases):
+        twin = [cj for cj, c in enumerate(cases) if c[:-1] == case[:-1] and not c[-1]]
+        if case[-1] and twin:
+            ours, theirs = per_rank[0][ci], per_rank[0][twin[0]]
+            assert ours[0] == theirs[0]
+            assert all((ours[1][k] == theirs[1][k]).all() for k in ours[1])
 
 
 def test_clip_is_active_in_reference():

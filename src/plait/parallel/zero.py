@@ -17,8 +17,12 @@ buffers and all-reduces them in place when the step (or clipping) asks for gradi
 slice of that buffer, so it holds no more gradient memory than an unsharded optimizer. Stage 2
 launches each bucket's reduce-scatter from the hooks while backward continues, always in the fixed
 bucket order (so every rank issues the same collectives in the same order), and frees the full local
-buffer once its reduce-scatter is done: only the reduced 1/N shard survives backward. Reduce-scatter
-rather than all-reduce at stage 2: each rank only needs its own shard, and it moves half the bytes.
+buffer once its reduce-scatter is done (polled from the hooks; when more than ``MAX_FULL_IN_FLIGHT``
+launched buckets still hold theirs, backward waits for the oldest), so during backward the full
+gradients alive are a few buckets', and only the reduced 1/N shard survives backward. Stage 2's
+transient gradient memory thus scales with ``bucket_mb``, not the model: it needs buckets much smaller
+than the model. Reduce-scatter rather than all-reduce at stage 2: each rank only needs its own shard,
+and it moves half the bytes.
 
 Communication layer. ``use_comm(comm)`` routes every collective through plait's ``Comm`` (counted
 in ``comm_bytes``, guarded by the hang timeout). With compression on, a bucket is reduced with the
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,6 +50,10 @@ from torch import nn
 from plait.comm.collectives import Comm, ring_allreduce_bytes, ring_half_bytes
 
 OFFLOAD_CHOICES = ("none", "optimizer", "params")
+# Stage 2: launched buckets that may still hold their full local gradient during backward (those whose
+# reduce-scatter is in flight); more and backward waits for the oldest. 1 is double buffering: one
+# bucket reducing while the next fills, so a bucket's communication still overlaps the next one's compute.
+MAX_FULL_IN_FLIGHT = 1
 
 # torch 2.13 renamed the flat-tensor collectives; older releases (pyproject allows >= 2.4) lack the new names.
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -137,6 +146,9 @@ class ZeroOptimizer:
     non-final accumulation micro-steps in ``no_sync()``), optionally ``clip_grad_norm_``, ``step()``,
     ``zero_grad()``. Gradients are averaged over ``group``. ``p.grad`` stays None on the model: the
     reduced gradients live in the optimizer's shard tensors (``param_groups[i]["params"][j].grad``).
+    ``offload=True`` keeps the fp32 master shard, its gradient (copied from the device shard each step)
+    and the optimizer states in host memory; the config allows it only on an accelerator, but the class
+    runs it on CPU too (no pinning there), which is how its tests exercise the copies.
     """
 
     def __init__(self, model: nn.Module, params: Iterable[Any], optimizer_cls: type = torch.optim.AdamW,
@@ -152,14 +164,10 @@ class ZeroOptimizer:
         self._fqn = _param_fqns(model)
         self.buckets = _build_buckets(model, groups, bucket_mb, self.world, self.rank)
         self._group_fqns = [[self._fqn[p] for p in g["params"]] for g in groups]
-        self._check_device(offload)
         self.offload = offload
         for b in self.buckets:
             if offload or b.flat.dtype != torch.float32:
-                dev = torch.device("cpu") if offload else b.flat.device
-                b.master = b.shard.detach().to(device=dev, dtype=torch.float32).clone()
-                if offload and dev.type == "cpu" and torch.cuda.is_available():
-                    b.master = b.master.pin_memory()
+                b.master = _master_copy(b.shard, offload)
         inner_groups = []
         for gi, g in enumerate(groups):
             hp = {k: v for k, v in g.items() if k != "params"}
@@ -188,11 +196,6 @@ class ZeroOptimizer:
             self.comm.wait(work)
         else:
             work.wait()
-
-    def _check_device(self, offload: bool) -> None:
-        dev = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
-        if offload and dev.type == "cpu":
-            validate_zero(self.stage, self.world, "optimizer", "cpu")
 
     # -- the torch.optim surface the trainer uses -------------------------------------------------
     @property
@@ -270,7 +273,13 @@ class ZeroOptimizer:
             raise ValueError("ZeroOptimizer.step does not take a closure; run forward/backward before step()")
         self._ensure_reduced()
         for b in self.buckets:
-            b.master.grad = b.grad_shard if b.master is b.shard else b.grad_shard.to(b.master.device)
+            if self.offload:  # to the host buffer; blocking: the CPU optimizer reads it right after
+                if b.master.grad is None:
+                    b.master.grad = _master_copy(b.grad_shard, True)
+                else:
+                    b.master.grad.copy_(b.grad_shard)
+            else:  # grad_shard is fp32, on the master's device: no copy
+                b.master.grad = b.grad_shard
         self.optimizer.step()
         works = []
         for i, b in enumerate(self.buckets):
@@ -307,7 +316,22 @@ class ZeroOptimizer:
                 bucket.ready.add(index)
                 if self.stage == 2:
                     self._launch_ready()
+                    self._release_reduced()
         return hook
+
+    def _release_reduced(self) -> None:
+        """Stage 2, during backward: free the full local buffer of every launched bucket whose
+        reduce-scatter has finished (polled: backward is not held up), and wait for the oldest when
+        more than ``MAX_FULL_IN_FLIGHT`` launched buckets still hold one, so the full gradients alive
+        in backward are bounded by a few buckets, not the model. No communication of its own."""
+        launched = [b for b in self.buckets[:self._next_launch] if b.grad_full is not None]
+        for b in launched:
+            if b.work is not None and _is_done(getattr(b.work, "handle", b.work)):
+                b.grad_full = None
+        launched = [b for b in launched if b.grad_full is not None]
+        for b in launched[:max(0, len(launched) - MAX_FULL_IN_FLIGHT)]:
+            self._wait(b.work)
+            b.work, b.grad_full = None, None
 
     def _launch_ready(self) -> None:
         # Launch strictly in bucket order so every rank issues identical collectives.
@@ -361,7 +385,8 @@ class ZeroOptimizer:
         while self._next_launch < len(self.buckets):  # buckets some of whose params got no gradient
             self._launch(self.buckets[self._next_launch])
         for b in self.buckets:
-            self._wait(b.work)
+            if b.work is not None:  # None: already waited for in backward (_release_reduced)
+                self._wait(b.work)
             b.work = None
             b.grad_shard.div_(self.world)  # average over the data-parallel ranks
             if self.stage == 2:
@@ -385,6 +410,20 @@ class ZeroOptimizer:
         from plait.parallel.zero_state import scatter_state_dict
 
         scatter_state_dict(self, state_dict)
+
+
+def _is_done(handle: Any) -> bool:
+    """Whether a c10d ``Work`` or a comm-thread future has finished, without waiting."""
+    if isinstance(handle, Future):
+        return handle.done()
+    return bool(handle.is_completed())
+
+
+def _master_copy(t: torch.Tensor, offload: bool) -> torch.Tensor:
+    """A separate fp32 copy of ``t``: in host memory when offloading (pinned where CUDA is, so copies
+    to and from the GPU can be asynchronous; a CPU-only build cannot pin), else on ``t``'s device."""
+    out = t.detach().to(device="cpu" if offload else t.device, dtype=torch.float32, copy=True)
+    return out.pin_memory() if offload and torch.cuda.is_available() else out
 
 
 def _normalize_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
