@@ -389,7 +389,8 @@ def _validate_model_parallel(cfg: Config) -> None:
     if p.tp > 1 and p.zero in (1, 2):
         raise ConfigError(
             f"parallel.zero={p.zero} (plait's flat-buffer sharded optimizer) does not take tensor-parallel "
-            f"parameters; with parallel.tp={p.tp} use parallel.zero=3 (FSDP2 over dp on top of tp: 2-D) or 0"
+            f"parameters; with parallel.tp={p.tp} use parallel.zero=3 (FSDP2 over dp on top of tp: 2-D; add "
+            "parallel.reshard_after_forward=false for ZeRO-2's memory, parameters kept whole through backward) or 0"
         )
 
 
