@@ -286,6 +286,7 @@ def test_cli_run_with_a_stalled_rank_exits_with_one_named_error(tmp_path) -> Non
     (["--parallel.impl=torch", "--comm.compress=int8"], "set parallel.impl=plait"),
     (["--parallel.impl=torch", "--comm.allreduce=ring"], "set parallel.impl=plait"),
     (["--parallel.zero=3", "--comm.compress=powersgd"], "use parallel.zero=0, 1 or 2"),
+    (["--observe.count_torch_collectives=always"], "choose first_step, every_step or off"),
 ])
 def test_comm_config_errors_say_what_to_do(args: list[str], message: str) -> None:
     from plait.config import ConfigError

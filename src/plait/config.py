@@ -179,6 +179,11 @@ class ObserveConfig:
     progress: bool = True
     # Write TensorBoard event files to the run directory.
     tensorboard: bool = True
+    # Count the collectives torch issues (DDP, FSDP2, tensor and pipeline parallelism) into comm_bytes:
+    # first_step counts them on the process's first training step and adds that figure to every later
+    # step (their pattern is fixed by the layout and batch shape; counting slows a step by about a
+    # third), every_step counts each step, off leaves them out of comm_bytes.
+    count_torch_collectives: str = "first_step"
 
 
 @dataclass
@@ -304,6 +309,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def validate(cfg: Config, world_size: int) -> Config:
     """Check cross-field constraints for ``world_size`` workers and fill inferred values (parallel.dp)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
+    if cfg.observe.count_torch_collectives not in ("first_step", "every_step", "off"):
+        raise ConfigError(f"observe.count_torch_collectives={cfg.observe.count_torch_collectives!r}: choose "
+                          "first_step, every_step or off")
     if m.d_model % m.n_head:
         raise ConfigError(f"model.d_model={m.d_model} must divide by model.n_head={m.n_head}")
     for name in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size"):

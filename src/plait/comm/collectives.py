@@ -12,7 +12,8 @@ metrics can show communication next to compute. It also
 - guards every collective with a ``CollectiveGuard`` when one is given: a peer that never arrives
   becomes a ``CollectiveTimeout`` naming the collective, group, step and missing ranks. Collectives
   that do not pass through ``Comm`` (DTensor, pipeline P2P, FSDP2, DCP) are bounded by the
-  trainer's ``plait.comm.watchdog.StepWatchdog`` instead.
+  trainer's ``plait.comm.watchdog.StepWatchdog`` instead, and counted in ``comm_bytes`` by
+  ``plait.comm.accounting.TorchCollectiveCounter``.
 
 Handles returned by the ``*_async`` methods must be passed to ``wait``; the time spent there is the
 communication that computation did not hide.
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait.comm.accounting import plait_issuing
 from plait.comm.algorithms import ALGORITHMS, AllReduce, AllReduceConfigError, get_allreduce, node_ids_for_ranks
 from plait.comm.compress import Compressor, build_compressor
 from plait.comm.guard import CollectiveGuard, Started
@@ -131,6 +133,12 @@ class Comm:
     def _issue(self, name: str, group: dist.ProcessGroup | None, fn: Callable[[], Any],
                bytes_on_wait: bool = False) -> CommWork:
         self.stats.calls += 1
+        inner = fn
+
+        def fn() -> Any:  # counted here, so a TorchCollectiveCounter around the step skips it
+            with plait_issuing():
+                return inner()
+
         if self.guard is None:
             return CommWork(fn(), None, bytes_on_wait)
         started = self.guard.start(name, group, self.step, fn)

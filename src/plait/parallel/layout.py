@@ -34,11 +34,16 @@ AmpFactory = Callable[[], contextlib.AbstractContextManager]
 class Layout:
     """Data parallelism (plait's reducer, DDP, or one rank) with a replicated torch optimizer."""
 
+    # Whether torch issues this layout's collectives (DDP, FSDP2, DTensor, pipelining) rather than
+    # plait's Comm: the trainer then counts them with plait.comm.accounting.TorchCollectiveCounter.
+    torch_collectives = False
+
     def __init__(self, model: nn.Module, cfg: Config, engine: GradReducer | TorchDDP | LocalGrads | None = None):
         self.model = model  # the unwrapped model: parameter names of the single-process model
         self.engine = engine
         self.module: nn.Module = engine.module if engine is not None else model  # forward runs on this
         self.optimizer = build_optimizer(model, cfg.optim)
+        self.torch_collectives = isinstance(engine, TorchDDP)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Context for non-final accumulation micro-steps: no gradient communication."""
@@ -149,6 +154,8 @@ class ZeroLayout(Layout):
 
 class FsdpLayout(Layout):
     """ZeRO stage 3 on FSDP2: parameters, gradients and optimizer states sharded."""
+
+    torch_collectives = True
 
     def __init__(self, model: nn.Module, cfg: Config, topo: Topology) -> None:
         from plait.parallel.fsdp import apply_fsdp

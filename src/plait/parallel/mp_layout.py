@@ -92,6 +92,8 @@ def sum_sharded_squares(pairs: Iterable[tuple[nn.Parameter, torch.Tensor]]) -> t
 class ModelParallelLayout(Layout):
     """Shared parts of the tensor and pipeline layouts (see the module docstring)."""
 
+    torch_collectives = True
+
     named: list[tuple[str, nn.Parameter]]  # (single-process name, parameter), each parameter once
     tied_copy: nn.Parameter | None = None  # the last pipeline stage's copy of tok_emb.weight
 

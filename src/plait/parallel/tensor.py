@@ -104,9 +104,13 @@ def _block_plan(sp: bool) -> dict[str, object]:
         "mlp.fc": ColwiseParallel(),
         "mlp.proj": RowwiseParallel(output_layouts=seq),
     }
+    # The attention input enters as one replicated DTensor (use_local_output=False) that q, k and v
+    # share: backward sums their three partial input gradients as DTensors and all-reduces them once
+    # at this boundary (with sp: one reduce-scatter). Left to q, k and v, each would convert the plain
+    # input itself and all-reduce its own gradient: three all-reduces per block instead of one.
+    plan["attn"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
     if sp:
-        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel(), "attn": gather,
+        plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel(),
                      "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
                                                desired_input_layouts=(Replicate(),))})
     return plan

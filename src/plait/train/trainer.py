@@ -19,8 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait.comm.accounting import TorchCollectiveCounter
 from plait.comm.auto import AUTO_COMPRESSOR, AutoCompress
-from plait.comm.collectives import Comm
+from plait.comm.collectives import Comm, CommStats
 from plait.comm.guard import CollectiveGuard
 from plait.comm.watchdog import StepWatchdog
 from plait.config import Config
@@ -119,6 +120,7 @@ class Trainer:
         self.watchdog = build_watchdog(cfg, self.topo, run_dir)
         self.watchdog.enter(0, "setup")
         self.auto = AutoCompress() if cfg.comm.compress == "auto" and self.topo.dp > 1 else None
+        self._torch_bytes: int | None = None  # bytes of the collectives torch issued in the counted step
         splits = load_splits(cfg.data.path, cfg.model.vocab_size, cfg.data.val_fraction, cfg.model.seq_len)
         self.log.info("data: %s, %d train / %d val tokens", splits.source, len(splits.train), len(splits.val))
         t = cfg.train
@@ -217,21 +219,32 @@ class Trainer:
         self.watchdog.enter(self.comm.step, "forward/backward")
         batches = self.sampler.next_batch()
         times.data_s = time.perf_counter() - t_start
-        loss = self._forward_backward(batches, times)
-        t0 = time.perf_counter()
-        self.layout.finish()
-        times.comm_exposed_s = time.perf_counter() - t0
-        lr = lr_at(self.state.step, self.cfg.optim, self.cfg.train.steps)
-        t0 = time.perf_counter()
-        self.watchdog.enter(self.comm.step, "optimizer")
-        norm = self._apply_update(lr)
-        times.optimizer_s = time.perf_counter() - t0
+        # Collectives torch issues (DDP, FSDP2, DTensor, pipelining) go into the same stats: counted
+        # on this process's first step (or every step), then that step's figure is added.
+        mode = self.cfg.observe.count_torch_collectives if self.layout.torch_collectives else "off"
+        counter = None
+        if mode == "every_step" or (mode == "first_step" and self._torch_bytes is None):
+            counter = TorchCollectiveCounter(CommStats())
+        with counter if counter is not None else contextlib.nullcontext():
+            loss = self._forward_backward(batches, times)
+            t0 = time.perf_counter()
+            self.layout.finish()
+            times.comm_exposed_s = time.perf_counter() - t0
+            lr = lr_at(self.state.step, self.cfg.optim, self.cfg.train.steps)
+            t0 = time.perf_counter()
+            self.watchdog.enter(self.comm.step, "optimizer")
+            norm = self._apply_update(lr)
+            times.optimizer_s = time.perf_counter() - t0
         step_s = time.perf_counter() - t_start
         tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_len
         self.state.step += 1
         self.state.tokens_seen += tokens
         self.state.train_seconds += step_s
         stats = self.comm.stats
+        if counter is not None:
+            self._torch_bytes = counter.stats.bytes_sent
+        if mode != "off":
+            stats.bytes_sent += self._torch_bytes
         rec = {"step": self.state.step, "loss": loss, "lr": lr, "grad_norm": norm,
                "tokens_per_s": tokens / step_s, "step_s": step_s, **times.__dict__,
                "comm_bytes": stats.bytes_sent, "comm_wait_s": stats.wait_s}
