@@ -176,7 +176,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     out: dict = {"bubble": [], "partition": {}}
-    cfg = ModelConfig(n_layer=8, d_model=32, n_head=4, seq_len=32, vocab_size=256)
+    cfg = ModelConfig(n_layer=8, d_model=128, n_head=4, seq_len=64, vocab_size=256)
     for m in args.microbatches if args.only != "partition" else ():
         runner, _ = _run(cfg, "gpipe", m, batch=m * 2, steps=args.steps, costs=None)
         out["bubble"].append(runner.local_summary())
