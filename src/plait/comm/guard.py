@@ -1,11 +1,14 @@
 """Hang detection for collectives: a peer that never arrives becomes a named error, not a hang.
 
-Before issuing collective number ``seq`` on a group, each rank records ``seq`` under
-``<prefix>/<group name>/<rank>`` in the rendezvous store (the key is overwritten, so the store holds
-one key per rank and group however long the run). By default the record is written by a daemon
-thread (the caller only stores an int and sets an event), because a store round trip costs more
-than a small collective; the thread has the whole timeout to land it before anyone reads it. The
-collective is issued asynchronously and waited for with the timeout. If it does not complete in
+Before issuing collective number ``seq`` on a group, each rank records ``seq`` as its arrival; the
+record lands under ``<prefix>/<group name>/<rank>`` in the rendezvous store (the key is overwritten,
+so the store holds one key per rank and group however long the run). A store round trip costs more
+than a small collective, so by default (``async_marks``) the caller only keeps the number in memory,
+and a daemon thread, which looks every ``min(50 ms, timeout/20)``, writes the latest numbers once a
+wait has lasted ``min(0.25 s, timeout/4)``: collectives that complete quickly cost no store traffic
+at all, and every rank that has been waiting a while has its arrival in the store long before anyone
+reads it at the timeout (a rank that never arrives never waits for it, so its record stays behind).
+The collective is issued asynchronously and waited for with the timeout. If it does not complete in
 time, the waiting rank reads every group member's last recorded ``seq`` from the store: those
 below its own never reached this collective. It raises ``CollectiveTimeout`` naming the
 collective, the group's ranks, the training step and the ranks that did not arrive.
@@ -78,6 +81,9 @@ class CollectiveGuard:
         self._unsent: dict[str, int] = {}  # latest seq per group not yet written by the thread
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._poll_s = min(0.05, self.timeout_s / 20)
+        self._flush_after_s = min(0.25, self.timeout_s / 4)
+        self._wait_started: float | None = None  # monotonic start of the wait in progress
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -99,13 +105,13 @@ class CollectiveGuard:
         if self._thread is None:
             self._thread = threading.Thread(target=self._push_marks, name="plait-guard", daemon=True)
             self._thread.start()
-        self._wake.set()
 
     def _push_marks(self) -> None:
         while not self._closed:
-            self._wake.wait()
-            self._wake.clear()
-            self._flush()
+            self._wake.wait(self._poll_s)
+            started = self._wait_started
+            if started is not None and time.monotonic() - started >= self._flush_after_s:
+                self._flush()
 
     def _flush(self) -> None:
         with self._lock:
@@ -141,10 +147,16 @@ class CollectiveGuard:
         """The second half of ``run``: wait up to ``timeout_s`` (from now) for ``started``."""
         s = started
         begin = time.monotonic()
+        outer = self._wait_started is None
+        if outer:
+            self._wait_started = begin
         try:
             done = self._wait(s.handle)
         except RuntimeError as e:  # gloo reports its own timeout, or a lost peer, as RuntimeError
             raise self._error(s.name, s.tag, s.members, s.step, s.seq, time.monotonic() - begin, e) from e
+        finally:
+            if outer:
+                self._wait_started = None
         if not done:
             raise self._error(s.name, s.tag, s.members, s.step, s.seq, time.monotonic() - begin, None)
         return s.handle
@@ -199,6 +211,7 @@ class CollectiveGuard:
     def _error(self, name: str, tag: str, members: list[int], step: int, seq: int, waited: float,
                cause: Exception | None) -> CollectiveTimeout:
         try:
+            self._flush()  # this rank's own arrival, in case the thread has not written it yet
             missing = self._missing(tag, members, seq)
             who = (f"ranks {missing} did not arrive (they never issued it)" if missing else
                    "every rank issued it, so a peer died or the network stalled during the transfer")
