@@ -34,6 +34,7 @@ def test_time_to_target_sums_step_times_until_first_eval_below_target(tmp_path):
     assert out["time_to_target_s"] == pytest.approx(1.25)  # exact sums of binary fractions
     assert out["final_val_loss"] == 2.3 and out["steps"] == 4
     assert out["comm_bytes"] == 400 and out["train_seconds"] == pytest.approx(2.25)
+    assert out["step_s_median"] == pytest.approx(0.5)
 
 
 def test_not_reached_reports_final_loss(tmp_path):
@@ -43,12 +44,12 @@ def test_not_reached_reports_final_loss(tmp_path):
 
 
 def test_annotate_ratios_and_unapplied_compression():
-    base = {"reached": True, "steps": 10}
+    base = {"reached": True, "steps": 10, "step_s_median": 1.0}
     results = [
         {**base, "method": "plait-none", "time_to_target_s": 10.0, "comm_bytes_per_step": 1000.0},
         {**base, "method": "plait-int8", "time_to_target_s": 4.0, "comm_bytes_per_step": 250.0},
         {**base, "method": "plait-topk", "time_to_target_s": 9.0, "comm_bytes_per_step": 1000.0},  # ignored
-        {**base, "method": "ddp", "time_to_target_s": 9.0, "comm_bytes_per_step": 1000.0},
+        {**base, "method": "ddp", "time_to_target_s": 9.0, "comm_bytes_per_step": 1000.0, "step_s_median": 3.0},
         {**base, "method": "ddp-powersgd", "time_to_target_s": 6.0, "comm_bytes_per_step": 100.0},
         {"method": "plait-fp16", "error": "rank 0 exited with 1"},
     ]
@@ -57,6 +58,8 @@ def test_annotate_ratios_and_unapplied_compression():
     assert by["plait-int8"]["compression_applied"] and not by["plait-topk"]["compression_applied"]
     assert by["plait-int8"]["speedup_vs_ddp"] == pytest.approx(2.25)
     assert by["plait-int8"]["speedup_vs_ddp-powersgd"] == pytest.approx(1.5)
+    assert by["plait-int8"]["step_speedup_vs_ddp"] == pytest.approx(3.0)
+    assert by["plait-int8"]["step_speedup_vs_ddp-powersgd"] == pytest.approx(1.0)
     assert verdict["compressors_applied"] == ["plait-int8"] and verdict["target_2x_vs_ddp_met"]
     results[1]["time_to_target_s"] = 5.0  # 1.8x: not met
     assert not bench.annotate(results)["target_2x_vs_ddp_met"]
