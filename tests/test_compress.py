@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from helpers import run_ranks
 
+from plait.comm import compress
 from plait.comm.algorithms import ring_all_reduce
 from plait.comm.compress import COMPRESSORS, CompressConfigError, PowerSGDCompressor, build_compressor
 
@@ -229,3 +230,24 @@ def test_multi_rank_means_within_bounds() -> None:
     assert results[0]["fp16"][2] == full // 2
     for name in ("int8", "int4", "topk", "randomk", "powersgd"):
         assert 0 < results[0][name][2] < full, name
+
+
+def test_topk_prefilter_equals_full_topk_and_random_subset_is_uniform() -> None:
+    """Buckets past 65,536 entries take the fast paths: top-k through a sampled threshold (must pick
+    exactly torch.topk's entries, also when the bucket packs tensors of very different scales), and
+    random-k by drawing with replacement (k distinct indices, the same for the same generator state,
+    spread evenly: a biased pick, e.g. the k smallest distinct draws, fails the quarter counts)."""
+    g = torch.Generator().manual_seed(5)
+    n = 300_000
+    a = torch.cat([torch.randn(n // 2, generator=g) * 1e-3, torch.randn(n - n // 2, generator=g)]).abs()
+    for k in (1, 3_000, 60_000):
+        got = compress._topk_indices(a, k).sort().values
+        assert torch.equal(got, a.topk(k).indices.sort().values), k
+    k, draws, quarters = 1_000, 40, torch.zeros(4)
+    for seed in range(draws):
+        idx = compress._random_subset(100_000, k, torch.Generator().manual_seed(seed))
+        again = compress._random_subset(100_000, k, torch.Generator().manual_seed(seed))
+        assert torch.equal(idx, again) and idx.unique().numel() == k and 0 <= idx.min() and idx.max() < 100_000
+        quarters += torch.bincount(idx // 25_000, minlength=4)
+    expected = draws * k / 4
+    assert ((quarters - expected).abs() / expected).max() < 0.05
