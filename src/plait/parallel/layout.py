@@ -80,14 +80,34 @@ class Layout:
         """Complete gradient synchronization (the wait is the step's exposed communication)."""
         self.engine.finish()
 
+    def _flat_grads(self) -> list[torch.Tensor] | None:
+        """plait's reducer buckets when every gradient is a view into them (None otherwise): unscaling
+        and clipping then touch a few flat buffers instead of every parameter's gradient."""
+        if isinstance(self.engine, GradReducer) and not self.engine.copy_grads:
+            return [b.flat for b in self.engine.buckets]
+        return None
+
     def grads(self) -> list[torch.Tensor]:
         """The gradient tensors the optimizer will read (for loss-scale unscaling)."""
+        flats = self._flat_grads()
+        if flats is not None:
+            return flats
         return [p.grad for p in self.model.parameters() if p.grad is not None]
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip to ``max_norm`` (inf: measure only); returns the global pre-clip norm."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
+        flats = self._flat_grads()
+        if flats is None:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
+        # torch's formula (coefficient max_norm / (norm + 1e-6), at most 1) on the bucket buffers:
+        # a parameter without a gradient this step holds zeros there, so the norm is the same.
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f) for f in flats]))
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if coef < 1.0:
+            for f in flats:
+                f.mul_(coef)
+        return float(total)
 
     def zero_grad(self) -> None:
         self.engine.zero_grad()
