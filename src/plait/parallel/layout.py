@@ -102,7 +102,7 @@ class Layout:
             return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
         # torch's formula (coefficient max_norm / (norm + 1e-6), at most 1) on the bucket buffers:
         # a parameter without a gradient this step holds zeros there, so the norm is the same.
-        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f) for f in flats]))
+        total = torch.nn.utils.get_total_norm(flats, foreach=False)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if coef < 1.0:
             for f in flats:
