@@ -1,3 +1,37 @@
-"""plait: distributed training on PyTorch, one typed config for the whole layout."""
+"""plait: distributed training on PyTorch, one typed config for the whole layout.
+
+``plait.Plait`` is the keep-your-loop API, ``plait.Trainer`` plait's loop on top of it; the config
+sections are ``plait.Config`` and its dataclasses; loss functions are in ``plait.losses``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from plait.config import Config, ConfigError, load_config
+    from plait.engine import Plait, StepInfo
+    from plait.parallel.plans import register_plan
+    from plait.train import losses
+    from plait.train.trainer import Trainer
+
+_EXPORTS = {
+    "Config": ("plait.config", "Config"), "ConfigError": ("plait.config", "ConfigError"),
+    "load_config": ("plait.config", "load_config"), "Plait": ("plait.engine", "Plait"),
+    "StepInfo": ("plait.engine", "StepInfo"), "Trainer": ("plait.train.trainer", "Trainer"),
+    "losses": ("plait.train.losses", None), "register_plan": ("plait.parallel.plans", "register_plan"),
+}
+__all__ = ["Config", "ConfigError", "Plait", "StepInfo", "Trainer", "load_config", "losses", "register_plan"]
+
+
+def __getattr__(name: str) -> Any:
+    """Imported on first use, so ``import plait`` stays light (the CLI parses arguments before torch)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'plait' has no attribute {name!r}")
+    import importlib
+
+    module, attr = _EXPORTS[name]
+    value = importlib.import_module(module)
+    return getattr(value, attr) if attr else value

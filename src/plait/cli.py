@@ -1,10 +1,12 @@
-"""``plait train | sample | plan``: the command line.
+"""``plait train | run | sample | plan``: the command line.
 
     plait train [CONFIG.toml] [--section.key=value ...] [--resume RUN_DIR]
+    plait run [--nproc N] SCRIPT [ARGS ...]
     plait sample RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
     plait plan memory [CONFIG.toml] [--section.key=value ...]
 
-Errors a user can cause end in one line on stderr and a non-zero exit, never a traceback.
+Errors a user can cause end in one line on stderr and a non-zero exit, never a traceback: 2 for a
+configuration error, 1 for a worker that failed (its traceback is in the error file the line names).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from plait.config import Config, ConfigError, load_config, to_toml, validate
+from plait.config import Config, ConfigError, describe_keys, load_config, to_toml
 
 
 def _split_train_args(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
@@ -55,6 +57,7 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
     keeps inferred values unresolved (parallel.dp=0 stays 0) so a resumed run may change the world size."""
     from plait.launch import external_world_size, launched_externally
     from plait.train.checkpoint import latest_checkpoint
+    from plait.validate import validate
 
     config_path, resume, overrides = _split_train_args(argv)
     if resume:
@@ -87,7 +90,8 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
 
 
 def cmd_train(argv: list[str]) -> int:
-    from plait.launch import launch_local, launched_externally, worker_main
+    from plait.launch import ERROR_DIR_ENV, launch_local, launched_externally, run_worker
+    from plait.train.trainer import train
 
     cfg, written, run_dir, resume = _prepare_run(argv)
     external = launched_externally()
@@ -96,22 +100,61 @@ def cmd_train(argv: list[str]) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(written))
     if external:
-        summary = worker_main(cfg, str(run_dir), resume)
+        os.environ.setdefault(ERROR_DIR_ENV, str((run_dir / "errors").resolve()))
+        summary = run_worker(train, (cfg, run_dir, resume), cfg.comm.backend, cfg.comm.timeout_s)
     elif cfg.parallel.nproc == 1:
-        from plait.train.trainer import train
-
         summary = train(cfg, run_dir, resume)
     else:
-        summary = launch_local(cfg, run_dir, resume)
+        summary = launch_local(train, (cfg, run_dir, resume), cfg.parallel.nproc, run_dir / "errors",
+                               cfg.comm.backend, cfg.comm.timeout_s)
     if is_rank0:
-        print(
+        if "tokens_per_s" in summary and summary["tokens_per_s"]:
+            speed = f"{summary['tokens_per_s']:,.0f} tokens/s"
+        else:
+            speed = f"{summary['samples_per_s']:,.0f} samples/s"
+        accuracy = f", val accuracy {summary['final_val_accuracy']:.2%}" if "final_val_accuracy" in summary else ""
+        lines = [
             f"\nplait: trained {summary['steps']} steps on {summary['world_size']} worker(s): "
-            f"val loss {summary['final_val_loss']:.4f} nats/token, {summary['tokens_per_s']:,.0f} tokens/s\n"
-            f"  run directory: {run_dir}\n"
-            f"  metrics:       {run_dir / 'metrics.jsonl'} (TensorBoard: {run_dir / 'tensorboard'})\n"
-            f"  summary:       {run_dir / 'summary.json'}\n"
-            f"  sample:        plait sample {run_dir} --prompt \"def \""
-        )
+            f"val loss {summary['final_val_loss']:.4f}{accuracy}, {speed}",
+            f"  run directory: {run_dir}",
+            f"  metrics:       {run_dir / 'metrics.jsonl'} (TensorBoard: {run_dir / 'tensorboard'})",
+            f"  summary:       {run_dir / 'summary.json'}",
+        ]
+        if cfg.model.name == "gpt" and not cfg.model.factory:
+            lines.append(f"  sample:        plait sample {run_dir} --prompt \"def \"")
+        print("\n".join(lines))
+    return 0
+
+
+def cmd_run(argv: list[str]) -> int:
+    """``plait run [--nproc N] SCRIPT [ARGS ...]``: the user's script in N local workers under the elastic
+    agent, with the same one-line failure report as ``plait train``."""
+    import tempfile
+
+    from plait.launch import launch_script
+
+    nproc, i = 1, 0
+    while i < len(argv) and argv[i].startswith("-"):
+        a = argv[i]
+        if a in ("--nproc", "--nproc-per-node", "--nproc_per_node") and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+        elif a.split("=", 1)[0] in ("--nproc", "--nproc-per-node", "--nproc_per_node") and "=" in a:
+            value, i = a.split("=", 1)[1], i + 1
+        else:
+            raise ConfigError(f"unknown option {a} for plait run; usage: plait run [--nproc N] SCRIPT [ARGS ...]")
+        try:
+            nproc = int(value)
+        except ValueError:
+            raise ConfigError(f"--nproc needs a whole number of workers; got {value!r}") from None
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1; got {nproc}")
+    if i >= len(argv):
+        raise ConfigError("plait run needs a script: plait run [--nproc N] SCRIPT [ARGS ...]")
+    script = argv[i]
+    if not Path(script).is_file():
+        raise ConfigError(f"script {script} does not exist")
+    error_dir = Path(tempfile.mkdtemp(prefix="plait-run-")) / "errors"
+    launch_script(script, argv[i + 1:], nproc, error_dir)
     return 0
 
 
@@ -134,6 +177,9 @@ def cmd_sample(argv: list[str]) -> int:
     if not weights.is_file():
         raise ConfigError(f"{weights} not found; it is written when a run finishes (finish or --resume the run)")
     cfg = load_config(run_dir / "config.toml")
+    if cfg.model.factory or cfg.model.name != "gpt":
+        raise ConfigError(f"plait sample generates text from plait's GPT (model.name=gpt); {run_dir} trained "
+                          f"{cfg.model.factory or cfg.model.name}")
     model = GPT(cfg.model)
     load_safetensors(model, weights)
     model.eval()
@@ -160,8 +206,12 @@ def cmd_plan(argv: list[str]) -> int:
     config_path, resume, overrides = _split_train_args(argv[1:])
     if resume:
         raise ConfigError("plait plan memory takes a CONFIG.toml, not --resume")
+    from plait.validate import validate
+
     cfg = validate(load_config(config_path, overrides), cfg_world(config_path, overrides))
     m, t = cfg.model, cfg.train
+    if cfg.model.factory or cfg.model.name != "gpt":
+        raise ConfigError("plait plan memory models plait's GPT (model.name=gpt); other models are not modelled yet")
     if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
         raise ConfigError("plait plan memory models data parallelism and ZeRO 0-3; set parallel.tp=1 and pp=1")
     shape = GPTShape(micro_batch=t.micro_batch_size, seq_len=m.seq_len, d_model=m.d_model, n_head=m.n_head,
@@ -177,7 +227,13 @@ def cfg_world(config_path: str | None, overrides: list[str]) -> int:
     return load_config(config_path, overrides).parallel.nproc
 
 
-COMMANDS = {"train": cmd_train, "sample": cmd_sample, "plan": cmd_plan}
+COMMANDS = {"train": cmd_train, "run": cmd_run, "sample": cmd_sample, "plan": cmd_plan}
+
+
+def help_text() -> str:
+    """The commands, then every config key with its type, default and documentation."""
+    return (__doc__.strip() + "\n\nConfig keys (a TOML file's [section] key = value, or --section.key=value; "
+            "tables such as [model.args] take --model.args.name=value):\n\n" + describe_keys())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,8 +242,15 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(__doc__.strip(), file=sys.stderr)
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"plait: error: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+            return 2
+        print(help_text())
+        return 0
+    if any(a in ("-h", "--help") for a in argv[1:2]) or (argv[0] != "run" and any(a in ("-h", "--help")
+                                                                                   for a in argv[1:])):
+        print(help_text())
+        return 0
     try:
         return COMMANDS[argv[0]](argv[1:])
     except ConfigError as e:

@@ -4,12 +4,17 @@ One dataclass per section; each field's docstring is the comment above it. A con
 defaults, then a TOML file, then ``--section.key=value`` overrides, and validated once. Unknown
 sections or keys are errors that name the nearest valid one. The resolved config is written to the
 run directory as TOML so that a run can be resumed or reproduced from it.
+
+This module parses and type-checks only; it imports nothing else of plait. Checks that need the world
+size, a layout's knowledge or the model live with them and are gathered in ``plait.validate``.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import re
 import tomllib
 import types
 import typing
@@ -31,26 +36,45 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    # Number of transformer blocks.
+    # Registered model: gpt (plait's GPT, the default), cnn (a ResNet-style image classifier), or a name a
+    # package registers under the plait.models entry-point group.
+    name: str = "gpt"
+    # "package.module:function" that returns the model (an nn.Module), called with [model.args] as
+    # keyword arguments; overrides model.name. The module is imported from the working directory too.
+    factory: str = ""
+    # Keyword arguments for model.factory or a registered model that takes them (a TOML table).
+    args: dict[str, Any] = field(default_factory=dict)
+    # gpt: number of transformer blocks.
     n_layer: int = 4
-    # Width of the residual stream.
+    # gpt: width of the residual stream.
     d_model: int = 128
-    # Attention heads; d_model must divide by it.
+    # gpt: attention heads; d_model must divide by it.
     n_head: int = 4
-    # Context length in tokens.
+    # gpt: context length in tokens (also the length of the text recipe's training windows).
     seq_len: int = 128
-    # Vocabulary size; 256 for the byte-level corpora plait ships.
+    # gpt: vocabulary size; 256 for the byte-level corpora plait ships.
     vocab_size: int = 256
-    # Dropout probability on attention and residual branches.
+    # gpt: dropout probability on attention and residual branches; cnn: before the classifier.
     dropout: float = 0.0
 
 
 @dataclass
 class DataConfig:
-    # Training data: empty for the embedded corpus, a UTF-8 text file, or a flat uint16 token file (.bin).
+    # Registered data set: empty picks the model's own (text for gpt, digits for cnn); text (a token
+    # corpus cut into model.seq_len windows), digits (scikit-learn's 8x8 handwritten digits, the vision
+    # extra), or a name a package registers under the plait.data entry-point group.
+    name: str = ""
+    # "package.module:function" that returns the training data set, a (train, eval) pair, or a dict with
+    # "train" and "eval"; called with [data.args] as keyword arguments; overrides data.name.
+    factory: str = ""
+    # Keyword arguments for data.factory (a TOML table).
+    args: dict[str, Any] = field(default_factory=dict)
+    # text: empty for the embedded corpus, a UTF-8 text file, or a flat uint16 token file (.bin).
     path: str = ""
-    # Fraction of the tokens held out (at the end of the corpus) for validation.
+    # text: fraction of the tokens held out (at the end of the corpus) for validation.
     val_fraction: float = 0.05
+    # DataLoader worker processes per rank (0 loads in the training process).
+    num_workers: int = 0
 
 
 @dataclass
@@ -78,6 +102,11 @@ class TrainConfig:
     activation_checkpointing: Literal["none", "full", "every_k"] = "none"
     # k for activation_checkpointing=every_k.
     checkpoint_every_k: int = 2
+    # Loss of a batch: auto (the model's registered loss; for a factory model, hf when the batch holds
+    # labels and the model returns .loss, classification for (x, y) with one label per sample, causal_lm
+    # for (x, y) token batches), causal_lm, hf, classification, or "package.module:function" taking
+    # (output, target).
+    loss: str = "auto"
 
 
 @dataclass
@@ -139,6 +168,16 @@ class ParallelConfig:
     pp_virtual_stages: int = 0
     # Pipeline stage split: by per-layer cost measured in a profiling step, or by layer count.
     pp_balance: Literal["cost", "count"] = "cost"
+    # Pipeline split points: names of the layers that start stages 2, 3, ... (for example
+    # ["model.layers.4"]); empty splits by parallel.pp_balance.
+    pp_split: list[str] = field(default_factory=list)
+    # Tensor-parallel plan: auto (the plan registered for the model's class, else the one a Hugging Face
+    # model ships in its config) or a table of module-name patterns to styles: colwise, rowwise,
+    # colwise_rep, rowwise_rep, vocab, sequence_parallel, replicate.
+    tp_plan: str | dict[str, str] = "auto"
+    # BatchNorm statistics over the whole data-parallel batch (SyncBatchNorm) instead of each rank's own;
+    # without it, running statistics are averaged over the data-parallel ranks after every step.
+    sync_batchnorm: bool = False
 
 
 @dataclass
@@ -215,16 +254,47 @@ def _sections() -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
 
 
+def _parse_literal(text: str) -> Any:
+    """A command-line value as TOML would read it (``64`` -> int, ``true`` -> bool, ``[1, 2]`` -> list,
+    ``{a = 1}`` -> dict), else the text itself."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
 def _coerce(section: str, key: str, value: Any, typ: Any) -> Any:
     """Convert a TOML or command-line value to the field's type, or raise a ConfigError."""
     where = f"{section}.{key}"
-    if get_origin(typ) is Literal:
+    origin = get_origin(typ)
+    if origin is Literal:
         allowed = get_args(typ)
         if value not in allowed:
             raise ConfigError(f"{where} must be one of {', '.join(map(str, allowed))}; got {value!r}")
         return value
-    if get_origin(typ) in (typing.Union, types.UnionType):
-        typ = next(a for a in get_args(typ) if a is not type(None))
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in get_args(typ) if a is not type(None)]
+        if isinstance(value, str) and any(get_origin(a) is dict for a in options) and value.lstrip().startswith("{"):
+            value = _parse_literal(value)
+        if isinstance(value, dict):
+            return _coerce(section, key, value, next(a for a in options if get_origin(a) is dict))
+        typ = options[0]
+        origin = get_origin(typ)
+    if origin is dict:
+        if isinstance(value, str):
+            value = _parse_literal(value)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a table (in TOML: [{section}.{key}]); got {value!r}")
+        _, value_type = get_args(typ)
+        return {str(k): v if value_type is Any else _coerce(section, f"{key}.{k}", v, value_type)
+                for k, v in value.items()}
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list; got {value!r}")
+        (item_type,) = get_args(typ)
+        return [_coerce(section, key, v, item_type) for v in value]
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -247,8 +317,14 @@ def _coerce(section: str, key: str, value: Any, typ: Any) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"{where} must be a number; got {value!r}") from None
     if typ is str:
+        if isinstance(value, dict | list):
+            raise ConfigError(f"{where} must be a string; got {value!r}")
         return str(value)
     raise ConfigError(f"{where}: unsupported type {typ}")
+
+
+def _is_table(typ: Any) -> bool:
+    return get_origin(typ) is dict or any(get_origin(a) is dict for a in get_args(typ))
 
 
 def _set(cfg: Config, section: str, key: str, value: Any) -> None:
@@ -259,6 +335,13 @@ def _set(cfg: Config, section: str, key: str, value: Any) -> None:
         )
     obj = getattr(cfg, section)
     hints = typing.get_type_hints(type(obj))
+    name, _, sub = key.partition(".")
+    if sub and name in hints and _is_table(hints[name]):
+        # --model.args.width=64: one entry of a table, its value read as TOML would read it
+        table = dict(getattr(obj, name)) if isinstance(getattr(obj, name), dict) else {}
+        table[sub] = _parse_literal(value) if isinstance(value, str) else value
+        setattr(obj, name, _coerce(section, name, table, hints[name]))
+        return
     if key not in hints:
         valid = [f"{section}.{k}" for k in hints]
         raise ConfigError(
@@ -290,8 +373,26 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> None:
         _set(cfg, section, key, value)
 
 
+def from_sections(sections: dict[str, Any], base: Config | None = None) -> Config:
+    """A config from keyword sections, e.g. ``{"parallel": {"zero": 2}, "train": {"steps": 10}}``;
+    a section may also be given as its dataclass (``ParallelConfig(zero=2)``)."""
+    cfg = copy.deepcopy(base) if base is not None else Config()
+    for name, value in sections.items():
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            if name not in _sections():
+                _set(cfg, name, "", None)  # raises the unknown-section error
+            if not isinstance(value, type(getattr(cfg, name))):
+                raise ConfigError(f"section '{name}' must be a {type(getattr(cfg, name)).__name__} or a dict")
+            setattr(cfg, name, copy.deepcopy(value))
+        elif isinstance(value, dict):
+            apply_mapping(cfg, {name: value})
+        else:
+            raise ConfigError(f"config section '{name}' must be a dict of keys or a section dataclass; got {value!r}")
+    return cfg
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the TOML file at ``path``, then overrides; validated."""
+    """Defaults, then the TOML file at ``path``, then overrides; values type-checked."""
     cfg = Config()
     if path is not None:
         p = Path(path)
@@ -306,105 +407,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
-def validate(cfg: Config, world_size: int) -> Config:
-    """Check cross-field constraints for ``world_size`` workers and fill inferred values (parallel.dp)."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
+def check_values(cfg: Config) -> Config:
+    """Checks of single values and of keys within one section; nothing that needs the world size, the
+    layout or the model (``plait.validate.validate`` adds those)."""
+    m, t, p, c = cfg.model, cfg.train, cfg.parallel, cfg.comm
     if cfg.observe.count_torch_collectives not in ("first_step", "every_step", "off"):
         raise ConfigError(f"observe.count_torch_collectives={cfg.observe.count_torch_collectives!r}: choose "
                           "first_step, every_step or off")
-    if m.d_model % m.n_head:
-        raise ConfigError(f"model.d_model={m.d_model} must divide by model.n_head={m.n_head}")
     for name in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size"):
         if getattr(m, name) < 1:
             raise ConfigError(f"model.{name} must be at least 1")
     for name in ("steps", "global_batch_size", "micro_batch_size"):
         if getattr(t, name) < 1:
             raise ConfigError(f"train.{name} must be at least 1")
-    if not 0.0 < cfg.data.val_fraction < 1.0:
-        raise ConfigError("data.val_fraction must be between 0 and 1 (exclusive)")
-    if cfg.data.path and not Path(cfg.data.path).is_file():
-        raise ConfigError(
-            f"data file {cfg.data.path} does not exist; set data.path to a UTF-8 text file or a uint16 .bin "
-            "token file, or leave it empty for the embedded corpus"
-        )
-    if p.bucket_mb <= 0:
-        raise ConfigError("parallel.bucket_mb must be positive")
-    from plait.topology import resolve_degrees  # the topology owns degree arithmetic
-
-    degrees = resolve_degrees(cfg, world_size)
-    p.dp = degrees["dp_replicate"] * degrees["dp_shard"]
     if t.checkpoint_every_k < 1:
         raise ConfigError(f"train.checkpoint_every_k must be at least 1; got {t.checkpoint_every_k}")
-    from plait.parallel.zero import validate_zero
-
-    try:
-        validate_zero(p.zero, p.dp, p.offload, "cuda" if _cuda_available() else "cpu")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    _validate_model_parallel(cfg)
-    _validate_comm(cfg)
-    if p.zero and p.impl == "torch":
-        raise ConfigError(
-            f"parallel.impl=torch selects PyTorch DDP, which does not shard (parallel.zero={p.zero}); "
-            "use parallel.impl=plait with ZeRO"
-        )
-    per_step = t.micro_batch_size * p.dp
-    if t.global_batch_size % per_step:
-        lo = max(per_step, t.global_batch_size // per_step * per_step)
-        options = sorted({lo, lo + per_step})
-        divisors = [d for d in range(1, t.global_batch_size + 1) if t.global_batch_size % (d * p.dp) == 0]
-        raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} must equal micro_batch_size "
-            f"({t.micro_batch_size}) x dp ({p.dp}) x accumulation steps; try "
-            f"train.global_batch_size={' or '.join(map(str, options))}, or a micro_batch_size in "
-            f"{divisors[:8]}"
-        )
-    return cfg
-
-
-def _validate_model_parallel(cfg: Config) -> None:
-    """Tensor/pipeline/expert settings that cannot work, named before any worker starts."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    if p.ep > 1:
-        raise ConfigError("parallel.ep > 1 (expert parallelism) is not available in this build; set parallel.ep=1")
-    if p.sequence_parallel and p.tp == 1:
-        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
-    if p.tp > 1:
-        from plait.parallel.tensor import check_tensor_parallel
-
-        check_tensor_parallel(m.n_head, m.d_model, m.vocab_size, m.seq_len, p.tp, p.sequence_parallel)
-    if p.pp > 1:
-        from plait.parallel.pipeline import NATURAL_VIRTUAL, check_pipeline_layout
-
-        virtual = p.pp_virtual_stages or NATURAL_VIRTUAL.get(p.pp_schedule, 1)
-        check_pipeline_layout(p.pp_schedule, p.pp, p.microbatches, virtual)
-        if m.n_layer < p.pp * virtual:
-            raise ConfigError(
-                f"{p.pp * virtual} pipeline stages (pp={p.pp} x {virtual} per rank) but model.n_layer="
-                f"{m.n_layer}: every stage needs at least one block; lower parallel.pp or raise model.n_layer"
-            )
-        if t.micro_batch_size % p.microbatches:
-            raise ConfigError(
-                f"train.micro_batch_size={t.micro_batch_size} must divide into parallel.microbatches="
-                f"{p.microbatches} pipeline micro-batches; make it a multiple of {p.microbatches}"
-            )
-    if (p.tp > 1 or p.pp > 1) and p.impl == "torch":
-        raise ConfigError(f"parallel.tp={p.tp}/pp={p.pp} compose with plait's data-parallel reducer or with "
-                          "parallel.zero=3, not with PyTorch DDP; set parallel.impl=plait")
-    if p.pp > 1 and p.zero:
-        raise ConfigError(f"parallel.pp={p.pp} composes with plait's data-parallel reducer only in this build "
-                          f"(parallel.zero={p.zero}); set parallel.zero=0")
-    if p.tp > 1 and p.zero in (1, 2):
-        raise ConfigError(
-            f"parallel.zero={p.zero} (plait's flat-buffer sharded optimizer) does not take tensor-parallel "
-            f"parameters; with parallel.tp={p.tp} use parallel.zero=3 (FSDP2 over dp on top of tp: 2-D; add "
-            "parallel.reshard_after_forward=false for ZeRO-2's memory, parameters kept whole through backward) or 0"
-        )
-
-
-def _validate_comm(cfg: Config) -> None:
-    """Communication settings that cannot work, named before any worker starts."""
-    c, p = cfg.comm, cfg.parallel
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError("data.val_fraction must be between 0 and 1 (exclusive)")
+    if cfg.data.num_workers < 0:
+        raise ConfigError(f"data.num_workers must be 0 or more; got {cfg.data.num_workers}")
+    if p.bucket_mb <= 0:
+        raise ConfigError("parallel.bucket_mb must be positive")
+    if isinstance(p.tp_plan, str) and p.tp_plan != "auto":
+        raise ConfigError(f"parallel.tp_plan must be auto or a table of module-name patterns to styles; got "
+                          f"{p.tp_plan!r}")
+    for ref, what in ((cfg.model.factory, "model.factory"), (cfg.data.factory, "data.factory")):
+        if ref and (":" not in ref or not all(ref.split(":", 1))):
+            raise ConfigError(f"{what}={ref!r} must look like package.module:function")
     if c.timeout_s <= 0:
         raise ConfigError(f"comm.timeout_s must be positive seconds; got {c.timeout_s}")
     if c.ranks_per_node < 0:
@@ -416,40 +445,97 @@ def _validate_comm(cfg: Config) -> None:
     if c.stochastic_rounding and c.compress not in ("int8", "int4"):
         raise ConfigError(f"comm.stochastic_rounding applies to comm.compress=int8 or int4, not {c.compress}; "
                           "set comm.stochastic_rounding=false")
-    if p.impl == "torch" and (c.compress != "none" or c.allreduce != "backend"):
-        raise ConfigError(
-            "parallel.impl=torch (PyTorch DDP) runs its own all-reduce, so comm.compress and comm.allreduce "
-            "do not apply to it; set parallel.impl=plait to use them"
-        )
-    if p.zero == 3 and (c.compress != "none" or c.allreduce != "backend"):
-        raise ConfigError(
-            "parallel.zero=3 reduces gradients inside FSDP2, which comm.compress and comm.allreduce do not "
-            "reach; use parallel.zero=0, 1 or 2 with them"
-        )
+    return cfg
 
 
-def _cuda_available() -> bool:
-    import torch
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
-    return torch.cuda.is_available()
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.match(key) else _toml_value(key)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, float) and v != v:
+        return "nan"
+    return repr(v)
 
 
 def to_toml(cfg: Config) -> str:
-    """Render the config as TOML (sections of scalars only, which is all plait's config holds)."""
+    """Render the config as TOML: one table per section, its tables (``[model.args]``) after it."""
     lines: list[str] = []
     for f in dataclasses.fields(cfg):
         lines.append(f"[{f.name}]")
+        tables = []
         for k, v in dataclasses.asdict(getattr(cfg, f.name)).items():
-            if isinstance(v, bool):
-                text = "true" if v else "false"
-            elif isinstance(v, str):
-                text = '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            if isinstance(v, dict):
+                tables.append((k, v))
             else:
-                text = repr(v)
-            lines.append(f"{k} = {text}")
+                lines.append(f"{k} = {_toml_value(v)}")
         lines.append("")
+        for k, v in tables:
+            lines.append(f"[{f.name}.{k}]")
+            lines.extend(f"{_toml_key(str(a))} = {_toml_value(b)}" for a, b in v.items())
+            lines.append("")
     return "\n".join(lines)
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+def field_docs(section_type: type) -> dict[str, str]:
+    """Each field's documentation: the comment lines right above it in this file."""
+    import inspect
+
+    docs: dict[str, str] = {}
+    comment: list[str] = []
+    for line in inspect.getsource(section_type).splitlines()[1:]:
+        text = line.strip()
+        if text.startswith("#"):
+            comment.append(text.lstrip("#").strip())
+        elif (m := re.match(r"^([a-z_][a-z0-9_]*)\s*:", text)) is not None:
+            docs[m.group(1)] = " ".join(comment)
+            comment = []
+        else:
+            comment = []
+    return docs
+
+
+def describe_keys() -> str:
+    """Every config key with its type, default and documentation, section by section (for --help)."""
+    import textwrap
+
+    out: list[str] = []
+    defaults = Config()
+    for name, section_type in _sections().items():
+        out.append(f"[{name}]")
+        docs = field_docs(section_type)
+        hints = typing.get_type_hints(section_type)
+        for f in dataclasses.fields(section_type):
+            default = getattr(getattr(defaults, name), f.name)
+            typ = hints[f.name]
+            kind = " | ".join(map(str, get_args(typ))) if get_origin(typ) is Literal else _type_name(typ)
+            out.append(f"  {name}.{f.name} = {_toml_value(default)}   ({kind})")
+            out.extend(textwrap.wrap(docs.get(f.name, ""), width=96, initial_indent="      ",
+                                     subsequent_indent="      "))
+        out.append("")
+    return "\n".join(out)
+
+
+def _type_name(typ: Any) -> str:
+    if get_origin(typ) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(typ))
+    if get_origin(typ) is dict:
+        return "table"
+    if get_origin(typ) is list:
+        return "list"
+    return getattr(typ, "__name__", str(typ))

@@ -1,10 +1,12 @@
-"""Starting workers: local ones through PyTorch's elastic agent, or adopting torchrun / SLURM.
+"""Starting workers: local ones through PyTorch's elastic agent, or joining a torchrun / SLURM job.
 
-``plait train`` with ``parallel.nproc=N`` starts N local workers with ``elastic_launch`` (the agent
-behind ``torchrun``). When plait itself is started by ``torchrun`` (``RANK``/``WORLD_SIZE`` set) or
-by ``srun`` (``SLURM_PROCID`` set), the same entry point runs as one worker of that job. A failed
-worker leaves ``RUN_DIR/errors/rank<r>.txt``; the launcher turns it into one line naming the rank
-and its error, and a non-zero exit.
+``launch_local(fn, args, nproc, error_dir)`` starts ``nproc`` local workers running a Python function
+(``plait train``); ``launch_script(script, args, nproc, error_dir)`` runs a user's script in each
+(``plait run``), both with ``elastic_launch`` (the agent behind ``torchrun``). When a process was
+started by ``torchrun`` (``RANK``/``WORLD_SIZE`` set) or ``srun`` (``SLURM_PROCID`` set),
+``init_distributed`` joins that job's process group instead. A failed worker leaves
+``<error_dir>/rank<r>.txt``; the launcher turns the earliest one into one line naming the rank and its
+error, and a non-zero exit. Workers find the error directory in ``$PLAIT_ERROR_DIR``.
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ from __future__ import annotations
 import logging
 import os
 import re
+import runpy
+import sys
 import traceback
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -21,7 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.config import Config, ConfigError
+from plait.config import ConfigError
+
+ERROR_DIR_ENV = "PLAIT_ERROR_DIR"
 
 
 class WorkerFailed(RuntimeError):
@@ -58,79 +65,149 @@ def adopt_slurm_env() -> None:
     env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
 
 
-def pick_backend(cfg: Config) -> str:
-    if cfg.comm.backend != "auto":
-        if cfg.comm.backend == "nccl" and not torch.cuda.is_available():
+def pick_backend(backend: str) -> str:
+    """``comm.backend``: auto picks NCCL with CUDA, gloo otherwise."""
+    if backend != "auto":
+        if backend == "nccl" and not torch.cuda.is_available():
             raise ConfigError("comm.backend=nccl needs CUDA GPUs; use comm.backend=gloo (or auto) on CPU")
-        return cfg.comm.backend
+        return backend
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def error_file(run_dir: Path, rank: int) -> Path:
-    """Where worker ``rank`` reports the error that ended it (its first line is what the launcher prints)."""
-    return run_dir / "errors" / f"rank{rank}.txt"
-
-
-def worker_main(cfg: Config, run_dir: str, resume: bool) -> dict[str, Any]:
-    """Entry point of one worker: join the process group, train, report any error to the run dir."""
-    from plait.train.trainer import train
-
+def init_distributed(backend: str, timeout_s: float) -> bool:
+    """Join the job's process group when a launcher started this process and none exists yet; returns
+    whether a process group is initialised afterwards (False: a plain single process)."""
+    if dist.is_available() and dist.is_initialized():
+        return True
     adopt_slurm_env()
-    rank = int(os.environ.get("RANK", "0"))
+    if not launched_externally():
+        return False
+    dist.init_process_group(pick_backend(backend), timeout=timedelta(seconds=timeout_s))
+    return True
+
+
+def error_file(error_dir: Path, rank: int) -> Path:
+    """Where worker ``rank`` reports the error that ended it (its first line is what the launcher prints)."""
+    return Path(error_dir) / f"rank{rank}.txt"
+
+
+def error_dir_from_env(default: Path | None = None) -> Path | None:
+    value = os.environ.get(ERROR_DIR_ENV)
+    return Path(value) if value else default
+
+
+def write_error(exc: BaseException, rank: int, error_dir: Path | None) -> None:
+    """Record ``exc`` for the launcher: ``Type: message`` first, then the traceback (left out for a
+    configuration error the user caused, unless it wraps another error: a user's factory that raised)."""
+    if error_dir is None:
+        return
+    path = error_file(error_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plain = isinstance(exc, ConfigError) and exc.__cause__ is None
+    detail = "" if plain else "\n" + "".join(traceback.format_exception(exc))
+    if not path.exists():  # the watchdog may have written a better one already
+        path.write_text(f"{type(exc).__name__}: {exc}{detail}")
+
+
+def run_worker(fn: Callable[..., Any], args: tuple, backend: str, timeout_s: float) -> Any:
+    """Entry point of one worker of ``launch_local``: join the process group, run ``fn(*args)``, report
+    any error to ``$PLAIT_ERROR_DIR``."""
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     try:
-        dist.init_process_group(pick_backend(cfg), timeout=timedelta(seconds=cfg.comm.timeout_s))
-        return train(cfg, Path(run_dir), resume)
+        init_distributed(backend, timeout_s)
+        return fn(*args)
     except BaseException as e:
-        path = error_file(Path(run_dir), rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        detail = "" if isinstance(e, ConfigError) else "\n" + traceback.format_exc()
-        path.write_text(f"{type(e).__name__}: {e}{detail}")
+        write_error(e, rank, error_dir_from_env())
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _failure_message(run_dir: Path, nproc: int, fallback: str) -> str:
+def failure_message(error_dir: Path, nproc: int, fallback: str) -> str:
     reports = []
     for r in range(nproc):
-        f = error_file(run_dir, r)
+        f = error_file(error_dir, r)
         if f.is_file():
             reports.append((f.stat().st_mtime, r, f.read_text().strip()))
     if not reports:
         return f"a worker failed without reporting an error ({fallback.strip()})"
     _, rank, text = min(reports)  # the earliest report is the root cause; later ones are fallout
-    first_line = text.splitlines()[0]
+    first_line = text.splitlines()[0] if text else "(empty report)"
     others = sorted(r for _, r, _ in reports if r != rank)
     also = f"; ranks {others} failed after it" if others else ""
-    return f"rank {rank} failed: {first_line}{also} (details: {error_file(run_dir, rank)})"
+    return f"rank {rank} failed: {first_line}{also} (details: {error_file(error_dir, rank)})"
 
 
 def _quiet_elastic_logs() -> None:
     """The agent logs each worker's traceback; plait reports the failure itself in one line and keeps the
-    traceback in RUN_DIR/errors, so the agent's own loggers only speak for critical problems."""
+    traceback in the error directory, so the agent's own loggers only speak for critical problems."""
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def launch_local(cfg: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
-    """Run ``cfg.parallel.nproc`` local workers under the elastic agent; returns rank 0's summary."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+def _launch_config(nproc: int, error_dir: Path) -> Any:
+    from torch.distributed.launcher.api import LaunchConfig
 
     from plait.comm.collectives import free_port
 
     _quiet_elastic_logs()
-    nproc = cfg.parallel.nproc
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    lc = LaunchConfig(
+    os.environ[ERROR_DIR_ENV] = str(Path(error_dir).resolve())
+    for stale in Path(error_dir).glob("rank*.txt"):  # reports of an earlier launch into the same directory
+        stale.unlink()
+    return LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"plait-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
         monitor_interval=0.5, start_method="spawn",
     )
+
+
+def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, error_dir: Path, backend: str = "auto",
+                 timeout_s: float = 300.0) -> Any:
+    """Run ``fn(*args)`` in ``nproc`` local workers under the elastic agent; returns rank 0's result."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    lc = _launch_config(nproc, error_dir)
     try:
-        results = elastic_launch(lc, worker_main)(cfg, str(run_dir), resume)
+        results = elastic_launch(lc, run_worker)(fn, args, backend, timeout_s)
     except ChildFailedError as e:
-        raise WorkerFailed(_failure_message(run_dir, nproc, str(e))) from None
+        raise WorkerFailed(failure_message(Path(error_dir), nproc, str(e))) from None
     return results[0]
+
+
+def launch_script(script: str, script_args: list[str], nproc: int, error_dir: Path) -> None:
+    """Run ``python script args`` in ``nproc`` local workers (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` set
+    as torchrun sets them); raises ``WorkerFailed`` naming the first rank that failed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    lc = _launch_config(nproc, error_dir)
+    try:
+        elastic_launch(lc, sys.executable)("-m", "plait.launch", script, *script_args)
+    except ChildFailedError as e:
+        raise WorkerFailed(failure_message(Path(error_dir), nproc, str(e))) from None
+
+
+def _script_main(argv: list[str]) -> int:
+    """A worker of ``launch_script``: run the user's script as ``__main__`` and report its error."""
+    script, rest = argv[0], argv[1:]
+    sys.argv = [script, *rest]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            write_error(RuntimeError(f"the script exited with status {e.code}"), rank, error_dir_from_env())
+        raise
+    except BaseException as e:
+        write_error(e, rank, error_dir_from_env())
+        raise SystemExit(1) from None
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_script_main(sys.argv[1:]))

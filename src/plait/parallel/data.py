@@ -100,7 +100,7 @@ class GradReducer:
     """
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, comm: Comm,
-                 bucket_mb: float = 25.0) -> None:
+                 bucket_mb: float = 25.0, broadcast: bool = True) -> None:
         self.module = model
         # Tensor-parallel (DTensor) parameters cannot take a plain view as .grad: their local gradient
         # shards are copied into the bucket when it launches and back when it is reduced.
@@ -110,7 +110,8 @@ class GradReducer:
         self.world = dist.get_world_size(group)
         self.require_sync = True
         self._callback_queued = False
-        self._broadcast_initial_state()
+        if broadcast:  # the engine broadcasts the whole world's weights itself before any layout
+            self._broadcast_initial_state()
         params = [p for p in model.parameters() if p.requires_grad]
         self.buckets = _make_buckets(list(reversed(params)), int(bucket_mb * 2**20))
         self._where: dict[nn.Parameter, tuple[_Bucket, int]] = {}
@@ -211,6 +212,10 @@ class GradReducer:
                         g.copy_(view)
         self._reset()
 
+    def set_sync(self, enabled: bool) -> None:
+        """Whether the next backward passes launch their all-reduces (False: accumulate locally)."""
+        self.require_sync = enabled
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; nothing is communicated inside this context."""
@@ -231,13 +236,33 @@ class GradReducer:
                 p.grad = v
 
 
+class _ClassForward(nn.Module):
+    """What DDP wraps: the user's model, called through its class's ``forward`` so that neither the
+    model's own hooks (they ran in the user's call) nor the engine's patch of ``model.forward`` (which
+    routes into DDP) run a second time."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+
 class TorchDDP:
-    """PyTorch DDP behind the reducer's interface: the reference plait's reducer is measured against."""
+    """PyTorch DDP behind the reducer's interface: the reference plait's reducer is measured against.
+
+    ``module`` is the ``DistributedDataParallel`` wrapper; the engine routes the user's
+    ``model(...)`` calls into it, so the user keeps the original model object and its state-dict keys.
+    DDP arms its reducer for the backward in forward, so ``set_sync`` applies to the next forward."""
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, bucket_mb: float) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
-        self.module = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb)
+        self.module = DistributedDataParallel(_ClassForward(model), process_group=group, bucket_cap_mb=bucket_mb)
+
+    def set_sync(self, enabled: bool) -> None:
+        self.module.require_backward_grad_sync = enabled
 
     def finish(self) -> None:
         """DDP has already waited for its all-reduces inside backward."""
@@ -255,6 +280,9 @@ class LocalGrads:
     def __init__(self, model: nn.Module) -> None:
         self.module = model
 
+    def set_sync(self, enabled: bool) -> None:
+        """Nothing to communicate."""
+
     def finish(self) -> None:
         """Gradients are already complete."""
 
@@ -266,7 +294,7 @@ class LocalGrads:
 
 
 def apply_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, dp: int, impl: str,
-                        bucket_mb: float, comm: Comm) -> GradReducer | TorchDDP | LocalGrads:
+                        bucket_mb: float, comm: Comm, broadcast: bool = True) -> GradReducer | TorchDDP | LocalGrads:
     """Wrap ``model`` for data parallelism over ``group`` (dp ranks) with plait's reducer or DDP."""
     if dp == 1:
         return LocalGrads(model)
@@ -277,4 +305,4 @@ def apply_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, dp: i
             raise ValueError("parallel.impl=torch (PyTorch DDP) runs its own all-reduce: comm.compress and "
                              "comm.allreduce apply to plait's reducer; set parallel.impl=plait")
         return TorchDDP(model, group, bucket_mb)
-    return GradReducer(model, group, comm, bucket_mb)
+    return GradReducer(model, group, comm, bucket_mb, broadcast=broadcast)

@@ -1,12 +1,13 @@
-"""ZeRO stage 3 on FSDP2: ``fully_shard`` per transformer block and at the root.
+"""ZeRO stage 3 on FSDP2: ``fully_shard`` per block and at the root.
 
-Each ``model.blocks[i]`` becomes its own FSDP unit (its parameters are all-gathered just before the
-block runs and freed after, so at most about one block is unsharded at a time), and the root unit
-holds the rest: embeddings, final norm and the head. The head's weight is tied to ``tok_emb``; both
-modules belong to the root unit, so the one shared parameter is sharded once and its gradient
-gets both contributions before the reduce-scatter. Tying must happen before this call (GPT does it
-in its constructor); FSDP2 replaces parameters with DTensors and the tie survives because both
-modules hold the same Parameter object.
+Each of the model's repeated blocks (``plait.parallel.units.find_blocks``: plait's GPT's ``blocks``, a
+Hugging Face model's decoder layers) becomes its own FSDP unit (its parameters are all-gathered just
+before the block runs and freed after, so at most about one block is unsharded at a time), and the
+root unit holds the rest: embeddings, final norm and the head. A head tied to the embedding belongs to
+the root unit with it, so the one shared parameter is sharded once and its gradient gets both
+contributions before the reduce-scatter. Tying must happen before this call; FSDP2 replaces
+parameters with DTensors and the tie survives because both modules hold the same Parameter object. A
+model without repeated blocks is one unit.
 
 Communication (per unit, done by FSDP2): forward all-gathers the unit's parameters (and, with
 ``reshard_after_forward=True``, all-gathers them again in backward); backward reduce-scatters its
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from plait.parallel.units import find_blocks
 from plait.parallel.zero import ZeroConfigError
 
 
@@ -40,13 +42,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype |
                reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``model`` with FSDP2 over the 1-D data-parallel ``mesh``; return the same module.
 
-    Contract: ``model`` has a ``blocks`` ModuleList (plait's GPT); call it last in the composition
+    Contract: call it last in the composition
     order (after tensor parallelism and activation checkpointing) and build the optimizer on
     ``model.parameters()`` afterwards (they are DTensors then). ``param_dtype=torch.bfloat16`` runs
     forward/backward in bf16 with fp32 sharded master parameters; ``reduce_dtype`` is the gradient
     reduce-scatter dtype. ``reshard_after_forward=False`` keeps each block unsharded between forward
     and backward (ZeRO-2-like memory, one all-gather fewer). Raises ``ZeroConfigError`` for a mesh of
-    size 1, an unknown offload, offload on a CPU device, or a model without ``blocks``.
+    size 1, an unknown offload, or offload on a CPU device.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -65,12 +67,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype |
             "already on the CPU (torch's CPUOffloadPolicy fails here with 'Cannot access accelerator "
             "device'). Set parallel.offload=none"
         )
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise ZeroConfigError("apply_fsdp needs a model with a `blocks` ModuleList (plait's GPT)")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload_policy = CPUOffloadPolicy() if offload == "params" else OffloadPolicy()
-    for block in blocks:
+    for _, block in find_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload_policy,
                     reshard_after_forward=reshard_after_forward)
     # The root unit's parameters are needed first in backward too (the tied head): never reshard the

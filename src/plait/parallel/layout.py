@@ -1,14 +1,27 @@
-"""The trainer's view of a parallel layout: forward/backward, gradient sync, clipping, state.
+"""The engine's view of a parallel layout: gradient sync, clipping, the optimizer step, state.
 
 ``Layout`` is data parallelism (plait's reducer, DDP, or one rank) with a replicated optimizer;
 ``ZeroLayout`` is ZeRO-1/2 (plait's sharded optimizer); ``FsdpLayout`` is ZeRO-3 on FSDP2. Tensor and
-pipeline layouts are in ``mp_layout``. The trainer calls only the methods defined on ``Layout``.
+pipeline layouts are in ``mp_layout``. The engine (``plait.engine.Plait``) calls only the methods
+defined on ``Layout``; the user runs forward on ``layout.model``, which keeps the original model's
+attributes and state-dict keys.
+
+The optimizer comes from a factory called with ``layout.model`` once the layout is applied, so it
+always holds the parameters the layout trains (DTensor shards under FSDP2 and tensor parallelism).
+ZeRO-1/2 calls the factory too, then rebuilds the same optimizer class with the same groups and
+hyperparameters over its flat shards.
+
+BatchNorm: each data-parallel rank normalises with its own batch's statistics (as DDP does), and after
+every optimizer step the running mean and variance are averaged over the data-parallel ranks (one
+all-reduce of all of them), so every rank holds the same buffers. The averaged running mean equals
+the single-process one for equal per-rank batches; the averaged running variance is the mean of the
+ranks' variances (it lacks the spread between the ranks' batch means). ``parallel.sync_batchnorm``
+normalises with the statistics of the whole data-parallel batch instead.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,52 +38,64 @@ from torch.distributed.checkpoint.state_dict import (
 from plait.comm.collectives import Comm
 from plait.config import Config
 from plait.parallel.data import GradReducer, LocalGrads, TorchDDP
+from plait.parallel.units import batchnorm_buffers
 from plait.topology import Topology
-from plait.train.optim import adamw_options, build_optimizer, materialize_optimizer_state, param_groups
+from plait.train.optim import materialize_optimizer_state
 
-AmpFactory = Callable[[], contextlib.AbstractContextManager]
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+# The elementwise torch optimizers: sharding their flat buffers computes exactly what they compute whole.
+ELEMENTWISE = ("Adam", "AdamW", "SGD", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Adadelta", "ASGD",
+               "Rprop")
+
+
+class LayoutError(ValueError):
+    """A model or optimizer this layout cannot take; the message says what to do."""
 
 
 class Layout:
     """Data parallelism (plait's reducer, DDP, or one rank) with a replicated torch optimizer."""
 
     # Whether torch issues this layout's collectives (DDP, FSDP2, DTensor, pipelining) rather than
-    # plait's Comm: the trainer then counts them with plait.comm.accounting.TorchCollectiveCounter.
+    # plait's Comm: the engine then counts them with plait.comm.accounting.TorchCollectiveCounter.
     torch_collectives = False
+    pipelined = False
+    optimizer: Any = None
 
-    def __init__(self, model: nn.Module, cfg: Config, engine: GradReducer | TorchDDP | LocalGrads | None = None):
-        self.model = model  # the unwrapped model: parameter names of the single-process model
+    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm,
+                 engine: GradReducer | TorchDDP | LocalGrads) -> None:
+        self.model = model  # what the user runs forward on: the original model object
         self.engine = engine
-        self.module: nn.Module = engine.module if engine is not None else model  # forward runs on this
-        self.optimizer = build_optimizer(model, cfg.optim)
+        self.topo, self.comm = topo, comm
         self.torch_collectives = isinstance(engine, TorchDDP)
+        self._bn = batchnorm_buffers(model) if topo.dp > 1 and not cfg.parallel.sync_batchnorm else []
+
+    # -- building ---------------------------------------------------------------------------------
+    def build_optimizer(self, factory: OptimizerFactory) -> Any:
+        self.optimizer = factory(self.model)
+        return self.optimizer
+
+    def scheduler_target(self) -> torch.optim.Optimizer:
+        """The torch optimizer an LR scheduler should be attached to."""
+        return self.optimizer
+
+    def forward_wrapper(self) -> Callable | None:
+        """A callable that runs the model's forward through the layout's wrapper (DDP), or None."""
+        if isinstance(self.engine, TorchDDP):
+            return self.engine.module
+        return None
+
+    # -- one step ---------------------------------------------------------------------------------
+    def set_sync(self, enabled: bool) -> None:
+        """Whether the next backward communicates gradients (False on non-final accumulation micro-steps)."""
+        self.engine.set_sync(enabled)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Context for non-final accumulation micro-steps: no gradient communication."""
         return self.engine.no_sync()
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, factor: float, amp: AmpFactory,
-                         times: dict[str, float]) -> torch.Tensor:
-        """Forward and backward of one micro-batch with the loss multiplied by ``factor``
-        (1 / accumulation x loss scale); returns the unscaled loss, detached."""
-        t0 = time.perf_counter()
-        with amp():
-            loss = self.module(x, y) * factor
-        t1 = time.perf_counter()
-        loss.backward()
-        times["forward_s"] += t1 - t0
-        times["backward_s"] += time.perf_counter() - t1
-        return loss.detach() / factor
-
-    @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor, amp: AmpFactory) -> torch.Tensor:
-        """Mean loss of one validation micro-batch (forward only)."""
-        with amp():
-            return self.module(x, y).detach()
-
-    def report(self, run_dir: Path) -> dict[str, Any]:
-        """Layout-specific results for summary.json (collective where the layout needs it)."""
-        return {}
+    def context(self) -> contextlib.AbstractContextManager:
+        """Context that forward and backward must run in (loss parallelism); none here."""
+        return contextlib.nullcontext()
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """This rank's loss as a plain tensor every rank of its data-parallel replica agrees on."""
@@ -99,6 +124,8 @@ class Layout:
         flats = self._flat_grads()
         if flats is None:
             params = [p for p in self.model.parameters() if p.grad is not None]
+            if not params:
+                return 0.0
             return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
         # torch's formula (coefficient max_norm / (norm + 1e-6), at most 1) on the bucket buffers:
         # a parameter without a gradient this step holds zeros there, so the norm is the same.
@@ -109,43 +136,99 @@ class Layout:
                 f.mul_(coef)
         return float(total)
 
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def after_step(self) -> None:
+        """BatchNorm running statistics averaged over the data-parallel ranks (see the module docstring).
+
+        Communication: one all-reduce of every running mean and variance, flattened; none in backward."""
+        if not self._bn:
+            return
+        flat = torch.cat([b.reshape(-1).float() for b in self._bn])
+        self.comm.all_reduce_sum(flat, self.topo.dp_group, name="batchnorm statistics")
+        flat /= self.topo.dp
+        offset = 0
+        for b in self._bn:
+            b.copy_(flat[offset:offset + b.numel()].view_as(b))
+            offset += b.numel()
+
     def zero_grad(self) -> None:
         self.engine.zero_grad()
 
+    def report(self, run_dir: Path | None) -> dict[str, Any]:
+        """Layout-specific results for summary.json (collective where the layout needs it)."""
+        return {}
+
+    # -- state ------------------------------------------------------------------------------------
     def state_dicts(self) -> tuple[dict, dict]:
         """(model, {"state": optimizer states}) keyed by the single-process model's parameter names, the
         one checkpoint format of every layout. The optimizer state is created first if no step has run,
         so the result can serve as a load template."""
         materialize_optimizer_state(self.optimizer)
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         self._param_groups = optim_sd["param_groups"]
         return model_sd, {"state": optim_sd["state"]}
 
     def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
-        """Load a checkpoint's states; hyperparameters stay this run's (they come from its config)."""
+        """Load a checkpoint's states; hyperparameters stay this run's (an LR scheduler restores its own)."""
         full = {"state": optim_sd["state"], "param_groups": self._param_groups}
-        set_state_dict(self.module, self.optimizer, model_state_dict=model_sd, optim_state_dict=full)
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=full)
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) weights on rank 0, for export; every rank calls it."""
+        """Full (unsharded) weights, for export; every rank calls it."""
         return self.model.state_dict()
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's trainable parameters under the single-process model's names."""
+        return [(n.replace("_checkpoint_wrapped_module.", ""), p) for n, p in self.model.named_parameters()]
+
+
+def optimizer_recipe(optimizer: torch.optim.Optimizer) -> tuple[type, dict[str, Any], list[dict[str, Any]]]:
+    """(class, constructor arguments, groups with their hyperparameters) of a torch optimizer, to rebuild
+    it over other tensors. ``defaults`` can hold entries the constructor does not take (AdamW's
+    ``decoupled_weight_decay``): only those it takes are kept."""
+    import inspect
+
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return cls, defaults, [dict(g) for g in optimizer.param_groups]
 
 
 class ZeroLayout(Layout):
     """ZeRO stages 1-2: plait's sharded optimizer owns gradient synchronization."""
 
     def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm) -> None:
+        self.model = model
+        self.engine = None
+        self.topo, self.comm, self.cfg = topo, comm, cfg
+        self._bn = batchnorm_buffers(model) if not cfg.parallel.sync_batchnorm else []
+
+    def build_optimizer(self, factory: OptimizerFactory) -> Any:
         from plait.parallel.zero import ZeroOptimizer
 
-        o = cfg.optim
-        self.model = self.module = model
-        self.engine = None
-        self.optimizer = ZeroOptimizer(
-            model, param_groups(model.named_parameters(), o.weight_decay), torch.optim.AdamW, group=topo.dp_group,
-            stage=cfg.parallel.zero, bucket_mb=cfg.parallel.bucket_mb,
-            offload=cfg.parallel.offload == "optimizer", **adamw_options(o),
-        )
-        self.optimizer.use_comm(comm)  # its collectives go through the comm layer: counted, guarded, compressed
+        probe = factory(self.model)  # holds no state: only its class, groups and hyperparameters are used
+        cls, defaults, groups = optimizer_recipe(probe)
+        if cls.__name__ not in ELEMENTWISE or not cls.__module__.startswith("torch.optim"):
+            raise LayoutError(
+                f"parallel.zero={self.cfg.parallel.zero} shards each optimizer state into flat slices, which "
+                f"computes the unsharded update only for elementwise optimizers ({', '.join(ELEMENTWISE)} from "
+                f"torch.optim); {cls.__module__}.{cls.__name__} is not one of them. Use parallel.zero=3 or 0")
+        p = self.cfg.parallel
+        self.optimizer = ZeroOptimizer(self.model, groups, cls, group=self.topo.dp_group, stage=p.zero,
+                                       bucket_mb=p.bucket_mb, offload=p.offload == "optimizer", **defaults)
+        self.optimizer.use_comm(self.comm)  # its collectives go through the comm layer: counted, guarded
+        return self.optimizer
+
+    def scheduler_target(self) -> torch.optim.Optimizer:
+        return self.optimizer.optimizer  # the inner torch optimizer: its param_groups are the ones stepped
+
+    def forward_wrapper(self) -> Callable | None:
+        return None
+
+    def set_sync(self, enabled: bool) -> None:
+        self.optimizer.set_sync(enabled)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.optimizer.no_sync()
@@ -177,20 +260,27 @@ class FsdpLayout(Layout):
 
     torch_collectives = True
 
-    def __init__(self, model: nn.Module, cfg: Config, topo: Topology) -> None:
+    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm) -> None:
         from plait.parallel.fsdp import apply_fsdp
 
         p = cfg.parallel
         param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
-        self.model = self.module = apply_fsdp(model, topo.mesh["dp_replicate"], param_dtype=param_dtype,
-                                              offload=p.offload, reshard_after_forward=p.reshard_after_forward)
+        self.model = apply_fsdp(model, topo.mesh["dp_replicate"], param_dtype=param_dtype, offload=p.offload,
+                                reshard_after_forward=p.reshard_after_forward)
         self.engine = None
-        self.optimizer = build_optimizer(model, cfg.optim)
+        self.topo, self.comm = topo, comm
+        self._bn = batchnorm_buffers(model) if not p.sync_batchnorm else []
+
+    def forward_wrapper(self) -> Callable | None:
+        return None
+
+    def set_sync(self, enabled: bool) -> None:
+        self.model.set_requires_gradient_sync(enabled)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         from plait.parallel.fsdp import no_gradient_sync
 
-        return no_gradient_sync(self.module)
+        return no_gradient_sync(self.model)
 
     def finish(self) -> None:
         """FSDP2 waits for its reduce-scatters at the end of backward."""

@@ -1,31 +1,31 @@
 """Tensor and pipeline parallelism behind the trainer's ``Layout`` interface.
 
-``TensorLayout``: the GPT sharded over the ``tp`` axis (Megatron layout on DTensor), data parallel over
-the dp axis with plait's reducer (which copies DTensor gradient shards into its buckets).
+``TensorLayout``: a model sharded over the ``tp`` axis (its plan applied by ``apply.py``), data parallel
+over the dp axis with plait's reducer (which copies DTensor gradient shards into its buckets).
 
-``PipelineLayout``: the (possibly tensor-parallel) GPT split into stages over the ``pp`` axis and driven
-by a ``torch.distributed.pipelining`` schedule; each accumulation micro-batch is one schedule step over
-``parallel.microbatches`` pipeline micro-batches. The loss exists only on the last stage's rank; it is
-summed over the pp group so every rank can log it.
+``PipelineLayout``: the (possibly tensor-parallel) model split into stages over the ``pp`` axis and
+driven by a ``torch.distributed.pipelining`` schedule; each accumulation micro-batch is one schedule
+step over ``parallel.microbatches`` pipeline micro-batches. The loss exists only on the last stage's
+rank; it is summed over the pp group so every rank can log it. The user cannot call the stages as one
+model: ``Plait.forward_backward`` runs a step.
 
-``TensorFsdpLayout``: 2-D, the tensor-parallel GPT sharded again over dp with FSDP2 (ZeRO-3).
+``TensorFsdpLayout``: 2-D, the tensor-parallel model sharded again over dp with FSDP2 (ZeRO-3).
 
 Gradient clipping with a mix of sharded and replicated parameters: each parameter's squared norm is
 summed over the mesh axes it is sharded on (tp for Megatron shards, dp for FSDP shards), replicated
-ones count once, and the stages' sums are added over the pp group, with the last stage's copy of the
-tied embedding left out (it is the same parameter as the first stage's).
+ones count once, and the stages' sums are added over the pp group, with later stages' copies of a
+tied parameter left out (they are the same parameter as the first stage's).
 
 Checkpoints use one format for every layout: model entries and optimizer states keyed by the
 single-process model's parameter names. Here the optimizer state tensors themselves are handed to
-DCP, which loads into them in place; the pipeline's copy of the tied table takes its state under
-``tok_emb.weight``, the name that parameter has in the single-process model.
+DCP, which loads into them in place; a pipeline copy of a tied parameter takes its state under the
+name that parameter has in the single-process model.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable
-from contextlib import AbstractContextManager
+import contextlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,25 +39,26 @@ from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dp
 from plait.comm.collectives import Comm
 from plait.config import Config
 from plait.parallel.data import GradReducer, LocalGrads, local_grad
-from plait.parallel.layout import AmpFactory, Layout
-from plait.parallel.pipeline import build_pipeline, gpt_loss, measure_layer_costs
+from plait.parallel.layout import Layout, OptimizerFactory
+from plait.parallel.pipeline import build_pipeline, measure_layer_costs
 from plait.parallel.pipeline_trace import bubble_summary, write_chrome_trace
 from plait.parallel.tensor import full_state_dict, local_value, loss_context
 from plait.topology import Topology
-from plait.train.optim import adamw, materialize_optimizer_state
+from plait.train.optim import materialize_optimizer_state
 
 
 @dataclass
 class ScaledLoss:
-    """The pipeline's loss function: mean cross-entropy times ``factor`` (1 / accumulation x loss
-    scale), set by the layout before each schedule step. With ``record`` set, the unscaled losses are
-    also appended to it."""
+    """The pipeline's loss function: the user's ``loss(output, target)`` times ``factor`` (1 / (accumulation
+    x pipeline micro-batches) x loss scale), set by the layout before each schedule step. With ``record``
+    set, the unscaled losses are also appended to it."""
 
+    loss: Callable[[Any, Any], torch.Tensor]
     factor: float = 1.0
     record: list[torch.Tensor] | None = None
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = gpt_loss(logits, targets)
+    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        loss = self.loss(output, target)
         if self.record is not None:
             self.record.append(local_value(loss.detach()))
         return loss * self.factor
@@ -95,14 +96,23 @@ class ModelParallelLayout(Layout):
     torch_collectives = True
 
     named: list[tuple[str, nn.Parameter]]  # (single-process name, parameter), each parameter once
-    tied_copy: nn.Parameter | None = None  # the last pipeline stage's copy of tok_emb.weight
+    tied_copies: set[int] = frozenset()  # id() of later stages' copies of tied parameters
 
     def _init_common(self, cfg: Config, topo: Topology, comm: Comm, holder: nn.Module) -> None:
-        self.topo = topo
-        o = cfg.optim
-        self.optimizer = adamw(self.named, o)
-        self.engine = GradReducer(holder, topo.dp_group, comm, cfg.parallel.bucket_mb) if topo.dp > 1 \
-            else LocalGrads(holder)
+        self.topo, self.comm = topo, comm
+        self.engine = GradReducer(holder, topo.dp_group, comm, cfg.parallel.bucket_mb, broadcast=False) \
+            if topo.dp > 1 else LocalGrads(holder)
+        self._bn = []
+
+    def build_optimizer(self, factory: OptimizerFactory) -> Any:
+        self.optimizer = factory(self.model)
+        return self.optimizer
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.named)
+
+    def forward_wrapper(self) -> Callable | None:
+        return None
 
     def grads(self) -> list[torch.Tensor]:
         return [g for _, p in self.named if (g := local_grad(p)) is not None]
@@ -115,7 +125,7 @@ class ModelParallelLayout(Layout):
         """Global gradient norm over tp shards, FSDP dp shards and pp stages; scales the local gradients
         in place. Communication: one all-reduce per (sharding pattern, mesh axis) pair, then one over pp."""
         total = sum_sharded_squares((p, g) for _, p in self.named
-                                    if (g := local_grad(p)) is not None and p is not self.tied_copy)
+                                    if (g := local_grad(p)) is not None and id(p) not in self.tied_copies)
         if self.topo.degree("pp") > 1:
             dist.all_reduce(total, group=self.topo.group("pp"))
         norm = float(total.sqrt())
@@ -130,38 +140,33 @@ class ModelParallelLayout(Layout):
         materialize_optimizer_state(self.optimizer)
         state = {}
         for name, p in self.named:
-            key = "tok_emb.weight" if p is self.tied_copy else name
-            state[key] = self.optimizer.state[p]
+            if name in state:  # a tied parameter's copy on the same rank as the original: saved once
+                continue
+            state[name] = self.optimizer.state[p]
         return self.model_state(), {"state": state}
 
     def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
-        """DCP loaded in place into the tensors ``state_dicts`` handed out. Where one rank holds both ends
-        of the pipeline's tied table, only one of the two parameters' states was in the template."""
-        if self.tied_copy is None:
-            return
-        first = next((p for n, p in self.named if n == "tok_emb.weight" and p is not self.tied_copy), None)
-        if first is not None:
-            for k, v in self.optimizer.state[self.tied_copy].items():
-                self.optimizer.state[first][k].copy_(v)
+        """DCP loaded in place into the tensors ``state_dicts`` handed out. Where one rank holds several
+        copies of a tied parameter, only the first copy's state was in the template: the others take it."""
+        first: dict[str, nn.Parameter] = {}
+        for name, p in self.named:
+            if name not in first:
+                first[name] = p
+            elif p is not first[name]:
+                for k, v in self.optimizer.state[first[name]].items():
+                    self.optimizer.state[p][k].copy_(v)
 
 
 class TensorLayout(ModelParallelLayout):
-    """A tensor-parallel GPT (already sharded by ``apply_tensor_parallel``), data parallel over dp."""
+    """A tensor-parallel model (already sharded), data parallel over dp."""
 
     def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm) -> None:
-        self.model = self.module = model
-        self.named = list(self.model.named_parameters())
+        self.model = model
+        self.named = [(n.replace("_checkpoint_wrapped_module.", ""), p) for n, p in self.model.named_parameters()]
         self._init_common(cfg, topo, comm, self.model)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, factor: float, amp: AmpFactory,
-                         times: dict[str, float]) -> torch.Tensor:
-        with loss_context(self.model):  # forward and backward both inside it (loss parallel)
-            return local_value(super().forward_backward(x, y, factor, amp, times))
-
-    @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor, amp: AmpFactory) -> torch.Tensor:
-        with loss_context(self.model):
-            return local_value(super().evaluate(x, y, amp))
+    def context(self) -> contextlib.AbstractContextManager:
+        return loss_context(self.model)  # forward and backward both inside it (loss parallel)
 
     def model_state(self) -> dict:
         return self.model.state_dict()
@@ -171,7 +176,7 @@ class TensorLayout(ModelParallelLayout):
 
 
 class TensorFsdpLayout(TensorLayout):
-    """2-D: the tensor-parallel GPT sharded again over dp with FSDP2 (ZeRO-3), on one (dp, tp) mesh.
+    """2-D: the tensor-parallel model sharded again over dp with FSDP2 (ZeRO-3), on one (dp, tp) mesh.
 
     ``fully_shard`` on the dp axis turns each tensor-parallel DTensor into a 2-D DTensor: dim 0 sharded
     over dp, its Megatron placement kept over tp (parameters that tensor parallelism left plain become
@@ -180,126 +185,163 @@ class TensorFsdpLayout(TensorLayout):
     holds only this rank's 1/(dp*tp) of the states; clipping sums the squares over both axes.
     """
 
-    def __init__(self, model: nn.Module, cfg: Config, topo: Topology) -> None:
+    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm) -> None:
         from plait.parallel.fsdp import apply_fsdp
 
-        p, o = cfg.parallel, cfg.optim
+        p = cfg.parallel
         param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
-        self.model = self.module = apply_fsdp(model, topo.mesh["dp_replicate"], param_dtype=param_dtype,
-                                              offload=p.offload, reshard_after_forward=p.reshard_after_forward)
-        self.named = list(self.model.named_parameters())
-        self.topo = topo
+        self.model = apply_fsdp(model, topo.mesh["dp_replicate"], param_dtype=param_dtype, offload=p.offload,
+                                reshard_after_forward=p.reshard_after_forward)
+        self.named = [(n.replace("_checkpoint_wrapped_module.", ""), q) for n, q in self.model.named_parameters()]
+        self.topo, self.comm = topo, comm
         self.engine = None
-        self.optimizer = adamw(self.named, o)
+        self._bn = []
 
-    def no_sync(self) -> AbstractContextManager:
+    def set_sync(self, enabled: bool) -> None:
+        self.model.set_requires_gradient_sync(enabled)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
         from plait.parallel.fsdp import no_gradient_sync
 
-        return no_gradient_sync(self.module)
+        return no_gradient_sync(self.model)
 
     def finish(self) -> None:
         """FSDP2 waits for its reduce-scatters at the end of backward."""
 
 
-class PipelineLayout(ModelParallelLayout):
-    """The GPT (tensor-parallel already, or not) split into pipeline stages over the pp axis."""
+class PipelineModel(nn.Module):
+    """This rank's pipeline stages as one module: what ``Plait.setup`` returns under pipeline parallelism.
 
-    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm,
-                 sample: tuple[torch.Tensor, torch.Tensor]) -> None:
+    Its ``named_parameters()`` give each parameter once under its single-process name (a tied copy under
+    the name of the parameter it copies), so an optimizer factory groups them as it would the whole
+    model's. It cannot be called: under pipeline parallelism forward and backward interleave over
+    micro-batches, so ``Plait.forward_backward(model, batch)`` runs them."""
+
+    def __init__(self, runner: Any) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(runner.modules)
+        self._runner = [runner]  # in a list: not a submodule
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        for name, p in self._runner[0].named_parameters():
+            yield (f"{prefix}.{name}" if prefix else name), p
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self._runner[0].state_dict()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("under pipeline parallelism (parallel.pp > 1) the model is split over ranks and "
+                           "forward and backward interleave over micro-batches: call "
+                           "loss = p.forward_backward(model, batch) instead of model(...) and p.backward(loss)")
+
+
+class PipelineLayout(ModelParallelLayout):
+    """The model (tensor-parallel already, or not) split into pipeline stages over the pp axis."""
+
+    pipelined = True
+
+    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm, *, loss: Any,
+                 sample: Any = None, split: list[str] | None = None, stage_fn: Callable | None = None) -> None:
         p = cfg.parallel
         costs = None
-        if p.pp_balance == "cost":
-            x, y = sample
-            mb = max(1, x.size(0) // p.microbatches)
-            costs = measure_layer_costs(model, x[:mb], y[:mb], repeats=2)
-        self.loss_fn = ScaledLoss()
+        if p.pp_balance == "cost" and sample is not None and stage_fn is None and not split:
+            args, _, target = loss.split(sample)
+            mb = max(1, args[0].size(0) // p.microbatches)
+            costs = measure_layer_costs(model, tuple(a[:mb] for a in args), target[:mb], loss=loss.loss, repeats=2)
+        self.loss_fn = ScaledLoss(loss.loss)
+        self.loss = loss
         self.schedule = p.pp_schedule
         self.runner = build_pipeline(model, topo.mesh["pp"], schedule=p.pp_schedule, microbatches=p.microbatches,
                                      virtual_stages_per_rank=p.pp_virtual_stages or None, loss_fn=self.loss_fn,
-                                     costs=costs, scale_grads=False)
-        holder = nn.ModuleList(self.runner.modules)
-        self.model = self.module = holder
-        seen: set[int] = set()
-        self.named = []
-        for m in self.runner.modules:
-            for name, param in m.named_parameters():
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    self.named.append((name, param))
-        if self.runner.tied_shape is not None:
-            self.tied_copy = next((m.head.weight for m in self.runner.modules if m.is_last), None)
-            # In the single-process model this parameter is tok_emb.weight: same name for its optimizer
-            # group (no weight decay) and its checkpointed state.
-            self.named = [("tok_emb.weight" if q is self.tied_copy else n, q) for n, q in self.named]
-        self._init_common(cfg, topo, comm, holder)
+                                     costs=costs, scale_grads=False, split=split or None, stage_fn=stage_fn)
+        self.model = PipelineModel(self.runner)
+        self.named = self.runner.named_parameters()
+        self.tied_copies = set(self.runner.copy_names)
+        self._init_common(cfg, topo, comm, self.model.stages)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, factor: float, amp: AmpFactory,
-                         times: dict[str, float]) -> torch.Tensor:
-        """One schedule step over the micro-batch ``(B, T)``; returns the unscaled mean loss (0 on ranks
-        without the last stage). Forward and backward interleave, so all of it counts as backward_s."""
-        t0 = time.perf_counter()
+    def _split(self, batch: Any) -> tuple[tuple, Any]:
+        args, kwargs, target = self.loss.split(batch)
+        if kwargs:
+            raise ValueError(f"pipeline stages take positional inputs only; the batch gives keyword inputs "
+                             f"{sorted(kwargs)}: pass (inputs, target) batches, or a loss whose split gives them")
+        return args, target
+
+    def forward_backward(self, batch: Any, factor: float) -> torch.Tensor:
+        """One schedule step over the micro-batch; returns the unscaled mean loss (0 on ranks without the
+        last stage). Forward and backward interleave, so the whole step counts as backward time."""
+        args, target = self._split(batch)
         # The schedule does not average over pipeline micro-batches (scale_grads=False): the loss does.
         self.loss_fn.factor = factor / self.runner.microbatches
         # Every pipeline micro-batch runs its own backward, so the reducer's end-of-backward callback
         # would fire after the first one: gradients are reduced in finish() instead, after the whole
         # step (no overlap of the data-parallel reduction with the pipeline's backward).
-        with amp(), self.engine.no_sync():
-            loss = self.runner.step(x, y, sync_tied=False)  # tied table: once per optimizer step, in finish()
-        times["backward_s"] += time.perf_counter() - t0
+        with self.engine.no_sync():
+            loss = self.runner.step(args, target, sync_tied=False)  # tied copies: once per optimizer step
         return loss / self.loss_fn.factor if loss is not None else torch.zeros(())
 
     @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor, amp: AmpFactory) -> torch.Tensor:
-        """Mean validation loss of the micro-batch on the last stage's rank (0 elsewhere)."""
+    def evaluate(self, batch: Any) -> torch.Tensor:
+        """Mean loss of the micro-batch on the last stage's rank (0 elsewhere)."""
+        args, target = self._split(batch)
         if self.schedule == "zbv":
-            return self._evaluate_by_zero_step(x, y, amp)
+            return self._evaluate_by_zero_step(args, target)
         self.loss_fn.factor = 1.0
         losses: list | None = [] if self.runner.has_last else None
         sched = self.runner.schedule
-        with loss_context(self.runner.loss_parallel), amp():
+        tgt = target if self.runner.has_last else None
+        with loss_context(self.runner.loss_parallel):
             if self.runner.has_first:
-                sched.eval(x, target=y if self.runner.has_last else None, losses=losses)
+                sched.eval(*args, target=tgt, losses=losses)
             else:
-                sched.eval(target=y if self.runner.has_last else None, losses=losses)
+                sched.eval(target=tgt, losses=losses)
         if not losses:
             return torch.zeros(())
         return torch.stack([local_value(v.detach()) for v in losses]).mean()
 
-    def _evaluate_by_zero_step(self, x: torch.Tensor, y: torch.Tensor, amp: AmpFactory) -> torch.Tensor:
+    def _evaluate_by_zero_step(self, args: tuple, target: Any) -> torch.Tensor:
         """The zero-bubble V schedule's forward-only mode fails in torch 2.13 ("can't steal_bwd_input if
         this stage doesn't have backward"), so evaluation runs a full step with the loss multiplied by 0,
         records the unscaled losses, and drops the (zero) gradients: twice the cost of a forward pass,
-        same numbers."""
+        same numbers. Gradients already accumulated are kept aside and put back."""
+        kept = {id(p): p.grad for _, p in self.named}
+        for _, p in self.named:
+            p.grad = None
         self.loss_fn.factor, self.loss_fn.record = 0.0, []
         try:
-            with torch.enable_grad(), self.no_sync(), amp():
-                self.runner.step(x, y, sync_tied=False)
+            with torch.enable_grad(), self.no_sync():
+                self.runner.step(args, target, sync_tied=False)
             values = self.loss_fn.record
         finally:
             self.loss_fn.factor, self.loss_fn.record = 1.0, None
-        self.zero_grad()
+            for _, p in self.named:
+                p.grad = kept[id(p)]
         return torch.stack(values).mean() if values else torch.zeros(())
 
     def finish(self) -> None:
-        """Data-parallel reduction, then the tied table's gradient summed across the first and last
-        stage: once per optimizer step, after all accumulation micro-steps (both are sums, so their
-        order does not matter)."""
+        """Data-parallel reduction, then the tied copies' gradients summed across stages: once per
+        optimizer step, after all accumulation micro-steps (both are sums, so their order does not
+        matter)."""
         self.engine.finish()
         self.runner.sync_tied_grads()
 
-    def report(self, run_dir: Path) -> dict[str, Any]:
+    def report(self, run_dir: Path | None) -> dict[str, Any]:
         """Bubble accounting of the last pipeline step and ``pipeline_trace.json`` (collective over pp).
 
         Each stage's measured idle fraction (1 - busy / step span) next to the theoretical
         (p-1)/(v*m+p-1); the trace holds every forward/backward of every micro-batch on every stage."""
+        if self.runner.span is None:
+            return {}
         gathered = self.runner.gather_timeline()
         if gathered is None or self.topo.rank != 0:
             return {}
         events, spans = gathered
         r = self.runner
-        write_chrome_trace(run_dir / "pipeline_trace.json", events, spans)
         summary = bubble_summary(events, spans, r.microbatches, r.virtual_stages, self.topo.degree("pp"))
-        return {"pipeline": {"schedule": self.schedule, **summary, "trace": "pipeline_trace.json"}}
+        out = {"schedule": self.schedule, **summary}
+        if run_dir is not None:
+            write_chrome_trace(run_dir / "pipeline_trace.json", events, spans)
+            out["trace"] = "pipeline_trace.json"
+        return {"pipeline": out}
 
     def reduce_loss(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the pp group: brings the last stage's loss to every pipeline rank."""

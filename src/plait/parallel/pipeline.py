@@ -1,20 +1,19 @@
-"""Pipeline parallelism for the plait GPT on ``torch.distributed.pipelining`` schedules.
+"""Pipeline parallelism on ``torch.distributed.pipelining`` schedules, for any model an adapter can split.
 
-plait's own part is the stage split. Blocks are balanced by per-layer cost measured in a short
-profiling step (``measure_layer_costs``: forward + backward of the embedding, of each block and of
-norm + head + loss on a sample micro-batch), not by count: ``partition_layers`` finds the contiguous
-split that minimises the most expensive stage. The embedding goes on the first stage, the final norm,
-head and loss on the last. A stage module keeps only the modules it owns, under the attribute names of
-the full model (``blocks`` becomes a ModuleDict keyed by the original block index), so every stage's
-state-dict keys are the full model's FQNs and a DCP checkpoint taken at one pp degree loads at another.
+plait's own part is the stage split (``plait.parallel.pipeline_split``): by named split points, or
+balanced by per-layer cost measured in a short profiling step (``partition_layers`` finds the
+contiguous split that minimises the most expensive stage). A stage module keeps only the modules it
+owns, under the attribute names of the full model, so every stage's state-dict keys are the full
+model's FQNs and a DCP checkpoint taken at one pp degree loads at another.
 
-Tied embedding and head: the head on the last stage needs the embedding table that lives on the first.
-As in Megatron, the pipeline unties them: the last stage gets its own copy of the table, and after
-every backward the two gradients are summed (``sync_tied_grads``: an all-reduce over the pp group, the
-middle ranks adding zeros, or a local sum when one rank holds both ends as in the V schedules). Both
-copies start equal and receive the same summed gradient and the same optimizer update, so they stay
-equal and training equals the single-process tied model. Both keys are in the checkpoint, as they are
-in ``GPT.state_dict()``.
+Tied weights (a GPT's embedding and head, a Hugging Face model with ``tie_word_embeddings``): the head
+on the last stage needs the table that lives on the first. As in Megatron, the pipeline unties them:
+later stages get their own copy, and after every backward the copies' gradients are summed
+(``sync_tied_grads``: an all-reduce over the pp group, ranks without a copy adding zeros, or a local
+sum when one rank holds every copy as in the V schedules). All copies start equal and receive the same
+summed gradient and the same optimizer update, so they stay equal and training equals the
+single-process tied model. Every copy's key is in the checkpoint, as in the full model's
+``state_dict()``.
 
 Schedules: ``gpipe`` (ScheduleGPipe), ``1f1b`` (Schedule1F1B), ``interleaved``
 (ScheduleInterleaved1F1B, v >= 2 stages per rank placed round-robin) and ``zbv``
@@ -29,7 +28,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
@@ -39,20 +37,27 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.tensor import DTensor
 
-from plait.config import ConfigError
-from plait.models.gpt import GPT
+from plait.parallel.pipeline_split import (
+    FunctionPipeline,
+    LayerCosts,
+    PipelineAdapter,
+    PipelineConfigError,
+    Tie,
+    measure_layer_costs,
+    pipeline_adapter,
+    split_by_names,
+    untie_across_stages,
+)
 from plait.parallel.pipeline_trace import PipeEvent, StepSpan, bubble_summary, instrument_stage
 from plait.parallel.tensor import local_grads, local_value, loss_context, uses_loss_parallel
+
+__all__ = ["LayerCosts", "PipelineConfigError", "PipelineRunner", "build_pipeline", "check_pipeline_layout",
+           "measure_layer_costs", "partition_layers"]
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
              "zbv": ScheduleZBVZeroBubble}
 NATURAL_VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbv": 2}
-
-
-class PipelineConfigError(ConfigError):
-    """The pipeline layout asked for cannot be built; the message says what to change."""
 
 
 def partition_layers(costs: list[float], num_stages: int, *, first_cost: float = 0.0,
@@ -102,89 +107,6 @@ def partition_layers(costs: list[float], num_stages: int, *, first_cost: float =
     return bounds[::-1]
 
 
-@dataclass
-class LayerCosts:
-    """Measured seconds of forward + backward: embedding, each block, and norm + head + loss."""
-
-    embed: float
-    blocks: list[float]
-    head: float
-
-
-def _time_fwd_bwd(fn: Callable[[], torch.Tensor], repeats: int) -> float:
-    """Median seconds of ``fn()`` forward plus its backward (after one warm-up call)."""
-    times = []
-    for r in range(repeats + 1):
-        start = time.perf_counter()
-        out = fn()
-        if out.dim():
-            out.backward(torch.ones_like(out))
-        else:
-            out.backward()
-        if r:
-            times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
-def measure_layer_costs(model: GPT, idx: torch.Tensor, targets: torch.Tensor, *, repeats: int = 3,
-                        group: dist.ProcessGroup | None = None) -> LayerCosts:
-    """Profile one micro-batch ``(B, T)`` through each part of ``model``; leaves no gradients behind.
-
-    With a process group initialised the costs are averaged over ``group`` (default: the world), so
-    every rank gets the same numbers and therefore the same partition. Works on a tensor-parallel
-    model too (every tp rank runs the same collectives in the same order).
-    """
-    B, T = idx.shape  # (B, T)
-    pos = torch.arange(T, device=idx.device)
-    with loss_context(model):
-        embed = lambda: model.drop(model.tok_emb(idx) + model.pos_emb(pos))  # (B, T, C)
-        x = embed().detach()
-        costs = [_time_fwd_bwd(embed, repeats)]
-        for block in model.blocks:
-            x_in = x.detach().requires_grad_()
-            costs.append(_time_fwd_bwd(lambda b=block, xi=x_in: b(xi), repeats))
-            x = block(x_in).detach()
-        x_in = x.detach().requires_grad_()
-        costs.append(_time_fwd_bwd(lambda: gpt_loss(model.head(model.ln_f(x_in)), targets), repeats))
-    model.zero_grad(set_to_none=True)
-    if dist.is_available() and dist.is_initialized():
-        t = torch.tensor(costs, dtype=torch.float64)
-        dist.all_reduce(t, group=group)
-        costs = (t / dist.get_world_size(group)).tolist()
-    return LayerCosts(embed=costs[0], blocks=costs[1:-1], head=costs[-1])
-
-
-def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``(B, T, V)`` logits, as ``GPT.forward`` computes it (float32)."""
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
-
-
-class GPTStage(nn.Module):
-    """The part of a GPT one pipeline stage owns, under the full model's attribute names (FQNs)."""
-
-    def __init__(self, model: GPT, layers: range, *, is_first: bool, is_last: bool) -> None:
-        super().__init__()
-        self.is_first, self.is_last, self.seq_len = is_first, is_last, model.cfg.seq_len
-        if is_first:
-            self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
-        if is_last:
-            self.ln_f, self.head = model.ln_f, model.head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_first:  # x: token ids (B, T)
-            T = x.size(1)
-            if T > self.seq_len:
-                raise ValueError(f"sequence of {T} tokens exceeds model.seq_len={self.seq_len}")
-            pos = torch.arange(T, device=x.device)
-            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))  # (B, T, C)
-        for block in self.blocks.values():
-            x = block(x)  # (B, T, C)
-        if self.is_last:
-            x = self.head(self.ln_f(x))  # (B, T, V)
-        return x
-
-
 def stage_ranks(num_ranks: int, num_stages: int, style: str) -> list[int]:
     """Pipeline rank of each stage: round-robin ("loop") or V-shaped ("v", 2 stages per rank)."""
     if style == "v":
@@ -223,62 +145,72 @@ def check_pipeline_layout(schedule: str, num_ranks: int, microbatches: int, virt
 class PipelineRunner:
     """One rank's pipeline: its stage modules, the schedule, tied-weight sync and the step timeline.
 
-    ``modules`` are this rank's stage modules in stage order; build the optimizer over their
-    parameters. ``step(idx, targets)`` runs one forward + backward over all micro-batches.
+    ``modules`` are this rank's stage modules in stage order; build the optimizer over
+    ``named_parameters()``. ``step(inputs, targets)`` runs one forward + backward over all micro-batches.
     """
 
-    modules: list[GPTStage]
+    modules: list[nn.Module]
     stages: list[PipelineStage]
+    stage_ids: list[int]
+    num_stages: int
     schedule: object
     group: dist.ProcessGroup
     microbatches: int
     virtual_stages: int
     loss_parallel: bool
-    tied_shape: torch.Size | None
-    tie_is_local: bool
+    ties: list[Tie]
     tie_group: dist.ProcessGroup | None
+    copy_names: dict[int, str]
     events: list[PipeEvent] = field(default_factory=list)
     span: StepSpan | None = None
 
     @property
     def has_first(self) -> bool:
-        return any(m.is_first for m in self.modules)
+        return 0 in self.stage_ids
 
     @property
     def has_last(self) -> bool:
-        return any(m.is_last for m in self.modules)
+        return self.num_stages - 1 in self.stage_ids
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters, each once, under their single-process names (a tied copy under the name
+        of the parameter it copies): for the optimizer's groups and the checkpoint's optimizer states."""
+        seen, out = set(), []
+        for m in self.modules:
+            for name, p in m.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((self.copy_names.get(id(p), name.replace("_checkpoint_wrapped_module.", "")), p))
+        return out
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (each once), for the optimizer and the data-parallel reducer."""
-        seen, out = set(), []
-        for m in self.modules:
-            for p in m.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
+        return [p for _, p in self.named_parameters()]
 
-    def step(self, idx: torch.Tensor, targets: torch.Tensor, sync_tied: bool = True) -> torch.Tensor | None:
-        """Forward + backward of the batch ``(B, T)`` split in ``microbatches``; syncs tied grads.
+    def step(self, inputs: torch.Tensor | tuple, targets: object, sync_tied: bool = True) -> torch.Tensor | None:
+        """Forward + backward of the batch split in ``microbatches``; syncs tied grads.
 
-        Every pipeline rank passes the same batch (only the first stage reads ``idx``, only the last
-        reads ``targets``). Returns the mean loss (like the single-process model's) as a plain
-        detached tensor on the rank holding the last stage, None elsewhere. Gradients accumulate into
-        ``.grad`` of the stage parameters, already averaged over micro-batches.
+        Every pipeline rank passes the same batch (only the first stage reads ``inputs``, a tensor or a
+        tuple of positional arguments; only the last reads ``targets``). Returns the mean loss (like the
+        single-process model's) as a plain detached tensor on the rank holding the last stage, None
+        elsewhere. Gradients accumulate into ``.grad`` of the stage parameters.
         """
-        if idx.size(0) % self.microbatches:
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        lead = args[0] if args else targets
+        if isinstance(lead, torch.Tensor) and lead.size(0) % self.microbatches:
             raise PipelineConfigError(
-                f"batch of {idx.size(0)} sequences does not split into {self.microbatches} equal "
+                f"batch of {lead.size(0)} samples does not split into {self.microbatches} equal "
                 f"micro-batches; make the per-rank batch a multiple of parallel.microbatches")
         self.events.clear()
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         rank = dist.get_rank(self.group)
         start = time.time_ns()
         with loss_context(self.loss_parallel):
+            target = targets if self.has_last else None
             if self.has_first:
-                self.schedule.step(idx, target=targets if self.has_last else None, losses=losses)
+                self.schedule.step(*args, target=target, losses=losses)
             else:
-                self.schedule.step(target=targets if self.has_last else None, losses=losses)
+                self.schedule.step(target=target, losses=losses)
         self.span = StepSpan(rank, start, time.time_ns())
         if sync_tied:  # with gradient accumulation, sync once after the last micro-step instead
             self.sync_tied_grads()
@@ -287,26 +219,30 @@ class PipelineRunner:
         return torch.stack([local_value(loss.detach()) for loss in losses]).mean()
 
     def sync_tied_grads(self) -> None:
-        """Sum the gradients of the embedding (first stage) and its head copy (last stage).
+        """Sum the gradients of every copy of each tied parameter (see the module docstring).
 
-        Communication: one all-reduce of the ``(V/tp, C)`` table gradient over the pp ranks (middle
-        ranks contribute zeros; the backward has already run, so there is no backward counterpart).
-        It runs on its own process group over the same ranks: the schedule may leave point-to-point
-        sends in flight on the pp group, and gloo would match their messages against the all-reduce's.
-        A local sum when this rank holds both ends; nothing when the pipeline is one stage (still tied).
+        Communication: per tie held by more than one rank, one all-reduce of the ``(local shard)``
+        gradient over the pp ranks (ranks without a copy contribute zeros; the backward has already run,
+        so there is no backward counterpart). It runs on its own process group over the same ranks: the
+        schedule may leave point-to-point sends in flight on the pp group, and gloo would match their
+        messages against the all-reduce's. A local sum when this rank holds every copy.
         """
-        if self.tied_shape is None or (self.tie_is_local and not self.has_first):
-            return
-        emb = next((m.tok_emb.weight for m in self.modules if m.is_first), None)
-        head = next((m.head.weight for m in self.modules if m.is_last), None)
-        grads = [_local_grad(p) for p in (emb, head) if p is not None]
-        total = grads[0].clone() if grads else torch.zeros(self.tied_shape)
-        for g in grads[1:]:
-            total += g
-        if not self.tie_is_local:
-            dist.all_reduce(total, group=self.tie_group)
-        for g in grads:
-            g.copy_(total)
+        for tie in self.ties:
+            local = len({self._owner[s] for s in tie.stages}) == 1
+            if local and not tie.params:
+                continue
+            grads = [_local_grad(p) for p in tie.params]
+            total = grads[0].clone() if grads else torch.zeros(tie.shape)
+            for g in grads[1:]:
+                total += g
+            if not local:
+                dist.all_reduce(total, group=self.tie_group)
+            for g in grads:
+                g.copy_(total)
+
+    @property
+    def _owner(self) -> list[int]:
+        return self.__dict__["owner"]
 
     def local_summary(self) -> dict:
         """This rank's measured idle fraction of the last step, next to the theoretical one."""
@@ -351,56 +287,89 @@ def _as_group(pp: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
     return pp.get_group() if isinstance(pp, DeviceMesh) else pp
 
 
-def build_pipeline(model: GPT, pp: DeviceMesh | dist.ProcessGroup, *, schedule: str, microbatches: int,
-                   virtual_stages_per_rank: int | None = None,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gpt_loss,
-                   costs: LayerCosts | None = None, scale_grads: bool = True) -> PipelineRunner:
+def _stage_ranges(model: nn.Module, adapter: PipelineAdapter, num_stages: int, split: list[str] | None,
+                  costs: LayerCosts | None) -> tuple[list[str], list[range]]:
+    names = adapter.layer_names(model)
+    if isinstance(adapter, FunctionPipeline):
+        return names, [range(s, s + 1) for s in range(num_stages)]
+    if split:
+        return names, split_by_names(names, split, num_stages)
+    if costs is None:
+        costs = LayerCosts(embed=0.0, blocks=[1.0] * len(names), head=0.0)
+    return names, partition_layers(costs.blocks, num_stages, first_cost=costs.embed, last_cost=costs.head)
+
+
+def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, schedule: str, microbatches: int,
+                   virtual_stages_per_rank: int | None = None, loss_fn: Callable[[object, object], torch.Tensor] | None
+                   = None, costs: LayerCosts | None = None, scale_grads: bool = True,
+                   adapter: PipelineAdapter | None = None, split: list[str] | None = None,
+                   stage_fn: Callable[[nn.Module, int, int], nn.Module] | None = None) -> PipelineRunner:
     """Split ``model`` (tensor-parallel already, or not) into this rank's pipeline stages.
 
     Consumes ``model``: its modules move into the stage modules (the unowned ones are dropped), so do
-    not use ``model`` afterwards. ``costs`` (from ``measure_layer_costs``) balance the split; without
-    them every block counts the same. With ``scale_grads=False`` the gradients are those of the sum of
-    the micro-batch losses (for callers that accumulate over several steps and scale the loss
-    themselves). ``virtual_stages_per_rank`` defaults to the schedule's natural
-    value (1 for gpipe/1f1b, 2 for interleaved/zbv). Every rank must pass the same arguments.
-    Raises ``PipelineConfigError`` for an unknown schedule, more stages than layers, or too few
+    not use ``model`` afterwards. The split: ``stage_fn`` (one call per stage this rank owns), else the
+    layer names in ``split`` that start stages 2..n, else ``costs`` (from ``measure_layer_costs``) balance
+    it, else every layer counts the same. ``loss_fn(output, target)`` runs on the last stage (default:
+    next-token cross-entropy). With ``scale_grads=False`` the gradients are those of the sum of the
+    micro-batch losses (for callers that accumulate over several steps and scale the loss themselves).
+    ``virtual_stages_per_rank`` defaults to the schedule's natural value (1 for gpipe/1f1b, 2 for
+    interleaved/zbv). Every rank must pass the same arguments. Raises ``PipelineConfigError`` for an
+    unknown schedule, more stages than layers, a bad split, a model no adapter can split, or too few
     micro-batches for the interleaved and zbv schedules.
     """
+    from plait.train.losses import CausalLMLoss
+
     group = _as_group(pp)
     num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     virtual = virtual_stages_per_rank or NATURAL_VIRTUAL.get(schedule, 1)
     check_pipeline_layout(schedule, num_ranks, microbatches, virtual)
     num_stages = num_ranks * virtual
-    n = len(model.blocks)
-    if costs is None:
-        costs = LayerCosts(embed=0.0, blocks=[1.0] * n, head=0.0)
-    ranges = partition_layers(costs.blocks, num_stages, first_cost=costs.embed, last_cost=costs.head)
+    adapter = FunctionPipeline(stage_fn, num_stages) if stage_fn is not None else adapter or pipeline_adapter(model)
+    names, ranges = _stage_ranges(model, adapter, num_stages, split, costs)
     owner = stage_ranks(num_ranks, num_stages, "v" if schedule == "zbv" else "loop")
-    tied_shape, tie_group = None, None
-    tie_is_local = owner[0] == owner[-1]
-    if num_stages > 1 and not tie_is_local:
-        tie_group = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
-    if num_stages > 1:
-        w = model.tok_emb.weight
-        tied_shape = (w.to_local() if isinstance(w, DTensor) else w).shape
-        model.head.weight = nn.Parameter(w.detach().clone())  # untied copy for the last stage
-    device = model.tok_emb.weight.device
-    modules, stages, events = [], [], []
-    for s in [s for s in range(num_stages) if owner[s] == rank]:
-        module = GPTStage(model, ranges[s], is_first=s == 0, is_last=s == num_stages - 1)
-        stage = PipelineStage(module, s, num_stages, device, group=group)
-        instrument_stage(stage, rank, events)
-        modules.append(module)
-        stages.append(stage)
+    mine = [s for s in range(num_stages) if owner[s] == rank]
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     loss_parallel = uses_loss_parallel(model)
-    model.blocks = nn.ModuleList()  # drop the full model's hold on blocks this rank does not own
+    if isinstance(adapter, FunctionPipeline):  # the user's stages: built for this rank only, ties are theirs
+        built = {s: adapter.build_stage(model, [str(s)], is_first=s == 0, is_last=s == num_stages - 1) for s in mine}
+        ties, copies = [], {}
+    else:
+        every = [adapter.build_stage(model, [names[i] for i in ranges[s]], is_first=s == 0,
+                                     is_last=s == num_stages - 1) for s in range(num_stages)]
+        ties, copies = untie_across_stages(model, every)
+        built = {s: every[s] for s in mine}
+    tie_group = None
+    if any(len({owner[s] for s in t.stages}) > 1 for t in ties):
+        tie_group = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
+    modules, stages, events = [], [], []
+    for s in mine:
+        stage = PipelineStage(built[s], s, num_stages, device, group=group)
+        instrument_stage(stage, rank, events)
+        modules.append(built[s])
+        stages.append(stage)
+    held = {id(p): p for m in modules for p in m.parameters()}
+    for tie in ties:
+        tie.params = [held[i] for i in sorted(tie.ids) if i in held]
+    _drop_unowned(model, modules)
     cls = SCHEDULES[schedule]
+    loss_fn = loss_fn or CausalLMLoss().loss
     # scale_grads=False: the loss function divides by the micro-batch count itself. The schedule's own
     # scaling divides every accumulated gradient of the stage, including earlier accumulation steps'.
     sched = cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=scale_grads) \
         if virtual == 1 and schedule in ("gpipe", "1f1b") \
         else cls(stages, microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
-    return PipelineRunner(modules=modules, stages=stages, schedule=sched, group=group,
-                          microbatches=microbatches, virtual_stages=virtual, loss_parallel=loss_parallel,
-                          tied_shape=tied_shape, tie_is_local=tie_is_local, tie_group=tie_group,
-                          events=events)
+    runner = PipelineRunner(modules=modules, stages=stages, stage_ids=mine, num_stages=num_stages, schedule=sched,
+                            group=group, microbatches=microbatches, virtual_stages=virtual,
+                            loss_parallel=loss_parallel, ties=ties, tie_group=tie_group, copy_names=copies,
+                            events=events)
+    runner.__dict__["owner"] = owner
+    return runner
+
+
+def _drop_unowned(model: nn.Module, modules: list[nn.Module]) -> None:
+    """Release the full model's hold on the layers other ranks own, so they are freed with it: containers
+    of the full model keep only the children this rank's stage modules use."""
+    owned = {id(m) for stage in modules for m in stage.modules()}
+    for container in list(model.modules()):
+        if id(container) not in owned and isinstance(container, nn.ModuleList | nn.Sequential | nn.ModuleDict):
+            container._modules = {k: v for k, v in container._modules.items() if id(v) in owned}

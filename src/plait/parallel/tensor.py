@@ -1,57 +1,51 @@
-"""Tensor and sequence parallelism for the plait GPT, built on DTensor's ``parallelize_module``.
+"""Tensor (and sequence) parallelism for any model, built on DTensor's ``parallelize_module``.
 
-Why DTensor rather than plait's own autograd collectives: the Megatron layout is a sharding *plan*
-(which Linear is column- or row-parallel, where the sequence is sharded), and DTensor turns such a
-plan into the right forward/backward collectives, vocabulary-parallel embedding (masked lookup and
-a partial sum), the loss over vocabulary-sharded logits (``loss_parallel``), sharded state dicts that
-``torch.distributed.checkpoint`` reshards, and ``full_tensor()`` for export. Writing those by hand
-would duplicate PyTorch; plait owns the plan for its model and the checks around it.
+plait's part is the plan and the checks around it; DTensor turns a plan into the right forward and
+backward collectives, sharded state dicts that ``torch.distributed.checkpoint`` reshards, and
+``full_tensor()`` for export.
 
-Layout on a ``tp`` mesh of size t (Megatron):
+A plan maps module-name patterns to styles, matched like ``parallelize_module`` matches them: dotted
+names whose atoms may be ``fnmatch`` wildcards (``model.layers.*.self_attn.q_proj``). Styles:
 
-* ``attn.q/k/v``: column-parallel, so each rank holds ``n_head / t`` whole heads; ``attn.proj`` is
-  row-parallel. Forward: one all-reduce (sequence parallel: a reduce-scatter) after ``proj``;
-  backward: one all-reduce (sequence parallel: an all-gather) of the block input's gradient.
-* ``mlp.fc`` column-parallel, ``mlp.proj`` row-parallel: the same one collective each way.
-* ``tok_emb``: vocabulary-parallel (row-wise on the ``(V, C)`` table): each rank looks up the tokens of
-  its vocabulary slice, zeros the others, and the partial embeddings are summed (all-reduce, or
-  reduce-scatter along the sequence with sequence parallelism).
-* ``head``: column-parallel on the vocabulary, its output kept as a vocabulary-sharded DTensor, and the
-  cross-entropy computed under ``loss_parallel()`` without gathering the ``(B, T, V)`` logits.
-* Tied weights: ``head.weight`` is ``tok_emb.weight``, a ``(V, C)`` table. Row-wise on the embedding and
-  column-wise on the head both shard dim 0 (the vocabulary) of that same table, so one DTensor
-  ``Shard(0)`` parameter serves both. ``parallelize_module`` replaces the parameter of each module
-  separately, so the tie is restored after the plan (``head.weight = tok_emb.weight``): one parameter,
-  one gradient that accumulates both uses, as in the single-process model.
-* Sequence parallelism: ``ln1``, ``ln2``, ``ln_f``, the dropouts and the residual stream hold
-  ``(B, T / t, C)`` (sequence ``Shard(1)``); the position embedding looks up only this rank's
-  positions. Before attention/MLP an all-gather restores the full sequence (backward: a
-  reduce-scatter); after ``proj`` a reduce-scatter replaces the all-reduce (backward: all-gather).
-  LayerNorm and position-embedding parameters are replicated DTensors, so their partial gradients are
-  summed over the tp ranks by DTensor.
+==================  ==============================================  ==========================================
+style               forward / backward communication                modules
+==================  ==============================================  ==========================================
+``colwise``         none / all-reduce of the input gradient         ``nn.Linear`` (output features sharded)
+``rowwise``         all-reduce of the output / none                 ``nn.Linear`` (input features sharded),
+                                                                    ``nn.Embedding`` (vocabulary sharded)
+``colwise_rep``     all-gather of the output / none                 ``nn.Linear`` (a head whose output stays whole)
+``rowwise_rep``     all-reduce of the output (replicated input)     ``nn.Linear``
+``vocab``           all-reduce of the partial embeddings / none     ``nn.Embedding`` (vocabulary-parallel)
+``sequence_parallel``  norms on sequence shards (SequenceParallel)  norms and dropouts
+``replicate``       none (the module stays whole on every rank)     any
+==================  ==============================================  ==========================================
 
-Dropout: the trainer seeds every tp rank of a model replica alike, so dropout on replicated activations
-(the residual stream without sequence parallelism) draws the same mask on all of them, as it must: a
-rank with another mask would compute another gradient for the replicated parameters. Attention
-dropout over a rank's own heads, and with sequence parallelism the residual dropout over its own
-sequence slice, draw from a per-rank stream instead (``plait.models.gpt.dropout_stream``).
+Hugging Face names are accepted too (``colwise_gather_output``, ``rowwise_split_input``,
+``embedding_rowwise``), so ``parallel.tp_plan = "auto"`` can use the plan a Hugging Face model ships:
+``model._tp_plan`` (the full model's, with its prefix), else ``config.base_model_tp_plan`` under the
+model's ``base_model_prefix``. A class registered with ``plait.parallel.plans.register_plan`` (plait's
+GPT) uses its own function instead. ``validate_plan`` checks a plan before any collective: every
+pattern matches a module, the modules are of a supported kind, their widths, attention heads and
+key-value heads divide by the tp degree.
 
-Training under loss parallelism must run the forward *and* the backward inside ``loss_context(model)``.
+Training under loss parallelism (plait's GPT with ``parallel.loss_parallel``) must run the forward
+*and* the backward inside ``loss_context(model)``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import fnmatch
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
+    ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -59,116 +53,202 @@ from torch.distributed.tensor.parallel import (
 )
 
 from plait.config import ConfigError
-from plait.models.gpt import GPT
 from plait.parallel.data import local_grad
 
 _LOSS_PARALLEL_ATTR = "_plait_loss_parallel"
 
+# style -> (factory of the torch ParallelStyle (None: leave the module whole), module kinds it takes)
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.Dropout)
+STYLES: dict[str, tuple[Callable[[], ParallelStyle] | None, tuple[type, ...]]] = {
+    "colwise": (lambda: ColwiseParallel(), (nn.Linear,)),
+    "rowwise": (lambda: RowwiseParallel(), (nn.Linear, nn.Embedding)),
+    "colwise_rep": (lambda: ColwiseParallel(output_layouts=Replicate()), (nn.Linear,)),
+    "rowwise_rep": (lambda: RowwiseParallel(input_layouts=Replicate()), (nn.Linear,)),
+    "vocab": (lambda: RowwiseParallel(input_layouts=Replicate()), (nn.Embedding,)),
+    "sequence_parallel": (lambda: SequenceParallel(), (nn.Module,)),
+    "replicate": (None, (nn.Module,)),
+}
+ALIASES = {"colwise_gather_output": "colwise_rep", "rowwise_split_input": "rowwise_rep",
+           "embedding_rowwise": "vocab", "local": "replicate"}
+
+Plan = dict[str, "str | ParallelStyle"]
+
 
 class TensorParallelError(ConfigError):
-    """The model cannot be split over the requested tensor-parallel degree."""
+    """The model cannot be split over the requested tensor-parallel degree; the message says why."""
 
 
-def check_tensor_parallel(n_head: int, d_model: int, vocab_size: int, seq_len: int, tp: int,
-                          sequence_parallel: bool) -> None:
-    """Raise ``TensorParallelError`` naming what to change when the GPT cannot split ``tp`` ways."""
-    if tp < 1:
-        raise TensorParallelError(f"parallel.tp must be at least 1; got {tp}")
-    if n_head % tp:
+def _matches(pattern: str, name: str) -> bool:
+    p_atoms, n_atoms = pattern.split("."), name.split(".")
+    return len(p_atoms) == len(n_atoms) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(p_atoms, n_atoms,
+                                                                                          strict=True))
+
+
+def matched_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+    """Modules of ``model`` whose dotted name matches ``pattern`` (atoms may be wildcards)."""
+    return [(n, m) for n, m in model.named_modules() if n and _matches(pattern, n)]
+
+
+def hf_plan(model: nn.Module) -> Plan | None:
+    """The tensor-parallel plan a Hugging Face model ships, with full module names; None without one."""
+    plan = getattr(model, "_tp_plan", None)
+    if plan:
+        return dict(plan)
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None)
+    if base:
+        prefix = getattr(model, "base_model_prefix", "")
+        has_prefix = bool(prefix) and hasattr(model, prefix) and getattr(model, prefix) is not model
+        return {(f"{prefix}.{k}" if has_prefix else k): v for k, v in base.items()}
+    return None
+
+
+def _style_name(style: str | ParallelStyle) -> str | None:
+    if isinstance(style, ParallelStyle):
+        return None
+    if not isinstance(style, str):
+        raise TensorParallelError(f"a tensor-parallel style must be a name or a torch ParallelStyle; got {style!r}")
+    name = ALIASES.get(style, style)
+    if name not in STYLES:
+        raise TensorParallelError(f"unknown tensor-parallel style {style!r}; plait supports "
+                                  f"{', '.join(sorted(STYLES))} (and a torch ParallelStyle object); pass a "
+                                  "parallelize_fn for anything else")
+    return name
+
+
+def _head_counts(model: nn.Module) -> dict[str, int]:
+    config = getattr(model, "config", None)
+    out = {}
+    for key in ("num_attention_heads", "num_key_value_heads", "n_head"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            out[key] = value
+    return out
+
+
+def _check_module(pattern: str, name: str, module: nn.Module, style: str, tp: int) -> None:
+    kinds = STYLES[style][1]
+    if type(module).__name__ == "Conv1D" and style != "replicate":
         raise TensorParallelError(
-            f"model.n_head={n_head} does not divide by parallel.tp={tp}: tensor parallelism splits whole "
-            f"attention heads; choose tp among the divisors of n_head or change model.n_head"
-        )
-    if vocab_size % tp:
+            f"{name} is a fused Conv1D (GPT-2 style, weight stored (in, out)): plait's {style} style shards "
+            "nn.Linear and nn.Embedding only; the fused qkv projection cannot be split by heads this way. Pass a "
+            "parallelize_fn for this model, or use parallel.tp=1")
+    if not isinstance(module, kinds):
         raise TensorParallelError(
-            f"model.vocab_size={vocab_size} does not divide by parallel.tp={tp}: the embedding and head "
-            f"are split along the vocabulary; pad vocab_size to a multiple of tp"
-        )
-    if (4 * d_model) % tp:
-        raise TensorParallelError(f"the MLP width 4*d_model={4 * d_model} does not divide by tp={tp}")
-    if sequence_parallel and seq_len % tp:
-        raise TensorParallelError(
-            f"sequence parallelism shards the sequence: model.seq_len={seq_len} must divide by tp={tp} "
-            f"(and so must every batch's sequence length)"
-        )
+            f"tp plan {pattern!r} -> {style}: {name} is a {type(module).__name__}, but {style} takes "
+            f"{' or '.join(k.__name__ for k in kinds)}")
+    width = None
+    if isinstance(module, nn.Linear):
+        width = module.out_features if style == "colwise" or style == "colwise_rep" else module.in_features
+        what = "output" if style in ("colwise", "colwise_rep") else "input"
+    elif isinstance(module, nn.Embedding) and style in ("rowwise", "vocab"):
+        width, what = module.num_embeddings, "vocabulary"
+    if width is not None and style != "replicate" and width % tp:
+        raise TensorParallelError(f"{name} ({style}) splits its {what} width {width} over parallel.tp={tp}, "
+                                  f"which does not divide it; choose tp among the divisors of {width}")
 
 
-def _block_plan(sp: bool) -> dict[str, object]:
-    """Per-block plan: column-parallel in, row-parallel out, optional sequence-sharded norms."""
-    seq = Shard(1) if sp else Replicate()
-    plan: dict[str, object] = {
-        "attn.q": ColwiseParallel(),
-        "attn.k": ColwiseParallel(),
-        "attn.v": ColwiseParallel(),
-        "attn.proj": RowwiseParallel(output_layouts=seq),
-        "mlp.fc": ColwiseParallel(),
-        "mlp.proj": RowwiseParallel(output_layouts=seq),
-    }
-    # The attention input enters as one replicated DTensor (use_local_output=False) that q, k and v
-    # share: backward sums their three partial input gradients as DTensors and all-reduces them once
-    # at this boundary (with sp: one reduce-scatter). Left to q, k and v, each would convert the plain
-    # input itself and all-reduce its own gradient: three all-reduces per block instead of one.
-    plan["attn"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-    if sp:
-        plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel(),
-                     "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),))})
-    return plan
+def validate_plan(model: nn.Module, plan: Plan, tp: int) -> dict[str, ParallelStyle | None]:
+    """Check ``plan`` against ``model`` for degree ``tp`` (no communication) and resolve its styles.
 
-
-def _shard_position_embedding(pos_emb: nn.Embedding, tp_mesh: DeviceMesh) -> None:
-    """Sequence parallelism: each rank embeds its own slice of positions with a replicated table.
-
-    Forward: positions ``(T,)`` are split locally (no communication); the table is a replicated
-    DTensor. Backward: the table's partial gradients are summed over tp by DTensor (all-reduce).
+    Raises ``TensorParallelError`` naming the pattern that matches nothing (with the nearest module
+    names), a module of the wrong kind, or a width, head or key-value-head count that ``tp`` does not
+    divide. Returns ``{pattern: ParallelStyle or None (replicate)}``.
     """
-    pos_emb.weight = nn.Parameter(distribute_tensor(pos_emb.weight.data, tp_mesh, [Replicate()]))
-    parallelize_module(pos_emb, tp_mesh, PrepareModuleInput(
-        input_layouts=(Replicate(),), desired_input_layouts=(Shard(0),), use_local_output=False))
-    parallelize_module(pos_emb, tp_mesh, PrepareModuleOutput(
-        output_layouts=(Shard(0),), desired_output_layouts=(Shard(0),), use_local_output=True))
+    if not plan:
+        raise TensorParallelError("the tensor-parallel plan is empty; give at least one pattern -> style")
+    for key, count in _head_counts(model).items():
+        if count % tp:
+            raise TensorParallelError(f"{type(model).__name__} has {key}={count}, which does not divide by "
+                                      f"parallel.tp={tp}: tensor parallelism splits whole heads; choose tp among "
+                                      f"the divisors of {count}")
+    names = [n for n, _ in model.named_modules() if n]
+    resolved: dict[str, ParallelStyle | None] = {}
+    for pattern, style in plan.items():
+        found = matched_modules(model, pattern)
+        if not found:
+            import difflib
+
+            near = difflib.get_close_matches(pattern, names, n=3, cutoff=0.0)
+            raise TensorParallelError(f"tp plan pattern {pattern!r} matches no module of {type(model).__name__}; "
+                                      f"nearest module names: {', '.join(near)}")
+        name = _style_name(style)
+        if name is None:
+            resolved[pattern] = style  # a ParallelStyle object: the caller takes responsibility for it
+            continue
+        for n, m in found:
+            _check_module(pattern, n, m, name, tp)
+        factory = STYLES[name][0]
+        resolved[pattern] = factory() if factory is not None else None
+    return resolved
 
 
-def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
-                          loss_parallel: bool = True) -> GPT:
-    """Shard ``model`` in place over the 1-D ``tp_mesh`` (Megatron layout) and return it.
+def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan) -> nn.Module:
+    """Shard ``model`` in place over the 1-D ``tp_mesh`` by ``plan`` (validated first) and return it.
 
-    Contract: call on identical full models on every tp rank (same seed), before any optimizer is
-    built. Afterwards every sharded parameter is a DTensor on ``tp_mesh``; with ``sequence_parallel``
-    the norms and the position embedding are replicated DTensors too, otherwise they stay plain
-    tensors (computed identically on all tp ranks). ``model(idx, targets)`` still returns the mean
-    cross-entropy, as a replicated DTensor when ``loss_parallel``; run forward and backward inside
-    ``loss_context(model)``. Inputs ``idx``/``targets`` are the full ``(B, T)`` batch on every tp rank.
-    Raises ``TensorParallelError`` when heads, vocabulary or (with sp) the sequence do not divide.
+    Contract: identical full models on every tp rank (plait broadcasts rank 0's weights first), before
+    any optimizer. Inputs stay the full batch on every tp rank. Weights shared by two modules (a tied
+    embedding and head) must be sharded alike or not at all: a plan that splits one of them only is
+    an error, since the tie would break.
     """
-    cfg = model.cfg
     tp = tp_mesh.size()
-    check_tensor_parallel(cfg.n_head, cfg.d_model, cfg.vocab_size, cfg.seq_len, tp, sequence_parallel)
-    seq = Shard(1) if sequence_parallel else Replicate()
-    parallelize_module(model, tp_mesh, {
-        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                use_local_output=not loss_parallel),
-        **({"ln_f": SequenceParallel()} if sequence_parallel else {}),
-    })
-    model.head.weight = model.tok_emb.weight  # both Shard(0) on the vocabulary: one parameter again
-    if sequence_parallel:
-        _shard_position_embedding(model.pos_emb, tp_mesh)
-    stream = tp_mesh.get_local_rank() + 1
-    for block in model.blocks:
-        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel))
-        block.attn.n_head = cfg.n_head // tp  # local heads; the forward reshapes with -1 anyway
-        block.attn.dropout_stream = stream  # this rank's heads: masks of their own
-        if sequence_parallel:
-            block.drop.stream = stream  # this rank's sequence slice: masks of its own
-    if sequence_parallel:
-        model.drop.stream = stream
-    setattr(model, _LOSS_PARALLEL_ATTR, loss_parallel)
+    resolved = validate_plan(model, plan, tp)
+    tied = _tied_names(model)
+    for pattern, style in resolved.items():
+        if style is None:
+            continue
+        for name, module in matched_modules(model, pattern):
+            for pname, _ in module.named_parameters(recurse=False):
+                others = tied.get(f"{name}.{pname}")
+                if others and not all(any(_matches(p, o.rsplit(".", 1)[0]) and resolved[p] is not None
+                                          for p in resolved) for o in others):
+                    raise TensorParallelError(
+                        f"{name}.{pname} is tied to {', '.join(others)}, which the plan does not shard alike; "
+                        f"shard both or neither (drop {pattern!r} from the plan, or untie the weights)")
+            parallelize_module(module, tp_mesh, style)
     return model
 
 
+def _tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """Parameter name -> the other names of the same parameter (tied weights)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return {n: [o for o in names if o != n] for names in by_id.values() if len(names) > 1 for n in names}
+
+
+def resolve_tp(model: nn.Module, tp_plan: Plan | str | None, parallelize_fn: Callable | None,
+               registered: Callable | None) -> Callable[[nn.Module, DeviceMesh], nn.Module]:
+    """The function that shards ``model`` over a tp mesh: ``parallelize_fn`` if given, else an explicit
+    plan, else (``"auto"``) the class's registered function, else the plan a Hugging Face model ships.
+    Raises ``TensorParallelError`` when none applies (GPT-2's fused ``Conv1D`` attention, a plain model)."""
+    if parallelize_fn is not None:
+        return parallelize_fn
+    if isinstance(tp_plan, dict):
+        return lambda m, mesh: apply_tp_plan(m, mesh, tp_plan)
+    if tp_plan not in (None, "auto"):
+        raise TensorParallelError(f"tp_plan must be 'auto' or a dict of patterns to styles; got {tp_plan!r}")
+    if registered is not None:
+        return registered
+    plan = hf_plan(model)
+    if plan:
+        return lambda m, mesh: apply_tp_plan(m, mesh, plan)
+    conv1d = [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
+    why = (f"; its attention uses fused Conv1D projections ({conv1d[0]}, ...) that a column/row plan cannot split "
+           "by heads") if conv1d else ""
+    raise TensorParallelError(
+        f"{type(model).__name__} has no tensor-parallel plan (no plan registered for its class, no "
+        f"config.base_model_tp_plan){why}. Set parallel.tp_plan to a table of module patterns -> styles, pass "
+        "parallelize_fn=fn(model, tp_mesh) to setup, or use parallel.tp=1")
+
+
+def mark_loss_parallel(model: nn.Module, enabled: bool) -> None:
+    """Record that ``model``'s logits stay vocabulary-sharded (loss computed under ``loss_parallel``)."""
+    setattr(model, _LOSS_PARALLEL_ATTR, enabled)
+
+
 def uses_loss_parallel(model: nn.Module) -> bool:
-    """Whether ``apply_tensor_parallel`` left ``model``'s logits vocabulary-sharded."""
+    """Whether the model's tensor-parallel plan left its logits vocabulary-sharded."""
     return bool(getattr(model, _LOSS_PARALLEL_ATTR, False))
 
 
@@ -176,18 +256,10 @@ def loss_context(model: nn.Module | bool) -> contextlib.AbstractContextManager:
     """Context for forward + backward of a tensor-parallel model: ``loss_parallel()`` when it is on.
 
     Takes the model (or the flag ``uses_loss_parallel(model)``); a plain ``nullcontext`` for models
-    not built with ``loss_parallel`` or not tensor-parallel.
+    not built with loss parallelism or not tensor-parallel.
     """
     enabled = model if isinstance(model, bool) else uses_loss_parallel(model)
     return loss_parallel() if enabled else contextlib.nullcontext()
-
-
-def tp_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Forward and backward of one micro-batch; returns the detached mean loss as a plain tensor."""
-    with loss_context(model):
-        loss = model(idx, targets)
-        loss.backward()
-    return local_value(loss.detach())
 
 
 def local_value(t: torch.Tensor) -> torch.Tensor:
@@ -199,7 +271,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded, natural-shape state dict with the FQNs of the single-process model.
 
     Collective over the tp mesh (every sharded entry is all-gathered); every rank gets the full dict.
-    The tied ``head.weight`` appears like in ``GPT.state_dict()``, equal to ``tok_emb.weight``.
     """
     return {k: local_value(v).detach().clone() for k, v in model.state_dict().items()}
 
@@ -208,3 +279,7 @@ def local_grads(params: Iterator[nn.Parameter] | list[nn.Parameter]) -> list[tor
     """This rank's gradient shards as plain tensors, each laid out like its parameter's shard
     (``plait.parallel.data.local_grad``), for a data-parallel reducer to all-reduce in place."""
     return [g for p in params if (g := local_grad(p)) is not None]
+
+
+def describe_plan(plan: dict[str, Any]) -> str:
+    return ", ".join(f"{k} -> {v if isinstance(v, str) else type(v).__name__}" for k, v in plan.items())

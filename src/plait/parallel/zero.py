@@ -218,6 +218,10 @@ class ZeroOptimizer:
         """Gradient storage this optimizer holds (full local buffers still alive, and the shards)."""
         return [t for b in self.buckets for t in (b.grad_full, b.grad_shard) if t is not None]
 
+    def set_sync(self, enabled: bool) -> None:
+        """Whether the next backward passes reduce gradients (False: accumulate locally)."""
+        self._sync = enabled
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally without communicating (non-final accumulation micro-steps)."""

@@ -1,24 +1,31 @@
 """Sharded checkpoints on ``torch.distributed.checkpoint`` (DCP), saved so a crash never damages one.
 
-Layout under ``RUN_DIR/checkpoints``::
+``save_state(path, ...)`` writes one complete checkpoint directory::
 
-    step_000200/            DCP shards of {"model", "optim"} + rank<r>.pt (RNG, comm state) + meta.json
-    latest                  the name of the newest complete checkpoint
+    PATH/                  DCP shards of {"model", "optim"}
+        rank<r>.pt         each rank's own state: RNG, compressor residuals
+        state.pt           state every rank shares: scheduler, data position, loss scale, counters
+        meta.json          what the caller saved in ``extra`` plus the world size; written last
 
-Every rank writes into ``step_N.tmp``; after a barrier rank 0 writes ``meta.json``, renames the
-directory to ``step_N`` and then atomically replaces ``latest``. A crash at any point leaves
-``latest`` naming the previous complete checkpoint; leftover ``.tmp`` directories are ignored and
-cleaned up. Model and optimizer states come from the layout (``Layout.state_dicts``), keyed by the
-single-process model's parameter names whatever the sharding, so DCP can load them at another world
-size or ZeRO stage. Nothing is ever unpickled: DCP
-reads tensors, per-rank state is read with ``weights_only=True``, metadata is JSON.
+Every rank writes into ``PATH.tmp``; after a barrier rank 0 writes ``meta.json`` and renames the
+directory to ``PATH``. A crash at any point leaves no ``PATH`` (or the previous one untouched). Model
+and optimizer states come from the layout (``Layout.state_dicts``), keyed by the single-process
+model's parameter names whatever the sharding, so DCP can load them at another world size, ZeRO stage
+or layout. Nothing is ever unpickled: DCP reads tensors, ``*.pt`` files are read with
+``weights_only=True``, metadata is JSON.
+
+A training run keeps several under ``RUN_DIR/checkpoints``: ``step_0000200/`` ... and ``latest``, a
+file naming the newest complete one, replaced atomically after each save (``point_latest``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,8 +55,98 @@ def _barrier() -> None:
         dist.barrier()
 
 
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns that it assumes one process when no process group exists: that is the intent here."""
+    with warnings.catch_warnings():
+        if not _distributed():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_state(path: Path, layout: StatefulLayout, meta: dict[str, Any], rank: int,
+               rank_state: dict[str, Any] | None = None, shared: dict[str, Any] | None = None) -> Path:
+    """Write a complete checkpoint at ``path`` (see the module docstring); every rank calls it.
+
+    ``meta`` must be JSON-serializable; ``rank_state`` (this rank's) and ``shared`` (rank 0's is written)
+    may hold only tensors, numbers, strings, lists, tuples and dicts, as they are read back with
+    ``weights_only=True``. Collective: barriers and DCP's own collectives.
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        meta_text = json.dumps(meta, indent=1)
+    except TypeError as e:
+        raise CheckpointError(f"checkpoint metadata must be JSON-serializable (numbers, strings, lists, dicts): "
+                              f"{e}") from None
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_sd, optim_sd = layout.state_dicts()
+    with _quiet_single_process():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not _distributed())
+    torch.save({**rng_state(), "rank_state": rank_state}, tmp / f"rank{rank}.pt")
+    if rank == 0:
+        torch.save(shared or {}, tmp / "state.pt")
+    _barrier()
+    if rank == 0:
+        (tmp / "meta.json").write_text(meta_text)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    _barrier()
+    return path
+
+
+def load_state(path: Path, layout: StatefulLayout, rank: int,
+               restore_rank: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+    """Load model and optimizer state (resharded by DCP to this layout and world size) from ``path``.
+
+    Returns ``(meta, rank_state, shared)``. With ``restore_rank`` this rank's RNG is restored and its
+    ``rank_state`` returned when the checkpoint has a file for this rank (None otherwise).
+    """
+    path = Path(path)
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        raise CheckpointError(f"{path} is not a complete plait checkpoint (no meta.json); point at a directory "
+                              "written by Plait.save")
+    meta = json.loads(meta_file.read_text())
+    model_sd, optim_sd = layout.state_dicts()
+    state = {"model": model_sd, "optim": optim_sd}
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+    layout.load_state_dicts(state["model"], state["optim"])
+    rank_state = None
+    rank_file = path / f"rank{rank}.pt"
+    if restore_rank and rank_file.is_file():
+        saved = torch.load(rank_file, weights_only=True)
+        set_rng_state(saved)
+        rank_state = saved.get("rank_state")
+    shared_file = path / "state.pt"
+    shared = torch.load(shared_file, weights_only=True) if shared_file.is_file() else {}
+    return meta, rank_state, shared
+
+
 def checkpoint_root(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return checkpoint_root(run_dir) / f"step_{step:07d}"
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -67,75 +164,16 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return path
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def save_checkpoint(run_dir: Path, step: int, layout: StatefulLayout, meta: dict[str, Any], rank: int,
-                    keep: int, rank_state: dict[str, Any] | None = None) -> Path:
-    """Save a complete checkpoint for ``step``; every rank calls it. Returns the final directory.
-
-    ``rank_state`` is this rank's own state beyond RNGs (the comm layer's compressor residuals,
-    which differ per rank); it must hold only tensors, numbers, strings, lists and dicts, as it is
-    read back with ``weights_only=True``."""
+def point_latest(run_dir: Path, path: Path, keep: int) -> None:
+    """Make ``path`` (a complete checkpoint under ``run_dir``) the latest, then keep only the newest
+    ``keep`` and remove leftovers of crashed saves. Rank 0 only."""
     root = checkpoint_root(run_dir)
-    name = f"step_{step:07d}"
-    tmp, final = root / f"{name}.tmp", root / name
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    model_sd, optim_sd = layout.state_dicts()
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not _distributed())
-    torch.save({**rng_state(), "rank_state": rank_state}, tmp / f"rank{rank}.pt")
-    _barrier()
-    if rank == 0:
-        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer_tmp = root / "latest.tmp"
-        pointer_tmp.write_text(name)
-        os.replace(pointer_tmp, root / "latest")
-        _prune(root, keep)
-    _barrier()
-    return final
-
-
-def _prune(root: Path, keep: int) -> None:
+    pointer_tmp = root / "latest.tmp"
+    pointer_tmp.write_text(Path(path).name)
+    os.replace(pointer_tmp, root / "latest")
     done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-    latest = (root / "latest").read_text().strip()
     for p in done[: max(0, len(done) - keep)]:
-        if p.name != latest:
+        if p.name != Path(path).name:
             shutil.rmtree(p)
     for p in root.glob("step_*.tmp"):
         shutil.rmtree(p, ignore_errors=True)
-
-
-def load_checkpoint(path: Path, layout: StatefulLayout, rank: int) -> dict[str, Any]:
-    """Load model and optimizer state (resharded by DCP to this world size) and this rank's RNG.
-
-    Returns the checkpoint's metadata (step, sampler position, scaler state, counters), with this
-    rank's ``rank_state`` (see ``save_checkpoint``; None if absent) under ``"rank_state"``.
-    """
-    meta = json.loads((path / "meta.json").read_text())
-    model_sd, optim_sd = layout.state_dicts()
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
-    layout.load_state_dicts(state["model"], state["optim"])
-    rank_file = path / f"rank{rank}.pt"
-    meta["rank_state"] = None
-    if rank_file.is_file():
-        saved = torch.load(rank_file, weights_only=True)
-        set_rng_state(saved)
-        meta["rank_state"] = saved.get("rank_state")
-    return meta

@@ -1,52 +1,34 @@
-"""The training loop: one optimizer step = accumulation micro-steps, gradient reduction, clipping, update.
+"""plait's training loop for any model, on the public ``plait.Plait`` API only.
 
-Every worker runs ``train(cfg, run_dir, resume)``. Timings of each phase go into ``metrics.jsonl``;
-``comm_exposed_s`` is the time spent waiting for gradient communication after backward finished,
-the part that overlap did not hide.
+    trainer = plait.Trainer(model=model, train_data=dataset, eval_data=held_out, config="run.toml")
+    summary = trainer.fit()
+
+One optimizer step is ``accumulation`` micro-steps of ``Plait.forward_backward`` and one ``Plait.step``.
+Every ``train.log_every`` steps a line goes to ``metrics.jsonl`` (and TensorBoard and the progress
+bar): loss (mean over data-parallel ranks), learning rate, gradient norm, throughput and the time of
+each phase; ``comm_exposed_s`` is the time spent waiting for gradient communication after backward
+finished, the part that overlap did not hide. Every ``train.eval_every`` steps the evaluation set is
+scored, every ``checkpoint.every`` steps a checkpoint is saved (``RUN_DIR/checkpoints/step_N``, the
+newest named by ``latest``), and at the end the run is evaluated, saved, exported as
+``model.safetensors`` and summarised in ``summary.json``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch import nn
 
-from plait.comm.accounting import TorchCollectiveCounter
-from plait.comm.auto import AUTO_COMPRESSOR, AutoCompress
-from plait.comm.collectives import Comm, CommStats
-from plait.comm.guard import CollectiveGuard
-from plait.comm.watchdog import StepWatchdog
 from plait.config import Config
-from plait.data.corpus import load_splits
-from plait.data.sampler import WindowSampler, validation_batches
-from plait.launch import error_file
-from plait.models.gpt import GPT
-from plait.observe.log import get_logger
-from plait.observe.metrics import MetricsWriter, ProgressBar
-from plait.parallel.apply import apply_parallel
-from plait.plan.memory import measure_model_state_bytes
-from plait.topology import Topology, build_topology
-from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from plait.train.export import export_safetensors
+from plait.engine import Plait
+from plait.train.losses import ClassificationLoss, Loss, infer_loss, resolve_loss
 from plait.train.optim import lr_at
-from plait.train.precision import LossScaler, autocast
-
-
-@dataclass
-class StepTimes:
-    data_s: float = 0.0
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    comm_exposed_s: float = 0.0
-    optimizer_s: float = 0.0
 
 
 @dataclass
@@ -55,327 +37,247 @@ class RunState:
     skipped_steps: int = 0
     last_loss: float = float("nan")
     val_loss: float = float("nan")
+    val_accuracy: float = float("nan")
     tokens_seen: int = 0
+    samples_seen: int = 0
     train_seconds: float = 0.0
 
 
-def select_device() -> torch.device:
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
+def warmup_cosine(cfg: Config) -> Any:
+    """The ``[optim]`` schedule as a scheduler factory: linear warmup, then cosine to ``min_lr_ratio``."""
+    o, steps = cfg.optim, cfg.train.steps
+    return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, o, steps) / o.lr)
 
 
-def set_determinism(cfg: Config) -> None:
-    if cfg.train.deterministic:
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-
-
-def build_comm(cfg: Config, rank: int, world_size: int) -> Comm:
-    """The comm layer from ``comm.*``: algorithm, compression, and (with several ranks) the hang guard
-    on the default process group's store, so every rank's arrivals are visible to the others."""
-    c = cfg.comm
-    guard = None
-    if world_size > 1 and dist.is_initialized():
-        guard = CollectiveGuard(dist.distributed_c10d._get_default_store(), c.timeout_s, rank)
-    comm = Comm(c.allreduce, ranks_per_node=c.ranks_per_node or None, guard=guard)
-    if c.compress != "none":
-        name = AUTO_COMPRESSOR if c.compress == "auto" else c.compress
-        comm.set_compression(name, active=c.compress != "auto", ratio=c.compress_ratio,
-                             powersgd_rank=c.powersgd_rank, error_feedback=c.error_feedback,
-                             stochastic_rounding=c.stochastic_rounding and name in ("int8", "int4"),
-                             seed=cfg.train.seed)
-    return comm
-
-
-def build_watchdog(cfg: Config, topo: Topology, run_dir: Path) -> StepWatchdog:
-    """The step watchdog (``plait.comm.watchdog``) on the default group's store: bounds the waits in
-    the collectives PyTorch issues for the layout (DTensor, pipeline P2P, FSDP2, DCP), which
-    ``Comm``'s guard does not see. Inert on one process."""
-    store = None
-    if topo.world_size > 1 and dist.is_initialized():
-        store = dist.distributed_c10d._get_default_store()
-    z = cfg.parallel.zero
-    kinds = [name for name, used in (("tensor-parallel", topo.degree("tp") > 1), ("pipeline", topo.degree("pp") > 1),
-                                     ("expert", topo.degree("ep") > 1), ("FSDP", z == 3), ("ZeRO", z in (1, 2)),
-                                     ("data-parallel", topo.dp > 1 and z == 0)) if used]
-    return StepWatchdog(store, cfg.comm.timeout_s, topo.rank, topo.world_size, error_file(run_dir, topo.rank),
-                        "/".join(kinds))
+def _items(batch: Any, loss: Loss) -> tuple[int, int]:
+    """(tokens, samples) of one micro-batch: tokens when the input is a (B, T) tensor of token ids."""
+    args, kwargs, _ = loss.split(batch)
+    x = args[0] if args else kwargs.get("input_ids", next(iter(kwargs.values()), None))
+    if not isinstance(x, torch.Tensor):
+        return 0, 0
+    tokens = x.numel() if x.dim() == 2 and not x.is_floating_point() else 0
+    return tokens, x.size(0)
 
 
 class Trainer:
-    """Builds everything from the config and runs the loop on one worker."""
+    """plait's loop on any model (see the module docstring).
 
-    def __init__(self, cfg: Config, run_dir: Path) -> None:
-        self.cfg = cfg
-        self.run_dir = run_dir
-        self.device = select_device()
-        set_determinism(cfg)
-        self.topo: Topology = build_topology(cfg, self.device)
-        self.rank0 = self.topo.rank == 0
-        self.log = get_logger(self.topo.rank)
-        self.comm = build_comm(cfg, self.topo.rank, self.topo.world_size)
-        self.watchdog = build_watchdog(cfg, self.topo, run_dir)
-        self.watchdog.enter(0, "setup")
-        self.auto = AutoCompress() if cfg.comm.compress == "auto" and self.topo.dp > 1 else None
-        self._torch_bytes: int | None = None  # bytes of the collectives torch issued in the counted step
-        splits = load_splits(cfg.data.path, cfg.model.vocab_size, cfg.data.val_fraction, cfg.model.seq_len)
-        self.log.info("data: %s, %d train / %d val tokens", splits.source, len(splits.train), len(splits.val))
-        t = cfg.train
-        self.sampler = WindowSampler(splits.train, cfg.model.seq_len, t.global_batch_size, t.micro_batch_size,
-                                     self.topo.dp_rank, self.topo.dp, t.seed)
-        self.val_batches = validation_batches(splits.val, cfg.model.seq_len, t.micro_batch_size,
-                                              t.eval_sequences, self.topo.dp_rank, self.topo.dp)
-        torch.manual_seed(t.seed)  # identical initial weights on every rank
-        model = GPT(cfg.model).to(self.device)
-        self.model = model
-        self.num_params = model.num_params()
-        self.layout = apply_parallel(model, self.topo, cfg, self.comm, self.sampler.peek()[0])
-        self.optimizer = self.layout.optimizer
-        self.scaler = LossScaler(enabled=t.precision == "fp16")
-        # zero=3 runs forward in bf16 through FSDP2's mixed-precision policy instead of autocast.
-        self.use_autocast = not (cfg.parallel.zero == 3 and t.precision == "bf16")
-        self.memory: dict[str, Any] = {}
-        # Dropout streams per model replica and pipeline stage; tensor-parallel ranks (tp is the innermost
-        # axis) share one, so replicated activations get one mask (see plait.parallel.tensor).
-        torch.manual_seed(t.seed + 7919 * (self.topo.rank // self.topo.degree("tp") + 1))
+    ``model``: an ``nn.Module``; ``train_data`` / ``eval_data``: map-style data sets or DataLoaders;
+    ``loss_fn``: a name (causal_lm, hf, classification), a ``plait.losses.Loss``, ``fn(output, target)``
+    or None (``train.loss``, else inferred from the first batch); ``optimizer``: a factory ``fn(model)``
+    or an optimizer without state (default: AdamW from ``[optim]``); ``scheduler``: a factory
+    ``fn(optimizer)`` (default: ``[optim]``'s warmup and cosine); ``config``: a ``plait.Config``, a TOML
+    path or None; ``plait``: an existing ``Plait`` to train with (its config is used). ``setup`` keyword
+    arguments (``tp_plan``, ``parallelize_fn``, ``pp_split``, ``stage_fn``) pass through.
+    """
+
+    def __init__(self, model: nn.Module, train_data: Any, loss_fn: Any = None, eval_data: Any = None,
+                 optimizer: Any = None, scheduler: Any = None, config: Config | str | Path | None = None, *,
+                 plait: Plait | None = None, **setup_kwargs: Any) -> None:
+        self.p = p = plait if plait is not None else Plait(config)
+        self.cfg = cfg = p.config
+        self.run_dir = p.run_dir
+        self.log = p.logger
+        self.rank0 = p.is_main
+        if self.rank0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.loader = p.setup_dataloader(train_data)
+        self.eval_loader = None
+        if eval_data is not None:
+            self.eval_loader = p.setup_dataloader(eval_data, shuffle=False,
+                                                  drop_last=p.topology.degree("pp") > 1)
+        sample = self._peek()
+        self.loss = resolve_loss(loss_fn if loss_fn is not None else cfg.train.loss) or infer_loss(model, sample)
+        self.num_params = sum(q.numel() for q in model.parameters())
+        self.model, self.optimizer = p.setup(model, optimizer, scheduler if scheduler is not None else
+                                             warmup_cosine(cfg), loss_fn=self.loss, sample=sample, **setup_kwargs)
+        self.scheduler = p.scheduler
         self.state = RunState()
-        self.metrics = MetricsWriter(run_dir, self.rank0, cfg.observe.tensorboard)
-        self.log.info("model: %.2fM parameters, world %d, dp %d x accumulation %d, precision %s",
-                      self.num_params / 1e6, self.topo.world_size, self.topo.dp, cfg.grad_accum, t.precision)
+        self._it: Any = None
+        self.log.info("model: %.2fM parameters, world %d, dp %d x accumulation %d, precision %s, loss %s",
+                      self.num_params / 1e6, p.world_size, p.dp, p.accumulation, cfg.train.precision, self.loss.name)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Trainer:
+        """The model and data the config names (``model.name`` / ``model.factory``, ``data.*``), seeded by
+        ``train.seed`` so every rank builds the same weights."""
+        from plait.recipes import build_data, build_model, default_loss
+
+        p = Plait(cfg)
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg)
+        train, held_out = build_data(cfg)
+        if hasattr(train, "source"):
+            p.logger.info("data: %s, %d training samples", train.source, len(train))
+        return cls(model, train, loss_fn=default_loss(cfg), eval_data=held_out, plait=p)
+
+    # -- data --------------------------------------------------------------------------------------
+    def _peek(self) -> Any:
+        """The first training micro-batch, without consuming it (loss inference, pipeline costs)."""
+        state = self.loader.state_dict()
+        batch = next(iter(self.loader))
+        self.loader.load_state_dict(state)
+        return batch
+
+    def _next_batch(self) -> Any:
+        if self._it is None:
+            self._it = iter(self.loader)
+        try:
+            return next(self._it)
+        except StopIteration:  # the epoch is over: the loader starts the next one
+            self._it = iter(self.loader)
+            return next(self._it)
 
     # -- checkpoints -------------------------------------------------------------------------------
-    def resume(self) -> None:
+    def resume(self) -> bool:
+        """Continue from the run directory's newest checkpoint; False when it has none."""
+        from plait.train.checkpoint import latest_checkpoint
+
         path = latest_checkpoint(self.run_dir)
         if path is None:
-            return
-        self.watchdog.enter(self.state.step, "checkpoint load")
-        meta = load_checkpoint(path, self.layout, self.topo.rank)
-        self.sampler.load_state_dict(meta["sampler"])
-        self.scaler.load_state_dict(meta["scaler"])
-        for k in ("step", "skipped_steps", "tokens_seen", "train_seconds"):
-            setattr(self.state, k, meta[k])
-        if meta["rank_state"] is not None:  # compressor residuals: the resumed run continues exactly
-            self.comm.load_state_dict(meta["rank_state"]["comm"])
-            if self.auto is not None and meta["rank_state"].get("auto") is not None:
-                self.auto.load_state_dict(meta["rank_state"]["auto"])
+            return False
+        extra = self.p.load(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                            dataloader=self.loader)
+        for k, v in extra.items():
+            if hasattr(self.state, k):
+                setattr(self.state, k, type(getattr(self.state, k))(v))
+        self._it = None
         self.log.info("resumed from %s at step %d", path, self.state.step)
+        return True
 
-    def save(self) -> None:
+    def save(self) -> Path:
+        from plait.train.checkpoint import point_latest, step_dir
+
         s = self.state
-        self.watchdog.enter(s.step, "checkpoint save")
-        meta = {"sampler": self.sampler.state_dict(), "scaler": self.scaler.state_dict(),
-                "skipped_steps": s.skipped_steps, "tokens_seen": s.tokens_seen,
-                "train_seconds": s.train_seconds, "world_size": self.topo.world_size}
-        rank_state = {"comm": self.comm.state_dict(), "auto": self.auto.state_dict() if self.auto else None}
-        path = save_checkpoint(self.run_dir, s.step, self.layout, meta, self.topo.rank, self.cfg.checkpoint.keep,
-                               rank_state)
-        self.log.info("checkpoint saved: %s", path)
+        extra = {"step": s.step, "skipped_steps": s.skipped_steps, "tokens_seen": s.tokens_seen,
+                 "samples_seen": s.samples_seen, "train_seconds": s.train_seconds}
+        path = self.p.save(step_dir(self.run_dir, s.step), model=self.model, optimizer=self.optimizer,
+                           scheduler=self.scheduler, dataloader=self.loader, extra=extra)
+        if self.rank0:
+            point_latest(self.run_dir, path, self.cfg.checkpoint.keep)
+        self.p.barrier()
+        return path
 
     # -- one step ----------------------------------------------------------------------------------
-    def _amp(self) -> contextlib.AbstractContextManager:
-        return autocast(self.cfg.train.precision, self.device, self.use_autocast)
-
-    def _forward_backward(self, batches: list, times: StepTimes) -> float:
-        """Run the accumulation micro-steps; returns this rank's mean loss over them."""
-        n = len(batches)
-        factor = self.scaler.scale / n
-        total = torch.zeros((), dtype=torch.float64)
-        acc = {"forward_s": 0.0, "backward_s": 0.0}
-        for i, (x, y) in enumerate(batches):
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with self.layout.no_sync() if i < n - 1 else contextlib.nullcontext():
-                total += self.layout.forward_backward(x, y, factor, self._amp, acc).double().cpu() / n
-        times.forward_s, times.backward_s = acc["forward_s"], acc["backward_s"]
-        return float(self.layout.reduce_loss(total))
-
-    def _apply_update(self, lr: float) -> float:
-        """Unscale, clip, and step unless the gradients hold NaN/inf; returns the gradient norm."""
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        self.scaler.unscale(self.layout.grads())
-        clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        norm = self.layout.clip_grad_norm(clip)
-        if math.isfinite(norm):
-            if not self.memory and self.optimizer.state:
-                # Parameters, reduced gradients and optimizer states all exist only here, from the
-                # second update on: measure what this rank holds once.
-                self.memory = measure_model_state_bytes(self.layout.model, self.optimizer)
-            self.optimizer.step()
-        else:
-            self.state.skipped_steps += 1
-            self.log.warning("step %d: gradient norm is %s; update skipped", self.state.step, norm)
-        self.scaler.update(not math.isfinite(norm))
-        self.layout.zero_grad()
-        return norm
-
     def train_step(self) -> dict[str, Any]:
-        times = StepTimes()
+        """One optimizer step over ``accumulation`` micro-batches; returns its metrics record."""
+        p = self.p
         t_start = time.perf_counter()
-        self.comm.stats.reset()
-        self.comm.step = self.state.step + 1  # named by a collective timeout
-        self.watchdog.enter(self.comm.step, "forward/backward")
-        batches = self.sampler.next_batch()
-        times.data_s = time.perf_counter() - t_start
-        # Collectives torch issues (DDP, FSDP2, DTensor, pipelining) go into the same stats: counted
-        # on this process's first step (or every step), then that step's figure is added.
-        mode = self.cfg.observe.count_torch_collectives if self.layout.torch_collectives else "off"
-        counter = None
-        if mode == "every_step" or (mode == "first_step" and self._torch_bytes is None):
-            counter = TorchCollectiveCounter(CommStats())
-        with counter if counter is not None else contextlib.nullcontext():
-            loss = self._forward_backward(batches, times)
+        data_s, tokens, samples, info = 0.0, 0, 0, None
+        while info is None:
             t0 = time.perf_counter()
-            self.layout.finish()
-            times.comm_exposed_s = time.perf_counter() - t0
-            lr = lr_at(self.state.step, self.cfg.optim, self.cfg.train.steps)
-            t0 = time.perf_counter()
-            self.watchdog.enter(self.comm.step, "optimizer")
-            norm = self._apply_update(lr)
-            times.optimizer_s = time.perf_counter() - t0
+            batch = self._next_batch()
+            data_s += time.perf_counter() - t0
+            n_tok, n_smp = _items(batch, self.loss)
+            tokens, samples = tokens + n_tok, samples + n_smp
+            p.forward_backward(self.model, batch, self.loss)
+            info = p.step()
         step_s = time.perf_counter() - t_start
-        tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_len
-        self.state.step += 1
-        self.state.tokens_seen += tokens
-        self.state.train_seconds += step_s
-        stats = self.comm.stats
-        if counter is not None:
-            self._torch_bytes = counter.stats.bytes_sent
-        if mode != "off":
-            stats.bytes_sent += self._torch_bytes
-        rec = {"step": self.state.step, "loss": loss, "lr": lr, "grad_norm": norm,
-               "tokens_per_s": tokens / step_s, "step_s": step_s, **times.__dict__,
-               "comm_bytes": stats.bytes_sent, "comm_wait_s": stats.wait_s}
-        if self.auto is not None and self.auto.observe(self.state.step, times.comm_exposed_s, step_s,
-                                                       stats.bytes_sent, stats.wait_s):
-            decision = self.auto.decide(self.comm, self.topo.dp_group)
-            self.log.info("comm.compress=auto after step %d: %s", self.state.step, decision["reason"])
+        s = self.state
+        s.step = info.step
+        s.skipped_steps = p.skipped_steps
+        tokens, samples = tokens * p.dp, samples * p.dp
+        s.tokens_seen += tokens
+        s.samples_seen += samples
+        s.train_seconds += step_s
+        rec = {"step": info.step, "loss": info.loss, "lr": info.lr, "grad_norm": info.grad_norm}
+        if tokens:
+            rec["tokens_per_s"] = tokens / step_s
+        rec.update({"samples_per_s": samples / step_s, "step_s": step_s, "data_s": data_s,
+                    "forward_s": info.forward_s, "backward_s": info.backward_s,
+                    "comm_exposed_s": info.comm_exposed_s, "optimizer_s": info.optimizer_s,
+                    "comm_bytes": info.comm_bytes, "comm_wait_s": info.comm_wait_s})
         return rec
 
     # -- evaluation --------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss over the fixed validation set (all data-parallel ranks together)."""
-        self.watchdog.enter(self.state.step, "evaluate")
-        self.layout.module.eval()
-        acc = torch.zeros(2, dtype=torch.float64)  # (sum of per-sequence mean losses, sequences)
-        for x, y in self.val_batches:
-            loss = self.layout.evaluate(x.to(self.device), y.to(self.device), self._amp)
-            acc[0] += float(self.layout.reduce_loss(loss.double().cpu())) * len(x)
-            acc[1] += len(x)
-        self.layout.module.train()
-        acc = self._dp_sum(acc)
+        """Mean loss over the evaluation set (all data-parallel ranks together); also sets the accuracy
+        for classification. NaN without an evaluation set."""
+        if self.eval_loader is None:
+            return float("nan")
+        p = self.p
+        p.phase("evaluate")
+        self.model.train(False)
+        acc = torch.zeros(4, dtype=torch.float64)  # (sum of per-sample mean losses, samples, correct, counted)
+        classify = isinstance(self.loss, ClassificationLoss) and p.topology.degree("pp") == 1
+        for batch in self.eval_loader:
+            _, n = _items(batch, self.loss)
+            if classify:
+                args, kwargs, target = self.loss.split(p.to_device(batch))
+                out = self.model(*args, **kwargs)
+                value = self.loss.loss(out, target).double().cpu()
+                acc[2] += float((out.argmax(-1) == target).sum())
+                acc[3] += n
+            else:
+                value = p.evaluate(self.model, batch, self.loss)
+            acc[0] += float(value) * n
+            acc[1] += n
+        self.model.train(True)
+        acc = p.reduce(acc, op="sum")
+        if acc[3] > 0:
+            self.state.val_accuracy = float(acc[2] / acc[3])
         return float(acc[0] / acc[1].clamp(min=1))
-
-    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.topo.dp > 1:
-            self.comm.all_reduce_sum(t, self.topo.dp_group)
-        return t
-
-    def _mean_over_dp(self, value: float) -> float:
-        return float(self._dp_sum(torch.tensor([value], dtype=torch.float64))[0]) / self.topo.dp
 
     # -- the loop ----------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        cfg, s = self.cfg, self.state
-        bar = ProgressBar(cfg.train.steps, s.step, self.rank0 and cfg.observe.progress)
+        """Train to ``train.steps`` (from where a resumed run stopped); returns the summary."""
+        cfg, s, p = self.cfg, self.state, self.p
         try:
             while s.step < cfg.train.steps:
                 rec = self.train_step()
                 last = s.step == cfg.train.steps
                 if s.step % cfg.train.log_every == 0 or last or s.step == 1:
-                    self.watchdog.enter(s.step, "loss logging")
-                    rec["loss"] = self._mean_over_dp(rec["loss"])
-                    s.last_loss = rec["loss"]
+                    p.phase("loss logging")
+                    rec["loss"] = s.last_loss = p.reduce(rec["loss"])
                     if cfg.train.eval_every and s.step % cfg.train.eval_every == 0 and not last:
                         rec["val_loss"] = s.val_loss = self.evaluate()
-                        self.log.info("step %d: train loss %.4f, val loss %.4f", s.step, rec["loss"],
-                                      s.val_loss)
-                    self.metrics.log(rec)
-                    bar.update(s.step, rec["loss"], rec["tokens_per_s"])
+                        self.log.info("step %d: train loss %.4f, val loss %.4f", s.step, rec["loss"], s.val_loss)
+                    p.log(rec)
                 if cfg.checkpoint.every and s.step % cfg.checkpoint.every == 0 and not last:
                     self.save()
-        finally:
-            bar.close()
-        return self.finish()
-
-    # -- memory ------------------------------------------------------------------------------------
-    def _memory_summary(self) -> dict[str, Any]:
-        """Per-rank lists (index = global rank) of predicted and measured model-state bytes and peak bytes."""
-        from plait.plan.memory import peak_memory_bytes, predict_model_state_bytes
-
-        precision = "bf16" if self.cfg.train.precision != "fp32" else "fp32"
-        predicted = None
-        if self.topo.degree("tp") == self.topo.degree("pp") == 1:  # the model covers data parallel + ZeRO
-            predicted = predict_model_state_bytes(self.num_params, stage=self.cfg.parallel.zero, dp=self.topo.dp,
-                                                  precision=precision)
-        mine = {"predicted": predicted, "measured": self.memory or None, "peak_bytes": peak_memory_bytes(self.device)}
-        ranks = [mine]
-        if dist.is_initialized():
-            ranks = [None] * self.topo.world_size
-            dist.all_gather_object(ranks, mine)
-        return {
-            "predicted_model_state_bytes": [r["predicted"]["total"] if r["predicted"] else None for r in ranks],
-            "measured_model_state_bytes": [r["measured"]["total"] if r["measured"] else None for r in ranks],
-            "peak_bytes": [r["peak_bytes"] for r in ranks],
-            "breakdown": ranks,
-        }
-
-    def _comm_summary(self) -> dict[str, Any]:
-        c = self.cfg.comm
-        out: dict[str, Any] = {"comm": {"allreduce": c.allreduce, "compress": c.compress,
-                                        "compress_active": self.comm.compress_active}}
-        if self.auto is not None:
-            out["comm_auto"] = self.auto.decision or {
-                "decision": "undecided", "reason": f"the run ended before the measurement window "
-                f"(steps {self.auto.first}-{self.auto.last}) was complete; compression stayed off"}
-        return out
+            return self.finish()
+        except Exception as e:
+            named = p.explain(e)  # a backend timeout becomes the error naming the late ranks
+            if named is e:
+                raise
+            raise named from e
 
     def finish(self) -> dict[str, Any]:
-        s = self.state
-        self.watchdog.enter(s.step, "report")
-        layout_report = self.layout.report(self.run_dir)  # before evaluation, which runs forward passes
+        s, p = self.state, self.p
+        report = p.report()  # before evaluation, which runs forward passes (the pipeline's last timeline)
         s.val_loss = self.evaluate()
-        self.metrics.log({"step": s.step, "val_loss": s.val_loss})
+        record = {"step": s.step, "val_loss": s.val_loss}
+        if not math.isnan(s.val_accuracy):
+            record["val_accuracy"] = s.val_accuracy
+        p.log(record)
         self.save()
-        self.watchdog.enter(s.step, "export")
-        full = self.layout.full_model_state()
-        if self.rank0:
-            export_safetensors(full, self.run_dir / "model.safetensors")
+        p.export(self.model, self.run_dir / "model.safetensors")
         summary = {
             "final_train_loss": s.last_loss, "final_val_loss": s.val_loss, "steps": s.step,
             "tokens_per_s": s.tokens_seen / s.train_seconds if s.train_seconds else 0.0,
-            "total_seconds": s.train_seconds, "world_size": self.topo.world_size, "dp": self.topo.dp,
+            "samples_per_s": s.samples_seen / s.train_seconds if s.train_seconds else 0.0,
+            "total_seconds": s.train_seconds, "world_size": p.world_size, "dp": p.dp,
             "skipped_steps": s.skipped_steps, "num_params": self.num_params, "precision": self.cfg.train.precision,
-            "zero": self.cfg.parallel.zero, "memory": self._memory_summary(), **layout_report,
-            **self._comm_summary(),
+            "zero": self.cfg.parallel.zero, "loss": self.loss.name, **report,
         }
+        if not math.isnan(s.val_accuracy):
+            summary["final_val_accuracy"] = s.val_accuracy
         if self.rank0:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        self.metrics.close()
+        p.barrier()
+        p.close()
         return summary
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:
-    """Train on this worker (process group already initialized when there are several)."""
-    if "OMP_NUM_THREADS" in os.environ:
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    trainer = Trainer(cfg, run_dir)
+    """``plait train`` on this worker: the configured model and data through ``Trainer`` (the process
+    group, if any, is already initialised)."""
+    cfg.run.dir = str(run_dir)
+    trainer = Trainer.from_config(cfg)
     try:
         if resume:
             trainer.resume()
-        summary = trainer.fit()
-        if dist.is_initialized():
-            dist.barrier()
-    except Exception as e:
-        named = trainer.watchdog.explain(e)  # a backend timeout becomes the error naming the late ranks
-        if named is e:
-            raise
-        raise named from e
+        return trainer.fit()
     finally:
-        trainer.watchdog.close()
-    trainer.comm.close()  # not on failure: after a timeout its thread may be stuck in a receive
-    return summary
-
+        trainer.p.watchdog.close()

@@ -1,0 +1,845 @@
+"""``plait.Plait``: the keep-your-loop API. One typed config chooses the layout; the loop stays the user's.
+
+    p = plait.Plait("run.toml")                    # or Plait(parallel={"zero": 2}), or a plait.Config
+    model, optimizer = p.setup(model, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=3e-4))
+    loader = p.setup_dataloader(dataset)
+    for batch in loader:
+        loss = loss_fn(model(batch["x"]), batch["y"])
+        p.backward(loss)                          # accumulation, loss scaling, no sync on early micro-steps
+        info = p.step()                           # unscale, clip, skip non-finite, step, schedule, zero
+    p.save("ckpt", model=model, optimizer=optimizer, dataloader=loader)
+
+It starts the process group itself under ``plait run``, ``torchrun`` or SLURM, and runs as a plain
+single process otherwise. ``setup`` applies the layout in the documented order (``plait.parallel.apply``)
+and builds the optimizer afterwards from a factory, so it holds the parameters the layout trains. The
+returned model is the user's own object (plait's reducer, ZeRO and FSDP2 work in place; DDP runs
+behind its ``forward``): attribute access and ``state_dict()`` keys are unchanged. Under pipeline
+parallelism the model is split over ranks and ``forward_backward(model, batch)`` runs a step.
+
+Accumulation: ``train.global_batch_size / (micro batch x dp)`` micro-steps per optimizer step; every
+``backward`` scales the loss by ``loss scale / accumulation`` and communicates gradients only on the
+last micro-step of the window; ``step()`` returns None until the window is complete.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.comm.accounting import TorchCollectiveCounter
+from plait.comm.auto import AUTO_COMPRESSOR, AutoCompress
+from plait.comm.collectives import Comm, CommStats
+from plait.comm.guard import CollectiveGuard
+from plait.comm.watchdog import StepWatchdog
+from plait.config import Config, ConfigError, from_sections, load_config
+from plait.launch import error_dir_from_env, error_file, init_distributed
+from plait.observe.log import get_logger
+from plait.parallel.apply import ModelSpec, apply_parallel
+from plait.parallel.layout import Layout
+from plait.topology import Topology, build_topology
+from plait.train.losses import Loss, infer_loss, resolve_loss
+from plait.train.precision import LossScaler, autocast
+from plait.validate import validate
+
+
+class PlaitError(ConfigError):
+    """The API was used in a way that cannot work; the message says what to do instead."""
+
+
+@dataclass
+class StepInfo:
+    """What one optimizer step did, as ``Plait.step`` returns it (this rank's view)."""
+
+    step: int
+    loss: float  # this rank's mean loss over the accumulation window (NaN when backward had no loss)
+    grad_norm: float
+    skipped: bool
+    lr: float
+    comm_bytes: int
+    comm_wait_s: float
+    comm_exposed_s: float
+    optimizer_s: float
+    step_s: float
+    forward_s: float = 0.0  # measured by forward_backward (a user's own forward is not seen)
+    backward_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _config(config: Config | str | Path | None, sections: dict[str, Any]) -> Config:
+    if isinstance(config, Config):
+        base = config
+    elif config is None:
+        base = Config()
+    elif isinstance(config, str | Path):
+        base = load_config(config)
+    else:
+        raise PlaitError(f"Plait takes a plait.Config, a TOML path or keyword sections; got {type(config).__name__}")
+    return from_sections(sections, base)
+
+
+def select_device() -> torch.device:
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _build_comm(cfg: Config, rank: int, world_size: int) -> Comm:
+    """The comm layer from ``comm.*``: algorithm, compression, and (with several ranks) the hang guard
+    on the default process group's store, so every rank's arrivals are visible to the others."""
+    c = cfg.comm
+    guard = None
+    if world_size > 1 and dist.is_initialized():
+        guard = CollectiveGuard(dist.distributed_c10d._get_default_store(), c.timeout_s, rank)
+    comm = Comm(c.allreduce, ranks_per_node=c.ranks_per_node or None, guard=guard)
+    if c.compress != "none":
+        name = AUTO_COMPRESSOR if c.compress == "auto" else c.compress
+        comm.set_compression(name, active=c.compress != "auto", ratio=c.compress_ratio,
+                             powersgd_rank=c.powersgd_rank, error_feedback=c.error_feedback,
+                             stochastic_rounding=c.stochastic_rounding and name in ("int8", "int4"),
+                             seed=cfg.train.seed)
+    return comm
+
+
+def _unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
+    """A ``torch.compile``d model's original module (its state-dict keys carry ``_orig_mod.``)."""
+    inner = getattr(model, "_orig_mod", None)
+    return (inner, True) if isinstance(inner, nn.Module) else (model, False)
+
+
+class Plait:
+    """Distributed training for the user's own loop; see the module docstring.
+
+    ``config``: a ``plait.Config``, the path of a TOML file, or None for the defaults; keyword
+    ``sections`` (``parallel={"zero": 2}``, ``train=TrainConfig(...)``) are applied on top. The config is
+    validated for the world size at once: impossible layouts fail here, before any collective.
+    """
+
+    def __init__(self, config: Config | str | Path | None = None, /, **sections: Any) -> None:
+        cfg = _config(config, sections)
+        if "OMP_NUM_THREADS" in os.environ:
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        init_distributed(cfg.comm.backend, cfg.comm.timeout_s)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.config = validate(cfg, world, model_checks=False)
+        self.device = select_device()
+        if cfg.train.deterministic:
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
+        self.topology: Topology = build_topology(cfg, self.device)
+        self.rank, self.world_size = self.topology.rank, self.topology.world_size
+        self.logger = get_logger(self.rank)
+        self.run_dir = self._agree_run_dir()
+        self.error_dir = error_dir_from_env(self.run_dir / "errors")
+        error_file(self.error_dir, self.rank).unlink(missing_ok=True)
+        self.comm = _build_comm(cfg, self.rank, self.world_size)
+        self.watchdog = self._build_watchdog()
+        self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")
+        self.auto = AutoCompress() if cfg.comm.compress == "auto" and self.topology.dp > 1 else None
+        self.accumulation = cfg.grad_accum
+        self.layout: Layout | None = None
+        self.scheduler: Any = None
+        self.loss: Loss | None = None
+        self.steps = 0
+        self.skipped_steps = 0
+        self.memory: dict[str, int] = {}
+        self._micro = 0
+        self._window_loss: list[torch.Tensor] = []
+        self._times = {"forward_s": 0.0, "backward_s": 0.0}
+        self._boundary_t = time.perf_counter()
+        self._counter: TorchCollectiveCounter | None = None
+        self._torch_bytes: int | None = None
+        self._metrics: Any = None
+        self._bar: Any = None
+        self._closed = False
+
+    # -- where things go ---------------------------------------------------------------------------
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the rank that writes files and logs."""
+        return self.rank == 0
+
+    @property
+    def dp(self) -> int:
+        return self.topology.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.topology.dp_rank
+
+    def _agree_run_dir(self) -> Path:
+        """``run.dir``, or ``runs/plait-<time>`` chosen by rank 0 and shared with every rank."""
+        cfg = self.config
+        if cfg.run.dir:
+            return Path(cfg.run.dir)
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID")
+        name = [f"runs/plait-{run_id or time.strftime('%Y%m%d-%H%M%S')}"]
+        if self.world_size > 1:
+            dist.broadcast_object_list(name, src=0)
+        cfg.run.dir = name[0]
+        return Path(name[0])
+
+    def _build_watchdog(self) -> StepWatchdog:
+        """The step watchdog (``plait.comm.watchdog``): bounds the waits in the collectives PyTorch issues
+        for the layout (DTensor, pipeline P2P, FSDP2, DCP), which ``Comm``'s guard does not see."""
+        store = dist.distributed_c10d._get_default_store() if self.world_size > 1 else None
+        return StepWatchdog(store, self.config.comm.timeout_s, self.rank, self.world_size,
+                            error_file(self.error_dir, self.rank), "")
+
+    def _kinds(self) -> str:
+        t, z = self.topology, self.config.parallel.zero
+        used = (("tensor-parallel", t.degree("tp") > 1), ("pipeline", t.degree("pp") > 1),
+                ("expert", t.degree("ep") > 1), ("FSDP", z == 3), ("ZeRO", z in (1, 2)),
+                ("data-parallel", t.dp > 1 and z == 0))
+        return "/".join(name for name, on in used if on)
+
+    def phase(self, name: str) -> None:
+        """Name what every rank does next (``"evaluate"``, ``"checkpoint save"``): a rank that waits too
+        long for its peers names the phase and the ranks that did not arrive."""
+        self.watchdog.enter(self.steps, name)
+
+    # -- setup -------------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, optimizer: Any = None, scheduler: Callable[[Any], Any] | None = None, *,
+              tp_plan: dict[str, Any] | str | None = None, parallelize_fn: Callable | None = None,
+              pp_split: list[str] | None = None, stage_fn: Callable | None = None, loss_fn: Any = None,
+              sample: Any = None) -> tuple[nn.Module, Any]:
+        """Apply the configured layout to ``model`` and build its optimizer; returns ``(model, optimizer)``.
+
+        ``optimizer``: a factory ``fn(model) -> torch.optim.Optimizer`` called with the returned model
+        (the right, possibly sharded, parameters); an optimizer instance that holds no state yet (rebuilt
+        over the same parameters, by name, with its class, groups and hyperparameters); or None for AdamW
+        from ``[optim]``. ``scheduler``: a factory ``fn(optimizer) -> LR scheduler``, stepped once per
+        optimizer step by ``step()``. ``tp_plan`` (patterns -> styles, or "auto") / ``parallelize_fn(model,
+        tp_mesh)`` choose tensor parallelism, ``pp_split`` / ``stage_fn(model, stage_index, num_stages)``
+        the pipeline split; each overrides the config. ``loss_fn`` (a name, a ``plait.losses.Loss`` or
+        ``fn(output, target)``) is what ``forward_backward`` and the pipeline's last stage compute;
+        ``sample`` is one micro-batch, used to balance pipeline stages by measured cost.
+        """
+        if self.layout is not None:
+            raise PlaitError("setup() was already called on this Plait: one Plait trains one model")
+        if not isinstance(model, nn.Module):
+            raise PlaitError(f"setup() takes a torch.nn.Module; got {type(model).__name__}")
+        if scheduler is not None and (not callable(scheduler) or hasattr(scheduler, "step")):
+            raise PlaitError("scheduler must be a factory fn(optimizer) -> LR scheduler (plait builds the optimizer "
+                             "in setup, so a scheduler made before cannot reference it)")
+        self.phase("setup")
+        model, compiled = _unwrap_compiled(model)
+        factory = self._optimizer_factory(model, optimizer)
+        model = model.to(self.device)
+        self._broadcast_weights(model)
+        if self.config.parallel.sync_batchnorm and self.dp > 1:
+            model = self._sync_batchnorm(model)
+        self.loss = resolve_loss(loss_fn)
+        p = self.config.parallel
+        if self.topology.degree("pp") > 1 and self.loss is None:
+            if sample is None:
+                raise PlaitError("with parallel.pp > 1 the last stage computes the loss: pass loss_fn= to setup "
+                                 "(a name such as 'causal_lm', or fn(output, target))")
+            self.loss = infer_loss(model, sample)
+        spec = ModelSpec(tp_plan=tp_plan if tp_plan is not None else p.tp_plan, parallelize_fn=parallelize_fn,
+                         pp_split=list(pp_split if pp_split is not None else p.pp_split), stage_fn=stage_fn,
+                         loss=self.loss, sample=self.to_device(sample) if sample is not None else None)
+        self.layout = layout = apply_parallel(model, self.topology, self.config, self.comm, spec)
+        opt = layout.build_optimizer(factory)
+        if scheduler is not None:
+            self.scheduler = scheduler(layout.scheduler_target())
+        self._patch_forward(layout, compiled)
+        layout.set_sync(self.accumulation == 1)  # DDP arms its reducer in the next forward
+        # Dropout streams per model replica and pipeline stage; tensor-parallel ranks (tp is the innermost
+        # axis) share one, so replicated activations get one mask.
+        torch.manual_seed(self.config.train.seed + 7919 * (self.rank // self.topology.degree("tp") + 1))
+        self.watchdog.kinds = self._kinds()
+        self._start_step()
+        return layout.model, opt
+
+    def _optimizer_factory(self, model: nn.Module, optimizer: Any) -> Callable[[nn.Module], Any]:
+        from plait.train.optim import adamw
+
+        if optimizer is None:
+            return lambda m: adamw(_single_names(m), self.config.optim)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if optimizer.state:
+                raise PlaitError("the optimizer passed to setup() already holds state (it has stepped); plait "
+                                 "rebuilds it over the parallelized parameters and would lose that state. Pass a "
+                                 "factory instead: optimizer=lambda model: torch.optim.AdamW(model.parameters(), ...)")
+            return _rebuild_by_name(model, optimizer)
+        if callable(optimizer):
+            return _checked_factory(optimizer)
+        raise PlaitError(f"optimizer must be a factory fn(model) -> torch.optim.Optimizer, an optimizer without "
+                         f"state, or None; got {type(optimizer).__name__}")
+
+    @torch.no_grad()
+    def _broadcast_weights(self, model: nn.Module) -> None:
+        """Every rank starts from global rank 0's parameters and buffers, whatever seed built them.
+        Communication: one broadcast per dtype of all tensors flattened."""
+        if self.world_size == 1:
+            return
+        tensors = [t for t in list(model.parameters()) + list(model.buffers()) if t.numel()]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for dtype in sorted(by_dtype, key=str):
+            group = by_dtype[dtype]
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            self.comm.broadcast(flat, src=0, group=None, name="initial weights broadcast")
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        if self.device.type == "cuda":
+            return nn.SyncBatchNorm.convert_sync_batchnorm(model, self.topology.dp_group)
+        from plait.nn import convert_sync_batchnorm  # torch's SyncBatchNorm runs on accelerators only
+
+        return convert_sync_batchnorm(model, self.topology.dp_group)
+
+    def _patch_forward(self, layout: Layout, compiled: bool) -> None:
+        """The user's ``model(...)`` runs through the layout's wrapper (DDP) and under autocast."""
+        model = layout.model
+        if layout.pipelined:
+            return
+        wrapper = layout.forward_wrapper()
+        precision = self.config.train.precision
+        # ZeRO-3 with bf16 runs forward in bf16 through FSDP2's mixed-precision policy instead.
+        amp = precision != "fp32" and not (self.config.parallel.zero == 3 and precision == "bf16")
+        if wrapper is None and not amp:
+            if compiled:
+                model.compile()
+            return
+        inner = wrapper if wrapper is not None else model.forward
+        device = self.device
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with autocast(precision, device, amp):
+                return inner(*args, **kwargs)
+
+        model.forward = forward
+        if compiled:
+            model.compile()
+
+    # -- data --------------------------------------------------------------------------------------
+    def setup_dataloader(self, data: Any, batch_size: int | None = None, *, collate_fn: Callable | None = None,
+                         shuffle: bool = True, drop_last: bool | None = None, seed: int | None = None,
+                         **dataloader_kwargs: Any) -> Any:
+        """This rank's share of ``data`` in micro-batches of ``batch_size`` (default
+        ``train.micro_batch_size``): a deterministic, resumable loader (``plait.data.loader``).
+
+        ``data`` is a map-style data set or a DataLoader (whose data set, collate function and worker
+        settings are kept). A DataLoader whose sampler is already rank-aware (``DistributedSampler``) is
+        returned as it is. Training (``shuffle=True``) yields whole global batches of ``batch_size x dp x
+        accumulation`` samples, each data-parallel rank a disjoint share; ``shuffle=False`` is for
+        evaluation: every sample once (but at most dp-1), the same number of batches on every rank.
+        A ``batch_size`` other than the config's changes the accumulation so the global batch stays.
+        """
+        from torch.utils.data import DataLoader
+
+        from plait.data.loader import DistributedLoader, is_rank_aware
+
+        if data is None:
+            raise PlaitError("setup_dataloader() got None; pass a data set or a DataLoader")
+        t = self.config.train
+        if isinstance(data, DataLoader):
+            if is_rank_aware(data):
+                self.logger.info("the DataLoader's sampler is already rank-aware: used as it is (not resumable)")
+                return data
+            collate_fn = collate_fn or data.collate_fn
+            for key in ("num_workers", "pin_memory", "timeout", "worker_init_fn", "prefetch_factor",
+                        "persistent_workers"):
+                if key not in dataloader_kwargs and hasattr(data, key):
+                    value = getattr(data, key)
+                    if key == "prefetch_factor" and data.num_workers == 0:
+                        continue
+                    dataloader_kwargs[key] = value
+            batch_size = batch_size or data.batch_size
+            data = data.dataset
+        batch_size = batch_size or t.micro_batch_size
+        accumulation = 1
+        if shuffle:
+            per_step = batch_size * self.dp
+            if t.global_batch_size % per_step:
+                raise PlaitError(f"batch_size={batch_size} x dp={self.dp} does not divide train.global_batch_size="
+                                 f"{t.global_batch_size}; choose a batch size that divides "
+                                 f"{t.global_batch_size // self.dp} or change train.global_batch_size")
+            accumulation = t.global_batch_size // per_step
+            if accumulation != self.accumulation:
+                self.logger.info("batch size %d per rank: %d accumulation micro-steps per optimizer step", batch_size,
+                              accumulation)
+                self.accumulation = accumulation
+        dataloader_kwargs.setdefault("num_workers", self.config.data.num_workers)
+        if self.device.type == "cuda":
+            dataloader_kwargs.setdefault("pin_memory", True)
+        loader = DistributedLoader(data, batch_size, dp_rank=self.dp_rank, dp_size=self.dp, accumulation=accumulation,
+                                   seed=t.seed if seed is None else seed, shuffle=shuffle,
+                                   drop_last=shuffle if drop_last is None else drop_last, collate_fn=collate_fn,
+                                   **dataloader_kwargs)
+        return loader if self.device.type == "cpu" else DeviceLoader(loader, self)
+
+    def to_device(self, batch: Any) -> Any:
+        """``batch`` (tensors in tuples, lists, dicts) moved to this rank's device."""
+        if isinstance(batch, torch.Tensor):
+            return batch.to(self.device, non_blocking=True)
+        if isinstance(batch, dict):
+            return {k: self.to_device(v) for k, v in batch.items()}
+        if isinstance(batch, list | tuple):
+            moved = [self.to_device(v) for v in batch]
+            return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
+        if hasattr(batch, "to") and callable(batch.to):  # a transformers BatchEncoding
+            return batch.to(self.device)
+        return batch
+
+    # -- one step ----------------------------------------------------------------------------------
+    def _require_layout(self) -> Layout:
+        if self.layout is None:
+            raise PlaitError("call p.setup(model, ...) first")
+        return self.layout
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True when the next ``backward`` is the last micro-step of the accumulation window."""
+        return self._micro % self.accumulation == self.accumulation - 1
+
+    def _begin_micro(self) -> bool:
+        """Bookkeeping before a micro-step's backward; returns whether it ends the window."""
+        if self._micro and self._micro % self.accumulation == 0:
+            raise PlaitError(f"backward() ran {self._micro} times without step(): call p.step() after every "
+                             f"backward (it steps once every {self.accumulation} micro-steps)")
+        final = self.sync_gradients
+        self._require_layout().set_sync(final)
+        return final
+
+    def _end_micro(self, loss: torch.Tensor) -> None:
+        self._micro += 1
+        self._window_loss.append(loss.detach().float().reshape(()).cpu())
+        self._require_layout().set_sync(self.sync_gradients)  # DDP reads it in the next forward
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's ``loss`` (a scalar): scaled by loss scale / accumulation, with
+        gradient communication only on the last micro-step of the window."""
+        layout = self._require_layout()
+        if layout.pipelined:
+            raise PlaitError("with parallel.pp > 1 forward and backward interleave over pipeline micro-batches: "
+                             "use loss = p.forward_backward(model, batch) instead of model(...) and p.backward")
+        self.backward_checks(loss)
+        with layout.context():
+            self._backward(loss)
+
+    @staticmethod
+    def backward_checks(loss: Any) -> None:
+        """A clear error for a loss that cannot be backpropagated: not a scalar, or not from the model."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise PlaitError(f"backward() needs a scalar loss; got {shape}. Reduce it first (loss.mean()), or "
+                             "check the loss function returns one number per batch")
+        if not loss.requires_grad:
+            raise PlaitError("the loss does not require grad: compute it from the model returned by setup(), "
+                             "outside torch.no_grad()")
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self._begin_micro()
+        t0 = time.perf_counter()
+        (loss * (self.scaler.scale / self.accumulation)).backward()
+        self._times["backward_s"] += time.perf_counter() - t0
+        self._end_micro(loss)
+
+    def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Any = None) -> torch.Tensor:
+        """Forward and backward of one micro-batch with ``loss_fn`` (default: the one given to setup,
+        else inferred from the batch); returns this micro-batch's loss, detached. Works for every layout,
+        pipeline parallelism included (where it returns 0 on ranks without the last stage)."""
+        layout = self._require_layout()
+        loss = self._loss_for(model, batch, loss_fn)
+        batch = self.to_device(batch)
+        if layout.pipelined:
+            self._begin_micro()
+            t0 = time.perf_counter()
+            with autocast(self.config.train.precision, self.device):
+                value = layout.forward_backward(batch, self.scaler.scale / self.accumulation)
+            self._times["backward_s"] += time.perf_counter() - t0  # interleaved: all of it counts as backward
+            self._end_micro(value)
+            return value
+        with layout.context():
+            t0 = time.perf_counter()
+            out = loss(model, batch)
+            self._times["forward_s"] += time.perf_counter() - t0
+            self.backward_checks(out)
+            self._backward(out)
+        return out.detach()
+
+    def _loss_for(self, model: nn.Module, batch: Any, loss_fn: Any) -> Loss:
+        loss = resolve_loss(loss_fn) if loss_fn is not None else self.loss
+        if loss is None:
+            loss = self.loss = infer_loss(model, batch)
+            self.logger.info("loss: %s (inferred from the first batch)", loss.name)
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, batch: Any, loss_fn: Any = None) -> torch.Tensor:
+        """Mean loss of one batch without gradients (float64 scalar on the CPU), the same on every rank of
+        a model replica (pipeline: the last stage's loss brought to every stage)."""
+        from plait.parallel.tensor import local_value
+
+        layout = self._require_layout()
+        loss = self._loss_for(model, batch, loss_fn)
+        batch = self.to_device(batch)
+        with autocast(self.config.train.precision, self.device), layout.context():
+            value = layout.evaluate(batch) if layout.pipelined else loss(model, batch)
+        return layout.reduce_loss(local_value(value).detach().double().cpu().reshape(()))
+
+    def _start_step(self) -> None:
+        """Open the next step: phase, comm counters, and the torch-collective counter when it counts."""
+        self.comm.stats.reset()
+        self.comm.step = self.steps + 1  # named by a collective timeout
+        self.watchdog.enter(self.steps + 1, "forward/backward")
+        layout = self.layout
+        mode = self.config.observe.count_torch_collectives if layout is not None and layout.torch_collectives else "off"
+        if mode == "every_step" or (mode == "first_step" and self._torch_bytes is None):
+            self._counter = TorchCollectiveCounter(CommStats())
+            self._counter.__enter__()
+
+    def step(self) -> StepInfo | None:
+        """At the end of an accumulation window: wait for gradient sync, unscale, clip (``optim.grad_clip``),
+        skip the update if the gradients hold NaN/inf, optimizer step, scheduler step, zero grads. Returns
+        the step's ``StepInfo``; None between boundaries."""
+        layout = self._require_layout()
+        if self._micro == 0 or self._micro % self.accumulation:
+            return None
+        self._micro = 0
+        t0 = time.perf_counter()
+        layout.finish()
+        exposed = time.perf_counter() - t0
+        self.watchdog.enter(self.steps + 1, "optimizer")
+        t1 = time.perf_counter()
+        self.scaler.unscale(layout.grads())
+        clip = self.config.optim.grad_clip if self.config.optim.grad_clip > 0 else float("inf")
+        norm = layout.clip_grad_norm(clip)
+        finite = math.isfinite(norm)
+        target = layout.scheduler_target()
+        lr = float(target.param_groups[0]["lr"]) if target is not None and target.param_groups else float("nan")
+        if finite:
+            if not self.memory and _has_state(layout.optimizer):
+                # Parameters, reduced gradients and optimizer states all exist only here, from the
+                # second update on: measure what this rank holds once.
+                from plait.plan.memory import measure_model_state_bytes
+
+                self.memory = measure_model_state_bytes(layout.model, layout.optimizer)
+            layout.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        else:
+            self.skipped_steps += 1
+            self.logger.warning("step %d: gradient norm is %s; update skipped", self.steps + 1, norm)
+        self.scaler.update(not finite)
+        layout.after_step()
+        layout.zero_grad()
+        now = time.perf_counter()
+        info = self._finish_step(norm, not finite, lr, exposed, now - t1, now - self._boundary_t)
+        self._boundary_t = now
+        self._start_step()
+        return info
+
+    def _finish_step(self, norm: float, skipped: bool, lr: float, exposed: float, optimizer_s: float,
+                     step_s: float) -> StepInfo:
+        self.steps += 1
+        stats = self.comm.stats
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self._torch_bytes = self._counter.stats.bytes_sent
+            self._counter = None
+        if self._torch_bytes is not None:
+            stats.bytes_sent += self._torch_bytes
+        losses = self._window_loss
+        # The pipeline's loss exists on the last stage only: summed over the pp group, every stage has it.
+        loss = float(self.layout.reduce_loss(torch.stack(losses).mean())) if losses else float("nan")
+        self._window_loss = []
+        info = StepInfo(step=self.steps, loss=loss, grad_norm=norm, skipped=skipped, lr=lr,
+                        comm_bytes=stats.bytes_sent, comm_wait_s=stats.wait_s, comm_exposed_s=exposed,
+                        optimizer_s=optimizer_s, step_s=step_s, **self._times)
+        self._times = {"forward_s": 0.0, "backward_s": 0.0}
+        if self.auto is not None and self.auto.observe(self.steps, exposed, step_s, stats.bytes_sent, stats.wait_s):
+            decision = self.auto.decide(self.comm, self.topology.dp_group)
+            self.logger.info("comm.compress=auto after step %d: %s", self.steps, decision["reason"])
+        return info
+
+    # -- small collectives --------------------------------------------------------------------------
+    def reduce(self, value: float | torch.Tensor, op: str = "mean", over: str = "dp") -> Any:
+        """``value`` summed or averaged over the data-parallel ranks (``over="dp"``) or all ranks
+        (``"world"``); a float for a float. Every rank of the group must call it."""
+        if op not in ("mean", "sum") or over not in ("dp", "world"):
+            raise PlaitError("reduce(op='mean'|'sum', over='dp'|'world')")
+        t = torch.as_tensor(value, dtype=torch.float64).clone().reshape(-1)
+        size = self.dp if over == "dp" else self.world_size
+        if size > 1:
+            self.comm.all_reduce_sum(t, self.topology.dp_group if over == "dp" else None, name=f"reduce over {over}")
+        if op == "mean":
+            t /= size
+        if isinstance(value, torch.Tensor):
+            return t.reshape(value.shape)
+        return float(t[0])
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    # -- state -------------------------------------------------------------------------------------
+    def save(self, path: str | Path, *, model: nn.Module | None = None, optimizer: Any = None,
+             scheduler: Any = None, dataloader: Any = None, extra: dict[str, Any] | None = None) -> Path:
+        """Save a complete, reshardable checkpoint at ``path`` (collective: every rank calls it).
+
+        Holds the model and optimizer state (DCP shards keyed by the single-process model's names, so
+        it loads at another world size or layout), the scheduler, the loader's position, the loss scale,
+        every rank's RNG and compressor residuals, and ``extra`` (JSON). Written to ``path.tmp`` and
+        renamed when complete: a crash never leaves a half checkpoint at ``path``.
+        """
+        from plait.train.checkpoint import save_state
+
+        layout = self._check_objects(model, optimizer)
+        self.phase("checkpoint save")
+        shared = {"scheduler": scheduler_state(scheduler or self.scheduler),
+                  "dataloader": dataloader.state_dict() if dataloader is not None else None,
+                  "scaler": self.scaler.state_dict(), "steps": self.steps, "skipped_steps": self.skipped_steps,
+                  "micro": self._micro, "param_groups": _hyperparameters(layout.scheduler_target()),
+                  "auto": self.auto.state_dict() if self.auto is not None else None}
+        meta = {"extra": extra or {}, "world_size": self.world_size, "dp": self.dp,
+                "layout": self._kinds() or "single process", "steps": self.steps}
+        rank_state = {"comm": self.comm.state_dict()}
+        out = save_state(Path(path), layout, meta, self.rank, rank_state, shared)
+        self.logger.info("checkpoint saved: %s", out)
+        self.watchdog.enter(self.steps + 1, "forward/backward")
+        return out
+
+    def load(self, path: str | Path, *, model: nn.Module | None = None, optimizer: Any = None,
+             scheduler: Any = None, dataloader: Any = None) -> dict[str, Any]:
+        """Load a checkpoint written by ``save`` (at any world size or layout) into this run's objects;
+        returns its ``extra``. Collective: every rank calls it."""
+        from plait.train.checkpoint import load_state
+
+        layout = self._check_objects(model, optimizer)
+        self.phase("checkpoint load")
+        meta_path = Path(path) / "meta.json"
+        same_world = True
+        if meta_path.is_file():
+            import json
+
+            same_world = json.loads(meta_path.read_text()).get("world_size") == self.world_size
+        meta, rank_state, shared = load_state(Path(path), layout, self.rank, restore_rank=same_world)
+        _set_hyperparameters(layout.scheduler_target(), shared.get("param_groups"))
+        sched = scheduler or self.scheduler
+        if sched is not None and shared.get("scheduler") is not None:
+            sched.load_state_dict(shared["scheduler"])
+            if hasattr(sched, "get_last_lr"):  # the optimizer's lr is the one the schedule reached
+                for g, lr in zip(layout.scheduler_target().param_groups, sched.get_last_lr(), strict=False):
+                    g["lr"] = lr
+        if dataloader is not None:
+            if shared.get("dataloader") is None:
+                raise PlaitError(f"{path} holds no data-loader position (it was saved without dataloader=)")
+            dataloader.load_state_dict(shared["dataloader"])
+        self.scaler.load_state_dict(shared["scaler"])
+        self.steps, self.skipped_steps = int(shared["steps"]), int(shared["skipped_steps"])
+        if rank_state is not None:  # compressor residuals: the resumed run continues exactly
+            self.comm.load_state_dict(rank_state["comm"])
+        elif not same_world:
+            self.logger.info("checkpoint saved at world size %s, loading at %d: per-rank RNG and compressor "
+                          "residuals start fresh", meta.get("world_size"), self.world_size)
+        if self.auto is not None and shared.get("auto") is not None:
+            self.auto.load_state_dict(shared["auto"])
+        self.logger.info("loaded %s (step %d)", path, self.steps)
+        self._start_step()
+        return meta.get("extra", {})
+
+    def _check_objects(self, model: Any, optimizer: Any) -> Layout:
+        layout = self._require_layout()
+        if model is not None and model is not layout.model:
+            raise PlaitError("save/load got a model other than the one setup() returned; pass that one")
+        if optimizer is not None and optimizer is not layout.optimizer:
+            raise PlaitError("save/load got an optimizer other than the one setup() returned; pass that one")
+        return layout
+
+    def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The whole model's weights under its single-process names, unsharded, on the CPU, on every rank
+        (collective: gathers FSDP, tensor-parallel and pipeline shards)."""
+        layout = self._check_objects(model, None)
+        self.phase("export")
+        return {k: v.detach().cpu() for k, v in layout.full_model_state().items()}
+
+    def export(self, model: nn.Module | None, path: str | Path) -> Path:
+        """Write the full weights as safetensors at ``path`` (rank 0 writes; every rank calls it)."""
+        from plait.train.export import export_safetensors
+
+        full = self.full_state_dict(model)
+        if self.is_main:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            export_safetensors(full, Path(path))
+        self.barrier()
+        return Path(path)
+
+    # -- metrics -----------------------------------------------------------------------------------
+    def log(self, record: dict[str, Any], step: int | None = None) -> None:
+        """Record metrics (rank 0): a line of ``metrics.jsonl``, TensorBoard scalars, the progress bar.
+        ``step`` defaults to ``record["step"]``, else the optimizer steps taken."""
+        if not self.is_main:
+            return
+        from plait.observe.metrics import MetricsWriter, ProgressBar
+
+        rec = {"step": step if step is not None else record.get("step", self.steps), **record}
+        if self._metrics is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._metrics = MetricsWriter(self.run_dir, True, self.config.observe.tensorboard)
+        self._metrics.log(rec)
+        if self._bar is None and self.config.observe.progress:
+            self._bar = ProgressBar(self.config.train.steps, 0, True)
+        if self._bar is not None and "loss" in rec:
+            self._bar.update(int(rec["step"]), float(rec["loss"]), float(rec.get("tokens_per_s", 0.0)))
+
+    def report(self) -> dict[str, Any]:
+        """Layout results (pipeline bubble, memory predicted against measured, communication) for a
+        summary; collective."""
+        from plait.plan.memory import peak_memory_bytes, predict_model_state_bytes
+
+        layout = self._require_layout()
+        self.phase("report")
+        out: dict[str, Any] = dict(layout.report(self.run_dir if self.is_main else None))
+        precision = "bf16" if self.config.train.precision != "fp32" else "fp32"
+        num_params = sum(p.numel() for p in _unique_params(layout))
+        predicted = None
+        if self.topology.degree("tp") == self.topology.degree("pp") == 1:  # the model covers data parallel + ZeRO
+            predicted = predict_model_state_bytes(num_params, stage=self.config.parallel.zero, dp=self.dp,
+                                                  precision=precision)
+        mine = {"predicted": predicted, "measured": self.memory or None, "peak_bytes": peak_memory_bytes(self.device)}
+        ranks = [mine]
+        if self.world_size > 1:
+            ranks = [None] * self.world_size
+            dist.all_gather_object(ranks, mine)
+        out["memory"] = {
+            "predicted_model_state_bytes": [r["predicted"]["total"] if r["predicted"] else None for r in ranks],
+            "measured_model_state_bytes": [r["measured"]["total"] if r["measured"] else None for r in ranks],
+            "peak_bytes": [r["peak_bytes"] for r in ranks], "breakdown": ranks}
+        c = self.config.comm
+        out["comm"] = {"allreduce": c.allreduce, "compress": c.compress, "compress_active": self.comm.compress_active}
+        if self.auto is not None:
+            out["comm_auto"] = self.auto.decision or {
+                "decision": "undecided", "reason": f"the run ended before the measurement window "
+                f"(steps {self.auto.first}-{self.auto.last}) was complete; compression stayed off"}
+        return out
+
+    def explain(self, exc: BaseException) -> BaseException:
+        """A backend timeout or lost peer as the error naming the ranks that did not arrive."""
+        return self.watchdog.explain(exc)
+
+    def close(self) -> None:
+        """Stop the watchdog and the comm thread, close metrics files; the process group stays."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self._counter = None
+        if self._bar is not None:
+            self._bar.close()
+        if self._metrics is not None:
+            self._metrics.close()
+        self.watchdog.close()
+        self.comm.close()
+
+    def __enter__(self) -> Plait:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class DeviceLoader:
+    """A ``DistributedLoader`` whose batches are moved to the training device."""
+
+    def __init__(self, loader: Any, p: Plait) -> None:
+        self.loader, self._p = loader, p
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            yield self._p.to_device(batch)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def state_dict(self) -> dict[str, int]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.loader.load_state_dict(state)
+
+
+def _single_names(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n.replace("_checkpoint_wrapped_module.", ""), p) for n, p in model.named_parameters()]
+
+
+def _unique_params(layout: Layout) -> list[nn.Parameter]:
+    return list({id(p): p for _, p in layout.named_parameters()}.values())
+
+
+def _has_state(optimizer: Any) -> bool:
+    return bool(getattr(optimizer, "state", None))
+
+
+def _checked_factory(factory: Callable[[nn.Module], Any]) -> Callable[[nn.Module], Any]:
+    def build(model: nn.Module) -> Any:
+        opt = factory(model)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise PlaitError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
+        return opt
+    return build
+
+
+def _rebuild_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[nn.Module], Any]:
+    """A factory rebuilding ``optimizer`` (no state yet) over the parallelized model: same class,
+    hyperparameters and groups, each parameter found again by its single-process name."""
+    names = {id(p): n for n, p in _single_names(model)}
+    groups = []
+    for g in optimizer.param_groups:
+        missing = [p for p in g["params"] if id(p) not in names]
+        if missing:
+            raise PlaitError("the optimizer passed to setup() holds parameters that are not the model's; build it "
+                             "over model.parameters(), or pass a factory")
+        groups.append(({k: v for k, v in g.items() if k != "params"}, [names[id(p)] for p in g["params"]]))
+    from plait.parallel.layout import optimizer_recipe
+
+    cls, defaults, _ = optimizer_recipe(optimizer)
+
+    def build(wrapped: nn.Module) -> Any:
+        by_name: dict[str, list[nn.Parameter]] = {}
+        for n, p in _single_names(wrapped):
+            by_name.setdefault(n, []).append(p)
+        new_groups = [{**hp, "params": [p for n in ns for p in by_name.get(n, [])]} for hp, ns in groups]
+        return cls([g for g in new_groups if g["params"]], **defaults)
+    return build
+
+
+def scheduler_state(scheduler: Any) -> dict[str, Any] | None:
+    return scheduler.state_dict() if scheduler is not None else None
+
+
+def _hyperparameters(optimizer: Any) -> list[dict[str, Any]] | None:
+    if optimizer is None:
+        return None
+    keep = (int, float, bool, str, tuple, type(None))
+    return [{k: v for k, v in g.items() if k != "params" and isinstance(v, keep)} for g in optimizer.param_groups]
+
+
+def _set_hyperparameters(optimizer: Any, saved: list[dict[str, Any]] | None) -> None:
+    """The saved learning rate and other hyperparameters onto the optimizer's groups (as torch's
+    ``Optimizer.load_state_dict`` restores them); skipped when the group count changed."""
+    if optimizer is None or not saved or len(saved) != len(optimizer.param_groups):
+        return
+    for group, values in zip(optimizer.param_groups, saved, strict=True):
+        group.update(values)
+

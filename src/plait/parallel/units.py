@@ -1,0 +1,53 @@
+"""A model's repeated blocks: the units FSDP shards one at a time and activation checkpointing recomputes.
+
+Found without knowing the model: a Hugging Face model names its block classes in
+``_no_split_modules`` (``LlamaDecoderLayer``, ``GPT2Block``); otherwise the blocks are the children of
+the ``nn.ModuleList`` or ``nn.Sequential`` holding the most parameters with at least two children
+(plait's GPT and CNN ``blocks``, a Sequential model's layers). A model without either has no blocks.
+Batch normalisation: the running statistics of a model's BatchNorm layers, for averaging over ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _numel(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the model's repeated blocks in order; empty when it has none."""
+    classes = set(getattr(model, "_no_split_modules", None) or [])
+    if classes:
+        found = [(n, m) for n, m in model.named_modules() if type(m).__name__ in classes]
+        if found:
+            return found
+    best: tuple[int, str, nn.Module] | None = None
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList | nn.Sequential) and len(m) >= 2:
+            size = _numel(m)
+            if size and (best is None or size > best[0]):
+                best = (size, name, m)
+    if best is None:
+        return []
+    _, name, container = best
+    prefix = f"{name}." if name else ""
+    return [(f"{prefix}{k}", child) for k, child in container.named_children()]
+
+
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` where the submodule ``name`` is (works for ModuleList/Sequential children too)."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def batchnorm_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The floating-point running statistics of every BatchNorm layer that tracks them."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+            out += [b for b in (m.running_mean, m.running_var) if b is not None and b.is_floating_point()]
+    return out

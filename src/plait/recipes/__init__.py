@@ -1,0 +1,186 @@
+"""Models and data sets by name: the registry ``plait train`` resolves ``model.name`` and ``data.name`` in.
+
+Built in: the ``gpt`` model with the ``text`` data (plait's GPT on the embedded corpus, the default)
+and the ``cnn`` model with the ``digits`` data (a ResNet-style classifier on scikit-learn's handwritten
+digits). ``model.factory`` / ``data.factory`` name any ``package.module:function`` instead, called with
+``[model.args]`` / ``[data.args]``. Third-party packages register models and data sets under the
+``plait.models`` and ``plait.data`` entry-point groups (``name = "package.module:function"``), which
+are called like factories.
+
+A data factory returns the training set, a ``(train, eval)`` pair, or a dict with ``"train"`` and
+``"eval"``; each a map-style data set (or a DataLoader, used as it is when its sampler is rank-aware).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from plait.config import Config, ConfigError
+from plait.train.losses import import_object
+
+
+@dataclass
+class ModelRecipe:
+    """A registered model: how to build it from the config, its default data set and loss, and the
+    checks of its shape against the layout that can run before any worker starts."""
+
+    build: Callable[[Config], nn.Module]
+    data: str = ""
+    loss: str = "auto"
+    check: Callable[[Config, dict[str, int]], None] | None = None
+    describe: str = ""
+
+
+@dataclass
+class DataRecipe:
+    """A registered data set: ``build(cfg)`` returns ``(train, eval or None)``."""
+
+    build: Callable[[Config], tuple[Any, Any]]
+    check: Callable[[Config], None] | None = None
+    describe: str = ""
+
+
+MODELS: dict[str, ModelRecipe] = {}
+DATA: dict[str, DataRecipe] = {}
+
+
+def register_model(name: str, recipe: ModelRecipe) -> None:
+    MODELS[name] = recipe
+
+
+def register_data(name: str, recipe: DataRecipe) -> None:
+    DATA[name] = recipe
+
+
+def _entry_points(group: str) -> dict[str, importlib.metadata.EntryPoint]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=group)}
+
+
+def _import_path() -> None:
+    """Factories in the working directory import like ``python -m`` would find them."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.append(cwd)
+
+
+def _call(fn: Callable, args: Mapping[str, Any], what: str) -> Any:
+    """Call a user's factory with ``args``; its own error is shown, attributed to it."""
+    import inspect
+
+    try:
+        inspect.signature(fn).bind(**args)
+    except TypeError as e:
+        raise ConfigError(f"{what} cannot be called with {dict(args)}: {e}") from None
+    except ValueError:  # no signature to check (a builtin): let the call decide
+        pass
+    try:
+        return fn(**args)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"{what} raised {type(e).__name__}: {e}") from e
+
+
+def model_recipe(cfg: Config) -> ModelRecipe | None:
+    """The registered recipe behind ``model.name`` (None when ``model.factory`` is set)."""
+    if cfg.model.factory:
+        return None
+    name = cfg.model.name
+    if name in MODELS:
+        return MODELS[name]
+    eps = _entry_points("plait.models")
+    if name in eps:
+        ep = eps[name]
+        return ModelRecipe(build=lambda c, ep=ep: _call(ep.load(), c.model.args, f"model.name={name} ({ep.value})"))
+    known = sorted(set(MODELS) | set(eps))
+    raise ConfigError(f"unknown model.name {name!r}; registered models: {', '.join(known)}; or set model.factory "
+                      "to package.module:function")
+
+
+def build_model(cfg: Config) -> nn.Module:
+    """The model named by ``model.factory`` or ``model.name``."""
+    recipe = model_recipe(cfg)
+    if recipe is not None:
+        model = recipe.build(cfg)
+        what = f"model.name={cfg.model.name}"
+    else:
+        _import_path()
+        fn = import_object(cfg.model.factory, "model.factory")
+        what = f"model.factory={cfg.model.factory}"
+        model = _call(fn, cfg.model.args, what)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{what} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def data_name(cfg: Config) -> str:
+    """``data.name``, or the model's own data set when it is empty."""
+    if cfg.data.name:
+        return cfg.data.name
+    recipe = model_recipe(cfg)
+    if recipe is None or not recipe.data:
+        raise ConfigError("this model has no default data set: set data.name (text, digits) or data.factory")
+    return recipe.data
+
+
+def build_data(cfg: Config) -> tuple[Any, Any]:
+    """``(train, eval or None)`` from ``data.factory`` or the registered data set."""
+    if cfg.data.factory:
+        _import_path()
+        what = f"data.factory={cfg.data.factory}"
+        out = _call(import_object(cfg.data.factory, "data.factory"), cfg.data.args, what)
+    else:
+        name = data_name(cfg)
+        if name in DATA:
+            return DATA[name].build(cfg)
+        eps = _entry_points("plait.data")
+        if name not in eps:
+            raise ConfigError(f"unknown data.name {name!r}; registered data sets: "
+                              f"{', '.join(sorted(set(DATA) | set(eps)))}; or set data.factory")
+        what = f"data.name={name} ({eps[name].value})"
+        out = _call(eps[name].load(), cfg.data.args, what)
+    if isinstance(out, Mapping):
+        if "train" not in out:
+            raise ConfigError(f"{what} returned a dict without 'train'")
+        return out["train"], out.get("eval")
+    if isinstance(out, tuple):
+        if len(out) != 2:
+            raise ConfigError(f"{what} returned a tuple of {len(out)}; return train or (train, eval)")
+        return out
+    return out, None
+
+
+def default_loss(cfg: Config) -> str:
+    """``train.loss``, with ``auto`` resolved to the registered model's loss where it has one."""
+    if cfg.train.loss != "auto":
+        return cfg.train.loss
+    recipe = model_recipe(cfg)
+    return recipe.loss if recipe is not None else "auto"
+
+
+def check_recipe(cfg: Config, degrees: dict[str, int]) -> None:
+    """The registered model's and data set's own checks (shape against layout, files), before launch."""
+    recipe = model_recipe(cfg)
+    if recipe is not None and recipe.check is not None:
+        recipe.check(cfg, degrees)
+    if not cfg.data.factory:
+        name = cfg.data.name or (recipe.data if recipe is not None else "")
+        if name in DATA and DATA[name].check is not None:
+            DATA[name].check(cfg)
+
+
+def _register_builtins() -> None:
+    from plait.recipes import cnn, gpt
+
+    gpt.register()
+    cnn.register()
+
+
+_register_builtins()
