@@ -46,12 +46,13 @@ def init_worker(rank: int, world: int, port: int) -> None:
 
 def make_trainer(overrides: list[str], run_dir: Path, world: int) -> Any:
     """A ``Trainer`` from ``COMMON + overrides``, validated for ``world`` ranks, writing into ``run_dir``."""
-    from plait.config import load_config, validate
+    from plait.config import load_config
     from plait.train.trainer import Trainer
+    from plait.validate import validate
 
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = validate(load_config(overrides=COMMON + overrides + [f"--run.dir={run_dir}"]), world)
-    return Trainer(cfg, run_dir)
+    return Trainer.from_config(cfg)
 
 
 def machine_info() -> dict[str, str]:

@@ -112,11 +112,12 @@ def _measure(engine, ds_opt, sampler, steps: int) -> dict:
 def run_rank(rank: int, world: int, stage: int, overrides: list[str], warmup: int, steps: int) -> dict:
     import deepspeed
 
-    from plait.config import load_config, validate
+    from plait.config import load_config
     from plait.data.corpus import load_splits
     from plait.data.sampler import WindowSampler
     from plait.models.gpt import GPT
     from plait.train.optim import lr_at, param_groups
+    from plait.validate import validate
 
     os.environ.update(LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     deepspeed.init_distributed(dist_backend="gloo")  # the gloo group _common started is reused

@@ -31,11 +31,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from plait.comm.collectives import ring_allreduce_bytes
-from plait.config import load_config, validate
+from plait.config import load_config
 from plait.data.corpus import load_splits
 from plait.data.sampler import WindowSampler, validation_batches
 from plait.models.gpt import GPT
 from plait.train.optim import build_optimizer, lr_at
+from plait.validate import validate
 
 
 def _hook_state(ddp: DistributedDataParallel, hook: str, rank: int, start_iter: int):

@@ -76,7 +76,8 @@ def _build(impl: str, cfg, batch: tuple[torch.Tensor, torch.Tensor], rank: int) 
     from plait.comm.collectives import Comm
     from plait.models.gpt import GPT
     from plait.parallel.data import GradReducer
-    from plait.parallel.tensor import apply_tensor_parallel, local_value, loss_context
+    from plait.parallel.tensor import local_value, loss_context
+    from plait.recipes.gpt import apply_tensor_parallel
 
     torch.manual_seed(0)
     model = GPT(cfg)

@@ -207,9 +207,10 @@ def run_impl(rank: int, world: int, impl: str, dp_overrides: list[str], root: st
     if impl in PLAIT:
         trainer = _common.make_trainer(dp_overrides + [f"--parallel.zero={impl[-1]}"], Path(root, impl), world)
     else:
-        from plait.config import load_config, validate
+        from plait.config import load_config
         from plait.data.corpus import load_splits
         from plait.data.sampler import WindowSampler
+        from plait.validate import validate
 
         cfg = validate(load_config(overrides=_common.COMMON + dp_overrides), world)
         t = cfg.train

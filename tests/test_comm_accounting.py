@@ -9,7 +9,8 @@ from pathlib import Path
 
 from helpers import run_ranks
 
-from plait.config import load_config, validate
+from plait.config import load_config
+from plait.validate import validate
 
 
 def _unit(rank: int, world: int) -> dict:
@@ -81,7 +82,7 @@ def _train(rank: int, world: int, root: str, extra: list[str]) -> dict:
 
     cfg = validate(load_config(overrides=BASE + extra + [f"--run.dir={root}"]), world)
     Path(root).mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg, Path(root))
+    trainer = Trainer.from_config(cfg)
     trainer.fit()
     n_params = sum(p.numel() for p in trainer.layout.model.parameters())
     rows = [json.loads(x) for x in Path(root, "metrics.jsonl").read_text().splitlines()]

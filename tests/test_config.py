@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from plait.config import Config, ConfigError, load_config, to_toml, validate
+from plait.config import Config, ConfigError, load_config, to_toml
+from plait.validate import validate
 
 
 def test_defaults_validate_for_two_workers() -> None:

@@ -17,7 +17,8 @@ import pytest
 from helpers import assert_same_training, run_ranks
 from safetensors.torch import load_file
 
-from plait.config import load_config, validate
+from plait.config import load_config
+from plait.validate import validate
 
 BASE = [
     "--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
@@ -47,7 +48,7 @@ def _train_variants(rank: int, world: int, root: str, variants: dict[str, list[s
         cfg = validate(load_config(overrides=BASE + extra + [f"--run.dir={root}/{name}"]), world)
         run_dir = Path(cfg.run.dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        trainer = Trainer(cfg, run_dir)
+        trainer = Trainer.from_config(cfg)
         if name == "plait_small_buckets":
             out["num_buckets"] = len(trainer.layout.engine.buckets)
         trainer.fit()

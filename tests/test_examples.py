@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from plait.config import load_config, validate
+from plait.config import load_config
+from plait.validate import validate
 
 EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.toml"))
 

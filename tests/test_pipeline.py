@@ -74,7 +74,7 @@ def _train_pp(cfg, data, pp_group, schedule, microbatches, *, dp_group=None, cos
     from mp_common import allreduce_grads_mean, mean_over
 
     from plait.parallel.pipeline import build_pipeline
-    from plait.parallel.tensor import apply_tensor_parallel
+    from plait.recipes.gpt import apply_tensor_parallel
 
     model = make_model(cfg)
     if tp_mesh is not None:

@@ -20,15 +20,15 @@ from mp_common import (
 
 from plait.parallel.tensor import (
     TensorParallelError,
-    check_tensor_parallel,
     full_state_dict,
     local_value,
     loss_context,
 )
+from plait.recipes.gpt import check_tensor_parallel
 
 
 def _train_tp(cfg, data, tp_mesh, sp: bool, dp_group=None) -> tuple[list[float], object]:
-    from plait.parallel.tensor import apply_tensor_parallel
+    from plait.recipes.gpt import apply_tensor_parallel
 
     model = apply_tensor_parallel(make_model(cfg), tp_mesh, sequence_parallel=sp)
     assert model.head.weight is model.tok_emb.weight
@@ -50,7 +50,7 @@ def _train_tp(cfg, data, tp_mesh, sp: bool, dp_group=None) -> tuple[list[float],
 def _activation_bytes(cfg, tp_mesh, sp: bool) -> int:
     """Live bytes saved for backward after one forward of a (B=4, T=16) batch."""
     from plait.parallel.memory import SavedTensorMeter
-    from plait.parallel.tensor import apply_tensor_parallel
+    from plait.recipes.gpt import apply_tensor_parallel
 
     model = apply_tensor_parallel(make_model(cfg), tp_mesh, sequence_parallel=sp)
     idx, tgt = batches(4, steps=1, seed=5)[0]

@@ -17,7 +17,8 @@ import torch
 from helpers import assert_same_training, run_ranks
 from safetensors.torch import load_file
 
-from plait.config import load_config, validate
+from plait.config import load_config
+from plait.validate import validate
 
 BASE = [
     "--model.n_layer=4", "--model.d_model=32", "--model.n_head=4", "--model.seq_len=16",
@@ -56,7 +57,7 @@ def _train(rank: int, world: int, root: str, variants: dict[str, list[str]], res
     for name, extra in variants.items():
         cfg = validate(load_config(overrides=BASE + extra + [f"--run.dir={root}/{name}"]), world)
         Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-        trainer = Trainer(cfg, Path(cfg.run.dir))
+        trainer = Trainer.from_config(cfg)
         if resume:
             trainer.resume()
         trainer.fit()

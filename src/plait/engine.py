@@ -164,6 +164,7 @@ class Plait:
         self._metrics: Any = None
         self._bar: Any = None
         self._closed = False
+        self._in_window = False
 
     # -- where things go ---------------------------------------------------------------------------
     @property
@@ -209,6 +210,7 @@ class Plait:
         """Name what every rank does next (``"evaluate"``, ``"checkpoint save"``): a rank that waits too
         long for its peers names the phase and the ranks that did not arrive."""
         self.watchdog.enter(self.steps, name)
+        self._in_window = False
 
     # -- setup -------------------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: Any = None, scheduler: Callable[[Any], Any] | None = None, *,
@@ -411,8 +413,15 @@ class Plait:
         """True when the next ``backward`` is the last micro-step of the accumulation window."""
         return self._micro % self.accumulation == self.accumulation - 1
 
+    def _enter_window(self) -> None:
+        """The watchdog's phase is this step's forward/backward (after another phase ran between steps)."""
+        if not self._in_window:
+            self._in_window = True
+            self.watchdog.enter(self.steps + 1, "forward/backward")
+
     def _begin_micro(self) -> bool:
         """Bookkeeping before a micro-step's backward; returns whether it ends the window."""
+        self._enter_window()
         if self._micro and self._micro % self.accumulation == 0:
             raise PlaitError(f"backward() ran {self._micro} times without step(): call p.step() after every "
                              f"backward (it steps once every {self.accumulation} micro-steps)")
@@ -461,6 +470,7 @@ class Plait:
         layout = self._require_layout()
         loss = self._loss_for(model, batch, loss_fn)
         batch = self.to_device(batch)
+        self._enter_window()
         if layout.pipelined:
             self._begin_micro()
             t0 = time.perf_counter()
@@ -501,7 +511,8 @@ class Plait:
         """Open the next step: phase, comm counters, and the torch-collective counter when it counts."""
         self.comm.stats.reset()
         self.comm.step = self.steps + 1  # named by a collective timeout
-        self.watchdog.enter(self.steps + 1, "forward/backward")
+        self._in_window = False
+        self._enter_window()
         layout = self.layout
         mode = self.config.observe.count_torch_collectives if layout is not None and layout.torch_collectives else "off"
         if mode == "every_step" or (mode == "first_step" and self._torch_bytes is None):
@@ -520,6 +531,7 @@ class Plait:
         layout.finish()
         exposed = time.perf_counter() - t0
         self.watchdog.enter(self.steps + 1, "optimizer")
+        self._in_window = False
         t1 = time.perf_counter()
         self.scaler.unscale(layout.grads())
         clip = self.config.optim.grad_clip if self.config.optim.grad_clip > 0 else float("inf")

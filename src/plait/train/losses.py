@@ -93,8 +93,9 @@ class CausalLMLoss(Loss):
             labels = batch.get("labels", batch["input_ids"])
             target = torch.full_like(labels, IGNORE_INDEX)
             target[:, :-1] = labels[:, 1:]  # (B, T): position t predicts token t + 1
-            kwargs = {k: v for k, v in batch.items() if k != "labels"}
-            return (), kwargs, target
+            # input_ids positional (every causal LM takes it first): a pipeline's first stage needs it so
+            kwargs = {k: v for k, v in batch.items() if k not in ("labels", "input_ids")}
+            return (batch["input_ids"],), kwargs, target
         args, kwargs, target = default_split(batch)
         if target is None:  # a bare (B, T) tensor of token ids
             ids = args[0]

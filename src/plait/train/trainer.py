@@ -111,6 +111,23 @@ class Trainer:
             p.logger.info("data: %s, %d training samples", train.source, len(train))
         return cls(model, train, loss_fn=default_loss(cfg), eval_data=held_out, plait=p)
 
+    # -- the engine's parts, for inspection ---------------------------------------------------------
+    @property
+    def layout(self) -> Any:
+        return self.p.layout
+
+    @property
+    def comm(self) -> Any:
+        return self.p.comm
+
+    @property
+    def scaler(self) -> Any:
+        return self.p.scaler
+
+    @property
+    def memory(self) -> dict[str, int]:
+        return self.p.memory
+
     # -- data --------------------------------------------------------------------------------------
     def _peek(self) -> Any:
         """The first training micro-batch, without consuming it (loss inference, pipeline costs)."""
