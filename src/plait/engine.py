@@ -76,6 +76,23 @@ class StepInfo:
         return asdict(self)
 
 
+def _explained(method: Callable) -> Callable:
+    """A collective API method whose backend timeout or lost peer becomes the watchdog's error naming the
+    phase and the ranks that did not arrive (raised in the user's loop, where no trainer catches it)."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(self: Plait, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as e:
+            named = self.watchdog.explain(e)
+            if named is e:
+                raise
+            raise named from e
+    return wrapper
+
+
 def _config(config: Config | str | Path | None, sections: dict[str, Any]) -> Config:
     if isinstance(config, Config):
         base = config
@@ -213,6 +230,7 @@ class Plait:
         self._in_window = False
 
     # -- setup -------------------------------------------------------------------------------------
+    @_explained
     def setup(self, model: nn.Module, optimizer: Any = None, scheduler: Callable[[Any], Any] | None = None, *,
               tp_plan: dict[str, Any] | str | None = None, parallelize_fn: Callable | None = None,
               pp_split: list[str] | None = None, stage_fn: Callable | None = None, loss_fn: Any = None,
@@ -434,6 +452,7 @@ class Plait:
         self._window_loss.append(loss.detach().float().reshape(()).cpu())
         self._require_layout().set_sync(self.sync_gradients)  # DDP reads it in the next forward
 
+    @_explained
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's ``loss`` (a scalar): scaled by loss scale / accumulation, with
         gradient communication only on the last micro-step of the window."""
@@ -463,6 +482,7 @@ class Plait:
         self._times["backward_s"] += time.perf_counter() - t0
         self._end_micro(loss)
 
+    @_explained
     def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Any = None) -> torch.Tensor:
         """Forward and backward of one micro-batch with ``loss_fn`` (default: the one given to setup,
         else inferred from the batch); returns this micro-batch's loss, detached. Works for every layout,
@@ -494,6 +514,7 @@ class Plait:
             self.logger.info("loss: %s (inferred from the first batch)", loss.name)
         return loss
 
+    @_explained
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batch: Any, loss_fn: Any = None) -> torch.Tensor:
         """Mean loss of one batch without gradients (float64 scalar on the CPU), the same on every rank of
@@ -519,6 +540,7 @@ class Plait:
             self._counter = TorchCollectiveCounter(CommStats())
             self._counter.__enter__()
 
+    @_explained
     def step(self) -> StepInfo | None:
         """At the end of an accumulation window: wait for gradient sync, unscale, clip (``optim.grad_clip``),
         skip the update if the gradients hold NaN/inf, optimizer step, scheduler step, zero grads. Returns
@@ -585,6 +607,7 @@ class Plait:
         return info
 
     # -- small collectives --------------------------------------------------------------------------
+    @_explained
     def reduce(self, value: float | torch.Tensor, op: str = "mean", over: str = "dp") -> Any:
         """``value`` summed or averaged over the data-parallel ranks (``over="dp"``) or all ranks
         (``"world"``); a float for a float. Every rank of the group must call it."""
@@ -600,11 +623,13 @@ class Plait:
             return t.reshape(value.shape)
         return float(t[0])
 
+    @_explained
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
 
     # -- state -------------------------------------------------------------------------------------
+    @_explained
     def save(self, path: str | Path, *, model: nn.Module | None = None, optimizer: Any = None,
              scheduler: Any = None, dataloader: Any = None, extra: dict[str, Any] | None = None) -> Path:
         """Save a complete, reshardable checkpoint at ``path`` (collective: every rank calls it).
@@ -631,6 +656,7 @@ class Plait:
         self.watchdog.enter(self.steps + 1, "forward/backward")
         return out
 
+    @_explained
     def load(self, path: str | Path, *, model: nn.Module | None = None, optimizer: Any = None,
              scheduler: Any = None, dataloader: Any = None) -> dict[str, Any]:
         """Load a checkpoint written by ``save`` (at any world size or layout) into this run's objects;
@@ -678,6 +704,7 @@ class Plait:
             raise PlaitError("save/load got an optimizer other than the one setup() returned; pass that one")
         return layout
 
+    @_explained
     def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
         """The whole model's weights under its single-process names, unsharded, on the CPU, on every rank
         (collective: gathers FSDP, tensor-parallel and pipeline shards)."""
@@ -714,6 +741,7 @@ class Plait:
         if self._bar is not None and "loss" in rec:
             self._bar.update(int(rec["step"]), float(rec["loss"]), float(rec.get("tokens_per_s", 0.0)))
 
+    @_explained
     def report(self) -> dict[str, Any]:
         """Layout results (pipeline bubble, memory predicted against measured, communication) for a
         summary; collective."""

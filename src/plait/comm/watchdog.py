@@ -168,7 +168,11 @@ class StepWatchdog:
             self._thread.start()
 
     def close(self) -> None:
-        """Stop the thread (no stray thread after training); later ``enter`` calls do nothing."""
+        """Stop the thread (no stray thread after training); later ``enter`` calls do nothing. The last
+        record says this rank closed, so a peer still waiting names it as gone rather than as silent."""
+        if self.store is not None and not self._stop.is_set() and self._seq:
+            with contextlib.suppress(Exception):
+                self._publish(Record(self._seq, self._step, self._phase, "closed", ""))
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5 * self.interval_s + 5)
@@ -263,11 +267,13 @@ class StepWatchdog:
     def _culprits(self, recs: dict[int, Record | None]) -> str:
         latest = max((r.seq for r in recs.values() if r is not None), default=0)
         others = {r: x for r, x in recs.items() if r != self.rank}  # this rank knows it is waiting
-        behind = {r: "never started" if x is None else
+        behind = {r: "published no status (it never started, or exited before its first report)" if x is None else
+                  f"closed its Plait after step {x.step} '{x.phase}'" if x.state == "closed" else
                   f"last seen at step {x.step} '{x.phase}'" + (f" in {x.where}" if x.where else "")
                   for r, x in recs.items() if x is None or x.seq < latest}
-        busy = {r: f"busy at step {x.step} '{x.phase}' in {x.where}"
-                for r, x in others.items() if x is not None and x.seq == latest and x.state == "busy"}
+        busy = {r: f"busy at step {x.step} '{x.phase}' in {x.where}" if x.state == "busy" else
+                f"closed its Plait after step {x.step} '{x.phase}'"
+                for r, x in others.items() if x is not None and x.seq == latest and x.state in ("busy", "closed")}
         silent = {r: "published no status in this phase (its process may be frozen)"
                   for r, x in others.items() if x is not None and x.seq == latest and x.state == "running"}
         for found, verb in ((behind, "did not arrive"), (busy, "did not arrive"), (silent, "did not report")):

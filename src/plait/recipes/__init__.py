@@ -167,6 +167,10 @@ def default_loss(cfg: Config) -> str:
 
 def check_recipe(cfg: Config, degrees: dict[str, int]) -> None:
     """The registered model's and data set's own checks (shape against layout, files), before launch."""
+    for ref, what in ((cfg.model.factory, "model.factory"), (cfg.data.factory, "data.factory")):
+        if ref:  # importable now, before any worker starts (it is called in the workers)
+            _import_path()
+            import_object(ref, what)
     recipe = model_recipe(cfg)
     if recipe is not None and recipe.check is not None:
         recipe.check(cfg, degrees)
