@@ -175,7 +175,7 @@ def check_recipe(cfg: Config, degrees: dict[str, int]) -> None:
     if recipe is not None and recipe.check is not None:
         recipe.check(cfg, degrees)
     if not cfg.data.factory:
-        name = cfg.data.name or (recipe.data if recipe is not None else "")
+        name = data_name(cfg)
         if name in DATA and DATA[name].check is not None:
             DATA[name].check(cfg)
 
