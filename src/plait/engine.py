@@ -705,18 +705,19 @@ class Plait:
         return layout
 
     @_explained
-    def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, model: nn.Module | None = None, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The whole model's weights under its single-process names, unsharded, on the CPU, on every rank
-        (collective: gathers FSDP, tensor-parallel and pipeline shards)."""
+        (``rank0_only``: only rank 0's is sure to be filled, which spares the others the memory).
+        Collective: gathers FSDP, tensor-parallel and pipeline shards."""
         layout = self._check_objects(model, None)
         self.phase("export")
-        return {k: v.detach().cpu() for k, v in layout.full_model_state().items()}
+        return {k: v.detach().cpu() for k, v in layout.full_model_state(rank0_only).items()}
 
     def export(self, model: nn.Module | None, path: str | Path) -> Path:
         """Write the full weights as safetensors at ``path`` (rank 0 writes; every rank calls it)."""
         from plait.train.export import export_safetensors
 
-        full = self.full_state_dict(model)
+        full = self.full_state_dict(model, rank0_only=True)
         if self.is_main:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             export_safetensors(full, Path(path))

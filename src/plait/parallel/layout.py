@@ -175,8 +175,9 @@ class Layout:
         full = {"state": optim_sd["state"], "param_groups": self._param_groups}
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=full)
 
-    def full_model_state(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) weights, for export; every rank calls it."""
+    def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights under the single-process names; every rank calls it. With
+        ``rank0_only`` other ranks may get an empty dict (layouts that gather save the memory)."""
         return self.model.state_dict()
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -296,5 +297,6 @@ class FsdpLayout(Layout):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def full_model_state(self) -> dict[str, torch.Tensor]:
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        # cpu_offload: torch gathers the full tensors to rank 0's CPU memory only
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))

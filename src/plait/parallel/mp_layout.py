@@ -171,7 +171,7 @@ class TensorLayout(ModelParallelLayout):
     def model_state(self) -> dict:
         return self.model.state_dict()
 
-    def full_model_state(self) -> dict[str, torch.Tensor]:
+    def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         return full_state_dict(self.model)
 
 
@@ -352,7 +352,7 @@ class PipelineLayout(ModelParallelLayout):
     def model_state(self) -> dict:
         return self.runner.state_dict()
 
-    def full_model_state(self) -> dict[str, torch.Tensor]:
+    def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """Full weights gathered to every rank: stage entries all-gathered over pp, tp shards gathered."""
         mine = {k: local_value(v).detach().cpu() for k, v in self.runner.state_dict().items()}
         parts: list = [None] * self.topo.degree("pp")
