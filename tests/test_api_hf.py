@@ -51,6 +51,7 @@ CASES = {
     "tp-explicit": ("llama", {"tp": 2, "tp_plan": EXPLICIT_PLAN}, 8),
     "pp-gpipe": ("llama", {**PP, "pp_schedule": "gpipe"}, 8),
     "pp-1f1b": ("llama", {**PP, "pp_schedule": "1f1b"}, 8),
+    "pp-cost-balanced": ("llama", {"pp": 2, "microbatches": 2}, 8),  # split by costs measured on a sample
     "gpt2-dp": ("gpt2", {}, 4),
     "gpt2-zero3": ("gpt2", {"zero": 3}, 4),
 }
@@ -96,20 +97,22 @@ def train_plait(kind: str, parallel: dict, micro: int, run_dir: str, seed: int) 
     p = plait.Plait(parallel=parallel, run={"dir": run_dir}, optim={"grad_clip": 1.0},
                     train={"global_batch_size": GLOBAL, "micro_batch_size": micro, "seed": SEED},
                     observe={"progress": False, "tensorboard": False})
+    sample = [dataset().tensors[0][:micro]] if parallel.get("pp", 1) > 1 else None
     model, opt = p.setup(build(kind, seed), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR),
-                         loss_fn="causal_lm")
+                         loss_fn="causal_lm", sample=sample)
     loader = p.setup_dataloader(dataset())
-    losses = []
+    losses, comm = [], []
     for batch in loader:
         p.forward_backward(model, batch)
         info = p.step()
         if info is not None:
             losses.append(p.reduce(info.loss))
+            comm.append(info.comm_bytes)
         if p.steps == STEPS:
             break
     state = p.full_state_dict(model)
     p.close()
-    return {"losses": losses, "state": state}
+    return {"losses": losses, "state": state, "comm_bytes": comm}
 
 
 def _worker(rank: int, world: int, root: str) -> dict:
@@ -123,7 +126,8 @@ def _worker(rank: int, world: int, root: str) -> dict:
     except TensorParallelError as e:
         out["gpt2-tp-error"] = str(e)
     return out if rank == 0 else {"gpt2-tp-error": out["gpt2-tp-error"],
-                                  **{k: {"losses": v["losses"]} for k, v in out.items() if k != "gpt2-tp-error"}}
+                                  **{k: {"losses": v["losses"], "state": v["state"]} for k, v in out.items()
+                                     if k != "gpt2-tp-error"}}
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +152,8 @@ def test_layout_matches_single_process(results, references, name) -> None:
     for r in results:
         assert len(r[name]["losses"]) == STEPS
         assert r[name]["losses"] == pytest.approx(ref_losses, abs=LOSS_ATOL), name
-    assert _max_diff(results[0][name]["state"], ref_state) < PARAM_ATOL, name
+    for r in results:  # every rank holds the whole trained model (full_state_dict gathers it)
+        assert _max_diff(r[name]["state"], ref_state) < PARAM_ATOL, name
     # ... while training moved the weights far more than that (5 updates of ~lr each)
     assert _max_diff(ref_state, build(kind, 0).state_dict()) > 50 * PARAM_ATOL
 
@@ -159,6 +164,12 @@ def test_exported_state_loads_into_a_fresh_model_strictly(results, references, n
     fresh = build(kind, 99)
     fresh.load_state_dict(results[0][name]["state"], strict=True)
     assert _max_diff({k: v for k, v in fresh.state_dict().items()}, references[kind][1]) < PARAM_ATOL
+
+
+def test_accumulation_communicates_once_per_optimizer_step(results) -> None:
+    """Micro batch 2 x 2 micro-steps sends exactly what micro batch 4 x 1 does: nothing on the first."""
+    a, b = results[0]["dp-accumulation"]["comm_bytes"], results[0]["zero2"]["comm_bytes"]
+    assert a == b and all(x > 0 for x in a)
 
 
 def test_gpt2_auto_tensor_parallel_is_a_clear_error(results) -> None:

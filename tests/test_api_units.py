@@ -102,3 +102,29 @@ def test_named_pipeline_splits() -> None:
         split_by_names(names, ["model.layer.2"], 2)
     with pytest.raises(PipelineConfigError, match="increasing order"):
         split_by_names(names, ["model.layers.3", "model.layers.1"], 3)
+
+
+def _plait(tmp_path, **sections):
+    import plait
+
+    return plait.Plait(run={"dir": str(tmp_path)}, observe={"progress": False, "tensorboard": False}, **sections)
+
+
+def test_compiled_model_comes_back_without_prefixes(tmp_path) -> None:
+    p = _plait(tmp_path, train={"global_batch_size": 4, "micro_batch_size": 4})
+    plain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model, _ = p.setup(torch.compile(plain))
+    assert model is plain and list(model.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    p.backward(model(torch.randn(4, 4)).sum())  # runs compiled (nn.Module.compile in place)
+    assert p.step().step == 1 and model._compiled_call_impl is not None
+
+
+def test_rank_aware_loader_is_not_sharded_again(tmp_path) -> None:
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    p = _plait(tmp_path)
+    data = TensorDataset(torch.arange(10.0))
+    sharded = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=0))
+    assert p.setup_dataloader(sharded) is sharded
+    plain = p.setup_dataloader(DataLoader(data, batch_size=2), shuffle=False)
+    assert [b[0].tolist() for b in plain] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0], [8.0, 9.0]]
