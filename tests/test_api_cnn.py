@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from api_common import reference_training
 from helpers import run_ranks
 
 pytest.importorskip("sklearn", reason="the vision extra (pip install 'plait[vision]') is not installed")
@@ -51,26 +52,14 @@ def data():
 
 
 def reference(ghost: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    from plait.data.loader import DistributedBatchSampler
-
-    train = data()
-    order = DistributedBatchSampler(len(train), GLOBAL, dp_rank=0, dp_size=1, seed=SEED).batches(0)
-    model = build()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for idx in order[:STEPS]:
-        x, y = train[idx]
+    def loss_of(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+        x, y = batch
         if ghost:  # each rank's half normalised on its own
-            loss = sum(torch.nn.functional.cross_entropy(model(xh), yh) for xh, yh in
+            return sum(torch.nn.functional.cross_entropy(model(xh), yh) for xh, yh in
                        zip(x.chunk(2), y.chunk(2), strict=True)) / 2
-        else:
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    return reference_training(build(), data(), GLOBAL, STEPS, LR, SEED, loss_of)
 
 
 def _worker(rank: int, world: int, root: str) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from api_common import reference_training
 from helpers import run_ranks
 from torch import nn
 
@@ -32,22 +33,8 @@ def data() -> torch.utils.data.TensorDataset:
 
 
 def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    from plait.data.loader import DistributedBatchSampler
-
-    ds = data()
-    order = DistributedBatchSampler(len(ds), GLOBAL, dp_rank=0, dp_size=1, seed=0).batches(0)
-    model = build()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for idx in order[:STEPS]:
-        x, y = ds[idx]
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return reference_training(build(), data(), GLOBAL, STEPS, LR, 0,
+                              lambda model, batch: nn.functional.cross_entropy(model(batch[0]), batch[1]))
 
 
 def _stage_fn(model: nn.Sequential, stage: int, num_stages: int) -> nn.Module:

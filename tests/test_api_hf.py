@@ -22,6 +22,7 @@ import os
 
 import pytest
 import torch
+from api_common import reference_training
 from helpers import run_ranks
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'plait[hf]') is not installed")
@@ -70,24 +71,9 @@ def dataset() -> torch.utils.data.TensorDataset:
 
 
 def reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Plain PyTorch in one process over the global batches plait's loader forms (its order is tested
-    in test_loader: the same samples per step whatever the number of ranks)."""
-    from plait.data.loader import DistributedBatchSampler
-
-    data = dataset()
-    order = DistributedBatchSampler(len(data), GLOBAL, dp_rank=0, dp_size=1, seed=SEED).batches(0)
-    model = build(kind, 0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for idx in order[:STEPS]:
-        x = data.tensors[0][idx]
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """Plain PyTorch in one process, with the model's own loss."""
+    return reference_training(build(kind, 0), dataset(), GLOBAL, STEPS, LR, SEED,
+                              lambda model, batch: model(input_ids=batch[0], labels=batch[0]).loss)
 
 
 def train_plait(kind: str, parallel: dict, micro: int, run_dir: str, seed: int) -> dict:
