@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,17 +36,20 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.comm.accounting import TorchCollectiveCounter
-from plait.comm.auto import AUTO_COMPRESSOR, AutoCompress
-from plait.comm.collectives import Comm, CommStats
-from plait.comm.guard import CollectiveGuard
+from plait.comm.auto import AutoCompress
+from plait.comm.collectives import CommStats, comm_from_config
 from plait.comm.watchdog import StepWatchdog
 from plait.config import Config, ConfigError, from_sections, load_config
+from plait.data.loader import DeviceLoader, to_device
 from plait.launch import error_dir_from_env, error_file, init_distributed
 from plait.observe.log import get_logger
 from plait.parallel.apply import ModelSpec, apply_parallel
 from plait.parallel.layout import Layout
+from plait.parallel.prepare import broadcast_weights, route_forward, sync_batchnorm, unwrap_compiled
+from plait.plan.memory import memory_report
 from plait.topology import Topology, build_topology
 from plait.train.losses import Loss, infer_loss, resolve_loss
+from plait.train.optim import hyperparameters, optimizer_factory, set_hyperparameters
 from plait.train.precision import LossScaler, autocast
 from plait.validate import validate
 
@@ -113,29 +116,6 @@ def select_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _build_comm(cfg: Config, rank: int, world_size: int) -> Comm:
-    """The comm layer from ``comm.*``: algorithm, compression, and (with several ranks) the hang guard
-    on the default process group's store, so every rank's arrivals are visible to the others."""
-    c = cfg.comm
-    guard = None
-    if world_size > 1 and dist.is_initialized():
-        guard = CollectiveGuard(dist.distributed_c10d._get_default_store(), c.timeout_s, rank)
-    comm = Comm(c.allreduce, ranks_per_node=c.ranks_per_node or None, guard=guard)
-    if c.compress != "none":
-        name = AUTO_COMPRESSOR if c.compress == "auto" else c.compress
-        comm.set_compression(name, active=c.compress != "auto", ratio=c.compress_ratio,
-                             powersgd_rank=c.powersgd_rank, error_feedback=c.error_feedback,
-                             stochastic_rounding=c.stochastic_rounding and name in ("int8", "int4"),
-                             seed=cfg.train.seed)
-    return comm
-
-
-def _unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
-    """A ``torch.compile``d model's original module (its state-dict keys carry ``_orig_mod.``)."""
-    inner = getattr(model, "_orig_mod", None)
-    return (inner, True) if isinstance(inner, nn.Module) else (model, False)
-
-
 class Plait:
     """Distributed training for the user's own loop; see the module docstring.
 
@@ -161,7 +141,7 @@ class Plait:
         self.run_dir = self._agree_run_dir()
         self.error_dir = error_dir_from_env(self.run_dir / "errors")
         error_file(self.error_dir, self.rank).unlink(missing_ok=True)
-        self.comm = _build_comm(cfg, self.rank, self.world_size)
+        self.comm = comm_from_config(cfg.comm, cfg.train.seed, self.rank, self.world_size)
         self.watchdog = self._build_watchdog()
         self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")
         self.auto = AutoCompress() if cfg.comm.compress == "auto" and self.topology.dp > 1 else None
@@ -255,12 +235,12 @@ class Plait:
             raise PlaitError("scheduler must be a factory fn(optimizer) -> LR scheduler (plait builds the optimizer "
                              "in setup, so a scheduler made before cannot reference it)")
         self.phase("setup")
-        model, compiled = _unwrap_compiled(model)
-        factory = self._optimizer_factory(model, optimizer)
+        model, compiled = unwrap_compiled(model)
+        factory = optimizer_factory(model, optimizer, self.config.optim)
         model = model.to(self.device)
-        self._broadcast_weights(model)
+        broadcast_weights(model, self.comm, self.world_size)
         if self.config.parallel.sync_batchnorm and self.dp > 1:
-            model = self._sync_batchnorm(model)
+            model = sync_batchnorm(model, self.topology.dp_group, self.device)
         self.loss = resolve_loss(loss_fn)
         p = self.config.parallel
         if self.topology.degree("pp") > 1 and self.loss is None:
@@ -275,7 +255,11 @@ class Plait:
         opt = layout.build_optimizer(factory)
         if scheduler is not None:
             self.scheduler = scheduler(layout.scheduler_target())
-        self._patch_forward(layout, compiled)
+        if not layout.pipelined:
+            precision = self.config.train.precision
+            # ZeRO-3 with bf16 runs forward in bf16 through FSDP2's mixed-precision policy instead of autocast.
+            amp = precision != "fp32" and not (self.config.parallel.zero == 3 and precision == "bf16")
+            route_forward(layout.model, layout.forward_wrapper(), precision, amp, self.device, compiled)
         layout.set_sync(self.accumulation == 1)  # DDP arms its reducer in the next forward
         # Dropout streams per model replica and pipeline stage; tensor-parallel ranks (tp is the innermost
         # axis) share one, so replicated activations get one mask.
@@ -283,72 +267,6 @@ class Plait:
         self.watchdog.kinds = self._kinds()
         self._start_step()
         return layout.model, opt
-
-    def _optimizer_factory(self, model: nn.Module, optimizer: Any) -> Callable[[nn.Module], Any]:
-        from plait.train.optim import adamw
-
-        if optimizer is None:
-            return lambda m: adamw(_single_names(m), self.config.optim)
-        if isinstance(optimizer, torch.optim.Optimizer):
-            if optimizer.state:
-                raise PlaitError("the optimizer passed to setup() already holds state (it has stepped); plait "
-                                 "rebuilds it over the parallelized parameters and would lose that state. Pass a "
-                                 "factory instead: optimizer=lambda model: torch.optim.AdamW(model.parameters(), ...)")
-            return _rebuild_by_name(model, optimizer)
-        if callable(optimizer):
-            return _checked_factory(optimizer)
-        raise PlaitError(f"optimizer must be a factory fn(model) -> torch.optim.Optimizer, an optimizer without "
-                         f"state, or None; got {type(optimizer).__name__}")
-
-    @torch.no_grad()
-    def _broadcast_weights(self, model: nn.Module) -> None:
-        """Every rank starts from global rank 0's parameters and buffers, whatever seed built them.
-        Communication: one broadcast per dtype of all tensors flattened."""
-        if self.world_size == 1:
-            return
-        tensors = [t for t in list(model.parameters()) + list(model.buffers()) if t.numel()]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for dtype in sorted(by_dtype, key=str):
-            group = by_dtype[dtype]
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            self.comm.broadcast(flat, src=0, group=None, name="initial weights broadcast")
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-    def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
-        if self.device.type == "cuda":
-            return nn.SyncBatchNorm.convert_sync_batchnorm(model, self.topology.dp_group)
-        from plait.nn import convert_sync_batchnorm  # torch's SyncBatchNorm runs on accelerators only
-
-        return convert_sync_batchnorm(model, self.topology.dp_group)
-
-    def _patch_forward(self, layout: Layout, compiled: bool) -> None:
-        """The user's ``model(...)`` runs through the layout's wrapper (DDP) and under autocast."""
-        model = layout.model
-        if layout.pipelined:
-            return
-        wrapper = layout.forward_wrapper()
-        precision = self.config.train.precision
-        # ZeRO-3 with bf16 runs forward in bf16 through FSDP2's mixed-precision policy instead.
-        amp = precision != "fp32" and not (self.config.parallel.zero == 3 and precision == "bf16")
-        if wrapper is None and not amp:
-            if compiled:
-                model.compile()
-            return
-        inner = wrapper if wrapper is not None else model.forward
-        device = self.device
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with autocast(precision, device, amp):
-                return inner(*args, **kwargs)
-
-        model.forward = forward
-        if compiled:
-            model.compile()
 
     # -- data --------------------------------------------------------------------------------------
     def setup_dataloader(self, data: Any, batch_size: int | None = None, *, collate_fn: Callable | None = None,
@@ -405,20 +323,11 @@ class Plait:
                                    seed=t.seed if seed is None else seed, shuffle=shuffle,
                                    drop_last=shuffle if drop_last is None else drop_last, collate_fn=collate_fn,
                                    **dataloader_kwargs)
-        return loader if self.device.type == "cpu" else DeviceLoader(loader, self)
+        return loader if self.device.type == "cpu" else DeviceLoader(loader, self.device)
 
     def to_device(self, batch: Any) -> Any:
         """``batch`` (tensors in tuples, lists, dicts) moved to this rank's device."""
-        if isinstance(batch, torch.Tensor):
-            return batch.to(self.device, non_blocking=True)
-        if isinstance(batch, dict):
-            return {k: self.to_device(v) for k, v in batch.items()}
-        if isinstance(batch, list | tuple):
-            moved = [self.to_device(v) for v in batch]
-            return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
-        if hasattr(batch, "to") and callable(batch.to):  # a transformers BatchEncoding
-            return batch.to(self.device)
-        return batch
+        return to_device(batch, self.device) if self.device.type != "cpu" else batch
 
     # -- one step ----------------------------------------------------------------------------------
     def _require_layout(self) -> Layout:
@@ -562,7 +471,7 @@ class Plait:
         target = layout.scheduler_target()
         lr = float(target.param_groups[0]["lr"]) if target is not None and target.param_groups else float("nan")
         if finite:
-            if not self.memory and _has_state(layout.optimizer):
+            if not self.memory and getattr(layout.optimizer, "state", None):
                 # Parameters, reduced gradients and optimizer states all exist only here, from the
                 # second update on: measure what this rank holds once.
                 from plait.plan.memory import measure_model_state_bytes
@@ -643,10 +552,11 @@ class Plait:
 
         layout = self._check_objects(model, optimizer)
         self.phase("checkpoint save")
-        shared = {"scheduler": scheduler_state(scheduler or self.scheduler),
+        sched = scheduler or self.scheduler
+        shared = {"scheduler": sched.state_dict() if sched is not None else None,
                   "dataloader": dataloader.state_dict() if dataloader is not None else None,
                   "scaler": self.scaler.state_dict(), "steps": self.steps, "skipped_steps": self.skipped_steps,
-                  "micro": self._micro, "param_groups": _hyperparameters(layout.scheduler_target()),
+                  "micro": self._micro, "param_groups": hyperparameters(layout.scheduler_target()),
                   "auto": self.auto.state_dict() if self.auto is not None else None}
         meta = {"extra": extra or {}, "world_size": self.world_size, "dp": self.dp,
                 "layout": self._kinds() or "single process", "steps": self.steps}
@@ -672,7 +582,7 @@ class Plait:
 
             same_world = json.loads(meta_path.read_text()).get("world_size") == self.world_size
         meta, rank_state, shared = load_state(Path(path), layout, self.rank, restore_rank=same_world)
-        _set_hyperparameters(layout.scheduler_target(), shared.get("param_groups"))
+        set_hyperparameters(layout.scheduler_target(), shared.get("param_groups"))
         sched = scheduler or self.scheduler
         if sched is not None and shared.get("scheduler") is not None:
             sched.load_state_dict(shared["scheduler"])
@@ -746,26 +656,14 @@ class Plait:
     def report(self) -> dict[str, Any]:
         """Layout results (pipeline bubble, memory predicted against measured, communication) for a
         summary; collective."""
-        from plait.plan.memory import peak_memory_bytes, predict_model_state_bytes
-
         layout = self._require_layout()
         self.phase("report")
         out: dict[str, Any] = dict(layout.report(self.run_dir if self.is_main else None))
         precision = "bf16" if self.config.train.precision != "fp32" else "fp32"
-        num_params = sum(p.numel() for p in _unique_params(layout))
-        predicted = None
-        if self.topology.degree("tp") == self.topology.degree("pp") == 1:  # the model covers data parallel + ZeRO
-            predicted = predict_model_state_bytes(num_params, stage=self.config.parallel.zero, dp=self.dp,
-                                                  precision=precision)
-        mine = {"predicted": predicted, "measured": self.memory or None, "peak_bytes": peak_memory_bytes(self.device)}
-        ranks = [mine]
-        if self.world_size > 1:
-            ranks = [None] * self.world_size
-            dist.all_gather_object(ranks, mine)
-        out["memory"] = {
-            "predicted_model_state_bytes": [r["predicted"]["total"] if r["predicted"] else None for r in ranks],
-            "measured_model_state_bytes": [r["measured"]["total"] if r["measured"] else None for r in ranks],
-            "peak_bytes": [r["peak_bytes"] for r in ranks], "breakdown": ranks}
+        data_parallel_only = self.topology.degree("tp") == self.topology.degree("pp") == 1
+        out["memory"] = memory_report(sum(p.numel() for p in _unique_params(layout)), self.config.parallel.zero,
+                                      self.dp, precision, self.memory or None, self.device,
+                                      predict=data_parallel_only)
         c = self.config.comm
         out["comm"] = {"allreduce": c.allreduce, "compress": c.compress, "compress_active": self.comm.compress_active}
         if self.auto is not None:
@@ -800,87 +698,6 @@ class Plait:
         self.close()
 
 
-class DeviceLoader:
-    """A ``DistributedLoader`` whose batches are moved to the training device."""
-
-    def __init__(self, loader: Any, p: Plait) -> None:
-        self.loader, self._p = loader, p
-
-    def __iter__(self) -> Iterator[Any]:
-        for batch in self.loader:
-            yield self._p.to_device(batch)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def state_dict(self) -> dict[str, int]:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.loader.load_state_dict(state)
-
-
-def _single_names(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(n.replace("_checkpoint_wrapped_module.", ""), p) for n, p in model.named_parameters()]
-
-
 def _unique_params(layout: Layout) -> list[nn.Parameter]:
     return list({id(p): p for _, p in layout.named_parameters()}.values())
-
-
-def _has_state(optimizer: Any) -> bool:
-    return bool(getattr(optimizer, "state", None))
-
-
-def _checked_factory(factory: Callable[[nn.Module], Any]) -> Callable[[nn.Module], Any]:
-    def build(model: nn.Module) -> Any:
-        opt = factory(model)
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise PlaitError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
-        return opt
-    return build
-
-
-def _rebuild_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[nn.Module], Any]:
-    """A factory rebuilding ``optimizer`` (no state yet) over the parallelized model: same class,
-    hyperparameters and groups, each parameter found again by its single-process name."""
-    names = {id(p): n for n, p in _single_names(model)}
-    groups = []
-    for g in optimizer.param_groups:
-        missing = [p for p in g["params"] if id(p) not in names]
-        if missing:
-            raise PlaitError("the optimizer passed to setup() holds parameters that are not the model's; build it "
-                             "over model.parameters(), or pass a factory")
-        groups.append(({k: v for k, v in g.items() if k != "params"}, [names[id(p)] for p in g["params"]]))
-    from plait.parallel.layout import optimizer_recipe
-
-    cls, defaults, _ = optimizer_recipe(optimizer)
-
-    def build(wrapped: nn.Module) -> Any:
-        by_name: dict[str, list[nn.Parameter]] = {}
-        for n, p in _single_names(wrapped):
-            by_name.setdefault(n, []).append(p)
-        new_groups = [{**hp, "params": [p for n in ns for p in by_name.get(n, [])]} for hp, ns in groups]
-        return cls([g for g in new_groups if g["params"]], **defaults)
-    return build
-
-
-def scheduler_state(scheduler: Any) -> dict[str, Any] | None:
-    return scheduler.state_dict() if scheduler is not None else None
-
-
-def _hyperparameters(optimizer: Any) -> list[dict[str, Any]] | None:
-    if optimizer is None:
-        return None
-    keep = (int, float, bool, str, tuple, type(None))
-    return [{k: v for k, v in g.items() if k != "params" and isinstance(v, keep)} for g in optimizer.param_groups]
-
-
-def _set_hyperparameters(optimizer: Any, saved: list[dict[str, Any]] | None) -> None:
-    """The saved learning rate and other hyperparameters onto the optimizer's groups (as torch's
-    ``Optimizer.load_state_dict`` restores them); skipped when the group count changed."""
-    if optimizer is None or not saved or len(saved) != len(optimizer.param_groups):
-        return
-    for group, values in zip(optimizer.param_groups, saved, strict=True):
-        group.update(values)
 

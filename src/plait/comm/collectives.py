@@ -37,6 +37,7 @@ from plait.comm.accounting import plait_issuing
 from plait.comm.algorithms import ALGORITHMS, AllReduce, AllReduceConfigError, get_allreduce, node_ids_for_ranks
 from plait.comm.compress import Compressor, build_compressor
 from plait.comm.guard import CollectiveGuard, Started
+from plait.config import CommConfig
 
 
 @dataclass
@@ -270,3 +271,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def comm_from_config(c: CommConfig, seed: int, rank: int, world_size: int) -> Comm:
+    """The comm layer from ``comm.*``: algorithm, compression, and (with several ranks) the hang guard
+    on the default process group's store, so every rank's arrivals are visible to the others."""
+    guard = None
+    if world_size > 1 and dist.is_initialized():
+        guard = CollectiveGuard(dist.distributed_c10d._get_default_store(), c.timeout_s, rank)
+    comm = Comm(c.allreduce, ranks_per_node=c.ranks_per_node or None, guard=guard)
+    if c.compress != "none":
+        from plait.comm.auto import AUTO_COMPRESSOR
+
+        name = AUTO_COMPRESSOR if c.compress == "auto" else c.compress
+        comm.set_compression(name, active=c.compress != "auto", ratio=c.compress_ratio,
+                             powersgd_rank=c.powersgd_rank, error_feedback=c.error_feedback,
+                             stochastic_rounding=c.stochastic_rounding and name in ("int8", "int4"),
+                             seed=seed)
+    return comm

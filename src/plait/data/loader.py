@@ -278,3 +278,38 @@ def is_rank_aware(loader: Any) -> bool:
     candidates = (getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
     return any(isinstance(s, DistributedBatchSampler) or (hasattr(s, "num_replicas") and hasattr(s, "rank"))
                for s in candidates if s is not None)
+
+
+class DeviceLoader:
+    """A loader whose batches are moved to ``device`` (tensors inside tuples, lists and dicts), with the
+    wrapped loader's ``state_dict`` / ``load_state_dict``."""
+
+    def __init__(self, loader: Any, device: torch.device) -> None:
+        self.loader, self.device = loader, device
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            yield to_device(batch, self.device)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def state_dict(self) -> dict[str, int]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.loader.load_state_dict(state)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor (in tuples, lists, dicts, a transformers BatchEncoding) on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        moved = [to_device(v, device) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    if callable(getattr(batch, "to", None)):
+        return batch.to(device)
+    return batch

@@ -40,7 +40,7 @@ from plait.config import Config
 from plait.parallel.data import GradReducer, LocalGrads, TorchDDP
 from plait.parallel.units import batchnorm_buffers
 from plait.topology import Topology
-from plait.train.optim import materialize_optimizer_state
+from plait.train.optim import materialize_optimizer_state, optimizer_recipe
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 # The elementwise torch optimizers: sharding their flat buffers computes exactly what they compute whole.
@@ -183,18 +183,6 @@ class Layout:
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's trainable parameters under the single-process model's names."""
         return [(n.replace("_checkpoint_wrapped_module.", ""), p) for n, p in self.model.named_parameters()]
-
-
-def optimizer_recipe(optimizer: torch.optim.Optimizer) -> tuple[type, dict[str, Any], list[dict[str, Any]]]:
-    """(class, constructor arguments, groups with their hyperparameters) of a torch optimizer, to rebuild
-    it over other tensors. ``defaults`` can hold entries the constructor does not take (AdamW's
-    ``decoupled_weight_decay``): only those it takes are kept."""
-    import inspect
-
-    cls = type(optimizer)
-    accepted = inspect.signature(cls.__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return cls, defaults, [dict(g) for g in optimizer.param_groups]
 
 
 class ZeroLayout(Layout):

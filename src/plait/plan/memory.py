@@ -191,3 +191,21 @@ def peak_memory_bytes(device: torch.device) -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def memory_report(num_params: int, stage: int, dp: int, precision: Precision, measured: dict[str, int] | None,
+                  device: torch.device, predict: bool = True) -> dict[str, Any]:
+    """Per-rank lists (index = global rank) of predicted and measured model-state bytes and peak bytes,
+    for a run's summary. Collective: one all-gather of small objects over the world."""
+    import torch.distributed as dist
+
+    predicted = predict_model_state_bytes(num_params, stage=stage, dp=dp, precision=precision) if predict else None
+    mine = {"predicted": predicted, "measured": measured, "peak_bytes": peak_memory_bytes(device)}
+    ranks: list[Any] = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+    return {
+        "predicted_model_state_bytes": [r["predicted"]["total"] if r["predicted"] else None for r in ranks],
+        "measured_model_state_bytes": [r["measured"]["total"] if r["measured"] else None for r in ranks],
+        "peak_bytes": [r["peak_bytes"] for r in ranks], "breakdown": ranks}

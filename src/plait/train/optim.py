@@ -1,14 +1,21 @@
-"""AdamW with decoupled weight decay on matrices only, and the warmup-then-cosine schedule."""
+"""AdamW with decoupled weight decay on matrices only, the warmup-then-cosine schedule, and how a user's
+optimizer (a factory, or an instance without state) is rebuilt over the parameters a layout trains."""
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
-from plait.config import OptimConfig
+from plait.config import ConfigError, OptimConfig
+
+
+class OptimizerError(ConfigError):
+    """An optimizer plait cannot take; the message says what to pass instead."""
 
 
 def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
@@ -81,3 +88,82 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer, keep_grads: bo
     for g, lr in zip(optimizer.param_groups, lrs, strict=True):
         g["lr"] = lr
     optimizer.zero_grad(set_to_none=not keep_grads)
+
+
+def single_names(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``named_parameters()`` under the single-process names (no activation-checkpointing wrapper level)."""
+    return [(n.replace("_checkpoint_wrapped_module.", ""), p) for n, p in model.named_parameters()]
+
+
+def optimizer_recipe(optimizer: torch.optim.Optimizer) -> tuple[type, dict[str, Any], list[dict[str, Any]]]:
+    """(class, constructor arguments, groups with their hyperparameters) of a torch optimizer, to rebuild
+    it over other tensors. ``defaults`` can hold entries the constructor does not take (AdamW's
+    ``decoupled_weight_decay``): only those it takes are kept."""
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return cls, defaults, [dict(g) for g in optimizer.param_groups]
+
+
+def optimizer_factory(model: nn.Module, optimizer: Any, cfg: OptimConfig) -> Callable[[nn.Module], Any]:
+    """What ``Plait.setup`` builds the optimizer with, once the layout is applied: the user's factory
+    ``fn(model)`` (checked), an instance without state (rebuilt by parameter name), or plait's AdamW."""
+    if optimizer is None:
+        return lambda m: adamw(single_names(m), cfg)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer.state:
+            raise OptimizerError("the optimizer passed to setup() already holds state (it has stepped); plait "
+                                 "rebuilds it over the parallelized parameters and would lose that state. Pass a "
+                                 "factory instead: optimizer=lambda model: torch.optim.AdamW(model.parameters(), ...)")
+        return _rebuild_by_name(model, optimizer)
+    if callable(optimizer):
+        return _checked(optimizer)
+    raise OptimizerError(f"optimizer must be a factory fn(model) -> torch.optim.Optimizer, an optimizer without "
+                         f"state, or None; got {type(optimizer).__name__}")
+
+
+def _checked(factory: Callable[[nn.Module], Any]) -> Callable[[nn.Module], Any]:
+    def build(model: nn.Module) -> Any:
+        opt = factory(model)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise OptimizerError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
+        return opt
+    return build
+
+
+def _rebuild_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[nn.Module], Any]:
+    """A factory rebuilding ``optimizer`` (no state yet) over the parallelized model: same class,
+    hyperparameters and groups, each parameter found again by its single-process name."""
+    names = {id(p): n for n, p in single_names(model)}
+    groups = []
+    for g in optimizer.param_groups:
+        if any(id(p) not in names for p in g["params"]):
+            raise OptimizerError("the optimizer passed to setup() holds parameters that are not the model's; build "
+                                 "it over model.parameters(), or pass a factory")
+        groups.append(({k: v for k, v in g.items() if k != "params"}, [names[id(p)] for p in g["params"]]))
+    cls, defaults, _ = optimizer_recipe(optimizer)
+
+    def build(wrapped: nn.Module) -> Any:
+        by_name: dict[str, list[nn.Parameter]] = {}
+        for n, p in single_names(wrapped):
+            by_name.setdefault(n, []).append(p)
+        new_groups = [{**hp, "params": [p for n in ns for p in by_name.get(n, [])]} for hp, ns in groups]
+        return cls([g for g in new_groups if g["params"]], **defaults)
+    return build
+
+
+def hyperparameters(optimizer: Any) -> list[dict[str, Any]] | None:
+    """Each group's hyperparameters (lr, betas, ...), for a checkpoint."""
+    if optimizer is None:
+        return None
+    keep = (int, float, bool, str, tuple, type(None))
+    return [{k: v for k, v in g.items() if k != "params" and isinstance(v, keep)} for g in optimizer.param_groups]
+
+
+def set_hyperparameters(optimizer: Any, saved: list[dict[str, Any]] | None) -> None:
+    """The saved learning rate and other hyperparameters onto the optimizer's groups (as torch's
+    ``Optimizer.load_state_dict`` restores them); skipped when the group count changed."""
+    if optimizer is None or not saved or len(saved) != len(optimizer.param_groups):
+        return
+    for group, values in zip(optimizer.param_groups, saved, strict=True):
+        group.update(values)

@@ -1,0 +1,73 @@
+"""Preparing a user's model for a layout: one set of weights everywhere, BatchNorm, forward routing.
+
+Before any layout is applied every rank must hold the same weights (tensor parallelism and FSDP shard
+whatever each rank holds), so rank 0's are broadcast. After it, the user's ``model(...)`` must run
+through the layout's wrapper where there is one (DDP) and under autocast where the precision asks for
+it, while the user keeps their own model object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.comm.collectives import Comm
+from plait.train.precision import autocast
+
+
+def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
+    """A ``torch.compile``d model's original module (its state-dict keys carry ``_orig_mod.``), and whether
+    it was compiled (then it is compiled again in place once the layout is applied)."""
+    inner = getattr(model, "_orig_mod", None)
+    return (inner, True) if isinstance(inner, nn.Module) else (model, False)
+
+
+@torch.no_grad()
+def broadcast_weights(model: nn.Module, comm: Comm, world_size: int) -> None:
+    """Every rank takes global rank 0's parameters and buffers, whatever seed built them.
+
+    Communication: one broadcast per dtype of all tensors flattened; none in backward."""
+    if world_size == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.numel():
+            by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype in sorted(by_dtype, key=str):
+        group = by_dtype[dtype]
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        comm.broadcast(flat, src=0, group=None, name="initial weights broadcast")
+        offset = 0
+        for t in group:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def sync_batchnorm(model: nn.Module, group: dist.ProcessGroup | None, device: torch.device) -> nn.Module:
+    """BatchNorm layers replaced by synchronized ones over ``group``: torch's on CUDA, plait's on the CPU,
+    where torch's refuses to run."""
+    if device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model, group)
+    from plait.nn import convert_sync_batchnorm
+
+    return convert_sync_batchnorm(model, group)
+
+
+def route_forward(model: nn.Module, wrapper: Callable[..., Any] | None, precision: str, amp: bool,
+                  device: torch.device, compiled: bool) -> None:
+    """Make ``model(...)`` run through ``wrapper`` (DDP) and under autocast (``amp``); recompile it in place
+    if it came compiled. The model object and its state-dict keys stay the user's."""
+    if wrapper is not None or amp:
+        inner = wrapper if wrapper is not None else model.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with autocast(precision, device, amp):
+                return inner(*args, **kwargs)
+
+        model.forward = forward
+    if compiled:
+        model.compile()
