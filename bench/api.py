@@ -8,7 +8,7 @@ on the same sequences the same number of steps in seven ways, every one in the s
                     ``batch = next(loader)``, ``p.backward(model(**batch).loss)``, ``p.step()``
   trainer           ``plait.Trainer(..., loss_fn="hf", plait=<a Plait with the same config>).train_step()``
   ddp               ``DistributedDataParallel`` + a DataLoader with torch's ``DistributedSampler``:
-                    ``model(**batch).loss.backward()``, ``clip_grad_norm_(.., 1.0)``, ``opt.step()``, ``opt.zero_grad()``
+                    ``model(**batch).loss.backward()``, ``clip_grad_norm_(..., 1.0)``, ``opt.step()``, ``zero_grad()``
   api_zero2         the ``api`` loop with parallel.zero=2 (plait's sharded optimizer)
   zero_redundancy   the ``ddp`` loop with ``ZeroRedundancyOptimizer`` over AdamW
   api_zero3         the ``api`` loop with parallel.zero=3 (plait on FSDP2)
@@ -69,11 +69,14 @@ RATIOS = {"api/ddp": ("api", "ddp"), "trainer/ddp": ("trainer", "ddp"),
           "api_zero3/fully_shard": ("api_zero3", "fully_shard")}
 TARGET = 1.02  # the target for the API and the Trainer against the hand-written DDP loop
 # Final losses (mean over ranks, after the same steps) of all implementations within this of each other.
-# The maths is the same; reduction order differs (bucketed all-reduce vs reduce-scatter vs DTensor norms),
-# so float32 rounding drifts a little per step. Measured (torch 2.13 CPU): see LOSS_NOTE.
+# The maths is the same, only float32 rounding of reductions differs. Measured (torch 2.13 CPU, full run):
+# api and trainer end 3.8e-5 from the peers, the ZeRO/FSDP pairs within 5e-7 of ddp. plait's reducer
+# clips on its flat bucket buffers, a norm summed in another order than torch's per-parameter one; the
+# last-bit different clip coefficient from step 4 on grows to that (with torch's clip_grad_norm_ patched
+# in, api matches ddp bit for bit). 1e-3 leaves 25x margin and is ~2000x below the loss drop of the run.
 LOSS_ATOL = 1e-3
-LOSS_NOTE = ("final losses should agree to ~1e-5 (quick) / ~1e-4 (full run, 23 AdamW steps); "
-             "the check allows LOSS_ATOL, far below the loss decrease over the run")
+LOSS_NOTE = ("final_loss: mean over ranks after the same steps; measured 3.8e-5 apart at most (plait's reducer "
+             "clips on flat bucket buffers: rounding), quick run identical; final_losses_agree uses loss_atol")
 
 
 @dataclass(frozen=True)

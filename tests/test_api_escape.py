@@ -56,6 +56,7 @@ CASES = {
     "pp-stage-fn": ({"pp": 2, "microbatches": 2, "pp_schedule": "gpipe"}, 8, {"stage_fn": _stage_fn}),
     "tp-plan": ({"tp": 2, "tp_plan": {"0": "colwise", "2": "rowwise"}}, 8, {}),
     "tp-parallelize-fn": ({"tp": 2}, 8, {"parallelize_fn": _parallelize}),
+    "tp-style-objects": ({"tp": 2}, 8, {"tp_plan": "objects"}),  # torch ParallelStyle objects in the plan
     "zero3-checkpointed": ({"zero": 3}, 4, {}),
 }
 
@@ -64,7 +65,11 @@ def _worker(rank: int, world: int, root: str) -> dict:
     import plait
 
     out = {}
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     for name, (parallel, micro, kwargs) in CASES.items():
+        if kwargs.get("tp_plan") == "objects":
+            kwargs = {"tp_plan": {"0": ColwiseParallel(), "2": RowwiseParallel()}}
         train = {"global_batch_size": GLOBAL, "micro_batch_size": micro, "seed": 0}
         if name == "zero3-checkpointed":
             train["activation_checkpointing"] = "full"

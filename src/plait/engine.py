@@ -43,7 +43,7 @@ from plait.config import Config, ConfigError, from_sections, load_config
 from plait.data.loader import DeviceLoader, to_device
 from plait.launch import error_dir_from_env, error_file, init_distributed
 from plait.observe.log import get_logger
-from plait.parallel.apply import ModelSpec, apply_parallel
+from plait.parallel.apply import ModelSpec, apply_parallel, check_model
 from plait.parallel.layout import Layout
 from plait.parallel.prepare import broadcast_weights, route_forward, sync_batchnorm, unwrap_compiled
 from plait.plan.memory import memory_report
@@ -237,10 +237,6 @@ class Plait:
         self.phase("setup")
         model, compiled = unwrap_compiled(model)
         factory = optimizer_factory(model, optimizer, self.config.optim)
-        model = model.to(self.device)
-        broadcast_weights(model, self.comm, self.world_size)
-        if self.config.parallel.sync_batchnorm and self.dp > 1:
-            model = sync_batchnorm(model, self.topology.dp_group, self.device)
         self.loss = resolve_loss(loss_fn)
         p = self.config.parallel
         if self.topology.degree("pp") > 1 and self.loss is None:
@@ -251,6 +247,11 @@ class Plait:
         spec = ModelSpec(tp_plan=tp_plan if tp_plan is not None else p.tp_plan, parallelize_fn=parallelize_fn,
                          pp_split=list(pp_split if pp_split is not None else p.pp_split), stage_fn=stage_fn,
                          loss=self.loss, sample=self.to_device(sample) if sample is not None else None)
+        check_model(model, self.topology, self.config, spec)  # before the first collective
+        model = model.to(self.device)
+        broadcast_weights(model, self.comm, self.world_size)
+        if self.config.parallel.sync_batchnorm and self.dp > 1:
+            model = sync_batchnorm(model, self.topology.dp_group, self.device)
         self.layout = layout = apply_parallel(model, self.topology, self.config, self.comm, spec)
         opt = layout.build_optimizer(factory)
         if scheduler is not None:

@@ -40,23 +40,60 @@ class ModelSpec:
     sample: Any = None
 
 
+def _tp_function(model: nn.Module, cfg: Config, spec: ModelSpec) -> Callable[[nn.Module, Any], nn.Module]:
+    from plait.parallel.plans import plan_for
+    from plait.parallel.tensor import resolve_tp
+
+    plan = plan_for(model)
+    registered = plan.parallelize if plan is not None else None
+    return resolve_tp(model, spec.tp_plan, spec.parallelize_fn,
+                      (lambda m, mesh: registered(m, mesh, cfg.parallel)) if registered is not None else None)
+
+
+def check_model(model: nn.Module, topo: Topology, cfg: Config, spec: ModelSpec) -> None:
+    """What can be checked about the model against the layout without communicating: a tensor-parallel
+    plan (every pattern matches, kinds and widths and heads divide), a pipeline split (an adapter exists,
+    the named split points are layers, every stage gets one). Raises a ``ConfigError`` subclass; every rank
+    raises the same one, before any collective."""
+    p = cfg.parallel
+    if p.tp > 1 and spec.parallelize_fn is None:
+        from plait.parallel.tensor import hf_plan, validate_plan
+
+        _tp_function(model, cfg, spec)  # raises when no plan applies
+        plan = spec.tp_plan if isinstance(spec.tp_plan, dict) else None
+        if plan is None and not _registered(model):
+            plan = hf_plan(model)
+        if plan:
+            validate_plan(model, plan, p.tp)
+    if p.pp > 1 and spec.stage_fn is None:
+        from plait.parallel.pipeline import NATURAL_VIRTUAL
+        from plait.parallel.pipeline_split import PipelineConfigError, pipeline_adapter, split_by_names
+
+        stages = p.pp * (p.pp_virtual_stages or NATURAL_VIRTUAL.get(p.pp_schedule, 1))
+        names = pipeline_adapter(model).layer_names(model)
+        if len(names) < stages:
+            raise PipelineConfigError(f"{stages} pipeline stages but {type(model).__name__} has {len(names)} layers "
+                                      f"({names[0]} ... {names[-1]}): every stage needs one; lower parallel.pp")
+        if spec.pp_split:
+            split_by_names(names, spec.pp_split, stages)
+
+
+def _registered(model: nn.Module) -> bool:
+    from plait.parallel.plans import plan_for
+
+    plan = plan_for(model)
+    return plan is not None and plan.parallelize is not None
+
+
 def apply_parallel(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec: ModelSpec) -> Layout:
     """Apply the configured layout to ``model`` in the composition order; returns the engine's Layout.
 
     Unsupported combinations were rejected by ``plait.validate``. The model's weights are already the
     same on every rank (the engine broadcasts them first).
     """
-    from plait.parallel.plans import plan_for
-
     p, t = cfg.parallel, cfg.train
     if p.tp > 1:
-        from plait.parallel.tensor import resolve_tp
-
-        plan = plan_for(model)
-        registered = plan.parallelize if plan is not None else None
-        shard = resolve_tp(model, spec.tp_plan, spec.parallelize_fn,
-                           (lambda m, mesh: registered(m, mesh, p)) if registered is not None else None)
-        model = shard(model, topo.mesh["tp"])
+        model = _tp_function(model, cfg, spec)(model, topo.mesh["tp"])
     model = apply_activation_checkpointing(model, t.activation_checkpointing, t.checkpoint_every_k)
     if p.tp > 1 and p.zero == 3:
         from plait.parallel.mp_layout import TensorFsdpLayout
