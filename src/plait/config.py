@@ -206,10 +206,47 @@ class CommConfig:
 
 @dataclass
 class CheckpointConfig:
-    # Save a sharded checkpoint every this many steps (0: only at the end).
-    every: int = 200
+    # Save a sharded checkpoint every this many steps (0: only at the end), or auto: the interval from the
+    # measured save time and fault.mtbf_s by Young's rule, sqrt(2 x MTBF x save time).
+    every: int | Literal["auto"] = 200
     # Number of most recent checkpoints kept on disk.
     keep: int = 2
+    # Save asynchronously (TOML key checkpoint.async): training continues while the shards are written
+    # (DCP's async save); the checkpoint becomes the latest only once it is complete and verified.
+    async_save: bool = False
+    # Check every file of a checkpoint against its SHA-256 manifest before loading it; a damaged one is
+    # skipped for the previous good checkpoint, with a warning naming the file.
+    verify: bool = True
+
+
+@dataclass
+class FaultConfig:
+    # Restarts of the whole worker group after a failure, each resuming from the newest good checkpoint
+    # (0: none). Not for errors a restart cannot fix (configuration, data, a failure before the first step).
+    max_restarts: int = 3
+    # Seconds before the first restart; doubled after each, at most 60.
+    restart_backoff_s: float = 1.0
+    # Mean time between failures in seconds, for checkpoint.every=auto.
+    mtbf_s: float = 3600.0
+    # Loss-spike detection: a step whose loss (or gradient norm) exceeds the running median by this many
+    # running deviations rolls training back to an earlier checkpoint and skips the data that led to it
+    # (0 disables).
+    spike_threshold: float = 6.0
+    # Steps of history before the spike detector judges (and the running window it judges against).
+    spike_window: int = 50
+    # A rollback goes to a checkpoint at least this many steps before the spike.
+    rollback_steps: int = 1
+    # Rollbacks allowed in one run; one more spike stops the run with a message.
+    max_rollbacks: int = 3
+    # A rank whose smoothed step time exceeds the median rank's by this factor is named a straggler.
+    straggler_factor: float = 1.3
+    # Data parallelism: give each rank a share of every global batch proportional to its measured speed
+    # (gradients weighted so the update equals the uniform one).
+    rebalance: bool = False
+    # Testing aid: make this rank (-1: none) slower by slow_factor (it sleeps after its compute).
+    slow_rank: int = -1
+    # Testing aid: how much slower slow_rank is (3.0: three times the step time).
+    slow_factor: float = 1.0
 
 
 @dataclass
@@ -223,6 +260,9 @@ class ObserveConfig:
     # step (their pattern is fixed by the layout and batch shape; counting slowed a small tp=2 step
     # by 33-53%), every_step counts each step, off leaves them out of comm_bytes.
     count_torch_collectives: str = "first_step"
+    # Write RUN_DIR/report.html (plots and a bottleneck verdict, as `plait report RUN_DIR` makes it) when the
+    # run ends; needs the report extra: pip install 'plait[report]'.
+    report: bool = False
 
 
 @dataclass
@@ -235,6 +275,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
 
     @property
@@ -278,8 +319,13 @@ def _coerce(section: str, key: str, value: Any, typ: Any) -> Any:
             value = _parse_literal(value)
         if isinstance(value, dict):
             return _coerce(section, key, value, next(a for a in options if get_origin(a) is dict))
-        typ = options[0]
-        origin = get_origin(typ)
+        errors = []
+        for option in options:  # the first type the value fits, in the declared order
+            try:
+                return _coerce(section, key, value, option)
+            except ConfigError as e:
+                errors.append(str(e).split("; got")[0].removeprefix(f"{where} must be "))
+        raise ConfigError(f"{where} must be {' or '.join(errors)}; got {value!r}")
     if origin is dict:
         if isinstance(value, str):
             value = _parse_literal(value)
@@ -327,6 +373,10 @@ def _is_table(typ: Any) -> bool:
     return get_origin(typ) is dict or any(get_origin(a) is dict for a in get_args(typ))
 
 
+# TOML keys that are not Python names: key -> field.
+_ALIASES = {"checkpoint.async": "async_save"}
+
+
 def _set(cfg: Config, section: str, key: str, value: Any) -> None:
     sections = _sections()
     if section not in sections:
@@ -335,6 +385,7 @@ def _set(cfg: Config, section: str, key: str, value: Any) -> None:
         )
     obj = getattr(cfg, section)
     hints = typing.get_type_hints(type(obj))
+    key = _ALIASES.get(f"{section}.{key}", key)
     name, _, sub = key.partition(".")
     if sub and name in hints and _is_table(hints[name]):
         # --model.args.width=64: one entry of a table, its value read as TOML would read it

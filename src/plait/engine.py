@@ -162,6 +162,12 @@ class Plait:
         self._bar: Any = None
         self._closed = False
         self._in_window = False
+        self._pending: Any = None
+        self.last_save_blocking_s = 0.0
+        # An asynchronous save runs DCP's collectives on a background thread: on a group of their own, so
+        # they never interleave with training's on the same channels.
+        self._ckpt_group = dist.new_group(backend="gloo") if self.world_size > 1 and \
+            cfg.checkpoint.async_save else None
 
     # -- where things go ---------------------------------------------------------------------------
     @property
@@ -487,6 +493,7 @@ class Plait:
         self.scaler.update(not finite)
         layout.after_step()
         layout.zero_grad()
+        self.finish_saves()  # an asynchronous save of the previous steps completes here, on every rank
         now = time.perf_counter()
         info = self._finish_step(norm, not finite, lr, exposed, now - t1, now - self._boundary_t)
         self._boundary_t = now
@@ -534,6 +541,17 @@ class Plait:
         return float(t[0])
 
     @_explained
+    def gather(self, values: list[float]) -> list[list[float]]:
+        """Every rank's ``values`` as a list indexed by global rank; every rank must call it with the same
+        number of values. Collective over the world: one all-gather of ``len(values)`` float64 per rank."""
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        if self.world_size == 1:
+            return [t.tolist()]
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t)
+        return [o.tolist() for o in out]
+
+    @_explained
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
@@ -541,18 +559,24 @@ class Plait:
     # -- state -------------------------------------------------------------------------------------
     @_explained
     def save(self, path: str | Path, *, model: nn.Module | None = None, optimizer: Any = None,
-             scheduler: Any = None, dataloader: Any = None, extra: dict[str, Any] | None = None) -> Path:
+             scheduler: Any = None, dataloader: Any = None, extra: dict[str, Any] | None = None,
+             on_complete: Callable[[Path], None] | None = None) -> Path:
         """Save a complete, reshardable checkpoint at ``path`` (collective: every rank calls it).
 
         Holds the model and optimizer state (DCP shards keyed by the single-process model's names, so
         it loads at another world size or layout), the scheduler, the loader's position, the loss scale,
-        every rank's RNG and compressor residuals, and ``extra`` (JSON). Written to ``path.tmp`` and
-        renamed when complete: a crash never leaves a half checkpoint at ``path``.
+        every rank's RNG and compressor residuals, and ``extra`` (JSON), with a SHA-256 manifest of every
+        file. Written to ``path.tmp`` and renamed when complete: a crash never leaves a half checkpoint
+        at ``path``. With ``checkpoint.async`` the shards are written in the background and the
+        checkpoint completes at the next optimizer step (or save, or ``close``); ``on_complete(path)``
+        then runs on rank 0.
         """
         from plait.train.checkpoint import save_state
 
         layout = self._check_objects(model, optimizer)
+        self.finish_saves()
         self.phase("checkpoint save")
+        t0 = time.perf_counter()
         sched = scheduler or self.scheduler
         shared = {"scheduler": sched.state_dict() if sched is not None else None,
                   "dataloader": dataloader.state_dict() if dataloader is not None else None,
@@ -562,16 +586,37 @@ class Plait:
         meta = {"extra": extra or {}, "world_size": self.world_size, "dp": self.dp,
                 "layout": self._kinds() or "single process", "steps": self.steps}
         rank_state = {"comm": self.comm.state_dict()}
-        out = save_state(Path(path), layout, meta, self.rank, rank_state, shared)
-        self.logger.info("checkpoint saved: %s", out)
-        self.watchdog.enter(self.steps + 1, "forward/backward")
-        return out
+        async_ = self.config.checkpoint.async_save
+        pending = save_state(Path(path), layout, meta, self.rank, rank_state, shared, async_=async_,
+                             group=self._ckpt_group)
+        self.last_save_blocking_s = time.perf_counter() - t0
+        if async_:
+            self._pending = (pending, on_complete)
+        else:
+            self._completed(pending.path, on_complete)
+        return pending.path
+
+    def finish_saves(self) -> None:
+        """Complete an asynchronous save still being written (collective; nothing when there is none)."""
+        if getattr(self, "_pending", None) is None:
+            return
+        pending, on_complete = self._pending
+        self._pending = None
+        self.phase("checkpoint save")
+        self._completed(pending.finish(), on_complete)
+
+    def _completed(self, path: Path, on_complete: Callable[[Path], None] | None) -> None:
+        self.logger.info("checkpoint saved: %s", path)
+        if on_complete is not None and self.is_main:
+            on_complete(path)
 
     @_explained
     def load(self, path: str | Path, *, model: nn.Module | None = None, optimizer: Any = None,
-             scheduler: Any = None, dataloader: Any = None) -> dict[str, Any]:
+             scheduler: Any = None, dataloader: Any = None, verify: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint written by ``save`` (at any world size or layout) into this run's objects;
-        returns its ``extra``. Collective: every rank calls it."""
+        returns its ``extra``. Every file is first checked against the checkpoint's manifest
+        (``checkpoint.verify``; ``verify`` overrides it): a damaged one raises ``CheckpointError`` naming
+        the file. Collective: every rank calls it."""
         from plait.train.checkpoint import load_state
 
         layout = self._check_objects(model, optimizer)
@@ -582,7 +627,8 @@ class Plait:
             import json
 
             same_world = json.loads(meta_path.read_text()).get("world_size") == self.world_size
-        meta, rank_state, shared = load_state(Path(path), layout, self.rank, restore_rank=same_world)
+        check = self.config.checkpoint.verify if verify is None else verify
+        meta, rank_state, shared = load_state(Path(path), layout, self.rank, restore_rank=same_world, verify=check)
         set_hyperparameters(layout.scheduler_target(), shared.get("param_groups"))
         sched = scheduler or self.scheduler
         if sched is not None and shared.get("scheduler") is not None:
@@ -681,6 +727,7 @@ class Plait:
         """Stop the watchdog and the comm thread, close metrics files; the process group stays."""
         if self._closed:
             return
+        self.finish_saves()
         self._closed = True
         if self._counter is not None:
             self._counter.__exit__(None, None, None)

@@ -5,10 +5,15 @@
     PATH/                  DCP shards of {"model", "optim"}
         rank<r>.pt         each rank's own state: RNG, compressor residuals
         state.pt           state every rank shares: scheduler, data position, loss scale, counters
+        manifest.json      SHA-256 and size of every file above (``plait.fault.integrity``)
         meta.json          what the caller saved in ``extra`` plus the world size; written last
 
-Every rank writes into ``PATH.tmp``; after a barrier rank 0 writes ``meta.json`` and renames the
-directory to ``PATH``. A crash at any point leaves no ``PATH`` (or the previous one untouched). Model
+Every rank writes into ``PATH.tmp``; after a barrier rank 0 writes the manifest and ``meta.json`` and
+renames the directory to ``PATH``. A crash at any point leaves no ``PATH`` (or the previous one
+untouched), and a file damaged later is caught by the manifest before anything is loaded. With
+``async_`` the shards are written by DCP's background thread while training goes on; the returned
+``PendingSave`` completes the checkpoint (manifest, meta, rename) when ``finish()`` is called, on every
+rank at the same point. Model
 and optimizer states come from the layout (``Layout.state_dicts``), keyed by the single-process
 model's parameter names whatever the sharding, so DCP can load them at another world size, ZeRO stage
 or layout. Nothing is ever unpickled: DCP reads tensors, ``*.pt`` files are read with
@@ -50,9 +55,9 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _barrier() -> None:
+def _barrier(group: Any = None) -> None:
     if _distributed():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 @contextlib.contextmanager
@@ -77,13 +82,40 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+class PendingSave:
+    """A checkpoint whose shards are being written; ``finish()`` (every rank, same point) completes it."""
+
+    def __init__(self, path: Path, tmp: Path, meta_text: str, rank: int, future: Any, group: Any) -> None:
+        self.path, self.tmp, self.meta_text, self.rank = path, tmp, meta_text, rank
+        self.future, self.group = future, group
+
+    def finish(self) -> Path:
+        """Wait for the shard writes, then (rank 0) manifest, meta.json and the rename. Collective."""
+        if self.future is not None:
+            self.future.result()
+        _barrier(self.group)
+        if self.rank == 0:
+            from plait.fault.integrity import write_manifest
+
+            write_manifest(self.tmp)
+            (self.tmp / "meta.json").write_text(self.meta_text)
+            if self.path.exists():
+                shutil.rmtree(self.path)
+            os.replace(self.tmp, self.path)
+        _barrier(self.group)
+        return self.path
+
+
 def save_state(path: Path, layout: StatefulLayout, meta: dict[str, Any], rank: int,
-               rank_state: dict[str, Any] | None = None, shared: dict[str, Any] | None = None) -> Path:
-    """Write a complete checkpoint at ``path`` (see the module docstring); every rank calls it.
+               rank_state: dict[str, Any] | None = None, shared: dict[str, Any] | None = None, *,
+               async_: bool = False, group: Any = None) -> PendingSave:
+    """Write a checkpoint at ``path`` (see the module docstring); every rank calls it.
 
     ``meta`` must be JSON-serializable; ``rank_state`` (this rank's) and ``shared`` (rank 0's is written)
     may hold only tensors, numbers, strings, lists, tuples and dicts, as they are read back with
-    ``weights_only=True``. Collective: barriers and DCP's own collectives.
+    ``weights_only=True``. Returns the save, complete unless ``async_`` (then call ``finish()``). ``group``:
+    the process group for DCP and the barriers (an asynchronous save needs its own, so its background
+    collectives never interleave with training's). Collective: barriers and DCP's own collectives.
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -95,31 +127,51 @@ def save_state(path: Path, layout: StatefulLayout, meta: dict[str, Any], rank: i
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()
+    _barrier(group)
     model_sd, optim_sd = layout.state_dicts()
+    state = {"model": model_sd, "optim": optim_sd}
+    future = None
     with _quiet_single_process():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not _distributed())
+        if async_ and _distributed():
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group)
+        elif async_:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), no_dist=True)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed(), process_group=group)
     torch.save({**rng_state(), "rank_state": rank_state}, tmp / f"rank{rank}.pt")
     if rank == 0:
         torch.save(shared or {}, tmp / "state.pt")
-    _barrier()
-    if rank == 0:
-        (tmp / "meta.json").write_text(meta_text)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    _barrier()
-    return path
+    pending = PendingSave(path, tmp, meta_text, rank, future, group)
+    if not async_:
+        pending.finish()
+    return pending
 
 
-def load_state(path: Path, layout: StatefulLayout, rank: int,
-               restore_rank: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+def _verified_on_rank0(path: Path) -> list[str]:
+    """The manifest check, done once (rank 0 reads every file) and shared with every rank."""
+    from plait.fault.integrity import verify
+
+    problems = [verify(path)] if not _distributed() or dist.get_rank() == 0 else [None]
+    if _distributed():
+        dist.broadcast_object_list(problems, src=0)
+    return problems[0]
+
+
+def load_state(path: Path, layout: StatefulLayout, rank: int, restore_rank: bool = True,
+               verify: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
     """Load model and optimizer state (resharded by DCP to this layout and world size) from ``path``.
 
     Returns ``(meta, rank_state, shared)``. With ``restore_rank`` this rank's RNG is restored and its
-    ``rank_state`` returned when the checkpoint has a file for this rank (None otherwise).
+    ``rank_state`` returned when the checkpoint has a file for this rank (None otherwise). With ``verify``
+    every file is checked against the manifest first (``CheckpointError`` naming the damaged file).
     """
     path = Path(path)
+    if verify:
+        problems = _verified_on_rank0(path)
+        if problems:
+            raise CheckpointError(f"{path} is damaged: {problems[0]}" + (f" (and {len(problems) - 1} more problems)"
+                                  if len(problems) > 1 else "") + "; load an earlier checkpoint, or pass verify=False "
+                                  "to load it anyway")
     meta_file = path / "meta.json"
     if not meta_file.is_file():
         raise CheckpointError(f"{path} is not a complete plait checkpoint (no meta.json); point at a directory "

@@ -27,6 +27,7 @@ from torch import nn
 
 from plait.config import Config
 from plait.engine import Plait
+from plait.observe.ranks import rank_timings
 from plait.train.losses import ClassificationLoss, Loss, infer_loss, resolve_loss
 from plait.train.optim import lr_at
 
@@ -168,10 +169,10 @@ class Trainer:
         s = self.state
         extra = {"step": s.step, "skipped_steps": s.skipped_steps, "tokens_seen": s.tokens_seen,
                  "samples_seen": s.samples_seen, "train_seconds": s.train_seconds}
+        keep = self.cfg.checkpoint.keep
         path = self.p.save(step_dir(self.run_dir, s.step), model=self.model, optimizer=self.optimizer,
-                           scheduler=self.scheduler, dataloader=self.loader, extra=extra)
-        if self.rank0:
-            point_latest(self.run_dir, path, self.cfg.checkpoint.keep)
+                           scheduler=self.scheduler, dataloader=self.loader, extra=extra,
+                           on_complete=lambda done: point_latest(self.run_dir, done, keep))
         self.p.barrier()
         return path
 
@@ -247,6 +248,7 @@ class Trainer:
                 if s.step % cfg.train.log_every == 0 or last or s.step == 1:
                     p.phase("loss logging")
                     rec["loss"] = s.last_loss = p.reduce(rec["loss"])
+                    rec.update(rank_timings(p, rec))  # every rank's step parts: a slow rank stands out
                     if cfg.train.eval_every and s.step % cfg.train.eval_every == 0 and not last:
                         rec["val_loss"] = s.val_loss = self.evaluate()
                         self.log.info("step %d: train loss %.4f, val loss %.4f", s.step, rec["loss"], s.val_loss)
@@ -284,6 +286,10 @@ class Trainer:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         p.barrier()
         p.close()
+        if self.rank0 and self.cfg.observe.report:  # after close: metrics.jsonl is complete
+            from plait.observe.report import report_at_end
+
+            report_at_end(self.run_dir, self.log)
         return summary
 
 

@@ -1,0 +1,1 @@
+"""Surviving failures: restarts, preemption, checkpoint integrity, loss spikes, stragglers, goodput."""
