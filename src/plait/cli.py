@@ -1,9 +1,12 @@
-"""``plait train | run | sample | plan``: the command line.
+"""``plait train | run | sample | plan | report | launch``: the command line.
 
     plait train [CONFIG.toml] [--section.key=value ...] [--resume RUN_DIR]
-    plait run [--nproc N] SCRIPT [ARGS ...]
+    plait run [--nproc N] [--max-restarts R] SCRIPT [ARGS ...]
     plait sample RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
     plait plan memory [CONFIG.toml] [--section.key=value ...]
+    plait report RUN_DIR [RUN_DIR ...] [-o report.html]
+    plait launch slurm CONFIG --nodes N --gpus-per-node G [--procs-per-node P] [--partition P] [--time T]
+    plait launch k8s CONFIG --nodes N --gpus-per-node G --image IMAGE [--pvc CLAIM] [--namespace NS]
 
 Errors a user can cause end in one line on stderr and a non-zero exit, never a traceback: 2 for a
 configuration error, 1 for a worker that failed (its traceback is in the error file the line names).
@@ -60,6 +63,13 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
     from plait.validate import validate
 
     config_path, resume, overrides = _split_train_args(argv)
+    if not resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        # torchrun --max-restarts started this worker again: continue the run it was training
+        cfg0 = load_config(config_path, overrides)
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        run_dir0 = Path(cfg0.run.dir or f"runs/plait-{run_id}")
+        if (run_dir0 / "config.toml").is_file():
+            resume, config_path = str(run_dir0), None
     if resume:
         run_dir = Path(resume)
         if config_path:
@@ -90,10 +100,14 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
 
 
 def cmd_train(argv: list[str]) -> int:
-    from plait.launch import ERROR_DIR_ENV, launch_local, launched_externally, run_worker
+    from plait.launch import ERROR_DIR_ENV, Restarts, launch_local, launched_externally, run_worker
     from plait.train.trainer import train
 
     cfg, written, run_dir, resume = _prepare_run(argv)
+    if cfg.observe.report:  # before training, not after it: the run would end without its report
+        from plait.observe.report import require_plotting
+
+        require_plotting()
     external = launched_externally()
     is_rank0 = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
     if is_rank0:
@@ -105,8 +119,10 @@ def cmd_train(argv: list[str]) -> int:
     elif cfg.parallel.nproc == 1:
         summary = train(cfg, run_dir, resume)
     else:
-        summary = launch_local(train, (cfg, run_dir, resume), cfg.parallel.nproc, run_dir / "errors",
-                               cfg.comm.backend, cfg.comm.timeout_s)
+        f = cfg.fault
+        restarts = Restarts(max_restarts=f.max_restarts, backoff_s=f.restart_backoff_s, state_dir=run_dir)
+        summary = launch_local(train, lambda attempt: (cfg, run_dir, resume or attempt > 0), cfg.parallel.nproc,
+                               run_dir / "errors", cfg.comm.backend, cfg.comm.timeout_s, restarts)
     if is_rank0:
         if "tokens_per_s" in summary and summary["tokens_per_s"]:
             speed = f"{summary['tokens_per_s']:,.0f} tokens/s"
@@ -122,30 +138,45 @@ def cmd_train(argv: list[str]) -> int:
         ]
         if cfg.model.name == "gpt" and not cfg.model.factory:
             lines.append(f"  sample:        plait sample {run_dir} --prompt \"def \"")
+        report = run_dir / "report.html"  # written by the run itself with observe.report = true
+        made = cfg.observe.report and report.is_file()
+        lines.append(f"  report:        {report}" if made else f"  report:        plait report {run_dir}")
         print("\n".join(lines))
     return 0
 
 
 def cmd_run(argv: list[str]) -> int:
-    """``plait run [--nproc N] SCRIPT [ARGS ...]``: the user's script in N local workers under the elastic
-    agent, with the same one-line failure report as ``plait train``."""
+    """``plait run [--nproc N] [--max-restarts R] SCRIPT [ARGS ...]``: the user's script in N local workers
+    under the elastic agent, with the same one-line failure report as ``plait train``; a failed group is
+    started again up to R times (``PLAIT_ATTEMPT`` tells the script which attempt it is, so it can load
+    its newest checkpoint)."""
     import tempfile
 
-    from plait.launch import launch_script
+    from plait.launch import Restarts, launch_script
 
-    nproc, i = 1, 0
+    nproc, max_restarts, i = 1, 0, 0
+    options = {"--nproc": "nproc", "--nproc-per-node": "nproc", "--nproc_per_node": "nproc",
+               "--max-restarts": "max_restarts", "--max_restarts": "max_restarts"}
     while i < len(argv) and argv[i].startswith("-"):
         a = argv[i]
-        if a in ("--nproc", "--nproc-per-node", "--nproc_per_node") and i + 1 < len(argv):
-            value, i = argv[i + 1], i + 2
-        elif a.split("=", 1)[0] in ("--nproc", "--nproc-per-node", "--nproc_per_node") and "=" in a:
+        name = a.split("=", 1)[0]
+        if name not in options:
+            raise ConfigError(f"unknown option {a} for plait run; usage: plait run [--nproc N] [--max-restarts R] "
+                              "SCRIPT [ARGS ...]")
+        if "=" in a:
             value, i = a.split("=", 1)[1], i + 1
+        elif i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
         else:
-            raise ConfigError(f"unknown option {a} for plait run; usage: plait run [--nproc N] SCRIPT [ARGS ...]")
+            raise ConfigError(f"{a} needs a value")
         try:
-            nproc = int(value)
+            number = int(value)
         except ValueError:
-            raise ConfigError(f"--nproc needs a whole number of workers; got {value!r}") from None
+            raise ConfigError(f"{name} needs a whole number; got {value!r}") from None
+        if options[name] == "nproc":
+            nproc = number
+        else:
+            max_restarts = number
     if nproc < 1:
         raise ConfigError(f"--nproc must be at least 1; got {nproc}")
     if i >= len(argv):
@@ -154,7 +185,8 @@ def cmd_run(argv: list[str]) -> int:
     if not Path(script).is_file():
         raise ConfigError(f"script {script} does not exist")
     error_dir = Path(tempfile.mkdtemp(prefix="plait-run-")) / "errors"
-    launch_script(script, argv[i + 1:], nproc, error_dir)
+    restarts = Restarts(max_restarts=max_restarts, state_dir=error_dir.parent)
+    launch_script(script, argv[i + 1:], nproc, error_dir, restarts)
     return 0
 
 
@@ -227,7 +259,31 @@ def cfg_world(config_path: str | None, overrides: list[str]) -> int:
     return load_config(config_path, overrides).parallel.nproc
 
 
-COMMANDS = {"train": cmd_train, "run": cmd_run, "sample": cmd_sample, "plan": cmd_plan}
+def cmd_report(argv: list[str]) -> int:
+    """``plait report RUN_DIR [RUN_DIR ...] [-o report.html]``: see ``plait.observe.report``."""
+    from plait.observe.report import cli_report
+
+    return cli_report(argv)
+
+
+def cmd_launch(argv: list[str]) -> int:
+    """``plait launch slurm|k8s CONFIG --nodes N --gpus-per-node G ...``: see ``plait.launch_files``."""
+    from plait.launch_files import cli_launch
+
+    return cli_launch(argv)
+
+
+COMMANDS = {"train": cmd_train, "run": cmd_run, "sample": cmd_sample, "plan": cmd_plan, "report": cmd_report,
+            "launch": cmd_launch}
+
+
+def _run_dir_of(argv: list[str]) -> str:
+    """The run directory of a ``plait train`` command line (for the resume hint)."""
+    try:
+        config_path, resume, overrides = _split_train_args(argv[1:])
+        return resume or load_config(config_path, overrides).run.dir or "RUN_DIR"
+    except ConfigError:
+        return "RUN_DIR"
 
 
 def help_text() -> str:
@@ -238,7 +294,7 @@ def help_text() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the process exit code."""
-    from plait.launch import WorkerFailed
+    from plait.launch import NoProgress, RunPreempted, WorkerFailed
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
@@ -251,14 +307,24 @@ def main(argv: list[str] | None = None) -> int:
                                                                                    for a in argv[1:])):
         print(help_text())
         return 0
+    from plait.fault.preempt import CONFIG_EXIT, FAILED_EXIT, NO_PROGRESS_EXIT, PREEMPTED_EXIT, Preempted
+
     try:
         return COMMANDS[argv[0]](argv[1:])
     except ConfigError as e:
         print(f"plait: error: {e}", file=sys.stderr)
-        return 2
+        return CONFIG_EXIT
+    except NoProgress as e:
+        print(f"plait: error: {e}", file=sys.stderr)
+        return NO_PROGRESS_EXIT
     except WorkerFailed as e:
         print(f"plait: error: {e}", file=sys.stderr)
-        return 1
+        return FAILED_EXIT
+    except (RunPreempted, Preempted) as e:
+        where = f" ({e})" if str(e) else ""
+        resume = f"; resume with: plait train --resume {_run_dir_of(argv)}" if argv[0] == "train" else ""
+        print(f"plait: preempted{where}{resume}", file=sys.stderr)
+        return PREEMPTED_EXIT
     except KeyboardInterrupt:
         print("plait: interrupted", file=sys.stderr)
         return 130

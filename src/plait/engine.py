@@ -41,7 +41,9 @@ from plait.comm.collectives import CommStats, comm_from_config
 from plait.comm.watchdog import StepWatchdog
 from plait.config import Config, ConfigError, from_sections, load_config
 from plait.data.loader import DeviceLoader, to_device
-from plait.launch import error_dir_from_env, error_file, init_distributed
+from plait.fault.preempt import PreemptionFlag
+from plait.fault.restart import write_pid, write_progress
+from plait.launch import error_dir_from_env, error_file, init_distributed, write_error
 from plait.observe.log import get_logger
 from plait.parallel.apply import ModelSpec, apply_parallel, check_model
 from plait.parallel.layout import Layout
@@ -74,6 +76,11 @@ class StepInfo:
     step_s: float
     forward_s: float = 0.0  # measured by forward_backward (a user's own forward is not seen)
     backward_s: float = 0.0
+    # The step's loss averaged over the data-parallel replicas: the same number on every rank.
+    global_loss: float = float("nan")
+    # SIGTERM/SIGINT reached a rank: every rank sees it at this same step; save and stop
+    # (the Trainer does; exit with plait.fault.preempt.PREEMPTED_EXIT).
+    preempted: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,7 +96,7 @@ def _explained(method: Callable) -> Callable:
         try:
             return method(self, *args, **kwargs)
         except Exception as e:
-            named = self.watchdog.explain(e)
+            named = self.explain(e)
             if named is e:
                 raise
             raise named from e
@@ -142,6 +149,13 @@ class Plait:
         self.error_dir = error_dir_from_env(self.run_dir / "errors")
         error_file(self.error_dir, self.rank).unlink(missing_ok=True)
         self.comm = comm_from_config(cfg.comm, cfg.train.seed, self.rank, self.world_size)
+        # Where the launcher looks for progress and worker pids: the error directory's parent.
+        self.state_dir = self.error_dir.parent if self.error_dir is not None else None
+        self.saved_step: int | None = None
+        if self.state_dir is not None:
+            write_pid(self.state_dir, self.rank)
+        self.preemption = PreemptionFlag()
+        self.preemption.install()
         self.watchdog = self._build_watchdog()
         self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")
         self.auto = AutoCompress() if cfg.comm.compress == "auto" and self.topology.dp > 1 else None
@@ -465,6 +479,9 @@ class Plait:
         if self._micro == 0 or self._micro % self.accumulation:
             return None
         self._micro = 0
+        f = self.config.fault
+        if self.rank == f.slow_rank and f.slow_factor > 1:  # testing aid: a slower worker, as on mixed hardware
+            time.sleep((f.slow_factor - 1) * (self._times["forward_s"] + self._times["backward_s"]))
         t0 = time.perf_counter()
         layout.finish()
         exposed = time.perf_counter() - t0
@@ -514,14 +531,38 @@ class Plait:
         # The pipeline's loss exists on the last stage only: summed over the pp group, every stage has it.
         loss = float(self.layout.reduce_loss(torch.stack(losses).mean())) if losses else float("nan")
         self._window_loss = []
+        global_loss, preempted = self._agree(loss)
         info = StepInfo(step=self.steps, loss=loss, grad_norm=norm, skipped=skipped, lr=lr,
                         comm_bytes=stats.bytes_sent, comm_wait_s=stats.wait_s, comm_exposed_s=exposed,
-                        optimizer_s=optimizer_s, step_s=step_s, **self._times)
+                        optimizer_s=optimizer_s, step_s=step_s, **self._times, global_loss=global_loss,
+                        preempted=preempted)
+        self._write_progress()
         self._times = {"forward_s": 0.0, "backward_s": 0.0}
         if self.auto is not None and self.auto.observe(self.steps, exposed, step_s, stats.bytes_sent, stats.wait_s):
             decision = self.auto.decide(self.comm, self.topology.dp_group)
             self.logger.info("comm.compress=auto after step %d: %s", self.steps, decision["reason"])
         return info
+
+    def _agree(self, loss: float) -> tuple[float, bool]:
+        """What every rank must see alike at a step boundary: the loss averaged over the data-parallel
+        replicas and whether any rank was asked to stop. Communication: one all-reduce of two numbers
+        over the world (every rank of a replica holds the replica's loss, so the sum / world size is
+        the mean over replicas)."""
+        t = torch.tensor([loss, float(self.preemption.requested)], dtype=torch.float64)
+        if self.world_size > 1:
+            self.comm.all_reduce_sum(t, None, name="step agreement")
+            t[0] /= self.world_size
+        return float(t[0]), bool(t[1] > 0)
+
+    @property
+    def preempted(self) -> bool:
+        """Whether SIGTERM/SIGINT reached this rank (``StepInfo.preempted`` is the agreed value)."""
+        return self.preemption.requested
+
+    def _write_progress(self) -> None:
+        """Rank 0 notes how far the run got, for the launcher's restart decision (``plait.fault.restart``)."""
+        if self.is_main and self.state_dir is not None:
+            write_progress(self.state_dir, steps=self.steps, saved=self.saved_step)
 
     # -- small collectives --------------------------------------------------------------------------
     @_explained
@@ -591,22 +632,24 @@ class Plait:
                              group=self._ckpt_group)
         self.last_save_blocking_s = time.perf_counter() - t0
         if async_:
-            self._pending = (pending, on_complete)
+            self._pending = (pending, on_complete, self.steps)
         else:
-            self._completed(pending.path, on_complete)
+            self._completed(pending.path, on_complete, self.steps)
         return pending.path
 
     def finish_saves(self) -> None:
         """Complete an asynchronous save still being written (collective; nothing when there is none)."""
         if getattr(self, "_pending", None) is None:
             return
-        pending, on_complete = self._pending
+        pending, on_complete, step = self._pending
         self._pending = None
         self.phase("checkpoint save")
-        self._completed(pending.finish(), on_complete)
+        self._completed(pending.finish(), on_complete, step)
 
-    def _completed(self, path: Path, on_complete: Callable[[Path], None] | None) -> None:
+    def _completed(self, path: Path, on_complete: Callable[[Path], None] | None, step: int) -> None:
         self.logger.info("checkpoint saved: %s", path)
+        self.saved_step = step
+        self._write_progress()
         if on_complete is not None and self.is_main:
             on_complete(path)
 
@@ -700,6 +743,27 @@ class Plait:
             self._bar.update(int(rec["step"]), float(rec["loss"]), float(rec.get("tokens_per_s", 0.0)))
 
     @_explained
+    def truncate_metrics(self, step: int) -> None:
+        """Rank 0: drop ``metrics.jsonl`` records of steps after ``step`` (they belong to a timeline a
+        restart or a rollback undid), so the file reads as one run."""
+        if not self.is_main:
+            return
+        path = self.run_dir / "metrics.jsonl"
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        if path.is_file():
+            import json
+
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    if int(json.loads(line).get("step", 0)) <= step:
+                        kept.append(line)
+                except (ValueError, AttributeError):
+                    continue
+            path.write_text("".join(x + "\n" for x in kept))
+
     def report(self) -> dict[str, Any]:
         """Layout results (pipeline bubble, memory predicted against measured, communication) for a
         summary; collective."""
@@ -720,8 +784,18 @@ class Plait:
         return out
 
     def explain(self, exc: BaseException) -> BaseException:
-        """A backend timeout or lost peer as the error naming the ranks that did not arrive."""
-        return self.watchdog.explain(exc)
+        """A backend timeout or lost peer as the error naming the ranks that did not arrive; the ranks it
+        names that run on this host and are stuck (stopped, hung) are ended, so the attempt ends within
+        seconds and the restart policy applies (``StepWatchdog.end_stuck_peers``)."""
+        from plait.comm.guard import CollectiveTimeout
+
+        named = self.watchdog.explain(exc)
+        if isinstance(named, CollectiveTimeout) and named.ranks:
+            # This rank's report first: the peers ended next fail at once, and the launcher names the
+            # earliest report as the cause.
+            write_error(named, self.rank, self.error_dir)
+            self.watchdog.end_stuck_peers(named.ranks)
+        return named
 
     def close(self) -> None:
         """Stop the watchdog and the comm thread, close metrics files; the process group stays."""
@@ -738,6 +812,7 @@ class Plait:
             self._metrics.close()
         self.watchdog.close()
         self.comm.close()
+        self.preemption.uninstall()
 
     def __enter__(self) -> Plait:
         return self

@@ -16,9 +16,11 @@ import os
 import re
 import runpy
 import sys
+import time
 import traceback
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -118,6 +120,8 @@ def run_worker(fn: Callable[..., Any], args: tuple, backend: str, timeout_s: flo
         return fn(*args)
     except BaseException as e:
         write_error(e, rank, error_dir_from_env())
+        if type(e).__name__ == "Preempted":
+            raise SystemExit(75) from None  # plait.fault.preempt.PREEMPTED_EXIT
         raise
     finally:
         if dist.is_initialized():
@@ -164,31 +168,107 @@ def _launch_config(nproc: int, error_dir: Path) -> Any:
     )
 
 
-def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, error_dir: Path, backend: str = "auto",
-                 timeout_s: float = 300.0) -> Any:
-    """Run ``fn(*args)`` in ``nproc`` local workers under the elastic agent; returns rank 0's result."""
+class RunPreempted(RuntimeError):
+    """SIGTERM/SIGINT ended the job; ``str()`` says where it saved and how to resume."""
+
+
+class NoProgress(WorkerFailed):
+    """Restarts kept failing without progress; the launcher stopped instead of looping."""
+
+
+@dataclass
+class Restarts:
+    """The restart policy of one launch (``[fault]``) and where the workers note their progress."""
+
+    max_restarts: int = 0
+    backoff_s: float = 1.0
+    state_dir: Path | None = None
+
+
+def _first_report(error_dir: Path, nproc: int) -> str:
+    reports = sorted((f.stat().st_mtime, f.read_text().strip()) for r in range(nproc)
+                     if (f := error_file(error_dir, r)).is_file())
+    return reports[0][1].splitlines()[0] if reports and reports[0][1] else ""
+
+
+def _preempted_message(state_dir: Path | None) -> str | None:
+    marker = Path(state_dir) / "preempted.json" if state_dir is not None else None
+    if marker is None or not marker.is_file():
+        return None
+    import json
+
+    info = json.loads(marker.read_text())
+    return f"the run was preempted at step {info['step']}; every rank saved {info['checkpoint']}"
+
+
+def _attempts(run: Callable[[int], Any], nproc: int, error_dir: Path, restarts: Restarts) -> Any:
+    """Run ``run(attempt)`` until it succeeds, restarting per ``restarts`` (see plait.fault.restart)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from plait.fault import goodput
+    from plait.fault.restart import clear_progress, decide, read_progress
+
+    if restarts.state_dir is not None:
+        clear_progress(restarts.state_dir)
+        goodput.record(restarts.state_dir, "launch")
+    previous: dict | None = None
+    attempt = 0
+    while True:
+        try:
+            return run(attempt)
+        except SignalException as e:
+            raise RunPreempted(_preempted_message(restarts.state_dir) or f"the job was stopped by {e.sigval.name}") \
+                from None
+        except ChildFailedError as e:
+            message = failure_message(Path(error_dir), nproc, str(e))
+            preempted = _preempted_message(restarts.state_dir)
+            if preempted is not None:
+                raise RunPreempted(preempted) from None
+            progress = read_progress(restarts.state_dir) if restarts.state_dir is not None else {}
+            if restarts.state_dir is not None:
+                goodput.record(restarts.state_dir, "failed", attempt=attempt)
+            d = decide(_first_report(Path(error_dir), nproc), attempt, restarts.max_restarts, progress, previous,
+                       restarts.backoff_s)
+            if not d.restart:
+                suffix = f" (not restarted: {d.reason})" if restarts.max_restarts else ""
+                raise (NoProgress if d.no_progress else WorkerFailed)(message + suffix) from None
+            print(f"plait: {message}; restart {attempt + 1} of {restarts.max_restarts} in {d.wait_s:g}s, from the "
+                  "newest good checkpoint", file=sys.stderr, flush=True)
+            time.sleep(d.wait_s)
+            previous, attempt = progress, attempt + 1
+
+
+def launch_local(fn: Callable[..., Any], args: Callable[[int], tuple] | tuple, nproc: int, error_dir: Path,
+                 backend: str = "auto", timeout_s: float = 300.0, restarts: Restarts | None = None) -> Any:
+    """Run ``fn(*args)`` in ``nproc`` local workers under the elastic agent; returns rank 0's result.
+
+    ``args`` may be a function of the attempt number (0 first, 1 after the first restart...), so a
+    restarted attempt can resume. Raises ``WorkerFailed`` (``NoProgress``) or ``RunPreempted``."""
     from torch.distributed.launcher.api import elastic_launch
 
-    lc = _launch_config(nproc, error_dir)
-    try:
-        results = elastic_launch(lc, run_worker)(fn, args, backend, timeout_s)
-    except ChildFailedError as e:
-        raise WorkerFailed(failure_message(Path(error_dir), nproc, str(e))) from None
-    return results[0]
+    def run(attempt: int) -> Any:
+        lc = _launch_config(nproc, error_dir)
+        os.environ["PLAIT_ATTEMPT"] = str(attempt)
+        call_args = args(attempt) if callable(args) else args
+        return elastic_launch(lc, run_worker)(fn, call_args, backend, timeout_s)[0]
+
+    return _attempts(run, nproc, error_dir, restarts or Restarts())
 
 
-def launch_script(script: str, script_args: list[str], nproc: int, error_dir: Path) -> None:
+def launch_script(script: str, script_args: list[str], nproc: int, error_dir: Path,
+                  restarts: Restarts | None = None) -> None:
     """Run ``python script args`` in ``nproc`` local workers (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` set
-    as torchrun sets them); raises ``WorkerFailed`` naming the first rank that failed."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    as torchrun sets them, ``PLAIT_ATTEMPT`` counting restarts); raises ``WorkerFailed`` naming the first
+    rank that failed, or ``RunPreempted``."""
     from torch.distributed.launcher.api import elastic_launch
 
-    lc = _launch_config(nproc, error_dir)
-    try:
+    def run(attempt: int) -> None:
+        lc = _launch_config(nproc, error_dir)
+        os.environ["PLAIT_ATTEMPT"] = str(attempt)
         elastic_launch(lc, sys.executable)("-m", "plait.launch", script, *script_args)
-    except ChildFailedError as e:
-        raise WorkerFailed(failure_message(Path(error_dir), nproc, str(e))) from None
+
+    _attempts(run, nproc, error_dir, restarts or Restarts(state_dir=Path(error_dir).parent))
 
 
 def _script_main(argv: list[str]) -> int:

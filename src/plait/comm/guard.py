@@ -52,7 +52,12 @@ class Started:
 
 
 class CollectiveTimeout(RuntimeError):
-    """A collective did not complete within the timeout; the message names who did not arrive."""
+    """A collective did not complete within the timeout; the message names who did not arrive
+    (``ranks``: those ranks, when they are known)."""
+
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks or [])
 
 
 class CollectiveGuard:
@@ -210,6 +215,7 @@ class CollectiveGuard:
 
     def _error(self, name: str, tag: str, members: list[int], step: int, seq: int, waited: float,
                cause: Exception | None) -> CollectiveTimeout:
+        missing: list[int] = []
         try:
             self._flush()  # this rank's own arrival, in case the thread has not written it yet
             missing = self._missing(tag, members, seq)
@@ -222,5 +228,5 @@ class CollectiveGuard:
             f"collective '{name}' (#{seq} on group {tag}, ranks {members}) at step {step} did not "
             f"complete after {waited:.1f}s (timeout {self.timeout_s:g}s) on rank {self.rank}: {who}"
             f"{detail}. Check those ranks' logs for an earlier error or a code path that skips this "
-            f"collective; raise comm.timeout_s if they are only slow."
+            f"collective; raise comm.timeout_s if they are only slow.", ranks=missing
         )

@@ -52,6 +52,7 @@ _SEP = os.sep
 _COMM_DIRS = (f"{_SEP}torch{_SEP}distributed{_SEP}", f"{_SEP}plait{_SEP}comm{_SEP}")
 _TORCH_DIR = f"{_SEP}torch{_SEP}"
 # Substrings of a backend error caused by a peer that is late, gone or unreachable.
+KILL_GRACE_S = 2.0  # SIGTERM to SIGKILL for a stuck peer (hang escalation)
 _COMM_FAILURES = ("gloo", "Timed out", "timed out", "Connection closed", "Connection reset", "NCCL")
 
 
@@ -111,6 +112,18 @@ def _tb_frames(tb: TracebackType | None) -> list[FrameType]:
     return out[::-1]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
 def is_comm_failure(exc: BaseException) -> bool:
     """True for a backend error raised because a peer was late, died or became unreachable."""
     if isinstance(exc, CollectiveTimeout):
@@ -132,6 +145,7 @@ class StepWatchdog:
     """
 
     _made = 0
+    late: list[int] = []  # the ranks the last description named
 
     def __init__(self, store: dist.Store | None, timeout_s: float, rank: int, world_size: int,
                  error_path: Path | None = None, kinds: str = "", prefix: str = "plait/phase",
@@ -188,7 +202,8 @@ class StepWatchdog:
         with contextlib.suppress(Exception):  # peers explaining their own failure see this rank waiting
             self._publish(Record(self._seq, self._step, self._phase, "waiting", where))
         cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return CollectiveTimeout(f"{self.describe(None, where)}; backend said: {cause}")
+        lost = "Connection" in cause or "connection" in cause
+        return CollectiveTimeout(f"{self.describe(None, where, lost)}; backend said: {cause}", ranks=self.late)
 
     # -- the thread --------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -238,6 +253,8 @@ class StepWatchdog:
                 stack = "".join(traceback.format_stack(frame))
                 self.error_path.parent.mkdir(parents=True, exist_ok=True)
                 self.error_path.write_text(f"{text}\nmain thread of rank {self.rank} (seen by the watchdog):\n{stack}")
+            with contextlib.suppress(Exception):
+                self._end_stuck_peers()
         finally:
             os._exit(1)  # the main thread is blocked in a collective: only ending the process frees it
 
@@ -250,13 +267,17 @@ class StepWatchdog:
             out[r] = Record.decode(self.store.get(key).decode()) if self.store.check([key]) else None
         return out
 
-    def describe(self, waited: float | None, where: str) -> str:
-        """The error's text: this rank's phase and wait (``waited`` None: the backend's timeout ended
-        it), then the ranks holding it up."""
+    def describe(self, waited: float | None, where: str, lost: bool = False) -> str:
+        """The error's text: this rank's phase and wait (``waited`` None: the backend ended it, by its
+        timeout or, ``lost``, because a peer's connection closed), then the ranks holding it up."""
         kinds = f" ({self.kinds} collectives)" if self.kinds else ""
-        wait = f"waited {waited:.1f}s in {where}" if waited is not None else f"timed out waiting in {where}"
-        head = (f"step {self._step} phase '{self._phase}'{kinds} did not complete within "
-                f"{self.timeout_s:g}s: rank {self.rank} {wait}")
+        if lost:
+            head = (f"step {self._step} phase '{self._phase}'{kinds} failed: rank {self.rank} lost a peer's "
+                    f"connection while waiting in {where}")
+        else:
+            wait = f"waited {waited:.1f}s in {where}" if waited is not None else f"timed out waiting in {where}"
+            head = (f"step {self._step} phase '{self._phase}'{kinds} did not complete within "
+                    f"{self.timeout_s:g}s: rank {self.rank} {wait}")
         try:
             who = self._culprits(self.records())
         except Exception as e:  # the store may be gone with the rank that hosted it
@@ -279,6 +300,39 @@ class StepWatchdog:
         for found, verb in ((behind, "did not arrive"), (busy, "did not arrive"), (silent, "did not report")):
             if found:
                 detail = "; ".join(f"rank {r} {d}" for r, d in sorted(found.items()))
+                self.late = sorted(found)
                 return f"ranks {sorted(found)} {verb} ({detail})"
         return ("every rank is waiting in communication, so a peer died, the network stalled, or ranks "
                 "issued their collectives in different orders")
+
+    def end_stuck_peers(self, ranks: list[int]) -> None:
+        """Hang escalation for ``ranks`` named by another detector (plait's collective guard)."""
+        self.late = list(ranks)
+        self._end_stuck_peers()
+
+    def _end_stuck_peers(self) -> None:
+        """Hang escalation: the late ranks running on this host (pids from ``workers/rank<r>.pid`` next to
+        the error directory) get SIGCONT (a stopped process), SIGTERM, and after ``KILL_GRACE_S`` SIGKILL, so
+        the attempt ends now rather than after the agent's 30 s termination grace; the restart policy then
+        applies. Ranks on other hosts end when their connections to this one close."""
+        if self.error_path is None or not self.late:
+            return
+        import signal
+        import socket
+
+        from plait.fault.restart import worker_pids
+
+        pids = worker_pids(self.error_path.parent.parent)
+        here = socket.gethostname()
+        targets = [pids[r][0] for r in self.late if r in pids and pids[r][1] == here and pids[r][0] != os.getpid()]
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            for pid in targets:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, sig)
+        deadline = time.monotonic() + KILL_GRACE_S
+        while targets and time.monotonic() < deadline:
+            targets = [p for p in targets if _alive(p)]
+            time.sleep(0.1)
+        for pid in targets:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)

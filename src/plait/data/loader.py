@@ -209,6 +209,16 @@ class DistributedLoader:
             self.position += 1
             yield batch
 
+    def advance(self, micro_batches: int) -> None:
+        """Skip this rank's next ``micro_batches`` without loading them, across epochs: a data window left
+        out (the batches before a loss spike). Every rank skips the same number of global batches."""
+        while micro_batches > 0:
+            if self.position >= len(self.sampler):
+                self.epoch, self.position = self.epoch + 1, 0
+            step = min(micro_batches, len(self.sampler) - self.position)
+            self.position += step
+            micro_batches -= step
+
     def state_dict(self) -> dict[str, int]:
         """The position and the settings that define the data order, as plain ints (safe for
         ``torch.load(weights_only=True)``). Identical on every rank, so saving one rank's suffices."""
@@ -299,6 +309,9 @@ class DeviceLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.loader.load_state_dict(state)
+
+    def advance(self, micro_batches: int) -> None:
+        self.loader.advance(micro_batches)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

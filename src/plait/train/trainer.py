@@ -27,6 +27,7 @@ from torch import nn
 
 from plait.config import Config
 from plait.engine import Plait
+from plait.fault.recovery import Recovery
 from plait.observe.ranks import rank_timings
 from plait.train.losses import ClassificationLoss, Loss, infer_loss, resolve_loss
 from plait.train.optim import lr_at
@@ -95,6 +96,9 @@ class Trainer:
         self.scheduler = p.scheduler
         self.state = RunState()
         self._it: Any = None
+        self.recovery = Recovery(self)
+        if self.rank0:
+            (self.run_dir / "preempted.json").unlink(missing_ok=True)
         self.log.info("model: %.2fM parameters, world %d, dp %d x accumulation %d, precision %s, loss %s",
                       self.num_params / 1e6, p.world_size, p.dp, p.accumulation, cfg.train.precision, self.loss.name)
 
@@ -148,31 +152,56 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------------
     def resume(self) -> bool:
-        """Continue from the run directory's newest checkpoint; False when it has none."""
-        from plait.train.checkpoint import latest_checkpoint
+        """Continue from the run directory's newest good checkpoint (damaged ones, and those of loss-spike
+        steps, are skipped with a warning naming the problem); False when it has none."""
+        from plait.fault.integrity import newest_good
 
-        path = latest_checkpoint(self.run_dir)
-        if path is None:
+        found = newest_good(self.run_dir, check=self.cfg.checkpoint.verify)
+        for path, problems in found.skipped.items():
+            self.log.warning("checkpoint %s skipped: %s", path, "; ".join(problems))
+        if found.path is None:
+            self._truncate_metrics(0)
             return False
+        self.load_checkpoint(found.path)
+        self.log.info("resumed from %s at step %d", found.path, self.state.step)
+        return True
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Every state a checkpoint holds, and the data window to leave out after it (see Recovery)."""
+        t0 = time.perf_counter()
         extra = self.p.load(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                             dataloader=self.loader)
         for k, v in extra.items():
             if hasattr(self.state, k):
                 setattr(self.state, k, type(getattr(self.state, k))(v))
+        self.recovery.load(extra.get("recovery"))
+        skip = self.recovery.resumed_at(self.state.step)
+        if skip:
+            self.loader.advance(skip * self.p.accumulation)
         self._it = None
-        self.log.info("resumed from %s at step %d", path, self.state.step)
-        return True
+        self._truncate_metrics(self.state.step)
+        if self.rank0:
+            from plait.fault import goodput
+
+            goodput.record(self.run_dir, "resume", step=self.state.step, load_s=time.perf_counter() - t0,
+                           skipped_batches=skip)
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Metrics of steps after ``step`` belong to a timeline that was undone (a crash, a rollback)."""
+        if self.rank0:
+            self.p.truncate_metrics(step)
 
     def save(self) -> Path:
         from plait.train.checkpoint import point_latest, step_dir
 
         s = self.state
         extra = {"step": s.step, "skipped_steps": s.skipped_steps, "tokens_seen": s.tokens_seen,
-                 "samples_seen": s.samples_seen, "train_seconds": s.train_seconds}
+                 "samples_seen": s.samples_seen, "train_seconds": s.train_seconds, "recovery": self.recovery.state()}
         keep = self.cfg.checkpoint.keep
         path = self.p.save(step_dir(self.run_dir, s.step), model=self.model, optimizer=self.optimizer,
                            scheduler=self.scheduler, dataloader=self.loader, extra=extra,
                            on_complete=lambda done: point_latest(self.run_dir, done, keep))
+        self.recovery.saved(self.p.last_save_blocking_s)
         self.p.barrier()
         return path
 
@@ -198,7 +227,8 @@ class Trainer:
         s.tokens_seen += tokens
         s.samples_seen += samples
         s.train_seconds += step_s
-        rec = {"step": info.step, "loss": info.loss, "lr": info.lr, "grad_norm": info.grad_norm}
+        rec = {"step": info.step, "loss": info.loss, "global_loss": info.global_loss, "lr": info.lr,
+               "grad_norm": info.grad_norm, "preempted": info.preempted}
         if tokens:
             rec["tokens_per_s"] = tokens / step_s
         rec.update({"samples_per_s": samples / step_s, "step_s": step_s, "data_s": data_s,
@@ -244,16 +274,21 @@ class Trainer:
         try:
             while s.step < cfg.train.steps:
                 rec = self.train_step()
+                if self.recovery.after_step(rec):
+                    continue  # rolled back: this step and the ones since the checkpoint are undone
+                if rec.pop("preempted"):
+                    self._preempted()
                 last = s.step == cfg.train.steps
                 if s.step % cfg.train.log_every == 0 or last or s.step == 1:
                     p.phase("loss logging")
-                    rec["loss"] = s.last_loss = p.reduce(rec["loss"])
+                    rec["loss"] = s.last_loss = rec.pop("global_loss")
                     rec.update(rank_timings(p, rec))  # every rank's step parts: a slow rank stands out
+                    rec.update(self.recovery.ranks(rec))
                     if cfg.train.eval_every and s.step % cfg.train.eval_every == 0 and not last:
                         rec["val_loss"] = s.val_loss = self.evaluate()
                         self.log.info("step %d: train loss %.4f, val loss %.4f", s.step, rec["loss"], s.val_loss)
                     p.log(rec)
-                if cfg.checkpoint.every and s.step % cfg.checkpoint.every == 0 and not last:
+                if self.recovery.should_save(s.step, last):
                     self.save()
             return self.finish()
         except Exception as e:
@@ -261,6 +296,19 @@ class Trainer:
             if named is e:
                 raise
             raise named from e
+
+    def _preempted(self) -> None:
+        """SIGTERM/SIGINT reached some rank: every rank saves at this step and stops (exit code 75)."""
+        from plait.fault.preempt import Preempted
+
+        path = self.save()
+        self.p.finish_saves()
+        if self.rank0:
+            (self.run_dir / "preempted.json").write_text(json.dumps({"step": self.state.step, "checkpoint": str(path)}))
+        self.p.barrier()
+        if self.rank0:
+            self.log.warning("preempted at step %d: saved %s", self.state.step, path)
+        raise Preempted(self.state.step, str(path))
 
     def finish(self) -> dict[str, Any]:
         s, p = self.state, self.p
@@ -278,8 +326,13 @@ class Trainer:
             "samples_per_s": s.samples_seen / s.train_seconds if s.train_seconds else 0.0,
             "total_seconds": s.train_seconds, "world_size": p.world_size, "dp": p.dp,
             "skipped_steps": s.skipped_steps, "num_params": self.num_params, "precision": self.cfg.train.precision,
-            "zero": self.cfg.parallel.zero, "loss": self.loss.name, **report,
+            "zero": self.cfg.parallel.zero, "loss": self.loss.name, **report, **self.recovery.summary(),
         }
+        if self.rank0:
+            from plait.fault import goodput
+
+            goodput.record(self.run_dir, "end")
+            summary["goodput"] = goodput.goodput(self.run_dir)
         if not math.isnan(s.val_accuracy):
             summary["final_val_accuracy"] = s.val_accuracy
         if self.rank0:

@@ -1,0 +1,84 @@
+"""Goodput: the share of wall time spent on steps that ended in the final model, and where the rest went.
+
+A run appends events to ``RUN_DIR/goodput.jsonl`` (rank 0 of each attempt, and the launcher): ``launch``
+and ``attempt`` (launcher, wall time), ``failed`` (launcher: when it saw the failure), ``ready`` (workers
+set up), ``resume`` (checkpoint step and load seconds), ``step`` (step number, its seconds, wall time),
+``save`` (blocking seconds), ``rollback`` (from, to), ``end``. ``goodput`` replays them: every step
+executed after a resume or rollback to step c invalidates the executions of steps above c, whose time
+becomes lost (recomputed after a crash, or rolled back); what remains is useful. Lost time by cause:
+``detection`` (last event of a failed attempt to the launcher noticing), ``restart`` (the failure to
+the next attempt's workers being ready, backoff included), ``checkpoint_load``, ``recomputed_steps``,
+``rolled_back_steps``, ``blocking_save``, and ``other`` (evaluation, logging, start-up).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+LEDGER = "goodput.jsonl"
+
+
+def record(run_dir: Path | str, event: str, **fields: Any) -> None:
+    """Append one event (wall time added); errors writing are ignored: goodput is accounting, not state."""
+    try:
+        with open(Path(run_dir) / LEDGER, "a") as f:
+            f.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
+    except OSError:
+        pass
+
+
+def _events(run_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    path = Path(run_dir) / LEDGER
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+def goodput(run_dir: Path | str, end_time: float | None = None) -> dict[str, Any]:
+    """Replay the ledger (see the module docstring) into ``{"goodput", "wall_s", "useful_s", "lost_s": {...}}``."""
+    events = _events(Path(run_dir))
+    if not events:
+        return {"goodput": None, "reason": "no goodput ledger"}
+    start = events[0]["t"]
+    end = end_time if end_time is not None else events[-1]["t"]
+    lineage: dict[int, float] = {}  # step -> seconds of its execution still in the final model's lineage
+    lost = dict.fromkeys(("detection", "restart", "checkpoint_load", "recomputed_steps", "rolled_back_steps",
+                          "blocking_save"), 0.0)
+    last_t = start
+    failed_at: float | None = None
+    for e in events:
+        kind = e["event"]
+        if kind == "failed":
+            lost["detection"] += max(0.0, e["t"] - last_t)
+            failed_at = e["t"]
+        elif kind == "ready" and failed_at is not None:
+            lost["restart"] += max(0.0, e["t"] - failed_at)
+            failed_at = None
+        elif kind in ("resume", "rollback"):
+            to = int(e["step"] if kind == "resume" else e["to"])
+            cause = "rolled_back_steps" if kind == "rollback" else "recomputed_steps"
+            for s in [s for s in lineage if s > to]:
+                lost[cause] += lineage.pop(s)
+            lost["checkpoint_load"] += float(e.get("load_s", 0.0))
+        elif kind == "step":
+            step = int(e["step"])
+            if step in lineage:  # executed again without a recorded resume (an attempt died before it)
+                lost["recomputed_steps"] += lineage[step]
+            lineage[step] = float(e["s"])
+        elif kind == "save":
+            lost["blocking_save"] += float(e["blocking_s"])
+        if kind != "failed":
+            last_t = e["t"]
+    wall = max(end - start, 1e-9)
+    useful = sum(lineage.values())
+    lost["other"] = max(0.0, wall - useful - sum(lost.values()))
+    return {"goodput": useful / wall, "wall_s": wall, "useful_s": useful, "steps": len(lineage),
+            "lost_s": {k: round(v, 3) for k, v in lost.items()}}

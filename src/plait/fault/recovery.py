@@ -1,0 +1,176 @@
+"""The trainer's recovery policy: rollback on loss spikes and persisting NaN, preemption, the automatic
+checkpoint interval, stragglers, and the goodput ledger.
+
+Rollback (``fault.spike_threshold`` > 0): when ``SpikeDetector`` flags a step, or the gradients stay
+non-finite for ``NONFINITE_STREAK`` steps in a row (each already skipped by the engine), training goes
+back to the newest good checkpoint at least ``fault.rollback_steps`` before it and leaves out the data
+that led there: the global batches from that checkpoint to the spike. The spike and the skip are
+appended to ``RUN_DIR/fault.jsonl`` first (a spike step's checkpoint is never taken as good, and a
+crash before the next checkpoint replays the skip on resume rather than the bad data). More than
+``fault.max_rollbacks`` rollbacks, or non-finite gradients again right after a rollback for them,
+stop the run with ``TrainingDiverged``.
+
+Automatic interval (``checkpoint.every = "auto"``): the first checkpoint is taken at step
+``AUTO_FIRST_SAVE`` to measure the blocking save time ``S``; then every ``sqrt(2 x MTBF x S)`` seconds of
+training (Young 1974), in steps of the measured mean step time, re-estimated at every save.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from plait.fault import goodput
+from plait.fault.integrity import newest_good
+from plait.fault.spikes import SpikeDetector
+from plait.fault.stragglers import StragglerScore
+
+NONFINITE_STREAK = 3
+AUTO_FIRST_SAVE = 10
+
+
+class TrainingDiverged(RuntimeError):
+    """Rollbacks did not help (or are spent); the message says what happened and what to change."""
+
+
+def log_fault(run_dir: Path, event: str, **fields: Any) -> None:
+    with open(Path(run_dir) / "fault.jsonl", "a") as f:
+        f.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
+
+
+def skips_at(run_dir: Path, step: int) -> int:
+    """Global batches to leave out when training continues from the checkpoint of ``step``."""
+    path = Path(run_dir) / "fault.jsonl"
+    if not path.is_file():
+        return 0
+    total = 0
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("event") == "skip" and int(rec["at_step"]) == step:
+            total = max(total, int(rec["batches"]))
+    return total
+
+
+class Recovery:
+    """One trainer's fault handling (see the module docstring); every rank holds one and decides alike."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.t = trainer
+        f = trainer.cfg.fault
+        self.detector = SpikeDetector(f.spike_threshold, f.spike_window)
+        self.stragglers = StragglerScore(f.straggler_factor)
+        self.rollbacks = 0
+        self.nonfinite = 0
+        self.rolled_back_for_nonfinite = False
+        self.named_stragglers: set[int] = set()
+        self.every = trainer.cfg.checkpoint.every
+        self.auto_every: int | None = None
+        self._step_times: list[float] = []
+        if trainer.rank0:
+            goodput.record(trainer.run_dir, "ready", attempt=int(__import__("os").environ.get("PLAIT_ATTEMPT", "0")))
+
+    # -- state carried in checkpoints ---------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"detector": self.detector.state_dict(), "rollbacks": self.rollbacks, "auto_every": self.auto_every}
+
+    def load(self, state: dict[str, Any] | None) -> None:
+        if state:
+            self.detector.load_state_dict(state.get("detector", {}))
+            self.rollbacks = int(state.get("rollbacks", 0))
+            self.auto_every = state.get("auto_every")
+
+    # -- after every step ---------------------------------------------------------------------------
+    def after_step(self, rec: dict[str, Any]) -> bool:
+        """Judge the step just taken; returns True when training was rolled back (the record is void)."""
+        self._step_times.append(rec["step_s"])
+        if self.t.rank0:
+            goodput.record(self.t.run_dir, "step", step=rec["step"], s=rec["step_s"])
+        verdict = self.detector.observe(rec["global_loss"], rec["grad_norm"])
+        if verdict == "nonfinite":
+            self.nonfinite += 1
+            if self.nonfinite < NONFINITE_STREAK:
+                return False
+            if self.rolled_back_for_nonfinite:
+                raise TrainingDiverged(
+                    f"the gradients are non-finite again after rolling back for them (step {rec['step']}): the run "
+                    "diverges from that checkpoint too; lower optim.lr, raise optim.warmup_steps, or check the data")
+            self.rolled_back_for_nonfinite = True
+            self._rollback(rec["step"], f"non-finite gradients for {NONFINITE_STREAK} steps")
+            return True
+        self.nonfinite = 0
+        if verdict == "spike":
+            median = sorted(self.detector.losses)[len(self.detector.losses) // 2]
+            self._rollback(rec["step"], f"loss {rec['global_loss']:.4f} far above the running median {median:.4f}")
+            return True
+        return False
+
+    def _rollback(self, step: int, why: str) -> None:
+        t, f = self.t, self.t.cfg.fault
+        if self.rollbacks >= f.max_rollbacks:
+            raise TrainingDiverged(f"step {step}: {why}, after {self.rollbacks} rollbacks (fault.max_rollbacks); "
+                                   "lower optim.lr or raise fault.max_rollbacks")
+        found = newest_good(t.run_dir, check=t.cfg.checkpoint.verify, before_step=step - f.rollback_steps + 1)
+        if found.path is None:
+            raise TrainingDiverged(f"step {step}: {why}, and no good checkpoint at least {f.rollback_steps} steps "
+                                   "earlier to roll back to; save more often (checkpoint.every)")
+        back_to = int(found.path.name.split("_")[1])
+        if t.rank0:
+            log_fault(t.run_dir, "spike", step=step, reason=why)
+            log_fault(t.run_dir, "skip", at_step=back_to, batches=step - back_to)
+            goodput.record(t.run_dir, "rollback", **{"from": step, "to": back_to})
+        t.p.barrier()  # the log is written before any rank acts on it
+        if t.rank0:
+            t.log.warning("step %d: %s; rolling back to %s and leaving out the %d global batches after it", step,
+                          why, found.path.name, step - back_to)
+        self.rollbacks += 1
+        rollbacks = self.rollbacks
+        t.load_checkpoint(found.path)
+        self.rollbacks = rollbacks  # the checkpoint's count predates this rollback
+
+    def resumed_at(self, step: int) -> int:
+        """Global batches to skip after resuming at ``step`` (a rollback's window a crash interrupted)."""
+        return skips_at(self.t.run_dir, step)
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def should_save(self, step: int, last: bool) -> bool:
+        if last:
+            return False
+        if self.every != "auto":
+            return bool(self.every) and step % int(self.every) == 0
+        if self.auto_every is None:
+            return step == AUTO_FIRST_SAVE
+        return step % self.auto_every == 0
+
+    def saved(self, blocking_s: float) -> None:
+        """After a save: the blocking time for goodput and the Young interval."""
+        if self.t.rank0:
+            goodput.record(self.t.run_dir, "save", blocking_s=blocking_s)
+        if self.every == "auto" and self._step_times:
+            step_s = sum(self._step_times[-50:]) / len(self._step_times[-50:])
+            interval_s = math.sqrt(2 * self.t.cfg.fault.mtbf_s * max(blocking_s, 1e-6))
+            self.auto_every = max(1, round(interval_s / max(step_s, 1e-9)))
+            self.t.log.info("checkpoint.every=auto: save %.3fs, step %.3fs, MTBF %gs -> every %d steps",
+                            blocking_s, step_s, self.t.cfg.fault.mtbf_s, self.auto_every)
+
+    # -- stragglers ------------------------------------------------------------------------------------
+    def ranks(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """Straggler score from the per-rank timings of a logged step (``rank_compute_s``, ``rank_data_s``)."""
+        compute, data = rec.get("rank_compute_s"), rec.get("rank_data_s")
+        if not compute:
+            return {}
+        slow = self.stragglers.observe([c + d for c, d in zip(compute, data or [0.0] * len(compute), strict=True)])
+        for r in set(slow) - self.named_stragglers:
+            self.t.log.warning("rank %d is a straggler: its work takes %.2fx the median rank's", r,
+                               self.stragglers.scores[r])
+        self.named_stragglers |= set(slow)
+        return {"straggler_score": [round(x, 3) for x in self.stragglers.scores], "stragglers": sorted(slow)}
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rollbacks": self.rollbacks, "stragglers": sorted(self.named_stragglers),
+                               "straggler_score": [round(x, 3) for x in self.stragglers.scores]}
+        if self.every == "auto":
+            out["checkpoint_every"] = self.auto_every
+        return out
