@@ -1,9 +1,14 @@
-"""``plait train | run | sample | plan | report | launch``: the command line.
+"""``plait train | run | sample | plan | simulate | calibrate | report | launch``: the command line.
 
     plait train [CONFIG.toml] [--section.key=value ...] [--resume RUN_DIR]
     plait run [--nproc N] [--max-restarts R] SCRIPT [ARGS ...]
     plait sample RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
     plait plan memory [CONFIG.toml] [--section.key=value ...]
+    plait plan [CONFIG.toml] --hardware PROFILE --gpus N [--top K] [--write OUT.toml] [--section.key=value ...]
+    plait simulate [CONFIG.toml] --hardware PROFILE [--nodes N --gpus-per-node G] [--compare RUN_DIR]
+                   [--trace PATH] [--section.key=value ...]
+    plait calibrate [--out PATH] [--quick]
+    plait checkpoint verify RUN_DIR
     plait report RUN_DIR [RUN_DIR ...] [-o report.html]
     plait launch slurm CONFIG --nodes N --gpus-per-node G [--procs-per-node P] [--partition P] [--time T]
     plait launch k8s CONFIG --nodes N --gpus-per-node G --image IMAGE [--pvc CLAIM] [--namespace NS]
@@ -230,28 +235,25 @@ def cmd_sample(argv: list[str]) -> int:
 
 
 def cmd_plan(argv: list[str]) -> int:
-    """``plait plan memory [CONFIG.toml] [--section.key=value ...]``: predicted per-rank memory, no launch."""
-    from plait.plan.memory import GPTShape, format_memory_table, gpt_num_params
+    """``plait plan memory ...`` (predicted per-rank memory) or ``plait plan CONFIG --hardware P --gpus N``
+    (ranked layouts); both in ``plait.plan.commands``."""
+    from plait.plan import commands
 
-    if not argv or argv[0] != "memory":
-        raise ConfigError("usage: plait plan memory [CONFIG.toml] [--section.key=value ...]")
-    config_path, resume, overrides = _split_train_args(argv[1:])
-    if resume:
-        raise ConfigError("plait plan memory takes a CONFIG.toml, not --resume")
-    from plait.validate import validate
+    if argv and argv[0] == "memory":
+        return commands.cmd_plan_memory(argv[1:])
+    return commands.cmd_plan(argv)
 
-    cfg = validate(load_config(config_path, overrides), cfg_world(config_path, overrides))
-    m, t = cfg.model, cfg.train
-    if cfg.model.factory or cfg.model.name != "gpt":
-        raise ConfigError("plait plan memory models plait's GPT (model.name=gpt); other models are not modelled yet")
-    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
-        raise ConfigError("plait plan memory models data parallelism and ZeRO 0-3; set parallel.tp=1 and pp=1")
-    shape = GPTShape(micro_batch=t.micro_batch_size, seq_len=m.seq_len, d_model=m.d_model, n_head=m.n_head,
-                     n_layer=m.n_layer, vocab_size=m.vocab_size)
-    print(format_memory_table(gpt_num_params(m.n_layer, m.d_model, m.vocab_size, m.seq_len), dp=cfg.parallel.dp,
-                              stage=cfg.parallel.zero, precision="fp32" if t.precision == "fp32" else "bf16",
-                              shape=shape, checkpointing=t.activation_checkpointing, k=t.checkpoint_every_k))
-    return 0
+
+def cmd_simulate(argv: list[str]) -> int:
+    from plait.plan.commands import cmd_simulate as simulate
+
+    return simulate(argv)
+
+
+def cmd_calibrate(argv: list[str]) -> int:
+    from plait.plan.commands import cmd_calibrate as calibrate
+
+    return calibrate(argv)
 
 
 def cfg_world(config_path: str | None, overrides: list[str]) -> int:
@@ -273,8 +275,28 @@ def cmd_launch(argv: list[str]) -> int:
     return cli_launch(argv)
 
 
+def cmd_checkpoint(argv: list[str]) -> int:
+    """``plait checkpoint verify RUN_DIR|CHECKPOINT``: every checkpoint checked against its SHA-256 manifest;
+    exit 0 when all are whole, 1 when one is damaged (each problem printed)."""
+    from plait.fault.integrity import checkpoints_newest_first, verify
+
+    if len(argv) != 2 or argv[0] != "verify":
+        raise ConfigError("usage: plait checkpoint verify RUN_DIR (or the path of one checkpoint)")
+    target = Path(argv[1])
+    paths = [target] if (target / "meta.json").is_file() or (target / ".metadata").is_file() else \
+        checkpoints_newest_first(target)
+    if not paths:
+        raise ConfigError(f"{target} holds no checkpoints (no {target}/checkpoints/step_*)")
+    damaged = 0
+    for path in paths:
+        problems = verify(path)
+        damaged += bool(problems)
+        print(f"{path}: " + ("ok" if not problems else "DAMAGED\n  " + "\n  ".join(problems)))
+    return 1 if damaged else 0
+
+
 COMMANDS = {"train": cmd_train, "run": cmd_run, "sample": cmd_sample, "plan": cmd_plan, "report": cmd_report,
-            "launch": cmd_launch}
+            "launch": cmd_launch, "checkpoint": cmd_checkpoint, "simulate": cmd_simulate, "calibrate": cmd_calibrate}
 
 
 def _run_dir_of(argv: list[str]) -> str:

@@ -106,6 +106,16 @@ class PendingSave:
         return self.path
 
 
+def _test_kill(path: Path, rank: int, where: str) -> None:
+    """Testing aid: ``PLAIT_TEST_KILL_IN_SAVE="step_0000008:between:1"`` SIGKILLs rank 1 while it writes that
+    checkpoint, before its shards, between shards and state files, or after both (before completion)."""
+    spec = os.environ.get("PLAIT_TEST_KILL_IN_SAVE")
+    if spec and spec == f"{path.name}:{where}:{rank}" and os.environ.get("PLAIT_ATTEMPT", "0") == "0":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def save_state(path: Path, layout: StatefulLayout, meta: dict[str, Any], rank: int,
                rank_state: dict[str, Any] | None = None, shared: dict[str, Any] | None = None, *,
                async_: bool = False, group: Any = None) -> PendingSave:
@@ -128,6 +138,7 @@ def save_state(path: Path, layout: StatefulLayout, meta: dict[str, Any], rank: i
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(group)
+    _test_kill(path, rank, "before")
     model_sd, optim_sd = layout.state_dicts()
     state = {"model": model_sd, "optim": optim_sd}
     future = None
@@ -138,9 +149,11 @@ def save_state(path: Path, layout: StatefulLayout, meta: dict[str, Any], rank: i
             future = dcp.async_save(state, checkpoint_id=str(tmp), no_dist=True)
         else:
             dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed(), process_group=group)
+    _test_kill(path, rank, "between")
     torch.save({**rng_state(), "rank_state": rank_state}, tmp / f"rank{rank}.pt")
     if rank == 0:
         torch.save(shared or {}, tmp / "state.pt")
+    _test_kill(path, rank, "after")
     pending = PendingSave(path, tmp, meta_text, rank, future, group)
     if not async_:
         pending.finish()

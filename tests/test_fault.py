@@ -1,0 +1,209 @@
+"""Surviving failures, end to end through ``plait train`` (2 workers, deterministic mode, seeded):
+
+* chaos: a seeded schedule SIGKILLs workers at 3 steps; the run restarts by itself and ends with the
+  parameters of a fault-free run, bit for bit;
+* SIGKILL while a checkpoint is written (before, between and after its shard writes), and a flipped
+  byte, a truncated shard, a deleted ``.metadata``: the newest good checkpoint is used, and the run
+  still equals the fault-free one;
+* SIGSTOP of one worker: the attempt ends within ``comm.timeout_s + 10 s`` naming the rank, restarts,
+  finishes;
+* SIGTERM to the launcher, and to one worker: every rank saves at the same step, exit code 75 (preempted),
+  and the resumed run equals the fault-free one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+STEPS = 30
+ARGS = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
+        "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.eval_sequences=8",
+        f"--train.steps={STEPS}", f"--optim.decay_steps={STEPS}", "--train.eval_every=0", "--train.log_every=5",
+        "--train.deterministic=true", "--observe.progress=false", "--observe.tensorboard=false",
+        "--checkpoint.every=4", "--checkpoint.keep=3", "--parallel.nproc=2", "--fault.max_restarts=6",
+        "--fault.restart_backoff_s=0.2", "--comm.timeout_s=5"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _start(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "plait.cli", "train", *ARGS, *args, f"--run.dir={run_dir}"],
+                            cwd=run_dir.parent, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _steps(run_dir: Path) -> int:
+    try:
+        return int(json.loads((run_dir / "progress.json").read_text())["steps"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _pid(run_dir: Path, rank: int) -> int | None:
+    try:
+        return int((run_dir / "workers" / f"rank{rank}.pid").read_text().split()[0])
+    except (OSError, ValueError):
+        return None
+
+
+class Killer(threading.Thread):
+    """Sends ``sig`` to worker ``rank`` once the run has passed ``step``, for each (step, rank, sig) in turn;
+    a later entry waits for a new attempt (another pid) to get past its step."""
+
+    def __init__(self, run_dir: Path, schedule: list[tuple[int, int, int]]) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.schedule, self.done, self.times = run_dir, schedule, [], []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        killed: set[int] = set()
+        for step, rank, sig in self.schedule:
+            while not self.stop.is_set():
+                pid = _pid(self.run_dir, rank)
+                if pid is not None and pid not in killed and _steps(self.run_dir) >= step:
+                    os.kill(pid, sig)
+                    killed.add(pid)
+                    self.done.append((_steps(self.run_dir), rank, sig))
+                    self.times.append(time.time())
+                    break
+                time.sleep(0.02)
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> dict[str, torch.Tensor]:
+    run = tmp_path_factory.mktemp("clean") / "run"
+    code, err = _finish(_start(run))
+    assert code == 0, err[-3000:]
+    return _weights(run)
+
+
+def test_chaos_kills_are_survived_bit_for_bit(tmp_path: Path, clean) -> None:
+    rng = random.Random(2026)
+    schedule = [(step, rng.randrange(2), signal.SIGKILL) for step in sorted(rng.sample(range(5, STEPS - 3), 3))]
+    run = tmp_path / "chaos"
+    proc = _start(run)
+    killer = Killer(run, schedule)
+    killer.start()
+    code, err = _finish(proc)
+    killer.stop.set()
+    assert len(killer.done) == 3, (killer.done, err[-2000:])
+    assert code == 0, err[-3000:]
+    assert err.count("restart ") == 3, err[-3000:]
+    assert _same(_weights(run), clean)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["goodput"]["lost_s"]["restart"] > 0
+
+
+@pytest.mark.parametrize("where", ["before", "between", "after"])
+def test_kill_during_a_save(tmp_path: Path, clean, where: str) -> None:
+    run = tmp_path / where
+    code, err = _finish(_start(run, env=_env(PLAIT_TEST_KILL_IN_SAVE=f"step_0000012:{where}:1")))
+    assert code == 0, err[-3000:]
+    assert "restart 1 of 6" in err and "resumed from" in err and "step_0000008" in err, err[-3000:]
+    assert _same(_weights(run), clean)
+
+
+def _corrupt(ckpt: Path, how: str) -> None:
+    shard = sorted(ckpt.glob("*.distcp"))[0]
+    if how == "flipped byte":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif how == "truncated shard":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    else:
+        (ckpt / ".metadata").unlink()
+
+
+@pytest.fixture(scope="module")
+def stopped_at_16(tmp_path_factory) -> Path:
+    """A run that ended at step 16 (checkpoints at 8, 12 and 16), to be damaged and resumed to the end."""
+    run = tmp_path_factory.mktemp("base") / "run"
+    code, err = _finish(_start(run, "--train.steps=16"))
+    assert code == 0, err[-3000:]
+    return run
+
+
+@pytest.mark.parametrize("how", ["flipped byte", "truncated shard", "deleted .metadata"])
+def test_damaged_checkpoint_falls_back_to_the_previous_good_one(tmp_path: Path, clean, stopped_at_16: Path,
+                                                                how: str) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(stopped_at_16, run)
+    _corrupt(run / "checkpoints" / "step_0000016", how)
+    verify = subprocess.run([sys.executable, "-m", "plait.cli", "checkpoint", "verify", str(run)],
+                            capture_output=True, text=True, env=_env())
+    assert verify.returncode == 1 and "step_0000016: DAMAGED" in verify.stdout and "step_0000012: ok" in verify.stdout
+    proc = subprocess.Popen([sys.executable, "-m", "plait.cli", "train", "--resume", str(run),
+                             f"--train.steps={STEPS}"], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    code, err = _finish(proc)
+    assert code == 0, err[-3000:]
+    assert "step_0000016 skipped" in err and "resumed from" in err and "step_0000012" in err, err[-3000:]
+    assert _same(_weights(run), clean)
+
+
+def test_stopped_worker_ends_the_attempt_in_time_and_the_run_finishes(tmp_path: Path, clean) -> None:
+    run = tmp_path / "stop"
+    proc = _start(run)
+    killer = Killer(run, [(10, 1, signal.SIGSTOP)])
+    killer.start()
+    code, err = _finish(proc)
+    assert code == 0 and killer.done, err[-3000:]
+    events = [json.loads(x) for x in (run / "goodput.jsonl").read_text().splitlines()]
+    failed = [e["t"] for e in events if e["event"] == "failed"]
+    assert len(failed) == 1 and failed[0] - killer.times[0] < 5 + 10, (failed, killer.times)
+    line = next(x for x in err.splitlines() if x.startswith("plait: rank"))
+    assert "ranks [1] did not arrive" in line and "restart 1 of 6" in line
+    assert _same(_weights(run), clean)
+
+
+@pytest.mark.parametrize("target", ["launcher", "worker"])
+def test_sigterm_saves_every_rank_at_one_step_and_resumes_exactly(tmp_path: Path, clean, target: str) -> None:
+    run = tmp_path / target
+    proc = _start(run, "--checkpoint.every=0")
+    while _steps(run) < 8:
+        time.sleep(0.02)
+    os.kill(proc.pid if target == "launcher" else _pid(run, 1), signal.SIGTERM)
+    code, err = _finish(proc)
+    assert code == 75, err[-3000:]
+    line = [x for x in err.splitlines() if x.startswith("plait:")]
+    assert len(line) == 1 and "Traceback" not in err and f"resume with: plait train --resume {run}" in line[0]
+    marker = json.loads((run / "preempted.json").read_text())
+    assert (run / "checkpoints" / f"step_{marker['step']:07d}" / "meta.json").is_file()
+    resumed = subprocess.run([sys.executable, "-m", "plait.cli", "train", "--resume", str(run)], cwd=tmp_path,
+                             env=_env(), capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _same(_weights(run), clean)
+    shutil.rmtree(run / "checkpoints")
