@@ -38,11 +38,14 @@ def validate(cfg: Config, world_size: int, *, model_checks: bool = True) -> Conf
         lo = max(per_step, t.global_batch_size // per_step * per_step)
         options = sorted({lo, lo + per_step})
         divisors = [d for d in range(1, t.global_batch_size + 1) if t.global_batch_size % (d * p.dp) == 0]
+        model_parallel = p.tp * p.pp * p.ep
+        worlds = [d * model_parallel for d in range(1, t.global_batch_size // t.micro_batch_size + 1)
+                  if t.global_batch_size % (t.micro_batch_size * d) == 0]
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} must equal micro_batch_size "
             f"({t.micro_batch_size}) x dp ({p.dp}) x accumulation steps; try "
             f"train.global_batch_size={' or '.join(map(str, options))}, or a micro_batch_size in "
-            f"{divisors[:8]}"
+            f"{divisors[:8]}; world sizes that keep this global and micro batch: {worlds[:12]}"
         )
     return cfg
 

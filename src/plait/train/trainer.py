@@ -88,8 +88,12 @@ class Trainer:
         if eval_data is not None:
             self.eval_loader = p.setup_dataloader(eval_data, shuffle=False,
                                                   drop_last=p.topology.degree("pp") > 1)
-        sample = self._peek()
-        self.loss = resolve_loss(loss_fn if loss_fn is not None else cfg.train.loss) or infer_loss(model, sample)
+        self.loss = resolve_loss(loss_fn if loss_fn is not None else cfg.train.loss)
+        # One batch read ahead (and put back) only when something needs it: inferring the loss, measuring
+        # pipeline stage costs.
+        needs_sample = self.loss is None or (p.topology.degree("pp") > 1 and cfg.parallel.pp_balance == "cost")
+        sample = self._peek() if needs_sample else None
+        self.loss = self.loss or infer_loss(model, sample)
         self.num_params = sum(q.numel() for q in model.parameters())
         self.model, self.optimizer = p.setup(model, optimizer, scheduler if scheduler is not None else
                                              warmup_cosine(cfg), loss_fn=self.loss, sample=sample, **setup_kwargs)
