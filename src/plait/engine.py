@@ -178,6 +178,7 @@ class Plait:
         self._in_window = False
         self._pending: Any = None
         self.last_save_blocking_s = 0.0
+        self.shares: list[int] | None = None
         # An asynchronous save runs DCP's collectives on a background thread: on a group of their own, so
         # they never interleave with training's on the same channels.
         self._ckpt_group = dist.new_group(backend="gloo") if self.world_size > 1 and \
@@ -383,7 +384,7 @@ class Plait:
         self._require_layout().set_sync(self.sync_gradients)  # DDP reads it in the next forward
 
     @_explained
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, num_samples: int | None = None) -> None:
         """Backward of one micro-batch's ``loss`` (a scalar): scaled by loss scale / accumulation, with
         gradient communication only on the last micro-step of the window."""
         layout = self._require_layout()
@@ -392,7 +393,21 @@ class Plait:
                              "use loss = p.forward_backward(model, batch) instead of model(...) and p.backward")
         self.backward_checks(loss)
         with layout.context():
-            self._backward(loss)
+            self._backward(loss, self._weight(num_samples))
+
+    def _weight(self, num_samples: int | None) -> float:
+        """With uneven shares (``set_shares``) a micro-batch's mean loss counts in proportion to its samples:
+        ``num_samples`` / the even micro-batch, so the averaged gradient is the whole global batch's mean."""
+        if self.shares is None or num_samples is None:
+            return 1.0
+        return num_samples * self.dp * self.accumulation / self.config.train.global_batch_size
+
+    def set_shares(self, loader: Any, shares: list[int] | None) -> None:
+        """Give data-parallel rank r ``shares[r]`` samples of every global batch (faster ranks more: see
+        ``fault.rebalance``), the same on every rank; losses are weighted so the update equals the even
+        split's. ``backward`` then needs ``num_samples`` (``forward_backward`` counts them itself)."""
+        loader.set_shares(shares)
+        self.shares = list(shares) if shares is not None else None
 
     @staticmethod
     def backward_checks(loss: Any) -> None:
@@ -405,10 +420,10 @@ class Plait:
             raise PlaitError("the loss does not require grad: compute it from the model returned by setup(), "
                              "outside torch.no_grad()")
 
-    def _backward(self, loss: torch.Tensor) -> None:
+    def _backward(self, loss: torch.Tensor, weight: float = 1.0) -> None:
         self._begin_micro()
         t0 = time.perf_counter()
-        (loss * (self.scaler.scale / self.accumulation)).backward()
+        (loss * (self.scaler.scale * weight / self.accumulation)).backward()
         self._times["backward_s"] += time.perf_counter() - t0
         self._end_micro(loss)
 
@@ -434,7 +449,7 @@ class Plait:
             out = loss(model, batch)
             self._times["forward_s"] += time.perf_counter() - t0
             self.backward_checks(out)
-            self._backward(out)
+            self._backward(out, self._weight(_batch_size(batch, loss) if self.shares is not None else None))
         return out.detach()
 
     def _loss_for(self, model: nn.Module, batch: Any, loss_fn: Any) -> Loss:
@@ -481,7 +496,9 @@ class Plait:
         self._micro = 0
         f = self.config.fault
         if self.rank == f.slow_rank and f.slow_factor > 1:  # testing aid: a slower worker, as on mixed hardware
-            time.sleep((f.slow_factor - 1) * (self._times["forward_s"] + self._times["backward_s"]))
+            extra = (f.slow_factor - 1) * (self._times["forward_s"] + self._times["backward_s"])
+            time.sleep(extra)
+            self._times["backward_s"] += extra  # it stands for slower compute
         t0 = time.perf_counter()
         layout.finish()
         exposed = time.perf_counter() - t0
@@ -824,3 +841,9 @@ class Plait:
 def _unique_params(layout: Layout) -> list[nn.Parameter]:
     return list({id(p): p for _, p in layout.named_parameters()}.values())
 
+
+def _batch_size(batch: Any, loss: Loss) -> int:
+    """Samples in a micro-batch: the first dimension of its first input."""
+    args, kwargs, _ = loss.split(batch)
+    x = args[0] if args else next(iter(kwargs.values()))
+    return int(x.shape[0])

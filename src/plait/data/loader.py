@@ -103,7 +103,8 @@ class DistributedBatchSampler(Sampler[list[int]]):
     def batches(self, epoch: int) -> list[list[int]]:
         """This rank's micro-batches (lists of dataset indices) of ``epoch``, in order."""
         full, tail = self.rank_batches(epoch)
-        return full.tolist() + ([tail.tolist()] if tail is not None else [])
+        rows = [m.tolist() for m in full] if isinstance(full, list) else full.tolist()
+        return rows + ([tail.tolist()] if tail is not None else [])
 
     def rank_batches(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``batches(epoch)`` as tensors, cheaper for large data: the micro-batches of ``batch_size`` as
@@ -120,8 +121,28 @@ class DistributedBatchSampler(Sampler[list[int]]):
         generator = torch.Generator().manual_seed(_derive_seed("order", self.seed, epoch))
         return torch.randperm(self.num_samples, generator=generator)
 
+    def set_shares(self, shares: list[int] | None) -> None:
+        """Uneven shares of each global batch (train style): rank r takes ``shares[r]`` samples, split into
+        ``accumulation`` micro-batches differing by at most one sample; None restores equal shares. Every
+        rank must set the same shares (they still partition each global batch, so the samples of a step
+        do not change)."""
+        if shares is not None:
+            if not self.drop_last or len(shares) != self.dp_size or sum(shares) != self.global_batch_size \
+                    or min(shares) < self.accumulation:
+                raise ValueError(f"shares {shares} must give each of {self.dp_size} ranks at least {self.accumulation} "
+                                 f"samples and sum to the global batch {self.global_batch_size}")
+            shares = [int(x) for x in shares]
+        self.shares = shares
+        self._cache = None
+
     def _split(self, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, dp, r = self.batch_size, self.dp_size, self.dp_rank
+        if self.drop_last and getattr(self, "shares", None) is not None:
+            num_global = self.num_samples // self.global_batch_size
+            start, n = sum(self.shares[:r]), self.shares[r]
+            rows = order[: num_global * self.global_batch_size].view(num_global, self.global_batch_size)
+            mine = rows[:, start:start + n]  # (num_global, n)
+            return [m for row in mine for m in torch.tensor_split(row, self.accumulation)], None
         if self.drop_last:
             num_global = self.num_samples // self.global_batch_size
             shares = order[: num_global * self.global_batch_size].view(num_global, dp, self.accumulation, b)
@@ -208,6 +229,11 @@ class DistributedLoader:
             # Counted before the yield: a state_dict taken while the caller holds this batch includes it.
             self.position += 1
             yield batch
+
+    def set_shares(self, shares: list[int] | None) -> None:
+        """Uneven shares of each global batch (``DistributedBatchSampler.set_shares``); takes effect at the
+        next ``iter()``."""
+        self.sampler.set_shares(shares)
 
     def advance(self, micro_batches: int) -> None:
         """Skip this rank's next ``micro_batches`` without loading them, across epochs: a data window left
@@ -312,6 +338,9 @@ class DeviceLoader:
 
     def advance(self, micro_batches: int) -> None:
         self.loader.advance(micro_batches)
+
+    def set_shares(self, shares: list[int] | None) -> None:
+        self.loader.set_shares(shares)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -98,24 +98,26 @@ class Recovery:
                     f"the gradients are non-finite again after rolling back for them (step {rec['step']}): the run "
                     "diverges from that checkpoint too; lower optim.lr, raise optim.warmup_steps, or check the data")
             self.rolled_back_for_nonfinite = True
-            self._rollback(rec["step"], f"non-finite gradients for {NONFINITE_STREAK} steps")
-            return True
+            return self._rollback(rec["step"], f"non-finite gradients for {NONFINITE_STREAK} steps")
         self.nonfinite = 0
         if verdict == "spike":
             median = sorted(self.detector.losses)[len(self.detector.losses) // 2]
-            self._rollback(rec["step"], f"loss {rec['global_loss']:.4f} far above the running median {median:.4f}")
-            return True
+            return self._rollback(rec["step"], f"loss {rec['global_loss']:.4f} far above the running median "
+                                               f"{median:.4f}")
         return False
 
-    def _rollback(self, step: int, why: str) -> None:
+    def _rollback(self, step: int, why: str) -> bool:
         t, f = self.t, self.t.cfg.fault
         if self.rollbacks >= f.max_rollbacks:
             raise TrainingDiverged(f"step {step}: {why}, after {self.rollbacks} rollbacks (fault.max_rollbacks); "
                                    "lower optim.lr or raise fault.max_rollbacks")
         found = newest_good(t.run_dir, check=t.cfg.checkpoint.verify, before_step=step - f.rollback_steps + 1)
-        if found.path is None:
-            raise TrainingDiverged(f"step {step}: {why}, and no good checkpoint at least {f.rollback_steps} steps "
-                                   "earlier to roll back to; save more often (checkpoint.every)")
+        if found.path is None:  # nothing to go back to: note it and train on (a run is never ended for this)
+            if t.rank0:
+                log_fault(t.run_dir, "spike", step=step, reason=why, rolled_back=False)
+                t.log.warning("step %d: %s, but no good checkpoint at least %d steps earlier to roll back to; "
+                              "continuing (save more often with checkpoint.every)", step, why, f.rollback_steps)
+            return False
         back_to = int(found.path.name.split("_")[1])
         if t.rank0:
             log_fault(t.run_dir, "spike", step=step, reason=why)
@@ -129,6 +131,7 @@ class Recovery:
         rollbacks = self.rollbacks
         t.load_checkpoint(found.path)
         self.rollbacks = rollbacks  # the checkpoint's count predates this rollback
+        return True
 
     def resumed_at(self, step: int) -> int:
         """Global batches to skip after resuming at ``step`` (a rollback's window a crash interrupted)."""
@@ -162,11 +165,36 @@ class Recovery:
         if not compute:
             return {}
         slow = self.stragglers.observe([c + d for c, d in zip(compute, data or [0.0] * len(compute), strict=True)])
-        for r in set(slow) - self.named_stragglers:
+        for r in set(slow) - self.named_stragglers if self.t.rank0 else ():
             self.t.log.warning("rank %d is a straggler: its work takes %.2fx the median rank's", r,
                                self.stragglers.scores[r])
         self.named_stragglers |= set(slow)
-        return {"straggler_score": [round(x, 3) for x in self.stragglers.scores], "stragglers": sorted(slow)}
+        out = {"straggler_score": [round(x, 3) for x in self.stragglers.scores], "stragglers": sorted(slow)}
+        if self.t.cfg.fault.rebalance and self.t.p.dp == self.t.p.world_size > 1:
+            work = [c + d for c, d in zip(compute, data or [0.0] * len(compute), strict=True)]
+            out["shares"] = self._rebalance(work)
+        return out
+
+    def _rebalance(self, work_s: list[float]) -> list[int]:
+        """Shares of the global batch proportional to each rank's measured speed (samples per second of
+        its own work), changed only when some share moves by more than 10%; identical on every rank, as
+        the inputs are the gathered timings."""
+        p, g = self.t.p, self.t.cfg.train.global_batch_size
+        current = p.shares or [g // p.dp] * p.dp
+        per_sample = [max(w, 1e-9) / n for n, w in zip(current, work_s, strict=True)]
+        # smoothed over the logged steps, so one noisy step does not move the shares back and forth
+        prev = getattr(self, "_per_sample", None)
+        self._per_sample = per_sample if prev is None else [0.5 * a + 0.5 * b for a, b in zip(per_sample, prev,
+                                                                                              strict=True)]
+        speed = [1.0 / x for x in self._per_sample]
+        new = largest_remainder([g * v / sum(speed) for v in speed], g, minimum=p.accumulation)
+        if max(abs(a - b) / b for a, b in zip(new, current, strict=True)) > 0.10:
+            p.set_shares(self.t.loader, new)
+            self.t._it = None  # the next batches come from the new shares
+            if self.t.rank0:
+                self.t.log.info("fault.rebalance: shares of each global batch %s -> %s", current, new)
+            return new
+        return current
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rollbacks": self.rollbacks, "stragglers": sorted(self.named_stragglers),
@@ -174,3 +202,19 @@ class Recovery:
         if self.every == "auto":
             out["checkpoint_every"] = self.auto_every
         return out
+
+
+def largest_remainder(exact: list[float], total: int, minimum: int = 1) -> list[int]:
+    """Integers close to ``exact`` summing to ``total``, each at least ``minimum``."""
+    floors = [max(minimum, int(x)) for x in exact]
+    order = sorted(range(len(exact)), key=lambda i: exact[i] - int(exact[i]), reverse=True)
+    i = 0
+    while sum(floors) < total:
+        floors[order[i % len(order)]] += 1
+        i += 1
+    while sum(floors) > total:
+        j = max(range(len(floors)), key=lambda k: floors[k] - exact[k])
+        if floors[j] <= minimum:
+            break
+        floors[j] -= 1
+    return floors

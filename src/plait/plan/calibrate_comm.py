@@ -1,0 +1,162 @@
+"""The collective part of ``plait calibrate``: latency and bandwidth of the backend's collectives.
+
+Ranks are spawned processes (one CPU thread each) on a gloo process group, as ``plait train`` runs them
+on CPU. For each collective and message size: a barrier, then enough back-to-back calls to last
+``min_time`` (10 ms),
+timed on every rank; the slowest rank's mean call time is one sample, the median of five samples the
+measurement. Send/recv is a ping-pong between two ranks (one way = half the round trip). Sizes are the
+bytes of the buffer the cost model counts (``plait.plan.network``: the reduced buffer, the gathered
+output, the scattered input, the message). ``fit`` returns ``alpha + beta x bytes`` by least squares on
+relative error, so small and large messages weigh alike.
+"""
+
+from __future__ import annotations
+
+import queue as queue_mod
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+# torch 2.13 renamed the flat-tensor collectives; older releases lack the new names (as in plait.parallel.zero)
+all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def fit(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    """(alpha, beta) minimising sum(((alpha + beta s - t) / t)^2) over (bytes s, seconds t) samples."""
+    sw = swx = swxx = swy = swxy = 0.0
+    for s, t in samples:
+        w = 1.0 / (t * t)
+        sw, swx, swxx, swy, swxy = sw + w, swx + w * s, swxx + w * s * s, swy + w * t, swxy + w * s * t
+    det = sw * swxx - swx * swx
+    if det <= 0:
+        return samples[0][1], 0.0
+    beta = (sw * swxy - swx * swy) / det
+    alpha = (swy - beta * swx) / sw
+    return max(alpha, 0.0), max(beta, 0.0)
+
+
+def _call(op: str, nbytes: int, world: int) -> Any:
+    n = max(world, nbytes // 4 // world * world)
+    if op == "all_reduce":
+        buf = torch.zeros(n)
+        return lambda: dist.all_reduce(buf)
+    if op == "all_gather":
+        out, part = torch.zeros(n), torch.zeros(n // world)
+        return lambda: all_gather_flat(out, part)
+    if op == "reduce_scatter":
+        inp, out = torch.zeros(n), torch.zeros(n // world)
+        return lambda: reduce_scatter_flat(out, inp)
+    buf = torch.zeros(n)
+    return lambda: dist.broadcast(buf, src=0)
+
+
+def _time_collective(fn: Any, min_time: float) -> float:
+    fn()
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    probe = torch.tensor([time.perf_counter() - start])
+    dist.broadcast(probe, src=0)
+    calls = max(1, int(min_time / max(float(probe), 1e-6)))
+    samples = []
+    for _ in range(5):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = torch.tensor([(time.perf_counter() - start) / calls])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        samples.append(float(elapsed))
+    return statistics.median(samples)
+
+
+def _ping_pong(nbytes: int) -> float:
+    buf = torch.zeros(max(1, nbytes // 4))
+    rank = dist.get_rank()
+    samples = []
+    for i in range(6):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        if i:  # the first round trip warms the connection
+            samples.append((time.perf_counter() - start) / 2)
+    value = torch.tensor([statistics.median(samples) if rank == 0 else 0.0])
+    dist.broadcast(value, src=0)
+    return float(value)
+
+
+def dtensor_overhead(world: int, min_time: float) -> float:
+    """Seconds DTensor adds to one operator (its sharding propagation and unwrapping): a replicated DTensor
+    add against a plain add of the same one-element tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from plait.plan.calibrate import timed
+
+    mesh = init_device_mesh("cpu", (world,))
+    x, y = torch.ones(1), torch.ones(1)
+    a, b = (distribute_tensor(t, mesh, [Replicate()]) for t in (x, y))
+    return max(timed(lambda: a + b, min_time) - timed(lambda: x + y, min_time), 0.0)
+
+
+def _worker(rank: int, world: int, port: int, sizes: tuple[int, ...], min_time: float, out: Any) -> None:
+    from plait.plan.calibrate import init_rank
+
+    init_rank(rank, world, port)
+    try:
+        rows: list[Any] = []
+        for op in OPS:
+            samples = [(float(s), _time_collective(_call(op, s, world), min_time)) for s in sizes]
+            rows.append((op, samples))
+        if world == 2:
+            rows.append(("send", [(float(s), _ping_pong(s)) for s in sizes]))
+            rows.append(("dtensor_overhead", dtensor_overhead(world, min_time)))
+        if rank == 0:
+            out.put(rows)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_collectives(worlds: tuple[int, ...], sizes: tuple[int, ...], min_time: float = 0.01,
+                        timeout_s: float = 600) -> tuple[list[dict], float]:
+    """Fitted rows ``{op, world, alpha_s, beta_s_per_byte, samples}`` for every collective and world size, and
+    the DTensor per-operator overhead (measured at world 2; 0 when world 2 is not measured)."""
+    from plait.comm.collectives import free_port
+
+    ctx = mp.get_context("spawn")
+    table, dtensor = [], 0.0
+    for world in worlds:
+        out = ctx.Queue()
+        port = free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world, port, sizes, min_time, out)) for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            rows = out.get(timeout=timeout_s)
+        except queue_mod.Empty:
+            raise RuntimeError(f"calibration ranks at world {world} did not report within {timeout_s} s; exit codes "
+                               f"{[p.exitcode for p in procs]}") from None
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+        for op, samples in rows:
+            if op == "dtensor_overhead":
+                dtensor = float(samples)
+                continue
+            alpha, beta = fit(samples)
+            table.append({"op": op, "world": world, "alpha_s": alpha, "beta_s_per_byte": beta,
+                          "samples": [[int(s), t] for s, t in samples]})
+    return table, dtensor

@@ -1,0 +1,191 @@
+"""The ``plait simulate``, ``plait calibrate`` and ``plait plan`` commands (``plait.cli`` dispatches here).
+
+    plait simulate [CONFIG.toml] --hardware PROFILE [--nodes N --gpus-per-node G] [--trace PATH]
+                   [--compare RUN_DIR] [--stack plait|megatron] [--attention auto|flash|unfused]
+                   [--recompute none|full|every_k|selective] [--section.key=value ...]
+    plait calibrate [--out PATH] [--quick]
+    plait plan [CONFIG.toml] --hardware PROFILE --gpus N [--top K] [--write OUT.toml] [--section.key=value ...]
+    plait plan memory [CONFIG.toml] [--section.key=value ...]
+
+``--hardware`` takes a shipped profile (a100-80gb, h100-sxm), ``local`` (this machine's calibration) or a
+TOML path. ``--stack megatron`` / ``--attention unfused`` / ``--recompute selective`` model software plait
+does not run (Megatron-LM's kernels, selective recomputation), for comparing with published numbers.
+Errors a user can cause raise ``ConfigError`` (one line, exit code 2).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from plait.config import ConfigError, load_config
+
+FLAGS = {"--hardware": str, "--nodes": int, "--gpus-per-node": int, "--trace": str, "--compare": str,
+         "--stack": str, "--attention": str, "--recompute": str, "--gpus": int, "--top": int, "--write": str,
+         "--out": str}
+SWITCHES = ("--quick",)
+CHOICES = {"--stack": ("plait", "megatron"), "--attention": ("auto", "flash", "unfused"),
+           "--recompute": ("none", "full", "every_k", "selective")}
+
+
+def parse(argv: list[str], allowed: tuple[str, ...]) -> tuple[str | None, dict[str, Any], list[str]]:
+    """(CONFIG path or None, flags, ``--section.key=value`` overrides); unknown options are errors."""
+    config, flags, overrides = None, {}, []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        name, eq, value = a.partition("=")
+        if name in allowed and name in SWITCHES:
+            flags[name] = True
+        elif name in allowed:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{name} needs a value: {name} VALUE")
+                value, i = argv[i + 1], i + 1
+            try:
+                flags[name] = FLAGS[name](value)
+            except ValueError:
+                raise ConfigError(f"{name} needs a whole number; got {value!r}") from None
+            if name in CHOICES and value not in CHOICES[name]:
+                raise ConfigError(f"{name} must be one of {', '.join(CHOICES[name])}; got {value!r}")
+        elif a.startswith("--") and "." in name:
+            if eq:
+                overrides.append(a)
+            elif i + 1 < len(argv):
+                overrides.append(f"{a}={argv[i + 1]}")
+                i += 1
+            else:
+                raise ConfigError(f"{a} needs a value: {a}=VALUE")
+        elif a.startswith("-"):
+            raise ConfigError(f"unknown option {a}; options are {', '.join(allowed)} and --section.key=value")
+        elif config is None:
+            config = a
+        else:
+            raise ConfigError(f"unexpected argument {a!r}; pass at most one CONFIG.toml")
+        i += 1
+    return config, flags, overrides
+
+
+def _profile(flags: dict[str, Any]) -> Any:
+    from plait.plan.hardware import load_profile
+
+    if "--hardware" not in flags:
+        raise ConfigError("--hardware PROFILE is required: a100-80gb, h100-sxm, local (after plait calibrate) or a "
+                          "TOML path")
+    return load_profile(flags["--hardware"])
+
+
+def cmd_simulate(argv: list[str]) -> int:
+    """``plait simulate``: JSON prediction on stdout, Chrome trace to ``--trace`` (default simulate_trace.json)."""
+    from plait.plan.compare import compare_run
+    from plait.plan.simulate import simulate_config
+    from plait.plan.trace import write_trace
+
+    config, flags, overrides = parse(argv, ("--hardware", "--nodes", "--gpus-per-node", "--trace", "--compare",
+                                            "--stack", "--attention", "--recompute"))
+    profile = _profile(flags)
+    run_dir = flags.get("--compare")
+    if run_dir and config is None:
+        config = str(Path(run_dir) / "config.toml")
+        if not Path(config).is_file():
+            raise ConfigError(f"{run_dir} holds no config.toml; --compare takes a run directory plait train wrote")
+    cfg = load_config(config, overrides)
+    nodes, per_node = flags.get("--nodes", 0), flags.get("--gpus-per-node", 0)
+    if run_dir and not nodes:
+        cfg.parallel.nproc = _run_world(Path(run_dir), cfg.parallel.nproc)
+    sim = simulate_config(cfg, profile, nodes=nodes, gpus_per_node=per_node, attention=flags.get("--attention", "auto"),
+                          stack=flags.get("--stack", "plait"), recompute=flags.get("--recompute"))
+    out = sim.as_dict()
+    if not sim.fits():
+        from plait.plan.fixes import smallest_fix
+
+        raise ConfigError(smallest_fix(sim, cfg, profile))
+    trace = Path(flags.get("--trace", "simulate_trace.json"))
+    write_trace(sim, trace)
+    out["trace"] = str(trace)
+    if run_dir:
+        out["compare"] = compare_run(sim, Path(run_dir))
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+def _run_world(run_dir: Path, default: int) -> int:
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        return int(json.loads(summary.read_text()).get("world_size", default))
+    return default
+
+
+def cmd_calibrate(argv: list[str]) -> int:
+    """``plait calibrate [--out PATH] [--quick]``: measure this machine into a profile."""
+    from plait.plan.calibrate import calibrate
+
+    config, flags, overrides = parse(argv, ("--out", "--quick"))
+    if config or overrides:
+        raise ConfigError("plait calibrate takes only --out PATH and --quick")
+    calibrate(flags.get("--out"), quick=bool(flags.get("--quick")), log=lambda s: print(s, file=sys.stderr))
+    return 0
+
+
+def cmd_plan(argv: list[str]) -> int:
+    """``plait plan CONFIG --hardware P --gpus N``: ranked layouts as JSON; ``--write`` the best as a config."""
+    from plait.plan.planner import plan, summary_row, write_config
+    from plait.plan.shapes import shape_from_config
+    from plait.plan.workload import Layout, Workload
+
+    config, flags, overrides = parse(argv, ("--hardware", "--gpus", "--top", "--write"))
+    profile = _profile(flags)
+    cfg = load_config(config, overrides)
+    gpus = flags.get("--gpus", cfg.parallel.nproc)
+    if gpus < 1:
+        raise ConfigError(f"--gpus must be at least 1; got {gpus}")
+    from plait.plan.derive import optimizer_traffic
+
+    shape = shape_from_config(cfg)
+    base = Workload(shape, Layout(), cfg.train.global_batch_size, precision=cfg.train.precision,
+                    fused_optimizer=cfg.optim.fused, grad_clip=cfg.optim.grad_clip > 0)
+    result = plan(shape, profile, gpus, cfg.train.global_batch_size, base=base, top=flags.get("--top", 5),
+                  traffic=optimizer_traffic(cfg))
+    out = {"model": {"name": shape.name, "params": shape.param_count()}, "gpus": gpus, "hardware": profile.name,
+           "screened": result.screened, "ranked": [summary_row(s) for s in result.ranked], "pruned": result.pruned}
+    if "--write" in flags:
+        write_config(result.best, cfg, flags["--write"])
+        out["written"] = flags["--write"]
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+def cmd_plan_memory(argv: list[str]) -> int:
+    """``plait plan memory [CONFIG.toml] [--hardware P]``: predicted per-rank memory, no launch.
+
+    The simulator's memory model (``plait.plan.rank_memory``) for every layout plait runs, per pipeline
+    rank; for plait's GPT under data parallelism and ZeRO also the table next to the ZeRO paper's
+    accounting (``plait.plan.memory.format_memory_table``). Activation peaks under pipelining depend on the
+    schedule's order, which is simulated with ``--hardware``'s timings (default a100-80gb)."""
+    from plait.plan.hardware import load_profile
+    from plait.plan.memory import GPTShape, format_memory_table
+    from plait.plan.simulate import simulate_config
+
+    config, flags, overrides = parse(argv, ("--hardware",))
+    cfg = load_config(config, overrides)
+    profile = load_profile(flags.get("--hardware", "a100-80gb"))
+    sim = simulate_config(cfg, profile, derive_tp=False)
+    m, t, p, lay = cfg.model, cfg.train, cfg.parallel, sim.work.layout
+    lines = []
+    if not m.factory and m.name == "gpt" and lay.tp == lay.pp == 1:
+        shape = GPTShape(micro_batch=t.micro_batch_size, seq_len=m.seq_len, d_model=m.d_model, n_head=m.n_head,
+                         n_layer=m.n_layer, vocab_size=m.vocab_size)
+        lines += [format_memory_table(sim.work.shape.param_count(), dp=lay.dp, stage=p.zero,
+                                      precision="fp32" if t.precision == "fp32" else "bf16", shape=shape,
+                                      checkpointing=t.activation_checkpointing, k=t.checkpoint_every_k), ""]
+    mib = 2**20
+    lines.append(f"per-rank memory by pipeline rank ({lay.describe()}; MiB):")
+    keys = ("params", "grads", "optimizer", "activations", "buffers", "total")
+    lines.append(f"{'rank':<6}" + "".join(f"{k:>14}" for k in keys))
+    for rank, mem in sorted(sim.memory.items()):
+        row = mem.as_dict()
+        lines.append(f"{rank:<6}" + "".join(f"{row[k] / mib:>14.3f}" for k in keys))
+    print("\n".join(lines))
+    return 0

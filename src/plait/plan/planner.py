@@ -1,0 +1,273 @@
+"""``plait plan``: enumerate the layouts of a model on N devices, prune, rank by simulated step time.
+
+Enumerated: tensor parallelism ``tp`` (within a node: a divisor of the devices per node), sequence
+parallelism with it, pipeline depth ``pp`` and schedule (gpipe, 1f1b, interleaved with 2 or 4 virtual
+stages per rank, zbv), ZeRO stage 0-3, the micro-batch (per forward without pipelining; per pipeline
+micro-batch with it, one schedule step per optimizer step), activation checkpointing (none, full);
+``dp`` is what remains. Expert parallelism is not enumerated: plait has no experts yet.
+
+Pruned, each family with its reason: degrees that do not divide the devices, the heads, the MLP width,
+the vocabulary or the sequence; a global batch that does not split over dp; combinations plait refuses
+(``plait.validate``: ZeRO with pipelining, ZeRO-1/2 with tp); layouts whose predicted peak memory
+exceeds the device's usable memory (with the bytes).
+
+Ranked in two passes: a closed-form screen (``estimate``: the stages' summed costs, the pipeline bubble
+``(p-1)/(v m)``, exposed gradient communication, the optimizer), then the full simulation
+(``plait.plan.simulate``) of the best screened candidates. Layouts whose simulated step times lie within
+``TOLERANCE`` of the fastest are not told apart (it is the simulator's accuracy on the published rows):
+among them the planner prefers the fewest pipeline stages (less activation memory on the first stage,
+fewer point-to-point hops, no bubble to lose to a straggler), then the fastest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from plait.config import Config, ConfigError
+from plait.plan.hardware import HardwareProfile
+from plait.plan.network import collective_time, group_span
+from plait.plan.params import param_list
+from plait.plan.rank_memory import model_states
+from plait.plan.shapes import ModelShape
+from plait.plan.simulate import Simulation, simulate
+from plait.plan.stages import Cluster, StageModel
+from plait.plan.workload import Layout, Workload
+
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+TOLERANCE = 0.05
+SCHEDULE_CHOICES = (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 4), ("zbv", 2))
+
+
+@dataclass(frozen=True)
+class Space:
+    """What the planner may choose from (the defaults: everything plait runs)."""
+
+    zeros: tuple[int, ...] = (0, 1, 2, 3)
+    recomputes: tuple[str, ...] = ("none", "full")
+    schedules: tuple[str, ...] = ("1f1b", "gpipe", "interleaved", "zbv")
+    micro_batches: tuple[int, ...] = MICRO_BATCHES
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    even_stages: bool = False  # only pipeline depths that split the layers evenly (Megatron-LM's rule)
+
+
+@dataclass
+class Plan:
+    """The planner's answer: ranked simulations, what was pruned and why, and how many were screened."""
+
+    ranked: list[Simulation]
+    pruned: dict[str, str] = field(default_factory=dict)
+    screened: int = 0
+
+    @property
+    def best(self) -> Simulation:
+        return self.ranked[0]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _shape_reason(shape: ModelShape, tp: int) -> str | None:
+    for what, value in (("n_head", shape.n_head), ("n_kv_head", shape.n_kv_head), ("MLP width", shape.d_ff),
+                        ("vocab_size", shape.vocab_size)):
+        if value % tp:
+            return f"{what}={value} does not divide by tp={tp}"
+    return None
+
+
+def _layouts(shape: ModelShape, batch: int, gpus: int, per_node: int, pruned: dict[str, str],
+             space: Space) -> list[Layout]:
+    """Every layout to screen; families that cannot run go to ``pruned`` with their reason."""
+    out = []
+    for tp in _divisors(gpus):
+        if tp > per_node or per_node % tp:
+            pruned[f"tp={tp}"] = f"tensor parallelism beyond a node of {per_node} devices (every layer's " \
+                                 "collectives would cross the network)"
+            continue
+        if (reason := _shape_reason(shape, tp)) is not None:
+            pruned[f"tp={tp}"] = reason
+            continue
+        for pp in _divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            if pp > shape.n_layer:
+                pruned[f"pp={pp}"] = f"more pipeline stages than the {shape.n_layer} layers"
+                continue
+            if space.even_stages and shape.n_layer % pp:
+                pruned[f"pp={pp}"] = f"does not split the {shape.n_layer} layers evenly"
+                continue
+            if batch % dp:
+                pruned[f"dp={dp} (tp={tp}, pp={pp})"] = f"global batch {batch} does not split over dp={dp}"
+                continue
+            out += _variants(shape, batch, tp, pp, dp, pruned, space)
+    return out
+
+
+def _variants(shape: ModelShape, batch: int, tp: int, pp: int, dp: int, pruned: dict[str, str],
+              space: Space) -> list[Layout]:
+    per_replica = batch // dp
+    sps = [sp for sp in space.sequence_parallel if not sp or (tp > 1 and shape.seq_len % tp == 0)]
+    zeros = [z for z in space.zeros if z == 0 or dp > 1]
+    if pp > 1 and dp > 1:
+        pruned["zero=1-3 with pp>1"] = "plait composes pipelining with its data-parallel reducer only (zero=0)"
+        zeros = [z for z in zeros if z == 0]
+    if tp > 1 and dp > 1:
+        pruned["zero=1/2 with tp>1"] = "plait's flat-buffer ZeRO-1/2 does not take tensor-parallel parameters"
+        zeros = [z for z in zeros if z in (0, 3)]
+    out = []
+    for sp in sps:
+        for zero in zeros:
+            for recompute in space.recomputes:
+                if pp == 1:
+                    out += [Layout(dp=dp, tp=tp, pp=1, zero=zero, sp=sp, micro_batch_size=mb, recompute=recompute)
+                            for mb in space.micro_batches if per_replica % mb == 0]
+                    continue
+                for pm in space.micro_batches[:3]:
+                    if per_replica % pm:
+                        continue
+                    m = per_replica // pm
+                    for schedule, v in SCHEDULE_CHOICES:
+                        if schedule not in space.schedules or pp * v > shape.n_layer or (v > 1 and m < pp):
+                            continue
+                        if schedule == "interleaved" and m % max(1, m // pp):
+                            continue
+                        out.append(Layout(dp=dp, tp=tp, pp=pp, zero=0, sp=sp, schedule=schedule, virtual=v,
+                                          microbatches=m, micro_batch_size=per_replica, recompute=recompute))
+    return out
+
+
+def _model_state_floor(shape: ModelShape, lay: Layout, work: Workload) -> float:
+    """Model-state bytes of the heaviest pipeline stage (an equal-layers split), for the memory screen."""
+    per = math.ceil(shape.n_layer / lay.pp)
+    heaviest = 0.0
+    for first, last in ((True, lay.pp == 1), (False, True)) if lay.pp > 1 else ((True, True),):
+        layers = range(0, per) if first else range(shape.n_layer - per, shape.n_layer)
+        states, _ = model_states(param_list(shape, layers, first=first, last=last), work, shape.n_layer)
+        heaviest = max(heaviest, states.model_states)
+    return heaviest
+
+
+def estimate(work: Workload, cluster: Cluster, model: StageModel) -> float:
+    """Closed-form step time for screening (see the module docstring)."""
+    lay, s = work.layout, work.shape
+    n_stages = lay.pp * lay.virtual
+    per = math.ceil(s.n_layer / n_stages)
+    block = model.block(0)
+    stage = per * block.total + max(model.embed().total, model.head().total)
+    if lay.pp == 1:
+        compute = work.accumulation * (s.n_layer * block.total + model.embed().total + model.head().total)
+    else:
+        compute = work.accumulation * (lay.microbatches * lay.virtual + lay.pp - 1) * stage
+    params = s.param_count() / (lay.tp * lay.pp)
+    dp_group = group_span(model.placement.dp_group(), cluster.devices_per_node)
+    grad = collective_time(cluster.profile, "all_reduce", 4 * params, dp_group)
+    exposed = grad if lay.pp > 1 or lay.zero == 1 else max(0.0, grad - s.n_layer * block.bwd)
+    optimizer = 32 * params / (max(lay.dp, 1) if lay.zero else 1) / (cluster.profile.memory_bandwidth
+                                                                     * cluster.profile.memory_efficiency)
+    return compute + exposed + optimizer
+
+
+def in_flight(lay: Layout) -> float:
+    """Pipeline micro-batches whose activations a first stage holds at once, for the memory screen: GPipe
+    all ``m``; 1F1B ``min(m, p)``; the interleaved and V schedules about 1.5 times that (the simulation's
+    schedule peak is the final word)."""
+    if lay.pp == 1:
+        return 1.0
+    if lay.schedule == "gpipe":
+        return float(lay.microbatches)
+    base = float(min(lay.microbatches, lay.pp))
+    return base if lay.schedule == "1f1b" else 1.5 * base
+
+
+def plan(shape: ModelShape, profile: HardwareProfile, gpus: int, batch: int, *, base: Workload | None = None,
+         top: int = 8, traffic: tuple[float, float] = (7.5, 80.0), space: Space | None = None) -> Plan:
+    """Rank the layouts of ``shape`` on ``gpus`` devices for ``batch`` sequences per step (see the module
+    docstring). ``base`` carries the precision, attention and stack to keep. Raises ``ConfigError`` naming
+    the smallest change that fits when no layout fits."""
+    base = base or Workload(shape, Layout(), batch)
+    per_node = profile.devices_per_node if profile.kind == "gpu" else gpus
+    pruned: dict[str, str] = {}
+    cluster = Cluster.of(profile, gpus, devices_per_node=per_node if profile.kind == "gpu" else 0)
+    usable = profile.usable_memory_bytes
+    screened: list[tuple[float, Workload]] = []
+    models: dict[tuple, StageModel] = {}
+    floors: dict[tuple, float] = {}
+    too_big: dict[str, float] = {}
+    for lay in _layouts(shape, batch, gpus, per_node, pruned, space or Space()):
+        work = replace(base, shape=shape, layout=lay, global_batch=batch)
+        fkey = (lay.tp, lay.pp, lay.dp, lay.zero)
+        if fkey not in floors:
+            floors[fkey] = _model_state_floor(shape, lay, work)
+        key = (lay.tp, lay.sp, work.pipe_micro_batch, lay.recompute, lay.dp, lay.pp)
+        if key not in models:
+            models[key] = StageModel(work, cluster)
+        block = models[key].block(0)
+        act = block.saved * math.ceil(shape.n_layer / lay.pp) * in_flight(lay) + block.transient
+        if floors[fkey] + act > usable:
+            family = f"tp={lay.tp} pp={lay.pp} zero={lay.zero}"
+            too_big[family] = min(too_big.get(family, math.inf), floors[fkey] + act)
+            continue
+        screened.append((estimate(work, cluster, models[key]), work))
+    for family, need in too_big.items():
+        pruned[family] = f"needs at least {need / 2**30:.1f} GiB per device, {usable / 2**30:.1f} GiB usable"
+    if not screened:
+        raise ConfigError(_nothing_fits(shape, profile, gpus, batch, too_big))
+    screened.sort(key=lambda x: x[0])
+    ranked = []
+    for _, work in screened[:max(top, 1) * 3]:
+        if len(ranked) >= max(top, 1) * 2:
+            break
+        sim = simulate(work, cluster, traffic=traffic)
+        if sim.fits():
+            ranked.append(sim)
+        else:
+            pruned[f"{work.layout.describe()}"] = (f"simulated peak {sim.peak_memory() / 2**30:.1f} GiB exceeds "
+                                                   f"{usable / 2**30:.1f} GiB usable")
+    if not ranked:
+        raise ConfigError(_nothing_fits(shape, profile, gpus, batch, too_big))
+    fastest = min(sim.step_s for sim in ranked)
+    ranked.sort(key=lambda sim: (sim.step_s > fastest * (1 + TOLERANCE), sim.work.layout.pp, sim.step_s))
+    return Plan(ranked=ranked[:top], pruned=pruned, screened=len(screened))
+
+
+def _nothing_fits(shape: ModelShape, profile: HardwareProfile, gpus: int, batch: int, too_big: dict) -> str:
+    least = min(too_big.values()) if too_big else math.inf
+    usable = profile.usable_memory_bytes
+    more = gpus
+    while more < 1 << 20:
+        more *= 2
+        if least * gpus / more < usable * 0.9:
+            break
+    return (f"no layout of {shape.param_count() / 1e9:.2f}B parameters fits {gpus} x {profile.name}: the smallest "
+            f"needs {least / 2**30:.1f} GiB per device and {usable / 2**30:.1f} GiB are usable. Smallest change: "
+            f"about {more} devices (--gpus {more}), or a device with more memory")
+
+
+def write_config(sim: Simulation, base: Config, path: str) -> None:
+    """Write ``base`` with the simulated layout's keys set, as a config ``plait train`` runs."""
+    import copy
+    from pathlib import Path
+
+    from plait.config import to_toml
+
+    cfg = copy.deepcopy(base)
+    lay = sim.work.layout
+    p, t = cfg.parallel, cfg.train
+    p.nproc, p.dp, p.tp, p.pp, p.zero = lay.world, lay.dp, lay.tp, lay.pp, lay.zero
+    p.sequence_parallel = lay.sp
+    if lay.pp > 1:
+        p.pp_schedule, p.microbatches = lay.schedule, lay.microbatches
+        p.pp_virtual_stages = lay.virtual if lay.schedule in ("interleaved", "zbv") else 0
+    t.micro_batch_size, t.global_batch_size = lay.micro_batch_size, sim.work.global_batch
+    t.activation_checkpointing = "full" if lay.recompute == "full" else "none"
+    Path(path).write_text(f"# Written by plait plan: {lay.describe()} on {lay.world} x "
+                          f"{sim.cluster.profile.name}, predicted step {sim.step_s:.4g} s\n" + to_toml(cfg))
+
+
+def summary_row(sim: Simulation) -> dict[str, Any]:
+    """One ranked layout for printing: its keys, step time, throughput, memory and where time goes."""
+    return {"layout": sim.work.layout.describe(), "step_s": round(sim.step_s, 6),
+            "tokens_per_s": round(sim.tokens_per_s, 1), "mfu": round(sim.mfu, 4),
+            "peak_memory_gib": round(sim.peak_memory() / 2**30, 2), "exposed_comm_s": sim.exposed(),
+            "bubble": sim.bubble()["theory"], "scaling_efficiency": round(sim.scaling_efficiency, 4)}

@@ -1,0 +1,73 @@
+"""Per-rank memory: model states by layout, activations by schedule, buffers.
+
+Model states follow what plait holds right after backward (``plait.plan.memory``'s table, extended to
+tensor and pipeline parallelism): fp32 parameters, gradients and AdamW's two states (plait's bf16 is
+autocast: these stay fp32). Data parallel (plait's reducer): ``4 + 4 + 8`` bytes per local parameter;
+ZeRO-1: parameters and gradients in flat buckets padded to a multiple of dp, states ``8 / dp``; ZeRO-2:
+gradients ``4 / dp`` as well; ZeRO-3 (FSDP2): every parameter's dim 0 split in dp padded chunks, all
+three sharded. Local parameters are the tensor-parallel shards of the rank's pipeline stages (a tied
+head on the last stage has its own copy of the token table).
+
+Activations: the bytes saved for backward (``plait.plan.ops``) times the micro-batches alive at once:
+one accumulation micro-batch without pipelining, the schedule's peak (``plait.plan.schedule``) with it.
+Buffers: the largest transient (a checkpointed block's recompute, the logits and their gradient), plus
+the layout's communication buffers (ZeRO-2's full buckets in flight, FSDP2's unsharded units, the
+tensor-parallel reducer's bucket copies of DTensor gradients, DDP's bucket copies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from plait.plan.derive import fsdp_shard_numel, fsdp_units, zero_buckets
+from plait.plan.params import Param
+from plait.plan.workload import Workload
+
+STATE_BYTES = 8  # AdamW: exp_avg and exp_avg_sq, fp32
+
+
+@dataclass
+class RankMemory:
+    """Bytes one rank holds; ``total`` is the predicted peak."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float = 0.0
+    buffers: float = 0.0
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.buffers
+
+    def as_dict(self) -> dict:
+        return {"params": int(self.params), "grads": int(self.grads), "optimizer": int(self.optimizer),
+                "model_states": int(self.model_states), "activations": int(self.activations),
+                "buffers": int(self.buffers), "total": int(self.total), **self.detail}
+
+
+def model_states(params: list[Param], work: Workload, n_layer: int) -> tuple[RankMemory, float]:
+    """(model-state bytes of a rank holding ``params``, its communication buffers in bytes)."""
+    lay = work.layout
+    tp, dp = lay.tp, lay.dp
+    local = sum(p.local_numel(tp) for p in params)
+    if lay.zero == 3:
+        shard = sum(fsdp_shard_numel(p, tp, dp) for p in params)
+        units = fsdp_units(params, n_layer)
+        full = [sum(params[i].local_numel(tp) for i in u) for u in units]
+        # the root unit stays gathered through forward and backward; two block units around it
+        buffers = 4 * (full[-1] + 2 * max(full[:-1] or [0]))
+        return RankMemory(4 * shard, 4 * shard, STATE_BYTES * shard), buffers
+    if lay.zero in (1, 2):
+        buckets = zero_buckets(params, tp, lay.bucket_mb, dp)
+        padded = sum(n for _, n in buckets)
+        grads = padded if lay.zero == 1 else padded / dp
+        buffers = 0.0 if lay.zero == 1 else 4 * 2 * max(n for _, n in buckets)
+        return RankMemory(4 * padded, 4 * grads, STATE_BYTES * padded / dp), buffers
+    buffers = 4 * local if dp > 1 and (tp > 1 or lay.impl == "torch") else 0.0
+    return RankMemory(4 * local, 4 * local, STATE_BYTES * local), buffers

@@ -1,0 +1,175 @@
+"""Pipeline schedules as plait runs them, and their execution on simulated time.
+
+Orders (each rank's sequence of actions): ``gpipe`` and ``1f1b`` follow the step loops of torch's
+``ScheduleGPipe`` and ``Schedule1F1B`` (1F1B: ``min(m, p - s)`` warm-up forwards on stage ``s``, then
+one backward and one forward until the forwards are done, then the remaining backwards); ``interleaved``
+and ``zbv`` are read from torch's own ``ScheduleInterleaved1F1B`` / ``ScheduleZBVZeroBubble``
+``pipeline_order`` (built with stand-in stage objects, no process group), so the simulator runs the
+very order the trainer runs. Stage ``s`` lives on rank ``s mod p`` (``zbv``: the V, ranks ``0..p-1``
+then back).
+
+Execution (``run_pipeline``): every rank takes its actions in order; an action starts when the rank is
+free and its inputs have arrived: ``F(s, i)`` after ``F(s-1, i)`` plus the point-to-point transfer when
+the stages sit on different ranks; ``B``/``I(s, i)`` after ``F(s, i)`` and ``B``/``I(s+1, i)`` plus the
+transfer; ``W(s, i)`` after ``I(s, i)``. The saved activations of ``(s, i)`` live from the start of its
+forward until its backward (``zbv``: its weight gradient) ends; their peak per rank is the schedule's
+activation memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
+
+
+@dataclass(frozen=True)
+class Action:
+    """``kind`` F (forward), B (full backward), I (input gradient) or W (weight gradient) of ``stage`` on
+    pipeline micro-batch ``mb``."""
+
+    kind: str
+    stage: int
+    mb: int
+
+
+@dataclass(frozen=True)
+class Event:
+    """An action placed on simulated time on pipeline ``rank``."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+def stage_owner(p: int, v: int, schedule: str) -> list[int]:
+    """Pipeline rank of each of the ``p * v`` stages."""
+    n = p * v
+    if schedule == "zbv":
+        return [s if s < p else 2 * p - 1 - s for s in range(n)]
+    return [s % p for s in range(n)]
+
+
+def _single_stage_order(schedule: str, p: int, m: int, s: int) -> list[Action]:
+    if schedule == "gpipe":
+        return [Action("F", s, i) for i in range(m)] + [Action("B", s, i) for i in range(m)]
+    out, fwd, bwd = [], 0, 0
+    for _ in range(min(m, p - s)):
+        out.append(Action("F", s, fwd))
+        fwd += 1
+    while bwd < m:
+        out.append(Action("B", s, bwd))
+        bwd += 1
+        if fwd < m:
+            out.append(Action("F", s, fwd))
+            fwd += 1
+    return out
+
+
+def _torch_order(schedule: str, p: int, m: int, v: int) -> dict[int, list[Action]]:
+    import torch
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+
+    n = p * v
+    owner = stage_owner(p, v, schedule)
+    mine = [s for s in range(n) if owner[s] == 0]
+    stubs = [SimpleNamespace(num_stages=n, group_size=p, group_rank=0, stage_index=s, is_first=s == 0,
+                             is_last=s == n - 1, submod=torch.nn.Identity()) for s in mine]
+    cls = ScheduleZBVZeroBubble if schedule == "zbv" else ScheduleInterleaved1F1B
+    sched = cls(stubs, m)
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+    out: dict[int, list[Action]] = {}
+    for rank, actions in sched.pipeline_order.items():
+        out[rank] = [Action(kinds[a.computation_type.name], a.stage_index, a.microbatch_index)
+                     for a in actions if a is not None and a.computation_type.name in kinds]
+    return out
+
+
+def pipeline_orders(schedule: str, p: int, m: int, v: int = 1) -> dict[int, list[Action]]:
+    """Each pipeline rank's actions for one schedule step over ``m`` micro-batches (see the module docstring)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; one of {SCHEDULES}")
+    if schedule in ("gpipe", "1f1b"):
+        return {r: _single_stage_order(schedule, p, m, r) for r in range(p)}
+    return _torch_order(schedule, p, m, v)
+
+
+def run_pipeline(orders: dict[int, list[Action]], owner: list[int], duration: Callable[[Action], float],
+                 transfer: Callable[[int, int, str], float], saved: Callable[[int], float],
+                 start: float = 0.0) -> tuple[list[Event], dict[int, float], dict[int, float]]:
+    """Place every action on time (see the module docstring).
+
+    ``duration(action)`` is its compute time on its rank, ``transfer(from_stage, to_stage, "F"|"B")`` the
+    point-to-point time between two stages (0 on the same rank), ``saved(stage)`` the activation bytes one
+    micro-batch keeps on that stage. Returns the events, each rank's end time and each rank's peak of live
+    saved activation bytes. Raises ``RuntimeError`` if the orders deadlock (a schedule bug, not a user's).
+    """
+    n = len(owner)
+    done: dict[tuple[str, int, int], float] = {}
+    cursor = {r: 0 for r in orders}
+    clock = {r: start for r in orders}
+    events: list[Event] = []
+    remaining = sum(len(a) for a in orders.values())
+    has_w = any(a.kind == "W" for acts in orders.values() for a in acts)
+
+    def ready(a: Action) -> float | None:
+        deps: list[tuple[tuple[str, int, int], float]] = []
+        if a.kind == "F" and a.stage > 0:
+            deps.append((("F", a.stage - 1, a.mb), transfer(a.stage - 1, a.stage, "F")))
+        elif a.kind in ("B", "I"):
+            deps.append((("F", a.stage, a.mb), 0.0))
+            if a.stage < n - 1:
+                up = ("B", a.stage + 1, a.mb) if ("B", a.stage + 1, a.mb) in done else ("I", a.stage + 1, a.mb)
+                deps.append((up, transfer(a.stage + 1, a.stage, "B")))
+        elif a.kind == "W":
+            deps.append((("I", a.stage, a.mb), 0.0))
+        t = start
+        for key, delay in deps:
+            if key not in done:
+                return None
+            t = max(t, done[key] + delay)
+        return t
+
+    while remaining:
+        progressed = False
+        for r, acts in orders.items():
+            while cursor[r] < len(acts):
+                a = acts[cursor[r]]
+                t = ready(a)
+                if t is None:
+                    break
+                begin = max(clock[r], t)
+                end = begin + duration(a)
+                done[(a.kind, a.stage, a.mb)] = end
+                events.append(Event(r, a, begin, end))
+                clock[r] = end
+                cursor[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: acts[cursor[r]] for r, acts in orders.items() if cursor[r] < len(acts)}
+            raise RuntimeError(f"pipeline schedule deadlocked at {stuck}")
+    return events, clock, _activation_peaks(events, saved, "W" if has_w else "B")
+
+
+def _activation_peaks(events: list[Event], saved: Callable[[int], float], release: str) -> dict[int, float]:
+    """Per rank, the most saved-activation bytes alive at once (live from F start to the releasing action's end)."""
+    changes: dict[int, list[tuple[float, int, float]]] = {}
+    for e in events:
+        a = e.action
+        if a.kind == "F":
+            changes.setdefault(e.rank, []).append((e.start, 1, saved(a.stage)))
+        elif a.kind == release:
+            changes.setdefault(e.rank, []).append((e.end, 0, -saved(a.stage)))
+    peaks = {}
+    for rank, items in changes.items():
+        live = peak = 0.0
+        for _, _, delta in sorted(items):
+            live += delta
+            peak = max(peak, live)
+        peaks[rank] = peak
+    return peaks
+

@@ -1,0 +1,181 @@
+"""The shape of a decoder-only transformer: what the cost and memory models need to know about a model.
+
+Three ways in, one ``ModelShape`` out:
+
+* plait's GPT from ``[model]`` keys (``gpt_shape``): pre-LayerNorm blocks, 4x GELU MLP, biases, learned
+  positions, tied embeddings;
+* a Hugging Face config (``shape_from_hf``): ``hidden_size``, ``num_hidden_layers``,
+  ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``, ``vocab_size``,
+  ``tie_word_embeddings`` (GPT-2's ``n_embd``/``n_layer``/``n_head``/``n_inner`` too); Llama-style
+  configs get a gated (SwiGLU) MLP, RMSNorm and rotary positions;
+* any ``model.factory`` / ``model.name`` (``shape_from_config``): the model is built on the meta device
+  (no memory, so a 400B-parameter model is fine here) and read through its ``config`` (Hugging Face) or
+  ``cfg`` (plait's GPT); its exact parameter count is kept.
+
+Parameter count (``ModelShape.param_count``), per block: attention ``C (C + 2 C_kv) + C^2`` weights
+(``C_kv = n_kv_head * C / n_head``), MLP ``2 C F`` (gated: ``3 C F``), biases where the model has them,
+two norms; plus the token table ``V C``, learned positions ``P C``, the final norm and an untied head ``V C``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from plait.config import Config, ConfigError
+
+GATED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2",
+                     "granite", "cohere", "starcoder2_gated", "deepseek_v3")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of a decoder-only transformer (see the module docstring)."""
+
+    n_layer: int
+    d_model: int
+    n_head: int
+    n_kv_head: int
+    d_ff: int
+    vocab_size: int
+    seq_len: int
+    gated_mlp: bool = False
+    tied_embeddings: bool = True
+    learned_positions: bool = True
+    bias: bool = True
+    norm: str = "layernorm"
+    dropout: float = 0.0
+    name: str = "gpt"
+    positions: int = 0  # rows of the learned position table (0: seq_len)
+    exact_params: int = 0  # the model's own count when it was built (0: the formula's)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and of the value) projection: ``n_kv_head * head_dim``."""
+        return self.n_kv_head * self.head_dim
+
+    @property
+    def norm_params(self) -> int:
+        return 2 * self.d_model if self.norm == "layernorm" else self.d_model
+
+    def block_matmul_params(self) -> int:
+        """Weights of one block's matrix multiplications (no biases, no norms)."""
+        c, f = self.d_model, self.d_ff
+        return c * (c + 2 * self.kv_dim) + c * c + (3 if self.gated_mlp else 2) * c * f
+
+    def block_params(self) -> int:
+        """All parameters of one block: weights, biases and both norms."""
+        c, f = self.d_model, self.d_ff
+        biases = (c + 2 * self.kv_dim + c + ((2 * f if self.gated_mlp else f) + c)) if self.bias else 0
+        return self.block_matmul_params() + biases + 2 * self.norm_params
+
+    def embedding_params(self) -> int:
+        """Token table and learned positions (the input side)."""
+        pos = (self.positions or self.seq_len) * self.d_model if self.learned_positions else 0
+        return self.vocab_size * self.d_model + pos
+
+    def head_params(self) -> int:
+        """Final norm and, when untied, the output head."""
+        return self.norm_params + (0 if self.tied_embeddings else self.vocab_size * self.d_model)
+
+    def param_count(self) -> int:
+        """Parameters counted once (a tied head shares the token table); the model's own count if known."""
+        if self.exact_params:
+            return self.exact_params
+        return self.embedding_params() + self.n_layer * self.block_params() + self.head_params()
+
+    def formula_params(self) -> int:
+        """The formula's count, even when the model's own count is known (for checking one against the other)."""
+        return replace(self, exact_params=0).param_count()
+
+
+def gpt_shape(n_layer: int, d_model: int, n_head: int, seq_len: int, vocab_size: int,
+              dropout: float = 0.0) -> ModelShape:
+    """plait's GPT (``plait.models.gpt``): 4x GELU MLP, biases, LayerNorm, learned positions, tied head."""
+    return ModelShape(n_layer=n_layer, d_model=d_model, n_head=n_head, n_kv_head=n_head, d_ff=4 * d_model,
+                      vocab_size=vocab_size, seq_len=seq_len, dropout=dropout, name="gpt")
+
+
+def _hf_get(cfg: Any, *names: str, default: Any = None) -> Any:
+    for n in names:
+        value = cfg.get(n) if isinstance(cfg, dict) else getattr(cfg, n, None)
+        if value is not None:
+            return value
+    return default
+
+
+def shape_from_hf(config: Any, seq_len: int) -> ModelShape:
+    """A shape from a Hugging Face config object or dict; ``seq_len`` is the training sequence length.
+
+    Raises ``ConfigError`` naming the missing key when the config is not a decoder's."""
+    hidden = _hf_get(config, "hidden_size", "n_embd", "d_model")
+    layers = _hf_get(config, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _hf_get(config, "num_attention_heads", "n_head")
+    vocab = _hf_get(config, "vocab_size")
+    for key, value in (("hidden_size", hidden), ("num_hidden_layers", layers), ("num_attention_heads", heads),
+                       ("vocab_size", vocab)):
+        if value is None:
+            raise ConfigError(f"the model's config has no {key}: plait simulates decoder-only transformers whose "
+                              "config gives hidden_size, num_hidden_layers, num_attention_heads and vocab_size")
+    model_type = str(_hf_get(config, "model_type", default=""))
+    act = str(_hf_get(config, "hidden_act", "activation_function", default=""))
+    gated = bool(_hf_get(config, "gated_mlp", default=model_type in GATED_MODEL_TYPES or act in ("silu", "swiglu")))
+    llama_like = gated or model_type in GATED_MODEL_TYPES
+    ff = _hf_get(config, "intermediate_size", "n_inner", "ffn_dim", default=None) or 4 * int(hidden)
+    bias = bool(_hf_get(config, "attention_bias", "bias", default=not llama_like))
+    positions = int(_hf_get(config, "max_position_embeddings", "n_positions", default=seq_len))
+    return ModelShape(
+        n_layer=int(layers), d_model=int(hidden), n_head=int(heads),
+        n_kv_head=int(_hf_get(config, "num_key_value_heads", default=heads)), d_ff=int(ff), vocab_size=int(vocab),
+        seq_len=seq_len, gated_mlp=gated, tied_embeddings=bool(_hf_get(config, "tie_word_embeddings", default=True)),
+        learned_positions=not llama_like and model_type not in ("bloom",), bias=bias,
+        norm="rmsnorm" if llama_like else "layernorm",
+        dropout=float(_hf_get(config, "attention_dropout", "attn_pdrop", default=0.0) or 0.0),
+        name=model_type or "hf", positions=positions)
+
+
+def meta_model(cfg: Config) -> Any:
+    """The configured model built on the meta device (parameters without memory), by the recipe or factory
+    ``plait train`` uses."""
+    import torch
+
+    from plait.recipes import build_model
+
+    with torch.device("meta"):
+        return build_model(cfg)
+
+
+def count_params(model: Any) -> int:
+    """Parameters of ``model`` counted once (tied weights once), meta tensors included."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def shape_from_model(model: Any, seq_len: int) -> ModelShape:
+    """The shape of a built model: plait's GPT through ``model.cfg``, a Hugging Face model through
+    ``model.config``; the exact parameter count is the model's. Raises ``ConfigError`` otherwise."""
+    from plait.config import ModelConfig
+
+    cfg = getattr(model, "cfg", None)
+    if isinstance(cfg, ModelConfig):
+        shape = gpt_shape(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.seq_len, cfg.vocab_size, cfg.dropout)
+    elif getattr(model, "config", None) is not None:
+        shape = shape_from_hf(model.config, seq_len)
+    else:
+        raise ConfigError(
+            f"plait simulate needs a transformer's shape, and the model ({type(model).__name__}) has neither a "
+            "Hugging Face .config nor plait's GPT .cfg; build it from a Hugging Face config (e.g. "
+            "AutoModelForCausalLM.from_config) or use model.name=gpt")
+    return replace(shape, exact_params=count_params(model))
+
+
+def shape_from_config(cfg: Config) -> ModelShape:
+    """The configured model's shape: from ``[model]`` for plait's GPT, else from the model built on the meta
+    device by ``model.factory`` / ``model.name`` (its config and exact parameter count)."""
+    m = cfg.model
+    if not m.factory and m.name == "gpt":
+        return gpt_shape(m.n_layer, m.d_model, m.n_head, m.seq_len, m.vocab_size, m.dropout)
+    return shape_from_model(meta_model(cfg), m.seq_len)

@@ -1,0 +1,312 @@
+"""``plait simulate``: predict a training step of a layout on a cluster from FLOPs, bytes and collectives.
+
+``simulate(workload, cluster)`` prices every layer (``plait.plan.stages``), lays one step of every
+pipeline rank on simulated time (``plait.plan.timeline``; data-parallel and tensor-parallel replicas of a
+pipeline rank are identical, so one of each stands for all), adds the optimizer, and reports the step
+time, throughput, MFU and HFU, per-rank peak memory with its breakdown, exposed communication, the
+pipeline bubble and the scaling efficiency (the layout's throughput per device over one device's
+compute-only throughput on the same micro-batch). ``simulate_config`` does the same for a plait config,
+deriving what it can from the code that trains (``plait.plan.derive``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from plait.config import Config, ConfigError
+from plait.parallel.pipeline_trace import theoretical_bubble
+from plait.plan import derive
+from plait.plan.flops import hardware_flops, model_flops, utilisation
+from plait.plan.hardware import HardwareProfile
+from plait.plan.network import collective_time, group_span
+from plait.plan.ops import Op
+from plait.plan.params import Param, param_list
+from plait.plan.rank_memory import RankMemory, model_states
+from plait.plan.schedule import stage_owner
+from plait.plan.stages import Cluster, StageModel
+from plait.plan.timeline import RankTimeline, Span, flat_step, pipeline_step
+from plait.plan.workload import Workload, workload_from_config
+
+MFU_FORMULA = "mfu = (6 N_matmul + 12 L d T) x tokens / (step_s x devices x peak)"
+HFU_FORMULA = "hfu = (model FLOPs + recomputed forward FLOPs) / (step_s x devices x peak)"
+
+
+@dataclass
+class Simulation:
+    """The prediction for one step; ``as_dict`` is what ``plait simulate`` prints."""
+
+    work: Workload
+    cluster: Cluster
+    step_s: float
+    memory: dict[int, RankMemory]
+    timelines: dict[int, RankTimeline]
+    stages: list[range]
+    peak_flops: float
+    scaling_efficiency: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        return self.work.layout.world
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.work.tokens_per_step / self.step_s
+
+    @property
+    def mfu(self) -> float:
+        return utilisation(model_flops(self.work.shape, self.work.tokens_per_step), self.step_s, self.world,
+                           self.peak_flops)
+
+    @property
+    def hfu(self) -> float:
+        lay = self.work.layout
+        flops = hardware_flops(self.work.shape, self.work.tokens_per_step, lay.recompute, lay.every_k)
+        return utilisation(flops, self.step_s, self.world, self.peak_flops)
+
+    def peak_memory(self) -> float:
+        return max(m.total for m in self.memory.values())
+
+    def fits(self) -> bool:
+        return self.peak_memory() <= self.cluster.profile.usable_memory_bytes
+
+    def bubble(self) -> dict[str, Any]:
+        lay = self.work.layout
+        if lay.pp == 1:
+            return {"theory": 0.0, "per_rank": [0.0]}
+        per_rank = []
+        for _, tl in sorted(self.timelines.items()):
+            spans = [s for s in tl.spans if s.lane == "compute"]
+            span = max(s.end for s in spans) - min(s.start for s in spans)
+            per_rank.append(round(max(0.0, 1.0 - tl.busy / span), 4) if span > 0 else 0.0)
+        return {"theory": round(theoretical_bubble(lay.pp, lay.microbatches, lay.virtual), 4), "per_rank": per_rank,
+                "formula": "(p-1)/(v*m+p-1)"}
+
+    def exposed(self) -> dict[str, float]:
+        slowest = max(self.timelines.values(), key=lambda tl: tl.end)
+        out = {k: round(v, 6) for k, v in slowest.exposed.items()}
+        out["total"] = round(sum(slowest.exposed.values()), 6)
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        w, lay, s = self.work, self.work.layout, self.work.shape
+        mem = {str(r): m.as_dict() for r, m in sorted(self.memory.items())}
+        return {
+            "model": {"name": s.name, "params": s.param_count(), "n_layer": s.n_layer, "d_model": s.d_model,
+                      "n_head": s.n_head, "seq_len": s.seq_len, "vocab_size": s.vocab_size},
+            "layout": {**lay.__dict__, "world": lay.world, "accumulation": w.accumulation,
+                       "pipe_micro_batch": w.pipe_micro_batch, "stages": [[r.start, r.stop] for r in self.stages]},
+            "hardware": {"profile": self.cluster.profile.name, "devices_per_node": self.cluster.devices_per_node,
+                         "threads_per_rank": self.cluster.threads if self.cluster.profile.kind == "cpu" else None,
+                         "peak_flops_per_device": self.peak_flops},
+            "precision": w.precision, "attention": w.attention, "stack": w.stack,
+            "step_s": self.step_s, "tokens_per_s": self.tokens_per_s,
+            "mfu": round(self.mfu, 4), "mfu_formula": MFU_FORMULA,
+            "hfu": round(self.hfu, 4), "hfu_formula": HFU_FORMULA,
+            "peak_memory_bytes": int(self.peak_memory()), "fits": self.fits(),
+            "usable_memory_bytes": int(self.cluster.profile.usable_memory_bytes),
+            "memory_by_pipeline_rank": mem,
+            "memory_ranks": "pipeline rank r's entry holds for every global rank with that pipeline coordinate",
+            "peak_memory_bytes_per_rank": ([int(self.memory[r // (lay.world // lay.pp)].total)
+                                            for r in range(lay.world)] if lay.world <= 64 else None),
+            "exposed_comm_s": self.exposed(), "bubble": self.bubble(),
+            "scaling_efficiency": round(self.scaling_efficiency, 4), "notes": self.notes,
+        }
+
+
+def _rank_params(work: Workload, stages: list[range], owner: list[int], rank: int) -> list[Param]:
+    n = len(stages)
+    out: list[Param] = []
+    for s in range(n):
+        if owner[s] == rank:
+            out += param_list(work.shape, stages[s], first=s == 0, last=s == n - 1)
+    return out
+
+
+def _comm_plan(model: StageModel, params: list[Param], dp_group: Any) -> dict:
+    work, profile = model.work, model.profile
+    lay = work.layout
+    cores_free = profile.kind != "cpu" or profile.cores - min(lay.world, model.cluster.devices_per_node) \
+        * model.cluster.threads >= 1
+    plan: dict[str, Any] = {"overlap": cores_free, "prefetch": profile.kind != "cpu", "buckets": []}
+    grad = model.gradient_bytes
+    if lay.dp == 1:
+        return plan
+    if lay.zero == 3:
+        param_bytes = 2 if work.precision == "bf16" else 4  # FSDP2 gathers in its param_dtype
+        units = derive.fsdp_units(params, work.shape.n_layer)
+        sizes = [sum(params[i].local_numel(lay.tp) for i in u) for u in units]
+        keys = list(range(len(units) - 1)) + [-1]
+        plan["unit_ag"] = {k: collective_time(profile, "all_gather", n * param_bytes, dp_group)
+                           for k, n in zip(keys, sizes, strict=True)}
+        plan["unit_rs"] = {k: collective_time(profile, "reduce_scatter", n * 4, dp_group)
+                           for k, n in zip(keys, sizes, strict=True)}
+        return plan
+    if lay.zero in (1, 2):
+        buckets = derive.zero_buckets(params, lay.tp, lay.bucket_mb, lay.dp)
+        op = "all_reduce" if lay.zero == 1 else "reduce_scatter"
+        plan["buckets"] = [([params[i].layer for i in idx], collective_time(profile, op, grad * numel, dp_group))
+                           for idx, numel in buckets]
+        plan["gather"] = [collective_time(profile, "all_gather", 4 * numel, dp_group) for _, numel in buckets]
+        return plan
+    for idx in derive.reducer_buckets(params, lay.tp, lay.bucket_mb):
+        numel = sum(params[i].local_numel(lay.tp) for i in idx)
+        plan["buckets"].append(([params[i].layer for i in idx], collective_time(profile, "all_reduce",
+                                                                                 grad * numel, dp_group)))
+    return plan
+
+
+def _optimizer(model: StageModel, tl: RankTimeline, params: list[Param], plan: dict, traffic: tuple[float, float],
+               t: float, groups: dict) -> float:
+    """Gradient norm, optimizer step, zero_grad and ZeRO's parameter all-gathers on ``tl`` from ``t``."""
+    work, compute, profile = model.work, model.compute, model.profile
+    lay = work.layout
+    ops_per_tensor, bytes_per_element = traffic
+    elements = sum(p.local_numel(lay.tp) for p in params)
+    tensors = len(params)
+    if lay.zero in (1, 2):
+        tensors, elements = len(plan["buckets"]), elements / lay.dp
+    elif lay.zero == 3:
+        elements = sum(derive.fsdp_shard_numel(p, lay.tp, lay.dp) for p in params)
+    over = profile.kernel_overhead_s if profile.calibration is None else \
+        profile.calibration.overhead["op"][min(profile.calibration.overhead["op"])] * compute.stretch
+    seconds = compute.time(Op("optimizer", "optimizer", bytes=bytes_per_element * elements))
+    seconds += ops_per_tensor * tensors * over
+    if work.grad_clip:
+        seconds += compute.time(Op("grad_norm", "reduce", bytes=4 * elements)) + 3 * tensors * over
+        seconds += compute.time(Op("grad_clip", "copy", bytes=8 * elements))
+        for g in groups.values():
+            seconds += collective_time(profile, "all_reduce", 8, g)
+    if lay.zero == 0:
+        seconds += compute.time(Op("zero_grad", "copy", bytes=4 * elements))
+    tl.spans.append(Span("optimizer", "optimizer", t, t + seconds))
+    t += seconds
+    for i, s in enumerate(plan.get("gather", [])):
+        tl.spans.append(Span(f"all-gather bucket {i}", "dp", t, t + s))
+        tl.expose("dp", s)
+        t += s
+    return t
+
+
+def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: tuple[float, float] = (7.5, 80.0),
+             notes: list[str] | None = None, op_counts: Any = None) -> Simulation:
+    """Predict one step of ``work`` on ``cluster`` (see the module docstring). ``traffic`` is the optimizer's
+    (operators per tensor, bytes per element), ``derive.optimizer_traffic`` for a config; ``derived_tp`` and
+    ``op_counts`` what ``plait.plan.derive`` recorded from the real model (None: the analytic model alone)."""
+    work.check()
+    lay = work.layout
+    model = StageModel(work, cluster, derived_tp, op_counts)
+    n_stages = lay.pp * lay.virtual
+    stages = model.partition(n_stages)
+    owner = stage_owner(lay.pp, lay.virtual, lay.schedule)
+    place, dpn = model.placement, cluster.devices_per_node
+    timelines = {r: RankTimeline(r) for r in range(lay.pp)}
+    memory: dict[int, RankMemory] = {}
+    plans: dict[int, dict] = {}
+    params_of = {r: _rank_params(work, stages, owner, r) for r in range(lay.pp)}
+    for r in range(lay.pp):
+        plans[r] = _comm_plan(model, params_of[r], group_span(place.dp_group(r), dpn))
+    if lay.pp == 1:
+        ends = {0: flat_step(model, timelines[0], plans[0])}
+        act = sum(c.saved for _, c in _all_layers(model))
+        timelines[0].activation_peak = act
+    else:
+        hop = work.pipe_micro_batch * work.shape.seq_len * work.shape.d_model * work.act_bytes // (lay.tp if lay.sp
+                                                                                                    else 1)
+        pp_link = group_span(place.pp_group()[:2], dpn)
+        ends = pipeline_step(model, timelines, stages, collective_time(cluster.profile, "send", hop, pp_link))
+        ends = _pipeline_gradients(model, timelines, ends, plans, place, dpn)
+    for r in range(lay.pp):
+        groups = {"tp": model.tp_group, "pp": group_span(place.pp_group(), dpn)}
+        if lay.zero:
+            groups["dp"] = group_span(place.dp_group(r), dpn)
+        ends[r] = _optimizer(model, timelines[r], params_of[r], plans[r], traffic, ends[r], groups)
+        timelines[r].end = ends[r]
+        states, buffers = model_states(params_of[r], work, work.shape.n_layer)
+        mine = [s for s in range(n_stages) if owner[s] == r]
+        transient = max(model.stage(stages[s], s == 0, s == n_stages - 1).transient for s in mine)
+        states.activations = timelines[r].activation_peak
+        states.buffers = buffers + transient
+        states.detail = {"activation_saved_per_microbatch": int(sum(model.stage(stages[s], s == 0,
+                                                                               s == n_stages - 1).saved for s in mine)),
+                         "stages": mine}
+        memory[r] = states
+    step = max(ends.values())
+    for tl in timelines.values():
+        tl.expose("tp", sum(float(s.args.get("tp_comm_s", 0.0)) for s in tl.spans if s.lane == "compute"))
+        tl.end = step
+    single = _single_device_time(work, cluster, op_counts)
+    return Simulation(work, cluster, step, memory, timelines, stages, model.compute.peak_flops,
+                      single * work.global_batch / max(lay.world, 1) / step, notes or [])
+
+
+def _all_layers(model: StageModel) -> list:
+    n = model.work.shape.n_layer
+    return [(-1, model.embed())] + [(i, model.block(i)) for i in range(n)] + [(n, model.head())]
+
+
+def _pipeline_gradients(model: StageModel, timelines: dict[int, RankTimeline], ends: dict[int, float],
+                        plans: dict[int, dict], place: Any, dpn: int) -> dict[int, float]:
+    """After the schedule: data-parallel reduction of every bucket (exposed) and the tied copies' sum."""
+    work = model.work
+    step = dict(ends)
+    tied = work.shape.tied_embeddings
+    for r, tl in timelines.items():
+        t = ends[r]
+        for i, (_, seconds) in enumerate(plans[r]["buckets"]):
+            tl.spans.append(Span(f"all-reduce bucket {i}", "dp", t, t + seconds))
+            tl.expose("dp", seconds)
+            t += seconds
+        if tied:
+            table = work.shape.vocab_size // work.layout.tp * work.shape.d_model * 4
+            s = collective_time(model.profile, "all_reduce", table, group_span(place.pp_group(), dpn))
+            tl.spans.append(Span("tied embedding all-reduce", "pp", t, t + s))
+            tl.expose("tied", s)
+            t += s
+        step[r] = t
+    return step
+
+
+def _single_device_time(work: Workload, cluster: Cluster, op_counts: Any = None) -> float:
+    """Compute-only seconds per sequence on one device with the layout's micro-batch and recompute."""
+    lay = replace(work.layout, dp=1, tp=1, pp=1, zero=0, sp=False, virtual=1, microbatches=1,
+                  micro_batch_size=work.pipe_micro_batch)
+    single = replace(work, layout=lay, global_batch=work.pipe_micro_batch)
+    if op_counts is not None and work.layout.tp > 1:
+        op_counts = None  # counted under tensor parallelism: not the single device's
+    model = StageModel(single, cluster, None, op_counts)
+    return sum(c.total for _, c in _all_layers(model)) / work.pipe_micro_batch
+
+
+def simulate_config(cfg: Config, profile: HardwareProfile, *, nodes: int = 0, gpus_per_node: int = 0,
+                    attention: str = "auto", stack: str = "plait", recompute: str | None = None,
+                    derive_tp: bool = True) -> Simulation:
+    """Predict ``plait train cfg`` on ``nodes x gpus_per_node`` devices (default: ``parallel.nproc``
+    ranks). Raises ``ConfigError`` for a layout the trainer would refuse."""
+    if nodes > 0:
+        gpus_per_node = gpus_per_node or (profile.devices_per_node if profile.kind == "gpu"
+                                          else -(-cfg.parallel.nproc // nodes))
+        world = nodes * gpus_per_node
+    else:
+        world = cfg.parallel.nproc
+    if attention == "auto":
+        attention = "unfused" if stack == "megatron" else "flash"
+    work = workload_from_config(cfg, world, attention=attention, stack=stack, recompute=recompute)
+    cluster = Cluster.of(profile, world, nodes, gpus_per_node)
+    notes: list[str] = []
+    derived = counts = None
+    if derive_tp and work.layout.tp > 1:
+        try:
+            derived = derive.tp_collectives(cfg, work.pipe_micro_batch)
+            notes.append("tensor-parallel collectives recorded from the real plan on the meta device (fake process "
+                         "group)")
+        except (RuntimeError, ConfigError) as e:
+            notes.append(f"tensor-parallel collectives from the analytic model ({e})")
+    if profile.kind == "cpu":
+        try:
+            counts = derive.operator_counts(cfg, work.pipe_micro_batch)
+            notes.append("dispatcher operators per block counted on the real model (meta device)")
+        except (RuntimeError, ValueError, ConfigError) as e:
+            notes.append(f"operator counts unavailable ({e}): per-operator overhead left out")
+    return simulate(work, cluster, derived, derive.optimizer_traffic(cfg), notes, counts)

@@ -1,0 +1,261 @@
+"""Per-layer costs of a workload on a cluster, and the pipeline stages they are split into.
+
+A layer (the embedding, each block, the head with the loss) costs, per pipeline micro-batch on one
+rank: its forward, the input-gradient and weight-gradient parts of its backward (recomputation, when
+the block is checkpointed, runs again before its backward and counts in the input part), the
+tensor-parallel collectives in the compute stream (they block it: nothing overlaps them in plait's
+DTensor layout), and the activation bytes it keeps for backward. On a calibrated CPU every operator the
+dispatcher runs beyond the priced ones (views, copies, autograd's bookkeeping; counted on the real model
+by ``plait.plan.derive.operator_counts``) costs the measured per-operator overhead, and each DTensor
+operator what DTensor adds. Activation checkpointing keeps only a
+checkpointed block's input and adds one block's activations while it is recomputed; ``selective``
+recomputation (Korthikanti et al. 2022; a what-if, plait does not run it) drops the attention core's
+``T x T`` tensors and recomputes the core.
+
+Stages are split by ``plait.parallel.pipeline.partition_layers`` (the trainer's own split) on these
+predicted costs, as the trainer splits on measured ones (``pp_balance="cost"``), or by layer count.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from plait.plan.derive import Collective, OperatorCounts
+from plait.plan.hardware import HardwareProfile
+from plait.plan.kernels import ComputeModel
+from plait.plan.network import Group, Placement, collective_time, group_span
+from plait.plan.ops import BlockOps, Op, Pass, Setup, embedding_ops, head_ops
+from plait.plan.workload import Workload
+
+DROPPED_BY_SELECTIVE = ("attn.probs", "attn.pmask", "attn.pdrop")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Where a workload runs: the profile, devices per node, and for cpu profiles the threads per rank."""
+
+    profile: HardwareProfile
+    devices_per_node: int
+    threads: int = 1
+
+    @classmethod
+    def of(cls, profile: HardwareProfile, world: int, nodes: int = 0, devices_per_node: int = 0) -> Cluster:
+        """The cluster for ``world`` ranks: ``devices_per_node`` (default the profile's; a cpu profile puts
+        every rank on one machine unless ``nodes`` says otherwise) and, on cpu, ``OMP_NUM_THREADS`` or the
+        launcher's ``cores // ranks per node`` threads per rank."""
+        if devices_per_node <= 0:
+            if profile.kind == "cpu":
+                devices_per_node = -(-world // nodes) if nodes > 0 else max(world, 1)
+            else:
+                devices_per_node = profile.devices_per_node
+        threads = 1
+        if profile.kind == "cpu":
+            env = os.environ.get("OMP_NUM_THREADS")
+            threads = int(env) if env else max(1, profile.cores // max(1, min(world, devices_per_node)))
+        return cls(profile, devices_per_node, threads)
+
+    def oversubscription(self, world: int) -> float:
+        """Compute threads per core on a node (cpu; 1 for GPUs)."""
+        if self.profile.kind != "cpu":
+            return 1.0
+        return max(1.0, min(world, self.devices_per_node) * self.threads / max(self.profile.cores, 1))
+
+
+@dataclass
+class LayerCost:
+    """One layer's cost per pipeline micro-batch on one rank (see the module docstring)."""
+
+    fwd: float = 0.0
+    bwd_in: float = 0.0
+    bwd_w: float = 0.0
+    tp_fwd: float = 0.0
+    tp_bwd: float = 0.0
+    saved: float = 0.0
+    transient: float = 0.0
+    flops: float = 0.0
+    recomputed: bool = False
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def bwd(self) -> float:
+        return self.bwd_in + self.bwd_w
+
+    @property
+    def total(self) -> float:
+        return self.fwd + self.bwd
+
+    @property
+    def tp_comm(self) -> float:
+        return self.tp_fwd + self.tp_bwd
+
+    def __add__(self, other: LayerCost) -> LayerCost:
+        return LayerCost(self.fwd + other.fwd, self.bwd_in + other.bwd_in, self.bwd_w + other.bwd_w,
+                         self.tp_fwd + other.tp_fwd, self.tp_bwd + other.tp_bwd, self.saved + other.saved,
+                         max(self.transient, other.transient), self.flops + other.flops)
+
+
+def _is_weight_grad(op: Op) -> bool:
+    return op.name.endswith((".dW", ".db"))
+
+
+class StageModel:
+    """Prices layers of ``work`` on ``cluster``; ``derived_tp`` (per-block, rest) collectives recorded from
+    the real tensor-parallel plan replace the analytic ones when given (``plait.plan.derive``)."""
+
+    def __init__(self, work: Workload, cluster: Cluster,
+                 derived_tp: tuple[list[Collective], list[Collective]] | None = None,
+                 op_counts: OperatorCounts | None = None) -> None:
+        lay = work.layout
+        self.work, self.cluster, self.profile = work, cluster, cluster.profile
+        dtype = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}[work.precision]
+        self.compute = ComputeModel(cluster.profile, dtype, cluster.threads, cluster.oversubscription(lay.world))
+        self.placement = Placement(pp=lay.pp, dp=lay.dp, tp=lay.tp, ep=lay.ep)
+        self.tp_group: Group = group_span(self.placement.tp_group(), cluster.devices_per_node)
+        self.setup = Setup(micro_batch=work.pipe_micro_batch, tp=lay.tp, sp=lay.sp, act_bytes=work.act_bytes,
+                           attention=work.attention, stack=work.stack)
+        self.derived_tp = derived_tp
+        self.op_counts = op_counts
+        self.blocks = BlockOps(work.shape, self.setup)
+        self._fwd, self._bwd = self.blocks.forward(), self.blocks.backward()
+        self._cache: dict[tuple, LayerCost] = {}
+
+    # -- pricing ------------------------------------------------------------------------------------
+    def comm_time(self, op: str, nbytes: float) -> float:
+        return collective_time(self.profile, op, nbytes, self.tp_group)
+
+    def _price(self, ops: list[Op], extra_comm: list[Collective] = ()) -> tuple[float, float, float]:
+        """(compute seconds, tp collective seconds, weight-gradient seconds) of ``ops`` in order."""
+        compute = weight = comm = 0.0
+        scale = self.work.act_bytes / 4  # derived collectives were recorded on fp32 meta tensors
+        for op in ops:
+            if op.kind == "comm":
+                if self.derived_tp is None:
+                    comm += self.comm_time(op.comm, op.bytes)
+                continue
+            t = self.compute.time(op)
+            compute += t
+            if _is_weight_grad(op):
+                weight += t
+        for c in extra_comm:
+            comm += self.comm_time(c.op, c.nbytes * scale)
+        return compute, comm, weight
+
+    def _derived(self, backward: bool, which: str | None) -> list[Collective]:
+        """Recorded collectives of a block, or of the rest of the model (charged to the head), in one pass."""
+        if self.derived_tp is None or which is None:
+            return []
+        return [c for c in self.derived_tp[0 if which == "block" else 1] if c.backward == backward]
+
+    def _dispatch(self, kind: str, priced: tuple[int, int]) -> tuple[float, float]:
+        """(forward, backward) seconds of the operators counted on the real model beyond the ``priced`` ones."""
+        c = self.op_counts
+        if c is None or self.compute.cal is None:
+            return 0.0, 0.0
+        ops = {"block": c.block, "block_recomputed": c.block_recomputed, "rest": c.rest}[kind]
+        dt = c.dtensor_rest if kind == "rest" else c.dtensor_block
+        op_s, dt_s = self.compute.overhead("op"), self.compute.overhead("dtensor")
+        return (max(0, ops[0] - priced[0]) * op_s + dt[0] * dt_s,
+                max(0, ops[1] - priced[1]) * op_s + dt[1] * dt_s * (2 if kind == "block_recomputed" else 1))
+
+    def _layer(self, fwd: Pass, bwd: Pass, recompute: str, dispatch: str | None,
+               also_priced: tuple[int, int] = (0, 0)) -> LayerCost:
+        """Cost of one layer; ``dispatch`` names its operator count (block, rest, or None: counted elsewhere),
+        ``also_priced`` the operators of other layers that count charges here and that are priced there."""
+        f_comp, f_comm, _ = self._price(fwd.ops, self._derived(False, dispatch))
+        b_comp, b_comm, b_w = self._price(bwd.ops, self._derived(True, dispatch))
+        if dispatch is not None:
+            n_f = sum(o.kind != "comm" for o in fwd.ops) + also_priced[0]
+            n_b = sum(o.kind != "comm" for o in bwd.ops) + also_priced[1]
+            if recompute in ("full", "block"):
+                dispatch, n_b = "block_recomputed", n_b + n_f
+            f_over, b_over = self._dispatch(dispatch, (n_f, n_b))
+            f_comp, b_comp = f_comp + f_over, b_comp + b_over
+        saved = fwd.saved()
+        cost = LayerCost(fwd=f_comp + f_comm, bwd_in=b_comp - b_w + b_comm, bwd_w=b_w, tp_fwd=f_comm, tp_bwd=b_comm,
+                         saved=sum(saved.values()), flops=sum(o.flops for o in fwd.ops + bwd.ops))
+        if recompute in ("full", "block"):
+            cost.bwd_in += f_comp + f_comm
+            cost.tp_bwd += f_comm
+            cost.flops += sum(o.flops for o in fwd.ops)
+            cost.transient = cost.saved
+            cost.saved = self.blocks.Mn * self.blocks.C * self.work.act_bytes
+            cost.recomputed = True
+        elif recompute == "selective":
+            core = self.blocks.attention_core()
+            c_comp, _, _ = self._price(core)
+            cost.bwd_in += c_comp
+            cost.flops += sum(o.flops for o in core)
+            dropped = sum(v for k, v in saved.items() if k in DROPPED_BY_SELECTIVE)
+            cost.saved -= dropped
+            cost.transient = dropped
+        return cost
+
+    def block_recompute(self, index: int) -> str:
+        lay = self.work.layout
+        if lay.recompute == "full" or (lay.recompute == "every_k" and index % max(lay.every_k, 1) == 0):
+            return "block"
+        return "selective" if lay.recompute == "selective" else "none"
+
+    def block(self, index: int) -> LayerCost:
+        """Cost of block ``index`` (checkpointed or not by the layout's recompute mode)."""
+        mode = self.block_recompute(index)
+        if ("block", mode) not in self._cache:
+            self._cache[("block", mode)] = self._layer(self._fwd, self._bwd, mode, "block")
+        return self._cache[("block", mode)]
+
+    def embed(self) -> LayerCost:
+        if ("embed",) not in self._cache:
+            f, b = embedding_ops(self.work.shape, self.setup)
+            self._cache[("embed",)] = self._layer(f, b, "none", None)  # its operators are counted with the head's
+        return self._cache[("embed",)]
+
+    def head(self) -> LayerCost:
+        if ("head",) not in self._cache:
+            f, b = head_ops(self.work.shape, self.setup, loss_parallel=self.work.layout.loss_parallel)
+            ef, eb = embedding_ops(self.work.shape, self.setup)
+            embed_ops = (sum(o.kind != "comm" for o in ef.ops), sum(o.kind != "comm" for o in eb.ops))
+            cost = self._layer(f, b, "none", "rest", embed_ops)
+            # the logits and their gradient exist between the head's forward and backward
+            m, v = self.setup.micro_batch * self.work.shape.seq_len, self.work.shape.vocab_size // self.setup.tp
+            cost.transient = max(cost.transient, 2 * m * v * 4)
+            self._cache[("head",)] = cost
+        return self._cache[("head",)]
+
+    # -- stages -------------------------------------------------------------------------------------
+    def partition(self, num_stages: int) -> list[range]:
+        """Blocks of each stage, split by the trainer's ``partition_layers``."""
+        n = self.work.shape.n_layer
+        if num_stages == 1:
+            return [range(n)]
+        if self.work.layout.pp_balance == "count":
+            return _partition((1.0,) * n, num_stages, 0.0, 0.0)
+        costs = tuple(self.block(i).total for i in range(n))
+        return _partition(costs, num_stages, self.embed().total, self.head().total)
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes per gradient element the data-parallel reduction sends: plait's reducer and ZeRO reduce the
+        fp32 gradients (plait's mixed precision is autocast over fp32 parameters); Megatron-LM's fp16 runs
+        reduce their fp16 gradient buffers (its default without --accumulate-allreduce-grads-in-fp32)."""
+        return self.work.act_bytes if self.work.stack == "megatron" else 4
+
+    def stage(self, layers: range, first: bool, last: bool) -> LayerCost:
+        """Summed cost of a stage: its blocks, plus the embedding if ``first`` and the head if ``last``."""
+        total = LayerCost()
+        for i in layers:
+            total = total + self.block(i)
+        if first:
+            total = total + self.embed()
+        if last:
+            total = total + self.head()
+        return total
+
+
+@lru_cache(maxsize=256)
+def _partition(costs: tuple[float, ...], num_stages: int, first: float, last: float) -> list[range]:
+    """``partition_layers`` memoised: the planner prices many layouts with the same per-layer costs."""
+    from plait.parallel.pipeline import partition_layers
+
+    return partition_layers(list(costs), num_stages, first_cost=first, last_cost=last)

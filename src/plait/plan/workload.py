@@ -1,0 +1,155 @@
+"""What is simulated: a model shape, a layout, a batch and a precision, from a plait config or by hand.
+
+``workload_from_config`` reads the same config ``plait train`` reads (file, ``--section.key=value``
+overrides, ``model.factory``), checks it for the world size with the trainer's own checks
+(``plait.validate``), and resolves what the trainer resolves: dp inferred from the world, the
+schedule's natural virtual stages, the accumulation steps.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+
+from plait.config import Config, ConfigError
+from plait.plan.shapes import ModelShape, shape_from_config
+
+RECOMPUTE = ("none", "full", "every_k", "selective")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees and schedule of one layout (names as in ``[parallel]`` and ``[train]``)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    sp: bool = False
+    schedule: str = "1f1b"
+    virtual: int = 1
+    microbatches: int = 1  # pipeline micro-batches per accumulation step
+    micro_batch_size: int = 1  # sequences per forward per rank (train.micro_batch_size)
+    recompute: str = "none"
+    every_k: int = 2
+    reshard_after_forward: bool = True
+    bucket_mb: float = 25.0
+    impl: str = "plait"
+    pp_balance: str = "cost"
+    loss_parallel: bool = True
+    ep: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.ep
+
+    def describe(self) -> str:
+        parts = [f"dp={self.dp}", f"tp={self.tp}" + ("+sp" if self.sp else ""), f"pp={self.pp}"]
+        if self.pp > 1:
+            parts.append(f"{self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else "")
+                         + f" m={self.microbatches}")
+        parts += [f"zero={self.zero}", f"mb={self.micro_batch_size}", f"recompute={self.recompute}"]
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model, a layout, the global batch (sequences per step) and how the software runs it:
+    ``precision`` (fp32, bf16, fp16), ``attention`` kernel (flash, unfused), ``stack`` (plait, megatron;
+    see ``plait.plan.ops``), the optimizer kernel and whether gradients are clipped."""
+
+    shape: ModelShape
+    layout: Layout
+    global_batch: int
+    precision: str = "fp32"
+    attention: str = "flash"
+    stack: str = "plait"
+    fused_optimizer: bool = False
+    grad_clip: bool = True
+
+    @property
+    def accumulation(self) -> int:
+        return max(1, self.global_batch // (self.layout.micro_batch_size * self.layout.dp))
+
+    @property
+    def pipe_micro_batch(self) -> int:
+        """Sequences in one pipeline micro-batch (one forward of one stage)."""
+        lay = self.layout
+        return lay.micro_batch_size // lay.microbatches if lay.pp > 1 else lay.micro_batch_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.shape.seq_len
+
+    @property
+    def act_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    def check(self) -> None:
+        """Raise ``ConfigError`` for what the simulator cannot price (it is not a plait layout)."""
+        lay, s = self.layout, self.shape
+        if lay.ep > 1:
+            raise ConfigError("expert parallelism (parallel.ep > 1) does not exist in plait yet, and the simulator "
+                              "models dense transformers only; set parallel.ep=1")
+        if lay.recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}; got {lay.recompute!r}")
+        if s.n_head % lay.tp or s.n_kv_head % lay.tp or s.d_ff % lay.tp:
+            raise ConfigError(f"tp={lay.tp} must divide the heads ({s.n_head}), key-value heads ({s.n_kv_head}) "
+                              f"and MLP width ({s.d_ff}); choose tp among their common divisors")
+        if lay.pp * lay.virtual > s.n_layer:
+            raise ConfigError(f"{lay.pp * lay.virtual} pipeline stages but {s.n_layer} layers: every stage needs "
+                              "a layer; lower parallel.pp or the virtual stages")
+        if self.global_batch % (lay.micro_batch_size * lay.dp):
+            raise ConfigError(f"global batch {self.global_batch} must be a multiple of micro_batch_size "
+                              f"{lay.micro_batch_size} x dp {lay.dp}")
+        if lay.pp > 1 and lay.micro_batch_size % lay.microbatches:
+            raise ConfigError(f"micro_batch_size {lay.micro_batch_size} must split into {lay.microbatches} "
+                              "pipeline micro-batches")
+
+
+def layout_from_config(cfg: Config) -> Layout:
+    """The layout of a validated config (``parallel.dp`` already resolved)."""
+    from plait.parallel.pipeline import NATURAL_VIRTUAL
+
+    p, t = cfg.parallel, cfg.train
+    virtual = (p.pp_virtual_stages or NATURAL_VIRTUAL.get(p.pp_schedule, 1)) if p.pp > 1 else 1
+    return Layout(dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, sp=p.sequence_parallel, schedule=p.pp_schedule,
+                  virtual=virtual, microbatches=p.microbatches if p.pp > 1 else 1,
+                  micro_batch_size=t.micro_batch_size, recompute=t.activation_checkpointing,
+                  every_k=t.checkpoint_every_k, reshard_after_forward=p.reshard_after_forward, bucket_mb=p.bucket_mb,
+                  impl=p.impl, pp_balance=p.pp_balance, loss_parallel=p.loss_parallel, ep=p.ep)
+
+
+def validated(cfg: Config, world: int) -> Config:
+    """A copy of ``cfg`` checked for ``world`` ranks by the trainer's own checks, dp resolved: the layout's
+    rules (``plait.validate``) and the registered model's own check of its shape against the degrees. The
+    data set is not needed to simulate and is not checked. Offload is refused (not modelled)."""
+    from plait.recipes import model_recipe
+    from plait.topology import resolve_degrees
+    from plait.validate import validate
+
+    cfg = copy.deepcopy(cfg)
+    if cfg.parallel.offload != "none":
+        raise ConfigError(f"the simulator does not model parallel.offload={cfg.parallel.offload}; set "
+                          "parallel.offload=none")
+    cfg = validate(cfg, world, model_checks=False)
+    recipe = model_recipe(cfg)
+    if recipe is not None and recipe.check is not None:
+        recipe.check(cfg, resolve_degrees(cfg, world))
+    return cfg
+
+
+def workload_from_config(cfg: Config, world: int, *, shape: ModelShape | None = None, attention: str = "flash",
+                         stack: str = "plait", recompute: str | None = None) -> Workload:
+    """The workload ``plait train`` would run with ``cfg`` on ``world`` ranks. ``recompute`` overrides
+    ``train.activation_checkpointing`` (``selective`` exists only in the simulator, as a what-if)."""
+    cfg = validated(cfg, world)
+    shape = shape or shape_from_config(cfg)
+    layout = layout_from_config(cfg)
+    if recompute is not None:
+        layout = replace(layout, recompute=recompute)
+    work = Workload(shape=shape, layout=layout, global_batch=cfg.train.global_batch_size,
+                    precision=cfg.train.precision, attention=attention, stack=stack,
+                    fused_optimizer=cfg.optim.fused, grad_clip=cfg.optim.grad_clip > 0)
+    work.check()
+    return work
