@@ -8,7 +8,10 @@
 * SIGSTOP of one worker: the attempt ends within ``comm.timeout_s + 10 s`` naming the rank, restarts,
   finishes;
 * SIGTERM to the launcher, and to one worker: every rank saves at the same step, exit code 75 (preempted),
-  and the resumed run equals the fault-free one.
+  and the resumed run equals the fault-free one;
+* ``torchrun --max-restarts`` resumes the same way;
+* two hosts made with network namespaces (skipped with the reason where the machine forbids it): cutting
+  the cable ends the attempt naming the other side's rank; once it is back, the restarted run finishes.
 """
 
 from __future__ import annotations
@@ -207,3 +210,91 @@ def test_sigterm_saves_every_rank_at_one_step_and_resumes_exactly(tmp_path: Path
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _same(_weights(run), clean)
     shutil.rmtree(run / "checkpoints")
+
+
+def test_torchrun_max_restarts_resumes_the_same_way(tmp_path: Path, clean) -> None:
+    run = tmp_path / "torchrun"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "--max-restarts=2", "-m", "plait.cli", "train", *ARGS, f"--run.dir={run}"],
+                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killer = Killer(run, [(10, 1, signal.SIGKILL)])
+    killer.start()
+    code, err = _finish(proc)
+    assert code == 0 and killer.done, err[-3000:]
+    assert "resumed from" in err, err[-3000:]
+    assert _same(_weights(run), clean)
+
+
+class TwoHosts:
+    """Two network namespaces joined by a veth pair: hosts 10.203.0.1 and 10.203.0.2 (made and removed here)."""
+
+    NS, DEV, ADDR = ("plait-fa", "plait-fb"), ("pltfva", "pltfvb"), ("10.203.0.1", "10.203.0.2")
+
+    def __enter__(self) -> TwoHosts:
+        self.close()
+        steps = [["ip", "netns", "add", self.NS[0]], ["ip", "netns", "add", self.NS[1]],
+                 ["ip", "link", "add", self.DEV[0], "type", "veth", "peer", "name", self.DEV[1]]]
+        for ns, dev, addr in zip(self.NS, self.DEV, self.ADDR, strict=True):
+            steps += [["ip", "-n", ns, "link", "set", "lo", "up"], ["ip", "link", "set", dev, "netns", ns],
+                      ["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev],
+                      ["ip", "-n", ns, "link", "set", dev, "up"]]
+        for cmd in steps:
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode:
+                self.close()
+                pytest.skip(f"network namespaces are not available here ({' '.join(cmd)}: {out.stderr.strip()})")
+        return self
+
+    def link(self, up: bool) -> None:
+        subprocess.run(["ip", "-n", self.NS[0], "link", "set", self.DEV[0], "up" if up else "down"], check=True)
+
+    def close(self, *exc: object) -> None:
+        for ns in self.NS:
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    __exit__ = close
+
+
+def test_cut_cable_between_two_hosts(tmp_path: Path, clean) -> None:
+    """One node per namespace under torchrun (c10d rendezvous on host A): the link goes down at step 10 for
+    12 s; the attempt ends naming the other side's rank, and after the link is back the restarted run
+    finishes with the fault-free parameters."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    run = tmp_path / "hosts"
+    with TwoHosts() as hosts:
+        procs, logs = [], []
+        for i, (ns, dev, addr) in enumerate(zip(hosts.NS, hosts.DEV, hosts.ADDR, strict=True)):
+            env = ["env", f"GLOO_SOCKET_IFNAME={dev}", "OMP_NUM_THREADS=1",
+                   f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}"]
+            cmd = ["ip", "netns", "exec", ns, *env, sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                   "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts.ADDR[0]}:29533",
+                   "--rdzv-id=plait-hosts", f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={addr}",
+                   "--max-restarts=3", "-m", "plait.cli", "train", *ARGS, f"--run.dir={run}"]
+            logs.append(tmp_path / f"host{i}.log")
+            procs.append(subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=open(logs[-1], "w")))
+        try:
+            deadline = time.time() + 120
+            while _steps(run) < 10 and time.time() < deadline:
+                time.sleep(0.05)
+            hosts.link(False)
+            time.sleep(12)
+            hosts.link(True)
+            codes = [p.wait(timeout=240) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        text = [log.read_text() for log in logs]
+        assert codes == [0, 0], [t[-2000:] for t in text]
+        named = [line for t in text for line in t.splitlines() if "CollectiveTimeout" in line]
+        assert any("ranks [1] did not arrive" in x for x in named) or any("ranks [0] did not arrive" in x
+                                                                       for x in named), named
+        assert "resumed from" in text[0]
+    assert _same(_weights(run), clean)

@@ -84,7 +84,21 @@ def init_distributed(backend: str, timeout_s: float) -> bool:
     adopt_slurm_env()
     if not launched_externally():
         return False
-    dist.init_process_group(pick_backend(backend), timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None and "MASTER_ADDR" in os.environ:
+        # After torchrun restarts a worker group, env:// rendezvous finds the dead attempt's gloo addresses
+        # in the agent's store (torch 2.13: "connectFullMesh failed ... Connection refused"); a prefix per
+        # attempt keeps each attempt's keys apart.
+        env = os.environ
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        agent_hosts = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world,
+                              is_master=rank == 0 and not agent_hosts, timeout=timeout)
+        dist.init_process_group(pick_backend(backend), store=dist.PrefixStore(f"plait/attempt_{restart}", store),
+                                rank=rank, world_size=world, timeout=timeout)
+        return True
+    dist.init_process_group(pick_backend(backend), timeout=timeout)
     return True
 
 
