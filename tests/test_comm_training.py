@@ -277,7 +277,7 @@ def test_cli_run_with_a_stalled_rank_exits_with_one_named_error(tmp_path) -> Non
     args = [a for a in SMALL if not a.startswith("--parallel.bucket_mb")]
     start = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "plait.cli", "train", *args, "--train.steps=4",
-                        f"--comm.timeout_s={HANG_TIMEOUT_S}", f"--run.dir={tmp_path}/run"],
+                        f"--comm.timeout_s={HANG_TIMEOUT_S}", "--fault.max_restarts=0", f"--run.dir={tmp_path}/run"],
                        env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 1, p.stderr[-2000:]
     line = [x for x in p.stderr.splitlines() if x.startswith("plait: error:")]

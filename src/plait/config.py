@@ -224,7 +224,8 @@ class FaultConfig:
     # Restarts of the whole worker group after a failure, each resuming from the newest good checkpoint
     # (0: none). Not for errors a restart cannot fix (configuration, data, a failure before the first step).
     max_restarts: int = 3
-    # Seconds before the first restart; doubled after each, at most 60.
+    # Seconds before a restart; doubled over failures in quick succession (at most 60), reset by an attempt
+    # that ran for a minute.
     restart_backoff_s: float = 1.0
     # Mean time between failures in seconds, for checkpoint.every=auto.
     mtbf_s: float = 3600.0

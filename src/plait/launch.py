@@ -165,12 +165,58 @@ def _quiet_elastic_logs() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+# After a worker fails, the rest of the group gets this long to exit before SIGKILL (torch's agent waits 30 s,
+# which a stopped or hung worker always uses up); a preemption keeps torch's 30 s to save.
+GRACE_AFTER_FAILURE_S = 5
+
+
+def _exit_codes(ctx: Any) -> list[int | None]:
+    """Exit codes of an elastic process context's workers (None: still running)."""
+    pc = getattr(ctx, "_pc", None)
+    if pc is not None and hasattr(pc, "processes"):
+        return [p.exitcode for p in pc.processes]
+    return [h.proc.poll() for h in getattr(ctx, "subprocess_handlers", {}).values()]
+
+
+def _shorten_grace_after_failure() -> None:
+    """In plait's launcher process only: when a worker fails, the others get ``GRACE_AFTER_FAILURE_S`` to exit,
+    then SIGTERM, then as long again before SIGKILL (torch.multiprocessing's join waits 30 s, which a stopped
+    or hung worker always uses up); and an agent ending a failed group wakes stopped workers (SIGCONT) so
+    they can take its SIGTERM. A preemption (SIGTERM to the launcher) keeps torch's 30 s to save."""
+    import contextlib
+    import signal as _signal
+    from importlib import import_module
+
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    spawn = import_module("torch.multiprocessing.spawn")
+    if getattr(PContext.close, "_plait", False):
+        return
+    original_close, original_join = PContext.close, spawn.ProcessContext.join
+
+    def close(self: Any, death_sig: Any = None, timeout: int = 30) -> None:
+        if any(code not in (None, 0) for code in _exit_codes(self)):
+            timeout = min(timeout, GRACE_AFTER_FAILURE_S)
+        for pid in self.pids().values():
+            with contextlib.suppress(OSError):
+                os.kill(pid, _signal.SIGCONT)
+        original_close(self, death_sig, timeout)
+
+    def join(self: Any, timeout: float | None = None, grace_period: float | None = None) -> Any:
+        return original_join(self, timeout, GRACE_AFTER_FAILURE_S / 2 if grace_period is None else grace_period)
+
+    close._plait = True  # type: ignore[attr-defined]
+    PContext.close = close
+    spawn.ProcessContext.join = join
+
+
 def _launch_config(nproc: int, error_dir: Path) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
     from plait.comm.collectives import free_port
 
     _quiet_elastic_logs()
+    _shorten_grace_after_failure()
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ[ERROR_DIR_ENV] = str(Path(error_dir).resolve())
     for stale in Path(error_dir).glob("rank*.txt"):  # reports of an earlier launch into the same directory
@@ -227,8 +273,9 @@ def _attempts(run: Callable[[int], Any], nproc: int, error_dir: Path, restarts: 
         clear_progress(restarts.state_dir)
         goodput.record(restarts.state_dir, "launch")
     previous: dict | None = None
-    attempt = 0
+    attempt, streak = 0, 0
     while True:
+        started = time.monotonic()
         try:
             return run(attempt)
         except SignalException as e:
@@ -242,8 +289,10 @@ def _attempts(run: Callable[[int], Any], nproc: int, error_dir: Path, restarts: 
             progress = read_progress(restarts.state_dir) if restarts.state_dir is not None else {}
             if restarts.state_dir is not None:
                 goodput.record(restarts.state_dir, "failed", attempt=attempt)
+            # Backoff doubles over failures in quick succession; an attempt that ran a minute resets it.
+            streak = 0 if time.monotonic() - started > 60 else streak + 1
             d = decide(_first_report(Path(error_dir), nproc), attempt, restarts.max_restarts, progress, previous,
-                       restarts.backoff_s)
+                       restarts.backoff_s, streak)
             if not d.restart:
                 suffix = f" (not restarted: {d.reason})" if restarts.max_restarts else ""
                 raise (NoProgress if d.no_progress else WorkerFailed)(message + suffix) from None

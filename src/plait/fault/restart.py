@@ -12,8 +12,8 @@ the progress:
 * a stop with ``NO_PROGRESS_EXIT`` when an attempt after a restart failed without moving the newest
   checkpoint or the step count past where the previous attempt got: a failure that recurs at the
   same place would loop forever;
-* otherwise a restart after ``restart_backoff_s`` (doubling, at most 60 s), resuming from the newest
-  good checkpoint.
+* otherwise a restart after ``restart_backoff_s`` (doubling over failures in quick succession, at most
+  60 s; an attempt that ran for a minute resets it), resuming from the newest good checkpoint.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class Decision:
 
 
 def decide(first_line: str, attempt: int, max_restarts: int, progress: dict, previous: dict | None,
-           backoff_s: float) -> Decision:
+           backoff_s: float, streak: int = 0) -> Decision:
     """Whether to restart after attempt ``attempt`` (0-based) failed with ``first_line``."""
     kind = first_line.split(":", 1)[0].strip()
     if kind in UNFIXABLE:
@@ -99,4 +99,4 @@ def decide(first_line: str, attempt: int, max_restarts: int, progress: dict, pre
                         "progress", no_progress=True)
     if attempt >= max_restarts:
         return Decision(False, f"the {max_restarts} restarts allowed (fault.max_restarts) are spent")
-    return Decision(True, "restarting", wait_s=min(60.0, backoff_s * 2 ** attempt))
+    return Decision(True, "restarting", wait_s=min(60.0, backoff_s * 2 ** max(0, streak - 1)))
