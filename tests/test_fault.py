@@ -298,3 +298,20 @@ def test_cut_cable_between_two_hosts(tmp_path: Path, clean) -> None:
                                                                        for x in named), named
         assert "resumed from" in text[0]
     assert _same(_weights(run), clean)
+
+
+def test_async_checkpoints_keep_their_guarantees(tmp_path: Path, clean) -> None:
+    """checkpoint.async: shards written in the background, each checkpoint complete and verified before it
+    becomes the latest; the run resumes from one exactly."""
+    run = tmp_path / "async"
+    code, err = _finish(_start(run, "--train.steps=16", "--checkpoint.async=true"))
+    assert code == 0, err[-3000:]
+    verify = subprocess.run([sys.executable, "-m", "plait.cli", "checkpoint", "verify", str(run)],
+                            capture_output=True, text=True, env=_env())
+    assert verify.returncode == 0 and verify.stdout.count(": ok") == 3, verify.stdout
+    assert (run / "checkpoints" / "latest").read_text() == "step_0000016"
+    resumed = subprocess.run([sys.executable, "-m", "plait.cli", "train", "--resume", str(run),
+                              f"--train.steps={STEPS}", "--checkpoint.async=true"], cwd=tmp_path, env=_env(),
+                             capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _same(_weights(run), clean)
