@@ -45,6 +45,11 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
     except BaseException:  # report every failure to the parent, whatever it is
         results.put((rank, "error", traceback.format_exc()))
     finally:
+        # Flush the result to the parent before tearing the group down: a group with a collective
+        # still pending (a test that leaves a peer stuck on purpose) can abort the process in
+        # ``destroy_process_group``, which would otherwise lose the queued result.
+        results.close()
+        results.join_thread()
         if dist.is_initialized():
             dist.destroy_process_group()
 

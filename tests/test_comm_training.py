@@ -7,6 +7,7 @@ run one after another in one spawn to save process start-up).
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -211,6 +212,10 @@ class _Skipped(Exception):
     pass
 
 
+class _Ended(Exception):
+    pass
+
+
 def _hang(rank: int, world: int, root: str, extra: list[str]) -> dict:
     from plait.comm.guard import CollectiveTimeout
 
@@ -221,6 +226,10 @@ def _hang(rank: int, world: int, root: str, extra: list[str]) -> dict:
             time.sleep(HANG_TIMEOUT_S + 6)
             raise _Skipped
 
+        def ended(signum, frame):  # rank 0, having named this rank, ends it (hang escalation)
+            raise _Ended
+
+        signal.signal(signal.SIGTERM, ended)
         t.comm.all_reduce_async = t.comm.run_async = skip
     start = time.monotonic()
     try:
@@ -229,13 +238,17 @@ def _hang(rank: int, world: int, root: str, extra: list[str]) -> dict:
         return {"error": str(e), "elapsed": time.monotonic() - start}
     except _Skipped:
         return {"skipped": True}
+    except _Ended:
+        return {"ended_by_peer": True, "elapsed": time.monotonic() - start}
     return {"error": None}
 
 
 def test_skipped_compressed_collective_on_comm_thread_names_the_missing_rank(tmp_path) -> None:
     """The comm-thread path (plait's ring carrying int8 payloads): the waiter's guard still fires."""
     r0, r1 = run_ranks(_hang, 2, str(tmp_path), ["--comm.allreduce=ring", "--comm.compress=int8"], timeout=60)
-    assert r1 == {"skipped": True}
+    # Rank 0 names rank 1 and ends it (SIGTERM to the pid it published) before it would give up by itself.
+    assert r1.get("ended_by_peer"), r1
+    assert r1["elapsed"] < HANG_TIMEOUT_S + 6
     msg = r0["error"]
     assert msg is not None, "rank 0 finished a step its peer never communicated in"
     assert "collective 'gradient bucket" in msg and "at step 2" in msg, msg
