@@ -1,6 +1,6 @@
 """``plait calibrate``: measure this machine into a hardware profile (``kind = "cpu"``).
 
-What is timed (each the median of repeated runs after a warm-up, torch's threads set per measurement):
+What is timed (each the fastest of repeated runs after a warm-up, torch's threads set per measurement):
 
 * matmul: ``torch.mm`` over a grid of ``(m, n, k)`` shapes for each thread count (1 .. cores), fp32 and
   bf16; shapes above ``MAX_GEMM_FLOPS`` are skipped;
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -47,7 +46,9 @@ QUICK = {"min_time": 0.004, "dims": (64, 512), "kernel_sizes": (2**18, 2**22), "
 
 
 def timed(fn: Callable[[], Any], min_time: float, repeats: int = 5) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs of enough calls to last ``min_time`` (after a warm-up)."""
+    """Seconds of one ``fn()``: the fastest of ``repeats`` samples, each enough calls to last ``min_time``
+    (after a warm-up). The fastest, not the median: other processes on a shared machine only ever slow a
+    sample down, so the minimum is the least disturbed estimate of what this machine does."""
     fn()
     start = time.perf_counter()
     fn()
@@ -59,7 +60,7 @@ def timed(fn: Callable[[], Any], min_time: float, repeats: int = 5) -> float:
         for _ in range(calls):
             fn()
         samples.append((time.perf_counter() - start) / calls)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def _matmul(dims: tuple[int, ...], threads: list[int], dtypes: tuple[str, ...], min_time: float) -> list[list[Any]]:

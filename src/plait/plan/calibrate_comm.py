@@ -2,18 +2,17 @@
 
 Ranks are spawned processes (one CPU thread each) on a gloo process group, as ``plait train`` runs them
 on CPU. For each collective and message size: a barrier, then enough back-to-back calls to last
-``min_time`` (10 ms),
-timed on every rank; the slowest rank's mean call time is one sample, the median of five samples the
-measurement. Send/recv is a ping-pong between two ranks (one way = half the round trip). Sizes are the
-bytes of the buffer the cost model counts (``plait.plan.network``: the reduced buffer, the gathered
-output, the scattered input, the message). ``fit`` returns ``alpha + beta x bytes`` by least squares on
+``min_time`` (10 ms), timed on every rank; the slowest rank's mean call time is one sample, the fastest
+of five samples the measurement (other processes only ever slow a sample down). Send/recv is a
+ping-pong between two ranks (one way = half the round trip). Sizes are the bytes of the buffer the cost
+model counts (``plait.plan.network``: the reduced buffer, the gathered output, the scattered input, the
+message). ``fit`` returns ``alpha + beta x bytes`` by least squares on
 relative error, so small and large messages weigh alike.
 """
 
 from __future__ import annotations
 
 import queue as queue_mod
-import statistics
 import time
 from typing import Any
 
@@ -73,7 +72,7 @@ def _time_collective(fn: Any, min_time: float) -> float:
         elapsed = torch.tensor([(time.perf_counter() - start) / calls])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         samples.append(float(elapsed))
-    return statistics.median(samples)
+    return min(samples)
 
 
 def _ping_pong(nbytes: int) -> float:
@@ -91,7 +90,7 @@ def _ping_pong(nbytes: int) -> float:
             dist.send(buf, 0)
         if i:  # the first round trip warms the connection
             samples.append((time.perf_counter() - start) / 2)
-    value = torch.tensor([statistics.median(samples) if rank == 0 else 0.0])
+    value = torch.tensor([min(samples) if rank == 0 else 0.0])
     dist.broadcast(value, src=0)
     return float(value)
 

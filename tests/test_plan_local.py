@@ -1,0 +1,46 @@
+"""A prediction of a short measured ``plait train`` run on this machine, from a calibration taken here and now.
+
+The calibration is the coarse ``plait calibrate --quick`` (a few seconds: a handful of matmul shapes, two
+kernel sizes, collectives at world 2), never numbers from another machine. The run is 14 steps of a small
+GPT on 2 gloo ranks. Tolerances, stated honestly: model-state bytes per rank within 1% (deterministic);
+step time within 50%: the coarse calibration interpolates from few points, and this suite shares two
+cores with whatever else runs, which moves both the calibration and the run. On a quiet machine with the
+full calibration the error is ~10% or less (``bench/simulate.py`` measures it per layout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from plait.config import load_config
+from plait.plan.calibrate import calibrate
+from plait.plan.compare import compare_run
+from plait.plan.hardware import load_profile
+from plait.plan.simulate import simulate_config
+
+RUN = ["--model.n_layer=2", "--model.d_model=64", "--model.n_head=2", "--model.seq_len=64",
+       "--train.global_batch_size=16", "--train.micro_batch_size=8", "--parallel.nproc=2", "--train.steps=14",
+       "--train.log_every=1", "--train.eval_every=0", "--checkpoint.every=0", "--optim.warmup_steps=1",
+       "--observe.progress=false", "--observe.tensorboard=false", "--train.eval_sequences=8"]
+
+
+@pytest.mark.slow
+def test_prediction_of_a_short_measured_run(tmp_path):
+    profile_path = calibrate(tmp_path / "profile.toml", quick=True, log=lambda s: None)
+    profile = load_profile(profile_path)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    subprocess.run([sys.executable, "-m", "plait.cli", "train", *RUN, f"--run.dir={run_dir}"], check=True, env=env,
+                   stdout=subprocess.DEVNULL, timeout=300)
+    cfg = load_config(run_dir / "config.toml")
+    sim = simulate_config(cfg, profile)
+    result = compare_run(sim, run_dir)
+    print(json.dumps(result))
+    assert abs(result["step_s"]["error"]) < 0.5, result["step_s"]
+    for rank in result["model_state_bytes"]:
+        assert abs(rank["error"]) < 0.01, rank
