@@ -1,10 +1,12 @@
 """The simulator against measured plait runs on this machine; JSON with the errors (MAPE, Spearman, planner).
 
     .venv/bin/python bench/simulate.py [--profile PATH | --quick] [--steps N] [--only NAME,...] [--reuse]
+                                       [--max-wait SECONDS]
 
 1. Calibrates this machine (``plait calibrate``; ``--quick`` for the coarse one) unless ``--profile`` is given.
 2. For each layout (world 1-4: data parallel, ZeRO 1-3, tp=2, pp=2 with each schedule, 2-D mixes), waits
-   until the machine is quiet (1-minute load below ``MAX_LOAD`` and no other Python process computing),
+   until the machine is quiet (1-minute load below ``MAX_LOAD`` and no other Python process computing;
+   at most ``--max-wait`` seconds, after which it measures anyway and records the load it saw),
    runs ``plait train`` for ``--steps`` steps and compares ``plait simulate --compare`` with it: step time
    (median of the logged steps after the first 20%), model-state bytes per rank (the trainer's own
    measurement). It also measures each rank's activation memory in spawned ranks running the same
@@ -12,8 +14,10 @@
 3. ``plait plan`` on the calibrated profile for 4 devices: its pick is measured too and compared with the
    best measured world-4 layout.
 
-Output: per layout predicted / measured / error, MAPE per world size and per layout kind, Spearman of the
-ranking, the planner's pick against the best, and the machine load seen before each measurement.
+Output: per layout predicted / measured / error, the median absolute percentage error of step time per
+world size and for worlds 1-2 and 3-4 (the targets: 10% and 20%), model-state and activation memory
+errors, Spearman of the ranking by step time, the planner's pick against the best measured world-4
+layout, and the machine load seen before each measurement.
 """
 
 from __future__ import annotations
@@ -193,6 +197,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="coarse calibration, 12 steps per run")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--only", default="", help="comma-separated layout names")
+    ap.add_argument("--max-wait", type=float, default=4 * 3600,
+                    help="seconds to wait for a quiet machine before each measurement (then measure anyway)")
     ap.add_argument("--reuse", action="store_true",
                     help="re-simulate the runs and activation measurements a previous invocation left")
     args = ap.parse_args()
@@ -203,7 +209,7 @@ def main() -> None:
     loads: list = []
     profile_path = args.profile
     if not profile_path:
-        wait_quiet(loads, "calibrate")
+        wait_quiet(loads, "calibrate", args.max_wait)
         from plait.plan.calibrate import calibrate
 
         profile_path = str(calibrate(out_dir / "profile.toml", quick=args.quick,
@@ -216,7 +222,7 @@ def main() -> None:
         overrides = LAYOUTS[name]
         run_dir, act_file = out_dir / name, out_dir / f"{name}-act.json"
         if not (args.reuse and (run_dir / "summary.json").is_file()):
-            wait_quiet(loads, name)  # timings need a quiet machine; memory does not
+            wait_quiet(loads, name, args.max_wait)  # timings need a quiet machine; memory does not
             run_dir = run_train(name, overrides, steps, out_dir)
             act_file.unlink(missing_ok=True)
         if not act_file.is_file():
@@ -236,7 +242,7 @@ def main() -> None:
         print(json.dumps({name: rows[name]}), file=sys.stderr)
     result = summarise(rows, loads, profile_path)
     if not args.only:
-        result["planner"] = planner_pick(profile, rows, loads, steps, out_dir, args.reuse)
+        result["planner"] = planner_pick(profile, rows, loads, steps, out_dir, args.reuse, args.max_wait)
     print(json.dumps(result, indent=1))
 
 
@@ -252,7 +258,8 @@ def layout_overrides(lay: object, batch: int) -> list[str]:
     return out
 
 
-def planner_pick(profile: object, rows: dict, loads: list, steps: int, out_dir: Path, reuse: bool) -> dict:
+def planner_pick(profile: object, rows: dict, loads: list, steps: int, out_dir: Path, reuse: bool,
+                 max_wait: float) -> dict:
     """``plait plan`` for 4 devices: its pick measured against the best measured world-4 layout."""
     from plait.config import load_config
     from plait.plan.derive import optimizer_traffic
@@ -268,7 +275,7 @@ def planner_pick(profile: object, rows: dict, loads: list, steps: int, out_dir: 
     run_dir = out_dir / "planner-pick"
     if not (reuse and (run_dir / "summary.json").is_file() and (run_dir / "overrides.json").is_file()
             and json.loads((run_dir / "overrides.json").read_text()) == overrides):
-        wait_quiet(loads, "planner pick")
+        wait_quiet(loads, "planner pick", max_wait)
         run_dir = run_train("planner-pick", overrides, steps, out_dir)
         (run_dir / "overrides.json").write_text(json.dumps(overrides))
     measured = simulate_run("planner-pick", overrides, profile, run_dir)["compare"]["step_s"]["measured"]
@@ -282,13 +289,17 @@ def planner_pick(profile: object, rows: dict, loads: list, steps: int, out_dir: 
 
 def summarise(rows: dict, loads: list, profile_path: str) -> dict:
     by_world: dict[str, list[float]] = {}
+    by_band: dict[str, list[float]] = {}
     for r in rows.values():
         by_world.setdefault(str(r["world"]), []).append(abs(r["step_error"]))
+        by_band.setdefault("1-2" if r["world"] <= 2 else "3-4", []).append(abs(r["step_error"]))
     names = list(rows)
     pred = [rows[n]["predicted_step_s"] for n in names]
     meas = [rows[n]["measured_step_s"] for n in names]
     return {"profile": profile_path, "layouts": rows,
             "step_mape_by_world": {w: round(statistics.median(v), 4) for w, v in sorted(by_world.items())},
+            "step_mape_worlds": {b: round(statistics.median(v), 4) for b, v in sorted(by_band.items())},
+            "step_mape_targets": {"1-2": 0.10, "3-4": 0.20},
             "model_state_max_error": max((abs(e) for r in rows.values() for e in r["model_state_error"]), default=None),
             "activation_max_error": max((abs(e) for r in rows.values() for e in r["activation_error"]), default=None),
             "spearman": round(spearman(pred, meas), 4) if len(names) > 2 else None, "loads": loads}
