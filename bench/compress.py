@@ -16,9 +16,10 @@ backward of 4 sequences of 32 tokens (a global batch of 8 x 32 = 256 tokens, 8x 
 on one core of this machine (~50 GFLOP/s of fp32 matmul). On the 1 Gbit/s link communication is ~2x the
 compute, the regime where compression can pay; on loopback (GB/s) it is ~0.01 s and compression can only
 lose (its encode/decode costs compute). The curve is made judgeable by evaluating every 10 steps on a
-fixed set of 256 sequences (8192 tokens) and by the batch: at lr 3e-3 it falls smoothly from 3.2 to 2.5
-in 150 steps (single-process run of this config: 2.60 at step 90, 2.47 at 150), and the target 2.6 is
-crossed by the smoothed curve near step 110 of 150, leaving slower runs room to reach it.
+fixed set of 256 sequences (8192 tokens) and by the batch. lr 1.5e-3: at 3e-3 seed 1 stalled near 3.0
+for 60 steps while seed 1337 fell to 2.5 (a seed lottery); at 1.5e-3 seed 1 falls smoothly (single-process
+run of this config: 2.97 at step 20, 2.58 at 60, 2.43 at 100, 2.36 at 140), so the target 2.5 is crossed
+by the smoothed curve near step 110 of 150, leaving slower runs room to reach it.
 
 Per run (``summarize``) the JSON reports, from rank 0's metrics.jsonl and the network counters:
   time_to_target_s  bench/ttq.py's rule: sum of per-step ``step_s`` (data, forward, backward, exposed
@@ -40,7 +41,7 @@ DDP+PowerSGD): median speedups, the final-loss gap and the verdict. The issue ta
 faster to target than DDP on 1 Gbit/s) is met only by a method whose verdict is true with a median
 speedup of at least 2.
 
-    sudo python bench/compress.py [--quick] [--networks loopback,netns] [--seeds 3] [--target 2.6]
+    sudo python bench/compress.py [--quick] [--networks loopback,netns] [--seeds 3] [--target 2.5]
         [--steps 150] [--methods plait-none,plait-int8,ddp,ddp-powersgd] [--out FILE.json] [--keep DIR]
 """
 
@@ -70,7 +71,7 @@ QUICK_METHODS = ["plait-none", "plait-powersgd", "ddp"]
 MODEL = ["--model.n_layer=4", "--model.d_model=256", "--model.n_head=8", "--model.seq_len=32",
          "--train.global_batch_size=8", "--train.micro_batch_size=4", "--comm.powersgd_rank=8"]
 COMMON = ["--train.log_every=1", "--train.eval_sequences=256", "--optim.fused=true", "--optim.warmup_steps=20",
-          "--optim.lr=3e-3", "--checkpoint.every=0", "--observe.progress=false", "--observe.tensorboard=false"]
+          "--optim.lr=1.5e-3", "--checkpoint.every=0", "--observe.progress=false", "--observe.tensorboard=false"]
 ADDRS = ("10.77.0.1", "10.77.0.2")
 
 
@@ -329,7 +330,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--methods", default=None, help=f"comma-separated (default {','.join(DEFAULT_METHODS)})")
     ap.add_argument("--seeds", type=int, default=None, help="runs per method, train.seed=1..N (default 3)")
     ap.add_argument("--target", type=float, default=None,
-                    help="target validation loss in nats/token (default 2.6; 3.0 with --quick)")
+                    help="target validation loss in nats/token (default 2.5; 3.0 with --quick)")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 150; 40 with --quick)")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--window", type=int, default=ttq.DEFAULT_WINDOW,
@@ -343,7 +344,7 @@ def parse_args() -> argparse.Namespace:
     args.methods = args.methods.split(",") if args.methods else (QUICK_METHODS if args.quick else DEFAULT_METHODS)
     args.seeds = args.seeds or (1 if args.quick else 3)
     args.steps = args.steps or (40 if args.quick else 150)
-    args.target = args.target or (3.0 if args.quick else 2.6)
+    args.target = args.target or (3.0 if args.quick else 2.5)
     bad = set(args.methods) - set(all_methods)
     if bad:
         raise BenchError(f"unknown method(s) {sorted(bad)}; choose from {', '.join(all_methods)}")
