@@ -217,7 +217,7 @@ def cmd_sample(argv: list[str]) -> int:
     if cfg.model.factory or cfg.model.name != "gpt":
         raise ConfigError(f"plait sample generates text from plait's GPT (model.name=gpt); {run_dir} trained "
                           f"{cfg.model.factory or cfg.model.name}")
-    model = GPT(cfg.model)
+    model = GPT(cfg.model, cfg.moe)
     load_safetensors(model, weights)
     model.eval()
     prompt = args.prompt.encode("utf-8") or b"\n"

@@ -137,13 +137,18 @@ class OptimConfig:
 class ParallelConfig:
     # Local worker processes started by `plait train` (ignored under torchrun or SLURM).
     nproc: int = 2
-    # Data-parallel degree; 0 infers world size / (tp * pp * ep).
+    # collective: every rank trains (data, ZeRO, tensor, pipeline, expert parallelism over collectives); ps: a
+    # parameter server, the last ps.servers ranks hold the parameters and the optimizer, the others are
+    # workers that push gradients and pull parameters (see [ps]).
+    mode: Literal["collective", "ps"] = "collective"
+    # Data-parallel degree, expert-parallel ranks included (ep divides it); 0 infers world size / (tp * pp).
     dp: int = 0
     # Tensor-parallel degree.
     tp: int = 1
     # Pipeline-parallel degree.
     pp: int = 1
-    # Expert-parallel degree.
+    # Expert-parallel degree: MoE experts are sharded over ep ranks, which are also data-parallel ranks
+    # (each processes its own micro-batches); ep must divide the data-parallel degree.
     ep: int = 1
     # Data-parallel implementation: plait's bucketed reducer, or PyTorch DDP as the reference.
     impl: Literal["plait", "torch"] = "plait"
@@ -251,6 +256,38 @@ class FaultConfig:
 
 
 @dataclass
+class PsConfig:
+    # Ranks that serve parameters (the last ps.servers ranks of the world); the others are workers. Each
+    # server holds one size-balanced contiguous slice of all parameters (large tensors are split) and runs
+    # the optimizer on it.
+    servers: int = 1
+    # Consistency: sync (every worker's gradient of a version, averaged: all-reduce data parallelism's
+    # update), async (each gradient applied when it arrives), ssp (async, but a worker at clock c reads only
+    # parameters holding every worker's updates up to clock c - staleness - 1), backup (sync taking the first
+    # workers - backup_workers gradients of each version and dropping the rest), dc (async with delay
+    # compensation, DC-ASGD).
+    mode: Literal["sync", "async", "ssp", "backup", "dc"] = "sync"
+    # ssp: the staleness bound s (0 is bulk-synchronous).
+    staleness: int = 2
+    # backup: b, the gradients of each version not waited for (the slowest b are dropped and counted).
+    backup_workers: int = 1
+    # dc: lambda of the compensation g + lambda * g * g * (w_now - w_read) (Zheng et al. 2017).
+    dc_lambda: float = 0.04
+    # dc: adaptive lambda, lambda / sqrt(mean square of g) per element (DC-ASGD-a; mean square momentum 0.95).
+    dc_adaptive: bool = False
+    # async, ssp, dc: a gradient more than this many versions stale is rejected and counted (-1: never).
+    max_staleness: int = -1
+    # async, ssp, dc: a gradient of staleness t is applied with the learning rate / (1 + a * t), a being this
+    # value (0: no scaling; staleness-aware ASGD).
+    staleness_scaling: float = 0.0
+    # Workers push their gradient every this many steps (the mean over those steps).
+    push_every: int = 1
+    # async, dc: workers pull fresh parameters after every this many pushes (computing on their own copy
+    # in between).
+    pull_every: int = 1
+
+
+@dataclass
 class ObserveConfig:
     # Show a progress bar on rank 0.
     progress: bool = True
@@ -267,6 +304,34 @@ class ObserveConfig:
 
 
 @dataclass
+class MoeConfig:
+    # Experts per MoE layer (0: no MoE; plait's GPT then has dense MLPs only).
+    num_experts: int = 0
+    # Experts each token is routed to (softmax top-k token choice; ties go to the lower expert index).
+    top_k: int = 2
+    # Every n-th block of plait's GPT is MoE (blocks n-1, 2n-1, ...; 1: every block).
+    every: int = 1
+    # Hidden width of each expert's MLP (0: 4 x d_model / top_k, so active FLOPs equal a dense 4x MLP).
+    d_hidden: int = 0
+    # Assignments an expert takes per forward: ceil(factor x tokens x top_k / num_experts); 0 is dropless.
+    capacity_factor: float = 0.0
+    # Over capacity, keep each expert's highest-probability assignments (probs) or earliest tokens (position).
+    drop_policy: Literal["probs", "position"] = "probs"
+    # Load balancing: Switch auxiliary loss (aux), auxiliary-loss-free per-expert bias (bias), or none.
+    balance: Literal["aux", "bias", "none"] = "aux"
+    # Coefficient of the Switch load-balancing loss (balance = aux).
+    aux_loss_coef: float = 0.01
+    # Coefficient of the router z-loss, mean over tokens of logsumexp(logits)^2 (0: off).
+    z_loss_coef: float = 0.0
+    # balance = bias: how far each expert's bias moves per optimizer step (towards the mean load).
+    bias_update_rate: float = 0.001
+    # Always-on shared experts (DeepSeek style), each a dense MLP of moe.d_hidden, added to the routed output.
+    shared_experts: int = 0
+    # Expert-parallel dispatch: all-to-all with variable splits, or all-gather (the reference path).
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -277,7 +342,9 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    ps: PsConfig = field(default_factory=PsConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
 
     @property
     def grad_accum(self) -> int:

@@ -81,6 +81,9 @@ class StepInfo:
     # SIGTERM/SIGINT reached a rank: every rank sees it at this same step; save and stop
     # (the Trainer does; exit with plait.fault.preempt.PREEMPTED_EXIT).
     preempted: bool = False
+    # Per MoE layer (plait.nn.MoE), summed over the data-parallel ranks: tokens per expert, max_violation,
+    # dropped_fraction, aux_loss, z_loss, a2a_bytes (plait.parallel.expert.MoeMonitor); None without MoE.
+    moe: list[dict[str, Any]] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -161,6 +164,7 @@ class Plait:
         self.auto = AutoCompress() if cfg.comm.compress == "auto" and self.topology.dp > 1 else None
         self.accumulation = cfg.grad_accum
         self.layout: Layout | None = None
+        self.moe: Any = None  # plait.parallel.expert.MoeMonitor when the model has MoE layers
         self.scheduler: Any = None
         self.loss: Loss | None = None
         self.steps = 0
@@ -274,6 +278,12 @@ class Plait:
         if self.config.parallel.sync_batchnorm and self.dp > 1:
             model = sync_batchnorm(model, self.topology.dp_group, self.device)
         self.layout = layout = apply_parallel(model, self.topology, self.config, self.comm, spec)
+        from plait.nn.moe import moe_layers
+
+        if moe_layers(layout.model):
+            from plait.parallel.expert import MoeMonitor
+
+            self.moe = MoeMonitor(layout.model, self.topology, self.comm)
         opt = layout.build_optimizer(factory)
         if scheduler is not None:
             self.scheduler = scheduler(layout.scheduler_target())
@@ -423,6 +433,9 @@ class Plait:
     def _backward(self, loss: torch.Tensor, weight: float = 1.0) -> None:
         self._begin_micro()
         t0 = time.perf_counter()
+        if self.moe is not None:  # the auxiliary losses get the main loss's scale in this backward
+            self.moe.observe_forward()
+            self.moe.set_grad_scale(self.scaler.scale * weight / self.accumulation)
         (loss * (self.scaler.scale * weight / self.accumulation)).backward()
         self._times["backward_s"] += time.perf_counter() - t0
         self._end_micro(loss)
@@ -526,10 +539,12 @@ class Plait:
             self.logger.warning("step %d: gradient norm is %s; update skipped", self.steps + 1, norm)
         self.scaler.update(not finite)
         layout.after_step()
+        moe = self.moe.after_step()["moe"] if self.moe is not None else None
         layout.zero_grad()
         self.finish_saves()  # an asynchronous save of the previous steps completes here, on every rank
         now = time.perf_counter()
         info = self._finish_step(norm, not finite, lr, exposed, now - t1, now - self._boundary_t)
+        info.moe = moe
         self._boundary_t = now
         self._start_step()
         return info
@@ -757,7 +772,7 @@ class Plait:
         if self._bar is None and self.config.observe.progress:
             self._bar = ProgressBar(self.config.train.steps, 0, True)
         if self._bar is not None and "loss" in rec:
-            self._bar.update(int(rec["step"]), float(rec["loss"]), float(rec.get("tokens_per_s", 0.0)))
+            self._bar.update(int(rec["step"]), float(rec["loss"]), float(rec.get("tokens_per_s", 0.0)), rec.get("mfu"))
 
     @_explained
     def truncate_metrics(self, step: int) -> None:

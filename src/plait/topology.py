@@ -36,27 +36,37 @@ AXIS_ORDER: tuple[MeshAxis, ...] = tuple(MeshAxis)
 
 
 def resolve_degrees(cfg: Config, world_size: int) -> dict[str, int]:
-    """Degrees per axis for ``world_size`` ranks; infers dp when it is 0; raises a readable error."""
+    """Degrees per axis for ``world_size`` ranks; infers dp when it is 0; raises a readable error.
+
+    Expert parallelism is folded into data parallelism: the data-parallel degree ``dp`` counts the
+    expert-parallel ranks (each processes its own micro-batches), split on the mesh as
+    ``dp_replicate = dp / ep`` (ranks holding the same experts) times ``ep``."""
     p = cfg.parallel
     for name in ("tp", "pp", "ep"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name} must be at least 1; got {getattr(p, name)}")
     if p.dp < 0:
         raise ConfigError(f"parallel.dp must be at least 1 (or 0 to infer it); got {p.dp}")
-    model_par = p.tp * p.pp * p.ep
+    model_par = p.tp * p.pp
     dp = p.dp
     if dp == 0:
         if world_size % model_par:
             raise ConfigError(
-                f"world size {world_size} does not divide by tp x pp x ep = {model_par}; "
+                f"world size {world_size} does not divide by tp x pp = {model_par}; "
                 f"use a world size that is a multiple of {model_par} (parallel.nproc) or change the degrees"
             )
         dp = world_size // model_par
-    degrees = {"pp": p.pp, "dp_replicate": dp, "dp_shard": 1, "ep": p.ep, "tp": p.tp}
+    if dp % p.ep:
+        fits = [e for e in range(1, dp + 1) if dp % e == 0]
+        raise ConfigError(
+            f"parallel.ep={p.ep} does not divide the data-parallel degree {dp} (expert-parallel ranks are "
+            f"data-parallel ranks): use ep in {fits}, or a world size of a multiple of {p.ep * model_par}"
+        )
+    degrees = {"pp": p.pp, "dp_replicate": dp // p.ep, "dp_shard": 1, "ep": p.ep, "tp": p.tp}
     product = math.prod(degrees.values())
     if product != world_size:
         raise ConfigError(
-            f"parallel degrees dp={dp} x tp={p.tp} x pp={p.pp} x ep={p.ep} = {product} do not match "
+            f"parallel degrees dp={dp} x tp={p.tp} x pp={p.pp} = {product} do not match "
             f"the world size {world_size}; set parallel.nproc={product}, or set parallel.dp=0 to infer "
             f"dp from the world size"
         )
@@ -76,7 +86,12 @@ class Topology:
 
     @property
     def dp(self) -> int:
-        return self.degrees["dp_replicate"] * self.degrees["dp_shard"]
+        """Data-parallel degree: the ranks that process different micro-batches (expert-parallel included)."""
+        return self.degrees["dp_replicate"] * self.degrees["dp_shard"] * self.degrees["ep"]
+
+    @property
+    def ep(self) -> int:
+        return self.degrees["ep"]
 
     def degree(self, axis: MeshAxis | str) -> int:
         return self.degrees[str(axis)]
@@ -92,7 +107,9 @@ class Topology:
 
     @property
     def dp_rank(self) -> int:
-        return self.coord(MeshAxis.DP_REPLICATE) * self.degrees["dp_shard"] + self.coord(MeshAxis.DP_SHARD)
+        d = self.degrees
+        return ((self.coord(MeshAxis.DP_REPLICATE) * d["dp_shard"] + self.coord(MeshAxis.DP_SHARD)) * d["ep"]
+                + self.coord(MeshAxis.EP))
 
     def group(self, *axes: MeshAxis | str) -> dist.ProcessGroup | None:
         """Process group spanning ``axes`` (None when there is no process group: one process)."""
@@ -108,10 +125,25 @@ class Topology:
         return grp
 
     @property
+    def dp_axes(self) -> tuple[str, ...]:
+        """The mesh axes of the data-parallel world (dense parameters reduce over them)."""
+        axes = [a for a in ("dp_replicate", "dp_shard", "ep") if self.degrees[a] > 1]
+        return tuple(axes) or ("dp_replicate",)
+
+    @property
     def dp_group(self) -> dist.ProcessGroup | None:
+        return self.group(*self.dp_axes)
+
+    @property
+    def expert_dp_group(self) -> dist.ProcessGroup | None:
+        """Ranks holding the same experts (``dp / ep`` of them): expert gradients reduce over it."""
         return self.group(MeshAxis.DP_REPLICATE) if self.degrees["dp_shard"] == 1 else self.group(
             MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD
         )
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        return self.group(MeshAxis.EP)
 
 
 def build_topology(cfg: Config, device: torch.device) -> Topology:

@@ -23,7 +23,7 @@ def validate(cfg: Config, world_size: int, *, model_checks: bool = True) -> Conf
     check_values(cfg)
     t, p = cfg.train, cfg.parallel
     degrees = resolve_degrees(cfg, world_size)
-    p.dp = degrees["dp_replicate"] * degrees["dp_shard"]
+    p.dp = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["ep"]
     try:
         validate_zero(p.zero, p.dp, p.offload, "cuda" if _cuda_available() else "cpu")
     except ValueError as e:
@@ -38,7 +38,7 @@ def validate(cfg: Config, world_size: int, *, model_checks: bool = True) -> Conf
         lo = max(per_step, t.global_batch_size // per_step * per_step)
         options = sorted({lo, lo + per_step})
         divisors = [d for d in range(1, t.global_batch_size + 1) if t.global_batch_size % (d * p.dp) == 0]
-        model_parallel = p.tp * p.pp * p.ep
+        model_parallel = p.tp * p.pp
         worlds = [d * model_parallel for d in range(1, t.global_batch_size // t.micro_batch_size + 1)
                   if t.global_batch_size % (t.micro_batch_size * d) == 0]
         raise ConfigError(
@@ -53,8 +53,9 @@ def validate(cfg: Config, world_size: int, *, model_checks: bool = True) -> Conf
 def _check_composition(cfg: Config) -> None:
     """Layout combinations that cannot work, whatever the model."""
     p, t, c = cfg.parallel, cfg.train, cfg.comm
-    if p.ep > 1:
-        raise ConfigError("parallel.ep > 1 (expert parallelism) is not available in this build; set parallel.ep=1")
+    from plait.parallel.expert import check_expert_layout
+
+    check_expert_layout(cfg)
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
     if p.pp > 1:

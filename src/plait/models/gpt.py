@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.config import ModelConfig
+from plait.config import ModelConfig, MoeConfig
 
 
 @contextlib.contextmanager
@@ -87,12 +87,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, moe: MoeConfig | None = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MLP(cfg) if moe is None else _moe_layer(cfg, moe)
         self.drop = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,16 +100,30 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
-class GPT(nn.Module):
-    """Token ids (B, T) -> logits (B, T, V), or the mean cross-entropy when targets are given."""
+def _moe_layer(cfg: ModelConfig, m: MoeConfig) -> nn.Module:
+    from plait.nn.moe import MoE
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    hidden = m.d_hidden or max(1, 4 * cfg.d_model // m.top_k)  # top_k experts: a dense 4x MLP's active FLOPs
+    return MoE(cfg.d_model, hidden, m.num_experts, top_k=m.top_k, capacity_factor=m.capacity_factor,
+               drop_policy=m.drop_policy, aux_loss_coef=m.aux_loss_coef, z_loss_coef=m.z_loss_coef,
+               balance=m.balance, shared_experts=m.shared_experts, bias_update_rate=m.bias_update_rate)
+
+
+class GPT(nn.Module):
+    """Token ids (B, T) -> logits (B, T, V), or the mean cross-entropy when targets are given.
+
+    With ``moe`` (a ``[moe]`` section with ``num_experts`` > 0) every ``moe.every``-th block (blocks
+    ``every-1, 2 every-1, ...``) has a ``plait.nn.MoE`` feed-forward instead of the dense MLP."""
+
+    def __init__(self, cfg: ModelConfig, moe: MoeConfig | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        use_moe = moe is not None and moe.num_experts > 0
+        self.blocks = nn.ModuleList(Block(cfg, moe if use_moe and (i + 1) % moe.every == 0 else None)
+                                    for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied embeddings

@@ -112,5 +112,11 @@ def apply_parallel(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, sp
         return ZeroLayout(model, cfg, topo, comm)
     if p.zero == 3:
         return FsdpLayout(model, cfg, topo, comm)
+    if topo.ep > 1:  # experts sharded over ep; the data-parallel engine reduces the dense parameters only
+        from plait.parallel.expert import ExpertParallelLayout, shard_experts
+
+        experts = shard_experts(model, topo, cfg.moe.dispatcher)
+        engine = apply_data_parallel(model, topo.dp_group, topo.dp, p.impl, p.bucket_mb, comm, broadcast=False)
+        return ExpertParallelLayout(Layout(model, cfg, topo, comm, engine), topo, comm, experts)  # type: ignore[return-value]
     engine = apply_data_parallel(model, topo.dp_group, topo.dp, p.impl, p.bucket_mb, comm, broadcast=False)
     return Layout(model, cfg, topo, comm, engine)

@@ -112,7 +112,8 @@ class GradReducer:
         self._callback_queued = False
         if broadcast:  # the engine broadcasts the whole world's weights itself before any layout
             self._broadcast_initial_state()
-        params = [p for p in model.parameters() if p.requires_grad]
+        # Expert-parallel parameters (plait.parallel.expert) reduce over their own group, not this one.
+        params = [p for p in model.parameters() if p.requires_grad and not getattr(p, "_plait_expert", False)]
         self.buckets = _make_buckets(list(reversed(params)), int(bucket_mb * 2**20))
         self._where: dict[nn.Parameter, tuple[_Bucket, int]] = {}
         self._next = 0
@@ -259,7 +260,11 @@ class TorchDDP:
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, bucket_mb: float) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
-        self.module = DistributedDataParallel(_ClassForward(model), process_group=group, bucket_cap_mb=bucket_mb)
+        wrapped = _ClassForward(model)
+        ignored = [n for n, p in wrapped.named_parameters() if getattr(p, "_plait_expert", False)]
+        if ignored:  # expert-parallel parameters reduce over their own group (plait.parallel.expert)
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(wrapped, ignored)
+        self.module = DistributedDataParallel(wrapped, process_group=group, bucket_cap_mb=bucket_mb)
 
     def set_sync(self, enabled: bool) -> None:
         self.module.require_backward_grad_sync = enabled

@@ -197,7 +197,7 @@ class GPTPipeline:
 
 # -- recipe ----------------------------------------------------------------------------------------
 def build_model(cfg: Config) -> GPT:
-    return GPT(cfg.model)
+    return GPT(cfg.model, cfg.moe)
 
 
 def check_model(cfg: Config, degrees: dict[str, int]) -> None:

@@ -95,9 +95,11 @@ class Trainer:
         sample = self._peek() if needs_sample else None
         self.loss = self.loss or infer_loss(model, sample)
         self.num_params = sum(q.numel() for q in model.parameters())
+        self.flops = self._model_flops(model, sample)  # before setup: the user's whole model
         self.model, self.optimizer = p.setup(model, optimizer, scheduler if scheduler is not None else
                                              warmup_cosine(cfg), loss_fn=self.loss, sample=sample, **setup_kwargs)
         self.scheduler = p.scheduler
+        self.peak = self._peak()
         self.state = RunState()
         self._it: Any = None
         self.recovery = Recovery(self)
@@ -136,6 +138,33 @@ class Trainer:
     @property
     def memory(self) -> dict[str, int]:
         return self.p.memory
+
+    # -- utilisation ------------------------------------------------------------------------------
+    def _model_flops(self, model: nn.Module, sample: Any) -> Any:
+        """Rank 0 (the rank that logs): the model's FLOPs per token or sample (``plait.observe.mfu``)."""
+        from plait.observe.mfu import dense_gpt, model_flops_per_item
+
+        if not self.rank0:
+            return None
+        if sample is None and not dense_gpt(model):
+            sample = self._peek()
+        tokens, samples = _items(sample, self.loss) if sample is not None else (0, 0)
+        return model_flops_per_item(model, self.loss, sample, tokens, samples)
+
+    def _peak(self) -> Any:
+        """Rank 0: one device's peak FLOP/s for this run's precision (measured once per machine on a CPU)."""
+        from plait.observe.mfu import device_peak
+
+        return device_peak(self.p.device, self.cfg.train.precision) if self.rank0 else None
+
+    def mfu(self, tokens_per_s: float, samples_per_s: float) -> float | None:
+        """Model FLOPs utilisation at these rates over all ``world_size`` devices (None off rank 0)."""
+        from plait.observe.mfu import mfu
+
+        if self.flops is None or self.peak is None:
+            return None
+        rate = tokens_per_s if self.flops.item == "token" else samples_per_s
+        return mfu(self.flops.per_item, rate, self.p.world_size, self.peak.flops)
 
     # -- data --------------------------------------------------------------------------------------
     def _peek(self) -> Any:
@@ -239,6 +268,12 @@ class Trainer:
                     "forward_s": info.forward_s, "backward_s": info.backward_s,
                     "comm_exposed_s": info.comm_exposed_s, "optimizer_s": info.optimizer_s,
                     "comm_bytes": info.comm_bytes, "comm_wait_s": info.comm_wait_s})
+        util = self.mfu(tokens / step_s, samples / step_s)
+        if util is not None:
+            rec["mfu"] = util
+        if info.moe is not None:
+            rec["moe"] = info.moe
+            self.last_moe = info.moe
         return rec
 
     # -- evaluation --------------------------------------------------------------------------------
@@ -332,6 +367,11 @@ class Trainer:
             "skipped_steps": s.skipped_steps, "num_params": self.num_params, "precision": self.cfg.train.precision,
             "zero": self.cfg.parallel.zero, "loss": self.loss.name, **report, **self.recovery.summary(),
         }
+        if self.flops is not None and self.peak is not None:
+            summary.update(mfu=self.mfu(summary["tokens_per_s"], summary["samples_per_s"]),
+                           model_flops_per_item=self.flops.per_item, flops_item=self.flops.item,
+                           flops_source=self.flops.source, peak_flops_per_device=self.peak.flops,
+                           peak_source=self.peak.source)
         if self.rank0:
             from plait.fault import goodput
 
@@ -339,6 +379,8 @@ class Trainer:
             summary["goodput"] = goodput.goodput(self.run_dir)
         if not math.isnan(s.val_accuracy):
             summary["final_val_accuracy"] = s.val_accuracy
+        if getattr(self, "last_moe", None) is not None:
+            summary["moe"] = self.last_moe  # the last step's per-layer figures
         if self.rank0:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         p.barrier()

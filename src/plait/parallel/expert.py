@@ -1,0 +1,362 @@
+"""Expert parallelism: MoE experts sharded over the ``ep`` mesh axis, folded into data parallelism.
+
+Layout. The data-parallel world of ``dp`` ranks (expert-parallel ranks included; ``plait.topology``) is
+split as ``dp_replicate = dp / ep`` groups of ``ep`` ranks. Every rank processes its own micro-batches.
+Dense parameters are replicated on all ``dp`` ranks; each MoE layer's ``E`` experts are sharded over the
+``ep`` ranks of a group (rank ``i`` holds the global experts ``[i E/ep, (i+1) E/ep)``) and replicated over
+the ``dp / ep`` ranks holding the same slice (the expert-data-parallel group).
+
+Dispatch (``AllToAllDispatcher``): the routed assignments are sorted by the rank holding their expert;
+one all-to-all exchanges the per-rank counts, then the tokens and their local expert ids go out with
+those variable splits, the local experts run, and a second all-to-all brings the results back (autograd
+runs the two reversed in backward). ``AllGatherDispatcher`` is the reference path: every rank gathers
+all ranks' assignments, computes those for its own experts, and one all-reduce sums the results.
+
+Gradient reduction (``ExpertParallelLayout.finish``), so that every gradient equals one process training
+on the whole global batch (the mean over the ``dp`` ranks' losses):
+
+* dense parameters: averaged over the whole data-parallel world including ``ep`` (the layout's reducer,
+  DDP, unchanged), i.e. summed over ``dp`` ranks and divided by ``dp``;
+* expert parameters: their local gradient already sums the contributions of the tokens every rank of the
+  ``ep`` group sent; it is summed over the expert-data-parallel group (``dp / ep`` ranks) and divided by
+  ``dp``, not by ``dp / ep`` (dividing by the group size is the classic error by a factor of ``ep``).
+
+Every local expert runs on however many rows reached it, zero included, so its gradient is zeros rather
+than None, and every rank issues the same collectives whatever its routing: no hang when an expert or a
+whole rank gets no tokens.
+
+Checkpoints: expert weights and their optimizer states are saved as ``DTensor`` shards of the global
+``(E, ...)`` tensors on the ``ep`` mesh, keyed by the single-process names, so DCP reshards them to any
+other ``ep`` (1 included) on load. The balancing bias is a buffer, the same on every rank.
+
+Compositions: plait's data-parallel reducer, PyTorch DDP and one-rank data parallelism. ZeRO, tensor and
+pipeline parallelism together with ``ep > 1`` are refused with a message naming the alternative.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dfn
+from torch import nn
+
+from plait.config import Config, ConfigError
+from plait.nn.moe import GroupedExperts, MoE, Routing, moe_layers
+
+EXPERT_ATTR = "_plait_expert"
+# torch 2.13 marks the autograd-aware collectives deprecated in favour of the functional ones; they remain
+# the documented differentiable c10d calls that run on gloo.
+warnings.filterwarnings("ignore", message=r".*torch\.distributed\.nn\.functional\..* is deprecated",
+                        category=FutureWarning)
+
+
+class ExpertParallelError(ConfigError):
+    """A model or layout expert parallelism cannot take; the message says what to do."""
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    """Whether ``p`` is an expert-parallel (sharded over ``ep``) parameter."""
+    return bool(getattr(p, EXPERT_ATTR, False))
+
+
+def check_expert_layout(cfg: Config) -> None:
+    """Config-only checks of ``[moe]`` against ``parallel.ep`` and the other degrees."""
+    m, p = cfg.moe, cfg.parallel
+    if m.num_experts < 0 or m.top_k < 1 or m.every < 1 or m.d_hidden < 0 or m.shared_experts < 0:
+        raise ConfigError("moe.num_experts >= 0, moe.top_k >= 1, moe.every >= 1, moe.d_hidden >= 0 and "
+                          "moe.shared_experts >= 0 are required")
+    if m.capacity_factor < 0:
+        raise ConfigError(f"moe.capacity_factor={m.capacity_factor} must be 0 (dropless) or positive")
+    if m.num_experts and m.top_k > m.num_experts:
+        raise ConfigError(f"moe.top_k={m.top_k} exceeds moe.num_experts={m.num_experts}: a token cannot choose "
+                          f"more experts than exist; set moe.top_k <= {m.num_experts}")
+    if m.num_experts and m.num_experts % p.ep:
+        fits = [e for e in range(1, m.num_experts + 1) if m.num_experts % e == 0]
+        raise ConfigError(f"moe.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep}: every "
+                          f"expert-parallel rank holds the same number of experts; use ep in {fits}")
+    if p.ep > 1:
+        if p.zero:
+            raise ConfigError(f"parallel.ep={p.ep} with parallel.zero={p.zero} is not available in this build: "
+                              "use parallel.zero=0 with expert parallelism (experts are already sharded over ep), "
+                              "or parallel.ep=1 with ZeRO")
+        if p.tp > 1 or p.pp > 1:
+            raise ConfigError(f"parallel.ep={p.ep} with tp={p.tp}/pp={p.pp} is not available in this build: use "
+                              "expert parallelism with data parallelism (tp=1, pp=1), or ep=1 with tp/pp")
+    if m.num_experts and (p.tp > 1 or p.pp > 1):
+        raise ConfigError(f"MoE layers (moe.num_experts={m.num_experts}) with tp={p.tp}/pp={p.pp} are not available "
+                          "in this build: use data and expert parallelism (parallel.ep) for MoE models")
+
+
+# -- dispatchers ----------------------------------------------------------------------------------
+class _Dispatcher:
+    def __init__(self, group: dist.ProcessGroup | None, offset: int, local: int, ep: int, ep_rank: int) -> None:
+        self.group, self.expert_offset, self.local, self.ep, self.ep_rank = group, offset, local, ep, ep_rank
+        self.bytes_sent = 0  # forward dispatch + combine bytes to other ranks since the last reset
+
+
+class AllToAllDispatcher(_Dispatcher):
+    """Tokens to the ranks holding their experts and back: two all-to-alls with variable splits (after one
+    all-to-all of the per-rank counts)."""
+
+    def __call__(self, x: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor:
+        dest = torch.div(routing.experts, self.local, rounding_mode="floor")  # (A,) owning ep rank
+        order = torch.argsort(dest, stable=True)
+        send = torch.bincount(dest, minlength=self.ep)  # (ep,)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)  # the count exchange first
+        send_splits, recv_splits = send.tolist(), recv.tolist()
+        ids = routing.experts[order] - dest[order] * self.local  # local expert id on the owning rank
+        ids_recv = ids.new_empty(sum(recv_splits))
+        dist.all_to_all_single(ids_recv, ids, recv_splits, send_splits, group=self.group)
+        x_send = x[routing.tokens[order]]  # (A, C)
+        x_recv = dfn.all_to_all_single(x.new_empty(sum(recv_splits), x.size(-1)), x_send, recv_splits,
+                                       send_splits, group=self.group)
+        y = experts.run(x_recv, torch.arange(len(ids_recv), device=x.device), ids_recv)  # (R, C)
+        y_back = dfn.all_to_all_single(y.new_empty(len(order), y.size(-1)), y, send_splits, recv_splits,
+                                       group=self.group)
+        remote = sum(send_splits) - send_splits[self.ep_rank] + sum(recv_splits) - recv_splits[self.ep_rank]
+        if torch.is_grad_enabled():  # training forwards; backward moves the same bytes again
+            self.bytes_sent += remote * x.size(-1) * x.element_size()
+        return y_back.new_zeros(y_back.shape).index_copy(0, order, y_back)  # back to assignment order
+
+
+class AllGatherDispatcher(_Dispatcher):
+    """Reference path: gather every rank's assignments, run this rank's experts on those routed to them,
+    and sum the results over the ``ep`` group (an all-reduce); each rank keeps its own rows. Simple and
+    obviously right, at ``ep`` times the all-to-all's traffic."""
+
+    def __call__(self, x: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor:
+        a = len(routing.tokens)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.ep)]
+        dist.all_gather(sizes, torch.tensor([a]), group=self.group)
+        a_max = max(int(s) for s in sizes)
+        x_pad = x.new_zeros(a_max, x.size(-1))
+        x_pad = x_pad.index_copy(0, torch.arange(a, device=x.device), x[routing.tokens])
+        ids = torch.full((a_max,), -1, dtype=torch.int64, device=x.device)
+        ids[:a] = routing.experts
+        # The gather as a sum of zero-padded slots: differentiable (backward: the same all-reduce of the
+        # gradient, each rank keeping its slot). torch's autograd all_gather mis-addresses a subgroup on gloo.
+        slots = [x_pad if r == self.ep_rank else torch.zeros_like(x_pad) for r in range(self.ep)]
+        xs = dfn.all_reduce(torch.stack(slots), group=self.group).unbind(0)
+        all_ids = [torch.empty_like(ids) for _ in range(self.ep)]
+        dist.all_gather(all_ids, ids, group=self.group)
+        lo, hi = self.expert_offset, self.expert_offset + self.local
+        outs = []
+        for xs_r, ids_r in zip(xs, all_ids, strict=True):
+            rows = ((ids_r >= lo) & (ids_r < hi)).nonzero().squeeze(1)
+            y = experts.run(xs_r, rows, ids_r[rows] - lo)
+            outs.append(y.new_zeros(a_max, y.size(-1)).index_copy(0, rows, y))
+        total = dfn.all_reduce(torch.stack(outs), group=self.group)  # (ep, a_max, C)
+        if torch.is_grad_enabled():
+            self.bytes_sent += 4 * (self.ep - 1) * a_max * x.size(-1) * x.element_size()
+        return total[self.ep_rank, :a]
+
+
+def shard_experts(model: nn.Module, topo: Any, dispatcher: str = "alltoall") -> list[nn.Parameter]:
+    """Keep this rank's slice of every MoE layer's experts (the weights are already equal on every rank)
+    and install the cross-rank dispatcher; returns the expert parameters."""
+    layers = moe_layers(model)
+    ep = topo.ep
+    if not layers:
+        raise ExpertParallelError(f"parallel.ep={ep} but the model has no plait.nn.MoE layer to shard: set "
+                                  "moe.num_experts for plait's GPT, use plait.nn.MoE in your model, or set "
+                                  "parallel.ep=1")
+    ep_rank = topo.coord("ep")
+    cls = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}[dispatcher]
+    params: list[nn.Parameter] = []
+    for layer in layers:
+        e = layer.num_experts
+        if e % ep:
+            raise ExpertParallelError(f"an MoE layer has {e} experts, not divisible by parallel.ep={ep}")
+        n = e // ep
+        off = ep_rank * n
+        ex = layer.experts
+        for name in ("w1", "w2"):
+            full = getattr(ex, name)
+            local = nn.Parameter(full.detach()[off:off + n].clone(), requires_grad=full.requires_grad)
+            setattr(local, EXPERT_ATTR, True)
+            local.global_shape = tuple(full.shape)  # type: ignore[attr-defined]
+            setattr(ex, name, local)
+            params.append(local)
+        layer.dispatcher = cls(topo.ep_group, off, n, ep, ep_rank)
+    return params
+
+
+# -- the layout -----------------------------------------------------------------------------------
+class ExpertParallelLayout:
+    """A data-parallel ``Layout`` (dense parameters) plus the expert parameters it leaves out: their
+    reduction, clipping, zeroing and checkpoint form. Everything else is the inner layout's."""
+
+    def __init__(self, inner: Any, topo: Any, comm: Any, experts: list[nn.Parameter]) -> None:
+        self.__dict__.update(inner=inner, topo=topo, comm=comm, experts=experts)
+        self._ids = {id(p) for p in experts}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["inner"], name)
+
+    def _expert_grads(self) -> list[torch.Tensor]:
+        for p in self.experts:  # an expert no token reached still has a zero gradient
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.experts]
+
+    def finish(self) -> None:
+        """Dense gradients by the inner layout; expert gradients summed over the expert-data-parallel group
+        and divided by the whole data-parallel degree (see the module docstring)."""
+        self.inner.finish()
+        grads = self._expert_grads()
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.topo.dp > self.topo.ep:
+            self.comm.all_reduce_sum(flat, self.topo.expert_dp_group, name="expert gradients")
+        flat /= self.topo.dp
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _dense_grads(self) -> list[torch.Tensor]:
+        grads = self.inner.grads()
+        return [g for g in grads if not any(g is p.grad for p in self.experts)]
+
+    def grads(self) -> list[torch.Tensor]:
+        return self._dense_grads() + self._expert_grads()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global norm: the dense gradients (equal on every rank) and the expert gradients summed over the
+        ``ep`` ranks (each holds different experts); torch's clipping coefficient on both."""
+        dense, expert = self._dense_grads(), self._expert_grads()
+        zero = torch.zeros((), dtype=torch.float64)
+        d2 = torch.nn.utils.get_total_norm(dense, foreach=False).double() ** 2 if dense else zero
+        e2 = sum((g.double().pow(2).sum() for g in expert), torch.zeros((), dtype=torch.float64)).reshape(1)
+        self.comm.all_reduce_sum(e2, self.topo.ep_group, name="expert gradient norm")
+        total = float((d2 + e2[0]).sqrt())
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for g in dense + expert:
+                g.mul_(coef)
+        return total
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+        for p in self.experts:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    # -- state --------------------------------------------------------------------------------------
+    def _param_names(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.inner.named_parameters() if id(p) in self._ids}
+
+    def _to_dtensor(self, t: torch.Tensor, p: nn.Parameter) -> Any:
+        from torch.distributed.tensor import DTensor, Shard
+
+        if t.shape != p.shape or self.topo.mesh is None:
+            return t
+        return DTensor.from_local(t, self.topo.mesh["ep"], [Shard(0)], run_check=False,
+                                  shape=torch.Size(p.global_shape), stride=_contiguous_stride(p.global_shape))
+
+    def state_dicts(self) -> tuple[dict, dict]:
+        """The inner layout's states with each expert weight and optimizer state as a ``Shard(0)`` DTensor of
+        the global ``(E, ...)`` tensor on the ``ep`` mesh (DCP then reshards it to any ``ep``)."""
+        model_sd, optim_sd = self.inner.state_dicts()
+        for name, p in self._param_names().items():
+            if name in model_sd:
+                model_sd[name] = self._to_dtensor(model_sd[name], p)
+            st = optim_sd["state"].get(name)
+            if st:  # a new dict: the inner one may be the optimizer's own state
+                optim_sd["state"][name] = {k: self._to_dtensor(v, p) if torch.is_tensor(v) else v
+                                           for k, v in st.items()}
+        return model_sd, optim_sd
+
+    def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
+        def local(v: Any) -> Any:
+            return v.to_local() if hasattr(v, "to_local") else v
+
+        model_sd = {k: local(v) for k, v in model_sd.items()}
+        state = {k: {kk: local(vv) for kk, vv in st.items()} for k, st in optim_sd["state"].items()}
+        self.inner.load_state_dicts(model_sd, {**optim_sd, "state": state})
+
+    def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """Single-process weights: each expert tensor gathered over the ``ep`` group (dim 0 = global index)."""
+        sd = dict(self.inner.full_model_state(rank0_only))
+        for name, p in self._param_names().items():
+            parts = [torch.empty_like(p.detach()) for _ in range(self.topo.ep)]
+            dist.all_gather(parts, p.detach().contiguous(), group=self.topo.ep_group)
+            sd[name] = torch.cat(parts)
+        return sd
+
+    def report(self, run_dir: Any) -> dict[str, Any]:
+        out = dict(self.inner.report(run_dir))
+        out["expert_parallel"] = {"ep": self.topo.ep, "expert_dp": self.topo.dp // self.topo.ep,
+                                  "expert_params_local": sum(p.numel() for p in self.experts)}
+        return out
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, out = 1, []
+    for s in reversed(shape):
+        out.append(stride)
+        stride *= s
+    return tuple(reversed(out))
+
+
+# -- the engine's per-step MoE work ---------------------------------------------------------------
+class MoeMonitor:
+    """What the engine does for MoE layers around each step: the auxiliary losses' gradient scale before a
+    backward, and after the optimizer step the assignment counts summed over the data-parallel world
+    (bias balancing and metrics: tokens per expert, MaxVio, dropped fraction, aux/z losses, all-to-all bytes).
+    """
+
+    def __init__(self, model: nn.Module, topo: Any, comm: Any) -> None:
+        self.layers: list[MoE] = moe_layers(model)
+        self.topo, self.comm = topo, comm
+        self._acc = [torch.zeros(5, dtype=torch.float64) for _ in self.layers]  # dropped, total, aux, z, forwards
+
+    def set_grad_scale(self, scale: float) -> None:
+        for layer in self.layers:
+            layer.grad_scale = scale
+
+    def observe_forward(self) -> None:
+        """Accumulate the last forward's per-layer figures (called after each training forward)."""
+        for layer, acc in zip(self.layers, self._acc, strict=True):
+            s = layer.last_stats
+            if s:
+                acc += torch.tensor([s["dropped"], s["assignments"], s["aux_loss"], s["z_loss"], 1.0],
+                                    dtype=torch.float64)
+                layer.last_stats = {}
+
+    def after_step(self) -> dict[str, Any]:
+        """Sum counts over the data-parallel ranks, move the balancing biases, return the step's metrics."""
+        if not self.layers:
+            return {}
+        self.observe_forward()
+        loads = [layer.load for layer in self.layers]
+        flat = torch.cat(loads + self._acc)
+        if self.topo.dp > 1:
+            self.comm.all_reduce_sum(flat, self.topo.dp_group, name="moe statistics")
+        from plait.nn.moe import max_violation
+
+        out: list[dict[str, Any]] = []
+        offset = 0
+        summed = []
+        for layer in self.layers:
+            e = layer.num_experts
+            summed.append(flat[offset:offset + e])
+            offset += e
+        for layer, load in zip(self.layers, summed, strict=True):
+            dropped, total, aux, z, forwards = flat[offset:offset + 5].tolist()
+            offset += 5
+            layer.update_bias(load.to(layer.expert_bias.device))
+            a2a = getattr(layer.dispatcher, "bytes_sent", 0)
+            out.append({"tokens_per_expert": [int(v) for v in load.tolist()], "max_violation": max_violation(load),
+                        "dropped_fraction": dropped / total if total else 0.0,
+                        "aux_loss": aux / forwards if forwards else 0.0, "z_loss": z / forwards if forwards else 0.0,
+                        "a2a_bytes": 2 * a2a})
+            layer.load.zero_()
+            if hasattr(layer.dispatcher, "bytes_sent"):
+                layer.dispatcher.bytes_sent = 0
+        for acc in self._acc:
+            acc.zero_()
+        return {"moe": out}
