@@ -60,7 +60,7 @@ def compare_run(sim: Any, run_dir: Path) -> dict[str, Any]:
         out["tokens_per_s"] = _error(sim.tokens_per_s, m["tokens_per_s"])
     states = m.get("model_state_bytes")
     if states:
-        per_pp = lay.dp * lay.tp * lay.ep
+        per_pp = lay.dp * lay.tp
         out["model_state_bytes"] = [_error(sim.memory[r // per_pp].model_states, v) for r, v in enumerate(states)]
     if m.get("bubble"):
         predicted = sim.bubble()["per_rank"]

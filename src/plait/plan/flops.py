@@ -3,7 +3,8 @@
 Conventions (a multiply-add is 2 FLOPs; norms, activations, softmax and embedding lookups count 0):
 
 * forward FLOPs per token of one block: ``2 W + 4 T d`` where ``W`` is the block's matmul weights
-  (``ModelShape.block_matmul_params``), ``T`` the sequence length and ``d`` the model width: the
+  (``ModelShape.block_matmul_params``; for a mixture of experts the weights a token runs through, averaged
+  over the blocks), ``T`` the sequence length and ``d`` the model width: the
   ``Q K^T`` and ``A V`` products over the whole ``T x T`` square (the Megatron and PaLM convention;
   causal kernels that skip the masked half still count it);
 * the output head: ``2 V d`` per token;
@@ -27,7 +28,7 @@ from plait.plan.shapes import ModelShape
 
 def block_forward_flops_per_token(shape: ModelShape) -> float:
     """``2 W + 4 T d``: one block's matmuls and attention core, forward, per token."""
-    return 2.0 * shape.block_matmul_params() + attention_core_flops_per_token(shape)
+    return 2.0 * shape.mean_active_block_matmul_params() + attention_core_flops_per_token(shape)
 
 
 def attention_core_flops_per_token(shape: ModelShape) -> float:

@@ -2,8 +2,9 @@
 
 Placement follows ``plait.topology``: mesh axes ``pp, dp, ep, tp`` with tp innermost, so global rank
 ``r = ((pp_i * dp + dp_i) * ep + ep_i) * tp + tp_i``, and ranks fill nodes in order
-(``node = r // devices_per_node``). A group is described by its size, the nodes it spans and its ranks
-per node.
+(``node = r // devices_per_node``). ``Placement.dp`` is the mesh's ``dp_replicate``: with expert
+parallelism the data-parallel degree is ``dp x ep`` (``plait.topology``). A group is described by its
+size, the nodes it spans and its ranks per node.
 
 Cost of a collective over a group of ``n`` ranks on a buffer of ``S`` bytes (``S`` is the reduced
 buffer for all-reduce, the gathered output for all-gather, the input for reduce-scatter and
@@ -76,7 +77,16 @@ class Placement:
         return [self.rank(pp_i, dp_i, t) for t in range(self.tp)]
 
     def dp_group(self, pp_i: int = 0, tp_i: int = 0) -> list[int]:
-        return [self.rank(pp_i, d, tp_i) for d in range(self.dp)]
+        """Every data-parallel rank (expert-parallel ones included: they process their own batches)."""
+        return [self.rank(pp_i, d, tp_i, e) for d in range(self.dp) for e in range(self.ep)]
+
+    def ep_group(self, pp_i: int = 0, dp_i: int = 0, tp_i: int = 0) -> list[int]:
+        """The ranks that share out one MoE layer's experts."""
+        return [self.rank(pp_i, dp_i, tp_i, e) for e in range(self.ep)]
+
+    def expert_dp_group(self, pp_i: int = 0, tp_i: int = 0, ep_i: int = 0) -> list[int]:
+        """The ranks holding the same experts (their gradients are summed over it)."""
+        return [self.rank(pp_i, d, tp_i, ep_i) for d in range(self.dp)]
 
     def pp_group(self, dp_i: int = 0, tp_i: int = 0) -> list[int]:
         return [self.rank(p, dp_i, tp_i) for p in range(self.pp)]

@@ -14,6 +14,13 @@ all-gathered input of each column-parallel layer for backward; ``stack="megatron
 which keeps the shard and gathers again in backward (overlapped, Korthikanti et al. 2022, section 4.2.2),
 and also its fused kernels: one QKV projection, bias-dropout-add in one pass.
 
+Mixture of experts (``BlockOps(..., moe=True)``, plait's ``plait.nn.MoE`` under
+``plait.parallel.expert``): an fp32 router and its softmax and top-k, the ``A = k M`` assignments
+gathered, each rank's ``E / ep`` experts run as one matmul pair per expert on ``A / E`` rows each (a
+balanced router), the outputs weighted and summed back; with ``ep > 1`` the dispatcher's all-to-alls in
+the compute stream: forward the counts (``ep`` int64), the expert ids (``A`` int64), the tokens
+(``A C`` activations) and the results (``A C``); backward the two token-sized ones again.
+
 Attention: ``flash`` is scaled_dot_product_attention's fused kernel (saves q, k, v, the output and the
 row log-sum-exp; executes half the ``T x T`` square when causal; backward re-forms the probabilities:
 2.5x the forward's work); ``unfused`` materialises the ``T x T`` scores, softmax and dropout
@@ -63,6 +70,7 @@ class Setup:
     attention: str = "flash"
     stack: str = "plait"
     causal: bool = True
+    ep: int = 1
 
 
 @dataclass
@@ -113,8 +121,8 @@ def comm(name: str, collective: str, nbytes: float, backward: bool = False) -> O
 class BlockOps:
     """Operators of one transformer block on one rank (see the module docstring)."""
 
-    def __init__(self, shape: ModelShape, setup: Setup) -> None:
-        self.s, self.u = shape, setup
+    def __init__(self, shape: ModelShape, setup: Setup, moe: bool = False) -> None:
+        self.s, self.u, self.moe = shape, setup, moe
         t = setup.tp
         self.M = setup.micro_batch * shape.seq_len  # tokens through the matmuls
         self.Mn = self.M // t if setup.sp else self.M  # tokens through norms and the residual stream
@@ -205,6 +213,8 @@ class BlockOps:
         if self.u.tp > 1:
             ops.append(self._row_output("attn"))
         ops += self._residual("res1") + self._norm("ln2")
+        if self.moe:
+            return Pass(ops + self.moe_forward() + self._residual("res2"))
         hidden = ("mlp.hidden", M * F * a)
         if s.gated_mlp:
             ops += [matmul("mlp.gate", M, F, C, a, saves=(("mlp.gate", M * F * a),)),
@@ -229,14 +239,28 @@ class BlockOps:
         return ops
 
     def backward(self) -> Pass:
-        s, a, M, C, F, b = self.s, self.a, self.M, self.C, self.F, self.s.bias
+        s, a, M, C = self.s, self.a, self.M, self.C
         t = self.u.tp
         ops: list[Op] = []
         if s.dropout > 0:
             ops.append(mem("res2.dropout.bwd", "copy", 2 * self.Mn * C * a + self.Mn * C, backward=True))
         if t > 1 and self.u.sp:
             ops.append(comm("mlp.allgather.bwd", "all_gather", M * C * a, backward=True))
-        ops += matmul_backward("mlp.proj", M, C, F, a, b)
+        if self.moe:
+            ops += self.moe_backward()
+        else:
+            ops += self._mlp_backward()
+        if t > 1 and not self.u.sp:
+            ops.append(comm("mlp.input_grad.allreduce", "all_reduce", M * C * a, backward=True))
+        ops += self._norm_backward("ln2")
+        if s.dropout > 0:
+            ops.append(mem("res1.dropout.bwd", "copy", 2 * self.Mn * C * a + self.Mn * C, backward=True))
+        ops += self._attention_backward()
+        return Pass(ops)
+
+    def _mlp_backward(self) -> list[Op]:
+        s, a, M, C, F, b = self.s, self.a, self.M, self.C, self.F, self.s.bias
+        ops = matmul_backward("mlp.proj", M, C, F, a, b)
         if s.gated_mlp:
             ops.append(mem("mlp.silu_mul.bwd", "act_bwd", 5 * M * F * a, backward=True))
             ops += matmul_backward("mlp.gate", M, F, C, a, b) + matmul_backward("mlp.up", M, F, C, a, b)
@@ -244,11 +268,70 @@ class BlockOps:
         else:
             ops.append(mem("mlp.gelu.bwd", "act_bwd", 3 * M * F * a, backward=True))
             ops += matmul_backward("mlp.fc", M, F, C, a, b)
-        if t > 1 and not self.u.sp:
-            ops.append(comm("mlp.input_grad.allreduce", "all_reduce", M * C * a, backward=True))
-        ops += self._norm_backward("ln2")
-        if s.dropout > 0:
-            ops.append(mem("res1.dropout.bwd", "copy", 2 * self.Mn * C * a + self.Mn * C, backward=True))
+        return ops
+
+    def _moe_shape(self) -> tuple[int, int, int, int, int]:
+        """(assignments A, local experts, rows per expert, experts' hidden H, ep)."""
+        s, ep = self.s, self.u.ep
+        A = self.M * s.top_k
+        local = s.num_experts // ep
+        return A, local, -(-A // s.num_experts), s.expert_hidden, ep
+
+    def moe_forward(self) -> list[Op]:
+        """The MoE feed-forward (see the module docstring)."""
+        s, a, M, C = self.s, self.a, self.M, self.C
+        A, local, rows, H, ep = self._moe_shape()
+        E = s.num_experts
+        ops = [mem("moe.router_in_float", "copy", M * C * (a + 4), saves=(("moe.router_in", M * C * 4),)),
+               matmul("moe.router", M, E, C, 4),
+               mem("moe.softmax", "softmax", 2 * M * E * 4, saves=(("moe.probs", M * E * 4),)),
+               mem("moe.topk", "reduce", M * E * 4 + A * 16, saves=(("moe.routing", A * 16),)),
+               mem("moe.gather", "copy", 2 * A * C * a)]
+        if ep > 1:
+            ops += [comm("moe.counts.alltoall", "all_to_all", ep * 8), comm("moe.ids.alltoall", "all_to_all", A * 8),
+                    comm("moe.dispatch.alltoall", "all_to_all", A * C * a)]
+        ops += [matmul("moe.experts.fc", rows, H, C, a, batch=local, saves=(("moe.x_recv", A * C * a),)),
+                mem("moe.experts.gelu", "act", 2 * A * H * a, saves=(("moe.fc", A * H * a), ("moe.hidden", A * H * a))),
+                matmul("moe.experts.proj", rows, C, H, a, batch=local),
+                mem("moe.experts.scatter", "copy", 3 * A * C * a)]
+        if ep > 1:
+            ops.append(comm("moe.combine.alltoall", "all_to_all", A * C * a))
+        ops.append(mem("moe.combine", "copy", 3 * A * C * a + M * C * a, saves=(("moe.y", A * C * a),)))
+        for j in range(s.shared_experts):
+            ops += [matmul(f"moe.shared.{j}.fc", M, H, C, a),
+                    mem(f"moe.shared.{j}.gelu", "act", 2 * M * H * a,
+                        saves=((f"moe.shared.{j}.fc", M * H * a), (f"moe.shared.{j}.hidden", M * H * a))),
+                    matmul(f"moe.shared.{j}.proj", M, C, H, a), mem(f"moe.shared.{j}.add", "copy", 3 * M * C * a)]
+        return ops
+
+    def moe_backward(self) -> list[Op]:
+        s, a, M, C = self.s, self.a, self.M, self.C
+        A, local, rows, H, ep = self._moe_shape()
+        E = s.num_experts
+        ops: list[Op] = []
+        for j in reversed(range(s.shared_experts)):
+            ops += matmul_backward(f"moe.shared.{j}.proj", M, C, H, a, True)
+            ops.append(mem(f"moe.shared.{j}.gelu.bwd", "act_bwd", 3 * M * H * a, backward=True))
+            ops += matmul_backward(f"moe.shared.{j}.fc", M, H, C, a, True)
+        ops.append(mem("moe.combine.bwd", "copy", 3 * A * C * a + A * 4, backward=True))
+        if ep > 1:
+            ops.append(comm("moe.combine.alltoall.bwd", "all_to_all", A * C * a, backward=True))
+        ops.append(mem("moe.experts.scatter.bwd", "copy", 2 * A * C * a, backward=True))
+        ops += matmul_backward("moe.experts.proj", rows, C, H, a, False, batch=local)
+        ops.append(mem("moe.experts.gelu.bwd", "act_bwd", 3 * A * H * a, backward=True))
+        ops += matmul_backward("moe.experts.fc", rows, H, C, a, False, batch=local)
+        if ep > 1:
+            ops.append(comm("moe.dispatch.alltoall.bwd", "all_to_all", A * C * a, backward=True))
+        ops += [mem("moe.gather.bwd", "copy", 3 * A * C * a, backward=True),
+                mem("moe.softmax.bwd", "softmax_bwd", 3 * M * E * 4, backward=True)]
+        ops += matmul_backward("moe.router", M, E, C, 4, False)
+        ops.append(mem("moe.router_in_float.bwd", "copy", M * C * (a + 4), backward=True))
+        return ops
+
+    def _attention_backward(self) -> list[Op]:
+        s, a, M, C, b = self.s, self.a, self.M, self.C, self.s.bias
+        t = self.u.tp
+        ops: list[Op] = []
         if t > 1 and self.u.sp:
             ops.append(comm("attn.allgather.bwd", "all_gather", M * C * a, backward=True))
         ops += matmul_backward("attn.proj", M, C, self.Cq, a, b)
@@ -263,8 +346,7 @@ class BlockOps:
             ops.append(mem("attn.input_grad_sum", "copy", 6 * M * C * a, backward=True))
         if t > 1 and not self.u.sp:
             ops.append(comm("attn.input_grad.allreduce", "all_reduce", M * C * a, backward=True))
-        ops += self._norm_backward("ln1")
-        return Pass(ops)
+        return ops + self._norm_backward("ln1")
 
 
 def embedding_ops(shape: ModelShape, setup: Setup) -> tuple[Pass, Pass]:

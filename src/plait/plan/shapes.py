@@ -15,6 +15,10 @@ Three ways in, one ``ModelShape`` out:
 Parameter count (``ModelShape.param_count``), per block: attention ``C (C + 2 C_kv) + C^2`` weights
 (``C_kv = n_kv_head * C / n_head``), MLP ``2 C F`` (gated: ``3 C F``), biases where the model has them,
 two norms; plus the token table ``V C``, learned positions ``P C``, the final norm and an untied head ``V C``.
+A mixture-of-experts block (plait's GPT with ``[moe]``: ``plait.nn.MoE`` in every ``moe.every``-th block)
+has instead of the MLP a router ``C E``, ``E`` experts of ``2 C H`` weights (no biases) and ``S`` shared
+experts of ``2 C H + H + C``; a token runs ``top_k`` experts, so its active MLP weights are
+``C E + (k + S) 2 C H``.
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ class ModelShape:
     name: str = "gpt"
     positions: int = 0  # rows of the learned position table (0: seq_len)
     exact_params: int = 0  # the model's own count when it was built (0: the formula's)
+    num_experts: int = 0  # MoE blocks' experts (0: a dense model); see the module docstring
+    top_k: int = 1
+    moe_every: int = 1  # blocks every-1, 2 every-1, ... are MoE
+    expert_hidden: int = 0
+    shared_experts: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -67,8 +76,41 @@ class ModelShape:
         c, f = self.d_model, self.d_ff
         return c * (c + 2 * self.kv_dim) + c * c + (3 if self.gated_mlp else 2) * c * f
 
+    def is_moe(self, index: int) -> bool:
+        """Whether block ``index`` has a mixture-of-experts feed-forward."""
+        return self.num_experts > 0 and (index + 1) % self.moe_every == 0
+
+    @property
+    def moe_blocks(self) -> int:
+        return sum(self.is_moe(i) for i in range(self.n_layer))
+
+    def dense_mlp_params(self) -> int:
+        """The dense MLP's weights and biases (what a MoE block replaces)."""
+        c, f = self.d_model, self.d_ff
+        biases = ((2 * f if self.gated_mlp else f) + c) if self.bias else 0
+        return (3 if self.gated_mlp else 2) * c * f + biases
+
+    def expert_params(self) -> int:
+        """The routed experts' weights of one MoE block (what expert parallelism shards)."""
+        return self.num_experts * 2 * self.d_model * self.expert_hidden
+
+    def moe_mlp_params(self) -> int:
+        """Router, routed experts and shared experts of one MoE block."""
+        c, h = self.d_model, self.expert_hidden
+        return c * self.num_experts + self.expert_params() + self.shared_experts * (2 * c * h + h + c)
+
+    def mean_active_block_matmul_params(self) -> float:
+        """Matmul weights a token runs through per block, averaged over the blocks (dense: all of them)."""
+        dense = self.block_matmul_params()
+        if not self.num_experts:
+            return float(dense)
+        c, h = self.d_model, self.expert_hidden
+        moe = dense - (3 if self.gated_mlp else 2) * c * self.d_ff + c * self.num_experts \
+            + (self.top_k + self.shared_experts) * 2 * c * h
+        return (dense * (self.n_layer - self.moe_blocks) + moe * self.moe_blocks) / self.n_layer
+
     def block_params(self) -> int:
-        """All parameters of one block: weights, biases and both norms."""
+        """All parameters of one (dense) block: weights, biases and both norms."""
         c, f = self.d_model, self.d_ff
         biases = (c + 2 * self.kv_dim + c + ((2 * f if self.gated_mlp else f) + c)) if self.bias else 0
         return self.block_matmul_params() + biases + 2 * self.norm_params
@@ -86,7 +128,8 @@ class ModelShape:
         """Parameters counted once (a tied head shares the token table); the model's own count if known."""
         if self.exact_params:
             return self.exact_params
-        return self.embedding_params() + self.n_layer * self.block_params() + self.head_params()
+        moe = self.moe_blocks * (self.moe_mlp_params() - self.dense_mlp_params())
+        return self.embedding_params() + self.n_layer * self.block_params() + moe + self.head_params()
 
     def formula_params(self) -> int:
         """The formula's count, even when the model's own count is known (for checking one against the other)."""
@@ -177,5 +220,15 @@ def shape_from_config(cfg: Config) -> ModelShape:
     device by ``model.factory`` / ``model.name`` (its config and exact parameter count)."""
     m = cfg.model
     if not m.factory and m.name == "gpt":
-        return gpt_shape(m.n_layer, m.d_model, m.n_head, m.seq_len, m.vocab_size, m.dropout)
+        return with_moe(gpt_shape(m.n_layer, m.d_model, m.n_head, m.seq_len, m.vocab_size, m.dropout), cfg)
     return shape_from_model(meta_model(cfg), m.seq_len)
+
+
+def with_moe(shape: ModelShape, cfg: Config) -> ModelShape:
+    """``shape`` with the ``[moe]`` section's experts (plait's GPT: ``plait.models.gpt._moe_layer``)."""
+    moe = getattr(cfg, "moe", None)
+    if moe is None or moe.num_experts <= 0:
+        return shape
+    hidden = moe.d_hidden or max(1, 4 * shape.d_model // moe.top_k)
+    return replace(shape, num_experts=moe.num_experts, top_k=moe.top_k, moe_every=moe.every, expert_hidden=hidden,
+                   shared_experts=moe.shared_experts)

@@ -120,7 +120,7 @@ def _rank_params(work: Workload, stages: list[range], owner: list[int], rank: in
     out: list[Param] = []
     for s in range(n):
         if owner[s] == rank:
-            out += param_list(work.shape, stages[s], first=s == 0, last=s == n - 1)
+            out += param_list(work.shape, stages[s], first=s == 0, last=s == n - 1, ep=work.layout.ep)
     return out
 
 
@@ -131,7 +131,12 @@ def _comm_plan(model: StageModel, params: list[Param], dp_group: Any) -> dict:
         * model.cluster.threads >= 1
     plan: dict[str, Any] = {"overlap": cores_free, "prefetch": profile.kind != "cpu", "buckets": []}
     grad = model.gradient_bytes
-    if lay.dp == 1:
+    experts = sum(p.local_numel(lay.tp) for p in params if p.expert)
+    if experts and lay.dp > lay.ep:  # plait.parallel.expert: one all-reduce of the expert gradients after backward
+        group = group_span(model.placement.expert_dp_group(), model.cluster.devices_per_node)
+        plan["expert"] = collective_time(profile, "all_reduce", 4 * experts, group)
+    params = [p for p in params if not p.expert]  # the dense layout reduces the rest
+    if lay.dp == 1 or not params:
         return plan
     if lay.zero == 3:
         param_bytes = 2 if work.precision == "bf16" else 4  # FSDP2 gathers in its param_dtype
@@ -209,6 +214,11 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
         plans[r] = _comm_plan(model, params_of[r], group_span(place.dp_group(r), dpn))
     if lay.pp == 1:
         ends = {0: flat_step(model, timelines[0], plans[0])}
+        if plans[0].get("expert"):
+            t, s = ends[0], plans[0]["expert"]
+            timelines[0].spans.append(Span("all-reduce expert gradients", "dp", t, t + s))
+            timelines[0].expose("dp", s)
+            ends[0] = t + s
         act = sum(c.saved for _, c in _all_layers(model))
         timelines[0].activation_peak = act
     else:
@@ -235,6 +245,8 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
     step = max(ends.values())
     for tl in timelines.values():
         tl.expose("tp", sum(float(s.args.get("tp_comm_s", 0.0)) for s in tl.spans if s.lane == "compute"))
+        if lay.ep > 1:
+            tl.expose("ep", sum(float(s.args.get("ep_comm_s", 0.0)) for s in tl.spans if s.lane == "compute"))
         tl.end = step
     single = _single_device_time(work, cluster, op_counts)
     return Simulation(work, cluster, step, memory, timelines, stages, model.compute.peak_flops,

@@ -10,7 +10,8 @@ by ``plait.plan.derive.operator_counts``) costs the measured per-operator overhe
 operator what DTensor adds. Activation checkpointing keeps only a
 checkpointed block's input and adds one block's activations while it is recomputed; ``selective``
 recomputation (Korthikanti et al. 2022; a what-if, plait does not run it) drops the attention core's
-``T x T`` tensors and recomputes the core.
+``T x T`` tensors and recomputes the core. A mixture-of-experts block's all-to-alls run over the
+expert-parallel group (``ep_fwd``/``ep_bwd``: in the compute stream, like the tensor-parallel ones).
 
 Stages are split by ``plait.parallel.pipeline.partition_layers`` (the trainer's own split) on these
 predicted costs, as the trainer splits on measured ones (``pp_balance="cost"``), or by layer count.
@@ -77,6 +78,8 @@ class LayerCost:
     flops: float = 0.0
     recomputed: bool = False
     detail: dict = field(default_factory=dict)
+    ep_fwd: float = 0.0  # expert all-to-alls in the compute stream (in fwd / bwd_in too)
+    ep_bwd: float = 0.0
 
     @property
     def bwd(self) -> float:
@@ -93,7 +96,8 @@ class LayerCost:
     def __add__(self, other: LayerCost) -> LayerCost:
         return LayerCost(self.fwd + other.fwd, self.bwd_in + other.bwd_in, self.bwd_w + other.bwd_w,
                          self.tp_fwd + other.tp_fwd, self.tp_bwd + other.tp_bwd, self.saved + other.saved,
-                         max(self.transient, other.transient), self.flops + other.flops)
+                         max(self.transient, other.transient), self.flops + other.flops,
+                         ep_fwd=self.ep_fwd + other.ep_fwd, ep_bwd=self.ep_bwd + other.ep_bwd)
 
 
 def _is_weight_grad(op: Op) -> bool:
@@ -111,25 +115,33 @@ class StageModel:
         self.work, self.cluster, self.profile = work, cluster, cluster.profile
         dtype = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}[work.precision]
         self.compute = ComputeModel(cluster.profile, dtype, cluster.threads, cluster.oversubscription(lay.world))
-        self.placement = Placement(pp=lay.pp, dp=lay.dp, tp=lay.tp, ep=lay.ep)
+        self.placement = Placement(pp=lay.pp, dp=lay.dp // lay.ep, tp=lay.tp, ep=lay.ep)
         self.tp_group: Group = group_span(self.placement.tp_group(), cluster.devices_per_node)
+        self.ep_group: Group = group_span(self.placement.ep_group(), cluster.devices_per_node)
         self.setup = Setup(micro_batch=work.pipe_micro_batch, tp=lay.tp, sp=lay.sp, act_bytes=work.act_bytes,
-                           attention=work.attention, stack=work.stack)
+                           attention=work.attention, stack=work.stack, ep=lay.ep)
         self.derived_tp = derived_tp
         self.op_counts = op_counts
         self.blocks = BlockOps(work.shape, self.setup)
         self._fwd, self._bwd = self.blocks.forward(), self.blocks.backward()
+        if work.shape.num_experts:
+            moe = BlockOps(work.shape, self.setup, moe=True)
+            self._moe_fwd, self._moe_bwd = moe.forward(), moe.backward()
         self._cache: dict[tuple, LayerCost] = {}
 
     # -- pricing ------------------------------------------------------------------------------------
     def comm_time(self, op: str, nbytes: float) -> float:
         return collective_time(self.profile, op, nbytes, self.tp_group)
 
-    def _price(self, ops: list[Op], extra_comm: list[Collective] = ()) -> tuple[float, float, float]:
-        """(compute seconds, tp collective seconds, weight-gradient seconds) of ``ops`` in order."""
-        compute = weight = comm = 0.0
+    def _price(self, ops: list[Op], extra_comm: list[Collective] = ()) -> tuple[float, float, float, float]:
+        """(compute seconds, tp collective seconds, weight-gradient seconds, expert all-to-all seconds) of
+        ``ops`` in order. The all-to-alls run over the expert-parallel group, the rest over tp's."""
+        compute = weight = comm = ep_comm = 0.0
         scale = self.work.act_bytes / 4  # derived collectives were recorded on fp32 meta tensors
         for op in ops:
+            if op.kind == "comm" and op.comm == "all_to_all":
+                ep_comm += collective_time(self.profile, "all_to_all", op.bytes, self.ep_group)
+                continue
             if op.kind == "comm":
                 if self.derived_tp is None:
                     comm += self.comm_time(op.comm, op.bytes)
@@ -139,8 +151,9 @@ class StageModel:
             if _is_weight_grad(op):
                 weight += t
         for c in extra_comm:
-            comm += self.comm_time(c.op, c.nbytes * scale)
-        return compute, comm, weight
+            if c.op != "all_to_all":
+                comm += self.comm_time(c.op, c.nbytes * scale)
+        return compute, comm, weight, ep_comm
 
     def _derived(self, backward: bool, which: str | None) -> list[Collective]:
         """Recorded collectives of a block, or of the rest of the model (charged to the head), in one pass."""
@@ -163,8 +176,9 @@ class StageModel:
                also_priced: tuple[int, int] = (0, 0)) -> LayerCost:
         """Cost of one layer; ``dispatch`` names its operator count (block, rest, or None: counted elsewhere),
         ``also_priced`` the operators of other layers that count charges here and that are priced there."""
-        f_comp, f_comm, _ = self._price(fwd.ops, self._derived(False, dispatch))
-        b_comp, b_comm, b_w = self._price(bwd.ops, self._derived(True, dispatch))
+        f_comp, f_comm, _, f_ep = self._price(fwd.ops, self._derived(False, dispatch))
+        b_comp, b_comm, b_w, b_ep = self._price(bwd.ops, self._derived(True, dispatch))
+        f_comm, b_comm = f_comm + f_ep, b_comm + b_ep
         if dispatch is not None:
             n_f = sum(o.kind != "comm" for o in fwd.ops) + also_priced[0]
             n_b = sum(o.kind != "comm" for o in bwd.ops) + also_priced[1]
@@ -173,18 +187,20 @@ class StageModel:
             f_over, b_over = self._dispatch(dispatch, (n_f, n_b))
             f_comp, b_comp = f_comp + f_over, b_comp + b_over
         saved = fwd.saved()
-        cost = LayerCost(fwd=f_comp + f_comm, bwd_in=b_comp - b_w + b_comm, bwd_w=b_w, tp_fwd=f_comm, tp_bwd=b_comm,
-                         saved=sum(saved.values()), flops=sum(o.flops for o in fwd.ops + bwd.ops))
+        cost = LayerCost(fwd=f_comp + f_comm, bwd_in=b_comp - b_w + b_comm, bwd_w=b_w, tp_fwd=f_comm - f_ep,
+                         tp_bwd=b_comm - b_ep, saved=sum(saved.values()), flops=sum(o.flops for o in fwd.ops + bwd.ops),
+                         ep_fwd=f_ep, ep_bwd=b_ep)
         if recompute in ("full", "block"):
             cost.bwd_in += f_comp + f_comm
-            cost.tp_bwd += f_comm
+            cost.tp_bwd += f_comm - f_ep
+            cost.ep_bwd += f_ep
             cost.flops += sum(o.flops for o in fwd.ops)
             cost.transient = cost.saved
             cost.saved = self.blocks.Mn * self.blocks.C * self.work.act_bytes
             cost.recomputed = True
         elif recompute == "selective":
             core = self.blocks.attention_core()
-            c_comp, _, _ = self._price(core)
+            c_comp = self._price(core)[0]
             cost.bwd_in += c_comp
             cost.flops += sum(o.flops for o in core)
             dropped = sum(v for k, v in saved.items() if k in DROPPED_BY_SELECTIVE)
@@ -200,10 +216,11 @@ class StageModel:
 
     def block(self, index: int) -> LayerCost:
         """Cost of block ``index`` (checkpointed or not by the layout's recompute mode)."""
-        mode = self.block_recompute(index)
-        if ("block", mode) not in self._cache:
-            self._cache[("block", mode)] = self._layer(self._fwd, self._bwd, mode, "block")
-        return self._cache[("block", mode)]
+        mode, moe = self.block_recompute(index), self.work.shape.is_moe(index)
+        if ("block", mode, moe) not in self._cache:
+            fwd, bwd = (self._moe_fwd, self._moe_bwd) if moe else (self._fwd, self._bwd)
+            self._cache[("block", mode, moe)] = self._layer(fwd, bwd, mode, "block")
+        return self._cache[("block", mode, moe)]
 
     def embed(self) -> LayerCost:
         if ("embed",) not in self._cache:

@@ -114,13 +114,13 @@ def flat_step(model: StageModel, tl: RankTimeline, comm: dict, t0: float = 0.0) 
             if fsdp and 0 <= idx < n:
                 t = gather(f"all-gather block {idx}", idx, prev_start, t)
             tl.spans.append(Span(f"F {_name(idx, work)}", "compute", t, t + cost.fwd,
-                                 {"micro_step": micro, "tp_comm_s": cost.tp_fwd}))
+                                 {"micro_step": micro, "tp_comm_s": cost.tp_fwd, "ep_comm_s": cost.ep_fwd}))
             prev_start, t = t, t + cost.fwd
         for idx, cost in reversed(layers):
             if fsdp and lay.reshard_after_forward and 0 <= idx < n:
                 t = gather(f"all-gather block {idx} (backward)", idx, prev_start, t)
             tl.spans.append(Span(f"B {_name(idx, work)}", "compute", t, t + cost.bwd,
-                                 {"micro_step": micro, "tp_comm_s": cost.tp_bwd}))
+                                 {"micro_step": micro, "tp_comm_s": cost.tp_bwd, "ep_comm_s": cost.ep_bwd}))
             prev_start, t = t, t + cost.bwd
             bwd_end[idx] = t
             if fsdp and last and 0 <= idx < n:
@@ -202,8 +202,10 @@ def pipeline_step(model: StageModel, timelines: dict[int, RankTimeline], ranges:
             a = e.action
             c = costs[a.stage]
             tp = c.tp_fwd if a.kind == "F" else c.tp_bwd if a.kind in ("B", "I") else 0.0
+            ep = c.ep_fwd if a.kind == "F" else c.ep_bwd if a.kind in ("B", "I") else 0.0
             tl.spans.append(Span(f"{a.kind}{a.mb} stage {a.stage}", "compute", e.start, e.end,
-                                 {"micro_step": micro, "stage": a.stage, "microbatch": a.mb, "tp_comm_s": tp}))
+                                 {"micro_step": micro, "stage": a.stage, "microbatch": a.mb, "tp_comm_s": tp,
+                                  "ep_comm_s": ep}))
             tl.busy += e.end - e.start
         for r, peak in peaks.items():
             timelines[r].activation_peak = max(timelines[r].activation_peak, peak)

@@ -41,7 +41,8 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.ep
+        """``dp x tp x pp``: expert-parallel ranks are data-parallel ranks (``ep`` divides ``dp``)."""
+        return self.dp * self.tp * self.pp
 
     def describe(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}" + ("+sp" if self.sp else ""), f"pp={self.pp}"]
@@ -49,6 +50,8 @@ class Layout:
             parts.append(f"{self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else "")
                          + f" m={self.microbatches}")
         parts += [f"zero={self.zero}", f"mb={self.micro_batch_size}", f"recompute={self.recompute}"]
+        if self.ep > 1:
+            parts.insert(1, f"ep={self.ep}")
         return " ".join(parts)
 
 
@@ -88,9 +91,9 @@ class Workload:
     def check(self) -> None:
         """Raise ``ConfigError`` for what the simulator cannot price (it is not a plait layout)."""
         lay, s = self.layout, self.shape
-        if lay.ep > 1:
-            raise ConfigError("expert parallelism (parallel.ep > 1) does not exist in plait yet, and the simulator "
-                              "models dense transformers only; set parallel.ep=1")
+        if lay.ep > 1 and (lay.dp % lay.ep or not s.num_experts or s.num_experts % lay.ep):
+            raise ConfigError(f"parallel.ep={lay.ep} needs a mixture of experts whose {s.num_experts} experts and "
+                              f"data-parallel degree {lay.dp} it divides; set parallel.ep among their common divisors")
         if lay.recompute not in RECOMPUTE:
             raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}; got {lay.recompute!r}")
         if s.n_head % lay.tp or s.n_kv_head % lay.tp or s.d_ff % lay.tp:

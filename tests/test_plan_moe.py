@@ -1,0 +1,54 @@
+"""The simulator on plait's mixture-of-experts GPT (``[moe]``, ``parallel.ep``): parameters equal the real
+model's, each rank holds its ``E / ep`` experts, and every MoE layer prices the dispatcher's all-to-alls
+over the expert-parallel group: forward the counts, the expert ids and the two token-sized ones
+(``tokens x top_k x d_model x bytes`` each), backward the two token-sized ones again. Exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.config import load_config
+from plait.models.gpt import GPT
+from plait.plan.hardware import load_profile
+from plait.plan.network import collective_time, group_span
+from plait.plan.ops import BlockOps, Setup
+from plait.plan.params import param_list
+from plait.plan.shapes import count_params, shape_from_config
+from plait.plan.simulate import simulate_config
+
+pytestmark = pytest.mark.skipif(not hasattr(load_config(None, []), "moe"), reason="no [moe] section in this build")
+MOE = ["--moe.num_experts=4", "--parallel.nproc=4", "--parallel.ep=2", "--train.micro_batch_size=8"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--moe.shared_experts=1", "--moe.every=2", "--moe.top_k=1"]])
+def test_moe_parameters_equal_the_real_model_and_shard_over_ep(extra):
+    cfg = load_config(None, MOE + extra)
+    shape = shape_from_config(cfg)
+    with torch.device("meta"):
+        model = GPT(cfg.model, cfg.moe)
+    assert shape.param_count() == count_params(model) == sum(p.numel() for p in param_list(shape))
+    local = sum(p.numel() for p in param_list(shape, ep=2))
+    assert local == shape.param_count() - shape.moe_blocks * shape.expert_params() // 2
+
+
+def test_each_moe_layer_prices_two_all_to_alls_forward_and_two_backward():
+    cfg = load_config(None, MOE)
+    shape = shape_from_config(cfg)
+    setup = Setup(micro_batch=8, ep=2)
+    ops = BlockOps(shape, setup, moe=True)
+    tokens = 8 * shape.seq_len * shape.top_k * shape.d_model * 4
+    fwd = [(o.name, o.bytes) for o in ops.forward().ops if o.comm == "all_to_all"]
+    bwd = [(o.name, o.bytes) for o in ops.backward().ops if o.comm == "all_to_all"]
+    assert [b for _, b in fwd] == [2 * 8, 8 * shape.seq_len * shape.top_k * 8, tokens, tokens]
+    assert [b for _, b in bwd] == [tokens, tokens]
+    assert not [o for o in BlockOps(shape, Setup(micro_batch=8, ep=1), moe=True).forward().ops if o.kind == "comm"]
+
+    profile = load_profile("a100-80gb")
+    sim = simulate_config(cfg, profile)
+    group = group_span([0, 1], profile.devices_per_node)
+    per_layer = sum(collective_time(profile, "all_to_all", b, group) for _, b in fwd + bwd)
+    steps = sim.work.accumulation
+    assert sim.exposed()["ep"] == pytest.approx(shape.moe_blocks * per_layer * steps, abs=1e-6)  # rounded to 1 us
+    dense = simulate_config(load_config(None, MOE[1:2] + MOE[3:]), profile)
+    assert "ep" not in dense.exposed() and sim.step_s > dense.step_s
