@@ -52,3 +52,19 @@ def test_each_moe_layer_prices_two_all_to_alls_forward_and_two_backward():
     assert sim.exposed()["ep"] == pytest.approx(shape.moe_blocks * per_layer * steps, abs=1e-6)  # rounded to 1 us
     dense = simulate_config(load_config(None, MOE[1:2] + MOE[3:]), profile)
     assert "ep" not in dense.exposed() and sim.step_s > dense.step_s
+
+
+def test_plan_enumerates_expert_parallelism_and_writes_it(tmp_path, capsys):
+    import json
+
+    from plait.cli import main
+    from plait.validate import validate
+
+    out = tmp_path / "best.toml"
+    assert main(["plan", "--hardware", "a100-80gb", "--gpus", "8", "--moe.num_experts=8", "--model.n_layer=4",
+                 "--train.global_batch_size=64", "--top", "40", "--write", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert any("ep=" in r["layout"] for r in result["ranked"])
+    assert any("MoE" in reason for reason in result["pruned"].values())
+    cfg = load_config(out)
+    validate(cfg, cfg.parallel.nproc)

@@ -4,11 +4,13 @@ Enumerated: tensor parallelism ``tp`` (within a node: a divisor of the devices p
 parallelism with it, pipeline depth ``pp`` and schedule (gpipe, 1f1b, interleaved with 2 or 4 virtual
 stages per rank, zbv), ZeRO stage 0-3, the micro-batch (per forward without pipelining; per pipeline
 micro-batch with it, one schedule step per optimizer step), activation checkpointing (none, full);
-``dp`` is what remains. Expert parallelism is not enumerated: plait has no experts yet.
+``dp`` is what remains; for a mixture of experts the expert-parallel degree ``ep`` (a divisor of dp and
+of the experts).
 
 Pruned, each family with its reason: degrees that do not divide the devices, the heads, the MLP width,
 the vocabulary or the sequence; a global batch that does not split over dp; combinations plait refuses
-(``plait.validate``: ZeRO with pipelining, ZeRO-1/2 with tp); layouts whose predicted peak memory
+(``plait.validate``: ZeRO with pipelining, ZeRO-1/2 with tp; ``plait.parallel.expert``: MoE layers with tp
+or pp, ZeRO with ep); layouts whose predicted peak memory
 exceeds the device's usable memory (with the bytes).
 
 Ranked in two passes: a closed-form screen (``estimate``: the stages' summed costs, the pipeline bubble
@@ -91,6 +93,9 @@ def _layouts(shape: ModelShape, batch: int, gpus: int, per_node: int, pruned: di
             continue
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
+            if shape.num_experts and tp * pp > 1:
+                pruned[f"tp={tp} pp={pp}"] = "plait runs MoE layers with data and expert parallelism only (tp=pp=1)"
+                continue
             if pp > shape.n_layer:
                 pruned[f"pp={pp}"] = f"more pipeline stages than the {shape.n_layer} layers"
                 continue
@@ -115,13 +120,18 @@ def _variants(shape: ModelShape, batch: int, tp: int, pp: int, dp: int, pruned: 
     if tp > 1 and dp > 1:
         pruned["zero=1/2 with tp>1"] = "plait's flat-buffer ZeRO-1/2 does not take tensor-parallel parameters"
         zeros = [z for z in zeros if z in (0, 3)]
+    eps = [e for e in _divisors(dp) if shape.num_experts and shape.num_experts % e == 0] or [1]
+    if len(eps) > 1 and len(zeros) > 1:
+        pruned["ep>1 with zero=1-3"] = "plait's expert parallelism composes with zero=0 only (experts already sharded)"
     out = []
     for sp in sps:
         for zero in zeros:
             for recompute in space.recomputes:
                 if pp == 1:
-                    out += [Layout(dp=dp, tp=tp, pp=1, zero=zero, sp=sp, micro_batch_size=mb, recompute=recompute)
-                            for mb in space.micro_batches if per_replica % mb == 0]
+                    out += [Layout(dp=dp, tp=tp, pp=1, zero=zero, sp=sp, micro_batch_size=mb, recompute=recompute,
+                                   ep=ep)
+                            for mb in space.micro_batches if per_replica % mb == 0
+                            for ep in eps if ep == 1 or zero == 0]
                     continue
                 for pm in space.micro_batches[:3]:
                     if per_replica % pm:
@@ -143,7 +153,7 @@ def _model_state_floor(shape: ModelShape, lay: Layout, work: Workload) -> float:
     heaviest = 0.0
     for first, last in ((True, lay.pp == 1), (False, True)) if lay.pp > 1 else ((True, True),):
         layers = range(0, per) if first else range(shape.n_layer - per, shape.n_layer)
-        states, _ = model_states(param_list(shape, layers, first=first, last=last), work, shape.n_layer)
+        states, _ = model_states(param_list(shape, layers, first=first, last=last, ep=lay.ep), work, shape.n_layer)
         heaviest = max(heaviest, states.model_states)
     return heaviest
 
@@ -153,16 +163,17 @@ def estimate(work: Workload, cluster: Cluster, model: StageModel) -> float:
     lay, s = work.layout, work.shape
     n_stages = lay.pp * lay.virtual
     per = math.ceil(s.n_layer / n_stages)
-    block = model.block(0)
-    stage = per * block.total + max(model.embed().total, model.head().total)
+    blocks = sum(model.block(i).total for i in range(s.n_layer))
+    stage = per * blocks / s.n_layer + max(model.embed().total, model.head().total)
     if lay.pp == 1:
-        compute = work.accumulation * (s.n_layer * block.total + model.embed().total + model.head().total)
+        compute = work.accumulation * (blocks + model.embed().total + model.head().total)
     else:
         compute = work.accumulation * (lay.microbatches * lay.virtual + lay.pp - 1) * stage
     params = s.param_count() / (lay.tp * lay.pp)
     dp_group = group_span(model.placement.dp_group(), cluster.devices_per_node)
     grad = collective_time(cluster.profile, "all_reduce", 4 * params, dp_group)
-    exposed = grad if lay.pp > 1 or lay.zero == 1 else max(0.0, grad - s.n_layer * block.bwd)
+    backward = sum(model.block(i).bwd for i in range(s.n_layer))
+    exposed = grad if lay.pp > 1 or lay.zero == 1 else max(0.0, grad - backward)
     optimizer = 32 * params / (max(lay.dp, 1) if lay.zero else 1) / (cluster.profile.memory_bandwidth
                                                                      * cluster.profile.memory_efficiency)
     return compute + exposed + optimizer
@@ -196,13 +207,14 @@ def plan(shape: ModelShape, profile: HardwareProfile, gpus: int, batch: int, *, 
     too_big: dict[str, float] = {}
     for lay in _layouts(shape, batch, gpus, per_node, pruned, space or Space()):
         work = replace(base, shape=shape, layout=lay, global_batch=batch)
-        fkey = (lay.tp, lay.pp, lay.dp, lay.zero)
+        fkey = (lay.tp, lay.pp, lay.dp, lay.zero, lay.ep)
         if fkey not in floors:
             floors[fkey] = _model_state_floor(shape, lay, work)
-        key = (lay.tp, lay.sp, work.pipe_micro_batch, lay.recompute, lay.dp, lay.pp)
+        key = (lay.tp, lay.sp, work.pipe_micro_batch, lay.recompute, lay.dp, lay.pp, lay.ep)
         if key not in models:
             models[key] = StageModel(work, cluster)
-        block = models[key].block(0)
+        block = max((models[key].block(i) for i in range(min(shape.n_layer, shape.moe_every + 1))),
+                    key=lambda c: c.saved)
         act = block.saved * math.ceil(shape.n_layer / lay.pp) * in_flight(lay) + block.transient
         if floors[fkey] + act > usable:
             family = f"tp={lay.tp} pp={lay.pp} zero={lay.zero}"
@@ -254,7 +266,7 @@ def write_config(sim: Simulation, base: Config, path: str) -> None:
     cfg = copy.deepcopy(base)
     lay = sim.work.layout
     p, t = cfg.parallel, cfg.train
-    p.nproc, p.dp, p.tp, p.pp, p.zero = lay.world, lay.dp, lay.tp, lay.pp, lay.zero
+    p.nproc, p.dp, p.tp, p.pp, p.zero, p.ep = lay.world, lay.dp, lay.tp, lay.pp, lay.zero, lay.ep
     p.sequence_parallel = lay.sp
     if lay.pp > 1:
         p.pp_schedule, p.microbatches = lay.schedule, lay.microbatches

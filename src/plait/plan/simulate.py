@@ -131,11 +131,11 @@ def _comm_plan(model: StageModel, params: list[Param], dp_group: Any) -> dict:
         * model.cluster.threads >= 1
     plan: dict[str, Any] = {"overlap": cores_free, "prefetch": profile.kind != "cpu", "buckets": []}
     grad = model.gradient_bytes
-    experts = sum(p.local_numel(lay.tp) for p in params if p.expert)
-    if experts and lay.dp > lay.ep:  # plait.parallel.expert: one all-reduce of the expert gradients after backward
+    if lay.ep > 1:  # plait.parallel.expert: experts' gradients in one all-reduce over their replicas after backward
+        experts = sum(p.local_numel(lay.tp) for p in params if p.expert)
         group = group_span(model.placement.expert_dp_group(), model.cluster.devices_per_node)
         plan["expert"] = collective_time(profile, "all_reduce", 4 * experts, group)
-    params = [p for p in params if not p.expert]  # the dense layout reduces the rest
+        params = [p for p in params if not p.expert]  # the dense layout reduces the rest
     if lay.dp == 1 or not params:
         return plan
     if lay.zero == 3:
