@@ -135,6 +135,13 @@ class Topology:
         return self.group(*self.dp_axes)
 
     @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The 1-D data-parallel mesh (the dp axes flattened): FSDP2 shards dense parameters over it."""
+        assert self.mesh is not None
+        axes = self.dp_axes
+        return self.mesh[axes[0]] if len(axes) == 1 else self.mesh[axes]._flatten()
+
+    @property
     def expert_dp_group(self) -> dist.ProcessGroup | None:
         """Ranks holding the same experts (``dp / ep`` of them): expert gradients reduce over it."""
         return self.group(MeshAxis.DP_REPLICATE) if self.degrees["dp_shard"] == 1 else self.group(

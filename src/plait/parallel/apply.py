@@ -1,9 +1,9 @@
 """Composition of parallelisms, in one documented order.
 
-Tensor parallel -> activation checkpointing -> pipeline split -> data/ZeRO/FSDP wrapping, each step
-returning the model. The result is a ``Layout`` (``layout.py``, ``mp_layout.py``): the one object the
-engine talks to, whatever the strategy underneath. Which model it is does not matter here: the
-tensor-parallel plan, the pipeline adapter and the loss come in a ``ModelSpec``.
+Tensor parallel -> activation checkpointing -> compile (``train.compile``) -> pipeline split ->
+data/ZeRO/FSDP wrapping, each step returning the model. The result is a ``Layout`` (``layout.py``,
+``mp_layout.py``): the one object the engine talks to, whatever the strategy underneath. Which model it
+is does not matter here: the tensor-parallel plan, the pipeline adapter and the loss come in a ``ModelSpec``.
 """
 
 from __future__ import annotations
@@ -95,6 +95,10 @@ def apply_parallel(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, sp
     if p.tp > 1:
         model = _tp_function(model, cfg, spec)(model, topo.mesh["tp"])
     model = apply_activation_checkpointing(model, t.activation_checkpointing, t.checkpoint_every_k)
+    if t.compile:
+        from plait.parallel.compile import compile_blocks
+
+        compile_blocks(model)
     if p.tp > 1 and p.zero == 3:
         from plait.parallel.mp_layout import TensorFsdpLayout
 
@@ -108,15 +112,21 @@ def apply_parallel(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, sp
         from plait.parallel.mp_layout import TensorLayout
 
         return TensorLayout(model, cfg, topo, comm)
+    if topo.ep > 1:  # experts sharded over ep; the data-parallel layout takes the dense parameters only
+        from plait.parallel.expert import ExpertParallelLayout, shard_experts
+
+        experts = shard_experts(model, topo, cfg.moe.dispatcher)
+        if p.zero in (1, 2):
+            inner: Layout = ZeroLayout(model, cfg, topo, comm)
+        elif p.zero == 3:
+            inner = FsdpLayout(model, cfg, topo, comm)
+        else:
+            inner = Layout(model, cfg, topo, comm, apply_data_parallel(model, topo.dp_group, topo.dp, p.impl,
+                                                                       p.bucket_mb, comm, broadcast=False))
+        return ExpertParallelLayout(inner, topo, comm, experts)  # type: ignore[return-value]
     if p.zero in (1, 2):
         return ZeroLayout(model, cfg, topo, comm)
     if p.zero == 3:
         return FsdpLayout(model, cfg, topo, comm)
-    if topo.ep > 1:  # experts sharded over ep; the data-parallel engine reduces the dense parameters only
-        from plait.parallel.expert import ExpertParallelLayout, shard_experts
-
-        experts = shard_experts(model, topo, cfg.moe.dispatcher)
-        engine = apply_data_parallel(model, topo.dp_group, topo.dp, p.impl, p.bucket_mb, comm, broadcast=False)
-        return ExpertParallelLayout(Layout(model, cfg, topo, comm, engine), topo, comm, experts)  # type: ignore[return-value]
     engine = apply_data_parallel(model, topo.dp_group, topo.dp, p.impl, p.bucket_mb, comm, broadcast=False)
     return Layout(model, cfg, topo, comm, engine)

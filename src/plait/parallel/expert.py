@@ -29,8 +29,10 @@ Checkpoints: expert weights and their optimizer states are saved as ``DTensor`` 
 ``(E, ...)`` tensors on the ``ep`` mesh, keyed by the single-process names, so DCP reshards them to any
 other ``ep`` (1 included) on load. The balancing bias is a buffer, the same on every rank.
 
-Compositions: plait's data-parallel reducer, PyTorch DDP and one-rank data parallelism. ZeRO, tensor and
-pipeline parallelism together with ``ep > 1`` are refused with a message naming the alternative.
+Compositions: plait's data-parallel reducer, PyTorch DDP, one-rank data parallelism, and ZeRO 1-3 for the
+dense parameters (``ExpertParallelLayout``: the experts keep their own optimizer, replicated over their
+expert-data-parallel group). Tensor and pipeline parallelism together with MoE layers are refused with a
+message naming the alternative.
 """
 
 from __future__ import annotations
@@ -78,10 +80,6 @@ def check_expert_layout(cfg: Config) -> None:
         raise ConfigError(f"moe.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep}: every "
                           f"expert-parallel rank holds the same number of experts; use ep in {fits}")
     if p.ep > 1:
-        if p.zero:
-            raise ConfigError(f"parallel.ep={p.ep} with parallel.zero={p.zero} is not available in this build: "
-                              "use parallel.zero=0 with expert parallelism (experts are already sharded over ep), "
-                              "or parallel.ep=1 with ZeRO")
         if p.tp > 1 or p.pp > 1:
             raise ConfigError(f"parallel.ep={p.ep} with tp={p.tp}/pp={p.pp} is not available in this build: use "
                               "expert parallelism with data parallelism (tp=1, pp=1), or ep=1 with tp/pp")
@@ -188,14 +186,55 @@ def shard_experts(model: nn.Module, topo: Any, dispatcher: str = "alltoall") -> 
 # -- the layout -----------------------------------------------------------------------------------
 class ExpertParallelLayout:
     """A data-parallel ``Layout`` (dense parameters) plus the expert parameters it leaves out: their
-    reduction, clipping, zeroing and checkpoint form. Everything else is the inner layout's."""
+    reduction, clipping, zeroing and checkpoint form. Everything else is the inner layout's.
+
+    Under ZeRO (``parallel.zero`` 1-3) the inner layout shards the dense parameters' optimizer states
+    (and gradients, and with 3 the parameters) over the whole data-parallel world, ``ep`` included; the
+    experts, already divided ``ep`` ways, stay whole on their expert-data-parallel replicas with their
+    own optimizer of the same class, groups and hyperparameters (the learning rate copied from the
+    scheduled dense groups before each step): a composite optimizer. Without ZeRO the one optimizer
+    from the factory holds both."""
 
     def __init__(self, inner: Any, topo: Any, comm: Any, experts: list[nn.Parameter]) -> None:
+        from plait.parallel.layout import FsdpLayout, ZeroLayout
+
         self.__dict__.update(inner=inner, topo=topo, comm=comm, experts=experts)
         self._ids = {id(p) for p in experts}
+        self.sharded = isinstance(inner, (ZeroLayout, FsdpLayout))  # dense gradients are shards
+        self.fsdp = isinstance(inner, FsdpLayout)
+        self.expert_opt: torch.optim.Optimizer | None = None
+        self._group_of: list[int] = []  # expert group i -> the factory's group index
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["inner"], name)
+
+    def build_optimizer(self, factory: Any) -> Any:
+        if not self.sharded:
+            return self.inner.build_optimizer(factory)
+        from plait.train.optim import optimizer_recipe
+
+        cls, defaults, groups = optimizer_recipe(factory(self.inner.model))
+        dense = [(i, {**g, "params": [p for p in g["params"] if id(p) not in self._ids]}) for i, g in enumerate(groups)]
+        expert = [(i, {**g, "params": [p for p in g["params"] if id(p) in self._ids]}) for i, g in enumerate(groups)]
+        dense = [(i, g) for i, g in dense if g["params"]]
+        expert = [(i, g) for i, g in expert if g["params"]]
+        if sum(len(g["params"]) for _, g in expert) != len(self.experts):
+            raise ExpertParallelError("the optimizer factory must cover the expert parameters (it is called with "
+                                      "the model whose experts are sharded over ep)")
+        self._dense_index = [i for i, _ in dense]
+        self._group_of = [i for i, _ in expert]
+        opt = self.inner.build_optimizer(lambda m: cls([g for _, g in dense], **defaults))
+        self.expert_opt = cls([g for _, g in expert], **defaults)
+        return opt
+
+    def step(self) -> None:
+        self.inner.step()
+        if self.expert_opt is not None:
+            groups = self.inner.scheduler_target().param_groups
+            for i, g in zip(self._group_of, self.expert_opt.param_groups, strict=True):
+                src = groups[self._dense_index.index(i)] if i in self._dense_index else groups[0]
+                g["lr"] = src["lr"]  # the scheduler moves the dense groups' rate
+            self.expert_opt.step()
 
     def _expert_grads(self) -> list[torch.Tensor]:
         for p in self.experts:  # an expert no token reached still has a zero gradient
@@ -218,6 +257,9 @@ class ExpertParallelLayout:
             offset += g.numel()
 
     def _dense_grads(self) -> list[torch.Tensor]:
+        if self.fsdp:  # this rank's shards of the DTensor gradients
+            return [p.grad.to_local() for p in self.inner.model.parameters()
+                    if p.grad is not None and id(p) not in self._ids]
         grads = self.inner.grads()
         return [g for g in grads if not any(g is p.grad for p in self.experts)]
 
@@ -225,14 +267,16 @@ class ExpertParallelLayout:
         return self._dense_grads() + self._expert_grads()
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Global norm: the dense gradients (equal on every rank) and the expert gradients summed over the
-        ``ep`` ranks (each holds different experts); torch's clipping coefficient on both."""
+        """Global norm: the dense gradients (equal on every rank, or summed over the shards under ZeRO) and
+        the expert gradients summed over the ``ep`` ranks (each holds different experts); torch's clipping
+        coefficient on both."""
         dense, expert = self._dense_grads(), self._expert_grads()
-        zero = torch.zeros((), dtype=torch.float64)
-        d2 = torch.nn.utils.get_total_norm(dense, foreach=False).double() ** 2 if dense else zero
+        d2 = sum((g.double().pow(2).sum() for g in dense), torch.zeros((), dtype=torch.float64)).reshape(1)
+        if self.sharded:
+            self.comm.all_reduce_sum(d2, self.topo.dp_group, name="dense gradient norm")
         e2 = sum((g.double().pow(2).sum() for g in expert), torch.zeros((), dtype=torch.float64)).reshape(1)
         self.comm.all_reduce_sum(e2, self.topo.ep_group, name="expert gradient norm")
-        total = float((d2 + e2[0]).sqrt())
+        total = float((d2[0] + e2[0]).sqrt())
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
             for g in dense + expert:
@@ -257,10 +301,22 @@ class ExpertParallelLayout:
         return DTensor.from_local(t, self.topo.mesh["ep"], [Shard(0)], run_check=False,
                                   shape=torch.Size(p.global_shape), stride=_contiguous_stride(p.global_shape))
 
+    def _expert_state(self) -> dict[str, dict]:
+        """The expert optimizer's state keyed by parameter name (composite optimizer only)."""
+        from plait.train.optim import materialize_optimizer_state
+
+        assert self.expert_opt is not None
+        materialize_optimizer_state(self.expert_opt)  # a load template needs the tensors
+        names = {id(p): n for n, p in self._param_names().items()}
+        order = [p for g in self.expert_opt.param_groups for p in g["params"]]
+        return {names[id(order[i])]: dict(st) for i, st in self.expert_opt.state_dict()["state"].items()}
+
     def state_dicts(self) -> tuple[dict, dict]:
         """The inner layout's states with each expert weight and optimizer state as a ``Shard(0)`` DTensor of
         the global ``(E, ...)`` tensor on the ``ep`` mesh (DCP then reshards it to any ``ep``)."""
         model_sd, optim_sd = self.inner.state_dicts()
+        if self.expert_opt is not None:
+            optim_sd = {**optim_sd, "state": {**optim_sd["state"], **self._expert_state()}}
         for name, p in self._param_names().items():
             if name in model_sd:
                 model_sd[name] = self._to_dtensor(model_sd[name], p)
@@ -271,11 +327,19 @@ class ExpertParallelLayout:
         return model_sd, optim_sd
 
     def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
-        def local(v: Any) -> Any:
-            return v.to_local() if hasattr(v, "to_local") else v
+        names = self._param_names()
 
-        model_sd = {k: local(v) for k, v in model_sd.items()}
-        state = {k: {kk: local(vv) for kk, vv in st.items()} for k, st in optim_sd["state"].items()}
+        def local(k: str, v: Any) -> Any:  # only the expert entries: FSDP's own DTensors stay as they are
+            return v.to_local() if k in names and hasattr(v, "to_local") else v
+
+        model_sd = {k: local(k, v) for k, v in model_sd.items()}
+        state = {k: {kk: local(k, vv) for kk, vv in st.items()} for k, st in optim_sd["state"].items()}
+        if self.expert_opt is not None:
+            order = [p for g in self.expert_opt.param_groups for p in g["params"]]
+            index = {id(p): i for i, p in enumerate(order)}
+            mine = {index[id(names[n])]: state.pop(n) for n in list(state) if n in names}
+            self.expert_opt.load_state_dict({"state": mine,
+                                             "param_groups": self.expert_opt.state_dict()["param_groups"]})
         self.inner.load_state_dicts(model_sd, {**optim_sd, "state": state})
 
     def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:

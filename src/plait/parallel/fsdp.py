@@ -39,7 +39,8 @@ def _mesh_device_type(mesh: DeviceMesh) -> str:
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype | None = torch.float32,
                offload: Literal["none", "params"] = "none",
-               reshard_after_forward: bool = True) -> nn.Module:
+               reshard_after_forward: bool = True,
+               ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """Shard ``model`` with FSDP2 over the 1-D data-parallel ``mesh``; return the same module.
 
     Contract: call it last in the composition
@@ -47,8 +48,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype |
     ``model.parameters()`` afterwards (they are DTensors then). ``param_dtype=torch.bfloat16`` runs
     forward/backward in bf16 with fp32 sharded master parameters; ``reduce_dtype`` is the gradient
     reduce-scatter dtype. ``reshard_after_forward=False`` keeps each block unsharded between forward
-    and backward (ZeRO-2-like memory, one all-gather fewer). Raises ``ZeroConfigError`` for a mesh of
-    size 1, an unknown offload, or offload on a CPU device.
+    and backward (ZeRO-2-like memory, one all-gather fewer). ``ignored_params`` stay plain, unsharded
+    and unreduced (expert-parallel weights, reduced by ``plait.parallel.expert``). Raises
+    ``ZeroConfigError`` for a mesh of size 1, an unknown offload, or offload on a CPU device.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -71,11 +73,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype |
     offload_policy = CPUOffloadPolicy() if offload == "params" else OffloadPolicy()
     for _, block in find_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload_policy,
-                    reshard_after_forward=reshard_after_forward)
+                    reshard_after_forward=reshard_after_forward, ignored_params=ignored_params)
     # The root unit's parameters are needed first in backward too (the tied head): never reshard the
     # root after forward, since backward would all-gather it again at once.
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload_policy,
-                reshard_after_forward=False)
+                reshard_after_forward=False, ignored_params=ignored_params)
     return model
 
 

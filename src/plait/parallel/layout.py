@@ -254,8 +254,10 @@ class FsdpLayout(Layout):
 
         p = cfg.parallel
         param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
-        self.model = apply_fsdp(model, topo.mesh["dp_replicate"], param_dtype=param_dtype, offload=p.offload,
-                                reshard_after_forward=p.reshard_after_forward)
+        # Expert-parallel parameters stay out of FSDP: plait.parallel.expert reduces them over their group.
+        experts = {q for q in model.parameters() if getattr(q, "_plait_expert", False)}
+        self.model = apply_fsdp(model, topo.dp_mesh, param_dtype=param_dtype, offload=p.offload,
+                                reshard_after_forward=p.reshard_after_forward, ignored_params=experts or None)
         self.engine = None
         self.topo, self.comm = topo, comm
         self._bn = batchnorm_buffers(model) if not p.sync_batchnorm else []

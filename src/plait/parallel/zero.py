@@ -456,7 +456,9 @@ def _build_buckets(model: nn.Module, groups: list[dict[str, Any]], bucket_mb: fl
             if p in owner:
                 raise ValueError("a parameter appears in two param groups; list each parameter once")
             owner[p] = gi
-    trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+    # Expert-parallel parameters are reduced and stepped by plait.parallel.expert, not sharded here.
+    trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad
+                 and not getattr(p, "_plait_expert", False)]
     missing = [p for p in trainable if p not in owner]
     if missing or len(owner) != len(trainable):
         raise ValueError("the param groups must cover the model's trainable parameters exactly "
