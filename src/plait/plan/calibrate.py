@@ -12,7 +12,7 @@ What is timed (each the fastest of repeated runs after a warm-up, torch's thread
   and head dims;
 * overheads: one operator on one-element tensors (the dispatcher), one autograd node in backward, what
   DTensor adds to one operator (at world 2);
-* collectives: all-reduce, all-gather, reduce-scatter, broadcast and point-to-point send/recv on the
+* collectives: all-reduce, all-gather, reduce-scatter, all-to-all, broadcast and point-to-point send/recv on the
   backend plait trains with (gloo on CPU) at world sizes 2-4 (one spawned process per rank, one thread
   each), message sizes 4 KB-64 MB; ``alpha + beta x bytes`` fitted per collective and world size
   (least squares on relative error), raw samples kept.

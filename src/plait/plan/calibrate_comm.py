@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 # torch 2.13 renamed the flat-tensor collectives; older releases lack the new names (as in plait.parallel.zero)
 all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -51,6 +51,9 @@ def _call(op: str, nbytes: int, world: int) -> Any:
     if op == "reduce_scatter":
         inp, out = torch.zeros(n), torch.zeros(n // world)
         return lambda: reduce_scatter_flat(out, inp)
+    if op == "all_to_all":  # the expert dispatcher's collective: equal splits of the input
+        inp, out = torch.zeros(n), torch.zeros(n)
+        return lambda: dist.all_to_all_single(out, inp)
     buf = torch.zeros(n)
     return lambda: dist.broadcast(buf, src=0)
 
