@@ -84,6 +84,8 @@ class StepInfo:
     # Per MoE layer (plait.nn.MoE), summed over the data-parallel ranks: tokens per expert, max_violation,
     # dropped_fraction, aux_loss, z_loss, a2a_bytes (plait.parallel.expert.MoeMonitor); None without MoE.
     moe: list[dict[str, Any]] | None = None
+    # parallel.mode=ps: this worker's clock, shard versions, push/pull bytes and waits (plait.ps.layout).
+    ps: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -145,7 +147,17 @@ class Plait:
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.benchmark = False
-        self.topology: Topology = build_topology(cfg, self.device)
+        # parallel.mode=ps: the last ps.servers ranks serve (plait.ps); the topology and every collective of
+        # this API span the workers only (self.group), and rank 0 is a worker.
+        self.ps: Any = None
+        if cfg.parallel.mode == "ps":
+            from plait.ps.roles import make_groups, ps_topology
+
+            self.ps = make_groups(cfg)
+            self.topology: Topology = ps_topology(cfg, self.ps, self.device)
+        else:
+            self.topology = build_topology(cfg, self.device)
+        self.group = self.ps.workers if self.ps is not None else None
         self.rank, self.world_size = self.topology.rank, self.topology.world_size
         self.logger = get_logger(self.rank)
         self.run_dir = self._agree_run_dir()
@@ -185,8 +197,8 @@ class Plait:
         self.shares: list[int] | None = None
         # An asynchronous save runs DCP's collectives on a background thread: on a group of their own, so
         # they never interleave with training's on the same channels.
-        self._ckpt_group = dist.new_group(backend="gloo") if self.world_size > 1 and \
-            cfg.checkpoint.async_save else None
+        self._ckpt_group = dist.new_group(ranks=list(range(self.world_size)) if self.ps is not None else None,
+                                          backend="gloo") if self.world_size > 1 and cfg.checkpoint.async_save else None
 
     # -- where things go ---------------------------------------------------------------------------
     @property
@@ -274,10 +286,15 @@ class Plait:
                          loss=self.loss, sample=self.to_device(sample) if sample is not None else None)
         check_model(model, self.topology, self.config, spec)  # before the first collective
         model = model.to(self.device)
-        broadcast_weights(model, self.comm, self.world_size)
-        if self.config.parallel.sync_batchnorm and self.dp > 1:
-            model = sync_batchnorm(model, self.topology.dp_group, self.device)
-        self.layout = layout = apply_parallel(model, self.topology, self.config, self.comm, spec)
+        if self.ps is not None:  # worker 0's weights go to the servers in build_optimizer; every worker pulls them
+            from plait.ps.layout import PsLayout
+
+            self.layout = layout = PsLayout(model, self.config, self.topology, self.comm, self.ps)
+        else:
+            broadcast_weights(model, self.comm, self.world_size)
+            if self.config.parallel.sync_batchnorm and self.dp > 1:
+                model = sync_batchnorm(model, self.topology.dp_group, self.device)
+            self.layout = layout = apply_parallel(model, self.topology, self.config, self.comm, spec)
         from plait.nn.moe import moe_layers
 
         if moe_layers(layout.model):
@@ -285,6 +302,8 @@ class Plait:
 
             self.moe = MoeMonitor(layout.model, self.topology, self.comm)
         opt = layout.build_optimizer(factory)
+        if self.ps is not None and self.ps.is_server:
+            self._serve()
         if scheduler is not None:
             self.scheduler = scheduler(layout.scheduler_target())
         if not layout.pipelined:
@@ -299,6 +318,22 @@ class Plait:
         self.watchdog.kinds = self._kinds()
         self._start_step()
         return layout.model, opt
+
+    def _serve(self) -> None:
+        """A server rank of ``parallel.mode=ps``: answer the workers until every one has finished, then end
+        with ``ServerDone`` (exit status 0): servers never run the user's loop."""
+        from plait.ps.roles import ServerDone
+
+        self.watchdog.close()  # a server waits for as long as the workers compute: no step phases to bound
+        try:
+            stats = self.layout.serve()
+        except BaseException as e:
+            write_error(e, self.rank, self.error_dir)
+            raise
+        self.ps_stats = stats
+        self.logger.info("parameter server %d: done after %d updates", self.ps.server_index, stats["updates"])
+        self.close()
+        raise ServerDone(stats)
 
     # -- data --------------------------------------------------------------------------------------
     def setup_dataloader(self, data: Any, batch_size: int | None = None, *, collate_fn: Callable | None = None,
@@ -545,6 +580,7 @@ class Plait:
         now = time.perf_counter()
         info = self._finish_step(norm, not finite, lr, exposed, now - t1, now - self._boundary_t)
         info.moe = moe
+        info.ps = layout.step_metrics() if self.ps is not None else None
         self._boundary_t = now
         self._start_step()
         return info
@@ -581,8 +617,10 @@ class Plait:
         over the world (every rank of a replica holds the replica's loss, so the sum / world size is
         the mean over replicas)."""
         t = torch.tensor([loss, float(self.preemption.requested)], dtype=torch.float64)
-        if self.world_size > 1:
-            self.comm.all_reduce_sum(t, None, name="step agreement")
+        # A parameter server's workers meet only in sync mode: the others run at their own pace (their
+        # loss is their own; a stop request is seen by the rank that got it).
+        if self.world_size > 1 and (self.ps is None or self.config.ps.mode == "sync"):
+            self.comm.all_reduce_sum(t, self.group, name="step agreement")
             t[0] /= self.world_size
         return float(t[0]), bool(t[1] > 0)
 
@@ -606,7 +644,9 @@ class Plait:
         t = torch.as_tensor(value, dtype=torch.float64).clone().reshape(-1)
         size = self.dp if over == "dp" else self.world_size
         if size > 1:
-            self.comm.all_reduce_sum(t, self.topology.dp_group if over == "dp" else None, name=f"reduce over {over}")
+            self._meet()
+            self.comm.all_reduce_sum(t, self.topology.dp_group if over == "dp" else self.group,
+                                     name=f"reduce over {over}")
         if op == "mean":
             t /= size
         if isinstance(value, torch.Tensor):
@@ -621,13 +661,15 @@ class Plait:
         if self.world_size == 1:
             return [t.tolist()]
         out = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(out, t)
+        self._meet()
+        dist.all_gather(out, t, group=self.group)
         return [o.tolist() for o in out]
 
     @_explained
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier()
+            self._meet()
+            dist.barrier(group=self.group)
 
     # -- state -------------------------------------------------------------------------------------
     @_explained
@@ -656,12 +698,14 @@ class Plait:
                   "scaler": self.scaler.state_dict(), "steps": self.steps, "skipped_steps": self.skipped_steps,
                   "micro": self._micro, "param_groups": hyperparameters(layout.scheduler_target()),
                   "auto": self.auto.state_dict() if self.auto is not None else None}
+        if self.ps is not None:  # the servers' versions and clocks (the workers meet there first)
+            shared["ps"] = layout.shared_state()
         meta = {"extra": extra or {}, "world_size": self.world_size, "dp": self.dp,
                 "layout": self._kinds() or "single process", "steps": self.steps}
         rank_state = {"comm": self.comm.state_dict()}
         async_ = self.config.checkpoint.async_save
         pending = save_state(Path(path), layout, meta, self.rank, rank_state, shared, async_=async_,
-                             group=self._ckpt_group)
+                             group=self._ckpt_group if self._ckpt_group is not None else self.group)
         self.last_save_blocking_s = time.perf_counter() - t0
         if async_:
             self._pending = (pending, on_complete, self.steps)
@@ -703,7 +747,9 @@ class Plait:
 
             same_world = json.loads(meta_path.read_text()).get("world_size") == self.world_size
         check = self.config.checkpoint.verify if verify is None else verify
-        meta, rank_state, shared = load_state(Path(path), layout, self.rank, restore_rank=same_world, verify=check)
+        self._meet()
+        meta, rank_state, shared = load_state(Path(path), layout, self.rank, restore_rank=same_world, verify=check,
+                                              group=self.group)
         set_hyperparameters(layout.scheduler_target(), shared.get("param_groups"))
         sched = scheduler or self.scheduler
         if sched is not None and shared.get("scheduler") is not None:
@@ -717,6 +763,8 @@ class Plait:
             dataloader.load_state_dict(shared["dataloader"])
         self.scaler.load_state_dict(shared["scaler"])
         self.steps, self.skipped_steps = int(shared["steps"]), int(shared["skipped_steps"])
+        if self.ps is not None:  # the loaded state goes to the servers; every worker pulls it back
+            layout.load_shared_state(shared.get("ps"), self.steps)
         if rank_state is not None:  # compressor residuals: the resumed run continues exactly
             self.comm.load_state_dict(rank_state["comm"])
         elif not same_world:
@@ -815,6 +863,11 @@ class Plait:
                 f"(steps {self.auto.first}-{self.auto.last}) was complete; compression stayed off"}
         return out
 
+    def _meet(self) -> None:
+        """Before a collective among a parameter server's workers (``PsLayout.meet``)."""
+        if self.ps is not None and self.layout is not None and not self.ps.is_server:
+            self.layout.meet()
+
     def explain(self, exc: BaseException) -> BaseException:
         """A backend timeout or lost peer as the error naming the ranks that did not arrive; the ranks it
         names that run on this host and are stuck (stopped, hung) are ended, so the attempt ends within
@@ -835,6 +888,8 @@ class Plait:
             return
         self.finish_saves()
         self._closed = True
+        if self.ps is not None and self.layout is not None:
+            self.layout.close()  # a worker tells the servers it is done: they end when every worker has
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
             self._counter = None

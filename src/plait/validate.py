@@ -22,7 +22,12 @@ def validate(cfg: Config, world_size: int, *, model_checks: bool = True) -> Conf
     """
     check_values(cfg)
     t, p = cfg.train, cfg.parallel
-    degrees = resolve_degrees(cfg, world_size)
+    if p.mode == "ps":  # the workers are the data-parallel ranks; the servers hold no batch
+        from plait.ps.roles import check_ps
+
+        degrees = {"pp": 1, "dp_replicate": check_ps(cfg, world_size), "dp_shard": 1, "ep": 1, "tp": 1}
+    else:
+        degrees = resolve_degrees(cfg, world_size)
     p.dp = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["ep"]
     try:
         validate_zero(p.zero, p.dp, p.offload, "cuda" if _cuda_available() else "cpu")

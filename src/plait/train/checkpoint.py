@@ -160,27 +160,28 @@ def save_state(path: Path, layout: StatefulLayout, meta: dict[str, Any], rank: i
     return pending
 
 
-def _verified_on_rank0(path: Path) -> list[str]:
-    """The manifest check, done once (rank 0 reads every file) and shared with every rank."""
+def _verified_on_rank0(path: Path, group: Any = None) -> list[str]:
+    """The manifest check, done once (rank 0 reads every file) and shared with every rank of ``group``."""
     from plait.fault.integrity import verify
 
     problems = [verify(path)] if not _distributed() or dist.get_rank() == 0 else [None]
     if _distributed():
-        dist.broadcast_object_list(problems, src=0)
+        dist.broadcast_object_list(problems, src=0, group=group)
     return problems[0]
 
 
 def load_state(path: Path, layout: StatefulLayout, rank: int, restore_rank: bool = True,
-               verify: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+               verify: bool = True, group: Any = None) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
     """Load model and optimizer state (resharded by DCP to this layout and world size) from ``path``.
 
     Returns ``(meta, rank_state, shared)``. With ``restore_rank`` this rank's RNG is restored and its
     ``rank_state`` returned when the checkpoint has a file for this rank (None otherwise). With ``verify``
     every file is checked against the manifest first (``CheckpointError`` naming the damaged file).
+    ``group``: the ranks that load (None: all; a parameter server's workers).
     """
     path = Path(path)
     if verify:
-        problems = _verified_on_rank0(path)
+        problems = _verified_on_rank0(path, group)
         if problems:
             raise CheckpointError(f"{path} is damaged: {problems[0]}" + (f" (and {len(problems) - 1} more problems)"
                                   if len(problems) > 1 else "") + "; load an earlier checkpoint, or pass verify=False "
@@ -193,7 +194,7 @@ def load_state(path: Path, layout: StatefulLayout, rank: int, restore_rank: bool
     model_sd, optim_sd = layout.state_dicts()
     state = {"model": model_sd, "optim": optim_sd}
     with _quiet_single_process():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+        dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed(), process_group=group)
     layout.load_state_dicts(state["model"], state["optim"])
     rank_state = None
     rank_file = path / f"rank{rank}.pt"

@@ -273,6 +273,8 @@ class Trainer:
             rec["mfu"] = util
         if info.moe is not None:
             rec["moe"] = info.moe
+        if info.ps is not None:  # parameter server: this worker's clock, versions, bytes and waits
+            rec.update(info.ps)
             self.last_moe = info.moe
         return rec
 
@@ -395,8 +397,13 @@ class Trainer:
 def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:
     """``plait train`` on this worker: the configured model and data through ``Trainer`` (the process
     group, if any, is already initialised)."""
+    from plait.ps.roles import ServerDone
+
     cfg.run.dir = str(run_dir)
-    trainer = Trainer.from_config(cfg)
+    try:
+        trainer = Trainer.from_config(cfg)
+    except ServerDone as e:  # a parameter server's rank: it served until every worker finished
+        return {"ps_server": e.stats}
     try:
         if resume:
             trainer.resume()

@@ -1,0 +1,140 @@
+"""A server rank: one receiving thread per worker, one lock around the shard, waits on a condition.
+
+Each worker's thread blocks in ``recv`` from that worker, handles the request under the shard's lock
+and answers on the same pair, so a worker's messages are handled in the order it sent them and a
+reply goes only to a worker that is waiting for it. A pull that may not be answered yet (``sync``,
+``backup``, ``ssp``) waits on the condition, which every push and every finished worker notifies;
+only that worker's thread waits, the others go on. ``serve`` returns once every worker has sent
+``DONE``; a worker whose connection breaks first ends the server with a ``PsError`` naming it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.ps.protocol import FLAG_NONFINITE, Channel, Header, Op, PsError, decode_json, encode_json
+from plait.ps.state import ShardState
+
+
+class Server:
+    """Serve shard ``index`` (global rank ``rank``) to ``num_workers`` workers (global ranks 0..N-1)."""
+
+    def __init__(self, state: ShardState, index: int, rank: int, num_workers: int, group: dist.ProcessGroup,
+                 num_groups: int) -> None:
+        self.state, self.index, self.rank, self.num_groups = state, index, rank, num_groups
+        self.channels = [Channel(group, rank, k, "worker") for k in range(num_workers)]
+        self.cond = threading.Condition()
+        self.errors: list[BaseException] = []
+        self.finished = 0
+        self.initialized = threading.Event()
+        self.t_start = time.perf_counter()
+        self.wall_s = 0.0
+
+    def serve(self) -> dict[str, Any]:
+        """Answer the workers until every one has sent DONE; returns the statistics."""
+        threads = [threading.Thread(target=self._loop, args=(k,), name=f"plait-ps-worker{k}", daemon=True)
+                   for k in range(len(self.channels))]
+        self.t_start = time.perf_counter()
+        for t in threads:
+            t.start()
+        with self.cond:
+            self.cond.wait_for(lambda: self.errors or self.finished == len(self.channels))
+            if self.errors:
+                raise self.errors[0]
+        for t in threads:
+            t.join()
+        self.wall_s = time.perf_counter() - self.t_start
+        return self.stats()
+
+    def _loop(self, worker: int) -> None:
+        ch = self.channels[worker]
+        try:
+            while True:
+                h = ch.recv_header(self.num_groups)
+                if h.op == Op.DONE:
+                    with self.cond:
+                        self.state.finish(worker)
+                        self.finished += 1
+                        self.cond.notify_all()
+                    return
+                self._handle(worker, ch, h)
+        except BaseException as e:  # noqa: BLE001 - every failure ends the server, named
+            err = e if isinstance(e, PsError) else PsError(f"parameter server rank {self.rank}: handling worker rank "
+                                                           f"{worker} failed: {type(e).__name__}: {e}")
+            with self.cond:
+                self.errors.append(err)
+                self.cond.notify_all()
+
+    def _handle(self, worker: int, ch: Channel, h: Header) -> None:
+        s = self.state
+        if h.op != Op.PARK:
+            with self.cond:
+                s.parked.discard(worker)
+        if h.op == Op.INIT:
+            payload = ch.recv_payload(h, out=torch.empty_like(s.w))
+            with self.cond:
+                s.w.copy_(payload)
+                self.initialized.set()
+                self.cond.notify_all()
+        elif h.op == Op.PUSH:
+            grad = None if h.flags & FLAG_NONFINITE else ch.recv_payload(h, out=torch.empty_like(s.w))
+            with self.cond:
+                s.push(worker, h.version, grad, h.norm_sq, h.lrs)
+                self.cond.notify_all()
+        elif h.op == Op.PULL:
+            t0 = time.perf_counter()
+            with self.cond:
+                self.cond.wait_for(lambda: self.errors or (self.initialized.is_set() and s.may_pull(worker)))
+                if self.errors:
+                    return
+                s.pull_wait_s += time.perf_counter() - t0
+                s.pulled(worker)
+                reply = Header(Op.REPLY, worker, self.index, s.version, clock=min(
+                    [s.clocks[k] for k in s.active()] or [s.clocks[worker]]))
+                w = s.w.clone()
+            ch.send(reply, w)
+        elif h.op == Op.STATE:
+            with self.cond:
+                vec, sca = s.optimizer_keys()
+                meta = {"vectors": vec, "scalars": {k: s.scalar(k) for k in sca}, "version": s.version,
+                        "clocks": list(s.clocks)}
+                tensors = [s.w.clone()] + [s.state_vector(k) for k in vec]
+            ch.send(Header(Op.REPLY, worker, self.index, s.version), encode_json(meta))
+            for t in tensors:
+                ch.send(Header(Op.REPLY, worker, self.index), t)
+        elif h.op == Op.LOAD:
+            meta = decode_json(ch.recv_payload(h, dtype=torch.uint8))
+            tensors = [ch.recv_payload(ch.recv_header(), out=torch.empty_like(s.w)) for _ in
+                       range(1 + len(meta["vectors"]))]
+            with self.cond:
+                s.load(tensors[0], dict(zip(meta["vectors"], tensors[1:], strict=True)), meta["scalars"],
+                       int(meta["version"]), [int(c) for c in meta["clocks"]])
+                self.initialized.set()
+                self.cond.notify_all()
+            ch.send(Header(Op.REPLY, worker, self.index, s.version))
+        elif h.op == Op.PARK:
+            with self.cond:
+                s.park(worker)
+                self.cond.notify_all()
+        elif h.op == Op.STATS:
+            with self.cond:
+                stats = self.stats()
+            ch.send(Header(Op.REPLY, worker, self.index, s.version), encode_json(stats))
+        else:
+            raise PsError(f"parameter server rank {self.rank}: unexpected {h.op.name} from worker rank {worker}")
+
+    def stats(self) -> dict[str, Any]:
+        """The shard's statistics with this server's traffic and utilisation (busy time / time served)."""
+        wall = self.wall_s or (time.perf_counter() - self.t_start)
+        out = self.state.stats()
+        out.update({"server": self.index, "rank": self.rank, "wall_s": round(wall, 6),
+                    "utilisation": round(self.state.busy_s / wall, 6) if wall > 0 else 0.0,
+                    "bytes_received": sum(c.bytes_received for c in self.channels),
+                    "bytes_sent": sum(c.bytes_sent for c in self.channels),
+                    "numel": self.state.w.numel()})
+        return out

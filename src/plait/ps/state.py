@@ -1,0 +1,289 @@
+"""One server's shard and its consistency rules, without any transport (so each rule is testable alone).
+
+A shard holds a flat parameter tensor ``w`` and a torch optimizer over one view of ``w`` per parameter
+group (any elementwise torch optimizer computes on a flat slice what it computes on the tensors).
+``version`` counts the updates applied; ``clocks[k]`` counts worker ``k``'s pushes.
+
+Modes (``ps.mode``), for a gradient ``g`` that worker ``k`` computed on version ``v``:
+
+- ``sync``: the server keeps each worker's gradient of the current version; once every active worker's
+  has arrived it applies their mean (summed in worker order), clipped by its global norm (the squared
+  norms of all shards summed over the servers: one all-reduce of one number per version), as one
+  optimizer step. A pull after a push waits for the version it contributed to. This is all-reduce data
+  parallelism's update.
+- ``backup`` (``b`` backup workers): as ``sync`` but a version is applied once ``N - b`` gradients
+  computed on it arrived; a gradient computed on an older version is dropped and counted.
+- ``async``: each gradient is applied when it arrives, clipped by its own norm (the worker measured it
+  over all shards), with staleness ``t = version - v``. With ``max_staleness >= 0`` a gradient with
+  ``t > max_staleness`` is rejected and counted; with ``staleness_scaling = a`` the learning rate is
+  divided by ``1 + a t``.
+- ``ssp`` (bound ``s``): ``async``'s updates, and a worker that has pushed ``c`` gradients may pull only
+  once every active worker has pushed at least ``c - s`` (it then reads every update up to clock
+  ``c - s - 1``); the pull waits on the server until the slowest worker catches up.
+- ``dc``: ``async`` with delay compensation (DC-ASGD, Zheng et al. 2017): the server keeps a copy
+  ``w_k`` of what worker ``k`` last pulled and applies ``g + lambda g * g * (w - w_k)`` (elementwise);
+  adaptive (DC-ASGD-a): ``lambda / sqrt(ms + 1e-7)`` per element, ``ms <- 0.95 ms + 0.05 g * g``.
+
+A worker that finished (``done``) no longer counts as active: versions complete without it and no
+pull waits for its clock, so workers may end at different times without a deadlock.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from plait.ps.shard import Segment
+
+DC_MS_MOMENTUM = 0.95
+DC_EPS = 1e-7
+MAX_EVENTS = 100_000
+
+
+def dc_compensate(g: torch.Tensor, w: torch.Tensor, w_read: torch.Tensor, lam: float,
+                  mean_square: torch.Tensor | None = None) -> torch.Tensor:
+    """DC-ASGD's gradient: ``g + lam * g * g * (w - w_read)``; with ``mean_square`` (adaptive) ``lam`` is
+    divided elementwise by ``sqrt(mean_square + 1e-7)``."""
+    coef = g * g * (w - w_read)
+    if mean_square is not None:
+        coef = coef / torch.sqrt(mean_square + DC_EPS)
+    return g + lam * coef
+
+
+class ShardState:
+    """The state and rules of one server's shard (see the module docstring).
+
+    ``optimizer_cls``/``defaults``/``groups`` rebuild the user's optimizer over the shard's segments;
+    ``norm_sum(x)`` returns ``x`` summed over all servers (identity with one server). Not thread-safe:
+    the server calls it under one lock.
+    """
+
+    def __init__(self, w: torch.Tensor, segments: list[Segment], optimizer_cls: type, defaults: dict[str, Any],
+                 groups: list[dict[str, Any]], num_workers: int, cfg: Any, grad_clip: float,
+                 norm_sum: Callable[[float], float] = lambda x: x) -> None:
+        self.w = w
+        self.segments = segments
+        self.views = [w[s.start:s.end] for s in segments]
+        hyper = [{k: v for k, v in groups[s.group].items() if k != "params"} for s in segments]
+        self.optimizer = optimizer_cls([{"params": [v], **h} for v, h in zip(self.views, hyper, strict=True)],
+                                       **defaults)
+        self.num_workers, self.cfg, self.grad_clip, self.norm_sum = num_workers, cfg, grad_clip, norm_sum
+        self.version = 0
+        self.clocks = [0] * num_workers
+        self.done: set[int] = set()
+        self.parked: set[int] = set()  # backup: workers waiting for the others in a collective
+        self.pending: dict[int, torch.Tensor | None] = {}  # sync/backup: worker -> gradient (None: non-finite)
+        self.pending_lrs: dict[int, list[float]] = {}
+        self.last_push_version: list[int | None] = [None] * num_workers
+        self.w_read: dict[int, torch.Tensor] = {}  # dc: what each worker last pulled
+        self.mean_square: torch.Tensor | None = torch.zeros_like(w) if cfg.mode == "dc" and cfg.dc_adaptive else None
+        # statistics; ``events`` keeps (worker, version read, server version, outcome) of the first pushes
+        self.events: list[tuple[int, int, int, str]] = []
+        self.staleness = Counter()
+        self.worker_max_staleness = [0] * num_workers
+        self.applied = self.dropped = self.rejected = self.nonfinite = self.updates = 0
+        self.max_clock_gap = 0
+        self.max_read_gap = 0
+        self.busy_s = 0.0
+        self.pull_wait_s = 0.0
+
+    # -- who is still training -----------------------------------------------------------------------
+    def active(self) -> list[int]:
+        return [k for k in range(self.num_workers) if k not in self.done]
+
+    def needed(self) -> int:
+        """Gradients a sync/backup version waits for: all active workers' (sync), the first N - b (backup),
+        fewer when workers have finished or are parked."""
+        b = self.cfg.backup_workers if self.cfg.mode == "backup" else 0
+        free = [k for k in self.active() if k not in self.parked]
+        return max(1, min(self.num_workers - b, len(free)))
+
+    def park(self, worker: int) -> None:
+        """Worker ``worker`` meets the others in a collective: a backup version it would wait for completes
+        with the gradients it holds (it cannot get more until the workers leave the collective)."""
+        if self.cfg.mode == "backup":
+            self.parked.add(worker)
+            self.maybe_apply_version()
+
+    def _note_clock_gap(self) -> None:
+        live = [self.clocks[k] for k in self.active()]
+        if live:
+            self.max_clock_gap = max(self.max_clock_gap, max(live) - min(live))
+
+    # -- push ----------------------------------------------------------------------------------------
+    def push(self, worker: int, version: int, grad: torch.Tensor | None, norm_sq: float, lrs: list[float]) -> str:
+        """Worker ``worker``'s gradient of this shard computed on ``version`` (None: it was non-finite);
+        returns what became of it: applied, pending, dropped, rejected or nonfinite."""
+        t0 = time.perf_counter()
+        self.clocks[worker] += 1
+        self._note_clock_gap()
+        stale, at = self.version - version, self.version
+        try:
+            if self.cfg.mode in ("sync", "backup"):
+                outcome = self._push_sync(worker, version, grad, lrs)
+            else:
+                outcome = self._push_async(worker, stale, grad, norm_sq, lrs)
+            if len(self.events) < MAX_EVENTS:
+                self.events.append((worker, version, at, outcome))
+            return outcome
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def _push_sync(self, worker: int, version: int, grad: torch.Tensor | None, lrs: list[float]) -> str:
+        self.last_push_version[worker] = version
+        if version < self.version:  # computed on an older version: it lost the race for that one
+            self.dropped += 1
+            return "dropped"
+        if version > self.version:
+            raise RuntimeError(f"worker {worker} pushed a gradient of version {version}, ahead of the server's "
+                               f"{self.version}")
+        self.pending[worker] = grad
+        self.pending_lrs[worker] = lrs
+        return self.maybe_apply_version()
+
+    def maybe_apply_version(self) -> str:
+        """Apply the pending version once it holds ``needed()`` gradients (also called when a worker ends)."""
+        if not self.pending or len(self.pending) < self.needed():
+            return "pending"
+        workers = sorted(self.pending)
+        grads = [self.pending[k] for k in workers]
+        lrs = self.pending_lrs[workers[0]]
+        self.pending, self.pending_lrs = {}, {}
+        if any(g is None for g in grads):
+            total = float("inf")
+            self.norm_sum(total)  # every server takes part in the same all-reduce per version
+            self.nonfinite += 1
+            self.version += 1
+            return "nonfinite"
+        mean = grads[0].clone()
+        for g in grads[1:]:
+            mean.add_(g)
+        mean.div_(len(grads))
+        total = self.norm_sum(float(mean.double().square().sum()))
+        self._step(self._clip(mean, total), lrs)
+        self.staleness[0] += len(grads)
+        self.applied += len(grads)
+        return "applied"
+
+    def _push_async(self, worker: int, stale: int, grad: torch.Tensor | None, norm_sq: float,
+                    lrs: list[float]) -> str:
+        cfg = self.cfg
+        if grad is None or not math.isfinite(norm_sq):
+            self.nonfinite += 1
+            return "nonfinite"
+        if cfg.max_staleness >= 0 and stale > cfg.max_staleness:
+            self.rejected += 1
+            return "rejected"
+        # Clipped by the norm of the gradient the worker computed (over all shards), then compensated.
+        grad = self._clip(grad, norm_sq)
+        if cfg.mode == "dc":
+            if self.mean_square is not None:
+                self.mean_square.mul_(DC_MS_MOMENTUM).addcmul_(grad, grad, value=1 - DC_MS_MOMENTUM)
+            grad = dc_compensate(grad, self.w, self.w_read.get(worker, self.w), cfg.dc_lambda, self.mean_square)
+        scale = 1.0 / (1.0 + cfg.staleness_scaling * stale) if cfg.staleness_scaling > 0 else 1.0
+        self._step(grad, [lr * scale for lr in lrs])
+        self.staleness[stale] += 1
+        self.worker_max_staleness[worker] = max(self.worker_max_staleness[worker], stale)
+        self.applied += 1
+        return "applied"
+
+    def _clip(self, grad: torch.Tensor, norm_sq: float) -> torch.Tensor:
+        """``grad`` clipped to ``optim.grad_clip`` by the global norm ``sqrt(norm_sq)``, with torch's
+        coefficient ``min(1, clip / (norm + 1e-6))``."""
+        if self.grad_clip > 0:
+            coef = self.grad_clip / (math.sqrt(norm_sq) + 1e-6)
+            if coef < 1.0:
+                return grad * coef
+        return grad
+
+    @torch.no_grad()
+    def _step(self, grad: torch.Tensor, lrs: list[float]) -> None:
+        """One optimizer step of the shard with ``grad`` and the learning rate of each group."""
+        for s, view in zip(self.segments, self.views, strict=True):
+            view.grad = grad[s.start:s.end]
+        for s, g in zip(self.segments, self.optimizer.param_groups, strict=True):
+            if lrs:
+                g["lr"] = lrs[s.group]
+        self.optimizer.step()
+        for view in self.views:
+            view.grad = None
+        self.version += 1
+        self.updates += 1
+
+    # -- pull ----------------------------------------------------------------------------------------
+    def may_pull(self, worker: int) -> bool:
+        """Whether worker ``worker``'s pull can be answered now (else it waits for other workers)."""
+        mode = self.cfg.mode
+        if mode in ("sync", "backup"):
+            last = self.last_push_version[worker]
+            return last is None or self.version > last
+        if mode == "ssp":
+            live = [self.clocks[k] for k in self.active() if k != worker]
+            return not live or min(live) >= self.clocks[worker] - self.cfg.staleness
+        return True
+
+    def pulled(self, worker: int) -> None:
+        """Bookkeeping of an answered pull: the read gap (SSP's bound) and DC's copy of what was read."""
+        live = [self.clocks[k] for k in self.active()]
+        if live:
+            self.max_read_gap = max(self.max_read_gap, self.clocks[worker] - min(live))
+        if self.cfg.mode == "dc":
+            self.w_read[worker] = self.w.clone()
+
+    def finish(self, worker: int) -> None:
+        """Worker ``worker`` ended: it no longer holds back versions or pulls."""
+        self.done.add(worker)
+        if self.cfg.mode in ("sync", "backup"):
+            self.maybe_apply_version()
+
+    # -- state for checkpoints -----------------------------------------------------------------------
+    def optimizer_keys(self) -> tuple[list[str], list[str]]:
+        """(per-element state keys, scalar state keys) of the optimizer, sorted; state is created first."""
+        from plait.train.optim import materialize_optimizer_state
+
+        if self.views:
+            materialize_optimizer_state(self.optimizer, keep_grads=False)
+        st = self.optimizer.state[self.views[0]] if self.views else {}
+        vec = sorted(k for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0)
+        sca = sorted(k for k, v in st.items() if not (torch.is_tensor(v) and v.dim() > 0))
+        return vec, sca
+
+    def state_vector(self, key: str) -> torch.Tensor:
+        return torch.cat([self.optimizer.state[v][key].reshape(-1).float() for v in self.views]) if self.views \
+            else torch.zeros(0)
+
+    def scalar(self, key: str) -> float:
+        return float(self.optimizer.state[self.views[0]][key]) if self.views else 0.0
+
+    @torch.no_grad()
+    def load(self, w: torch.Tensor, vectors: dict[str, torch.Tensor], scalars: dict[str, float], version: int,
+             clocks: list[int]) -> None:
+        """Replace parameters, optimizer state, version and clocks (a checkpoint's)."""
+        self.w.copy_(w)
+        if self.views:
+            from plait.train.optim import materialize_optimizer_state
+
+            materialize_optimizer_state(self.optimizer, keep_grads=False)
+        for s, v in zip(self.segments, self.views, strict=True):
+            st = self.optimizer.state[v]
+            for k, flat in vectors.items():
+                st[k].copy_(flat[s.start:s.end].view_as(st[k]))
+            for k, x in scalars.items():
+                st[k] = torch.tensor(x, dtype=st[k].dtype) if torch.is_tensor(st[k]) else type(st[k])(x)
+        self.version = version
+        self.clocks = list(clocks)
+        self.last_push_version = [None] * self.num_workers
+        self.pending, self.pending_lrs, self.w_read = {}, {}, {}
+
+    def stats(self) -> dict[str, Any]:
+        return {"version": self.version, "clocks": list(self.clocks), "applied": self.applied,
+                "dropped": self.dropped, "rejected": self.rejected, "nonfinite": self.nonfinite,
+                "updates": self.updates, "staleness_histogram": {str(k): v for k, v in sorted(self.staleness.items())},
+                "worker_max_staleness": list(self.worker_max_staleness), "max_clock_gap": self.max_clock_gap,
+                "max_read_gap": self.max_read_gap, "busy_s": round(self.busy_s, 6),
+                "pull_wait_s": round(self.pull_wait_s, 6)}

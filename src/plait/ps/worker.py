@@ -1,0 +1,137 @@
+"""The worker side: ``PsClient`` talks to every server; ``PsLayout`` is the engine's view of a PS run.
+
+A worker's step: forward and backward on its own micro-batches (plait's accumulation), then at
+``Plait.step``: the gradient's norm over all parameters (for clipping on the servers and for the step
+record), one PUSH per server of its slice of the flat gradient (every ``ps.push_every`` steps, the
+mean of those steps), then one PULL per server whose reply is the shard's parameters. Pushes are sent
+to every server before any reply is awaited, so two servers receive in parallel. The worker's own
+optimizer object never steps: it holds the parameter groups whose learning rate the LR scheduler sets,
+sent with every push; it holds state only while a checkpoint is saved or loaded.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from plait.ps.protocol import FLAG_NONFINITE, Channel, Header, Op, decode_json, encode_json
+from plait.ps.shard import FlatLayout
+
+
+class PsClient:
+    """One worker's channels to the servers (global ranks ``server_ranks``), and its clock."""
+
+    def __init__(self, flat: FlatLayout, worker: int, server_ranks: list[int], group: Any) -> None:
+        self.flat, self.worker = flat, worker
+        self.channels = [Channel(group, worker, r, "parameter server") for r in server_ranks]
+        self.versions = [0] * len(server_ranks)  # the version of each shard the local parameters hold
+        self.clock = 0  # pushes made
+        self.reads: list[tuple[int, int, list[int]]] = []  # (clock, min clock seen by server 0, versions) per pull
+        self.pull_wait_s = self.push_s = 0.0
+        self.done = False
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(c.bytes_sent for c in self.channels)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(c.bytes_received for c in self.channels)
+
+    def init_servers(self) -> None:
+        """Worker 0: send each server the initial parameters of its shard."""
+        flat = self.flat.flatten_params()
+        for s, ch in enumerate(self.channels):
+            lo, hi = self.flat.shard_range(s)
+            ch.send(Header(Op.INIT, self.worker, s), flat[lo:hi])
+
+    def push(self, grad: torch.Tensor | None, norm_sq: float, lrs: list[float]) -> None:
+        """Send each server its slice of ``grad`` (None: non-finite, announced without a payload)."""
+        t0 = time.perf_counter()
+        self.clock += 1
+        for s, ch in enumerate(self.channels):
+            lo, hi = self.flat.shard_range(s)
+            h = Header(Op.PUSH, self.worker, s, self.versions[s], clock=self.clock, norm_sq=norm_sq, lrs=lrs,
+                       flags=FLAG_NONFINITE if grad is None else 0)
+            ch.send(h, grad[lo:hi] if grad is not None else None)
+        self.push_s += time.perf_counter() - t0
+
+    def pull(self) -> torch.Tensor:
+        """The parameters of every shard, in the flat order (waits where the consistency mode says)."""
+        t0 = time.perf_counter()
+        for s, ch in enumerate(self.channels):
+            ch.send(Header(Op.PULL, self.worker, s, self.versions[s], clock=self.clock))
+        out = torch.empty(self.flat.numel, dtype=self.flat.dtype)
+        min_clock = self.clock
+        for s, ch in enumerate(self.channels):
+            lo, hi = self.flat.shard_range(s)
+            h = ch.recv_header()
+            ch.recv_payload(h, dtype=self.flat.dtype, out=out[lo:hi])
+            self.versions[s] = h.version
+            min_clock = min(min_clock, h.clock) if s else h.clock
+        self.reads.append((self.clock, min_clock, list(self.versions)))
+        self.pull_wait_s += time.perf_counter() - t0
+        return out
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Every server's statistics (one request each)."""
+        out = []
+        for s, ch in enumerate(self.channels):
+            ch.send(Header(Op.STATS, self.worker, s))
+            h = ch.recv_header()
+            out.append(decode_json(ch.recv_payload(h, dtype=torch.uint8)))
+        return out
+
+    def get_state(self) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float], list[int], list[int]]:
+        """(flat parameters, flat optimizer state per key, scalar states, versions, clocks) of all shards."""
+        params = torch.empty(self.flat.numel, dtype=self.flat.dtype)
+        vectors: dict[str, torch.Tensor] = {}
+        scalars: dict[str, float] = {}
+        versions: list[int] = []
+        clocks: list[int] = []
+        for s, ch in enumerate(self.channels):
+            lo, hi = self.flat.shard_range(s)
+            ch.send(Header(Op.STATE, self.worker, s))
+            meta = decode_json(ch.recv_payload(ch.recv_header(), dtype=torch.uint8))
+            ch.recv_payload(ch.recv_header(), out=params[lo:hi])
+            for k in meta["vectors"]:
+                flat = vectors.setdefault(k, torch.zeros(self.flat.numel))
+                ch.recv_payload(ch.recv_header(), out=flat[lo:hi])
+            if not scalars:
+                scalars = {k: float(v) for k, v in meta["scalars"].items()}
+            versions.append(int(meta["version"]))
+            clocks = [max(a, int(b)) for a, b in zip(clocks or [0] * len(meta["clocks"]), meta["clocks"], strict=True)]
+        return params, vectors, scalars, versions, clocks
+
+    def load_state(self, params: torch.Tensor, vectors: dict[str, torch.Tensor], scalars: dict[str, float],
+                   versions: list[int], clocks: list[int]) -> None:
+        """Worker 0: replace every shard's parameters, optimizer state, version and clocks."""
+        for s, ch in enumerate(self.channels):
+            lo, hi = self.flat.shard_range(s)
+            meta = {"vectors": sorted(vectors), "scalars": scalars, "version": versions[s], "clocks": clocks}
+            ch.send(Header(Op.LOAD, self.worker, s), encode_json(meta))
+            ch.send(Header(Op.LOAD, self.worker, s), params[lo:hi].contiguous())
+            for k in sorted(vectors):
+                ch.send(Header(Op.LOAD, self.worker, s), vectors[k][lo:hi].float().contiguous())
+            ch.recv_header()
+
+    def park(self) -> None:
+        """Tell every server this worker waits for the other workers (a collective among them): a backup
+        version completes without it until its next message."""
+        for s, ch in enumerate(self.channels):
+            ch.send(Header(Op.PARK, self.worker, s))
+
+    def finish(self) -> None:
+        """Tell every server this worker is done (once); the servers end when all workers have."""
+        if self.done:
+            return
+        self.done = True
+        for s, ch in enumerate(self.channels):
+            ch.send(Header(Op.DONE, self.worker, s))
+
+
+def grad_norm_sq(flat_grad: torch.Tensor) -> float:
+    """Squared L2 norm of the flat gradient, in float64 (NaN/inf when it holds any)."""
+    return float(flat_grad.double().square().sum())

@@ -1,0 +1,363 @@
+"""Parameter server (``parallel.mode = "ps"``): consistency rules alone, then whole runs on gloo ranks.
+
+The rules (``plait.ps.state.ShardState``) are checked in this process against hand computations:
+DC-ASGD's compensation, backup workers' drops, max-staleness rejection and staleness scaling, the SSP
+pull rule, exact sums. Two spawns then run several configurations each through ``plait.Plait``:
+
+- world 3 (workers 0, 1; server 2): sync against single-process training on the same global batch
+  (losses and parameters after 6 steps: equal to 1e-6, observed bit for bit: the server averages in
+  worker order and clips with torch's formula), backup with 0 backup workers against sync (exact),
+  exact sums through the transport in sync/async/ssp/dc, a 3x slower worker in async (converges,
+  staleness recorded, max-staleness rejections counted), ssp (the read gap never exceeds s), backup
+  (exactly the stale gradients dropped and counted), and checkpoints (sync resume equals the
+  uninterrupted run exactly; the PS checkpoint loads into plain data parallelism);
+- world 4: two servers against the single-process reference, async and dc (lambda 0) with one
+  worker and three servers against single-process training, and the Trainer on plait's GPT.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import run_ranks
+
+from plait.config import Config, ConfigError, from_sections
+from plait.ps.state import ShardState, dc_compensate
+from plait.validate import validate
+
+STEPS = 6
+BASE = {"train": {"global_batch_size": 8, "micro_batch_size": 4},
+        "optim": {"lr": 0.05, "grad_clip": 0.5, "warmup_steps": 0}}
+
+
+# -- the rules alone -----------------------------------------------------------------------------------
+def _cfg(**kw: object) -> SimpleNamespace:
+    base = dict(mode="async", staleness=0, backup_workers=0, dc_lambda=0.0, dc_adaptive=False, max_staleness=-1,
+                staleness_scaling=0.0)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def _state(w0: list[float], workers: int, **kw: object) -> ShardState:
+    from plait.ps.shard import Segment
+
+    w = torch.tensor(w0, dtype=torch.float64)
+    return ShardState(w, [Segment(0, 0, len(w0))], torch.optim.SGD, {"lr": 1.0}, [{"lr": 1.0}], workers, _cfg(**kw),
+                      grad_clip=0.0)
+
+
+def test_dc_compensation_by_hand() -> None:
+    s = _state([1.0, 2.0], 2, mode="dc", dc_lambda=0.5)
+    s.pulled(0)  # worker 0 reads w = (1, 2)
+    s.push(1, 0, torch.tensor([0.5, -1.0], dtype=torch.float64), 1.25, [1.0])  # w -> (0.5, 3)
+    s.push(0, 0, torch.tensor([2.0, 1.0], dtype=torch.float64), 5.0, [1.0])
+    # g + lambda g^2 (w - w_read) = (2 + 0.5*4*(0.5-1), 1 + 0.5*1*(3-2)) = (1, 1.5); SGD lr 1: w -= that
+    assert s.w.tolist() == [0.5 - 1.0, 3.0 - 1.5]
+    assert s.staleness == {0: 1, 1: 1}
+    # adaptive: lambda / sqrt(ms + 1e-7), ms = 0.05 g^2 from zero
+    g, w, r = torch.tensor([2.0]), torch.tensor([0.5]), torch.tensor([1.0])
+    ms = 0.05 * g * g
+    want = 2.0 + 0.5 / math.sqrt(0.2 + 1e-7) * 4.0 * (0.5 - 1.0)
+    assert dc_compensate(g, w, r, 0.5, ms).item() == pytest.approx(want, rel=1e-6)
+    assert dc_compensate(g, w, r, 0.0).item() == 2.0  # lambda 0 is plain async
+
+
+def test_backup_drops_exactly_the_stale() -> None:
+    s = _state([0.0], 3, mode="backup", backup_workers=1)
+    g = torch.tensor([1.0], dtype=torch.float64)
+    assert s.push(0, 0, g, 1.0, [1.0]) == "pending"
+    assert s.push(2, 0, 2 * g, 4.0, [1.0]) == "applied"  # N - b = 2 gradients of version 0
+    assert s.push(1, 0, 4 * g, 16.0, [1.0]) == "dropped"  # computed on version 0, the server is at 1
+    assert (s.version, s.dropped, s.applied, s.w.item()) == (1, 1, 2, -1.5)
+    assert s.may_pull(0) and s.may_pull(1)  # worker 0's version completed; worker 1's gradient was dropped
+    s.finish(0)
+    s.finish(2)
+    assert s.push(1, 1, g, 1.0, [1.0]) == "applied"  # alone now: versions complete without the finished
+
+
+def test_max_staleness_and_scaling() -> None:
+    s = _state([0.0], 2, max_staleness=1, staleness_scaling=1.0)
+    g = torch.tensor([1.0], dtype=torch.float64)
+    for _ in range(3):
+        s.push(0, s.version, g, 1.0, [1.0])  # staleness 0: lr 1
+    assert s.push(1, 1, g, 1.0, [1.0]) == "rejected"  # version 3 - 1 = 2 > 1
+    assert s.push(1, 2, g, 1.0, [1.0]) == "applied"  # staleness 1: lr / (1 + 1)
+    assert s.w.item() == -3.5 and (s.rejected, s.applied) == (1, 4)
+    assert s.worker_max_staleness == [0, 1]
+
+
+def test_ssp_pull_rule() -> None:
+    s = _state([0.0], 3, mode="ssp", staleness=1)
+    g = torch.tensor([1.0], dtype=torch.float64)
+    s.push(0, 0, g, 1.0, [1.0])
+    s.push(0, 1, g, 1.0, [1.0])  # worker 0 at clock 2, the others at 0
+    assert not s.may_pull(0)  # needs every other worker at clock >= 2 - 1
+    s.push(1, 0, g, 1.0, [1.0])
+    assert not s.may_pull(0)
+    s.finish(2)  # a finished worker holds no one back
+    assert s.may_pull(0) and s.may_pull(1)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_exact_sums(mode: str) -> None:
+    s = _state([0.0] * 4, 3, mode=mode)
+    for k in range(3):
+        s.push(k, 0, torch.full((4,), 2.0 ** k, dtype=torch.float64), 1.0, [1.0])
+    assert s.w.tolist() == ([-7.0 / 3] * 4 if mode == "sync" else [-7.0] * 4)
+
+
+def test_bad_config() -> None:
+    def check(sections: dict, world: int, match: str) -> None:
+        with pytest.raises(ConfigError, match=match):
+            validate(from_sections({"parallel": {"mode": "ps"}, **sections}, Config()), world, model_checks=False)
+
+    check({"ps": {"servers": 3}}, 3, r"ps.servers=3 must be between 1 and world size - 1 = 2")
+    check({}, 1, r"at least 2 ranks")
+    check({"ps": {"mode": "ssp", "staleness": -1}}, 3, r"ps.staleness must be 0 or more")
+    check({"ps": {"mode": "backup", "backup_workers": 2}}, 3, r"ps.backup_workers=2 must be between 0 and workers - 1")
+    check({"ps": {"mode": "backup", "servers": 2}}, 4, r"ps.servers=1")
+    check({"parallel": {"mode": "ps", "tp": 2}}, 3, r"does not combine with parallel.tp=2.*it supports")
+    check({"parallel": {"mode": "ps", "zero": 2}}, 3, r"does not combine with parallel.zero=2")
+    check({"ps": {"mode": "sync", "pull_every": 2}}, 3, r"ps.pull_every=2 applies to ps.mode=async or dc")
+    cfg = validate(from_sections({"parallel": {"mode": "ps"}, "ps": {"servers": 2}, "train": {
+        "global_batch_size": 8, "micro_batch_size": 2}}, Config()), 4, model_checks=False)
+    assert cfg.parallel.dp == 2 and cfg.grad_accum == 2
+
+
+# -- whole runs ----------------------------------------------------------------------------------------
+class _Sleepy(torch.nn.Module):
+    """The small model with 4 ms of "compute" per forward, so ``fault.slow_factor`` has time to scale."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(0.004)
+        return self.inner(x)
+
+
+def _model(sleepy: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    return _Sleepy(m) if sleepy else m
+
+
+def _data() -> torch.utils.data.Dataset:
+    g = torch.Generator().manual_seed(1)
+    x, teacher = torch.randn(512, 8, generator=g), torch.randn(8, 4, generator=g)
+    return torch.utils.data.TensorDataset(x, 2 * torch.tanh(x @ teacher))
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, y)
+
+
+def _train(sections: dict, run_dir: str, steps: int = STEPS, save_at: int = 0, load: str = "",
+           sleepy: bool = False) -> dict:
+    """Train ``steps`` optimizer steps with the keep-your-loop API; a server returns its statistics and
+    final shard, a worker its losses, final weights and (rank 0) the servers' merged statistics."""
+    import plait
+    from plait.ps import ServerDone
+
+    p = plait.Plait(run={"dir": run_dir}, observe={"progress": False, "tensorboard": False}, **sections)
+    try:
+        model, opt = p.setup(_model(sleepy), loss_fn=_mse)
+    except ServerDone as e:
+        st = p.layout.server.state
+        return {"server": e.stats, "w": st.w.clone(), "events": list(st.events)}
+    loader = p.setup_dataloader(_data())
+    if load:
+        p.load(load, model=model, optimizer=opt, dataloader=loader)
+    it, losses, last, saved = iter(loader), [], None, None
+    while p.steps < steps:
+        batch = next(it)
+        p.forward_backward(model, batch)
+        info = p.step()
+        if info is not None:
+            losses.append(info.global_loss)
+            last = info.ps
+            if info.step == save_at:
+                p.save(f"{run_dir}/ckpt", model=model, optimizer=opt, dataloader=loader)
+                saved = {k: v.clone() for k, v in p.full_state_dict(model).items()}
+    sd = p.full_state_dict(model)
+    out = {"losses": losses, "sd": sd, "last": last, "saved": saved}
+    if p.ps is not None:
+        out["reads"] = list(p.layout.client.reads)
+        out["stats"] = p.layout.server_stats() if p.rank == 0 else None
+    p.close()
+    return out
+
+
+def _exact_sum(sections: dict, run_dir: str) -> dict:
+    """Each worker pushes 2**rank in every element (SGD, lr 1, no clipping); the server's shard after one
+    step from each worker is returned by the server rank."""
+    import plait
+    from plait.ps import ServerDone
+
+    p = plait.Plait(run={"dir": run_dir}, observe={"progress": False, "tensorboard": False},
+                    optim={"grad_clip": 0.0}, train={"global_batch_size": 2, "micro_batch_size": 1}, **sections)
+    w = torch.nn.Linear(5, 1, bias=False)
+    torch.nn.init.zeros_(w.weight)
+    try:
+        model, _ = p.setup(w, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=1.0))
+    except ServerDone:
+        return {"w": p.layout.server.state.w.clone()}
+    p.backward((model.weight * 2.0 ** p.rank).sum())
+    p.step()
+    p.close()
+    return {}
+
+
+def _world3(rank: int, world: int, tmp: str) -> dict:
+    ps = {"parallel": {"mode": "ps"}}
+    slow = {"fault": {"slow_rank": 1, "slow_factor": 3.0}}
+    out = {}
+    out["sync"] = _train({**BASE, **ps, "ps": {"mode": "sync"}}, f"{tmp}/sync")
+    out["backup0"] = _train({**BASE, **ps, "ps": {"mode": "backup", "backup_workers": 0}}, f"{tmp}/backup0")
+    for mode in ("sync", "async", "ssp", "dc"):
+        out[f"sum_{mode}"] = _exact_sum({**ps, "ps": {"mode": mode, "dc_lambda": 0.0}}, f"{tmp}/sum_{mode}")
+    long = {"train": {**BASE["train"], "eval_every": 0}, "optim": BASE["optim"]}
+    out["async_slow"] = _train({**long, **ps, **slow, "ps": {"mode": "async"}}, f"{tmp}/async", steps=30,
+                               sleepy=True)
+    out["async_reject"] = _train({**long, **ps, **slow, "ps": {"mode": "async", "max_staleness": 1}},
+                                 f"{tmp}/reject", steps=30, sleepy=True)
+    out["ssp"] = _train({**long, **ps, **slow, "ps": {"mode": "ssp", "staleness": 1}}, f"{tmp}/ssp", steps=12,
+                        sleepy=True)
+    out["backup"] = _train({**long, **ps, **slow, "ps": {"mode": "backup", "backup_workers": 1}}, f"{tmp}/backup",
+                           steps=12, sleepy=True)
+    # checkpoints: save at step 3 of 6, resume from it; then the PS checkpoint into plain data parallelism
+    out["saving"] = _train({**BASE, **ps}, f"{tmp}/sync_saved", save_at=3)
+    out["resumed"] = _train({**BASE, **ps}, f"{tmp}/resume", load=f"{tmp}/sync_saved/ckpt")
+    out["dp_load"] = _load_into_dp(f"{tmp}/sync_saved/ckpt", f"{tmp}/dp")
+    return out
+
+
+def _load_into_dp(ckpt: str, run_dir: str) -> dict:
+    import plait
+
+    p = plait.Plait(run={"dir": run_dir}, observe={"progress": False, "tensorboard": False},
+                    train={"global_batch_size": 12, "micro_batch_size": 4})
+    model, opt = p.setup(_model(), loss_fn=_mse)
+    p.load(ckpt, model=model, optimizer=opt)
+    sd = p.full_state_dict(model)
+    p.close()
+    return {"sd": sd, "steps": p.steps}
+
+
+def _reference(tmp: str, steps: int = STEPS) -> dict:
+    """plait in this process: one rank, the same global batch (accumulation 2 of the micro-batch)."""
+    return _train(BASE, f"{tmp}/ref", steps=steps)
+
+
+def _same(a: dict, b: dict, atol: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
+
+
+@pytest.fixture(scope="module")
+def world3(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], dict]:
+    tmp = str(tmp_path_factory.mktemp("ps3"))
+    return run_ranks(_world3, 3, tmp, timeout=240), _reference(tmp)
+
+
+def test_sync_equals_single_process(world3: tuple) -> None:
+    ranks, ref = world3
+    for w in (0, 1):
+        got = ranks[w]["sync"]
+        assert got["losses"] == pytest.approx(ref["losses"], abs=1e-6)
+        _same(got["sd"], ref["sd"])
+    assert ref["losses"][-1] < ref["losses"][0]
+    _same(ranks[0]["backup0"]["sd"], ranks[0]["sync"]["sd"], atol=0.0)  # backup with b = 0 is sync
+    stats = ranks[0]["sync"]["stats"]
+    assert stats["staleness_histogram"] == {"0": 2 * STEPS} and stats["versions"] == [STEPS]
+    assert stats["push_bytes"] > 0 and stats["pull_bytes"] > 0
+    last = ranks[0]["sync"]["last"]  # a step: one push (header + 212 float32) and one pull (request, reply)
+    assert (last["ps_push_bytes"], last["ps_pull_bytes"], last["ps_clock"]) == (2 * 128 + 4 * 212, 128 + 4 * 212, 6)
+    assert ranks[1]["sync"]["last"]["ps_versions"] == [6]
+
+
+def test_exact_sums_through_the_transport(world3: tuple) -> None:
+    ranks, _ = world3
+    assert ranks[2]["sum_sync"]["w"].tolist() == [-1.5] * 5  # mean of 1 and 2
+    for mode in ("async", "ssp", "dc"):
+        assert ranks[2][f"sum_{mode}"]["w"].tolist() == [-3.0] * 5, mode  # each applied: 1 + 2
+
+
+def test_async_with_a_slow_worker(world3: tuple) -> None:
+    ranks, _ = world3
+    run = ranks[0]["async_slow"]
+    assert sum(run["losses"][-5:]) / 5 < 0.8 * sum(run["losses"][:5]) / 5  # it converges
+    # the server's own figures once every worker has finished (rank 0's view may miss the last pushes)
+    stats = ranks[2]["async_slow"]["server"]
+    assert stats["worker_max_staleness"][1] >= 2  # the slow worker's gradients arrive stale
+    assert sum(stats["staleness_histogram"].values()) == stats["applied"] == 60
+    assert stats["clocks"] == [30, 30]
+    rej = ranks[2]["async_reject"]["server"]
+    assert rej["rejected"] > 0 and rej["rejected"] + rej["applied"] == 60
+    assert max(int(k) for k in rej["staleness_histogram"]) <= 1  # nothing staler than max_staleness applied
+    events = ranks[2]["async_reject"]["events"]
+    assert sum(1 for *_, o in events if o == "rejected") == rej["rejected"]
+    assert all((at - v > 1) == (o == "rejected") for _, v, at, o in events)
+
+
+def test_ssp_bound_never_violated(world3: tuple) -> None:
+    ranks, _ = world3
+    s = 1
+    for w in (0, 1):
+        for clock, min_clock, versions in ranks[w]["ssp"]["reads"]:
+            assert clock - min_clock <= s
+            # every update of clocks <= clock - s - 1 of both workers is in what was read
+            assert versions[0] >= 2 * max(0, clock - s)
+    stats = ranks[2]["ssp"]["server"]
+    assert stats["max_read_gap"] == s  # the slow worker made the bound bind
+    assert stats["max_clock_gap"] <= s + 1  # right after a push, before that worker's next pull
+
+
+def test_backup_drops_the_stale_and_counts_them(world3: tuple) -> None:
+    ranks, _ = world3
+    stats = ranks[2]["backup"]["server"]
+    events = ranks[2]["backup"]["events"]
+    assert stats["dropped"] > 0
+    assert stats["dropped"] == sum(1 for *_, o in events if o == "dropped")
+    assert all((v < at) == (o == "dropped") for _, v, at, o in events)
+    assert stats["dropped"] + stats["applied"] == 24
+
+
+def test_checkpoint_resume_and_load_into_data_parallel(world3: tuple) -> None:
+    ranks, _ = world3
+    for w in (0, 1):
+        resumed, whole = ranks[w]["resumed"], ranks[w]["sync"]
+        _same(resumed["sd"], whole["sd"], atol=0.0)
+        assert resumed["losses"] == whole["losses"][3:]
+    dp = ranks[0]["dp_load"]
+    assert dp["steps"] == 3
+    _same(dp["sd"], ranks[0]["saving"]["saved"], atol=0.0)  # the servers' weights at step 3
+    _same(ranks[0]["saving"]["sd"], ranks[0]["sync"]["sd"], atol=0.0)  # saving changed nothing
+
+
+def _world4(rank: int, world: int, tmp: str) -> dict:
+    ps = {"parallel": {"mode": "ps"}}
+    out = {"two_servers": _train({**BASE, **ps, "ps": {"servers": 2}}, f"{tmp}/two")}
+    one = {"train": {"global_batch_size": 8, "micro_batch_size": 8}, "optim": BASE["optim"]}
+    out["async1"] = _train({**one, **ps, "ps": {"servers": 3, "mode": "async"}}, f"{tmp}/async1")
+    out["dc1"] = _train({**one, **ps, "ps": {"servers": 3, "mode": "dc", "dc_lambda": 0.0}}, f"{tmp}/dc1")
+    return out
+
+
+def test_two_servers_and_one_worker(tmp_path: pytest.TempPathFactory) -> None:
+    tmp = str(tmp_path)
+    ranks = run_ranks(_world4, 4, tmp, timeout=240)
+    ref = _reference(tmp)
+    for w in (0, 1):
+        assert ranks[w]["two_servers"]["losses"] == pytest.approx(ref["losses"], abs=1e-6)
+        _same(ranks[w]["two_servers"]["sd"], ref["sd"])
+    assert ranks[2]["two_servers"]["server"]["numel"] + ranks[3]["two_servers"]["server"]["numel"] == 212
+    _same(ranks[0]["async1"]["sd"], ref["sd"])  # one worker: asynchronous is plain training
+    _same(ranks[0]["dc1"]["sd"], ranks[0]["async1"]["sd"], atol=0.0)  # dc with lambda 0 is async
