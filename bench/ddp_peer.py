@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -131,7 +132,12 @@ def main() -> None:
         out.close()
         (run_dir / "summary.json").write_text(json.dumps({"steps": t.steps, "final_val_loss": rec["val_loss"]}))
     dist.barrier()
-    dist.destroy_process_group()
+    # Leave without destroying the group: with powerSGD_hook, ~ProcessGroupGloo joins gloo's worker thread
+    # while this thread holds the GIL, and that worker needs the GIL to free a hook tensor: a deadlock
+    # at exit (seen on loopback, the run's metrics complete). Everything is written and flushed above.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
