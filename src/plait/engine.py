@@ -275,6 +275,10 @@ class Plait:
         model, compiled = unwrap_compiled(model)
         factory = optimizer_factory(model, optimizer, self.config.optim)
         self.loss = resolve_loss(loss_fn)
+        if self.config.train.compile:
+            from plait.parallel.compile import compile_loss
+
+            compile_loss(self.loss)  # in place: the caller's Loss object runs compiled too
         p = self.config.parallel
         if self.topology.degree("pp") > 1 and self.loss is None:
             if sample is None:
@@ -852,9 +856,10 @@ class Plait:
         out: dict[str, Any] = dict(layout.report(self.run_dir if self.is_main else None))
         precision = "bf16" if self.config.train.precision != "fp32" else "fp32"
         data_parallel_only = self.topology.degree("tp") == self.topology.degree("pp") == 1
-        out["memory"] = memory_report(sum(p.numel() for p in _unique_params(layout)), self.config.parallel.zero,
-                                      self.dp, precision, self.memory or None, self.device,
-                                      predict=data_parallel_only)
+        if self.ps is None:  # its all-gather spans the world, where a parameter server's servers have ended
+            out["memory"] = memory_report(sum(p.numel() for p in _unique_params(layout)), self.config.parallel.zero,
+                                          self.dp, precision, self.memory or None, self.device,
+                                          predict=data_parallel_only)
         c = self.config.comm
         out["comm"] = {"allreduce": c.allreduce, "compress": c.compress, "compress_active": self.comm.compress_active}
         if self.auto is not None:

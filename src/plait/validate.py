@@ -61,6 +61,9 @@ def _check_composition(cfg: Config) -> None:
     from plait.parallel.expert import check_expert_layout
 
     check_expert_layout(cfg)
+    from plait.parallel.compile import check_compile
+
+    check_compile(cfg)
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
     if p.pp > 1:

@@ -97,6 +97,14 @@ class TorchCollectiveCounter(TorchDispatchMode):
         self.stats = stats
         self._sizes: dict[str, int] = {}  # group name -> ranks
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let ``torch.compile`` trace while counting (``train.compile``): otherwise dynamo skips every frame
+        that starts under this mode and never compiles that code afterwards. The cost: a collective inside a
+        compiled region (tensor parallelism's, traced into the graph) is not counted; the reducers', DDP's,
+        FSDP's and the pipeline's collectives run outside the compiled blocks and are."""
+        return True
+
     def _group_size(self, group: Any) -> int:
         if isinstance(group, torch.ScriptObject):  # how c10d operators receive their group
             group = dist.ProcessGroup.unbox(group)

@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-STEP_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_s", "data_s", "forward_s",
+STEP_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_s", "data_s", "forward_s",
              "backward_s", "comm_exposed_s", "optimizer_s")
 
 
@@ -45,7 +45,7 @@ class MetricsWriter:
 
 
 class ProgressBar:
-    """Step, loss, tokens/s and time left on rank 0; nothing elsewhere."""
+    """Step, loss, tokens/s, MFU (``plait.observe.mfu``) and time left on rank 0; nothing elsewhere."""
 
     def __init__(self, total: int, start: int, enabled: bool) -> None:
         self._progress = None
@@ -55,15 +55,16 @@ class ProgressBar:
         self._progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
-            TimeRemainingColumn(), console=Console(stderr=True), transient=False,
+            TextColumn("MFU {task.fields[mfu]}"), TimeRemainingColumn(), console=Console(stderr=True), transient=False,
         )
         self._task = self._progress.add_task("train", total=total, completed=start, loss=float("nan"),
-                                             tps=0.0)
+                                             tps=0.0, mfu="-")
         self._progress.start()
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, mfu: float | None = None) -> None:
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, loss=loss, tps=tokens_per_s)
+            self._progress.update(self._task, completed=step, loss=loss, tps=tokens_per_s,
+                                  mfu=f"{100 * mfu:.1f}%" if mfu is not None else "-")
 
     def close(self) -> None:
         if self._progress is not None:
