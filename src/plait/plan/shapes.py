@@ -164,6 +164,10 @@ def shape_from_hf(config: Any, seq_len: int) -> ModelShape:
         if value is None:
             raise ConfigError(f"the model's config has no {key}: plait simulates decoder-only transformers whose "
                               "config gives hidden_size, num_hidden_layers, num_attention_heads and vocab_size")
+    experts = _hf_get(config, "num_local_experts", "num_experts", "n_routed_experts")
+    if experts:
+        raise ConfigError(f"the model's config has {experts} experts per layer: the simulator models plait's own "
+                          "mixture of experts ([moe] with model.name=gpt), not a Hugging Face MoE model's experts yet")
     model_type = str(_hf_get(config, "model_type", default=""))
     act = str(_hf_get(config, "hidden_act", "activation_function", default=""))
     gated = bool(_hf_get(config, "gated_mlp", default=model_type in GATED_MODEL_TYPES or act in ("silu", "swiglu")))
