@@ -94,11 +94,26 @@ def apply_parallel(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, sp
     p, t = cfg.parallel, cfg.train
     if p.tp > 1:
         model = _tp_function(model, cfg, spec)(model, topo.mesh["tp"])
+    experts = None
+    if topo.ep > 1:  # this rank's slice of the experts; the layouts below leave them to ExpertParallelLayout
+        from plait.parallel.expert import shard_experts
+
+        experts = shard_experts(model, topo, cfg.moe.dispatcher)
     model = apply_activation_checkpointing(model, t.activation_checkpointing, t.checkpoint_every_k)
     if t.compile:
         from plait.parallel.compile import compile_blocks
 
         compile_blocks(model)
+    layout = _layout(model, topo, cfg, comm, spec)
+    if experts:
+        from plait.parallel.expert import ExpertParallelLayout
+
+        return ExpertParallelLayout(layout, topo, comm, experts)  # type: ignore[return-value]
+    return layout
+
+
+def _layout(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec: ModelSpec) -> Layout:
+    p = cfg.parallel
     if p.tp > 1 and p.zero == 3:
         from plait.parallel.mp_layout import TensorFsdpLayout
 
@@ -112,18 +127,6 @@ def apply_parallel(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, sp
         from plait.parallel.mp_layout import TensorLayout
 
         return TensorLayout(model, cfg, topo, comm)
-    if topo.ep > 1:  # experts sharded over ep; the data-parallel layout takes the dense parameters only
-        from plait.parallel.expert import ExpertParallelLayout, shard_experts
-
-        experts = shard_experts(model, topo, cfg.moe.dispatcher)
-        if p.zero in (1, 2):
-            inner: Layout = ZeroLayout(model, cfg, topo, comm)
-        elif p.zero == 3:
-            inner = FsdpLayout(model, cfg, topo, comm)
-        else:
-            inner = Layout(model, cfg, topo, comm, apply_data_parallel(model, topo.dp_group, topo.dp, p.impl,
-                                                                       p.bucket_mb, comm, broadcast=False))
-        return ExpertParallelLayout(inner, topo, comm, experts)  # type: ignore[return-value]
     if p.zero in (1, 2):
         return ZeroLayout(model, cfg, topo, comm)
     if p.zero == 3:

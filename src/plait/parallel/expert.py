@@ -79,13 +79,13 @@ def check_expert_layout(cfg: Config) -> None:
         fits = [e for e in range(1, m.num_experts + 1) if m.num_experts % e == 0]
         raise ConfigError(f"moe.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep}: every "
                           f"expert-parallel rank holds the same number of experts; use ep in {fits}")
-    if p.ep > 1:
-        if p.tp > 1 or p.pp > 1:
-            raise ConfigError(f"parallel.ep={p.ep} with tp={p.tp}/pp={p.pp} is not available in this build: use "
-                              "expert parallelism with data parallelism (tp=1, pp=1), or ep=1 with tp/pp")
-    if m.num_experts and (p.tp > 1 or p.pp > 1):
-        raise ConfigError(f"MoE layers (moe.num_experts={m.num_experts}) with tp={p.tp}/pp={p.pp} are not available "
-                          "in this build: use data and expert parallelism (parallel.ep) for MoE models")
+    if m.num_experts and p.tp > 1 and (p.sequence_parallel or p.zero == 3):
+        raise ConfigError(f"MoE layers with tp={p.tp} and {'sequence_parallel' if p.sequence_parallel else 'zero=3'} "
+                          "are not available in this build: MoE blocks compose with plain tensor parallelism "
+                          "(sequence_parallel=false, zero=0) and with expert parallelism (parallel.ep)")
+    if m.num_experts and p.pp > 1:
+        raise ConfigError(f"MoE layers (moe.num_experts={m.num_experts}) with pp={p.pp} are not available in this "
+                          "build: use data, tensor and expert parallelism (parallel.ep) for MoE models")
 
 
 # -- dispatchers ----------------------------------------------------------------------------------
@@ -270,13 +270,25 @@ class ExpertParallelLayout:
         """Global norm: the dense gradients (equal on every rank, or summed over the shards under ZeRO) and
         the expert gradients summed over the ``ep`` ranks (each holds different experts); torch's clipping
         coefficient on both."""
+        from plait.parallel.mp_layout import ModelParallelLayout, sum_sharded_squares
+
         dense, expert = self._dense_grads(), self._expert_grads()
-        d2 = sum((g.double().pow(2).sum() for g in dense), torch.zeros((), dtype=torch.float64)).reshape(1)
-        if self.sharded:
-            self.comm.all_reduce_sum(d2, self.topo.dp_group, name="dense gradient norm")
+        if isinstance(self.inner, ModelParallelLayout):  # tensor-parallel shards summed over tp, once each
+            from plait.parallel.data import local_grad
+
+            inner = self.inner
+            d2 = sum_sharded_squares((p, g) for _, p in inner.named if (g := local_grad(p)) is not None
+                                     and id(p) not in self._ids and id(p) not in inner.tied_copies).reshape(1)
+        else:
+            d2 = sum((g.double().pow(2).sum() for g in dense), torch.zeros((), dtype=torch.float64)).reshape(1)
+            if self.sharded:
+                self.comm.all_reduce_sum(d2, self.topo.dp_group, name="dense gradient norm")
         e2 = sum((g.double().pow(2).sum() for g in expert), torch.zeros((), dtype=torch.float64)).reshape(1)
         self.comm.all_reduce_sum(e2, self.topo.ep_group, name="expert gradient norm")
-        total = float((d2[0] + e2[0]).sqrt())
+        stage = d2 + e2
+        if self.topo.degree("pp") > 1:  # each stage's own parameters
+            self.comm.all_reduce_sum(stage, self.topo.group("pp"), name="gradient norm over stages")
+        total = float(stage[0].sqrt())
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
             for g in dense + expert:

@@ -79,16 +79,17 @@ def check_tensor_parallel(n_head: int, d_model: int, vocab_size: int, seq_len: i
         )
 
 
-def _block_plan(sp: bool) -> dict[str, object]:
-    """Per-block plan: column-parallel in, row-parallel out, optional sequence-sharded norms."""
+def _block_plan(sp: bool, moe: bool = False) -> dict[str, object]:
+    """Per-block plan: column-parallel in, row-parallel out, optional sequence-sharded norms. An MoE
+    feed-forward (``moe``) stays whole on every tp rank: its input is the replicated residual stream, so
+    each tp rank routes and computes the same tokens (experts whole, not expert-tensor-parallel)."""
     seq = Shard(1) if sp else Replicate()
     plan: dict[str, object] = {
         "attn.q": ColwiseParallel(),
         "attn.k": ColwiseParallel(),
         "attn.v": ColwiseParallel(),
         "attn.proj": RowwiseParallel(output_layouts=seq),
-        "mlp.fc": ColwiseParallel(),
-        "mlp.proj": RowwiseParallel(output_layouts=seq),
+        **({} if moe else {"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=seq)}),
     }
     # The attention input enters as one replicated DTensor (use_local_output=False) that q, k and v
     # share: backward sums their three partial input gradients as DTensors and all-reduces them once
@@ -142,7 +143,7 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
         _shard_position_embedding(model.pos_emb, tp_mesh)
     stream = tp_mesh.get_local_rank() + 1
     for block in model.blocks:
-        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel))
+        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel, not hasattr(block.mlp, "fc")))
         block.attn.n_head = cfg.n_head // tp  # local heads; the forward reshapes with -1 anyway
         block.attn.dropout_stream = stream  # this rank's heads: masks of their own
         if sequence_parallel:
