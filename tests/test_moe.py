@@ -227,15 +227,20 @@ def _gather_grads(p, grads: dict) -> dict:
 
 GPT_MODEL = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=16",
              "--model.vocab_size=64", "--model.dropout=0.0", "--moe.num_experts=4", "--moe.top_k=2",
-             "--moe.every=2", "--moe.z_loss_coef=0.001"]
-GPT_CASES = {"gpt-ep2-tp2": ["--parallel.ep=2", "--parallel.tp=2"], "gpt-tp2": ["--parallel.tp=2"]}
-GPT_DP = 2  # data-parallel replicas in both cases (4 ranks, tp=2)
+             "--moe.z_loss_coef=0.001"]
+# name: (overrides, MoE every n-th block, pipeline micro-batches per micro-batch). Two data-parallel
+# replicas in each (4 ranks: tp=2 or pp=2).
+GPT_CASES = {"gpt-ep2-tp2": (["--parallel.ep=2", "--parallel.tp=2", "--moe.every=2"], 2, 1),
+             "gpt-tp2": (["--parallel.tp=2", "--moe.every=2"], 2, 1),
+             "gpt-pp2-ep2": (["--parallel.ep=2", "--parallel.pp=2", "--parallel.microbatches=2",
+                              "--parallel.pp_schedule=1f1b", "--moe.every=1"], 1, 2)}
+GPT_DP = 2
 
 
-def gpt(seed: int = 0):
+def gpt(every: int, seed: int = 0):
     from plait.models.gpt import GPT
 
-    cfg = load_config(overrides=GPT_MODEL)
+    cfg = load_config(overrides=GPT_MODEL + [f"--moe.every={every}"])
     torch.manual_seed(seed)
     return GPT(cfg.model, cfg.moe)
 
@@ -245,21 +250,22 @@ def gpt_batches(step: int) -> torch.Tensor:
     return torch.randint(0, 64, (GPT_DP * B, 16), generator=g)
 
 
-def gpt_reference() -> dict:
+def gpt_reference(every: int, chunks: int) -> dict:
+    """One process: each replica's micro-batch, cut into the pipeline's ``chunks``, as accumulation steps."""
     from plait.nn import moe_layers
 
-    model = gpt()
+    model = gpt(every)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    n = GPT_DP * chunks
     for layer in moe_layers(model):
-        layer.grad_scale = 1.0 / GPT_DP
+        layer.grad_scale = 1.0 / n
     losses = []
     for s in range(STEPS):
-        batch, total = gpt_batches(s), 0.0
-        for r in range(GPT_DP):
-            x = batch[r * B:(r + 1) * B]
+        total = 0.0
+        for x in gpt_batches(s).chunk(n):
             loss = nn.functional.cross_entropy(model(x)[:, :-1].reshape(-1, 64), x[:, 1:].reshape(-1))
-            (loss / GPT_DP).backward()
-            total += loss.item() / GPT_DP
+            (loss / n).backward()
+            total += loss.item() / n
         opt.step()
         opt.zero_grad()
         losses.append(total)
@@ -270,13 +276,14 @@ def _gpt_cases(rank: int, root: str) -> dict:
     import plait
 
     out = {}
-    for name, extra in GPT_CASES.items():
+    for name, (extra, every, _) in GPT_CASES.items():
         cfg = load_config(overrides=GPT_MODEL + extra + [
             f"--run.dir={root}/{name}", f"--parallel.nproc={WORLD}", f"--train.global_batch_size={GPT_DP * B}",
             f"--train.micro_batch_size={B}", "--optim.grad_clip=0", "--observe.progress=false",
             "--observe.tensorboard=false"])
         p = plait.Plait(cfg)
-        model, _ = p.setup(gpt(), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR), loss_fn="causal_lm")
+        model, _ = p.setup(gpt(every), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR),
+                           loss_fn="causal_lm")
         losses = []
         for s in range(STEPS):
             p.forward_backward(model, gpt_batches(s)[p.dp_rank * B:(p.dp_rank + 1) * B])
@@ -433,10 +440,12 @@ def test_two_identical_runs_are_bitwise_identical(results) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(GPT_CASES))
-def test_moe_gpt_with_tensor_parallelism_matches_one_process(results, name) -> None:
-    """plait's GPT with an MoE block: attention and the dense MLP tensor-parallel, the MoE whole on each tp
-    rank (experts sharded over ep when ep > 1)."""
-    ref = gpt_reference()
+def test_moe_gpt_with_tensor_or_pipeline_parallelism_matches_one_process(results, name) -> None:
+    """plait's GPT with MoE blocks: attention and the dense MLP tensor-parallel, the MoE whole on each tp
+    rank (experts sharded over ep when ep > 1); or two pipeline stages, each with an MoE block whose
+    experts are sharded over ep."""
+    _, every, chunks = GPT_CASES[name]
+    ref = gpt_reference(every, chunks)
     for r in range(WORLD):
         got = results[r][name]
         assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_ATOL), (name, r)

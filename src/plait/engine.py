@@ -473,7 +473,6 @@ class Plait:
         self._begin_micro()
         t0 = time.perf_counter()
         if self.moe is not None:  # the auxiliary losses get the main loss's scale in this backward
-            self.moe.observe_forward()
             self.moe.set_grad_scale(self.scaler.scale * weight / self.accumulation)
         (loss * (self.scaler.scale * weight / self.accumulation)).backward()
         self._times["backward_s"] += time.perf_counter() - t0
@@ -491,6 +490,8 @@ class Plait:
         if layout.pipelined:
             self._begin_micro()
             t0 = time.perf_counter()
+            if self.moe is not None:  # each pipeline micro-batch's auxiliary losses, scaled like its loss
+                self.moe.set_grad_scale(self.scaler.scale / self.accumulation / self.config.parallel.microbatches)
             with autocast(self.config.train.precision, self.device):
                 value = layout.forward_backward(batch, self.scaler.scale / self.accumulation)
             self._times["backward_s"] += time.perf_counter() - t0  # interleaved: all of it counts as backward

@@ -149,7 +149,9 @@ class MoE(nn.Module):
         self.dispatcher: Any = LocalDispatcher()
         self.grad_scale = 1.0  # the main loss's scale, set by the engine before each backward
         self.load = torch.zeros(num_experts, dtype=torch.float64)  # assignments since the last bias update
-        self.last_stats: dict[str, float] = {}
+        self.last_stats: dict[str, Any] = {}
+        # Training forwards since the engine last read it: dropped, assignments, aux loss, z-loss, forwards.
+        self.stats_acc = torch.zeros(5, dtype=torch.float64)
 
     def route(self, x: torch.Tensor) -> tuple[Routing, torch.Tensor]:
         """Routing of the ``(N, C)`` tokens and the balancing losses (a scalar, zero when none apply)."""
@@ -208,13 +210,15 @@ class MoE(nn.Module):
         return out.reshape(shape)
 
     def _record(self, routing: Routing, losses: torch.Tensor) -> None:
-        """This forward's figures (training forwards only): ``load`` (counts since the last bias update)
-        and ``last_stats``, which the engine's ``MoeMonitor`` collects after each forward."""
+        """This forward's figures (training forwards only): ``load`` (counts since the last bias update),
+        ``stats_acc`` (summed until the engine's ``MoeMonitor`` reads them at the step) and ``last_stats``."""
         if not self.training:
             return
         self.load += routing.counts.detach().to(torch.float64).cpu()
         self.last_stats = {"tokens_per_expert": routing.counts.tolist(), "dropped": routing.dropped,
                            "assignments": len(routing.tokens) + routing.dropped, **routing.stats}
+        self.stats_acc += torch.tensor([routing.dropped, len(routing.tokens) + routing.dropped,
+                                        routing.stats["aux_loss"], routing.stats["z_loss"], 1.0], dtype=torch.float64)
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor) -> None:

@@ -29,10 +29,13 @@ Checkpoints: expert weights and their optimizer states are saved as ``DTensor`` 
 ``(E, ...)`` tensors on the ``ep`` mesh, keyed by the single-process names, so DCP reshards them to any
 other ``ep`` (1 included) on load. The balancing bias is a buffer, the same on every rank.
 
-Compositions: plait's data-parallel reducer, PyTorch DDP, one-rank data parallelism, and ZeRO 1-3 for the
-dense parameters (``ExpertParallelLayout``: the experts keep their own optimizer, replicated over their
-expert-data-parallel group). Tensor and pipeline parallelism together with MoE layers are refused with a
-message naming the alternative.
+Compositions (``ExpertParallelLayout`` around the layout of the dense parameters): plait's data-parallel
+reducer, PyTorch DDP, one-rank data parallelism; ZeRO 1-3 (the experts keep their own optimizer, replicated
+over their expert-data-parallel group); tensor parallelism (attention and dense MLPs tensor-parallel, MoE
+blocks whole on every tp rank: experts whole, not expert-tensor-parallel; ep groups are the ranks with the
+same tp coordinate); pipeline parallelism (each stage's MoE layers dispatch within the ranks of that stage;
+the same schedule on every ep rank keeps the all-to-alls in step). MoE with sequence parallelism or with
+tp and ZeRO-3 together is refused with a message naming the alternative.
 """
 
 from __future__ import annotations
@@ -83,9 +86,7 @@ def check_expert_layout(cfg: Config) -> None:
         raise ConfigError(f"MoE layers with tp={p.tp} and {'sequence_parallel' if p.sequence_parallel else 'zero=3'} "
                           "are not available in this build: MoE blocks compose with plain tensor parallelism "
                           "(sequence_parallel=false, zero=0) and with expert parallelism (parallel.ep)")
-    if m.num_experts and p.pp > 1:
-        raise ConfigError(f"MoE layers (moe.num_experts={m.num_experts}) with pp={p.pp} are not available in this "
-                          "build: use data, tensor and expert parallelism (parallel.ep) for MoE models")
+
 
 
 # -- dispatchers ----------------------------------------------------------------------------------
@@ -198,6 +199,8 @@ class ExpertParallelLayout:
     def __init__(self, inner: Any, topo: Any, comm: Any, experts: list[nn.Parameter]) -> None:
         from plait.parallel.layout import FsdpLayout, ZeroLayout
 
+        present = {id(p) for _, p in inner.named_parameters()}  # a pipeline stage holds some layers only
+        experts = [p for p in experts if id(p) in present]
         self.__dict__.update(inner=inner, topo=topo, comm=comm, experts=experts)
         self._ids = {id(p) for p in experts}
         self.sharded = isinstance(inner, (ZeroLayout, FsdpLayout))  # dense gradients are shards
@@ -356,12 +359,20 @@ class ExpertParallelLayout:
 
     def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """Single-process weights: each expert tensor gathered over the ``ep`` group (dim 0 = global index)."""
-        sd = dict(self.inner.full_model_state(rank0_only))
+        experts = {}
         for name, p in self._param_names().items():
             parts = [torch.empty_like(p.detach()) for _ in range(self.topo.ep)]
             dist.all_gather(parts, p.detach().contiguous(), group=self.topo.ep_group)
-            sd[name] = torch.cat(parts)
-        return sd
+            experts[name] = torch.cat(parts)
+        if getattr(self.inner, "pipelined", False):  # stages' entries, this stage's experts whole, over pp
+            from plait.parallel.tensor import local_value
+
+            mine = {k: local_value(v).detach().cpu() for k, v in self.inner.runner.state_dict().items()}
+            mine.update(experts)
+            parts_pp: list = [None] * self.topo.degree("pp")
+            dist.all_gather_object(parts_pp, mine, group=self.topo.group("pp"))
+            return {k: v for part in parts_pp for k, v in part.items()}
+        return {**self.inner.full_model_state(rank0_only), **experts}
 
     def report(self, run_dir: Any) -> dict[str, Any]:
         out = dict(self.inner.report(run_dir))
@@ -388,28 +399,16 @@ class MoeMonitor:
     def __init__(self, model: nn.Module, topo: Any, comm: Any) -> None:
         self.layers: list[MoE] = moe_layers(model)
         self.topo, self.comm = topo, comm
-        self._acc = [torch.zeros(5, dtype=torch.float64) for _ in self.layers]  # dropped, total, aux, z, forwards
 
     def set_grad_scale(self, scale: float) -> None:
         for layer in self.layers:
             layer.grad_scale = scale
 
-    def observe_forward(self) -> None:
-        """Accumulate the last forward's per-layer figures (called after each training forward)."""
-        for layer, acc in zip(self.layers, self._acc, strict=True):
-            s = layer.last_stats
-            if s:
-                acc += torch.tensor([s["dropped"], s["assignments"], s["aux_loss"], s["z_loss"], 1.0],
-                                    dtype=torch.float64)
-                layer.last_stats = {}
-
     def after_step(self) -> dict[str, Any]:
         """Sum counts over the data-parallel ranks, move the balancing biases, return the step's metrics."""
         if not self.layers:
             return {}
-        self.observe_forward()
-        loads = [layer.load for layer in self.layers]
-        flat = torch.cat(loads + self._acc)
+        flat = torch.cat([layer.load for layer in self.layers] + [layer.stats_acc for layer in self.layers])
         if self.topo.dp > 1:
             self.comm.all_reduce_sum(flat, self.topo.dp_group, name="moe statistics")
         from plait.nn.moe import max_violation
@@ -431,8 +430,7 @@ class MoeMonitor:
                         "aux_loss": aux / forwards if forwards else 0.0, "z_loss": z / forwards if forwards else 0.0,
                         "a2a_bytes": 2 * a2a})
             layer.load.zero_()
+            layer.stats_acc.zero_()
             if hasattr(layer.dispatcher, "bytes_sent"):
                 layer.dispatcher.bytes_sent = 0
-        for acc in self._acc:
-            acc.zero_()
         return {"moe": out}
