@@ -103,7 +103,7 @@ class TrainConfig:
     # k for activation_checkpointing=every_k.
     checkpoint_every_k: int = 2
     # torch.compile the model's blocks and the loss (plait.parallel.compile); composes with data parallel,
-    # ZeRO, FSDP, tensor (with parallel.loss_parallel=false) and pipeline parallelism; on CPU needs g++.
+    # DDP, ZeRO, FSDP, tensor and pipeline parallelism (not expert parallelism); on CPU needs g++.
     compile: bool = False
     # Loss of a batch: auto (the model's registered loss; for a factory model, hf when the batch holds
     # labels and the model returns .loss, classification for (x, y) with one label per sample, causal_lm
