@@ -14,9 +14,24 @@ the formula from the routing: per forward, dispatch and combine each move every 
 remote expert (``C x 4`` bytes), the dispatch also its int64 expert id, and the count exchange ``8 x (ep-1)``
 bytes; backward moves the dispatch and combine payloads again (not the ids and counts).
 
-Not run here: DeepSpeed-MoE side by side (its CPU/gloo path was not installed in this environment).
+Step against DeepSpeed-MoE (``--deepspeed-python``, an interpreter with deepspeed installed; DeepSpeed is
+not a plait dependency, so it runs bench/_moe_deepspeed.py as a subprocess, as bench/zero.py does): the
+same model, one MoE layer of that shape (8 experts ``C -> H`` GELU(tanh) ``-> C`` without biases, top-2,
+dropless: DeepSpeed's ``drop_tokens=False``, no second-expert sampling, no random token selection; its
+padded capacity is the largest expert's count over the ep group), from the same initial weights, at ep=2
+on 2 gloo ranks (one thread each), each rank its own 1024 tokens, loss ``mean((y - t)^2)`` plus the
+load-balancing loss at coefficient 0.01 (plait counts f_e over the top-k assignments, DeepSpeed over top-1),
+AdamW (lr 1e-3, ``foreach=False``), no clipping. One step is forward, backward, gradient reduction
+(dense over both ranks, experts divided by the data-parallel size in both) and the optimizer step: plait
+through ``plait.Plait`` (``backward``, ``step``), DeepSpeed through its engine (``engine.backward``,
+``engine.step``, ZeRO stage 0, fp32). Per rank: step time (each step the slowest rank's, median over
+the timed steps, each after a barrier), model-state peak (parameters + gradients + optimizer states,
+each storage once, sampled after forward, from post-accumulate-grad hooks, after backward and after the
+step in untimed steps after the timed ones; bench/_common.StatePeak) and peak RSS above the RSS before
+the model was built. Ratios are plait over DeepSpeed; the target is step time <= 1.0 at model-state
+memory <= 1.0.
 
-    python bench/moe.py [--steps 200] [--quick]
+    python bench/moe.py [--steps 200] [--quick] [--deepspeed-python /tmp/dsvenv/bin/python]
 """
 
 from __future__ import annotations
@@ -30,8 +45,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-import _common  # noqa: F401  (puts src/ on the path)
+import _common  # puts src/ on the path
+import torch
+import torch.distributed as dist
+from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ["--model.n_layer=2", "--model.d_model=64", "--model.n_head=4", "--model.seq_len=64",
@@ -39,6 +58,8 @@ MODEL = ["--model.n_layer=2", "--model.d_model=64", "--model.n_head=4", "--model
          "--optim.warmup_steps=20", "--train.eval_sequences=128", "--parallel.nproc=1",
          "--observe.progress=false", "--observe.tensorboard=false", "--checkpoint.every=0"]
 MOE = ["--moe.num_experts=8", "--moe.top_k=2"]
+SHAPE = (128, 256, 8, 2)  # speed and the DeepSpeed step: d_model C, expert width H, experts E, top-k K
+TOKENS = 1024  # tokens per rank per forward
 
 
 def train(extra: list[str], steps: int, seed: int, root: Path, name: str) -> dict:
@@ -82,8 +103,6 @@ def quality(steps: int, seeds: list[int], root: Path) -> dict:
 
 # -- speed -----------------------------------------------------------------------------------------
 def _speed_worker(rank: int, world: int, port: int, tokens: int, reps: int, out: str) -> None:
-    import torch
-    import torch.distributed as dist
     from torch.utils._python_dispatch import TorchDispatchMode
 
     torch.set_num_threads(1)
@@ -91,12 +110,10 @@ def _speed_worker(rank: int, world: int, port: int, tokens: int, reps: int, out:
     from plait.nn import MoE
     from plait.parallel.expert import AllToAllDispatcher
 
-    C, H, E, K = 128, 256, 8, 2
+    C, H, E, K = SHAPE
     torch.manual_seed(0)
     layer = MoE(C, H, E, top_k=K)
     if world > 1:
-        import torch.nn as nn
-
         n = E // world
         for name in ("w1", "w2"):
             full = getattr(layer.experts, name)
@@ -163,17 +180,167 @@ def speed(tokens: int, reps: int) -> dict:
     return out
 
 
+# -- step time and memory against DeepSpeed-MoE -----------------------------------------------------
+STEP_EP = 2  # expert-parallel degree = ranks
+STEP_LR, STEP_AUX = 1e-3, 0.01  # AdamW learning rate; load-balancing loss coefficient
+STEP_BATCHES = 4  # distinct (x, t) batches per rank, cycled (generated before timing)
+MEASURE_STEPS = 2  # untimed steps after the timed ones that sample model state
+
+
+def initial_moe() -> nn.Module:
+    """The layer both implementations start from: ``plait.nn.MoE`` of ``SHAPE`` from seed 0, dropless."""
+    from plait.nn import MoE
+
+    c, h, e, k = SHAPE
+    torch.manual_seed(0)
+    return MoE(c, h, e, top_k=k, aux_loss_coef=STEP_AUX)
+
+
+def step_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's ``STEP_BATCHES`` (input, target) pairs, each ``(TOKENS, C)``."""
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(TOKENS, SHAPE[0], generator=g), torch.randn(TOKENS, SHAPE[0], generator=g))
+            for _ in range(STEP_BATCHES)]
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=STEP_LR, foreach=False)
+
+
+class StepNet(nn.Module):
+    """The benchmark model on plait: one MoE layer (its balancing loss reaches the router by itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = initial_moe()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)
+
+
+def timed_loop(step: Any, batches: list, warmup: int, steps: int) -> tuple[list[float], list[float]]:
+    """``warmup`` untimed then ``steps`` timed calls of ``step(x, t) -> mse``, each after a barrier."""
+    times, losses = [], []
+    for i in range(warmup + steps):
+        x, t = batches[i % len(batches)]
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses.append(step(x, t))
+        times.append(time.perf_counter() - t0)
+    dist.barrier()
+    return times[warmup:], losses
+
+
+def _plait_step_rank(rank: int, world: int, root: str, warmup: int, steps: int) -> dict:
+    import plait
+
+    p = plait.Plait(parallel={"nproc": world, "ep": world}, run={"dir": f"{root}/plait-step"},
+                    train={"global_batch_size": world, "micro_batch_size": 1, "seed": 0},
+                    optim={"grad_clip": 0.0}, observe={"progress": False, "tensorboard": False})
+    batches = step_batches(rank)
+    baseline = _common.rss_bytes()
+    reset = _common.reset_peak_rss()
+    model, opt = p.setup(StepNet(), optimizer=lambda m: adamw(m.parameters()))
+
+    def step(x: torch.Tensor, t: torch.Tensor) -> float:
+        mse = (model(x) - t).pow(2).mean()
+        p.backward(mse)
+        p.step()
+        return float(mse.detach())
+
+    times, losses = timed_loop(step, batches, warmup, steps)
+    peak = _common.StatePeak(_common.state_sources(model, opt))
+    handles = [model.register_forward_hook(lambda *_: peak.sample("after forward"))]
+    handles += peak.hook_backward(model.parameters())
+    for i in range(MEASURE_STEPS):
+        x, t = batches[i % len(batches)]
+        p.backward((model(x) - t).pow(2).mean())
+        peak.sample("after backward")
+        p.step()
+        peak.sample("after step")
+    for h in handles:
+        h.remove()
+    rss = _common.peak_rss_bytes()
+    p.close()
+    return {"step_s": times, "first_mse": losses[0], "final_mse": losses[-1], "model_state_peak": peak.result(),
+            "peak_above_baseline": rss - baseline, "peak_reset": reset}
+
+
+def merge_step_ranks(per_rank: list[dict]) -> dict:
+    """Per-rank records -> the median over steps of the slowest rank's time, per-rank memory and its max."""
+    slowest = [max(s) for s in zip(*(r["step_s"] for r in per_rank), strict=True)]
+    state = [r["model_state_peak"]["total"] for r in per_rank]
+    above = [r["peak_above_baseline"] for r in per_rank]
+    return {"step_s_median": statistics.median(slowest), "step_s": slowest,
+            "first_mse_rank0": per_rank[0]["first_mse"], "final_mse_rank0": per_rank[0]["final_mse"],
+            "model_state_peak_bytes": state, "model_state_peak_bytes_max": max(state),
+            "model_state_peak_rank0": per_rank[0]["model_state_peak"],
+            "peak_above_baseline_bytes": above, "peak_above_baseline_bytes_max": max(above),
+            "peak_rss_reset": all(r["peak_reset"] for r in per_rank)}
+
+
+def _deepspeed_step(python: str, warmup: int, steps: int) -> dict | str:
+    """DeepSpeed-MoE's record from bench/_moe_deepspeed.py under ``python``, or why it did not run."""
+    script = Path(__file__).with_name("_moe_deepspeed.py")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    cmd = [python, str(script), "--warmup", str(warmup), "--steps", str(steps)]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"not run: {e}"
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode or not lines:
+        tail = [ln for ln in (done.stderr or done.stdout).strip().splitlines() if ln.strip()][-6:]
+        return f"failed (exit {done.returncode}): {' | '.join(tail)}"
+    return json.loads(lines[-1])
+
+
+def versus_deepspeed(python: str, warmup: int, steps: int) -> dict:
+    """plait's and DeepSpeed-MoE's step on the same model (see the module docstring); ratios plait / DeepSpeed."""
+    with tempfile.TemporaryDirectory() as root:
+        plait_rec = merge_step_ranks(_common.spawn_group(_plait_step_rank, STEP_EP, root, warmup, steps,
+                                                         name="plait MoE step"))
+    c, h, e, k = SHAPE
+    out: dict = {"model": f"one MoE layer: d_model {c}, expert width {h}, {e} experts, top-{k}, dropless, "
+                          f"{TOKENS} tokens per rank, AdamW, fp32",
+                 "ep": STEP_EP, "ranks": STEP_EP, "warmup": warmup, "steps": steps, "plait": plait_rec}
+    if not python:
+        out["deepspeed"] = ("not run: pass --deepspeed-python PYTHON (an interpreter with deepspeed installed, "
+                            "e.g. python3 -m venv /tmp/dsvenv && /tmp/dsvenv/bin/pip install torch deepspeed)")
+        return out
+    ds = _deepspeed_step(python, warmup, steps)
+    out["deepspeed"] = ds
+    if not isinstance(ds, dict):
+        return out
+    step = plait_rec["step_s_median"] / ds["step_s_median"]
+    mem = plait_rec["model_state_peak_bytes_max"] / ds["model_state_peak_bytes_max"]
+    rss = plait_rec["peak_above_baseline_bytes_max"] / max(ds["peak_above_baseline_bytes_max"], 1)
+    out["ratios (plait / deepspeed)"] = {"step_time": round(step, 3), "model_state_peak": round(mem, 3),
+                                         "peak_rss_above_baseline": round(rss, 3)}
+    out["target_step_time_le_1"] = step <= 1.0
+    out["at_equal_memory_or_less"] = mem <= 1.0
+    out["target_met"] = step <= 1.0 and mem <= 1.0
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--quick", action="store_true", help="40 steps, one seed, fewer speed repetitions")
+    ap.add_argument("--deepspeed-python", default="", help="interpreter with deepspeed (run as a subprocess)")
+    ap.add_argument("--only", choices=("quality", "speed", "deepspeed"), nargs="+",
+                    default=["quality", "speed", "deepspeed"], help="run only these sections")
     args = ap.parse_args()
     steps, seeds, reps = (40, [1], 5) if args.quick else (args.steps, args.seeds, 20)
+    result: dict = {"machine": f"{os.cpu_count()} CPU cores, gloo, one thread per rank", "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
-        result = {"machine": f"{os.cpu_count()} CPU cores, gloo, one thread per rank",
-                  "quality": quality(steps, seeds, Path(tmp)), "speed": speed(1024, reps),
-                  "deepspeed_moe": "not run: DeepSpeed-MoE was not installed beside plait here; no comparison made"}
+        if "quality" in args.only:
+            result["quality"] = quality(steps, seeds, Path(tmp))
+        if "speed" in args.only:
+            result["speed"] = speed(TOKENS, reps)
+        if "deepspeed" in args.only:
+            result["deepspeed_moe"] = versus_deepspeed(args.deepspeed_python, 3, reps)
     print(json.dumps(result, indent=1))
 
 
