@@ -76,6 +76,7 @@ def run_rank(rank: int, world: int, warmup: int, steps: int) -> dict:
               "zero_optimization": {"stage": 0}, "steps_per_print": 2**31 - 1}
     engine, ds_opt, _, _ = deepspeed.initialize(model=net, optimizer=moe.adamw(net.parameters()), config=ds_cfg)
     net.load_plait(groups._get_expert_parallel_rank(net.moe.expert_group_name))
+    setup = moe.setup_done()
 
     def step(x: torch.Tensor, t: torch.Tensor) -> float:
         y, l_aux = engine(x)
@@ -84,7 +85,7 @@ def run_rank(rank: int, world: int, warmup: int, steps: int) -> dict:
         engine.step()
         return float(mse.detach())
 
-    times, losses = moe.timed_loop(step, batches, warmup, steps)
+    timed = moe.timed_loop(step, batches, warmup, steps)
     opt = getattr(ds_opt, "optimizer", ds_opt) if not hasattr(ds_opt, "state") else ds_opt
     peak = _common.StatePeak(_common.state_sources(engine.module, opt))
     handles = [engine.module.register_forward_hook(lambda *_: peak.sample("after forward"))]
@@ -98,8 +99,7 @@ def run_rank(rank: int, world: int, warmup: int, steps: int) -> dict:
         peak.sample("after step")
     for h in handles:
         h.remove()
-    return {"step_s": times, "first_mse": losses[0], "final_mse": losses[-1], "model_state_peak": peak.result(),
-            "peak_above_baseline": _common.peak_rss_bytes() - baseline, "peak_reset": reset,
+    return {**timed, "model_state_peak": peak.result(), **moe.memory_record(baseline, setup, reset),
             "optimizer": type(ds_opt).__name__}
 
 

@@ -25,13 +25,17 @@ AdamW (lr 1e-3, ``foreach=False``), no clipping. One step is forward, backward, 
 (dense over both ranks, experts divided by the data-parallel size in both) and the optimizer step: plait
 through ``plait.Plait`` (``backward``, ``step``), DeepSpeed through its engine (``engine.backward``,
 ``engine.step``, ZeRO stage 0, fp32). Per rank: step time (each step the slowest rank's, median over
-the timed steps, each after a barrier), model-state peak (parameters + gradients + optimizer states,
+the timed steps, each after a barrier; ``--rounds`` alternating plait / DeepSpeed runs pooled), CPU time
+per step (each process's, all threads, summed over the ranks: less sensitive than wall time to other load
+on a shared machine), model-state peak (parameters + gradients + optimizer states,
 each storage once, sampled after forward, from post-accumulate-grad hooks, after backward and after the
-step in untimed steps after the timed ones; bench/_common.StatePeak) and peak RSS above the RSS before
-the model was built. Ratios are plait over DeepSpeed; the target is step time <= 1.0 at model-state
+step in untimed steps after the timed ones; bench/_common.StatePeak), peak RSS above the RSS before the
+model was built, and the timed and measured steps' own peak RSS above the RSS after setup (what setup
+imports or builds once left out). Ratios are plait over DeepSpeed; the target is step time <= 1.0 at model-state
 memory <= 1.0.
 
-    python bench/moe.py [--steps 200] [--quick] [--deepspeed-python /tmp/dsvenv/bin/python]
+    python bench/moe.py [--steps 200] [--quick] [--only quality speed deepspeed] [--rounds 3]
+                        [--deepspeed-python /tmp/dsvenv/bin/python]
 """
 
 from __future__ import annotations
@@ -218,17 +222,34 @@ class StepNet(nn.Module):
         return self.moe(x)
 
 
-def timed_loop(step: Any, batches: list, warmup: int, steps: int) -> tuple[list[float], list[float]]:
-    """``warmup`` untimed then ``steps`` timed calls of ``step(x, t) -> mse``, each after a barrier."""
-    times, losses = [], []
+def setup_done() -> tuple[int, int]:
+    """(peak RSS of build + setup, RSS now); then the peak is reset so that the steps' own peak reads apart."""
+    peak, now = _common.peak_rss_bytes(), _common.rss_bytes()
+    _common.reset_peak_rss()
+    return peak, now
+
+
+def memory_record(baseline: int, setup: tuple[int, int], reset: bool) -> dict:
+    """Peak RSS above the RSS before the model was built (setup and steps), and the steps' peak above the
+    RSS after setup (leaves out what setup imported or built once)."""
+    steps_peak = _common.peak_rss_bytes()
+    return {"peak_above_baseline": max(setup[0], steps_peak) - baseline,
+            "steps_peak_above_setup": steps_peak - setup[1], "peak_reset": reset}
+
+
+def timed_loop(step: Any, batches: list, warmup: int, steps: int) -> dict:
+    """``warmup`` untimed then ``steps`` timed calls of ``step(x, t) -> mse``, each after a barrier: wall
+    time and this process's CPU time (all its threads, gloo's included) per timed step, and the losses."""
+    times, cpu, losses = [], [], []
     for i in range(warmup + steps):
         x, t = batches[i % len(batches)]
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         losses.append(step(x, t))
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     dist.barrier()
-    return times[warmup:], losses
+    return {"step_s": times[warmup:], "step_cpu_s": cpu[warmup:], "first_mse": losses[0], "final_mse": losses[-1]}
 
 
 def _plait_step_rank(rank: int, world: int, root: str, warmup: int, steps: int) -> dict:
@@ -241,6 +262,7 @@ def _plait_step_rank(rank: int, world: int, root: str, warmup: int, steps: int) 
     baseline = _common.rss_bytes()
     reset = _common.reset_peak_rss()
     model, opt = p.setup(StepNet(), optimizer=lambda m: adamw(m.parameters()))
+    setup = setup_done()
 
     def step(x: torch.Tensor, t: torch.Tensor) -> float:
         mse = (model(x) - t).pow(2).mean()
@@ -248,7 +270,7 @@ def _plait_step_rank(rank: int, world: int, root: str, warmup: int, steps: int) 
         p.step()
         return float(mse.detach())
 
-    times, losses = timed_loop(step, batches, warmup, steps)
+    timed = timed_loop(step, batches, warmup, steps)
     peak = _common.StatePeak(_common.state_sources(model, opt))
     handles = [model.register_forward_hook(lambda *_: peak.sample("after forward"))]
     handles += peak.hook_backward(model.parameters())
@@ -260,23 +282,39 @@ def _plait_step_rank(rank: int, world: int, root: str, warmup: int, steps: int) 
         peak.sample("after step")
     for h in handles:
         h.remove()
-    rss = _common.peak_rss_bytes()
+    memory = memory_record(baseline, setup, reset)
     p.close()
-    return {"step_s": times, "first_mse": losses[0], "final_mse": losses[-1], "model_state_peak": peak.result(),
-            "peak_above_baseline": rss - baseline, "peak_reset": reset}
+    return {**timed, "model_state_peak": peak.result(), **memory}
+
+
+STEP_MEMORY = ("model_state_peak_bytes", "peak_above_baseline_bytes", "steps_peak_above_setup_bytes")
 
 
 def merge_step_ranks(per_rank: list[dict]) -> dict:
-    """Per-rank records -> the median over steps of the slowest rank's time, per-rank memory and its max."""
-    slowest = [max(s) for s in zip(*(r["step_s"] for r in per_rank), strict=True)]
-    state = [r["model_state_peak"]["total"] for r in per_rank]
-    above = [r["peak_above_baseline"] for r in per_rank]
-    return {"step_s_median": statistics.median(slowest), "step_s": slowest,
+    """Per-rank records of one run -> each step's slowest rank, per-rank memory."""
+    return {"step_s": [max(s) for s in zip(*(r["step_s"] for r in per_rank), strict=True)],
+            "step_cpu_s": [sum(s) for s in zip(*(r["step_cpu_s"] for r in per_rank), strict=True)],
             "first_mse_rank0": per_rank[0]["first_mse"], "final_mse_rank0": per_rank[0]["final_mse"],
-            "model_state_peak_bytes": state, "model_state_peak_bytes_max": max(state),
+            "model_state_peak_bytes": [r["model_state_peak"]["total"] for r in per_rank],
             "model_state_peak_rank0": per_rank[0]["model_state_peak"],
-            "peak_above_baseline_bytes": above, "peak_above_baseline_bytes_max": max(above),
+            "peak_above_baseline_bytes": [r["peak_above_baseline"] for r in per_rank],
+            "steps_peak_above_setup_bytes": [r["steps_peak_above_setup"] for r in per_rank],
             "peak_rss_reset": all(r["peak_reset"] for r in per_rank)}
+
+
+def pool_rounds(runs: list[dict]) -> dict:
+    """Runs of one implementation over rounds -> the median step time (the slowest rank's wall time) and
+    step CPU time (summed over ranks) over every timed step of every round, and each memory figure's
+    largest rank and round (``*_max``)."""
+    out = dict(runs[-1])
+    samples = [t for r in runs for t in r["step_s"]]
+    out.update(step_s_median=statistics.median(samples), step_samples=len(samples),
+               step_s_median_by_round=[statistics.median(r["step_s"]) for r in runs],
+               step_cpu_s_median=statistics.median(t for r in runs for t in r["step_cpu_s"]))
+    del out["step_s"], out["step_cpu_s"]
+    for key in STEP_MEMORY:
+        out[key + "_max"] = max(v for r in runs for v in r[key])
+    return out
 
 
 def _deepspeed_step(python: str, warmup: int, steps: int) -> dict | str:
@@ -295,28 +333,45 @@ def _deepspeed_step(python: str, warmup: int, steps: int) -> dict | str:
     return json.loads(lines[-1])
 
 
-def versus_deepspeed(python: str, warmup: int, steps: int) -> dict:
-    """plait's and DeepSpeed-MoE's step on the same model (see the module docstring); ratios plait / DeepSpeed."""
-    with tempfile.TemporaryDirectory() as root:
-        plait_rec = merge_step_ranks(_common.spawn_group(_plait_step_rank, STEP_EP, root, warmup, steps,
-                                                         name="plait MoE step"))
+def versus_deepspeed(python: str, warmup: int, steps: int, rounds: int) -> dict:
+    """plait's and DeepSpeed-MoE's step on the same model (see the module docstring), alternating over
+    ``rounds`` (plait then DeepSpeed in each, so that load on a shared machine falls on both); ratios
+    plait / DeepSpeed of the pooled median step time and of each memory figure's largest rank."""
     c, h, e, k = SHAPE
     out: dict = {"model": f"one MoE layer: d_model {c}, expert width {h}, {e} experts, top-{k}, dropless, "
                           f"{TOKENS} tokens per rank, AdamW, fp32",
-                 "ep": STEP_EP, "ranks": STEP_EP, "warmup": warmup, "steps": steps, "plait": plait_rec}
+                 "ep": STEP_EP, "ranks": STEP_EP, "warmup": warmup, "steps": steps, "rounds": rounds}
+    plait_runs, ds_runs, ds_error = [], [], None
+    for _ in range(rounds):
+        with tempfile.TemporaryDirectory() as root:
+            plait_runs.append(merge_step_ranks(_common.spawn_group(_plait_step_rank, STEP_EP, root, warmup, steps,
+                                                                   name="plait MoE step")))
+        if python and ds_error is None:
+            ds = _deepspeed_step(python, warmup, steps)
+            if isinstance(ds, dict):
+                ds_runs.append(ds)
+            else:
+                ds_error = ds
+    out["plait"] = pool_rounds(plait_runs)
     if not python:
         out["deepspeed"] = ("not run: pass --deepspeed-python PYTHON (an interpreter with deepspeed installed, "
                             "e.g. python3 -m venv /tmp/dsvenv && /tmp/dsvenv/bin/pip install torch deepspeed)")
         return out
-    ds = _deepspeed_step(python, warmup, steps)
-    out["deepspeed"] = ds
-    if not isinstance(ds, dict):
+    if ds_error is not None:
+        out["deepspeed"] = ds_error
         return out
+    out["deepspeed"] = ds = pool_rounds(ds_runs)
+    plait_rec = out["plait"]
     step = plait_rec["step_s_median"] / ds["step_s_median"]
     mem = plait_rec["model_state_peak_bytes_max"] / ds["model_state_peak_bytes_max"]
-    rss = plait_rec["peak_above_baseline_bytes_max"] / max(ds["peak_above_baseline_bytes_max"], 1)
-    out["ratios (plait / deepspeed)"] = {"step_time": round(step, 3), "model_state_peak": round(mem, 3),
-                                         "peak_rss_above_baseline": round(rss, 3)}
+    out["ratios (plait / deepspeed)"] = {
+        "step_time": round(step, 3),
+        "step_cpu_time": round(plait_rec["step_cpu_s_median"] / ds["step_cpu_s_median"], 3),
+        "model_state_peak": round(mem, 3),
+        "peak_rss_above_baseline": round(plait_rec["peak_above_baseline_bytes_max"]
+                                         / max(ds["peak_above_baseline_bytes_max"], 1), 3),
+        "steps_peak_rss_above_setup": round(plait_rec["steps_peak_above_setup_bytes_max"]
+                                            / max(ds["steps_peak_above_setup_bytes_max"], 1), 3)}
     out["target_step_time_le_1"] = step <= 1.0
     out["at_equal_memory_or_less"] = mem <= 1.0
     out["target_met"] = step <= 1.0 and mem <= 1.0
@@ -329,18 +384,21 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--quick", action="store_true", help="40 steps, one seed, fewer speed repetitions")
     ap.add_argument("--deepspeed-python", default="", help="interpreter with deepspeed (run as a subprocess)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating plait/DeepSpeed rounds of the step comparison")
     ap.add_argument("--only", choices=("quality", "speed", "deepspeed"), nargs="+",
                     default=["quality", "speed", "deepspeed"], help="run only these sections")
     args = ap.parse_args()
     steps, seeds, reps = (40, [1], 5) if args.quick else (args.steps, args.seeds, 20)
-    result: dict = {"machine": f"{os.cpu_count()} CPU cores, gloo, one thread per rank", "torch": torch.__version__}
+    result: dict = {"machine": f"{os.cpu_count()} CPU cores, gloo, one thread per rank", "torch": torch.__version__,
+                    "load_average_at_start": [round(v, 2) for v in os.getloadavg()]}
     with tempfile.TemporaryDirectory() as tmp:
         if "quality" in args.only:
             result["quality"] = quality(steps, seeds, Path(tmp))
         if "speed" in args.only:
             result["speed"] = speed(TOKENS, reps)
         if "deepspeed" in args.only:
-            result["deepspeed_moe"] = versus_deepspeed(args.deepspeed_python, 3, reps)
+            result["deepspeed_moe"] = versus_deepspeed(args.deepspeed_python, 3, 10 if args.quick else 50,
+                                                       1 if args.quick else args.rounds)
     print(json.dumps(result, indent=1))
 
 
