@@ -4,8 +4,11 @@ expert-parallel layer's speed and all-to-all bytes. One run prints JSON.
 Quality (``plait train`` on the embedded corpus, one process, equal steps and data): plait's GPT with
 every block's MLP an MoE of 8 experts, top-2, each expert ``4 d / 2`` wide (so a token's active MLP FLOPs
 equal the dense ``4 d`` MLP's), against the dense GPT; 3 seeds each, final validation loss median and
-spread. Then aux-loss against bias balancing (loss, MaxVio over training) and capacity factor 1.0 / 1.25 /
-2.0 / dropless (drop rate, loss), one seed each.
+spread. The MoE runs use bias balancing: measured at 2000 steps (seed 1), the Switch aux loss at
+coefficient 0.01 ended 0.12 above bias balancing (1.477 vs 1.353; dense 1.372), and at 150-500 steps
+every MoE variant was still behind the dense model, so the comparison needs the longer run (default
+1500 steps). Then aux-loss against bias balancing (loss, MaxVio over training) and capacity factor 1.0 /
+1.25 / 2.0 / dropless (drop rate, loss), first seed.
 
 Speed (gloo, one thread per rank): the MoE layer's forward+backward tokens/s at ep=1 (one process, all
 experts) and ep=2 (two processes, each with its own tokens and half the experts), and the bytes the
@@ -85,24 +88,30 @@ def train(extra: list[str], steps: int, seed: int, root: Path, name: str) -> dic
 
 
 def quality(steps: int, seeds: list[int], root: Path) -> dict:
-    res: dict = {"dense": [], "moe": []}
+    """Dense against MoE with each balancing (bias: all seeds; aux: the first seed), then the capacity
+    sweep with bias balancing (first seed; dropless is the bias run). A verdict is true only when the
+    MoE median is below the dense median by more than half the larger seed spread."""
+    res: dict = {"dense": [], "moe_bias": []}
     for s in seeds:
         res["dense"].append(train([], steps, s, root, f"dense{s}"))
-        res["moe"].append(train(MOE, steps, s, root, f"moe{s}"))
+        res["moe_bias"].append(train(MOE + ["--moe.balance=bias"], steps, s, root, f"moe-bias{s}"))
     summary = {}
     for k, runs in res.items():
         losses = [r["val_loss"] for r in runs]
         summary[k] = {"val_loss_median": statistics.median(losses), "val_loss_min": min(losses),
                       "val_loss_max": max(losses), "tokens_per_s_median": statistics.median(r["tokens_per_s"]
                                                                                              for r in runs)}
-    spread = max(summary["dense"]["val_loss_max"] - summary["dense"]["val_loss_min"],
-                 summary["moe"]["val_loss_max"] - summary["moe"]["val_loss_min"])
-    verdict = summary["moe"]["val_loss_median"] < summary["dense"]["val_loss_median"] - spread / 2
-    balance = {b: train(MOE + [f"--moe.balance={b}"], steps, seeds[0], root, f"bal-{b}") for b in ("aux", "bias")}
-    capacity = {str(c): train(MOE + [f"--moe.capacity_factor={c}"], steps, seeds[0], root, f"cap{c}")
-                for c in (1.0, 1.25, 2.0, 0.0)}
-    return {"seeds": seeds, "steps": steps, "dense_vs_moe": summary, "runs": res,
-            "target_moe_below_dense": bool(verdict), "balance": balance, "capacity (0.0 = dropless)": capacity}
+    spread = max(v["val_loss_max"] - v["val_loss_min"] for v in summary.values())
+    verdict = summary["moe_bias"]["val_loss_median"] < summary["dense"]["val_loss_median"] - spread / 2
+    aux = train(MOE + ["--moe.balance=aux"], steps, seeds[0], root, "moe-aux")
+    balance = {"aux": aux, "bias": res["moe_bias"][0],
+               "dense_same_seed": res["dense"][0]}
+    capacity = {str(c): train(MOE + ["--moe.balance=bias", f"--moe.capacity_factor={c}"], steps, seeds[0], root,
+                              f"cap{c}") for c in (1.0, 1.25, 2.0)}
+    capacity["0.0 (dropless)"] = res["moe_bias"][0]
+    return {"seeds": seeds, "steps": steps, "dense_vs_moe_bias": summary, "runs": res,
+            "target_moe_below_dense": bool(verdict), "balance (first seed)": balance,
+            "capacity (first seed, bias balancing)": capacity}
 
 
 # -- speed -----------------------------------------------------------------------------------------
@@ -380,7 +389,7 @@ def versus_deepspeed(python: str, warmup: int, steps: int, rounds: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--quick", action="store_true", help="40 steps, one seed, fewer speed repetitions")
     ap.add_argument("--deepspeed-python", default="", help="interpreter with deepspeed (run as a subprocess)")
