@@ -12,11 +12,13 @@ pull rule, exact sums. Two spawns then run several configurations each through `
   (exactly the stale gradients dropped and counted), and checkpoints (sync resume equals the
   uninterrupted run exactly; the PS checkpoint loads into plain data parallelism);
 - world 4: two servers against the single-process reference, async and dc (lambda 0) with one
-  worker and three servers against single-process training, and the Trainer on plait's GPT.
+  worker and three servers against single-process training, a transformers Llama against one process,
+  and ``plait train``'s worker function on plait's GPT (async, two servers) and CNN (backup, one server).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -154,12 +156,27 @@ def _data() -> torch.utils.data.Dataset:
     return torch.utils.data.TensorDataset(x, 2 * torch.tanh(x @ teacher))
 
 
+def _hf_model() -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32))
+
+
+def _hf_data() -> list[dict]:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(0, 256, (256, 16), generator=g)
+    return [{"input_ids": row, "labels": row} for row in x]
+
+
 def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, y)
 
 
 def _train(sections: dict, run_dir: str, steps: int = STEPS, save_at: int = 0, load: str = "",
-           sleepy: bool = False) -> dict:
+           sleepy: bool = False, hf: bool = False) -> dict:
     """Train ``steps`` optimizer steps with the keep-your-loop API; a server returns its statistics and
     final shard, a worker its losses, final weights and (rank 0) the servers' merged statistics."""
     import plait
@@ -167,11 +184,11 @@ def _train(sections: dict, run_dir: str, steps: int = STEPS, save_at: int = 0, l
 
     p = plait.Plait(run={"dir": run_dir}, observe={"progress": False, "tensorboard": False}, **sections)
     try:
-        model, opt = p.setup(_model(sleepy), loss_fn=_mse)
+        model, opt = p.setup(_hf_model() if hf else _model(sleepy), loss_fn="hf" if hf else _mse)
     except ServerDone as e:
         st = p.layout.server.state
         return {"server": e.stats, "w": st.w.clone(), "events": list(st.events)}
-    loader = p.setup_dataloader(_data())
+    loader = p.setup_dataloader(_hf_data() if hf else _data())
     if load:
         p.load(load, model=model, optimizer=opt, dataloader=loader)
     it, losses, last, saved = iter(loader), [], None, None
@@ -342,22 +359,91 @@ def test_checkpoint_resume_and_load_into_data_parallel(world3: tuple) -> None:
     _same(ranks[0]["saving"]["sd"], ranks[0]["sync"]["sd"], atol=0.0)  # saving changed nothing
 
 
+def _trainer(overrides: list[str], run_dir: str) -> dict:
+    """``plait train``'s worker function (Trainer.from_config) in this rank; a server returns its figures."""
+    from plait.config import load_config
+    from plait.train.trainer import train
+
+    base = ["--parallel.mode=ps", "--train.eval_every=0", "--train.eval_sequences=16", "--train.log_every=2",
+            "--checkpoint.every=2", "--observe.progress=false", "--observe.tensorboard=false"]
+    return train(load_config(None, base + overrides), __import__("pathlib").Path(run_dir))
+
+
 def _world4(rank: int, world: int, tmp: str) -> dict:
     ps = {"parallel": {"mode": "ps"}}
     out = {"two_servers": _train({**BASE, **ps, "ps": {"servers": 2}}, f"{tmp}/two")}
+    out["hf"] = _train({**BASE, **ps, "ps": {"servers": 2}}, f"{tmp}/hf", steps=3, hf=True)
+    gpt = ["--model.n_layer=1", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=16", "--train.steps=4",
+           "--train.global_batch_size=4", "--train.micro_batch_size=2"]
+    out["gpt"] = _trainer(gpt + ["--ps.mode=async", "--ps.servers=2"], f"{tmp}/gpt")
+    cnn = ["--model.name=cnn", "--train.steps=4", "--train.global_batch_size=12", "--train.micro_batch_size=4",
+           "--ps.mode=backup", "--ps.backup_workers=1", "--ps.servers=1"]
+    out["cnn"] = _trainer(cnn, f"{tmp}/cnn")
     one = {"train": {"global_batch_size": 8, "micro_batch_size": 8}, "optim": BASE["optim"]}
     out["async1"] = _train({**one, **ps, "ps": {"servers": 3, "mode": "async"}}, f"{tmp}/async1")
     out["dc1"] = _train({**one, **ps, "ps": {"servers": 3, "mode": "dc", "dc_lambda": 0.0}}, f"{tmp}/dc1")
     return out
 
 
-def test_two_servers_and_one_worker(tmp_path: pytest.TempPathFactory) -> None:
+def test_two_servers_one_worker_and_other_models(tmp_path: __import__("pathlib").Path) -> None:
     tmp = str(tmp_path)
-    ranks = run_ranks(_world4, 4, tmp, timeout=240)
+    ranks = run_ranks(_world4, 4, tmp, timeout=300)
     ref = _reference(tmp)
+    hf_ref = _train(BASE, f"{tmp}/hf_ref", steps=3, hf=True)
+    for w in (0, 1):  # a transformers model through the same API (tolerance: summation order of the mean)
+        assert ranks[w]["hf"]["losses"] == pytest.approx(hf_ref["losses"], abs=1e-5)
+        _same(ranks[w]["hf"]["sd"], hf_ref["sd"], atol=1e-5)
+    for name in ("gpt", "cnn"):  # plait train's worker function: summary and metrics carry the ps block
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        servers = 2 if name == "gpt" else 1
+        assert summary["steps"] == 4 and summary["ps"]["workers"] == 4 - servers and summary["ps"]["servers"] == servers
+        assert summary["ps"]["applied"] > 0 and "max_clock_gap" in summary["ps"]
+        assert summary["ps"]["staleness_histogram"] and summary["ps"]["push_bytes"] > 0
+        metrics = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        steps = [m for m in metrics if "loss" in m]
+        assert steps and all("ps_push_bytes" in m and "ps_pull_wait_s" in m for m in steps)
+        assert "staleness_histogram" in steps[0]["ps"]
+        assert (tmp_path / name / "model.safetensors").is_file()
+        assert ranks[3][name]["ps_server"]["version"] > 0 and ranks[0][name]["steps"] == 4
+    # cnn ran backup (b = 1) through the Trainer's gathers, checkpoints and export: every push accounted for
+    final = ranks[3]["cnn"]["ps_server"]
+    assert final["applied"] + final["dropped"] == 3 * 4 and final["clocks"] == [4, 4, 4]
     for w in (0, 1):
         assert ranks[w]["two_servers"]["losses"] == pytest.approx(ref["losses"], abs=1e-6)
         _same(ranks[w]["two_servers"]["sd"], ref["sd"])
     assert ranks[2]["two_servers"]["server"]["numel"] + ranks[3]["two_servers"]["server"]["numel"] == 212
     _same(ranks[0]["async1"]["sd"], ref["sd"])  # one worker: asynchronous is plain training
     _same(ranks[0]["dc1"]["sd"], ranks[0]["async1"]["sd"], atol=0.0)  # dc with lambda 0 is async
+
+
+def _dies(rank: int, world: int, tmp: str) -> None:
+    """Worker 1 is killed (SIGKILL) after two steps; the others run on until the job ends."""
+    import os
+    import signal
+
+    import plait
+    from plait.ps import ServerDone
+
+    p = plait.Plait(run={"dir": tmp}, observe={"progress": False, "tensorboard": False}, **BASE,
+                    parallel={"mode": "ps"})
+    try:
+        model, _ = p.setup(_model(), loss_fn=_mse)
+    except ServerDone:
+        return
+    loader = iter(p.setup_dataloader(_data()))
+    while p.steps < 100:
+        if rank == 1 and p.steps == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        p.forward_backward(model, next(loader))
+        p.step()
+
+
+def test_a_killed_worker_ends_the_job_with_its_name(tmp_path: __import__("pathlib").Path) -> None:
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(AssertionError) as e:
+        run_ranks(_dies, 3, str(tmp_path), timeout=60)
+    # the server names the worker whose link broke (or worker 0 names the server that ended because of it)
+    assert "PsError: worker rank 1 is gone" in str(e.value) or "PsError: parameter server rank 2" in str(e.value)
+    assert time.perf_counter() - t0 < 50  # the connection's end is seen at once, not after a timeout

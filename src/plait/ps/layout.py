@@ -122,6 +122,7 @@ class PsLayout(Layout):
             lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
             self.client.push(self._grad, grad_norm_sq(self._grad), lrs)
             self._pushed = True
+            self.optimizer._opt_called = True  # the servers stepped it: no LR-scheduler order warning
 
     def after_step(self) -> None:
         """A non-finite gradient is announced (no version waits for it); then PULL when due."""
