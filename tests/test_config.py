@@ -57,13 +57,13 @@ def test_global_batch_must_divide() -> None:
 
 def test_degrees_must_match_world() -> None:
     cfg = load_config(overrides=["--parallel.dp=3"])
-    with pytest.raises(ConfigError, match=r"dp=3 x tp=1 x pp=1 x ep=1 = 3 do not match the world size 2"):
+    with pytest.raises(ConfigError, match=r"dp=3 x tp=1 x pp=1 = 3 do not match the world size 2"):
         validate(cfg, 2)
 
 
 def test_inferred_dp_needs_divisible_world() -> None:
     cfg = load_config(overrides=["--parallel.tp=2"])
-    with pytest.raises(ConfigError, match="world size 3 does not divide by tp x pp x ep = 2"):
+    with pytest.raises(ConfigError, match="world size 3 does not divide by tp x pp = 2"):
         validate(cfg, 3)
 
 
@@ -74,7 +74,8 @@ def test_heads_must_divide_width() -> None:
 
 def test_config_sections_complete() -> None:
     names = {f for f in Config.__dataclass_fields__}
-    assert names == {"run", "model", "data", "train", "optim", "parallel", "comm", "checkpoint", "fault", "observe"}
+    assert names == {"run", "model", "data", "train", "optim", "parallel", "comm", "checkpoint", "fault", "observe",
+                     "ps", "moe"}
 
 
 @pytest.mark.parametrize(("args", "world", "message"), [

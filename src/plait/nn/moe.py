@@ -112,16 +112,16 @@ class GroupedExperts(nn.Module):
         Every local expert runs, on however many rows it got (zero included), so each expert weight takes
         part in the graph and its gradient is zeros, never None, when no token reached it."""
         w1, w2 = self.local_weights()
-        out = x.new_zeros(len(tokens), x.size(-1))
         order = torch.argsort(local_experts, stable=True)
         counts = torch.bincount(local_experts, minlength=w1.size(0)).tolist()
-        start = 0
+        xs = x.index_select(0, tokens.index_select(0, order))  # (A, C), grouped by expert: one gather
+        outs, start = [], 0
         for e, n in enumerate(counts):
-            rows = order[start:start + n]
-            h = F.gelu(x[tokens[rows]] @ w1[e].to(x.dtype), approximate="tanh")  # (n, H)
-            out = out.index_copy(0, rows, h @ w2[e].to(x.dtype))  # (n, C)
+            h = F.gelu(xs[start:start + n] @ w1[e].to(x.dtype), approximate="tanh")  # (n, H)
+            outs.append(h @ w2[e].to(x.dtype))  # (n, C)
             start += n
-        return out
+        grouped = torch.cat(outs) if outs else xs
+        return grouped.new_empty(grouped.shape).index_copy(0, order, grouped)  # back to row order: one scatter
 
 
 class MoE(nn.Module):

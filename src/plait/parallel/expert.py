@@ -110,7 +110,7 @@ class AllToAllDispatcher(_Dispatcher):
         ids = routing.experts[order] - dest[order] * self.local  # local expert id on the owning rank
         ids_recv = ids.new_empty(sum(recv_splits))
         dist.all_to_all_single(ids_recv, ids, recv_splits, send_splits, group=self.group)
-        x_send = x[routing.tokens[order]]  # (A, C)
+        x_send = x.index_select(0, routing.tokens.index_select(0, order))  # (A, C)
         x_recv = dfn.all_to_all_single(x.new_empty(sum(recv_splits), x.size(-1)), x_send, recv_splits,
                                        send_splits, group=self.group)
         y = experts.run(x_recv, torch.arange(len(ids_recv), device=x.device), ids_recv)  # (R, C)
@@ -133,7 +133,7 @@ class AllGatherDispatcher(_Dispatcher):
         dist.all_gather(sizes, torch.tensor([a]), group=self.group)
         a_max = max(int(s) for s in sizes)
         x_pad = x.new_zeros(a_max, x.size(-1))
-        x_pad = x_pad.index_copy(0, torch.arange(a, device=x.device), x[routing.tokens])
+        x_pad = x_pad.index_copy(0, torch.arange(a, device=x.device), x.index_select(0, routing.tokens))
         ids = torch.full((a_max,), -1, dtype=torch.int64, device=x.device)
         ids[:a] = routing.experts
         # The gather as a sum of zero-padded slots: differentiable (backward: the same all-reduce of the
