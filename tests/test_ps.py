@@ -416,34 +416,43 @@ def test_two_servers_one_worker_and_other_models(tmp_path: __import__("pathlib")
     _same(ranks[0]["dc1"]["sd"], ranks[0]["async1"]["sd"], atol=0.0)  # dc with lambda 0 is async
 
 
-def _dies(rank: int, world: int, tmp: str) -> None:
-    """Worker 1 is killed (SIGKILL) after two steps; the others run on until the job ends."""
+def _dies(rank: int, world: int, tmp: str, victim: int) -> None:
+    """Rank ``victim`` is killed (SIGKILL): a worker after two steps, the server 3 s after it started
+    serving; the others run on until the job ends."""
     import os
     import signal
+    import threading
 
     import plait
     from plait.ps import ServerDone
 
     p = plait.Plait(run={"dir": tmp}, observe={"progress": False, "tensorboard": False}, **BASE,
                     parallel={"mode": "ps"})
+    if rank == victim == 2:
+        threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
     try:
         model, _ = p.setup(_model(), loss_fn=_mse)
     except ServerDone:
         return
-    loader = iter(p.setup_dataloader(_data()))
-    while p.steps < 100:
-        if rank == 1 and p.steps == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
-        p.forward_backward(model, next(loader))
-        p.step()
+    loader = p.setup_dataloader(_data())
+    while p.steps < 100_000:
+        for batch in loader:  # epochs until the job ends
+            if rank == victim and p.steps == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            p.forward_backward(model, batch)
+            p.step()
 
 
-def test_a_killed_worker_ends_the_job_with_its_name(tmp_path: __import__("pathlib").Path) -> None:
+@pytest.mark.parametrize("victim", [1, 2])
+def test_a_killed_worker_or_server_ends_the_job_with_its_name(tmp_path: __import__("pathlib").Path,
+                                                               victim: int) -> None:
     import time
 
     t0 = time.perf_counter()
     with pytest.raises(AssertionError) as e:
-        run_ranks(_dies, 3, str(tmp_path), timeout=60)
-    # the server names the worker whose link broke (or worker 0 names the server that ended because of it)
-    assert "PsError: worker rank 1 is gone" in str(e.value) or "PsError: parameter server rank 2" in str(e.value)
+        run_ranks(_dies, 3, str(tmp_path), victim, timeout=60)
+    if victim == 1:  # the server names the worker whose link broke (or worker 0 the server that ended for it)
+        assert "PsError: worker rank 1 is gone" in str(e.value) or "PsError: parameter server rank 2" in str(e.value)
+    else:  # every worker names the server
+        assert "PsError: parameter server rank 2 is gone" in str(e.value)
     assert time.perf_counter() - t0 < 50  # the connection's end is seen at once, not after a timeout
