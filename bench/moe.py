@@ -14,8 +14,8 @@ Speed (gloo, one thread per rank): the MoE layer's forward+backward tokens/s at 
 experts) and ep=2 (two processes, each with its own tokens and half the experts), and the bytes the
 all-to-alls put on the wire, read from the c10d calls' own split sizes by a dispatch-mode counter, against
 the formula from the routing: per forward, dispatch and combine each move every assignment routed to a
-remote expert (``C x 4`` bytes), the dispatch also its int64 expert id, and the count exchange ``8 x (ep-1)``
-bytes; backward moves the dispatch and combine payloads again (not the ids and counts).
+remote expert (``C x 4`` bytes), and the count exchange ``8 x E/ep x (ep-1)`` bytes (int64 per-expert
+counts; no expert ids travel); backward moves the dispatch and combine payloads again (not the counts).
 
 Step against DeepSpeed-MoE (``--deepspeed-python``, an interpreter with deepspeed installed; DeepSpeed is
 not a plait dependency, so it runs bench/_moe_deepspeed.py as a subprocess, as bench/zero.py does): the
@@ -163,8 +163,8 @@ def _speed_worker(rank: int, world: int, port: int, tokens: int, reps: int, out:
             remote += int((routed.experts // (E // world) != rank).sum())
     elapsed = time.perf_counter() - t0
     formula = 0
-    if world > 1:  # dispatch + combine payloads, twice (backward), ids once, counts once per forward
-        formula = remote * (4 * C * 4 + 8) + reps * 8 * (world - 1)
+    if world > 1:  # dispatch + combine payloads, twice (backward); per-expert counts once per forward
+        formula = remote * 4 * C * 4 + reps * 8 * (E // world) * (world - 1)
     result = {"tokens_per_s": tokens * reps / elapsed, "a2a_bytes_measured": counter.sent, "a2a_bytes_formula": formula}
     Path(f"{out}.{rank}").write_text(json.dumps(result))
     dist.destroy_process_group()

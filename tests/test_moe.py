@@ -363,6 +363,14 @@ def _worker(rank: int, world: int, root: str) -> dict:
         p.close()
     out["uninterrupted"] = uninterrupted
 
+    # metrics: one step at ep=2 with capacity 1.0, reported per layer (summed over the data-parallel ranks)
+    p = _plait(root, "metrics", {"ep": 2}, "alltoall")
+    model, _ = p.setup(build(capacity_factor=1.0, z_loss_coef=0.01),
+                       optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR))
+    p.backward(loss_of(model, batches(0)[rank * B:(rank + 1) * B]))
+    out["metrics"] = p.step().moe
+    p.close()
+
     # determinism: the same run twice, bitwise
     runs = []
     for i in range(2):
@@ -452,3 +460,13 @@ def test_moe_gpt_with_tensor_or_pipeline_parallelism_matches_one_process(results
         # 1e-4 after 3 AdamW steps at lr 1e-2: the vocabulary-parallel loss and row-parallel sums round
         # differently, magnified by Adam; measured 5.4e-5 at tp=2 alone and 4.8e-5 with ep=2 added
         assert _maxdiff(got["full"], ref["state"]) < 1e-4, (name, r)
+
+
+def test_metrics_per_layer(results) -> None:
+    (m,) = results[0]["metrics"]
+    assert results[1]["metrics"] == results[0]["metrics"]  # the same numbers on every rank
+    assert sum(m["tokens_per_expert"]) == WORLD * B * T * K and len(m["tokens_per_expert"]) == E
+    mean = WORLD * B * T * K / E
+    assert m["max_violation"] == pytest.approx(max(m["tokens_per_expert"]) / mean - 1)
+    assert 0 <= m["dropped_fraction"] < 1 and m["aux_loss"] > 0 and m["z_loss"] > 0
+    assert m["a2a_bytes"] > 0  # tokens crossed to the other expert-parallel rank

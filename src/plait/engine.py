@@ -81,8 +81,9 @@ class StepInfo:
     # SIGTERM/SIGINT reached a rank: every rank sees it at this same step; save and stop
     # (the Trainer does; exit with plait.fault.preempt.PREEMPTED_EXIT).
     preempted: bool = False
-    # Per MoE layer (plait.nn.MoE), summed over the data-parallel ranks: tokens per expert, max_violation,
-    # dropped_fraction, aux_loss, z_loss, a2a_bytes (plait.parallel.expert.MoeMonitor); None without MoE.
+    # Per MoE layer (plait.nn.MoE), summed over the data-parallel ranks since the last report (every
+    # train.log_every steps): tokens per expert, max_violation, dropped_fraction, aux_loss, z_loss, a2a_bytes
+    # (plait.parallel.expert.MoeMonitor); None without MoE and on the steps between reports.
     moe: list[dict[str, Any]] | None = None
     # parallel.mode=ps: this worker's clock, shard versions, push/pull bytes and waits (plait.ps.layout).
     ps: dict[str, Any] | None = None
@@ -304,7 +305,7 @@ class Plait:
         if moe_layers(layout.model):
             from plait.parallel.expert import MoeMonitor
 
-            self.moe = MoeMonitor(layout.model, self.topology, self.comm)
+            self.moe = MoeMonitor(layout.model, self.topology, self.comm, self.config.train.log_every)
         opt = layout.build_optimizer(factory)
         if self.ps is not None and self.ps.is_server:
             self._serve()
@@ -579,7 +580,7 @@ class Plait:
             self.logger.warning("step %d: gradient norm is %s; update skipped", self.steps + 1, norm)
         self.scaler.update(not finite)
         layout.after_step()
-        moe = self.moe.after_step()["moe"] if self.moe is not None else None
+        moe = self.moe.after_step(self.steps + 1) if self.moe is not None else None
         layout.zero_grad()
         self.finish_saves()  # an asynchronous save of the previous steps completes here, on every rank
         now = time.perf_counter()

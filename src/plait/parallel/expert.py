@@ -6,10 +6,11 @@ Dense parameters are replicated on all ``dp`` ranks; each MoE layer's ``E`` expe
 ``ep`` ranks of a group (rank ``i`` holds the global experts ``[i E/ep, (i+1) E/ep)``) and replicated over
 the ``dp / ep`` ranks holding the same slice (the expert-data-parallel group).
 
-Dispatch (``AllToAllDispatcher``): the routed assignments are sorted by the rank holding their expert;
-one all-to-all exchanges the per-rank counts, then the tokens and their local expert ids go out with
-those variable splits, the local experts run, and a second all-to-all brings the results back (autograd
-runs the two reversed in backward). ``AllGatherDispatcher`` is the reference path: every rank gathers
+Dispatch (``AllToAllDispatcher``): the routed assignments are sorted by global expert index; one
+all-to-all exchanges the per-expert counts, then the tokens go out with those variable splits (each
+destination reads which local expert a row is for from the counts), the local experts run, and a second
+all-to-all brings the results back (autograd runs the two reversed in backward).
+``AllGatherDispatcher`` is the reference path: every rank gathers
 all ranks' assignments, computes those for its own experts, and one all-reduce sums the results.
 
 Gradient reduction (``ExpertParallelLayout.finish``), so that every gradient equals one process training
@@ -97,19 +98,23 @@ class _Dispatcher:
 
 
 class AllToAllDispatcher(_Dispatcher):
-    """Tokens to the ranks holding their experts and back: two all-to-alls with variable splits (after one
-    all-to-all of the per-rank counts)."""
+    """Tokens to the ranks holding their experts and back: one all-to-all of the per-expert counts, then
+    the tokens with variable splits, the local experts, and the results back (two all-to-alls, reversed
+    in backward).
+
+    The assignments are sorted by global expert index, so each destination receives, from every source,
+    its rows grouped by local expert in order: the count matrix alone tells it which expert each row
+    is for (no expert ids travel)."""
 
     def __call__(self, x: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor:
-        dest = torch.div(routing.experts, self.local, rounding_mode="floor")  # (A,) owning ep rank
-        order = torch.argsort(dest, stable=True)
-        send = torch.bincount(dest, minlength=self.ep)  # (ep,)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)  # the count exchange first
-        send_splits, recv_splits = send.tolist(), recv.tolist()
-        ids = routing.experts[order] - dest[order] * self.local  # local expert id on the owning rank
-        ids_recv = ids.new_empty(sum(recv_splits))
-        dist.all_to_all_single(ids_recv, ids, recv_splits, send_splits, group=self.group)
+        order = torch.argsort(routing.experts, stable=True)  # by owning rank, then local expert
+        counts = torch.bincount(routing.experts, minlength=self.ep * self.local)  # (ep x local,)
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=self.group)  # the count exchange first
+        send_splits = counts.view(self.ep, self.local).sum(1).tolist()
+        recv_counts = recv.view(self.ep, self.local)  # (source, local expert)
+        recv_splits = recv_counts.sum(1).tolist()
+        ids_recv = torch.arange(self.local, device=x.device).repeat(self.ep).repeat_interleave(recv_counts.reshape(-1))
         x_send = x.index_select(0, routing.tokens.index_select(0, order))  # (A, C)
         x_recv = dfn.all_to_all_single(x.new_empty(sum(recv_splits), x.size(-1)), x_send, recv_splits,
                                        send_splits, group=self.group)
@@ -119,7 +124,7 @@ class AllToAllDispatcher(_Dispatcher):
         remote = sum(send_splits) - send_splits[self.ep_rank] + sum(recv_splits) - recv_splits[self.ep_rank]
         if torch.is_grad_enabled():  # training forwards; backward moves the same bytes again
             self.bytes_sent += remote * x.size(-1) * x.element_size()
-        return y_back.new_zeros(y_back.shape).index_copy(0, order, y_back)  # back to assignment order
+        return y_back.new_empty(y_back.shape).index_copy(0, order, y_back)  # back to assignment order
 
 
 class AllGatherDispatcher(_Dispatcher):
@@ -396,18 +401,23 @@ class MoeMonitor:
     (bias balancing and metrics: tokens per expert, MaxVio, dropped fraction, aux/z losses, all-to-all bytes).
     """
 
-    def __init__(self, model: nn.Module, topo: Any, comm: Any) -> None:
+    def __init__(self, model: nn.Module, topo: Any, comm: Any, every: int = 1) -> None:
         self.layers: list[MoE] = moe_layers(model)
         self.topo, self.comm = topo, comm
+        # Counts are summed over the ranks every step under bias balancing (the biases need them), else only
+        # every ``every`` steps (the logged ones): the figures then cover the steps since the last report.
+        self.every = max(1, every)
+        self.bias = any(layer.balance == "bias" for layer in self.layers)
 
     def set_grad_scale(self, scale: float) -> None:
         for layer in self.layers:
             layer.grad_scale = scale
 
-    def after_step(self) -> dict[str, Any]:
-        """Sum counts over the data-parallel ranks, move the balancing biases, return the step's metrics."""
-        if not self.layers:
-            return {}
+    def after_step(self, step: int) -> list[dict[str, Any]] | None:
+        """Sum counts over the data-parallel ranks, move the balancing biases, return the per-layer metrics
+        (None on a step that neither moves biases nor is a multiple of ``every``)."""
+        if not self.layers or not (self.bias or step % self.every == 0 or step == 1):
+            return None
         flat = torch.cat([layer.load for layer in self.layers] + [layer.stats_acc for layer in self.layers])
         if self.topo.dp > 1:
             self.comm.all_reduce_sum(flat, self.topo.dp_group, name="moe statistics")
@@ -433,4 +443,4 @@ class MoeMonitor:
             layer.stats_acc.zero_()
             if hasattr(layer.dispatcher, "bytes_sent"):
                 layer.dispatcher.bytes_sent = 0
-        return {"moe": out}
+        return out
