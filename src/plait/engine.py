@@ -168,6 +168,7 @@ class Plait:
         # Where the launcher looks for progress and worker pids: the error directory's parent.
         self.state_dir = self.error_dir.parent if self.error_dir is not None else None
         self.saved_step: int | None = None
+        self.resumed_from = 0
         if self.state_dir is not None:
             write_pid(self.state_dir, self.rank)
         self.preemption = PreemptionFlag()
@@ -638,7 +639,7 @@ class Plait:
     def _write_progress(self) -> None:
         """Rank 0 notes how far the run got, for the launcher's restart decision (``plait.fault.restart``)."""
         if self.is_main and self.state_dir is not None:
-            write_progress(self.state_dir, steps=self.steps, saved=self.saved_step)
+            write_progress(self.state_dir, steps=self.steps, saved=self.saved_step, start=self.resumed_from)
 
     # -- small collectives --------------------------------------------------------------------------
     @_explained
@@ -769,6 +770,7 @@ class Plait:
             dataloader.load_state_dict(shared["dataloader"])
         self.scaler.load_state_dict(shared["scaler"])
         self.steps, self.skipped_steps = int(shared["steps"]), int(shared["skipped_steps"])
+        self.resumed_from = self.steps  # the launcher's no-progress rule compares where attempts started
         if self.ps is not None:  # the loaded state goes to the servers; every worker pulls it back
             layout.load_shared_state(shared.get("ps"), self.steps)
         if rank_state is not None:  # compressor residuals: the resumed run continues exactly

@@ -27,12 +27,13 @@ from pathlib import Path
 PROGRESS = "progress.json"
 
 
-def write_progress(state_dir: Path, *, steps: int, saved: int | None) -> None:
-    """Atomically record how far this attempt got (rank 0)."""
+def write_progress(state_dir: Path, *, steps: int, saved: int | None, start: int = 0) -> None:
+    """Atomically record how far this attempt got (rank 0): the step reached, the last step saved, and the
+    step it resumed from."""
     state_dir = Path(state_dir)
     tmp = state_dir / (PROGRESS + f".{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps({"steps": steps, "saved": saved}))
+        tmp.write_text(json.dumps({"steps": steps, "saved": saved, "start": start}))
         os.replace(tmp, state_dir / PROGRESS)
     except OSError:  # the run's directory is gone or full: progress is advisory
         pass
@@ -94,7 +95,11 @@ def decide(first_line: str, attempt: int, max_restarts: int, progress: dict, pre
     steps, saved = int(progress.get("steps") or 0), progress.get("saved")
     if attempt == 0 and steps == 0:
         return Decision(False, "it failed before completing one step")
-    if previous is not None and steps <= int(previous.get("steps") or 0) and saved == previous.get("saved"):
+    # No progress: this attempt started where the previous one did, saved nothing new and failed no later.
+    # An attempt that had to start earlier (its newer checkpoint was damaged) is not compared with the one
+    # before: it is recomputing lost steps, and a new fault there is not a lack of progress.
+    if (previous is not None and steps <= int(previous.get("steps") or 0) and saved == previous.get("saved")
+            and progress.get("start", 0) == previous.get("start", 0)):
         return Decision(False, f"the attempt after restart {attempt} failed again at step {steps} without new "
                         "progress", no_progress=True)
     if attempt >= max_restarts:
