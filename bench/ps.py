@@ -18,10 +18,12 @@ target: the wall time at which the moving average of 3 consecutive validation lo
 target, which is the DP run's (no straggler, seed 0) smoothed validation loss at 60% of its steps.
 Reported per mode and scenario: median and min/max over seeds of time to target, throughput (samples of
 all workers while rank 0 trained / its training time), updates per second, rank 0's mean step time; the
-ratios the issue targets; and ``backup``'s mean time per version against the order-statistic prediction
-(the (N-b)-th smallest of the workers' compute times per step, plus the sync run's mean communication
-overhead). One JSON document goes to stdout (and ``--out``); ``--png`` draws loss against iteration,
-time per iteration, cumulative time and each worker's step-time distribution for the straggler scenario.
+ratios the issue targets; ``backup``'s mean time per version against the order-statistic prediction (the
+(N-b)-th smallest of the workers' compute times per step, plus the sync run's mean communication
+overhead); and updates per second of ``async`` against PyTorch's RPC parameter server (``_ps_rpc_peer.py``,
+the pattern of its official example) at the benchmark's compute and at none. One JSON document goes to
+stdout (and ``--out``); ``--png`` draws loss against iteration, time per iteration, cumulative time and
+each worker's step-time distribution for the straggler scenario.
 """
 
 from __future__ import annotations
@@ -244,6 +246,40 @@ def plot(runs: dict[str, Any], seed: int, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def rpc_model(compute_s: float) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return Net(compute_s)
+
+
+def rpc_data() -> torch.utils.data.Dataset:
+    return data(0)[0]
+
+
+def peer(args: argparse.Namespace) -> dict[str, Any]:
+    """Updates per second of plait's async parameter server against PyTorch's RPC parameter server (its
+    official batch-update example with batch_update_size 1: asynchronous), 3 workers, no straggler, at the
+    benchmark's compute per step and at none (transport and server overhead alone)."""
+    import functools
+
+    from _common import free_port
+    from _ps_rpc_peer import run_rpc
+
+    out = {}
+    for compute in (args.compute_ms, 0.0):
+        a = argparse.Namespace(**{**vars(args), "compute_ms": compute})
+        ranks = spawn_group(group, WORKERS + 1, ["ps-async"], [0], [False], a, name="plait async", timeout_s=1800)
+        plait_wall = max(r["ps-async|0|0"]["end_s"] for r in ranks[:WORKERS])
+        plait_ups = ranks[WORKERS]["ps-async|0|0"]["server"]["updates"] / plait_wall
+        rpc_ranks = spawn_group(run_rpc, WORKERS + 1, free_port(), functools.partial(rpc_model, compute / 1000),
+                                rpc_data, mse, args.steps, MICRO, 0.01, name="rpc peer", timeout_s=1800)
+        rpc_wall = max(r["end_s"] for r in rpc_ranks[:WORKERS])
+        rpc_ups = WORKERS * args.steps / rpc_wall
+        out[f"compute_{compute:g}ms"] = {"plait_async_updates_per_s": round(plait_ups, 2),
+                                         "rpc_peer_updates_per_s": round(rpc_ups, 2),
+                                         "plait_over_rpc": round(plait_ups / rpc_ups, 3)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=3)
@@ -252,7 +288,12 @@ def main() -> None:
     ap.add_argument("--slow-factor", type=float, default=4.0)
     ap.add_argument("--out", default="")
     ap.add_argument("--png", default="")
+    ap.add_argument("--no-peer", action="store_true", help="leave out the RPC parameter-server peer")
+    ap.add_argument("--peer-only", action="store_true", help="only the RPC parameter-server peer comparison")
     args = ap.parse_args()
+    if args.peer_only:
+        print(json.dumps({"rpc_peer": peer(args), "steps_per_worker": args.steps, **machine_info()}, indent=1))
+        return
     seeds = list(range(args.seeds))
     t0 = time.perf_counter()
     runs: dict[str, Any] = {}
@@ -267,6 +308,7 @@ def main() -> None:
            "workers": WORKERS, "servers": 1, "micro_batch": MICRO, "steps_per_worker": args.steps,
            "seeds": args.seeds, "compute_ms": args.compute_ms, "slow_rank": SLOW_RANK,
            "slow_factor": args.slow_factor, **summarize(runs, seeds, args),
+           "rpc_peer": None if args.no_peer else peer(args),
            "bench_wall_s": round(time.perf_counter() - t0, 1)}
     if args.png:
         runs["_slow_factor"] = args.slow_factor

@@ -295,8 +295,8 @@ def test_sync_equals_single_process(world3: tuple) -> None:
     stats = ranks[0]["sync"]["stats"]
     assert stats["staleness_histogram"] == {"0": 2 * STEPS} and stats["versions"] == [STEPS]
     assert stats["push_bytes"] > 0 and stats["pull_bytes"] > 0
-    last = ranks[0]["sync"]["last"]  # a step: one push (header + 212 float32) and one pull (request, reply)
-    assert (last["ps_push_bytes"], last["ps_pull_bytes"], last["ps_clock"]) == (2 * 128 + 4 * 212, 128 + 4 * 212, 6)
+    last = ranks[0]["sync"]["last"]  # a step: one framed push (header + 212 float32), one framed reply
+    assert (last["ps_push_bytes"], last["ps_pull_bytes"], last["ps_clock"]) == (128 + 4 * 212, 128 + 4 * 212, 6)
     assert ranks[1]["sync"]["last"]["ps_versions"] == [6]
 
 

@@ -53,6 +53,9 @@ class PsLayout(Layout):
                               f"torch.optim); {cls.__module__}.{cls.__name__} is not one of them")
         g = self.groups
         self.flat = FlatLayout(opt, g.num_servers)
+        if self.flat.dtype != torch.float32:
+            raise LayoutError(f"parallel.mode=ps sends float32 parameters; the model's are {self.flat.dtype} (keep the "
+                              "parameters in float32: train.precision=bf16 computes in bf16 under autocast)")
         if g.is_server:
             self.server = self._build_server(opt)
         else:
@@ -117,22 +120,23 @@ class PsLayout(Layout):
         return self._local_steps % self.cfg.ps.push_every == 0
 
     def step(self) -> None:
-        """PUSH the gradient (every ``ps.push_every`` steps) with the groups' learning rates."""
-        if self._push_due() and self._grad is not None:
-            lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
-            self.client.push(self._grad, grad_norm_sq(self._grad), lrs)
-            self._pushed = True
-            self.optimizer._opt_called = True  # the servers stepped it: no LR-scheduler order warning
+        """The gradient is finite: it will be pushed (in ``after_step``, which runs either way)."""
+        self._pushed = self._push_due() and self._grad is not None
+        self.optimizer._opt_called = True  # the servers step it: no LR-scheduler order warning
 
     def after_step(self) -> None:
-        """A non-finite gradient is announced (no version waits for it); then PULL when due."""
+        """PUSH the gradient (every ``ps.push_every`` steps) with the groups' learning rates, or announce a
+        non-finite one (no version waits for it); the servers answer with the parameters when a pull is
+        due (every ``ps.pull_every`` pushes)."""
         c = self.client
         if self._push_due():
-            if not self._pushed:
-                c.push(None, float("inf"), [float(g["lr"]) for g in self.optimizer.param_groups])
+            lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+            grad = self._grad if self._pushed else None
+            pull = (c.clock + 1) % self.cfg.ps.pull_every == 0
+            params = c.push(grad, grad_norm_sq(grad) if grad is not None else float("inf"), lrs, pull=pull)
+            if params is not None:
+                self._install(params)
             self._acc, self._grad, self._pushed = None, None, False
-            if c.clock % self.cfg.ps.pull_every == 0:
-                self._install(c.pull())
 
     def zero_grad(self) -> None:
         for p in self.model.parameters():

@@ -1,11 +1,14 @@
 """The parameter server's wire protocol: a fixed header, then (for most operations) one payload.
 
-Every message is a float64 header of ``HEADER_LEN`` numbers (integers up to 2**53 are exact)::
+A header is ``HEADER_LEN`` float64 numbers (integers up to 2**53 are exact)::
 
     [op, worker, server, version, nbytes, clock, norm_sq, flags, lr of group 0 .. lr of group 7]
 
-followed, when ``nbytes > 0``, by one payload tensor of that many bytes (float32 gradients or
-parameters, or UTF-8 JSON as uint8 for statistics). Messages go over c10d point-to-point
+announcing ``nbytes`` of payload. Requests (worker to server) and parameter replies travel *framed*: one
+float32 message of the header's 128 bytes followed by a slot the size of the shard, holding the payload
+(a gradient, parameters) or nothing (a pull, statistics, done), so the hot path, a push answered with
+the new parameters, is one message each way. Other replies are a header, then the payload as its own
+message (UTF-8 JSON as uint8, optimizer state). Messages go over c10d point-to-point
 ``send``/``recv`` on a gloo group of their own (also when training uses NCCL); per pair of ranks gloo
 delivers them in order, so a request and its payload, and a reply and its payload, never interleave
 with another message of the same pair. A server receives with one blocking ``recv`` per worker on its
@@ -25,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 HEADER_LEN = 16
+HEADER_F32 = 2 * HEADER_LEN  # the float64 header's bytes as float32 slots of a framed message
 MAX_GROUPS = HEADER_LEN - 8
 
 
@@ -41,6 +45,7 @@ class Op(enum.IntEnum):
 
 
 FLAG_NONFINITE = 1  # PUSH: the worker's gradient held NaN/inf (no payload; counted, never applied)
+FLAG_PULL = 2  # PUSH: answer with the parameters, as a PULL right after it would
 
 
 class PsError(RuntimeError):
@@ -80,10 +85,42 @@ class Header:
 class Channel:
     """Point-to-point messages with one peer on the parameter-server group; counts bytes both ways."""
 
-    def __init__(self, group: dist.ProcessGroup, me: int, peer: int, peer_role: str) -> None:
+    def __init__(self, group: dist.ProcessGroup, me: int, peer: int, peer_role: str, slot: int = 0) -> None:
         self.group, self.me, self.peer, self.peer_role = group, me, peer, peer_role
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.slot = slot  # float32 elements of a framed message's payload slot: the shard's size
+        self._frame_out = torch.zeros(HEADER_F32 + slot, dtype=torch.float32)
+        self._frame_in = torch.zeros(HEADER_F32 + slot, dtype=torch.float32)
+
+    def send_framed(self, header: Header, payload: torch.Tensor | None = None) -> None:
+        """One message: ``header`` and ``payload`` (float32, at most the slot) in a shard-sized frame."""
+        n = payload.numel() if payload is not None else 0
+        if n > self.slot or (payload is not None and payload.dtype != torch.float32):
+            raise PsError(f"rank {self.me}: a {header.op.name} payload of {n} {payload.dtype} elements does not fit "
+                          f"the {self.slot} float32 slot of the frame to rank {self.peer}")
+        header.nbytes = 4 * n
+        frame = self._frame_out
+        frame[:HEADER_F32] = header.encode().view(torch.float32)
+        if n:
+            frame[HEADER_F32:HEADER_F32 + n] = payload.reshape(-1)
+        try:
+            dist.send(frame, dst=self.peer, group=self.group)
+        except RuntimeError as e:
+            raise self._broken(f"sending {header.op.name}", e) from None
+        self.bytes_sent += frame.numel() * 4
+
+    def recv_framed(self, num_groups: int = 0, what: str = "waiting for a message") -> tuple[Header, torch.Tensor]:
+        """A framed message: its header and its payload (a view of this channel's buffer, valid until the
+        next ``recv_framed``: copy what must last)."""
+        frame = self._frame_in
+        try:
+            dist.recv(frame, src=self.peer, group=self.group)
+        except RuntimeError as e:
+            raise self._broken(what, e) from None
+        self.bytes_received += frame.numel() * 4
+        header = Header.decode(frame[:HEADER_F32].view(torch.float64), num_groups)
+        return header, frame[HEADER_F32:HEADER_F32 + header.nbytes // 4]
 
     def _broken(self, what: str, e: BaseException) -> PsError:
         # Worded without the backend's text, so the watchdog does not re-read it as a collective timeout.

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.ps.protocol import FLAG_NONFINITE, Channel, Header, Op, PsError, decode_json, encode_json
+from plait.ps.protocol import FLAG_NONFINITE, FLAG_PULL, Channel, Header, Op, PsError, decode_json, encode_json
 from plait.ps.state import ShardState
 
 
@@ -27,7 +27,7 @@ class Server:
     def __init__(self, state: ShardState, index: int, rank: int, num_workers: int, group: dist.ProcessGroup,
                  num_groups: int) -> None:
         self.state, self.index, self.rank, self.num_groups = state, index, rank, num_groups
-        self.channels = [Channel(group, rank, k, "worker") for k in range(num_workers)]
+        self.channels = [Channel(group, rank, k, "worker", slot=state.w.numel()) for k in range(num_workers)]
         self.cond = threading.Condition()
         self.errors: list[BaseException] = []
         self.finished = 0
@@ -55,14 +55,14 @@ class Server:
         ch = self.channels[worker]
         try:
             while True:
-                h = ch.recv_header(self.num_groups)
+                h, payload = ch.recv_framed(self.num_groups)
                 if h.op == Op.DONE:
                     with self.cond:
                         self.state.finish(worker)
                         self.finished += 1
                         self.cond.notify_all()
                     return
-                self._handle(worker, ch, h)
+                self._handle(worker, ch, h, payload)
         except BaseException as e:  # noqa: BLE001 - every failure ends the server, named
             err = e if isinstance(e, PsError) else PsError(f"parameter server rank {self.rank}: handling worker rank "
                                                            f"{worker} failed: {type(e).__name__}: {e}")
@@ -70,34 +70,25 @@ class Server:
                 self.errors.append(err)
                 self.cond.notify_all()
 
-    def _handle(self, worker: int, ch: Channel, h: Header) -> None:
+    def _handle(self, worker: int, ch: Channel, h: Header, payload: torch.Tensor) -> None:
         s = self.state
         if h.op != Op.PARK:
             with self.cond:
                 s.parked.discard(worker)
         if h.op == Op.INIT:
-            payload = ch.recv_payload(h, out=torch.empty_like(s.w))
             with self.cond:
                 s.w.copy_(payload)
                 self.initialized.set()
                 self.cond.notify_all()
         elif h.op == Op.PUSH:
-            grad = None if h.flags & FLAG_NONFINITE else ch.recv_payload(h, out=torch.empty_like(s.w))
+            grad = None if h.flags & FLAG_NONFINITE else payload.clone()
             with self.cond:
                 s.push(worker, h.version, grad, h.norm_sq, h.lrs)
                 self.cond.notify_all()
+            if h.flags & FLAG_PULL:
+                self._answer_pull(worker, ch)
         elif h.op == Op.PULL:
-            t0 = time.perf_counter()
-            with self.cond:
-                self.cond.wait_for(lambda: self.errors or (self.initialized.is_set() and s.may_pull(worker)))
-                if self.errors:
-                    return
-                s.pull_wait_s += time.perf_counter() - t0
-                s.pulled(worker)
-                reply = Header(Op.REPLY, worker, self.index, s.version, clock=min(
-                    [s.clocks[k] for k in s.active()] or [s.clocks[worker]]))
-                w = s.w.clone()
-            ch.send(reply, w)
+            self._answer_pull(worker, ch)
         elif h.op == Op.STATE:
             with self.cond:
                 vec, sca = s.optimizer_keys()
@@ -108,12 +99,11 @@ class Server:
             for t in tensors:
                 ch.send(Header(Op.REPLY, worker, self.index), t)
         elif h.op == Op.LOAD:
-            meta = decode_json(ch.recv_payload(h, dtype=torch.uint8))
-            tensors = [ch.recv_payload(ch.recv_header(), out=torch.empty_like(s.w)) for _ in
-                       range(1 + len(meta["vectors"]))]
+            w = payload.clone()
+            meta = decode_json(ch.recv_payload(ch.recv_header(), dtype=torch.uint8))
+            vectors = {k: ch.recv_framed(what="receiving a LOAD")[1].clone() for k in meta["vectors"]}
             with self.cond:
-                s.load(tensors[0], dict(zip(meta["vectors"], tensors[1:], strict=True)), meta["scalars"],
-                       int(meta["version"]), [int(c) for c in meta["clocks"]])
+                s.load(w, vectors, meta["scalars"], int(meta["version"]), [int(c) for c in meta["clocks"]])
                 self.initialized.set()
                 self.cond.notify_all()
             ch.send(Header(Op.REPLY, worker, self.index, s.version))
@@ -127,6 +117,21 @@ class Server:
             ch.send(Header(Op.REPLY, worker, self.index, s.version), encode_json(stats))
         else:
             raise PsError(f"parameter server rank {self.rank}: unexpected {h.op.name} from worker rank {worker}")
+
+    def _answer_pull(self, worker: int, ch: Channel) -> None:
+        """Wait until the mode lets ``worker`` read, then send it the shard (one framed message)."""
+        s = self.state
+        t0 = time.perf_counter()
+        with self.cond:
+            self.cond.wait_for(lambda: self.errors or (self.initialized.is_set() and s.may_pull(worker)))
+            if self.errors:
+                return
+            s.pull_wait_s += time.perf_counter() - t0
+            s.pulled(worker)
+            reply = Header(Op.REPLY, worker, self.index, s.version,
+                           clock=min([s.clocks[k] for k in s.active()] or [s.clocks[worker]]))
+            w = s.w.clone()
+        ch.send_framed(reply, w)
 
     def stats(self) -> dict[str, Any]:
         """The shard's statistics with this server's traffic and utilisation (busy time / time served)."""

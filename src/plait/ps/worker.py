@@ -3,8 +3,8 @@
 A worker's step: forward and backward on its own micro-batches (plait's accumulation), then at
 ``Plait.step``: the gradient's norm over all parameters (for clipping on the servers and for the step
 record), one PUSH per server of its slice of the flat gradient (every ``ps.push_every`` steps, the
-mean of those steps), then one PULL per server whose reply is the shard's parameters. Pushes are sent
-to every server before any reply is awaited, so two servers receive in parallel. The worker's own
+mean of those steps) which, when a pull is due, the server answers with the shard's parameters (one
+framed message each way). Pushes go to every server before any reply is awaited. The worker's own
 optimizer object never steps: it holds the parameter groups whose learning rate the LR scheduler sets,
 sent with every push; it holds state only while a checkpoint is saved or loaded.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from plait.ps.protocol import FLAG_NONFINITE, Channel, Header, Op, decode_json, encode_json
+from plait.ps.protocol import FLAG_NONFINITE, FLAG_PULL, Channel, Header, Op, decode_json, encode_json
 from plait.ps.shard import FlatLayout
 
 
@@ -25,7 +25,9 @@ class PsClient:
 
     def __init__(self, flat: FlatLayout, worker: int, server_ranks: list[int], group: Any) -> None:
         self.flat, self.worker = flat, worker
-        self.channels = [Channel(group, worker, r, "parameter server") for r in server_ranks]
+        self.channels = [Channel(group, worker, r, "parameter server", slot=hi - lo)
+                         for r, (lo, hi) in zip(server_ranks, map(flat.shard_range, range(len(server_ranks))),
+                                                strict=True)]
         self.versions = [0] * len(server_ranks)  # the version of each shard the local parameters hold
         self.clock = 0  # pushes made
         self.reads: list[tuple[int, int, list[int]]] = []  # (clock, min clock seen by server 0, versions) per pull
@@ -45,30 +47,37 @@ class PsClient:
         flat = self.flat.flatten_params()
         for s, ch in enumerate(self.channels):
             lo, hi = self.flat.shard_range(s)
-            ch.send(Header(Op.INIT, self.worker, s), flat[lo:hi])
+            ch.send_framed(Header(Op.INIT, self.worker, s), flat[lo:hi])
 
-    def push(self, grad: torch.Tensor | None, norm_sq: float, lrs: list[float]) -> None:
-        """Send each server its slice of ``grad`` (None: non-finite, announced without a payload)."""
+    def push(self, grad: torch.Tensor | None, norm_sq: float, lrs: list[float],
+             pull: bool = True) -> torch.Tensor | None:
+        """Send each server its slice of ``grad`` (None: non-finite, announced without a payload); with
+        ``pull`` each server answers with its parameters (as a PULL right after), returned in the flat order."""
         t0 = time.perf_counter()
         self.clock += 1
+        flags = (FLAG_NONFINITE if grad is None else 0) | (FLAG_PULL if pull else 0)
         for s, ch in enumerate(self.channels):
             lo, hi = self.flat.shard_range(s)
             h = Header(Op.PUSH, self.worker, s, self.versions[s], clock=self.clock, norm_sq=norm_sq, lrs=lrs,
-                       flags=FLAG_NONFINITE if grad is None else 0)
-            ch.send(h, grad[lo:hi] if grad is not None else None)
+                       flags=flags)
+            ch.send_framed(h, grad[lo:hi] if grad is not None else None)
         self.push_s += time.perf_counter() - t0
+        return self._replies(time.perf_counter()) if pull else None
 
     def pull(self) -> torch.Tensor:
         """The parameters of every shard, in the flat order (waits where the consistency mode says)."""
         t0 = time.perf_counter()
         for s, ch in enumerate(self.channels):
-            ch.send(Header(Op.PULL, self.worker, s, self.versions[s], clock=self.clock))
+            ch.send_framed(Header(Op.PULL, self.worker, s, self.versions[s], clock=self.clock))
+        return self._replies(t0)
+
+    def _replies(self, t0: float) -> torch.Tensor:
         out = torch.empty(self.flat.numel, dtype=self.flat.dtype)
         min_clock = self.clock
         for s, ch in enumerate(self.channels):
             lo, hi = self.flat.shard_range(s)
-            h = ch.recv_header()
-            ch.recv_payload(h, dtype=self.flat.dtype, out=out[lo:hi])
+            h, payload = ch.recv_framed(what="waiting for parameters")
+            out[lo:hi] = payload
             self.versions[s] = h.version
             min_clock = min(min_clock, h.clock) if s else h.clock
         self.reads.append((self.clock, min_clock, list(self.versions)))
@@ -79,7 +88,7 @@ class PsClient:
         """Every server's statistics (one request each)."""
         out = []
         for s, ch in enumerate(self.channels):
-            ch.send(Header(Op.STATS, self.worker, s))
+            ch.send_framed(Header(Op.STATS, self.worker, s))
             h = ch.recv_header()
             out.append(decode_json(ch.recv_payload(h, dtype=torch.uint8)))
         return out
@@ -93,7 +102,7 @@ class PsClient:
         clocks: list[int] = []
         for s, ch in enumerate(self.channels):
             lo, hi = self.flat.shard_range(s)
-            ch.send(Header(Op.STATE, self.worker, s))
+            ch.send_framed(Header(Op.STATE, self.worker, s))
             meta = decode_json(ch.recv_payload(ch.recv_header(), dtype=torch.uint8))
             ch.recv_payload(ch.recv_header(), out=params[lo:hi])
             for k in meta["vectors"]:
@@ -111,17 +120,17 @@ class PsClient:
         for s, ch in enumerate(self.channels):
             lo, hi = self.flat.shard_range(s)
             meta = {"vectors": sorted(vectors), "scalars": scalars, "version": versions[s], "clocks": clocks}
+            ch.send_framed(Header(Op.LOAD, self.worker, s), params[lo:hi].float())
             ch.send(Header(Op.LOAD, self.worker, s), encode_json(meta))
-            ch.send(Header(Op.LOAD, self.worker, s), params[lo:hi].contiguous())
             for k in sorted(vectors):
-                ch.send(Header(Op.LOAD, self.worker, s), vectors[k][lo:hi].float().contiguous())
+                ch.send_framed(Header(Op.LOAD, self.worker, s), vectors[k][lo:hi].float())
             ch.recv_header()
 
     def park(self) -> None:
         """Tell every server this worker waits for the other workers (a collective among them): a backup
         version completes without it until its next message."""
         for s, ch in enumerate(self.channels):
-            ch.send(Header(Op.PARK, self.worker, s))
+            ch.send_framed(Header(Op.PARK, self.worker, s))
 
     def finish(self) -> None:
         """Tell every server this worker is done (once); the servers end when all workers have."""
@@ -129,7 +138,7 @@ class PsClient:
             return
         self.done = True
         for s, ch in enumerate(self.channels):
-            ch.send(Header(Op.DONE, self.worker, s))
+            ch.send_framed(Header(Op.DONE, self.worker, s))
 
 
 def grad_norm_sq(flat_grad: torch.Tensor) -> float:
