@@ -1,8 +1,9 @@
 """``PsLayout``: the engine's ``Layout`` for ``parallel.mode = "ps"``, on workers and on servers.
 
 On a worker, ``Plait.step`` runs: ``clip_grad_norm`` (measures the gradient's norm; the servers clip),
-``step`` (PUSH to every server), ``after_step`` (a non-finite gradient is announced, so no server
-waits for it; then PULL). Checkpoints keep every layout's format: ``state_dicts`` fetches the servers'
+``step`` (only when the gradient is finite: marks it for pushing), ``after_step`` (PUSH to every
+server, which answers with its parameters when a pull is due; a non-finite gradient is announced
+instead, so no server waits for it). Checkpoints keep every layout's format: ``state_dicts`` fetches the servers'
 parameters and optimizer states into this worker's model and (never stepped) optimizer and returns
 them keyed by the single-process names, so a PS checkpoint loads into data parallelism, ZeRO or
 ``plait sample``, and any checkpoint loads into a PS run (``load_shared_state`` sends it to the
