@@ -1,6 +1,6 @@
 """The simulator on plait's mixture-of-experts GPT (``[moe]``, ``parallel.ep``): parameters equal the real
 model's, each rank holds its ``E / ep`` experts, and every MoE layer prices the dispatcher's all-to-alls
-over the expert-parallel group: forward the counts, the expert ids and the two token-sized ones
+over the expert-parallel group: forward the per-expert counts and the two token-sized ones
 (``tokens x top_k x d_model x bytes`` each), backward the two token-sized ones again. Exact."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def test_each_moe_layer_prices_two_all_to_alls_forward_and_two_backward():
     tokens = 8 * shape.seq_len * shape.top_k * shape.d_model * 4
     fwd = [(o.name, o.bytes) for o in ops.forward().ops if o.comm == "all_to_all"]
     bwd = [(o.name, o.bytes) for o in ops.backward().ops if o.comm == "all_to_all"]
-    assert [b for _, b in fwd] == [2 * 8, 8 * shape.seq_len * shape.top_k * 8, tokens, tokens]
+    assert [b for _, b in fwd] == [shape.num_experts * 8, tokens, tokens]
     assert [b for _, b in bwd] == [tokens, tokens]
     assert not [o for o in BlockOps(shape, Setup(micro_batch=8, ep=1), moe=True).forward().ops if o.kind == "comm"]
 

@@ -18,8 +18,8 @@ Mixture of experts (``BlockOps(..., moe=True)``, plait's ``plait.nn.MoE`` under
 ``plait.parallel.expert``): an fp32 router and its softmax and top-k, the ``A = k M`` assignments
 gathered, each rank's ``E / ep`` experts run as one matmul pair per expert on ``A / E`` rows each (a
 balanced router), the outputs weighted and summed back; with ``ep > 1`` the dispatcher's all-to-alls in
-the compute stream: forward the counts (``ep`` int64), the expert ids (``A`` int64), the tokens
-(``A C`` activations) and the results (``A C``); backward the two token-sized ones again.
+the compute stream: forward the per-expert counts (``E`` int64), the tokens (``A C`` activations) and
+the results (``A C``); backward the two token-sized ones again.
 
 Attention: ``flash`` is scaled_dot_product_attention's fused kernel (saves q, k, v, the output and the
 row log-sum-exp; executes half the ``T x T`` square when causal; backward re-forms the probabilities:
@@ -288,7 +288,7 @@ class BlockOps:
                mem("moe.topk", "reduce", M * E * 4 + A * 16, saves=(("moe.routing", A * 16),)),
                mem("moe.gather", "copy", 2 * A * C * a)]
         if ep > 1:
-            ops += [comm("moe.counts.alltoall", "all_to_all", ep * 8), comm("moe.ids.alltoall", "all_to_all", A * 8),
+            ops += [comm("moe.counts.alltoall", "all_to_all", E * 8),
                     comm("moe.dispatch.alltoall", "all_to_all", A * C * a)]
         ops += [matmul("moe.experts.fc", rows, H, C, a, batch=local, saves=(("moe.x_recv", A * C * a),)),
                 mem("moe.experts.gelu", "act", 2 * A * H * a, saves=(("moe.fc", A * H * a), ("moe.hidden", A * H * a))),
