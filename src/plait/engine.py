@@ -169,6 +169,7 @@ class Plait:
         self.state_dir = self.error_dir.parent if self.error_dir is not None else None
         self.saved_step: int | None = None
         self.resumed_from = 0
+        self.finish_blocking_s = 0.0  # seconds spent completing asynchronous saves (the Trainer records them)
         if self.state_dir is not None:
             write_pid(self.state_dir, self.rank)
         self.preemption = PreemptionFlag()
@@ -727,7 +728,9 @@ class Plait:
         pending, on_complete, step = self._pending
         self._pending = None
         self.phase("checkpoint save")
+        t0 = time.perf_counter()
         self._completed(pending.finish(), on_complete, step)
+        self.finish_blocking_s += time.perf_counter() - t0  # the wait for the background completion
 
     def _completed(self, path: Path, on_complete: Callable[[Path], None] | None, step: int) -> None:
         self.logger.info("checkpoint saved: %s", path)

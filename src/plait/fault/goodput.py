@@ -73,7 +73,7 @@ def goodput(run_dir: Path | str, end_time: float | None = None) -> dict[str, Any
             if step in lineage:  # executed again without a recorded resume (an attempt died before it)
                 lost["recomputed_steps"] += lineage[step]
             lineage[step] = float(e["s"])
-        elif kind == "save":
+        elif kind in ("save", "save_done"):  # save_done: an asynchronous save's completion at a later step
             lost["blocking_save"] += float(e["blocking_s"])
         if kind != "failed":
             last_t = e["t"]

@@ -158,6 +158,12 @@ class Recovery:
             self.t.log.info("checkpoint.every=auto: save %.3fs, step %.3fs, MTBF %gs -> every %d steps",
                             blocking_s, step_s, self.t.cfg.fault.mtbf_s, self.auto_every)
 
+    def save_done(self, blocking_s: float) -> None:
+        """An asynchronous save completed inside a later step: the seconds that step waited for it (the
+        shard writes, manifest and rename not yet finished in the background) count as blocking too."""
+        if self.t.rank0:
+            goodput.record(self.t.run_dir, "save_done", blocking_s=blocking_s)
+
     # -- stragglers ------------------------------------------------------------------------------------
     def ranks(self, rec: dict[str, Any]) -> dict[str, Any]:
         """Straggler score from the per-rank timings of a logged step (``rank_compute_s``, ``rank_data_s``)."""

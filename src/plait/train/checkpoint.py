@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import shutil
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,22 +84,44 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class PendingSave:
-    """A checkpoint whose shards are being written; ``finish()`` (every rank, same point) completes it."""
+    """A checkpoint whose shards are being written; ``finish()`` (every rank, same point) completes it.
+
+    Asynchronous (a DCP future): a background thread waits for this rank's shard writes, meets the other
+    ranks on the checkpoint's own process group, and on rank 0 hashes every file into the manifest and
+    writes meta.json, all while training goes on; ``finish()`` joins it (usually done by then), renames
+    the directory and meets the ranks once more. The checkpoint is complete only after that rename."""
 
     def __init__(self, path: Path, tmp: Path, meta_text: str, rank: int, future: Any, group: Any) -> None:
         self.path, self.tmp, self.meta_text, self.rank = path, tmp, meta_text, rank
         self.future, self.group = future, group
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if future is not None:
+            self._thread = threading.Thread(target=self._complete, name="plait-checkpoint", daemon=True)
+            self._thread.start()
+
+    def _complete(self) -> None:
+        try:
+            if self.future is not None:
+                self.future.result()
+            _barrier(self.group)
+            if self.rank == 0:
+                from plait.fault.integrity import write_manifest
+
+                write_manifest(self.tmp)
+                (self.tmp / "meta.json").write_text(self.meta_text)
+        except BaseException as e:  # raised again by finish() on the training thread
+            self._error = e
 
     def finish(self) -> Path:
-        """Wait for the shard writes, then (rank 0) manifest, meta.json and the rename. Collective."""
-        if self.future is not None:
-            self.future.result()
-        _barrier(self.group)
+        """Wait for the shard writes and (rank 0) the manifest and meta.json, then the rename. Collective."""
+        if self._thread is not None:
+            self._thread.join()
+        else:
+            self._complete()
+        if self._error is not None:
+            raise self._error
         if self.rank == 0:
-            from plait.fault.integrity import write_manifest
-
-            write_manifest(self.tmp)
-            (self.tmp / "meta.json").write_text(self.meta_text)
             if self.path.exists():
                 shutil.rmtree(self.path)
             os.replace(self.tmp, self.path)

@@ -253,6 +253,9 @@ class Trainer:
             p.forward_backward(self.model, batch, self.loss)
             info = p.step()
         step_s = time.perf_counter() - t_start
+        if p.finish_blocking_s:  # an asynchronous save completed in this step: its wait is blocking time
+            self.recovery.save_done(p.finish_blocking_s)
+            p.finish_blocking_s = 0.0
         s = self.state
         s.step = info.step
         s.skipped_steps = p.skipped_steps
