@@ -69,7 +69,7 @@ def test_failing_worker_is_named(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--train.stepz=3"], "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
-    (["--parallel.dp=3"], "parallel degrees dp=3 x tp=1 x pp=1 x ep=1 = 3 do not match the world size 2"),
+    (["--parallel.dp=3"], "parallel degrees dp=3 x tp=1 x pp=1 = 3 do not match the world size 2"),
     (["--train.global_batch_size=10", "--train.micro_batch_size=4"],
      "train.global_batch_size=10 must equal micro_batch_size (4) x dp (2) x accumulation steps; try"),
     (["--data.path=/nonexistent/corpus.txt"], "data file /nonexistent/corpus.txt does not exist"),

@@ -23,4 +23,5 @@ def test_example_validates(path: Path) -> None:
     cfg = load_config(path)
     validate(cfg, cfg.parallel.nproc)
     p = cfg.parallel
-    assert p.dp * p.tp * p.pp == p.nproc
+    servers = cfg.ps.servers if p.mode == "ps" else 0  # parameter servers are ranks outside dp
+    assert p.dp * p.tp * p.pp == p.nproc - servers
