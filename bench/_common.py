@@ -55,6 +55,25 @@ def make_trainer(overrides: list[str], run_dir: Path, world: int) -> Any:
     return Trainer.from_config(cfg)
 
 
+def run_deepspeed_script(python: str, script: str, args: list[str]) -> dict | str:
+    """Run ``bench/<script>`` under ``python`` (an interpreter with DeepSpeed, on CPU) and return the last
+    JSON line it printed, or a one-line reason it did not run or failed (with the end of its output)."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    cmd = [python, str(Path(__file__).with_name(script)), *args]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"not run: {e}"
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode or not lines:
+        tail = [ln for ln in (done.stderr or done.stdout).strip().splitlines() if ln.strip()][-6:]
+        return f"failed (exit {done.returncode}): {' | '.join(tail)}"
+    return json.loads(lines[-1])
+
+
 def machine_info() -> dict[str, str]:
     return {"backend": "gloo", "torch": torch.__version__,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores"}

@@ -115,23 +115,17 @@ def quality(steps: int, seeds: list[int], root: Path) -> dict:
 
 
 # -- speed -----------------------------------------------------------------------------------------
-def _speed_worker(rank: int, world: int, port: int, tokens: int, reps: int, out: str) -> None:
+def _speed_worker(rank: int, world: int, tokens: int, reps: int) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from plait.nn import MoE
-    from plait.parallel.expert import AllToAllDispatcher
+    from plait.parallel.expert import shard_experts
 
     C, H, E, K = SHAPE
     torch.manual_seed(0)
     layer = MoE(C, H, E, top_k=K)
     if world > 1:
-        n = E // world
-        for name in ("w1", "w2"):
-            full = getattr(layer.experts, name)
-            setattr(layer.experts, name, nn.Parameter(full.detach()[rank * n:(rank + 1) * n].clone()))
-        layer.dispatcher = AllToAllDispatcher(None, rank * n, n, world, rank)
+        shard_experts(layer, world, rank, None)
 
     class Bytes(TorchDispatchMode):
         """Bytes sent to other ranks by every c10d all-to-all, from the call's own input and split sizes."""
@@ -165,27 +159,16 @@ def _speed_worker(rank: int, world: int, port: int, tokens: int, reps: int, out:
     formula = 0
     if world > 1:  # dispatch + combine payloads, twice (backward); per-expert counts once per forward
         formula = remote * 4 * C * 4 + reps * 8 * (E // world) * (world - 1)
-    result = {"tokens_per_s": tokens * reps / elapsed, "a2a_bytes_measured": counter.sent, "a2a_bytes_formula": formula}
-    Path(f"{out}.{rank}").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    return {"tokens_per_s": tokens * reps / elapsed, "a2a_bytes_measured": counter.sent, "a2a_bytes_formula": formula}
 
 
 def speed(tokens: int, reps: int) -> dict:
-    import socket
-
-    import torch.multiprocessing as mp
-
     out: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for world in (1, 2):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            mp.spawn(_speed_worker, args=(world, port, tokens, reps, f"{tmp}/r"), nprocs=world)
-            ranks = [json.loads(Path(f"{tmp}/r.{r}").read_text()) for r in range(world)]
-            out[f"ep{world}"] = {"tokens_per_s_total": sum(r["tokens_per_s"] for r in ranks),
-                                 "a2a_bytes_measured": sum(r["a2a_bytes_measured"] for r in ranks),
-                                 "a2a_bytes_formula": sum(r["a2a_bytes_formula"] for r in ranks)}
+    for world in (1, 2):
+        ranks = _common.spawn_group(_speed_worker, world, tokens, reps, name=f"moe speed ep{world}")
+        out[f"ep{world}"] = {"tokens_per_s_total": sum(r["tokens_per_s"] for r in ranks),
+                             "a2a_bytes_measured": sum(r["a2a_bytes_measured"] for r in ranks),
+                             "a2a_bytes_formula": sum(r["a2a_bytes_formula"] for r in ranks)}
     m, f = out["ep2"]["a2a_bytes_measured"], out["ep2"]["a2a_bytes_formula"]
     out["a2a_bytes_ratio"] = m / f if f else None
     out["target_a2a_within_1pct"] = bool(f and abs(m / f - 1) <= 0.01)
@@ -328,18 +311,7 @@ def pool_rounds(runs: list[dict]) -> dict:
 
 def _deepspeed_step(python: str, warmup: int, steps: int) -> dict | str:
     """DeepSpeed-MoE's record from bench/_moe_deepspeed.py under ``python``, or why it did not run."""
-    script = Path(__file__).with_name("_moe_deepspeed.py")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    cmd = [python, str(script), "--warmup", str(warmup), "--steps", str(steps)]
-    try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"not run: {e}"
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    if done.returncode or not lines:
-        tail = [ln for ln in (done.stderr or done.stdout).strip().splitlines() if ln.strip()][-6:]
-        return f"failed (exit {done.returncode}): {' | '.join(tail)}"
-    return json.loads(lines[-1])
+    return _common.run_deepspeed_script(python, "_moe_deepspeed.py", ["--warmup", str(warmup), "--steps", str(steps)])
 
 
 def versus_deepspeed(python: str, warmup: int, steps: int, rounds: int) -> dict:

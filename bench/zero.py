@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -301,19 +299,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def _deepspeed(python: str, stage: int, dp: int, args: argparse.Namespace) -> dict | str:
     """DeepSpeed ZeRO ``stage`` in a subprocess with DeepSpeed's interpreter; its merged record or why not."""
-    script = Path(__file__).with_name("_zero_deepspeed.py")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    cmd = [python, str(script), "--stage", str(stage), "--dp", str(dp), "--warmup", str(args.warmup),
-           "--steps", str(args.steps), *overrides(dp, args.bucket_mb)]
-    try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"not run: {e}"
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    if done.returncode or not lines:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        return f"failed (exit {done.returncode}): {' | '.join(tail)}"
-    return json.loads(lines[-1])
+    return _common.run_deepspeed_script(python, "_zero_deepspeed.py", [
+        "--stage", str(stage), "--dp", str(dp), "--warmup", str(args.warmup), "--steps", str(args.steps),
+        *overrides(dp, args.bucket_mb)])
 
 
 def sweep(dp: int, args: argparse.Namespace, root: str) -> dict:

@@ -98,7 +98,7 @@ def apply_parallel(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, sp
     if topo.ep > 1:  # this rank's slice of the experts; the layouts below leave them to ExpertParallelLayout
         from plait.parallel.expert import shard_experts
 
-        experts = shard_experts(model, topo, cfg.moe.dispatcher)
+        experts = shard_experts(model, topo.ep, topo.coord("ep"), topo.ep_group, cfg.moe.dispatcher)
     model = apply_activation_checkpointing(model, t.activation_checkpointing, t.checkpoint_every_k)
     if t.compile:
         from plait.parallel.compile import compile_blocks

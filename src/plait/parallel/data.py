@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from plait.comm.collectives import Comm, CommWork
 from plait.comm.compress import Compressor
+from plait.parallel.units import is_expert
 
 
 @dataclass
@@ -113,7 +114,7 @@ class GradReducer:
         if broadcast:  # the engine broadcasts the whole world's weights itself before any layout
             self._broadcast_initial_state()
         # Expert-parallel parameters (plait.parallel.expert) reduce over their own group, not this one.
-        params = [p for p in model.parameters() if p.requires_grad and not getattr(p, "_plait_expert", False)]
+        params = [p for p in model.parameters() if p.requires_grad and not is_expert(p)]
         self.buckets = _make_buckets(list(reversed(params)), int(bucket_mb * 2**20))
         self._where: dict[nn.Parameter, tuple[_Bucket, int]] = {}
         self._next = 0
@@ -261,7 +262,7 @@ class TorchDDP:
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = _ClassForward(model)
-        ignored = [n for n, p in wrapped.named_parameters() if getattr(p, "_plait_expert", False)]
+        ignored = [n for n, p in wrapped.named_parameters() if is_expert(p)]
         if ignored:  # expert-parallel parameters reduce over their own group (plait.parallel.expert)
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(wrapped, ignored)
         self.module = DistributedDataParallel(wrapped, process_group=group, bucket_cap_mb=bucket_mb)

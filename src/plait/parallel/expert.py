@@ -50,9 +50,11 @@ import torch.distributed.nn.functional as dfn
 from torch import nn
 
 from plait.config import Config, ConfigError
-from plait.nn.moe import GroupedExperts, MoE, Routing, moe_layers
+from plait.nn.moe import GroupedExperts, MoE, Routing, max_violation, moe_layers
+from plait.parallel.units import EXPERT_ATTR, is_expert
 
-EXPERT_ATTR = "_plait_expert"
+__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "ExpertParallelLayout", "MoeMonitor", "check_expert_layout",
+           "is_expert", "shard_experts"]
 # torch 2.13 marks the autograd-aware collectives deprecated in favour of the functional ones; they remain
 # the documented differentiable c10d calls that run on gloo.
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.nn\.functional\..* is deprecated",
@@ -61,11 +63,6 @@ warnings.filterwarnings("ignore", message=r".*torch\.distributed\.nn\.functional
 
 class ExpertParallelError(ConfigError):
     """A model or layout expert parallelism cannot take; the message says what to do."""
-
-
-def is_expert(p: torch.Tensor) -> bool:
-    """Whether ``p`` is an expert-parallel (sharded over ``ep``) parameter."""
-    return bool(getattr(p, EXPERT_ATTR, False))
 
 
 def check_expert_layout(cfg: Config) -> None:
@@ -87,7 +84,6 @@ def check_expert_layout(cfg: Config) -> None:
         raise ConfigError(f"MoE layers with tp={p.tp} and {'sequence_parallel' if p.sequence_parallel else 'zero=3'} "
                           "are not available in this build: MoE blocks compose with plain tensor parallelism "
                           "(sequence_parallel=false, zero=0) and with expert parallelism (parallel.ep)")
-
 
 
 # -- dispatchers ----------------------------------------------------------------------------------
@@ -159,16 +155,15 @@ class AllGatherDispatcher(_Dispatcher):
         return total[self.ep_rank, :a]
 
 
-def shard_experts(model: nn.Module, topo: Any, dispatcher: str = "alltoall") -> list[nn.Parameter]:
-    """Keep this rank's slice of every MoE layer's experts (the weights are already equal on every rank)
-    and install the cross-rank dispatcher; returns the expert parameters."""
+def shard_experts(model: nn.Module, ep: int, ep_rank: int, group: dist.ProcessGroup | None,
+                  dispatcher: str = "alltoall") -> list[nn.Parameter]:
+    """Keep rank ``ep_rank``'s slice of every MoE layer's experts (the weights are already equal on every
+    rank) and install the dispatcher over ``group`` (the ``ep`` ranks); returns the expert parameters."""
     layers = moe_layers(model)
-    ep = topo.ep
     if not layers:
         raise ExpertParallelError(f"parallel.ep={ep} but the model has no plait.nn.MoE layer to shard: set "
                                   "moe.num_experts for plait's GPT, use plait.nn.MoE in your model, or set "
                                   "parallel.ep=1")
-    ep_rank = topo.coord("ep")
     cls = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}[dispatcher]
     params: list[nn.Parameter] = []
     for layer in layers:
@@ -185,7 +180,7 @@ def shard_experts(model: nn.Module, topo: Any, dispatcher: str = "alltoall") -> 
             local.global_shape = tuple(full.shape)  # type: ignore[attr-defined]
             setattr(ex, name, local)
             params.append(local)
-        layer.dispatcher = cls(topo.ep_group, off, n, ep, ep_rank)
+        layer.dispatcher = cls(group, off, n, ep, ep_rank)
     return params
 
 
@@ -253,23 +248,18 @@ class ExpertParallelLayout:
     def finish(self) -> None:
         """Dense gradients by the inner layout; expert gradients summed over the expert-data-parallel group
         and divided by the whole data-parallel degree (see the module docstring)."""
+        from plait.parallel.layout import reduce_in_place
+
         self.inner.finish()
-        grads = self._expert_grads()
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.topo.dp > self.topo.ep:
-            self.comm.all_reduce_sum(flat, self.topo.expert_dp_group, name="expert gradients")
-        flat /= self.topo.dp
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        group = self.topo.expert_dp_group if self.topo.dp > self.topo.ep else None  # None: no replica
+        reduce_in_place(self._expert_grads(), self.comm, group, self.topo.dp, "expert gradients")
 
     def _dense_grads(self) -> list[torch.Tensor]:
         if self.fsdp:  # this rank's shards of the DTensor gradients
             return [p.grad.to_local() for p in self.inner.model.parameters()
                     if p.grad is not None and id(p) not in self._ids]
-        grads = self.inner.grads()
-        return [g for g in grads if not any(g is p.grad for p in self.experts)]
+        expert = {id(p.grad) for p in self.experts}
+        return [g for g in self.inner.grads() if id(g) not in expert]
 
     def grads(self) -> list[torch.Tensor]:
         return self._dense_grads() + self._expert_grads()
@@ -318,8 +308,9 @@ class ExpertParallelLayout:
 
         if t.shape != p.shape or self.topo.mesh is None:
             return t
-        return DTensor.from_local(t, self.topo.mesh["ep"], [Shard(0)], run_check=False,
-                                  shape=torch.Size(p.global_shape), stride=_contiguous_stride(p.global_shape))
+        shape = torch.Size(p.global_shape)
+        return DTensor.from_local(t, self.topo.mesh["ep"], [Shard(0)], run_check=False, shape=shape,
+                                  stride=torch.empty(shape, device="meta").stride())
 
     def _expert_state(self) -> dict[str, dict]:
         """The expert optimizer's state keyed by parameter name (composite optimizer only)."""
@@ -386,14 +377,6 @@ class ExpertParallelLayout:
         return out
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, out = 1, []
-    for s in reversed(shape):
-        out.append(stride)
-        stride *= s
-    return tuple(reversed(out))
-
-
 # -- the engine's per-step MoE work ---------------------------------------------------------------
 class MoeMonitor:
     """What the engine does for MoE layers around each step: the auxiliary losses' gradient scale before a
@@ -421,18 +404,11 @@ class MoeMonitor:
         flat = torch.cat([layer.load for layer in self.layers] + [layer.stats_acc for layer in self.layers])
         if self.topo.dp > 1:
             self.comm.all_reduce_sum(flat, self.topo.dp_group, name="moe statistics")
-        from plait.nn.moe import max_violation
-
+        sizes = [layer.num_experts for layer in self.layers]
+        loads = flat[:sum(sizes)].split(sizes)
+        stats = flat[sum(sizes):].view(len(self.layers), 5).tolist()
         out: list[dict[str, Any]] = []
-        offset = 0
-        summed = []
-        for layer in self.layers:
-            e = layer.num_experts
-            summed.append(flat[offset:offset + e])
-            offset += e
-        for layer, load in zip(self.layers, summed, strict=True):
-            dropped, total, aux, z, forwards = flat[offset:offset + 5].tolist()
-            offset += 5
+        for layer, load, (dropped, total, aux, z, forwards) in zip(self.layers, loads, stats, strict=True):
             layer.update_bias(load.to(layer.expert_bias.device))
             a2a = getattr(layer.dispatcher, "bytes_sent", 0)
             out.append({"tokens_per_expert": [int(v) for v in load.tolist()], "max_violation": max_violation(load),

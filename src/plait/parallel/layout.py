@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from plait.comm.collectives import Comm
 from plait.config import Config
 from plait.parallel.data import GradReducer, LocalGrads, TorchDDP
-from plait.parallel.units import batchnorm_buffers
+from plait.parallel.units import batchnorm_buffers, is_expert
 from plait.topology import Topology
 from plait.train.optim import materialize_optimizer_state, optimizer_recipe
 
@@ -46,6 +46,19 @@ OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 # The elementwise torch optimizers: sharding their flat buffers computes exactly what they compute whole.
 ELEMENTWISE = ("Adam", "AdamW", "SGD", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Adadelta", "ASGD",
                "Rprop")
+
+
+def reduce_in_place(tensors: list[torch.Tensor], comm: Comm, group: Any, divisor: float, name: str) -> None:
+    """Sum ``tensors`` over ``group`` in one all-reduce of them flattened (float32; none when ``group`` is
+    None), divide by ``divisor`` and write the result back into each tensor."""
+    flat = torch.cat([t.reshape(-1).float() for t in tensors])
+    if group is not None:
+        comm.all_reduce_sum(flat, group, name=name)
+    flat /= divisor
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 class LayoutError(ValueError):
@@ -143,15 +156,8 @@ class Layout:
         """BatchNorm running statistics averaged over the data-parallel ranks (see the module docstring).
 
         Communication: one all-reduce of every running mean and variance, flattened; none in backward."""
-        if not self._bn:
-            return
-        flat = torch.cat([b.reshape(-1).float() for b in self._bn])
-        self.comm.all_reduce_sum(flat, self.topo.dp_group, name="batchnorm statistics")
-        flat /= self.topo.dp
-        offset = 0
-        for b in self._bn:
-            b.copy_(flat[offset:offset + b.numel()].view_as(b))
-            offset += b.numel()
+        if self._bn:
+            reduce_in_place(self._bn, self.comm, self.topo.dp_group, self.topo.dp, "batchnorm statistics")
 
     def zero_grad(self) -> None:
         self.engine.zero_grad()
@@ -255,7 +261,7 @@ class FsdpLayout(Layout):
         p = cfg.parallel
         param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
         # Expert-parallel parameters stay out of FSDP: plait.parallel.expert reduces them over their group.
-        experts = {q for q in model.parameters() if getattr(q, "_plait_expert", False)}
+        experts = {q for q in model.parameters() if is_expert(q)}
         self.model = apply_fsdp(model, topo.dp_mesh, param_dtype=param_dtype, offload=p.offload,
                                 reshard_after_forward=p.reshard_after_forward, ignored_params=experts or None)
         self.engine = None

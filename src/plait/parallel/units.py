@@ -5,6 +5,8 @@ Found without knowing the model: a Hugging Face model names its block classes in
 the ``nn.ModuleList`` or ``nn.Sequential`` holding the most parameters with at least two children
 (plait's GPT and CNN ``blocks``, a Sequential model's layers). A model without either has no blocks.
 Batch normalisation: the running statistics of a model's BatchNorm layers, for averaging over ranks.
+Expert-parallel parameters: marked by ``plait.parallel.expert.shard_experts``; the data-parallel engines
+(reducer, DDP, ZeRO, FSDP) leave them to ``ExpertParallelLayout``.
 """
 
 from __future__ import annotations
@@ -51,3 +53,11 @@ def batchnorm_buffers(model: nn.Module) -> list[torch.Tensor]:
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
             out += [b for b in (m.running_mean, m.running_var) if b is not None and b.is_floating_point()]
     return out
+
+
+EXPERT_ATTR = "_plait_expert"
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    """Whether ``p`` is an expert-parallel parameter (this rank's slice of experts sharded over ``ep``)."""
+    return bool(getattr(p, EXPERT_ATTR, False))

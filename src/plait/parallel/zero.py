@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.comm.collectives import Comm, ring_allreduce_bytes, ring_half_bytes
+from plait.parallel.units import is_expert
 
 OFFLOAD_CHOICES = ("none", "optimizer", "params")
 # Stage 2: launched buckets that may still hold their full local gradient during backward (those whose
@@ -458,7 +459,7 @@ def _build_buckets(model: nn.Module, groups: list[dict[str, Any]], bucket_mb: fl
             owner[p] = gi
     # Expert-parallel parameters are reduced and stepped by plait.parallel.expert, not sharded here.
     trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad
-                 and not getattr(p, "_plait_expert", False)]
+                 and not is_expert(p)]
     missing = [p for p in trainable if p not in owner]
     if missing or len(owner) != len(trainable):
         raise ValueError("the param groups must cover the model's trainable parameters exactly "
