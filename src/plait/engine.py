@@ -475,9 +475,10 @@ class Plait:
     def _backward(self, loss: torch.Tensor, weight: float = 1.0) -> None:
         self._begin_micro()
         t0 = time.perf_counter()
+        scale = self.scaler.scale * weight / self.accumulation
         if self.moe is not None:  # the auxiliary losses get the main loss's scale in this backward
-            self.moe.set_grad_scale(self.scaler.scale * weight / self.accumulation)
-        (loss * (self.scaler.scale * weight / self.accumulation)).backward()
+            self.moe.set_grad_scale(scale)
+        (loss * scale).backward()
         self._times["backward_s"] += time.perf_counter() - t0
         self._end_micro(loss)
 

@@ -214,11 +214,12 @@ class MoE(nn.Module):
         ``stats_acc`` (summed until the engine's ``MoeMonitor`` reads them at the step) and ``last_stats``."""
         if not self.training:
             return
+        assignments = len(routing.tokens) + routing.dropped
         self.load += routing.counts.detach().to(torch.float64).cpu()
         self.last_stats = {"tokens_per_expert": routing.counts.tolist(), "dropped": routing.dropped,
-                           "assignments": len(routing.tokens) + routing.dropped, **routing.stats}
-        self.stats_acc += torch.tensor([routing.dropped, len(routing.tokens) + routing.dropped,
-                                        routing.stats["aux_loss"], routing.stats["z_loss"], 1.0], dtype=torch.float64)
+                           "assignments": assignments, **routing.stats}
+        self.stats_acc += torch.tensor([routing.dropped, assignments, routing.stats["aux_loss"],
+                                        routing.stats["z_loss"], 1.0], dtype=torch.float64)
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor) -> None:

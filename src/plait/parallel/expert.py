@@ -55,10 +55,6 @@ from plait.parallel.units import EXPERT_ATTR, is_expert
 
 __all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "ExpertParallelLayout", "MoeMonitor", "check_expert_layout",
            "is_expert", "shard_experts"]
-# torch 2.13 marks the autograd-aware collectives deprecated in favour of the functional ones; they remain
-# the documented differentiable c10d calls that run on gloo.
-warnings.filterwarnings("ignore", message=r".*torch\.distributed\.nn\.functional\..* is deprecated",
-                        category=FutureWarning)
 
 
 class ExpertParallelError(ConfigError):
@@ -159,6 +155,10 @@ def shard_experts(model: nn.Module, ep: int, ep_rank: int, group: dist.ProcessGr
                   dispatcher: str = "alltoall") -> list[nn.Parameter]:
     """Keep rank ``ep_rank``'s slice of every MoE layer's experts (the weights are already equal on every
     rank) and install the dispatcher over ``group`` (the ``ep`` ranks); returns the expert parameters."""
+    # torch 2.13 marks the autograd-aware collectives the dispatchers use deprecated in favour of the
+    # functional ones; they remain the documented differentiable c10d calls that run on gloo.
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.nn\.functional\..* is deprecated",
+                            category=FutureWarning)
     layers = moe_layers(model)
     if not layers:
         raise ExpertParallelError(f"parallel.ep={ep} but the model has no plait.nn.MoE layer to shard: set "

@@ -52,6 +52,7 @@ from torch.distributed.tensor.parallel import (
 
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.models.gpt import GPT
+from plait.nn.moe import MoE
 from plait.parallel.tensor import TensorParallelError, mark_loss_parallel
 
 
@@ -143,7 +144,7 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
         _shard_position_embedding(model.pos_emb, tp_mesh)
     stream = tp_mesh.get_local_rank() + 1
     for block in model.blocks:
-        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel, not hasattr(block.mlp, "fc")))
+        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel, isinstance(block.mlp, MoE)))
         block.attn.n_head = cfg.n_head // tp  # local heads; the forward reshapes with -1 anyway
         block.attn.dropout_stream = stream  # this rank's heads: masks of their own
         if sequence_parallel:

@@ -79,6 +79,7 @@ class Trainer:
         self.p = p = plait if plait is not None else Plait(config)
         self.cfg = cfg = p.config
         self.run_dir = p.run_dir
+        self.last_moe: list[dict[str, Any]] | None = None  # the last reported step's per-MoE-layer figures
         self.log = p.logger
         self.rank0 = p.is_main
         if self.rank0:
@@ -384,8 +385,8 @@ class Trainer:
             summary["goodput"] = goodput.goodput(self.run_dir)
         if not math.isnan(s.val_accuracy):
             summary["final_val_accuracy"] = s.val_accuracy
-        if getattr(self, "last_moe", None) is not None:
-            summary["moe"] = self.last_moe  # the last step's per-layer figures
+        if self.last_moe is not None:
+            summary["moe"] = self.last_moe
         if self.rank0:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         p.barrier()
