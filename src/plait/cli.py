@@ -24,26 +24,41 @@ import copy
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from plait.config import Config, ConfigError, describe_keys, load_config, to_toml
 
 
-def _split_train_args(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
-    """Separate the optional CONFIG path, ``--resume DIR`` and ``--section.key=value`` overrides."""
-    config_path, resume, overrides = None, None, []
+def split_args(argv: list[str], options: dict[str, Callable[[str], Any] | None] | None = None,
+               choices: dict[str, tuple[str, ...]] | None = None,
+               metavars: dict[str, str] | None = None) -> tuple[str | None, dict[str, Any], list[str]]:
+    """(CONFIG path or None, option values, ``--section.key=value`` overrides) of a command line.
+
+    ``options``: option name -> converter of its value (``--name VALUE`` or ``--name=VALUE``), or None for a
+    switch; ``choices`` restrict values; unknown options, a second CONFIG, a missing value are errors."""
+    options, choices, metavars = options or {}, choices or {}, metavars or {}
+    config, values, overrides = None, {}, []
     i = 0
     while i < len(argv):
         a = argv[i]
-        if a == "--resume" or a.startswith("--resume="):
-            if "=" in a:
-                resume = a.split("=", 1)[1]
-            elif i + 1 < len(argv):
-                resume, i = argv[i + 1], i + 1
-            else:
-                raise ConfigError("--resume needs a run directory: --resume RUN_DIR")
-        elif a.startswith("--") and "." in a.split("=", 1)[0]:
-            if "=" in a:
+        name, eq, value = a.partition("=")
+        if name in options and options[name] is None:
+            values[name] = True
+        elif name in options:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{name} needs a value: {name} {metavars.get(name, 'VALUE')}")
+                value, i = argv[i + 1], i + 1
+            try:
+                values[name] = options[name](value)  # type: ignore[misc]
+            except ValueError:
+                raise ConfigError(f"{name} needs a whole number; got {value!r}") from None
+            if name in choices and value not in choices[name]:
+                raise ConfigError(f"{name} must be one of {', '.join(choices[name])}; got {value!r}")
+        elif a.startswith("--") and "." in name:
+            if eq:
                 overrides.append(a)
             elif i + 1 < len(argv):
                 overrides.append(f"{a}={argv[i + 1]}")
@@ -51,13 +66,20 @@ def _split_train_args(argv: list[str]) -> tuple[str | None, str | None, list[str
             else:
                 raise ConfigError(f"{a} needs a value: {a}=VALUE")
         elif a.startswith("-"):
-            raise ConfigError(f"unknown option {a}; options are --resume RUN_DIR and --section.key=value")
-        elif config_path is None:
-            config_path = a
+            known = ", ".join(f"{n} {metavars[n]}" if n in metavars else n for n in options)
+            raise ConfigError(f"unknown option {a}; options are {known + ' and ' if known else ''}--section.key=value")
+        elif config is None:
+            config = a
         else:
             raise ConfigError(f"unexpected argument {a!r}; pass at most one CONFIG.toml")
         i += 1
-    return config_path, resume, overrides
+    return config, values, overrides
+
+
+def _split_train_args(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
+    """Separate the optional CONFIG path, ``--resume DIR`` and ``--section.key=value`` overrides."""
+    config_path, values, overrides = split_args(argv, {"--resume": str}, metavars={"--resume": "RUN_DIR"})
+    return config_path, values.get("--resume"), overrides
 
 
 def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:

@@ -32,40 +32,9 @@ CHOICES = {"--stack": ("plait", "megatron"), "--attention": ("auto", "flash", "u
 
 def parse(argv: list[str], allowed: tuple[str, ...]) -> tuple[str | None, dict[str, Any], list[str]]:
     """(CONFIG path or None, flags, ``--section.key=value`` overrides); unknown options are errors."""
-    config, flags, overrides = None, {}, []
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        name, eq, value = a.partition("=")
-        if name in allowed and name in SWITCHES:
-            flags[name] = True
-        elif name in allowed:
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ConfigError(f"{name} needs a value: {name} VALUE")
-                value, i = argv[i + 1], i + 1
-            try:
-                flags[name] = FLAGS[name](value)
-            except ValueError:
-                raise ConfigError(f"{name} needs a whole number; got {value!r}") from None
-            if name in CHOICES and value not in CHOICES[name]:
-                raise ConfigError(f"{name} must be one of {', '.join(CHOICES[name])}; got {value!r}")
-        elif a.startswith("--") and "." in name:
-            if eq:
-                overrides.append(a)
-            elif i + 1 < len(argv):
-                overrides.append(f"{a}={argv[i + 1]}")
-                i += 1
-            else:
-                raise ConfigError(f"{a} needs a value: {a}=VALUE")
-        elif a.startswith("-"):
-            raise ConfigError(f"unknown option {a}; options are {', '.join(allowed)} and --section.key=value")
-        elif config is None:
-            config = a
-        else:
-            raise ConfigError(f"unexpected argument {a!r}; pass at most one CONFIG.toml")
-        i += 1
-    return config, flags, overrides
+    from plait.cli import split_args
+
+    return split_args(argv, {n: None if n in SWITCHES else FLAGS[n] for n in allowed}, CHOICES)
 
 
 def _profile(flags: dict[str, Any]) -> Any:
