@@ -6,12 +6,15 @@ pull rule, exact sums. Two spawns then run several configurations each through `
 
 - world 3 (workers 0, 1; server 2): sync against single-process training on the same global batch
   (losses and parameters after 6 steps: equal to 1e-6, observed bit for bit: the server averages in
-  worker order and clips with torch's formula), backup with 0 backup workers against sync (exact),
+  worker order and clips with torch's formula), backup with 0 backup workers and ssp with staleness 0
+  against sync (1e-6, observed exact),
   exact sums through the transport in sync/async/ssp/dc, a 3x slower worker in async (converges,
   staleness recorded, max-staleness rejections counted), ssp (the read gap never exceeds s), backup
   (exactly the stale gradients dropped and counted), and checkpoints (sync resume equals the
   uninterrupted run exactly; the PS checkpoint loads into plain data parallelism);
-- world 4: two servers against the single-process reference, async and dc (lambda 0) with one
+- world 4: 3 workers + 1 server in sync against plait's all-reduce data parallelism over 3 ranks (the
+  same spawn's ranks 0-2 regroup; same global batch and weights; 1e-5), two servers against the
+  single-process reference, async and dc (lambda 0) with one
   worker and three servers against single-process training, a transformers Llama against one process,
   and ``plait train``'s worker function on plait's GPT (async, two servers) and CNN (backup, one server).
 """
@@ -91,24 +94,64 @@ def test_max_staleness_and_scaling() -> None:
     assert s.worker_max_staleness == [0, 1]
 
 
-def test_ssp_pull_rule() -> None:
+def test_ssp_clocks_and_pull_rule() -> None:
+    """SSP is clock-aggregated: clock c's gradients of every worker, averaged, make version c + 1; a worker
+    that pushed c gradients reads only version >= c - s."""
     s = _state([0.0], 3, mode="ssp", staleness=1)
     g = torch.tensor([1.0], dtype=torch.float64)
+    assert s.push(0, 0, g, 1.0, [1.0]) == "pending"  # worker 0's clock 0
+    assert s.may_pull(0)  # version 0 >= 1 - 1
+    assert s.push(0, 0, g, 1.0, [1.0]) == "pending"  # its clock 1, computed on version 0
+    assert not s.may_pull(0)  # needs version >= 2 - 1: clock 0 of every worker
+    assert s.push(1, 0, 2 * g, 4.0, [1.0]) == "pending"
+    assert not s.may_pull(0) and s.version == 0
+    assert s.push(2, 0, 4 * g, 16.0, [1.0]) == "applied"  # clock 0 complete: w -= (1 + 2 + 4) / 3
+    assert s.version == 1 and s.w.item() == pytest.approx(-7 / 3, abs=1e-15)
+    assert s.may_pull(0) and not s.by_clock.get(0)
+    s.finish(2)  # a finished worker holds no clock back
+    assert s.push(1, 1, 2 * g, 4.0, [1.0]) == "applied"  # clock 1: worker 0's (staleness 1) and worker 1's
+    assert s.version == 2 and s.w.item() == pytest.approx(-7 / 3 - 1.5, abs=1e-15)
+    assert s.staleness == {0: 4, 1: 1} and s.worker_max_staleness == [1, 0, 0]
+    # staleness scaling weighs each gradient of the clock by 1 / (1 + a t); max_staleness leaves it out
+    s = _state([0.0], 2, mode="ssp", staleness=1, staleness_scaling=1.0)
     s.push(0, 0, g, 1.0, [1.0])
-    s.push(0, 1, g, 1.0, [1.0])  # worker 0 at clock 2, the others at 0
-    assert not s.may_pull(0)  # needs every other worker at clock >= 2 - 1
+    s.push(1, 0, g, 1.0, [1.0])  # clock 0: w = -1, version 1
+    s.push(0, 1, g, 1.0, [1.0])
+    s.push(1, 0, g, 1.0, [1.0])  # clock 1: (1 + 1 / 2) / 2
+    assert s.w.item() == -1.75
+    s = _state([0.0], 2, mode="ssp", staleness=1, max_staleness=0)
+    s.push(0, 0, g, 1.0, [1.0])
     s.push(1, 0, g, 1.0, [1.0])
-    assert not s.may_pull(0)
-    s.finish(2)  # a finished worker holds no one back
-    assert s.may_pull(0) and s.may_pull(1)
+    s.push(0, 1, 3 * g, 9.0, [1.0])
+    s.push(1, 0, g, 1.0, [1.0])  # staleness 1 > 0: left out of clock 1's mean
+    assert s.w.item() == -4.0 and (s.rejected, s.applied) == (1, 3)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ssp_with_staleness_0_is_sync_by_hand() -> None:
+    """AdamW, three workers, four clocks pushed in scrambled order: ssp s = 0 applies what sync applies."""
+    def run(mode: str) -> torch.Tensor:
+        from plait.ps.shard import Segment
+
+        w = torch.linspace(-1, 1, 6, dtype=torch.float64)
+        st = ShardState(w, [Segment(0, 0, 6)], torch.optim.AdamW, {"lr": 0.1}, [{"lr": 0.1}], 3,
+                        _cfg(mode=mode, staleness=0), grad_clip=0.5)
+        gen = torch.Generator().manual_seed(3)
+        for clock in range(4):
+            grads = [torch.randn(6, generator=gen, dtype=torch.float64) for _ in range(3)]
+            for k in (2, 0, 1):
+                st.push(k, st.version, grads[k], float(grads[k].square().sum()), [0.1])
+            assert st.version == clock + 1 and all(st.may_pull(k) for k in range(3))
+        return st.w
+
+    torch.testing.assert_close(run("ssp"), run("sync"), atol=0.0, rtol=0.0)
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp", "async"])
 def test_exact_sums(mode: str) -> None:
     s = _state([0.0] * 4, 3, mode=mode)
     for k in range(3):
         s.push(k, 0, torch.full((4,), 2.0 ** k, dtype=torch.float64), 1.0, [1.0])
-    assert s.w.tolist() == ([-7.0 / 3] * 4 if mode == "sync" else [-7.0] * 4)
+    assert s.w.tolist() == ([-7.0] * 4 if mode == "async" else [-7.0 / 3] * 4)
 
 
 def test_bad_config() -> None:
@@ -237,6 +280,7 @@ def _world3(rank: int, world: int, tmp: str) -> dict:
     out = {}
     out["sync"] = _train({**BASE, **ps, "ps": {"mode": "sync"}}, f"{tmp}/sync")
     out["backup0"] = _train({**BASE, **ps, "ps": {"mode": "backup", "backup_workers": 0}}, f"{tmp}/backup0")
+    out["ssp0"] = _train({**BASE, **ps, "ps": {"mode": "ssp", "staleness": 0}}, f"{tmp}/ssp0")
     for mode in ("sync", "async", "ssp", "dc"):
         out[f"sum_{mode}"] = _exact_sum({**ps, "ps": {"mode": mode, "dc_lambda": 0.0}}, f"{tmp}/sum_{mode}")
     long = {"train": {**BASE["train"], "eval_every": 0}, "optim": BASE["optim"]}
@@ -292,6 +336,10 @@ def test_sync_equals_single_process(world3: tuple) -> None:
         _same(got["sd"], ref["sd"])
     assert ref["losses"][-1] < ref["losses"][0]
     _same(ranks[0]["backup0"]["sd"], ranks[0]["sync"]["sd"], atol=0.0)  # backup with b = 0 is sync
+    for w in (0, 1):  # ssp with s = 0 is sync (AdamW, clipping; tolerance 1e-6, observed bit for bit)
+        _same(ranks[w]["ssp0"]["sd"], ranks[w]["sync"]["sd"], atol=1e-6)
+        assert ranks[w]["ssp0"]["losses"] == pytest.approx(ranks[w]["sync"]["losses"], abs=1e-6)
+    assert ranks[0]["ssp0"]["stats"]["staleness_histogram"] == {"0": 2 * STEPS}
     stats = ranks[0]["sync"]["stats"]
     assert stats["staleness_histogram"] == {"0": 2 * STEPS} and stats["versions"] == [STEPS]
     assert stats["push_bytes"] > 0 and stats["pull_bytes"] > 0
@@ -302,8 +350,9 @@ def test_sync_equals_single_process(world3: tuple) -> None:
 
 def test_exact_sums_through_the_transport(world3: tuple) -> None:
     ranks, _ = world3
-    assert ranks[2]["sum_sync"]["w"].tolist() == [-1.5] * 5  # mean of 1 and 2
-    for mode in ("async", "ssp", "dc"):
+    for mode in ("sync", "ssp"):
+        assert ranks[2][f"sum_{mode}"]["w"].tolist() == [-1.5] * 5, mode  # mean of 1 and 2
+    for mode in ("async", "dc"):
         assert ranks[2][f"sum_{mode}"]["w"].tolist() == [-3.0] * 5, mode  # each applied: 1 + 2
 
 
@@ -330,8 +379,8 @@ def test_ssp_bound_never_violated(world3: tuple) -> None:
     for w in (0, 1):
         for clock, min_clock, versions in ranks[w]["ssp"]["reads"]:
             assert clock - min_clock <= s
-            # every update of clocks <= clock - s - 1 of both workers is in what was read
-            assert versions[0] >= 2 * max(0, clock - s)
+            # every update of clocks <= clock - s - 1 (of both workers, averaged) is in what was read
+            assert versions[0] >= clock - s
     stats = ranks[2]["ssp"]["server"]
     assert stats["max_read_gap"] == s  # the slow worker made the bound bind
     assert stats["max_clock_gap"] <= s + 1  # right after a push, before that worker's next pull
@@ -382,7 +431,30 @@ def _world4(rank: int, world: int, tmp: str) -> dict:
     one = {"train": {"global_batch_size": 8, "micro_batch_size": 8}, "optim": BASE["optim"]}
     out["async1"] = _train({**one, **ps, "ps": {"servers": 3, "mode": "async"}}, f"{tmp}/async1")
     out["dc1"] = _train({**one, **ps, "ps": {"servers": 3, "mode": "dc", "dc_lambda": 0.0}}, f"{tmp}/dc1")
+    out["ps3"] = _train({**THREE, **ps}, f"{tmp}/ps3")  # 3 workers + 1 server, sync
+    out["dp3"] = _all_reduce_dp(rank, f"{tmp}/dp3")
     return out
+
+
+THREE = {"train": {"global_batch_size": 12, "micro_batch_size": 4}, "optim": BASE["optim"]}
+
+
+def _all_reduce_dp(rank: int, run_dir: str) -> dict | None:
+    """Ranks 0-2 leave the spawn's 4-rank group and train plain plait data parallelism (all-reduce, dp = 3)
+    on a 3-rank gloo group with ``THREE``'s global batch; rank 3 sits it out."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from helpers import free_port
+
+    port = torch.tensor([free_port() if rank == 0 else 0])
+    dist.broadcast(port, 0)
+    dist.destroy_process_group()
+    if rank == 3:
+        return None
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(port)}", rank=rank, world_size=3,
+                            timeout=timedelta(seconds=60))
+    return _train(THREE, run_dir)
 
 
 def test_two_servers_one_worker_and_other_models(tmp_path: __import__("pathlib").Path) -> None:
@@ -408,6 +480,12 @@ def test_two_servers_one_worker_and_other_models(tmp_path: __import__("pathlib")
     # cnn ran backup (b = 1) through the Trainer's gathers, checkpoints and export: every push accounted for
     final = ranks[3]["cnn"]["ps_server"]
     assert final["applied"] + final["dropped"] == 3 * 4 and final["clocks"] == [4, 4, 4]
+    for w in (0, 1, 2):  # sync with one server is all-reduce DP on the same global batch (summation order: 1e-5)
+        dp, got = ranks[w]["dp3"], ranks[w]["ps3"]
+        assert got["losses"] == pytest.approx(dp["losses"], abs=1e-5)
+        _same(got["sd"], dp["sd"], atol=1e-5)
+    assert ranks[0]["ps3"]["stats"]["workers"] == 3 and ranks[0]["ps3"]["stats"]["versions"] == [STEPS]
+    assert ranks[0]["dp3"]["losses"][-1] < ranks[0]["dp3"]["losses"][0]
     for w in (0, 1):
         assert ranks[w]["two_servers"]["losses"] == pytest.approx(ref["losses"], abs=1e-6)
         _same(ranks[w]["two_servers"]["sd"], ref["sd"])

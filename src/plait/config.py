@@ -265,12 +265,13 @@ class PsConfig:
     # the optimizer on it.
     servers: int = 1
     # Consistency: sync (every worker's gradient of a version, averaged: all-reduce data parallelism's
-    # update), async (each gradient applied when it arrives), ssp (async, but a worker at clock c reads only
-    # parameters holding every worker's updates up to clock c - staleness - 1), backup (sync taking the first
+    # update), async (each gradient applied when it arrives), ssp (stale-synchronous, clock-aggregated: the mean
+    # of every worker's gradient of clock c is version c + 1, and a worker at clock c reads only parameters of
+    # version >= c - staleness, i.e. every update up to clock c - staleness - 1), backup (sync taking the first
     # workers - backup_workers gradients of each version and dropping the rest), dc (async with delay
     # compensation, DC-ASGD).
     mode: Literal["sync", "async", "ssp", "backup", "dc"] = "sync"
-    # ssp: the staleness bound s (0 is bulk-synchronous).
+    # ssp: the staleness bound s (0 is bulk-synchronous: exactly sync).
     staleness: int = 2
     # backup: b, the gradients of each version not waited for (the slowest b are dropped and counted).
     backup_workers: int = 1
@@ -278,10 +279,11 @@ class PsConfig:
     dc_lambda: float = 0.04
     # dc: adaptive lambda, lambda / sqrt(mean square of g) per element (DC-ASGD-a; mean square momentum 0.95).
     dc_adaptive: bool = False
-    # async, ssp, dc: a gradient more than this many versions stale is rejected and counted (-1: never).
+    # async, ssp, dc: a gradient more than this many versions stale is rejected and counted (-1: never; ssp
+    # leaves it out of its clock's mean).
     max_staleness: int = -1
     # async, ssp, dc: a gradient of staleness t is applied with the learning rate / (1 + a * t), a being this
-    # value (0: no scaling; staleness-aware ASGD).
+    # value (0: no scaling; staleness-aware ASGD; ssp weighs it by 1 / (1 + a * t) in its clock's mean).
     staleness_scaling: float = 0.0
     # Workers push their gradient every this many steps (the mean over those steps).
     push_every: int = 1

@@ -626,9 +626,10 @@ class Plait:
         over the world (every rank of a replica holds the replica's loss, so the sum / world size is
         the mean over replicas)."""
         t = torch.tensor([loss, float(self.preemption.requested)], dtype=torch.float64)
-        # A parameter server's workers meet only in sync mode: the others run at their own pace (their
-        # loss is their own; a stop request is seen by the rank that got it).
-        if self.world_size > 1 and (self.ps is None or self.config.ps.mode == "sync"):
+        # A parameter server's workers meet only in sync mode (and ssp with staleness 0, which is sync): the
+        # others run at their own pace (their loss is their own; a stop request is seen by the rank that got it).
+        ps = self.config.ps
+        if self.world_size > 1 and (self.ps is None or ps.mode == "sync" or (ps.mode == "ssp" and ps.staleness == 0)):
             self.comm.all_reduce_sum(t, self.group, name="step agreement")
             t[0] /= self.world_size
         return float(t[0]), bool(t[1] > 0)

@@ -3,8 +3,10 @@
 Each worker's thread blocks in ``recv`` from that worker, handles the request under the shard's lock
 and answers on the same pair, so a worker's messages are handled in the order it sent them and a
 reply goes only to a worker that is waiting for it. A pull that may not be answered yet (``sync``,
-``backup``, ``ssp``) waits on the condition, which every push and every finished worker notifies;
-only that worker's thread waits, the others go on. ``serve`` returns once every worker has sent
+``backup``, ``ssp``: until the version the worker may read is applied; in ``ssp``, for a worker at clock
+``c``, version ``c - s``: the mean of every worker's gradient of clock ``c - s - 1``) waits on the
+condition, which every push and every finished worker notifies; only that worker's thread waits, the
+others go on. ``serve`` returns once every worker has sent
 ``DONE``; a worker whose connection breaks first ends the server with a ``PsError`` naming it.
 """
 

@@ -17,9 +17,17 @@ Modes (``ps.mode``), for a gradient ``g`` that worker ``k`` computed on version 
   over all shards), with staleness ``t = version - v``. With ``max_staleness >= 0`` a gradient with
   ``t > max_staleness`` is rejected and counted; with ``staleness_scaling = a`` the learning rate is
   divided by ``1 + a t``.
-- ``ssp`` (bound ``s``): ``async``'s updates, and a worker that has pushed ``c`` gradients may pull only
-  once every active worker has pushed at least ``c - s`` (it then reads every update up to clock
-  ``c - s - 1``); the pull waits on the server until the slowest worker catches up.
+- ``ssp`` (bound ``s``, stale-synchronous parallel, Ho et al. 2013): clock-aggregated. A worker's
+  ``c``-th push (counting from 0) is its gradient of clock ``c``; the server keeps the gradients of each
+  clock and, once every active worker's gradient of clock ``c`` has arrived, applies their mean (summed in
+  worker order, clipped by the global norm like ``sync``) as one optimizer step: version ``c + 1``.
+  A worker that has pushed ``c`` gradients may read only version ``>= c - s`` (every update up to clock
+  ``c - s - 1``); its pull waits on the server until the slowest worker catches up. So ``s = 0`` is
+  exactly ``sync`` (for any optimizer) and with ``s > 0`` fast workers run ahead on parameters at most
+  ``s`` clocks stale. A gradient computed on version ``v`` and applied in clock ``c`` has staleness
+  ``t = c - v <= s``; ``max_staleness`` leaves staler ones out of the mean (counted as rejected) and
+  ``staleness_scaling = a`` weighs each in the mean by ``1 / (1 + a t)`` (for SGD: each gradient's own
+  learning rate scaled, as in async).
 - ``dc``: ``async`` with delay compensation (DC-ASGD, Zheng et al. 2017): the server keeps a copy
   ``w_k`` of what worker ``k`` last pulled and applies ``g + lambda g * g * (w - w_k)`` (elementwise);
   adaptive (DC-ASGD-a): ``lambda / sqrt(ms + 1e-7)`` per element, ``ms <- 0.95 ms + 0.05 g * g``.
@@ -79,6 +87,8 @@ class ShardState:
         self.parked: set[int] = set()  # backup: workers waiting for the others in a collective
         self.pending: dict[int, torch.Tensor | None] = {}  # sync/backup: worker -> gradient (None: non-finite)
         self.pending_lrs: dict[int, list[float]] = {}
+        # ssp: clock -> worker -> (gradient or None, version it was computed on, learning rates)
+        self.by_clock: dict[int, dict[int, tuple[torch.Tensor | None, int, list[float]]]] = {}
         self.last_push_version: list[int | None] = [None] * num_workers
         self.w_read: dict[int, torch.Tensor] = {}  # dc: what each worker last pulled
         self.mean_square: torch.Tensor | None = torch.zeros_like(w) if cfg.mode == "dc" and cfg.dc_adaptive else None
@@ -120,12 +130,15 @@ class ShardState:
         """Worker ``worker``'s gradient of this shard computed on ``version`` (None: it was non-finite);
         returns what became of it: applied, pending, dropped, rejected or nonfinite."""
         t0 = time.perf_counter()
+        clock = self.clocks[worker]
         self.clocks[worker] += 1
         self._note_clock_gap()
         stale, at = self.version - version, self.version
         try:
             if self.cfg.mode in ("sync", "backup"):
                 outcome = self._push_sync(worker, version, grad, lrs)
+            elif self.cfg.mode == "ssp":
+                outcome = self._push_ssp(worker, clock, version, grad, lrs)
             else:
                 outcome = self._push_async(worker, stale, grad, norm_sq, lrs)
             if len(self.events) < MAX_EVENTS:
@@ -154,21 +167,65 @@ class ShardState:
         grads = [self.pending[k] for k in workers]
         lrs = self.pending_lrs[workers[0]]
         self.pending, self.pending_lrs = {}, {}
-        if any(g is None for g in grads):
-            total = float("inf")
-            self.norm_sum(total)  # every server takes part in the same all-reduce per version
-            self.nonfinite += 1
+        outcome = self._apply_mean(grads, lrs)
+        if outcome == "applied":
+            self.staleness[0] += len(grads)
+            self.applied += len(grads)
+        return outcome
+
+    def _apply_mean(self, grads: list[torch.Tensor | None], lrs: list[float],
+                    weights: list[float] | None = None) -> str:
+        """One version from ``grads`` (in worker order): ``sum_k weights[k] * grads[k] / len(grads)``, clipped
+        by its global norm (summed over the servers), as one optimizer step; a version with a non-finite
+        gradient (None) or with none at all advances without a step."""
+        if not grads or any(g is None for g in grads):
+            # every server takes part in the same all-reduce per version (nothing of this shard: adds 0)
+            self.norm_sum(float("inf") if grads else 0.0)
+            self.nonfinite += 1 if grads else 0
             self.version += 1
-            return "nonfinite"
-        mean = grads[0].clone()
-        for g in grads[1:]:
-            mean.add_(g)
+            return "nonfinite" if grads else "rejected"
+        w = weights or [1.0] * len(grads)
+        mean = grads[0].clone() if w[0] == 1.0 else grads[0] * w[0]
+        for g, wk in zip(grads[1:], w[1:], strict=True):
+            mean.add_(g, alpha=wk) if wk != 1.0 else mean.add_(g)
         mean.div_(len(grads))
         total = self.norm_sum(float(mean.double().square().sum()))
         self._step(self._clip(mean, total), lrs)
-        self.staleness[0] += len(grads)
-        self.applied += len(grads)
         return "applied"
+
+    def _push_ssp(self, worker: int, clock: int, version: int, grad: torch.Tensor | None, lrs: list[float]) -> str:
+        if clock < self.version:
+            raise RuntimeError(f"worker {worker} pushed its gradient of clock {clock}, but the server already applied "
+                               f"clock {self.version - 1}")
+        self.by_clock.setdefault(clock, {})[worker] = (grad, version, lrs)
+        return self.maybe_apply_clocks()
+
+    def maybe_apply_clocks(self) -> str:
+        """SSP: apply clock ``version`` (then the next ones) while every active worker's gradient of it has
+        arrived; returns the last outcome (pending when none was applied)."""
+        outcome = "pending"
+        cfg = self.cfg
+        while True:
+            c = self.version
+            got = self.by_clock.get(c)
+            if not got or any(k not in got for k in self.active()):
+                return outcome
+            del self.by_clock[c]
+            grads, weights, lrs = [], [], got[min(got)][2]
+            for k in sorted(got):
+                g, v, _ = got[k]
+                t = c - v
+                if cfg.max_staleness >= 0 and t > cfg.max_staleness:
+                    self.rejected += 1
+                    continue
+                grads.append(g)
+                weights.append(1.0 / (1.0 + cfg.staleness_scaling * t) if cfg.staleness_scaling > 0 else 1.0)
+                if g is not None:
+                    self.staleness[t] += 1
+                    self.worker_max_staleness[k] = max(self.worker_max_staleness[k], t)
+            outcome = self._apply_mean(grads, lrs, weights)
+            if outcome == "applied":
+                self.applied += len(grads)
 
     def _push_async(self, worker: int, stale: int, grad: torch.Tensor | None, norm_sq: float,
                     lrs: list[float]) -> str:
@@ -223,8 +280,7 @@ class ShardState:
             last = self.last_push_version[worker]
             return last is None or self.version > last
         if mode == "ssp":
-            live = [self.clocks[k] for k in self.active() if k != worker]
-            return not live or min(live) >= self.clocks[worker] - self.cfg.staleness
+            return self.version >= self.clocks[worker] - self.cfg.staleness
         return True
 
     def pulled(self, worker: int) -> None:
@@ -240,6 +296,8 @@ class ShardState:
         self.done.add(worker)
         if self.cfg.mode in ("sync", "backup"):
             self.maybe_apply_version()
+        elif self.cfg.mode == "ssp":
+            self.maybe_apply_clocks()
 
     # -- state for checkpoints -----------------------------------------------------------------------
     def optimizer_keys(self) -> tuple[list[str], list[str]]:
@@ -278,7 +336,7 @@ class ShardState:
         self.version = version
         self.clocks = list(clocks)
         self.last_push_version = [None] * self.num_workers
-        self.pending, self.pending_lrs, self.w_read = {}, {}, {}
+        self.pending, self.pending_lrs, self.w_read, self.by_clock = {}, {}, {}, {}
 
     def stats(self) -> dict[str, Any]:
         return {"version": self.version, "clocks": list(self.clocks), "applied": self.applied,
