@@ -302,7 +302,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
         model, _ = p.setup(build(**moe), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR))
         losses, grads = _train(p, model, rank, STEPS)
         out[name] = {"losses": losses, "grads": {} if name in SHARDED_GRADS else _gather_grads(p, grads),
-                     "full": _full(p, model)}
+                     "full": _full(p, model), "report": p.layout.report(None).get("expert_parallel")}
         p.close()
 
     # the auxiliary loss alone (main loss x 0): the router gradient of every layout
@@ -362,6 +362,26 @@ def _worker(rank: int, world: int, root: str) -> dict:
                             "resumed": resumed}
         p.close()
     out["uninterrupted"] = uninterrupted
+
+    # experts sharded over the expert-data-parallel ranks (ZeRO-1: optimizer states; ZeRO-3: weights too):
+    # saved there, resumed at ep=1, ep=4 and the other ZeRO stage, against the same run uninterrupted
+    for zero, loads in ((3, ((1, 0), (4, 0), (2, 1))), (1, ((1, 0), (2, 3)))):
+        p = _plait(root, f"zsave{zero}", {"ep": 2, "zero": zero}, "alltoall")
+        model, _ = p.setup(build(**moe), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR))
+        _train(p, model, rank, 2)
+        p.save(f"{root}/zckpt{zero}", model=model)
+        saved = _full(p, model)
+        straight, _ = _train(p, model, rank, 2, start=2)
+        p.close()
+        for ep, z in loads:
+            p = _plait(root, f"zload{zero}-{ep}-{z}", {"ep": ep, "zero": z}, "alltoall")
+            model, _ = p.setup(build(seed=5, **moe), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR))
+            p.load(f"{root}/zckpt{zero}", model=model)
+            loaded = _full(p, model)
+            resumed, _ = _train(p, model, rank, 2, start=2)
+            out[f"zload{zero}-{ep}-{z}"] = {"state_diff": max(float((loaded[k] - saved[k]).abs().max()) for k in saved),
+                                            "resumed": resumed, "uninterrupted": straight}
+            p.close()
 
     # metrics: one step at ep=2 with capacity 1.0, reported per layer (summed over the data-parallel ranks)
     p = _plait(root, "metrics", {"ep": 2}, "alltoall")
@@ -439,6 +459,30 @@ def test_checkpoint_at_ep2_resumes_at_ep1_and_ep4(results) -> None:
             got = results[r][key]
             assert got["state_diff"] == 0.0, (key, r)  # weights and balancing bias, moved exactly
             assert got["resumed"] == pytest.approx(results[r]["uninterrupted"], abs=LOSS_ATOL), (key, r)
+
+
+def test_experts_are_sharded_over_the_remaining_data_parallel_axis_under_zero(results) -> None:
+    """ep=2 of dp=4: each rank holds 4 of the 8 experts, and under ZeRO their optimizer states (1-2) and
+    weights (3) are halved again over the 2 ranks holding the same experts; ep=4 leaves no axis."""
+    whole = E // 2 * 2 * C * H  # w1 and w2 of 4 experts
+    expect = {"ep2-a2a-dropless": ("replicated", whole, whole), "ep2-zero1": ("zero", whole, whole // 2),
+              "ep2-zero2-cap1": ("zero", whole, whole // 2), "ep2-zero3": ("fsdp", whole // 2, whole // 2),
+              "ep4-zero1": ("replicated", whole // 2, whole // 2)}
+    for name, (mode, params, states) in expect.items():
+        for r in range(WORLD):
+            got = results[r][name]["report"]
+            assert (got["expert_sharding"], got["expert_params_local"], got["expert_optimizer_numel_local"]) == \
+                (mode, params, states), (name, r, got)
+
+
+def test_checkpoint_with_sharded_experts_resumes_at_other_ep_and_zero(results) -> None:
+    """Saved at ep=2 with the experts sharded over their replicas (ZeRO-3, ZeRO-1); resumed elsewhere."""
+    keys = ("zload3-1-0", "zload3-4-0", "zload3-2-1", "zload1-1-0", "zload1-2-3")
+    for key in keys:
+        for r in range(WORLD):
+            got = results[r][key]
+            assert got["state_diff"] == 0.0, (key, r)
+            assert got["resumed"] == pytest.approx(got["uninterrupted"], abs=LOSS_ATOL), (key, r)
 
 
 def test_two_identical_runs_are_bitwise_identical(results) -> None:

@@ -86,7 +86,7 @@ class LocalDispatcher:
     expert_offset = 0
 
     def __call__(self, x: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor:
-        return experts.run(x, routing.tokens, routing.experts - self.expert_offset)
+        return experts(x, routing.tokens, routing.experts - self.expert_offset)
 
 
 class GroupedExperts(nn.Module):
@@ -106,10 +106,12 @@ class GroupedExperts(nn.Module):
             w1, w2 = w1.to_local(), w2.to_local()
         return w1, w2
 
-    def run(self, x: torch.Tensor, tokens: torch.Tensor, local_experts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor, local_experts: torch.Tensor) -> torch.Tensor:
         """Each row ``x[tokens[i]]`` through local expert ``local_experts[i]``; returns ``(A, C)`` in row order.
 
-        Every local expert runs, on however many rows it got (zero included), so each expert weight takes
+        Dispatchers call the module (not a method), once per MoE forward, so FSDP2's hooks gather its weights
+        when the experts are sharded over the expert-data-parallel ranks (``parallel.zero=3``). Every local
+        expert runs, on however many rows it got (zero included), so each expert weight takes
         part in the graph and its gradient is zeros, never None, when no token reached it."""
         w1, w2 = self.local_weights()
         order = torch.argsort(local_experts, stable=True)

@@ -260,8 +260,14 @@ class FsdpLayout(Layout):
 
         p = cfg.parallel
         param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
-        # Expert-parallel parameters stay out of FSDP: plait.parallel.expert reduces them over their group.
+        # Expert-parallel parameters: sharded by FSDP2 over their expert-data-parallel ranks when there are
+        # several (plait.parallel.expert.fsdp_shard_experts), else kept out of FSDP and reduced over ep.
         experts = {q for q in model.parameters() if is_expert(q)}
+        if experts and topo.dp > topo.ep:
+            from plait.parallel.expert import fsdp_shard_experts
+
+            fsdp_shard_experts(model, topo, param_dtype=param_dtype, reshard_after_forward=p.reshard_after_forward)
+            experts = set()
         self.model = apply_fsdp(model, topo.dp_mesh, param_dtype=param_dtype, offload=p.offload,
                                 reshard_after_forward=p.reshard_after_forward, ignored_params=experts or None)
         self.engine = None

@@ -145,7 +145,10 @@ class ZeroOptimizer:
     parameters as views of flat buffers (same values) and registers gradient hooks; build it after
     the model is final (checkpointing applied) and before training. Per step: backward (wrap
     non-final accumulation micro-steps in ``no_sync()``), optionally ``clip_grad_norm_``, ``step()``,
-    ``zero_grad()``. Gradients are averaged over ``group``. ``p.grad`` stays None on the model: the
+    ``zero_grad()``. Gradients are summed over ``group`` and divided by ``grad_divisor`` (default: the
+    group's size, an average). ``experts=True`` takes the expert-parallel parameters instead of the dense
+    ones (``plait.parallel.units.is_expert``): ``plait.parallel.expert`` shards them over the
+    expert-data-parallel group with the whole data-parallel degree as divisor. ``p.grad`` stays None on the model: the
     reduced gradients live in the optimizer's shard tensors (``param_groups[i]["params"][j].grad``).
     ``offload=True`` keeps the fp32 master shard, its gradient (copied from the device shard each step)
     and the optimizer states in host memory; the config allows it only on an accelerator, but the class
@@ -154,16 +157,18 @@ class ZeroOptimizer:
 
     def __init__(self, model: nn.Module, params: Iterable[Any], optimizer_cls: type = torch.optim.AdamW,
                  *, group: dist.ProcessGroup | None = None, stage: int = 2, bucket_mb: float = 25.0,
-                 offload: bool = False, **defaults: Any) -> None:
+                 offload: bool = False, experts: bool = False, grad_divisor: int | None = None,
+                 **defaults: Any) -> None:
         if stage not in (1, 2):
             raise ZeroConfigError(f"ZeroOptimizer implements zero=1 and zero=2; got stage={stage} "
                                   "(zero=3 is plait.parallel.fsdp.apply_fsdp, zero=0 is plain data parallel)")
         self.model, self.stage, self.group = model, stage, group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.divisor = grad_divisor or self.world
         groups = _normalize_groups(params)
         self._fqn = _param_fqns(model)
-        self.buckets = _build_buckets(model, groups, bucket_mb, self.world, self.rank)
+        self.buckets = _build_buckets(model, groups, bucket_mb, self.world, self.rank, experts)
         self._group_fqns = [[self._fqn[p] for p in g["params"]] for g in groups]
         self.offload = offload
         for b in self.buckets:
@@ -393,7 +398,7 @@ class ZeroOptimizer:
             if b.work is not None:  # None: already waited for in backward (_release_reduced)
                 self._wait(b.work)
             b.work = None
-            b.grad_shard.div_(self.world)  # average over the data-parallel ranks
+            b.grad_shard.div_(self.divisor)  # average over the data-parallel ranks
             if self.stage == 2:
                 b.grad_full = None  # only the reduced shard survives
         self._reduced = True
@@ -450,16 +455,16 @@ def _param_fqns(model: nn.Module) -> dict[nn.Parameter, str]:
 
 
 def _build_buckets(model: nn.Module, groups: list[dict[str, Any]], bucket_mb: float, world: int,
-                   rank: int) -> list[_Bucket]:
+                   rank: int, experts: bool = False) -> list[_Bucket]:
     owner: dict[nn.Parameter, int] = {}
     for gi, g in enumerate(groups):
         for p in g["params"]:
             if p in owner:
                 raise ValueError("a parameter appears in two param groups; list each parameter once")
             owner[p] = gi
-    # Expert-parallel parameters are reduced and stepped by plait.parallel.expert, not sharded here.
+    # Dense and expert-parallel parameters are sharded by two instances over two groups (plait.parallel.expert).
     trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad
-                 and not is_expert(p)]
+                 and is_expert(p) == experts]
     missing = [p for p in trainable if p not in owner]
     if missing or len(owner) != len(trainable):
         raise ValueError("the param groups must cover the model's trainable parameters exactly "
