@@ -574,7 +574,7 @@ class Plait:
                 # second update on: measure what this rank holds once.
                 from plait.plan.memory import measure_model_state_bytes
 
-                self.memory = measure_model_state_bytes(layout.model, layout.optimizer)
+                self.memory = measure_model_state_bytes(layout.model, getattr(layout, "optimizers", layout.optimizer))
             layout.step()
             if self.scheduler is not None:
                 self.scheduler.step()

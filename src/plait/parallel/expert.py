@@ -288,6 +288,11 @@ class ExpertParallelLayout:
             self.expert_opt = cls([g for _, g in expert], **defaults)
         return opt
 
+    @property
+    def optimizers(self) -> list[Any]:
+        """Every optimizer holding state (the composite's two under ZeRO): what memory accounting reads."""
+        return [self.inner.optimizer] + ([self.expert_opt] if self.expert_opt is not None else [])
+
     def step(self) -> None:
         self.inner.step()
         if self.expert_opt is not None:

@@ -144,16 +144,19 @@ def measure_model_state_bytes(model: nn.Module, optimizer: Any) -> dict[str, int
     Counts tensor storages, each storage once across all three categories (in that order), so
     parameters that are views of one flat buffer, a tied weight, or an optimizer master that is a
     view of the parameters are counted once. DTensors count their local shard. Gradients include
-    the model's ``.grad`` and those of the optimizer's own parameters (the ZeRO shards).
+    the model's ``.grad`` and those of the optimizer's own parameters (the ZeRO shards). ``optimizer``
+    may be a list: a composite (expert parallelism under ZeRO keeps the experts' own optimizer).
     """
     seen: dict[int, int] = {}
-    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    opt_params = [p for o in opts for g in o.param_groups for p in g["params"]]
     params = _count(list(model.parameters()) + opt_params, seen)
     grads = _count([p.grad for p in list(model.parameters()) + opt_params if p.grad is not None], seen)
-    extra = getattr(optimizer, "grad_buffers", None)
-    if callable(extra):
-        grads += _count(extra(), seen)
-    states = _count([v for st in optimizer.state.values() for v in st.values()], seen)
+    for o in opts:
+        extra = getattr(o, "grad_buffers", None)
+        if callable(extra):
+            grads += _count(extra(), seen)
+    states = _count([v for o in opts for st in o.state.values() for v in st.values()], seen)
     return {"params": params, "grads": grads, "optimizer": states, "total": params + grads + states}
 
 

@@ -52,9 +52,35 @@ class RankMemory:
 
 
 def model_states(params: list[Param], work: Workload, n_layer: int) -> tuple[RankMemory, float]:
-    """(model-state bytes of a rank holding ``params``, its communication buffers in bytes)."""
+    """(model-state bytes of a rank holding ``params``, its communication buffers in bytes).
+
+    With expert parallelism the rank's local experts (``E / ep`` of each MoE layer) are sharded apart from
+    the dense parameters, over the ``dp / ep`` ranks holding the same experts (``plait.parallel.expert``):
+    their own ZeRO-1/2 buckets there, or FSDP2 units splitting each weight's dim 1 at ZeRO-3; whole (with
+    a flattened gradient copy for their all-reduce) without ZeRO or when ``dp = ep``."""
     lay = work.layout
-    tp, dp = lay.tp, lay.dp
+    experts = [p for p in params if p.expert] if lay.ep > 1 else []
+    if not experts:
+        return _states(params, work, n_layer, lay.dp)
+    dense, dense_buf = _states([p for p in params if not p.expert], work, n_layer, lay.dp)
+    edp = lay.dp // lay.ep
+    local = sum(p.local_numel(lay.tp) for p in experts)
+    if lay.zero == 3 and edp > 1:
+        shard = local / edp
+        layer = max(sum(p.local_numel(lay.tp) for p in experts if p.layer == i) for i in {p.layer for p in experts})
+        mem, buf = RankMemory(4 * shard, 4 * shard, STATE_BYTES * shard), 4 * layer  # one layer's unit gathered
+    elif lay.zero in (1, 2) and edp > 1:
+        mem, buf = _states(experts, work, n_layer, edp)
+    else:
+        mem, buf = RankMemory(4 * local, 4 * local, STATE_BYTES * local), 4 * local * (lay.dp > lay.ep)
+    total = RankMemory(dense.params + mem.params, dense.grads + mem.grads, dense.optimizer + mem.optimizer)
+    return total, dense_buf + buf
+
+
+def _states(params: list[Param], work: Workload, n_layer: int, dp: int) -> tuple[RankMemory, float]:
+    """Model states and buffers of ``params`` sharded by the layout's ZeRO stage over ``dp`` ranks."""
+    lay = work.layout
+    tp = lay.tp
     local = sum(p.local_numel(tp) for p in params)
     if lay.zero == 3:
         shard = sum(fsdp_shard_numel(p, tp, dp) for p in params)
