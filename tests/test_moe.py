@@ -289,11 +289,13 @@ def _gpt_cases(rank: int, root: str) -> dict:
         p = plait.Plait(cfg)
         model, _ = p.setup(gpt(every), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR),
                            loss_fn="causal_lm")
-        losses = []
+        losses, reports = [], []
         for s in range(STEPS):
             p.forward_backward(model, gpt_batches(s)[p.dp_rank * mb:(p.dp_rank + 1) * mb])
-            losses.append(p.step().global_loss)
-        out[name] = {"losses": losses, "full": _full(p, model)}
+            info = p.step()
+            losses.append(info.global_loss)
+            reports.append(info.moe)
+        out[name] = {"losses": losses, "full": _full(p, model), "moe_layers": len(reports[0])}
         if "zero" in name:  # measured model states (from the second step) against the planner's prediction
             predicted = simulate_config(cfg, load_profile("a100-80gb")).memory[0]
             out[name]["memory"] = (p.memory["total"], predicted.model_states)
@@ -512,6 +514,8 @@ def test_moe_gpt_with_tensor_or_pipeline_parallelism_matches_one_process(results
         # 1e-4 after 3 AdamW steps at lr 1e-2: the vocabulary-parallel loss and row-parallel sums round
         # differently, magnified by Adam; measured 5.4e-5 at tp=2 alone and 4.8e-5 with ep=2 added
         assert _maxdiff(got["full"], ref["state"]) < 1e-4, (name, r)
+        # the first step's per-layer MoE figures: every MoE block, on every rank (both stages' under pp)
+        assert got["moe_layers"] == 2 // every, (name, r)
         if "memory" in got:  # experts' states sharded over their 2 replicas: the planner predicts what ranks hold
             measured, predicted = got["memory"]
             assert abs(predicted / measured - 1) < 0.01, (name, r, measured, predicted)

@@ -304,10 +304,11 @@ class Plait:
             self.layout = layout = apply_parallel(model, self.topology, self.config, self.comm, spec)
         from plait.nn.moe import moe_layers
 
-        if moe_layers(layout.model):
+        if moe_layers(layout.model) or self.topology.degree("pp") > 1:  # a stage may hold no MoE layer
             from plait.parallel.expert import MoeMonitor
 
-            self.moe = MoeMonitor(layout.model, self.topology, self.comm, self.config.train.log_every)
+            monitor = MoeMonitor(layout.model, self.topology, self.comm, self.config.train.log_every)
+            self.moe = monitor if monitor.active else None
         opt = layout.build_optimizer(factory)
         if self.ps is not None and self.ps.is_server:
             self._serve()

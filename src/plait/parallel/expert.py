@@ -517,7 +517,11 @@ class MoeMonitor:
         # Counts are summed over the ranks every step under bias balancing (the biases need them), else only
         # every ``every`` steps (the logged ones): the figures then cover the steps since the last report.
         self.every = max(1, every)
-        self.bias = any(layer.balance == "bias" for layer in self.layers)
+        flags = torch.tensor([float(bool(self.layers)), float(any(layer.balance == "bias" for layer in self.layers))])
+        self.stages = topo.degree("pp") if topo.mesh is not None else 1
+        if self.stages > 1:  # every stage must agree (the per-layer figures are gathered over pp)
+            comm.all_reduce_sum(flags, topo.group("pp"), name="moe layers per stage")
+        self.active, self.bias = bool(flags[0] > 0), bool(flags[1] > 0)
 
     def set_grad_scale(self, scale: float) -> None:
         for layer in self.layers:
@@ -526,8 +530,16 @@ class MoeMonitor:
     def after_step(self, step: int) -> list[dict[str, Any]] | None:
         """Sum counts over the data-parallel ranks, move the balancing biases, return the per-layer metrics
         (None on a step that neither moves biases nor is a multiple of ``every``)."""
-        if not self.layers or not (self.bias or step % self.every == 0 or step == 1):
+        if not self.active or not (self.bias or step % self.every == 0 or step == 1):
             return None
+        out = self._local_metrics() if self.layers else []
+        if self.stages > 1:  # every stage's layers, in model order, on every rank
+            parts: list = [None] * self.stages
+            dist.all_gather_object(parts, out, group=self.topo.group("pp"))
+            out = [m for part in parts for m in part]
+        return out
+
+    def _local_metrics(self) -> list[dict[str, Any]]:
         flat = torch.cat([layer.load for layer in self.layers] + [layer.stats_acc for layer in self.layers])
         if self.topo.dp > 1:
             self.comm.all_reduce_sum(flat, self.topo.dp_group, name="moe statistics")
