@@ -68,3 +68,26 @@ def test_plan_enumerates_expert_parallelism_and_writes_it(tmp_path, capsys):
     assert any("MoE" in reason for reason in result["pruned"].values())
     cfg = load_config(out)
     validate(cfg, cfg.parallel.nproc)
+
+
+def test_experts_under_zero_are_priced_and_planned_as_sharded_over_their_replicas(capsys):
+    """ep=2 of dp=4: ranks 0 and 2 hold the same experts. Without ZeRO their gradients take one all-reduce
+    there; under ZeRO-1 a reduce-scatter and the weights' all-gather, under ZeRO-3 a second all-gather."""
+    import json
+
+    from plait.cli import main
+
+    profile = load_profile("a100-80gb")
+    shape = shape_from_config(load_config(None, MOE))
+    experts = 4 * sum(p.numel() for p in param_list(shape, ep=2) if p.expert)
+    group = group_span([0, 2], profile.devices_per_node)
+    rs, ag = (collective_time(profile, op, experts, group) for op in ("reduce_scatter", "all_gather"))
+    expect = {0: collective_time(profile, "all_reduce", experts, group), 1: rs + ag, 3: rs + 2 * ag}
+    for zero, seconds in expect.items():
+        sim = simulate_config(load_config(None, MOE + [f"--parallel.zero={zero}"]), profile)
+        (span,) = [s for s in sim.timelines[0].spans if s.name.startswith("expert gradients")]
+        assert span.end - span.start == pytest.approx(seconds, rel=1e-9), zero
+    assert main(["plan", "--hardware", "a100-80gb", "--gpus", "8", "--moe.num_experts=8", "--model.n_layer=4",
+                 "--train.global_batch_size=64", "--top", "60"]) == 0
+    ranked = [r["layout"] for r in json.loads(capsys.readouterr().out)["ranked"]]
+    assert any("ep=2" in r and "zero=1" in r for r in ranked) and any("ep=2" in r and "zero=3" in r for r in ranked)

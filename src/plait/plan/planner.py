@@ -9,8 +9,9 @@ of the experts).
 
 Pruned, each family with its reason: degrees that do not divide the devices, the heads, the MLP width,
 the vocabulary or the sequence; a global batch that does not split over dp; combinations plait refuses
-(``plait.validate``: ZeRO with pipelining, ZeRO-1/2 with tp; ``plait.parallel.expert``: MoE layers with tp
-or pp, ZeRO with ep); layouts whose predicted peak memory
+(``plait.validate``: ZeRO with pipelining, ZeRO-1/2 with tp; ``plait.parallel.expert``: ZeRO-3 with ep
+whose expert weights do not split evenly over the dp / ep replicas; the planner also leaves MoE models
+with tp or pp out of its search); layouts whose predicted peak memory
 exceeds the device's usable memory (with the bytes).
 
 Ranked in two passes: a closed-form screen (``estimate``: the stages' summed costs, the pipeline bubble
@@ -71,6 +72,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _experts_shard(shape: ModelShape, zero: int, dp: int, ep: int) -> bool:
+    """Whether plait runs expert parallelism ``ep`` under ZeRO stage ``zero``: always, except ZeRO-3 with
+    experts left to shard (``dp > ep``), whose FSDP2 units split each expert weight's dim 1 evenly."""
+    edp = dp // ep
+    return ep == 1 or zero != 3 or edp == 1 or (shape.d_model % edp == 0 and shape.expert_hidden % edp == 0)
+
+
 def _shape_reason(shape: ModelShape, tp: int) -> str | None:
     for what, value in (("n_head", shape.n_head), ("n_kv_head", shape.n_kv_head), ("MLP width", shape.d_ff),
                         ("vocab_size", shape.vocab_size)):
@@ -94,7 +102,9 @@ def _layouts(shape: ModelShape, batch: int, gpus: int, per_node: int, pruned: di
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
             if shape.num_experts and tp * pp > 1:
-                pruned[f"tp={tp} pp={pp}"] = "plait runs MoE layers with data and expert parallelism only (tp=pp=1)"
+                pruned[f"tp={tp} pp={pp}"] = ("the planner does not price MoE layers under tp or pp (plait trains "
+                                              "them: MoE blocks whole on every tp rank, each stage's experts over "
+                                              "ep); it searches tp=pp=1")
                 continue
             if pp > shape.n_layer:
                 pruned[f"pp={pp}"] = f"more pipeline stages than the {shape.n_layer} layers"
@@ -121,8 +131,6 @@ def _variants(shape: ModelShape, batch: int, tp: int, pp: int, dp: int, pruned: 
         pruned["zero=1/2 with tp>1"] = "plait's flat-buffer ZeRO-1/2 does not take tensor-parallel parameters"
         zeros = [z for z in zeros if z in (0, 3)]
     eps = [e for e in _divisors(dp) if shape.num_experts and shape.num_experts % e == 0] or [1]
-    if len(eps) > 1 and len(zeros) > 1:
-        pruned["ep>1 with zero=1-3"] = "plait's expert parallelism composes with zero=0 only (experts already sharded)"
     out = []
     for sp in sps:
         for zero in zeros:
@@ -131,7 +139,7 @@ def _variants(shape: ModelShape, batch: int, tp: int, pp: int, dp: int, pruned: 
                     out += [Layout(dp=dp, tp=tp, pp=1, zero=zero, sp=sp, micro_batch_size=mb, recompute=recompute,
                                    ep=ep)
                             for mb in space.micro_batches if per_replica % mb == 0
-                            for ep in eps if ep == 1 or zero == 0]
+                            for ep in eps if _experts_shard(shape, zero, dp, ep)]
                     continue
                 for pm in space.micro_batches[:3]:
                     if per_replica % pm:

@@ -131,10 +131,15 @@ def _comm_plan(model: StageModel, params: list[Param], dp_group: Any) -> dict:
         * model.cluster.threads >= 1
     plan: dict[str, Any] = {"overlap": cores_free, "prefetch": profile.kind != "cpu", "buckets": []}
     grad = model.gradient_bytes
-    if lay.ep > 1:  # plait.parallel.expert: experts' gradients in one all-reduce over their replicas after backward
-        experts = sum(p.local_numel(lay.tp) for p in params if p.expert)
+    if lay.ep > 1:  # plait.parallel.expert, over the ranks holding the same experts, after backward
+        experts = 4 * sum(p.local_numel(lay.tp) for p in params if p.expert)
         group = group_span(model.placement.expert_dp_group(), model.cluster.devices_per_node)
-        plan["expert"] = collective_time(profile, "all_reduce", 4 * experts, group)
+        if lay.zero and lay.dp > lay.ep:  # sharded there: reduce-scatter the gradients, all-gather the weights
+            gathers = 2 if lay.zero == 3 else 1  # ZeRO-3 gathers for forward and again for backward
+            plan["expert"] = (collective_time(profile, "reduce_scatter", experts, group)
+                              + gathers * collective_time(profile, "all_gather", experts, group))
+        else:  # whole on each replica: one all-reduce of the flattened gradients
+            plan["expert"] = collective_time(profile, "all_reduce", experts, group)
         params = [p for p in params if not p.expert]  # the dense layout reduces the rest
     if lay.dp == 1 or not params:
         return plan
@@ -216,7 +221,7 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
         ends = {0: flat_step(model, timelines[0], plans[0])}
         if plans[0].get("expert"):
             t, s = ends[0], plans[0]["expert"]
-            timelines[0].spans.append(Span("all-reduce expert gradients", "dp", t, t + s))
+            timelines[0].spans.append(Span("expert gradients and weights over their replicas", "dp", t, t + s))
             timelines[0].expose("dp", s)
             ends[0] = t + s
         act = sum(c.saved for _, c in _all_layers(model))
