@@ -43,6 +43,7 @@ class PsLayout(Layout):
         self._grad: torch.Tensor | None = None
         self._local_steps = 0
         self._pushed = False
+        self._grad_norm_sq: float | None = None
 
     # -- building ---------------------------------------------------------------------------------
     def build_optimizer(self, factory: OptimizerFactory) -> Any:
@@ -115,7 +116,9 @@ class PsLayout(Layout):
         else:
             grad_to_push = grad
         self._grad = grad_to_push
-        return float(grad_norm_sq(grad)) ** 0.5
+        norm_sq = grad_norm_sq(grad)
+        self._grad_norm_sq = norm_sq if every == 1 else None  # the pushed gradient's, when it is this step's
+        return norm_sq ** 0.5
 
     def _push_due(self) -> bool:
         return self._local_steps % self.cfg.ps.push_every == 0
@@ -134,7 +137,11 @@ class PsLayout(Layout):
             lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
             grad = self._grad if self._pushed else None
             pull = (c.clock + 1) % self.cfg.ps.pull_every == 0
-            params = c.push(grad, grad_norm_sq(grad) if grad is not None else float("inf"), lrs, pull=pull)
+            norm_sq = float("inf") if grad is None else (
+                self._grad_norm_sq if self._grad_norm_sq is not None else grad_norm_sq(grad))
+            # the replies go straight into the parameters (CPU ones: others take the flat copy)
+            direct = not self.flat.params or self.flat.params[0].device.type == "cpu"
+            params = c.push(grad, norm_sq, lrs, pull=pull, install=direct)
             if params is not None:
                 self._install(params)
             self._acc, self._grad, self._pushed = None, None, False

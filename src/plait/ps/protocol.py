@@ -68,12 +68,9 @@ class Header:
         if len(self.lrs) > MAX_GROUPS:
             raise PsError(f"parallel.mode=ps supports at most {MAX_GROUPS} optimizer parameter groups; the optimizer "
                           f"has {len(self.lrs)}")
-        t = torch.zeros(HEADER_LEN, dtype=torch.float64)
-        t[:8] = torch.tensor([int(self.op), self.worker, self.server, self.version, self.nbytes, self.clock,
-                              self.norm_sq, self.flags], dtype=torch.float64)
-        if self.lrs:
-            t[8:8 + len(self.lrs)] = torch.tensor(self.lrs, dtype=torch.float64)
-        return t
+        vals = [int(self.op), self.worker, self.server, self.version, self.nbytes, self.clock, self.norm_sq,
+                self.flags, *self.lrs]
+        return torch.tensor(vals + [0.0] * (HEADER_LEN - len(vals)), dtype=torch.float64)
 
     @classmethod
     def decode(cls, t: torch.Tensor, num_groups: int = 0) -> Header:
@@ -93,17 +90,23 @@ class Channel:
         self._frame_out = torch.zeros(HEADER_F32 + slot, dtype=torch.float32)
         self._frame_in = torch.zeros(HEADER_F32 + slot, dtype=torch.float32)
 
-    def send_framed(self, header: Header, payload: torch.Tensor | None = None) -> None:
-        """One message: ``header`` and ``payload`` (float32, at most the slot) in a shard-sized frame."""
-        n = payload.numel() if payload is not None else 0
+    def out_slot(self) -> torch.Tensor:
+        """The payload slot of the outgoing frame: write a payload here and send it with ``send_framed(header,
+        filled=n)``, without a copy of its own (valid until the next send on this channel)."""
+        return self._frame_out[HEADER_F32:]
+
+    def send_framed(self, header: Header, payload: torch.Tensor | None = None, filled: int = 0) -> None:
+        """One message: ``header`` and ``payload`` (float32, at most the slot) in a shard-sized frame; or,
+        with ``filled = n``, the ``n`` elements already written to ``out_slot()``."""
+        n = payload.numel() if payload is not None else filled
         if n > self.slot or (payload is not None and payload.dtype != torch.float32):
-            raise PsError(f"rank {self.me}: a {header.op.name} payload of {n} {payload.dtype} elements does not fit "
-                          f"the {self.slot} float32 slot of the frame to rank {self.peer}")
+            raise PsError(f"rank {self.me}: a {header.op.name} payload of {n} elements does not fit the {self.slot} "
+                          f"float32 slot of the frame to rank {self.peer} (or is not float32)")
         header.nbytes = 4 * n
         frame = self._frame_out
-        frame[:HEADER_F32] = header.encode().view(torch.float32)
-        if n:
-            frame[HEADER_F32:HEADER_F32 + n] = payload.reshape(-1)
+        frame[:HEADER_F32].view(torch.float64).copy_(header.encode())
+        if payload is not None and n:
+            frame[HEADER_F32:HEADER_F32 + n].copy_(payload.reshape(-1))
         try:
             dist.send(frame, dst=self.peer, group=self.group)
         except RuntimeError as e:

@@ -83,7 +83,10 @@ class Server:
                 self.initialized.set()
                 self.cond.notify_all()
         elif h.op == Op.PUSH:
-            grad = None if h.flags & FLAG_NONFINITE else payload.clone()
+            # Modes that keep a gradient for later (sync, backup, ssp) copy it out of the receive frame; the
+            # others apply it from the frame at once (under the lock, before this thread receives again).
+            keep = s.cfg.mode in ("sync", "backup", "ssp")
+            grad = None if h.flags & FLAG_NONFINITE else (payload.clone() if keep else payload)
             with self.cond:
                 s.push(worker, h.version, grad, h.norm_sq, h.lrs)
                 self.cond.notify_all()
@@ -132,8 +135,8 @@ class Server:
             s.pulled(worker)
             reply = Header(Op.REPLY, worker, self.index, s.version,
                            clock=min([s.clocks[k] for k in s.active()] or [s.clocks[worker]]))
-            w = s.w.clone()
-        ch.send_framed(reply, w)
+            ch.out_slot()[:s.w.numel()].copy_(s.w)  # the shard as of this version, straight into the frame
+        ch.send_framed(reply, filled=s.w.numel())
 
     def stats(self) -> dict[str, Any]:
         """The shard's statistics with this server's traffic and utilisation (busy time / time served)."""

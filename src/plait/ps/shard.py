@@ -83,6 +83,27 @@ class FlatLayout:
                           for p in self.params]).to(self.dtype)
 
     @torch.no_grad()
+    def copy_range_into_params(self, values: torch.Tensor, lo: int) -> None:
+        """Copy ``values``, the elements ``[lo, lo + len(values))`` of the flat order (one shard), into the
+        parameters they belong to (no flat copy of the whole model)."""
+        hi = lo + values.numel()
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            a, b = max(lo, offset), min(hi, offset + n)
+            if a < b:
+                src = values[a - lo:b - lo]
+                if p.is_contiguous():
+                    p.view(-1)[a - offset:b - offset].copy_(src)
+                else:
+                    flat = p.detach().reshape(-1).clone()
+                    flat[a - offset:b - offset] = src.to(flat.device)
+                    p.copy_(flat.view_as(p))
+            offset += n
+            if offset >= hi:
+                break
+
+    @torch.no_grad()
     def unflatten_into(self, flat: torch.Tensor, tensors: list[torch.Tensor] | None = None) -> None:
         """Copy ``flat`` (the flat order) into the parameters (or into ``tensors``, one per parameter)."""
         offset = 0

@@ -49,10 +49,11 @@ class PsClient:
             lo, hi = self.flat.shard_range(s)
             ch.send_framed(Header(Op.INIT, self.worker, s), flat[lo:hi])
 
-    def push(self, grad: torch.Tensor | None, norm_sq: float, lrs: list[float],
-             pull: bool = True) -> torch.Tensor | None:
+    def push(self, grad: torch.Tensor | None, norm_sq: float, lrs: list[float], pull: bool = True,
+             install: bool = False) -> torch.Tensor | None:
         """Send each server its slice of ``grad`` (None: non-finite, announced without a payload); with
-        ``pull`` each server answers with its parameters (as a PULL right after), returned in the flat order."""
+        ``pull`` each server answers with its parameters (as a PULL right after), returned in the flat order,
+        or with ``install`` copied from each reply straight into the model's parameters (returns None)."""
         t0 = time.perf_counter()
         self.clock += 1
         flags = (FLAG_NONFINITE if grad is None else 0) | (FLAG_PULL if pull else 0)
@@ -62,7 +63,7 @@ class PsClient:
                        flags=flags)
             ch.send_framed(h, grad[lo:hi] if grad is not None else None)
         self.push_s += time.perf_counter() - t0
-        return self._replies(time.perf_counter()) if pull else None
+        return self._replies(time.perf_counter(), install) if pull else None
 
     def pull(self) -> torch.Tensor:
         """The parameters of every shard, in the flat order (waits where the consistency mode says)."""
@@ -71,13 +72,16 @@ class PsClient:
             ch.send_framed(Header(Op.PULL, self.worker, s, self.versions[s], clock=self.clock))
         return self._replies(t0)
 
-    def _replies(self, t0: float) -> torch.Tensor:
-        out = torch.empty(self.flat.numel, dtype=self.flat.dtype)
+    def _replies(self, t0: float, install: bool = False) -> torch.Tensor | None:
+        out = None if install else torch.empty(self.flat.numel, dtype=self.flat.dtype)
         min_clock = self.clock
         for s, ch in enumerate(self.channels):
             lo, hi = self.flat.shard_range(s)
             h, payload = ch.recv_framed(what="waiting for parameters")
-            out[lo:hi] = payload
+            if out is None:
+                self.flat.copy_range_into_params(payload, lo)
+            else:
+                out[lo:hi] = payload
             self.versions[s] = h.version
             min_clock = min(min_clock, h.clock) if s else h.clock
         self.reads.append((self.clock, min_clock, list(self.versions)))
