@@ -77,6 +77,7 @@ def run_rpc(rank: int, world: int, port: int, make_model: Any, make_data: Any, l
     name = "ps" if rank == server else f"trainer{rank}"
     rpc.init_rpc(name, rank=rank, world_size=world,
                  rpc_backend_options=rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=600))
+    cpu0 = _cpu_s()
     out: dict[str, Any] = {}
     if rank == 0:
         torch.manual_seed(0)
@@ -92,7 +93,7 @@ def run_rpc(rank: int, world: int, port: int, make_model: Any, make_data: Any, l
         data = make_data()
         g = torch.Generator().manual_seed(rank)
         steps_s = []
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _cpu_s()
         for _ in range(steps):
             ts = time.perf_counter()
             idx = torch.randint(0, len(data), (micro,), generator=g)
@@ -102,9 +103,18 @@ def run_rpc(rank: int, world: int, port: int, make_model: Any, make_data: Any, l
             model = rpc.rpc_sync("ps", BatchUpdateParameterServer.update_and_fetch_model,
                                  args=(ps_rref, [p.grad for p in model.parameters()]))
             steps_s.append(time.perf_counter() - ts)
-        out = {"step_s": steps_s, "end_s": time.perf_counter() - t0}
+        out = {"step_s": steps_s, "end_s": time.perf_counter() - t0, "cpu_s": _cpu_s() - cpu0}
     rpc.shutdown()  # waits for every rank: the server ends when all workers have
+    if rank == server:
+        out = {"cpu_s": _cpu_s() - cpu0}  # serving (instrumentation only: the server's work is unchanged)
     return out
+
+
+def _cpu_s() -> float:
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 _RREF: list[Any] = [None]

@@ -92,15 +92,16 @@ def run(name: str, seed: int, slow: bool, args: argparse.Namespace, run_dir: str
     if name != "dp":
         sections.update(parallel={"mode": "ps"}, ps={"servers": 1, **MODES[name]})
     p = plait.Plait(**sections)
+    cpu0 = cpu_s()
     torch.manual_seed(seed)
     train, (vx, vy) = data(seed)
     try:
         model, _ = p.setup(Net(args.compute_ms / 1000), loss_fn=mse)
     except ServerDone as e:
-        return {"server": e.stats}
+        return {"server": e.stats, "cpu_s": cpu_s() - cpu0}  # setup and serving
     loader = iter(p.setup_dataloader(train))
     p.barrier()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_s()
     curve, step_s, compute_s = [], [], []
     while p.steps < args.steps:
         ts = time.perf_counter()
@@ -113,9 +114,17 @@ def run(name: str, seed: int, slow: bool, args: argparse.Namespace, run_dir: str
                 val = float(mse(model.body(vx), vy))
             version = sum(info.ps["ps_versions"]) if info.ps else info.step
             curve.append((time.perf_counter() - t0, info.step, version, val))
-    end = time.perf_counter() - t0
+    end, cpu = time.perf_counter() - t0, cpu_s() - cpu0
     p.close()
-    return {"curve": curve, "step_s": step_s, "compute_s": compute_s, "end_s": end}
+    return {"curve": curve, "step_s": step_s, "compute_s": compute_s, "end_s": end, "cpu_s": cpu}
+
+
+def cpu_s() -> float:
+    """CPU seconds (user + system, every thread) this process has used."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def group(rank: int, world: int, names: list[str], seeds: list[int], scenarios: list[bool],
@@ -267,7 +276,8 @@ def peer(args: argparse.Namespace) -> dict[str, Any]:
     ``--peer-repeats`` pairs run alternately (plait, then the peer) so that the load of a shared machine
     falls on both alike; each pair's ratio and the median are reported. At ``compute`` ms per step the
     ratio cannot exceed ``(compute + peer overhead) / compute`` whatever plait's overhead: reported as
-    ``ratio_bound_at_zero_plait_overhead``."""
+    ``ratio_bound_at_zero_plait_overhead``. ``cpu_ms_per_update``: CPU time of every rank (workers: their
+    loop; server: its setup and serving) per update, the cost that becomes time where cores are scarce."""
     import functools
 
     from _common import free_port
@@ -276,16 +286,19 @@ def peer(args: argparse.Namespace) -> dict[str, Any]:
     out = {}
     for compute in (args.compute_ms, 0.0):
         a = argparse.Namespace(**{**vars(args), "compute_ms": compute, "eval_every": 0})
-        plait_ups, rpc_ups, rpc_step = [], [], []
+        plait_ups, rpc_ups, rpc_step, plait_cpu, rpc_cpu = [], [], [], [], []
         for _ in range(args.peer_repeats):
             ranks = spawn_group(group, WORKERS + 1, ["ps-async"], [0], [False], a, name="plait async",
                                 timeout_s=1800)
             plait_wall = max(r["ps-async|0|0"]["end_s"] for r in ranks[:WORKERS])
-            plait_ups.append(ranks[WORKERS]["ps-async|0|0"]["server"]["updates"] / plait_wall)
+            updates = ranks[WORKERS]["ps-async|0|0"]["server"]["updates"]
+            plait_ups.append(updates / plait_wall)
+            plait_cpu.append(sum(r["ps-async|0|0"]["cpu_s"] for r in ranks) / updates)
             rpc_ranks = spawn_group(run_rpc, WORKERS + 1, free_port(), functools.partial(rpc_model, compute / 1000),
                                     rpc_data, mse, args.steps, MICRO, 0.01, name="rpc peer", timeout_s=1800)
             rpc_wall = max(r["end_s"] for r in rpc_ranks[:WORKERS])
             rpc_ups.append(WORKERS * args.steps / rpc_wall)
+            rpc_cpu.append(sum(r["cpu_s"] for r in rpc_ranks) / (WORKERS * args.steps))
             rpc_step.append(rpc_wall / args.steps)
         ratios = [p / r for p, r in zip(plait_ups, rpc_ups, strict=True)]
         bound = statistics.median(rpc_step) / (compute / 1000) if compute > 0 else None
@@ -294,7 +307,9 @@ def peer(args: argparse.Namespace) -> dict[str, Any]:
             "rpc_peer_updates_per_s": [round(x, 2) for x in rpc_ups],
             "plait_over_rpc_per_pair": [round(x, 3) for x in ratios],
             "plait_over_rpc": round(statistics.median(ratios), 3),
-            "ratio_bound_at_zero_plait_overhead": round(bound, 3) if bound else None}
+            "ratio_bound_at_zero_plait_overhead": round(bound, 3) if bound else None,
+            "cpu_ms_per_update": {"plait": round(1e3 * statistics.median(plait_cpu), 3),
+                                  "rpc_peer": round(1e3 * statistics.median(rpc_cpu), 3)}}
     return out
 
 
