@@ -1,7 +1,7 @@
 """The simulator against measured plait runs on this machine; JSON with the errors (MAPE, Spearman, planner).
 
     .venv/bin/python bench/simulate.py [--profile PATH | --quick] [--steps N] [--only NAME,...] [--reuse]
-                                       [--max-wait SECONDS]
+                                       [--max-wait SECONDS] [--predict-only MEASURED_JSON]
 
 1. Calibrates this machine (``plait calibrate``; ``--quick`` for the coarse one) unless ``--profile`` is given.
 2. For each layout (world 1-4: data parallel, ZeRO 1-3, tp=2, pp=2 with each schedule, 2-D mixes), waits
@@ -18,6 +18,10 @@ Output: per layout predicted / measured / error, the median absolute percentage 
 world size and for worlds 1-2 and 3-4 (the targets: 10% and 20%), model-state and activation memory
 errors, Spearman of the ranking by step time, the planner's pick against the best measured world-4
 layout, and the machine load seen before each measurement.
+
+``--predict-only MEASURED_JSON`` measures nothing: it predicts every layout of a previous run's JSON output
+again (with its profile unless ``--profile`` is given) against the step times, activation peaks and
+planner pick that run measured, so the model can be iterated on without the noise of a shared machine.
 """
 
 from __future__ import annotations
@@ -201,8 +205,14 @@ def main() -> None:
                     help="seconds to wait for a quiet machine before each measurement (then measure anyway)")
     ap.add_argument("--reuse", action="store_true",
                     help="re-simulate the runs and activation measurements a previous invocation left")
+    ap.add_argument("--predict-only", metavar="MEASURED_JSON",
+                    help="measure nothing: predict again against a previous run's JSON output")
     args = ap.parse_args()
     from plait.plan.hardware import load_profile
+
+    if args.predict_only:
+        print(json.dumps(predict_only(Path(args.predict_only), args.profile, args.only), indent=1))
+        return
 
     out_dir = Path("/tmp/plait-bench-simulate")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -244,6 +254,57 @@ def main() -> None:
     if not args.only:
         result["planner"] = planner_pick(profile, rows, loads, steps, out_dir, args.reuse, args.max_wait)
     print(json.dumps(result, indent=1))
+
+
+def predict_only(measured_json: Path, profile_path: str | None, only: str) -> dict:
+    """Predictions of the current model against the measurements a previous run saved (see the docstring)."""
+    from plait.config import load_config
+    from plait.plan.hardware import load_profile
+    from plait.plan.simulate import simulate_config
+
+    old = json.loads(measured_json.read_text())
+    profile_path = profile_path or old["profile"]
+    profile = load_profile(profile_path)
+    os.environ.pop("OMP_NUM_THREADS", None)
+    rows, described = {}, {}
+    for name, was in old["layouts"].items():
+        if only and name not in only.split(","):
+            continue
+        sim = simulate_config(load_config(None, MODEL + RUN + LAYOUTS[name]), profile)
+        per_pp = sim.work.layout.dp * sim.work.layout.tp
+        described[sim.work.layout.describe()] = was["measured_step_s"] if sim.world == 4 else None
+        acts = [int(sim.memory[r // per_pp].activations) for r in range(len(was["activation_measured"]))]
+        meas = was["measured_step_s"]
+        rows[name] = {"world": sim.world, "predicted_step_s": sim.step_s, "measured_step_s": meas,
+                      "step_error": round((sim.step_s - meas) / meas, 4),
+                      "model_state_error": was["model_state_error"], "activation_predicted": acts,
+                      "activation_measured": was["activation_measured"],
+                      "activation_error": [round((p - m) / m, 4) for p, m in zip(acts, was["activation_measured"],
+                                                                                   strict=True)]}
+    result = summarise(rows, [{"predict_only": str(measured_json)}], profile_path)
+    if not only and "planner" in old:
+        result["planner"] = planner_predicted(profile, described, old["planner"])
+    return result
+
+
+def planner_predicted(profile: object, described: dict, old: dict) -> dict:
+    """The planner's pick now, measured only when it is a layout the previous run measured."""
+    from plait.config import load_config
+    from plait.plan.derive import optimizer_traffic
+    from plait.plan.planner import plan
+    from plait.plan.shapes import shape_from_config
+    from plait.plan.workload import Layout, Workload
+
+    cfg = load_config(None, MODEL + B32)
+    shape = shape_from_config(cfg)
+    result = plan(shape, profile, 4, 32, base=Workload(shape, Layout(), 32), top=5, traffic=optimizer_traffic(cfg))
+    pick = result.best.work.layout.describe()
+    measured = {**described, old["pick"]: old["pick_measured_s"]}.get(pick)
+    best = old["best_measured_s"]
+    return {"pick": pick, "pick_predicted_s": result.best.step_s, "pick_measured_s": measured,
+            "best_measured_world4": old["best_measured_world4"], "best_measured_s": best,
+            "pick_vs_best": round(measured / min(best, measured) - 1, 4) if measured else None,
+            "ranked": [s.work.layout.describe() for s in result.ranked]}
 
 
 def layout_overrides(lay: object, batch: int) -> list[str]:

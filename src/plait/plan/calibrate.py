@@ -11,7 +11,9 @@ What is timed (each the fastest of repeated runs after a warm-up, torch's thread
 * attention: causal ``scaled_dot_product_attention`` forward and backward at several sequence lengths
   and head dims;
 * overheads: one operator on one-element tensors (the dispatcher), one autograd node in backward, what
-  DTensor adds to one operator (at world 2);
+  DTensor adds to one operator (at world 2; the full calibration replaces it by the figure of
+  ``plait.plan.calibrate_paths``, which also measures the per-event host work of tensor-parallel
+  collectives, FSDP2 units and pipeline actions on plait's own code paths; ``--quick`` leaves those 0);
 * collectives: all-reduce, all-gather, reduce-scatter, all-to-all, broadcast and point-to-point send/recv on the
   backend plait trains with (gloo on CPU) at world sizes 2-4 (one spawned process per rank, one thread
   each), message sizes 4 KB-64 MB; ``alpha + beta x bytes`` fitted per collective and world size
@@ -188,6 +190,12 @@ def calibrate(path: str | Path | None = None, *, quick: bool = False, cfg: Confi
     out = Path(path) if path else default_profile_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(_render(matmul, kernels, attention, overhead, collectives, threads, cores, quick))
+    if not quick and 2 in grid["worlds"]:
+        from plait.plan.calibrate_paths import calibrate_paths, write_overheads
+        from plait.plan.hardware import load_profile
+
+        log("calibrate: code paths (tensor parallel, ZeRO-3, pipeline) on a tiny GPT at world 2")
+        write_overheads(out, calibrate_paths(load_profile(out), log=log))
     log(f"calibrate: wrote {out} in {time.perf_counter() - t0:.1f} s")
     return out
 

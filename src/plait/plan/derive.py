@@ -13,8 +13,9 @@
   and one with two give the per-block pattern as their difference.
 * ``operator_counts``: how many operators the dispatcher runs per block and for the rest of the model,
   forward and backward (recomputation included when the blocks are checkpointed), and how many of them
-  are DTensor operators under tensor parallelism: counted on the real model built on the meta device,
-  like the collectives. On a CPU each costs the calibrated per-operator overhead.
+  are DTensor operators under tensor parallelism, and the fraction of parameter tensors that are DTensors
+  (each optimizer operator on one goes through DTensor too): counted on the real model built on the meta
+  device, like the collectives. On a CPU each costs the calibrated per-operator overhead.
 * ``optimizer_traffic``: operators per parameter tensor and bytes per element of one step of the
   optimizer plait builds from ``[optim]`` (``plait.train.optim.adamw``), counted on tiny real tensors.
 """
@@ -175,6 +176,10 @@ def _record(cfg: Config, model: nn.Module, mesh: Any, micro_batch: int, checkpoi
     model = apply_activation_checkpointing(model, checkpointing)
     ids = torch.zeros(micro_batch, cfg.model.seq_len, dtype=torch.long, device="meta")
     rec = _Recorder()
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    rec.dtensor_params = sum(isinstance(q, DTensor) for q in params) / max(len(params), 1)
     with rec, loss_context(model):
         out = model(ids, ids) if hasattr(model, "cfg") else model(input_ids=ids, labels=ids).loss
         loss = out if out.dim() == 0 else out.float().mean()
@@ -208,6 +213,7 @@ class OperatorCounts:
     rest: tuple[int, int]
     dtensor_block: tuple[int, int] = (0, 0)
     dtensor_rest: tuple[int, int] = (0, 0)
+    dtensor_params: float = 0.0  # fraction of the parameter tensors that are DTensors (the optimizer's steps)
 
 
 def operator_counts(cfg: Config, micro_batch: int) -> OperatorCounts:
@@ -232,7 +238,8 @@ def operator_counts(cfg: Config, micro_batch: int) -> OperatorCounts:
 
     block, dblock = diff("none", "ops"), diff("none", "dtensor_ops")
     return OperatorCounts(block=block, block_recomputed=diff("full", "ops"), rest=rest(block, "ops"),
-                          dtensor_block=dblock, dtensor_rest=rest(dblock, "dtensor_ops"))
+                          dtensor_block=dblock, dtensor_rest=rest(dblock, "dtensor_ops"),
+                          dtensor_params=runs[(2, "none")].dtensor_params)
 
 
 def _difference(more: list[Collective], less: list[Collective]) -> list[Collective]:

@@ -29,6 +29,11 @@ from typing import Any
 from plait.config import ConfigError
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
+# Per-event costs of plait's code paths on a calibrated cpu (``plait.plan.calibrate_paths``): what DTensor
+# adds to one operator, the host work around one tensor-parallel collective, FSDP2's work around one
+# unit's all-gather or reduce-scatter, one pipeline action's schedule and point-to-point handling.
+# Optional: a profile without them prices each at 0.
+OPTIONAL_OVERHEADS = ("dtensor", "tp_collective", "fsdp_unit", "pipeline_action")
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,9 @@ class Calibration:
     ``matmul``: rows ``(dtype, threads, m, n, k, seconds)``; ``kernels``: ``(kind, threads, bytes, seconds)``
     for each memory-bound op kind; ``attention``: ``(threads, heads_x_batch, seq, head_dim, forward_s,
     backward_s)`` of causal scaled-dot-product attention; ``overhead``: seconds per operator by threads
-    (``op`` dispatcher, ``autograd`` per backward node, ``dtensor`` added by DTensor); ``collectives``: per
+    (``op`` dispatcher, ``autograd`` per backward node, and the optional ``OPTIONAL_OVERHEADS``:
+    ``dtensor`` per DTensor operator, ``tp_collective`` per tensor-parallel collective, ``fsdp_unit`` per
+    FSDP2 unit all-gather or reduce-scatter, ``pipeline_action`` per pipeline schedule action); ``collectives``: per
     ``(op, world)`` the fitted ``alpha_s`` and ``beta_s_per_byte`` and the raw ``(bytes, seconds)`` samples.
     """
 
@@ -139,7 +146,8 @@ def _calibration(data: dict[str, Any], src: str) -> Calibration:
     over = _get(cal, "overhead", dict, where, src)
     overhead = {k: {int(t): float(s) for t, s in _get(over, k, dict, where + "overhead.", src).items()}
                 for k in ("op", "autograd")}
-    overhead["dtensor"] = {int(t): float(s) for t, s in over.get("dtensor", {"1": 0.0}).items()}
+    for key in OPTIONAL_OVERHEADS:  # older profiles lack them: 0, the per-event cost left out
+        overhead[key] = {int(t): float(s) for t, s in over.get(key, {"1": 0.0}).items()}
     collectives: dict[tuple[str, int], dict[str, Any]] = {}
     for row in _get(cal, "collectives", list, where, src):
         for key in ("op", "world", "alpha_s", "beta_s_per_byte"):

@@ -123,8 +123,9 @@ class ComputeModel:
         return (self._cpu(op) if self.cal is not None else self._gpu(op)) * self.stretch
 
     def overhead(self, kind: str) -> float:
-        """Seconds per operator of a calibrated CPU: ``op`` (the dispatcher) or ``dtensor`` (what DTensor adds);
-        0 on a GPU, whose kernel launches run ahead of the device."""
+        """Seconds per event of a calibrated CPU: ``op`` (the dispatcher), ``dtensor`` (what DTensor adds to an
+        operator), ``fsdp_unit`` (FSDP2's host work per unit collective) or ``pipeline_action`` (per schedule
+        action); 0 on a GPU, whose host work runs ahead of the device (no public per-event figure is used)."""
         if self.cal is None:
             return 0.0
         table = self.cal.overhead.get(kind) or {1: 0.0}

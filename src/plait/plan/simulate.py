@@ -183,6 +183,10 @@ def _optimizer(model: StageModel, tl: RankTimeline, params: list[Param], plan: d
         profile.calibration.overhead["op"][min(profile.calibration.overhead["op"])] * compute.stretch
     seconds = compute.time(Op("optimizer", "optimizer", bytes=bytes_per_element * elements))
     seconds += ops_per_tensor * tensors * over
+    # parameters that are DTensors (FSDP2's shards; tensor-parallel weights) step through DTensor's dispatch
+    dtensors = tensors if lay.zero == 3 else tensors * (model.op_counts.dtensor_params if model.op_counts
+                                                        and lay.tp > 1 else 0.0)
+    seconds += (ops_per_tensor + (3 if work.grad_clip else 0)) * dtensors * compute.overhead("dtensor")
     if work.grad_clip:
         seconds += compute.time(Op("grad_norm", "reduce", bytes=4 * elements)) + 3 * tensors * over
         seconds += compute.time(Op("grad_clip", "copy", bytes=8 * elements))

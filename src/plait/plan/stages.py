@@ -6,8 +6,9 @@ the block is checkpointed, runs again before its backward and counts in the inpu
 tensor-parallel collectives in the compute stream (they block it: nothing overlaps them in plait's
 DTensor layout), and the activation bytes it keeps for backward. On a calibrated CPU every operator the
 dispatcher runs beyond the priced ones (views, copies, autograd's bookkeeping; counted on the real model
-by ``plait.plan.derive.operator_counts``) costs the measured per-operator overhead, and each DTensor
-operator what DTensor adds. Activation checkpointing keeps only a
+by ``plait.plan.derive.operator_counts``) costs the measured per-operator overhead, each DTensor
+operator what DTensor adds, and each tensor-parallel collective the host work measured around one
+(``plait.plan.calibrate_paths``). Activation checkpointing keeps only a
 checkpointed block's input and adds one block's activations while it is recomputed; ``selective``
 recomputation (Korthikanti et al. 2022; a what-if, plait does not run it) drops the attention core's
 ``T x T`` tensors and recomputes the core. A mixture-of-experts block's all-to-alls run over the
@@ -144,15 +145,17 @@ class StageModel:
                 continue
             if op.kind == "comm":
                 if self.derived_tp is None:
-                    comm += self.comm_time(op.comm, op.bytes)
+                    comm += self.comm_time(op.comm, op.bytes) + (self.compute.overhead("tp_collective")
+                                                                 if self.tp_group.size > 1 else 0.0)
                 continue
             t = self.compute.time(op)
             compute += t
             if _is_weight_grad(op):
                 weight += t
+        per_collective = self.compute.overhead("tp_collective") if self.tp_group.size > 1 else 0.0
         for c in extra_comm:
             if c.op != "all_to_all":
-                comm += self.comm_time(c.op, c.nbytes * scale)
+                comm += self.comm_time(c.op, c.nbytes * scale) + per_collective
         return compute, comm, weight, ep_comm
 
     def _derived(self, backward: bool, which: str | None) -> list[Collective]:

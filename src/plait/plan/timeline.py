@@ -10,6 +10,11 @@ backward, exposed) and all-gathers the updated shards after the optimizer; ZeRO-
 each unit before its forward and, with ``reshard_after_forward``, again before its backward, and
 reduce-scatters each unit's gradients after its backward on the last micro-step.
 
+On a calibrated CPU, FSDP2's own work around each unit collective (copy-in, copy-out, hooks, DTensor
+wrapping: the ``fsdp_unit`` overhead) and the pipeline schedule's handling of each action (receive and
+send set-up, stage bookkeeping: ``pipeline_action``) run on the rank's thread and add to its time; both
+are 0 on a GPU profile, where that host work runs ahead of the device.
+
 Overlap: on a GPU the next all-gather is prefetched while the current unit computes (FSDP2's
 behaviour under CUDA streams). On a CPU the process issues the all-gather when the unit's forward
 starts and waits for it at once, so nothing is prefetched; and an asynchronous collective overlaps
@@ -95,10 +100,15 @@ def flat_step(model: StageModel, tl: RankTimeline, comm: dict, t0: float = 0.0) 
     layers = _layers(model, range(n), True, True)
     fsdp = lay.zero == 3
     stream = CommStream(tl, "fsdp" if fsdp else "dp", comm["overlap"])
+    unit_s = model.compute.overhead("fsdp_unit")  # FSDP2's work on the rank's thread around each unit collective
     t = t0
 
     def gather(name: str, unit: int, issue_at: float, now: float) -> float:
         """Compute may start at the returned time: the unit's all-gather is done."""
+        if unit_s:
+            tl.spans.append(Span(f"{name} (FSDP2 work)", "fsdp", now, now + unit_s))
+            tl.expose("fsdp", unit_s)
+            now += unit_s
         done = stream.issue(name, issue_at if comm["prefetch"] else now, comm["unit_ag"][unit])
         begin = max(now, done)
         tl.expose("fsdp", begin - now)
@@ -124,6 +134,8 @@ def flat_step(model: StageModel, tl: RankTimeline, comm: dict, t0: float = 0.0) 
             prev_start, t = t, t + cost.bwd
             bwd_end[idx] = t
             if fsdp and last and 0 <= idx < n:
+                t += unit_s
+                tl.expose("fsdp", unit_s)
                 done = stream.issue(f"reduce-scatter block {idx}", t, comm["unit_rs"][idx])
                 if not comm["overlap"]:
                     tl.expose("fsdp", done - t)
@@ -137,6 +149,9 @@ def _reduce_gradients(model: StageModel, tl: RankTimeline, stream: CommStream, c
                       bwd_end: dict[int, float], t: float) -> float:
     lay = model.work.layout
     if lay.zero == 3:
+        unit_s = model.compute.overhead("fsdp_unit")
+        t += unit_s
+        tl.expose("fsdp", unit_s)
         done = stream.issue("reduce-scatter root", t, comm["unit_rs"][-1])
         tl.expose("fsdp", done - t)
         return max(t, done)
@@ -186,9 +201,11 @@ def pipeline_step(model: StageModel, timelines: dict[int, RankTimeline], ranges:
     costs = [model.stage(ranges[s], s == 0, s == n - 1) for s in range(n)]
     orders = pipeline_orders(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
 
+    action_s = model.compute.overhead("pipeline_action")  # the schedule's handling of one action (cpu)
+
     def duration(a: Action) -> float:
         c = costs[a.stage]
-        return {"F": c.fwd, "B": c.bwd, "I": c.bwd_in, "W": c.bwd_w}[a.kind]
+        return {"F": c.fwd, "B": c.bwd, "I": c.bwd_in, "W": c.bwd_w}[a.kind] + action_s
 
     def transfer(src: int, dst: int, _: str) -> float:
         return 0.0 if owner[src] == owner[dst] else transfer_s
