@@ -29,6 +29,7 @@ from plait.plan.hardware import HardwareProfile
 from plait.plan.kernels import ComputeModel
 from plait.plan.network import Group, Placement, collective_time, group_span
 from plait.plan.ops import BlockOps, Op, Pass, Setup, embedding_ops, head_ops
+from plait.plan.schedule import ZBV_KEPT
 from plait.plan.workload import Workload
 
 DROPPED_BY_SELECTIVE = ("attn.probs", "attn.pmask", "attn.pdrop")
@@ -81,6 +82,7 @@ class LayerCost:
     detail: dict = field(default_factory=dict)
     ep_fwd: float = 0.0  # expert all-to-alls in the compute stream (in fwd / bwd_in too)
     ep_bwd: float = 0.0
+    zbv_kept: float = 0.0  # of ``saved``, what ZBV's weight-gradient pass leaves alive (plait.plan.schedule)
 
     @property
     def bwd(self) -> float:
@@ -98,7 +100,8 @@ class LayerCost:
         return LayerCost(self.fwd + other.fwd, self.bwd_in + other.bwd_in, self.bwd_w + other.bwd_w,
                          self.tp_fwd + other.tp_fwd, self.tp_bwd + other.tp_bwd, self.saved + other.saved,
                          max(self.transient, other.transient), self.flops + other.flops,
-                         ep_fwd=self.ep_fwd + other.ep_fwd, ep_bwd=self.ep_bwd + other.ep_bwd)
+                         ep_fwd=self.ep_fwd + other.ep_fwd, ep_bwd=self.ep_bwd + other.ep_bwd,
+                         zbv_kept=self.zbv_kept + other.zbv_kept)
 
 
 def _is_weight_grad(op: Op) -> bool:
@@ -192,7 +195,7 @@ class StageModel:
         saved = fwd.saved()
         cost = LayerCost(fwd=f_comp + f_comm, bwd_in=b_comp - b_w + b_comm, bwd_w=b_w, tp_fwd=f_comm - f_ep,
                          tp_bwd=b_comm - b_ep, saved=sum(saved.values()), flops=sum(o.flops for o in fwd.ops + bwd.ops),
-                         ep_fwd=f_ep, ep_bwd=b_ep)
+                         ep_fwd=f_ep, ep_bwd=b_ep, zbv_kept=sum(v for k, v in saved.items() if k in ZBV_KEPT))
         if recompute in ("full", "block"):
             cost.bwd_in += f_comp + f_comm
             cost.tp_bwd += f_comm - f_ep
@@ -200,6 +203,7 @@ class StageModel:
             cost.flops += sum(o.flops for o in fwd.ops)
             cost.transient = cost.saved
             cost.saved = self.blocks.Mn * self.blocks.C * self.work.act_bytes
+            cost.zbv_kept = 0.0  # the recomputed graph is built and consumed inside the backward
             cost.recomputed = True
         elif recompute == "selective":
             core = self.blocks.attention_core()
@@ -208,6 +212,7 @@ class StageModel:
             cost.flops += sum(o.flops for o in core)
             dropped = sum(v for k, v in saved.items() if k in DROPPED_BY_SELECTIVE)
             cost.saved -= dropped
+            cost.zbv_kept -= sum(v for k, v in saved.items() if k in DROPPED_BY_SELECTIVE and k in ZBV_KEPT)
             cost.transient = dropped
         return cost
 

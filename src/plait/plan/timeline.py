@@ -211,9 +211,11 @@ def pipeline_step(model: StageModel, timelines: dict[int, RankTimeline], ranges:
         return 0.0 if owner[src] == owner[dst] else transfer_s
 
     ends = {r: t0 for r in range(lay.pp)}
+    kept = (lambda s: costs[s].zbv_kept) if lay.schedule == "zbv" else None
+    left = {r: 0.0 for r in range(lay.pp)}  # what earlier schedule steps of this accumulation left alive
     for micro in range(work.accumulation):
         start = max(ends.values())
-        events, ends, peaks = run_pipeline(orders, owner, duration, transfer, lambda s: costs[s].saved, start)
+        events, ends, peaks = run_pipeline(orders, owner, duration, transfer, lambda s: costs[s].saved, start, kept)
         for e in events:
             tl = timelines[e.rank]
             a = e.action
@@ -225,5 +227,9 @@ def pipeline_step(model: StageModel, timelines: dict[int, RankTimeline], ranges:
                                   "ep_comm_s": ep}))
             tl.busy += e.end - e.start
         for r, peak in peaks.items():
-            timelines[r].activation_peak = max(timelines[r].activation_peak, peak)
+            timelines[r].activation_peak = max(timelines[r].activation_peak, left[r] + peak)
+        if kept is not None:
+            for e in events:
+                if e.action.kind == "F":
+                    left[e.rank] += kept(e.action.stage)
     return ends
