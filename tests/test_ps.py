@@ -112,13 +112,13 @@ def test_ssp_clocks_and_pull_rule() -> None:
     assert s.push(1, 1, 2 * g, 4.0, [1.0]) == "applied"  # clock 1: worker 0's (staleness 1) and worker 1's
     assert s.version == 2 and s.w.item() == pytest.approx(-7 / 3 - 1.5, abs=1e-15)
     assert s.staleness == {0: 4, 1: 1} and s.worker_max_staleness == [1, 0, 0]
-    # staleness scaling weighs each gradient of the clock by 1 / (1 + a t); max_staleness leaves it out
+    # staleness scaling divides a clock's lr by 1 + a * (mean staleness); max_staleness leaves a gradient out
     s = _state([0.0], 2, mode="ssp", staleness=1, staleness_scaling=1.0)
     s.push(0, 0, g, 1.0, [1.0])
     s.push(1, 0, g, 1.0, [1.0])  # clock 0: w = -1, version 1
     s.push(0, 1, g, 1.0, [1.0])
-    s.push(1, 0, g, 1.0, [1.0])  # clock 1: (1 + 1 / 2) / 2
-    assert s.w.item() == -1.75
+    s.push(1, 0, 3 * g, 9.0, [1.0])  # clock 1: mean 2, staleness 0 and 1: lr 1 / (1 + 0.5)
+    assert s.w.item() == pytest.approx(-1 - 2 / 1.5, abs=1e-15)
     s = _state([0.0], 2, mode="ssp", staleness=1, max_staleness=0)
     s.push(0, 0, g, 1.0, [1.0])
     s.push(1, 0, g, 1.0, [1.0])

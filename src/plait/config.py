@@ -283,7 +283,7 @@ class PsConfig:
     # leaves it out of its clock's mean).
     max_staleness: int = -1
     # async, ssp, dc: a gradient of staleness t is applied with the learning rate / (1 + a * t), a being this
-    # value (0: no scaling; staleness-aware ASGD; ssp weighs it by 1 / (1 + a * t) in its clock's mean).
+    # value (0: no scaling; staleness-aware ASGD; ssp: a clock's by its gradients' mean staleness).
     staleness_scaling: float = 0.0
     # Workers push their gradient every this many steps (the mean over those steps).
     push_every: int = 1

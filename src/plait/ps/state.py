@@ -26,8 +26,9 @@ Modes (``ps.mode``), for a gradient ``g`` that worker ``k`` computed on version 
   exactly ``sync`` (for any optimizer) and with ``s > 0`` fast workers run ahead on parameters at most
   ``s`` clocks stale. A gradient computed on version ``v`` and applied in clock ``c`` has staleness
   ``t = c - v <= s``; ``max_staleness`` leaves staler ones out of the mean (counted as rejected) and
-  ``staleness_scaling = a`` weighs each in the mean by ``1 / (1 + a t)`` (for SGD: each gradient's own
-  learning rate scaled, as in async).
+  ``staleness_scaling = a`` divides the clock's learning rate by ``1 + a t_mean``, ``t_mean`` the mean
+  staleness of the gradients in its mean (an adaptive optimizer such as AdamW undoes a scaling of the
+  gradient, not one of the learning rate).
 - ``dc``: ``async`` with delay compensation (DC-ASGD, Zheng et al. 2017): the server keeps a copy
   ``w_k`` of what worker ``k`` last pulled and applies ``g + lambda g * g * (w - w_k)`` (elementwise);
   adaptive (DC-ASGD-a): ``lambda / sqrt(ms + 1e-7)`` per element, ``ms <- 0.95 ms + 0.05 g * g``.
@@ -173,21 +174,19 @@ class ShardState:
             self.applied += len(grads)
         return outcome
 
-    def _apply_mean(self, grads: list[torch.Tensor | None], lrs: list[float],
-                    weights: list[float] | None = None) -> str:
-        """One version from ``grads`` (in worker order): ``sum_k weights[k] * grads[k] / len(grads)``, clipped
-        by its global norm (summed over the servers), as one optimizer step; a version with a non-finite
-        gradient (None) or with none at all advances without a step."""
+    def _apply_mean(self, grads: list[torch.Tensor | None], lrs: list[float]) -> str:
+        """One version from ``grads`` (in worker order): their mean, clipped by its global norm (summed over
+        the servers), as one optimizer step with learning rates ``lrs``; a version with a non-finite gradient
+        (None) or with none at all advances without a step."""
         if not grads or any(g is None for g in grads):
             # every server takes part in the same all-reduce per version (nothing of this shard: adds 0)
             self.norm_sum(float("inf") if grads else 0.0)
             self.nonfinite += 1 if grads else 0
             self.version += 1
             return "nonfinite" if grads else "rejected"
-        w = weights or [1.0] * len(grads)
-        mean = grads[0].clone() if w[0] == 1.0 else grads[0] * w[0]
-        for g, wk in zip(grads[1:], w[1:], strict=True):
-            mean.add_(g, alpha=wk) if wk != 1.0 else mean.add_(g)
+        mean = grads[0].clone()
+        for g in grads[1:]:
+            mean.add_(g)
         mean.div_(len(grads))
         total = self.norm_sum(float(mean.double().square().sum()))
         self._step(self._clip(mean, total), lrs)
@@ -211,7 +210,7 @@ class ShardState:
             if not got or any(k not in got for k in self.active()):
                 return outcome
             del self.by_clock[c]
-            grads, weights, lrs = [], [], got[min(got)][2]
+            grads, stale, lrs = [], [], got[min(got)][2]
             for k in sorted(got):
                 g, v, _ = got[k]
                 t = c - v
@@ -219,11 +218,13 @@ class ShardState:
                     self.rejected += 1
                     continue
                 grads.append(g)
-                weights.append(1.0 / (1.0 + cfg.staleness_scaling * t) if cfg.staleness_scaling > 0 else 1.0)
+                stale.append(t)
                 if g is not None:
                     self.staleness[t] += 1
                     self.worker_max_staleness[k] = max(self.worker_max_staleness[k], t)
-            outcome = self._apply_mean(grads, lrs, weights)
+            if cfg.staleness_scaling > 0 and stale:
+                lrs = [lr / (1.0 + cfg.staleness_scaling * sum(stale) / len(stale)) for lr in lrs]
+            outcome = self._apply_mean(grads, lrs)
             if outcome == "applied":
                 self.applied += len(grads)
 
