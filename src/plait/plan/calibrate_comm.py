@@ -130,30 +130,37 @@ def _worker(rank: int, world: int, port: int, sizes: tuple[int, ...], min_time: 
         dist.destroy_process_group()
 
 
+def spawn_and_collect(target: Any, world: int, args: tuple, timeout_s: float, what: str) -> Any:
+    """Run ``target(rank, world, port, *args, queue)`` on ``world`` spawned processes and return the first
+    thing one of them puts on the queue; a clear error naming ``what`` and the exit codes when none does
+    within ``timeout_s``. The processes are joined (killed after 30 s) either way."""
+    from plait.comm.collectives import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return out.get(timeout=timeout_s)
+    except queue_mod.Empty:
+        raise RuntimeError(f"{what} did not report within {timeout_s} s; exit codes "
+                           f"{[p.exitcode for p in procs]}") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
 def measure_collectives(worlds: tuple[int, ...], sizes: tuple[int, ...], min_time: float = 0.01,
                         timeout_s: float = 600) -> tuple[list[dict], float]:
     """Fitted rows ``{op, world, alpha_s, beta_s_per_byte, samples}`` for every collective and world size, and
     the DTensor per-operator overhead (measured at world 2; 0 when world 2 is not measured)."""
-    from plait.comm.collectives import free_port
-
-    ctx = mp.get_context("spawn")
     table, dtensor = [], 0.0
     for world in worlds:
-        out = ctx.Queue()
-        port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, sizes, min_time, out)) for r in range(world)]
-        for p in procs:
-            p.start()
-        try:
-            rows = out.get(timeout=timeout_s)
-        except queue_mod.Empty:
-            raise RuntimeError(f"calibration ranks at world {world} did not report within {timeout_s} s; exit codes "
-                               f"{[p.exitcode for p in procs]}") from None
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
+        rows = spawn_and_collect(_worker, world, (sizes, min_time), timeout_s, f"calibration ranks at world {world}")
         for op, samples in rows:
             if op == "dtensor_overhead":
                 dtensor = float(samples)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue as queue_mod
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -123,28 +122,11 @@ def _dtensor_worker(rank: int, world: int, port: int, _: list[str], __: str, out
 def measure_step(overrides: list[str], world: int = 2, timeout_s: float = 300, target: Any = None) -> float:
     """Step seconds (the three fastest, averaged) of the tiny GPT with ``overrides`` on ``world`` spawned gloo
     ranks; ``target``: another worker of this module with the same signature, whose one number is returned."""
-    import torch.multiprocessing as mp
+    from plait.plan.calibrate_comm import spawn_and_collect
 
-    from plait.comm.collectives import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as tmp:
-        procs = [ctx.Process(target=target or _worker, args=(r, world, port, overrides, tmp, out))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        try:
-            return float(out.get(timeout=timeout_s))
-        except queue_mod.Empty:
-            raise RuntimeError(f"code-path calibration {overrides} did not report within {timeout_s} s; exit codes "
-                               f"{[p.exitcode for p in procs]}") from None
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
+        return float(spawn_and_collect(target or _worker, world, (overrides, tmp), timeout_s,
+                                       f"code-path calibration {overrides}"))
 
 
 def with_overhead(profile: Any, key: str, seconds: float) -> Any:
