@@ -276,7 +276,9 @@ def test_cut_cable_between_two_hosts(tmp_path: Path, clean) -> None:
             cmd = ["ip", "netns", "exec", ns, *env, sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                    "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts.ADDR[0]}:29533",
                    "--rdzv-id=plait-hosts", f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={addr}",
-                   "--max-restarts=3", "-m", "plait.cli", "train", *ARGS, f"--run.dir={run}"]
+                   # restarts to spare: a host whose worker fails late (still in its timed-out collective when
+                   # the link returns) can burn several quick attempts waiting for the other's address
+                   "--max-restarts=8", "-m", "plait.cli", "train", *ARGS, f"--run.dir={run}"]
             logs.append(tmp_path / f"host{i}.log")
             procs.append(subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=open(logs[-1], "w")))
         try:
