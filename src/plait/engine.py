@@ -293,6 +293,9 @@ class Plait:
                          loss=self.loss, sample=self.to_device(sample) if sample is not None else None)
         check_model(model, self.topology, self.config, spec)  # before the first collective
         model = model.to(self.device)
+        from plait.nn.moe import moe_layers
+
+        moe = moe_layers(model)  # the whole model's, the same on every rank (a pipeline stage keeps some)
         if self.ps is not None:  # worker 0's weights go to the servers in build_optimizer; every worker pulls them
             from plait.ps.layout import PsLayout
 
@@ -302,13 +305,11 @@ class Plait:
             if self.config.parallel.sync_batchnorm and self.dp > 1:
                 model = sync_batchnorm(model, self.topology.dp_group, self.device)
             self.layout = layout = apply_parallel(model, self.topology, self.config, self.comm, spec)
-        from plait.nn.moe import moe_layers
-
-        if moe_layers(layout.model) or self.topology.degree("pp") > 1:  # a stage may hold no MoE layer
+        if moe:
             from plait.parallel.expert import MoeMonitor
 
-            monitor = MoeMonitor(layout.model, self.topology, self.comm, self.config.train.log_every)
-            self.moe = monitor if monitor.active else None
+            self.moe = MoeMonitor(layout.model, self.topology, self.comm, self.config.train.log_every,
+                                  bias=any(layer.balance == "bias" for layer in moe))
         opt = layout.build_optimizer(factory)
         if self.ps is not None and self.ps.is_server:
             self._serve()

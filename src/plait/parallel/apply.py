@@ -108,7 +108,7 @@ def apply_parallel(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, sp
     if experts:
         from plait.parallel.expert import ExpertParallelLayout
 
-        return ExpertParallelLayout(layout, topo, comm, experts)  # type: ignore[return-value]
+        return ExpertParallelLayout(layout, topo, comm)  # type: ignore[return-value]
     return layout
 
 

@@ -242,7 +242,7 @@ class ExpertParallelLayout:
     learning rate copied from the scheduled dense groups before each step): a composite optimizer.
     Without ZeRO the one optimizer from the factory holds both."""
 
-    def __init__(self, inner: Any, topo: Any, comm: Any, experts: list[nn.Parameter]) -> None:
+    def __init__(self, inner: Any, topo: Any, comm: Any) -> None:
         from plait.parallel.layout import FsdpLayout, ZeroLayout
 
         # the inner layout's own parameter objects (FSDP replaced them; a pipeline stage holds some layers)
@@ -511,17 +511,16 @@ class MoeMonitor:
     (bias balancing and metrics: tokens per expert, MaxVio, dropped fraction, aux/z losses, all-to-all bytes).
     """
 
-    def __init__(self, model: nn.Module, topo: Any, comm: Any, every: int = 1) -> None:
+    def __init__(self, model: nn.Module, topo: Any, comm: Any, every: int = 1, bias: bool | None = None) -> None:
+        """``model``: this rank's part (a pipeline stage may hold no MoE layer); ``bias``: whether any MoE layer
+        of the whole model balances by bias (the same on every stage; default: this part's layers)."""
         self.layers: list[MoE] = moe_layers(model)
         self.topo, self.comm = topo, comm
         # Counts are summed over the ranks every step under bias balancing (the biases need them), else only
         # every ``every`` steps (the logged ones): the figures then cover the steps since the last report.
         self.every = max(1, every)
-        flags = torch.tensor([float(bool(self.layers)), float(any(layer.balance == "bias" for layer in self.layers))])
-        self.stages = topo.degree("pp") if topo.mesh is not None else 1
-        if self.stages > 1:  # every stage must agree (the per-layer figures are gathered over pp)
-            comm.all_reduce_sum(flags, topo.group("pp"), name="moe layers per stage")
-        self.active, self.bias = bool(flags[0] > 0), bool(flags[1] > 0)
+        self.bias = any(layer.balance == "bias" for layer in self.layers) if bias is None else bias
+        self.stages = topo.degree("pp") if topo.mesh is not None else 1  # figures gathered over the stages
 
     def set_grad_scale(self, scale: float) -> None:
         for layer in self.layers:
@@ -530,7 +529,7 @@ class MoeMonitor:
     def after_step(self, step: int) -> list[dict[str, Any]] | None:
         """Sum counts over the data-parallel ranks, move the balancing biases, return the per-layer metrics
         (None on a step that neither moves biases nor is a multiple of ``every``)."""
-        if not self.active or not (self.bias or step % self.every == 0 or step == 1):
+        if not (self.bias or step % self.every == 0 or step == 1):
             return None
         out = self._local_metrics() if self.layers else []
         if self.stages > 1:  # every stage's layers, in model order, on every rank

@@ -398,7 +398,7 @@ class ZeroOptimizer:
             if b.work is not None:  # None: already waited for in backward (_release_reduced)
                 self._wait(b.work)
             b.work = None
-            b.grad_shard.div_(self.divisor)  # average over the data-parallel ranks
+            b.grad_shard.div_(self.divisor)  # the group's size (an average) unless grad_divisor says otherwise
             if self.stage == 2:
                 b.grad_full = None  # only the reduced shard survives
         self._reduced = True
