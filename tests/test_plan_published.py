@@ -89,10 +89,16 @@ MEGATRON_SPACE = Space(zeros=(0,), recomputes=("full",), schedules=("1f1b",), mi
                        sequence_parallel=(False,), even_stages=True)
 
 
-@pytest.mark.parametrize("row", NARAYANAN_TABLE_1, ids=[f"{r[0]}B" for r in NARAYANAN_TABLE_1])
+# 18.4B: tp=8 pp=1 fits (the paper's layout) but the simulator predicts tp=4 pp=2 17% faster (its tensor-parallel
+# all-reduces over NVLink against a 3% bubble), beyond the planner's 15% band, so the planner pipelines.
+PLAN_ROWS = [pytest.param(r, marks=pytest.mark.xfail(strict=True, reason="predicted 17% faster with pp=2 at tp=4"))
+             if r[0] == 18.4 else r for r in NARAYANAN_TABLE_1]
+
+
+@pytest.mark.parametrize("row", PLAN_ROWS, ids=[f"{r[0]}B" for r in NARAYANAN_TABLE_1])
 def test_plan_keeps_tensor_parallelism_in_a_node_and_the_least_pipeline_that_fits(row):
     """The planner's pick for each Table 1 model, GPU count and batch: tensor parallelism inside a node, and no
-    shallower even pipeline fits at that degree (checked by simulating each shallower depth)."""
+    shallower even pipeline fits at any tensor-parallel degree inside a node (checked by simulating each)."""
     _, heads, hidden, layers, _, _, gpus, batch, _ = row
     shape = gpt_shape(layers, hidden, heads, SEQ, VOCAB, dropout=0.1)
     result = plan(shape, A100, gpus, batch, base=_megatron(shape, Layout(), batch), top=3, space=MEGATRON_SPACE,
@@ -101,9 +107,10 @@ def test_plan_keeps_tensor_parallelism_in_a_node_and_the_least_pipeline_that_fit
     assert best.tp <= A100.devices_per_node and A100.devices_per_node % best.tp == 0
     assert result.best.fits()
     cluster = Cluster.of(A100, gpus)
-    for pp in range(1, best.pp):
-        if layers % pp or (gpus // best.tp) % pp or batch % (gpus // (best.tp * pp)):
-            continue
-        shallower = simulate(_megatron(shape, _layout(best.tp, pp, gpus, batch), batch), cluster,
-                             traffic=MEGATRON_OPTIMIZER)
-        assert not shallower.fits(), (best.describe(), pp)
+    for tp in (1, 2, 4, 8):
+        for pp in range(1, best.pp):
+            if layers % pp or (gpus // tp) % pp or batch % (gpus // (tp * pp)) or heads % tp:
+                continue
+            shallower = simulate(_megatron(shape, _layout(tp, pp, gpus, batch), batch), cluster,
+                                 traffic=MEGATRON_OPTIMIZER)
+            assert not shallower.fits(), (best.describe(), tp, pp)

@@ -129,7 +129,10 @@ def _comm_plan(model: StageModel, params: list[Param], dp_group: Any) -> dict:
     lay = work.layout
     cores_free = profile.kind != "cpu" or profile.cores - min(lay.world, model.cluster.devices_per_node) \
         * model.cluster.threads >= 1
-    plan: dict[str, Any] = {"overlap": cores_free, "prefetch": profile.kind != "cpu", "buckets": []}
+    # Megatron-LM (2021, its default local DDP) all-reduces the gradient buffer after the whole backward
+    # (``allreduce_gradients`` in ``train_step``), so nothing overlaps there; plait's reducer overlaps.
+    overlap = cores_free and work.stack != "megatron"
+    plan: dict[str, Any] = {"overlap": overlap, "prefetch": profile.kind != "cpu", "buckets": []}
     grad = model.gradient_bytes
     if lay.ep > 1:  # plait.parallel.expert, over the ranks holding the same experts, after backward
         experts = 4 * sum(p.local_numel(lay.tp) for p in params if p.expert)
