@@ -76,6 +76,13 @@ def test_fsdp_unit_cost_counts_each_gather_and_reduce_scatter(profile):
     assert _slope(cfg, profile, "fsdp_unit") == pytest.approx(events, rel=1e-6)
 
 
+def test_step_cost_is_charged_once_per_optimizer_step(profile):
+    """plait's per-step host work adds once per step: at world 1 with accumulation, and on every pipeline rank
+    (they step side by side)."""
+    for overrides in (PATHS["step"], PATHS["pipeline_action"], PATHS["fsdp_unit"]):
+        assert _slope(load_config(None, TINY + overrides), profile, "step") == pytest.approx(1.0, rel=1e-6)
+
+
 def test_dtensor_cost_covers_the_optimizer_steps_on_fsdp_shards(profile):
     cfg = load_config(None, TINY + PATHS["fsdp_unit"])
     sim = simulate_config(cfg, profile)
@@ -99,7 +106,7 @@ def test_residual_constant_inverts_a_linear_prediction():
 
 
 def test_calibration_recovers_the_constants_of_runs_that_follow_the_model(profile, tmp_path):
-    truth = {"dtensor": 2e-5, "tp_collective": 7e-4, "fsdp_unit": 1.5e-3, "pipeline_action": 9e-4}
+    truth = {"dtensor": 2e-5, "step": 3e-3, "tp_collective": 7e-4, "fsdp_unit": 1.5e-3, "pipeline_action": 9e-4}
     full = profile
     for key, value in truth.items():
         full = with_overhead(full, key, value)

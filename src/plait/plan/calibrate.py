@@ -263,11 +263,12 @@ def _render(matmul: list, kernels: list, attention: list, overhead: dict, collec
     return "\n".join(lines)
 
 
-def init_rank(rank: int, world: int, port: int) -> None:
-    """One thread per rank and a gloo process group over TCP (the calibration's spawned ranks)."""
+def init_rank(rank: int, world: int, port: int, threads: int = 1) -> None:
+    """``threads`` per rank (one unless told) and a gloo process group over TCP (the calibration's spawned
+    ranks)."""
     import torch.distributed as dist
 
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))

@@ -7,13 +7,15 @@ reduce-scatter; the pipeline schedule's receive and send set-up and stage bookke
 action. On a GPU that work runs ahead of the device; on a CPU it is on the rank's only thread, and with
 a small model it dominates (tensor parallelism at world 2 was 2.4x slower than one process here).
 
-What DTensor adds to one operator (``dtensor``) is timed first, on plait's optimizer step: AdamW over
+First, ``step``: plait's own host work once per optimizer step outside any operator (the engine's timing,
+metrics, gradient bookkeeping), the residual of the tiny GPT at world 1 (no parallel code path).
+What DTensor adds to one operator (``dtensor``) is timed next, on plait's optimizer step: AdamW over
 sharded DTensor parameters against the same step over plain tensors, per operator it runs. The rest
 is measured on the code path itself: spawned gloo ranks (world 2, one thread each, as
 ``plait train`` runs them) train a tiny GPT (``TINY``) with the real layout (tp=2; zero=3; pp=2 with
-1F1B) for a few steps; the mean of the three fastest steps after a warm-up (like every calibration
-figure, the machine undisturbed: other processes only slow a step down) is compared with the simulator's
-prediction of that same run on this profile. The simulator is linear in each per-event constant
+1F1B) for a few steps; the median step after a warm-up (the figure ``plait simulate --compare`` and the
+validation bench compare with) is compared with the simulator's prediction of that same run on this
+profile. The simulator is linear in each per-event constant
 (every event it prices adds the constant once to the rank's time), so the constant is
 
     c = (measured - predicted(c=0)) / (predicted(c=h) - predicted(c=0)) x h,   h = 1 ms,
@@ -41,7 +43,9 @@ TINY = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.
         "--parallel.nproc=2", "--train.global_batch_size=16", "--train.micro_batch_size=8",
         "--train.eval_every=0", "--checkpoint.every=0", "--observe.progress=false", "--observe.tensorboard=false",
         "--train.log_every=1", "--optim.warmup_steps=1"]
+WORLD1 = ["--parallel.nproc=1"]  # after TINY's world 2: the later flag wins
 PATHS = {  # constant -> the layout whose residual it carries, in the order they are derived
+    "step": WORLD1,
     "tp_collective": ["--parallel.tp=2"],
     "fsdp_unit": ["--parallel.zero=3"],
     "pipeline_action": ["--parallel.pp=2", "--parallel.pp_schedule=1f1b", "--parallel.microbatches=4"],
@@ -59,14 +63,14 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str
     from plait.train.trainer import Trainer
     from plait.validate import validate
 
-    init_rank(rank, world, port)
+    init_rank(rank, world, port, int(os.environ.get("OMP_NUM_THREADS", "1")))  # the parent's, set per run
     try:
         cfg = validate(load_config(overrides=TINY + overrides + [f"--run.dir={run_dir}", "--train.steps=100000"]),
                        world)
         trainer = Trainer.from_config(cfg)
         times = [trainer.train_step()["step_s"] for _ in range(WARMUP + STEPS)][WARMUP:]
-        if rank == 0:  # the fastest steps, as every calibration figure: other processes only slow a step down
-            out.put(statistics.mean(sorted(times)[:3]))
+        if rank == 0:  # the median step, the figure a run's step time is compared by
+            out.put(statistics.median(times))
     finally:
         dist.destroy_process_group()
 
@@ -120,19 +124,23 @@ def _dtensor_worker(rank: int, world: int, port: int, _: list[str], __: str, out
 
 
 def measure_step(overrides: list[str], world: int = 2, timeout_s: float = 300, target: Any = None) -> float:
-    """Step seconds (the three fastest, averaged) of the tiny GPT with ``overrides`` on ``world`` spawned gloo
-    ranks; ``target``: another worker of this module with the same signature, whose one number is returned."""
+    """Median step seconds of the tiny GPT with ``overrides`` on ``world`` spawned gloo ranks (1 when the
+    overrides hold ``WORLD1``); ``target``: another worker of this module with the same signature, whose one
+    number is returned."""
     from plait.plan.calibrate_comm import spawn_and_collect
 
+    if WORLD1[0] in overrides:
+        world = 1
     with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as tmp:
         return float(spawn_and_collect(target or _worker, world, (overrides, tmp), timeout_s,
                                        f"code-path calibration {overrides}"))
 
 
-def with_overhead(profile: Any, key: str, seconds: float) -> Any:
-    """``profile`` with its calibrated ``key`` overhead set to ``seconds`` (at one thread)."""
+def with_overhead(profile: Any, key: str, seconds: float | dict[int, float]) -> Any:
+    """``profile`` with its calibrated ``key`` overhead set to ``seconds`` (a number: at any thread count; or
+    ``{threads: value}``)."""
     cal = profile.calibration
-    overhead = {**cal.overhead, key: {1: seconds}}
+    overhead = {**cal.overhead, key: dict(seconds) if isinstance(seconds, dict) else {1: seconds}}
     return dataclasses.replace(profile, calibration=dataclasses.replace(cal, overhead=overhead))
 
 
@@ -153,9 +161,9 @@ def calibrate_paths(profile: Any, log: Callable[[str], None] = print,
     from plait.plan.simulate import simulate_config
 
     saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # the spawned ranks run one thread each
-    found: dict[str, float] = {}
+    found: dict[str, Any] = {}
     try:
+        os.environ["OMP_NUM_THREADS"] = "1"  # the spawned ranks run one thread each
         found["dtensor"] = measure([], target=_dtensor_worker) if measure is measure_step else measure(["dtensor"])
         profile = with_overhead(profile, "dtensor", found["dtensor"])
         log(f"calibrate: dtensor {found['dtensor'] * 1e6:.1f} us per operator (optimizer step on DTensors)")
@@ -178,7 +186,7 @@ def calibrate_paths(profile: Any, log: Callable[[str], None] = print,
     return found
 
 
-def write_overheads(path: str | Path, found: dict[str, float]) -> None:
+def write_overheads(path: str | Path, found: dict[str, Any]) -> None:
     """Set ``[calibration.overhead]`` entries of the profile at ``path`` to ``found`` (one thread)."""
     from plait.plan.calibrate import _toml
 
@@ -186,5 +194,6 @@ def write_overheads(path: str | Path, found: dict[str, float]) -> None:
     start = lines.index(next(ln for ln in lines if ln.startswith("[calibration.overhead]")))
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("[")), len(lines))
     body = [ln for ln in lines[start + 1:end] if ln.split("=")[0].strip() not in found and ln.strip()]
-    body += [f"{k} = {_toml({'1': v})}" for k, v in found.items()]
+    body += [f"{k} = {_toml({str(t): x for t, x in v.items()} if isinstance(v, dict) else {'1': v})}"
+             for k, v in found.items()]
     Path(path).write_text("\n".join(lines[:start + 1] + body + [""] + lines[end:]) + "\n")

@@ -32,8 +32,9 @@ DTYPES = ("fp32", "tf32", "bf16", "fp16")
 # Per-event costs of plait's code paths on a calibrated cpu (``plait.plan.calibrate_paths``): what DTensor
 # adds to one operator, the host work around one tensor-parallel collective, FSDP2's work around one
 # unit's all-gather or reduce-scatter, one pipeline action's schedule and point-to-point handling.
+# ``step``: plait's own host work once per optimizer step outside any operator (the engine's bookkeeping).
 # Optional: a profile without them prices each at 0.
-OPTIONAL_OVERHEADS = ("dtensor", "tp_collective", "fsdp_unit", "pipeline_action")
+OPTIONAL_OVERHEADS = ("dtensor", "tp_collective", "fsdp_unit", "pipeline_action", "step")
 
 
 @dataclass(frozen=True)

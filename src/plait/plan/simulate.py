@@ -197,6 +197,7 @@ def _optimizer(model: StageModel, tl: RankTimeline, params: list[Param], plan: d
             seconds += collective_time(profile, "all_reduce", 8, g)
     if lay.zero == 0:
         seconds += compute.time(Op("zero_grad", "copy", bytes=4 * elements))
+    seconds += compute.overhead("step")  # plait's own host work per step (calibrated cpu; 0 on a GPU)
     tl.spans.append(Span("optimizer", "optimizer", t, t + seconds))
     t += seconds
     for i, s in enumerate(plan.get("gather", [])):
