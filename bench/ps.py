@@ -55,11 +55,11 @@ WORKERS, MICRO, SLOW_RANK, EVAL_EVERY = 3, 16, 2, 2
 class Net(torch.nn.Module):
     """An MLP whose forward also waits ``compute_s`` (stand-in compute, see the module docstring)."""
 
-    def __init__(self, compute_s: float) -> None:
+    def __init__(self, compute_s: float, width: int = 128) -> None:
         super().__init__()
         self.compute_s = compute_s
-        self.body = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Tanh(), torch.nn.Linear(128, 128),
-                                        torch.nn.Tanh(), torch.nn.Linear(128, 8))
+        self.body = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.Tanh(), torch.nn.Linear(width, width),
+                                        torch.nn.Tanh(), torch.nn.Linear(width, 8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute_s > 0 and torch.is_grad_enabled():
@@ -96,7 +96,7 @@ def run(name: str, seed: int, slow: bool, args: argparse.Namespace, run_dir: str
     torch.manual_seed(seed)
     train, (vx, vy) = data(seed)
     try:
-        model, _ = p.setup(Net(args.compute_ms / 1000), loss_fn=mse)
+        model, _ = p.setup(Net(args.compute_ms / 1000, getattr(args, "width", 128)), loss_fn=mse)
     except ServerDone as e:
         return {"server": e.stats, "cpu_s": cpu_s() - cpu0}  # setup and serving
     loader = iter(p.setup_dataloader(train))
@@ -255,9 +255,9 @@ def plot(runs: dict[str, Any], seed: int, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def rpc_model(compute_s: float) -> torch.nn.Module:
+def rpc_model(compute_s: float, width: int = 128) -> torch.nn.Module:
     torch.manual_seed(0)
-    return Net(compute_s)
+    return Net(compute_s, width)
 
 
 def rpc_data() -> torch.utils.data.Dataset:
@@ -267,7 +267,9 @@ def rpc_data() -> torch.utils.data.Dataset:
 def peer(args: argparse.Namespace) -> dict[str, Any]:
     """Updates per second of plait's async parameter server against PyTorch's RPC parameter server (its
     official batch-update example with batch_update_size 1: asynchronous), 3 workers, no straggler, at the
-    benchmark's compute per step and at none (transport and server overhead alone).
+    benchmark's compute per step and at none (transport and server overhead alone), for each hidden width of
+    ``--peer-widths`` (the MLP has about width^2 + 40 width parameters: 21K at 128, 1.1M at 1024, 4.3M at
+    2048; the benchmark's own model is width 128).
 
     Measured alike on both sides: updates applied by the server (3 x steps: every gradient) over the
     slowest worker's time in its training loop (forward, backward, push, parameters back; no evaluation:
@@ -284,8 +286,8 @@ def peer(args: argparse.Namespace) -> dict[str, Any]:
     from _ps_rpc_peer import run_rpc
 
     out = {}
-    for compute in (args.compute_ms, 0.0):
-        a = argparse.Namespace(**{**vars(args), "compute_ms": compute, "eval_every": 0})
+    for width, compute in [(w, c) for w in args.peer_widths for c in (args.compute_ms, 0.0)]:
+        a = argparse.Namespace(**{**vars(args), "compute_ms": compute, "eval_every": 0, "width": width})
         plait_ups, rpc_ups, rpc_step, plait_cpu, rpc_cpu = [], [], [], [], []
         for _ in range(args.peer_repeats):
             ranks = spawn_group(group, WORKERS + 1, ["ps-async"], [0], [False], a, name="plait async",
@@ -294,7 +296,8 @@ def peer(args: argparse.Namespace) -> dict[str, Any]:
             updates = ranks[WORKERS]["ps-async|0|0"]["server"]["updates"]
             plait_ups.append(updates / plait_wall)
             plait_cpu.append(sum(r["ps-async|0|0"]["cpu_s"] for r in ranks) / updates)
-            rpc_ranks = spawn_group(run_rpc, WORKERS + 1, free_port(), functools.partial(rpc_model, compute / 1000),
+            rpc_ranks = spawn_group(run_rpc, WORKERS + 1, free_port(), functools.partial(rpc_model, compute / 1000,
+                                                                                          width),
                                     rpc_data, mse, args.steps, MICRO, 0.01, name="rpc peer", timeout_s=1800)
             rpc_wall = max(r["end_s"] for r in rpc_ranks[:WORKERS])
             rpc_ups.append(WORKERS * args.steps / rpc_wall)
@@ -302,7 +305,8 @@ def peer(args: argparse.Namespace) -> dict[str, Any]:
             rpc_step.append(rpc_wall / args.steps)
         ratios = [p / r for p, r in zip(plait_ups, rpc_ups, strict=True)]
         bound = statistics.median(rpc_step) / (compute / 1000) if compute > 0 else None
-        out[f"compute_{compute:g}ms"] = {
+        out[f"width_{width}_compute_{compute:g}ms"] = {
+            "params": sum(p.numel() for p in Net(0.0, width).parameters()),
             "plait_async_updates_per_s": [round(x, 2) for x in plait_ups],
             "rpc_peer_updates_per_s": [round(x, 2) for x in rpc_ups],
             "plait_over_rpc_per_pair": [round(x, 3) for x in ratios],
@@ -324,6 +328,8 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true", help="leave out the RPC parameter-server peer")
     ap.add_argument("--peer-only", action="store_true", help="only the RPC parameter-server peer comparison")
     ap.add_argument("--peer-repeats", type=int, default=3, help="alternating plait/peer pairs per compute level")
+    ap.add_argument("--peer-widths", type=int, nargs="+", default=[128, 1024],
+                    help="hidden widths of the MLP for the RPC comparison (128: the benchmark's model)")
     ap.add_argument("--eval-every", type=int, default=EVAL_EVERY, help="rank 0 evaluates every this many steps")
     args = ap.parse_args()
     if args.peer_only:
