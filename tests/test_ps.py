@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from helpers import run_ranks
 
 from plait.config import Config, ConfigError, from_sections
+from plait.ps.checkpoint import flat_boxes, param_names
 from plait.ps.state import ShardState, dc_compensate
 from plait.validate import validate
 
@@ -154,6 +156,22 @@ def test_exact_sums(mode: str) -> None:
     assert s.w.tolist() == ([-7.0] * 4 if mode == "async" else [-7.0 / 3] * 4)
 
 
+def test_flat_boxes_cover_a_row_major_range() -> None:
+    """Every range ``[a, b)`` of small tensors: the boxes are contiguous runs of the range, in order, and cover
+    it exactly, at most ``2 * ndim - 1`` of them (what a server writes of a tensor its shard cuts)."""
+    for shape in [(), (5,), (3, 4), (2, 3, 4), (1, 1, 3), (4, 1, 2)]:
+        n = math.prod(shape)
+        ids = torch.arange(n).reshape(shape)
+        for a in range(n + 1):
+            for b in range(a, n + 1):
+                boxes, got = flat_boxes(shape, a, b), []
+                for offsets, sizes, start in boxes:
+                    box = ids[tuple(slice(o, o + k) for o, k in zip(offsets, sizes, strict=True))].reshape(-1)
+                    assert box.tolist() == list(range(a + start, a + start + box.numel()))
+                    got += box.tolist()
+                assert got == list(range(a, b)) and len(boxes) <= max(1, 2 * len(shape) - 1)
+
+
 def test_bad_config() -> None:
     def check(sections: dict, world: int, match: str) -> None:
         with pytest.raises(ConfigError, match=match):
@@ -167,6 +185,7 @@ def test_bad_config() -> None:
     check({"parallel": {"mode": "ps", "tp": 2}}, 3, r"does not combine with parallel.tp=2.*it supports")
     check({"parallel": {"mode": "ps", "zero": 2}}, 3, r"does not combine with parallel.zero=2")
     check({"ps": {"mode": "sync", "pull_every": 2}}, 3, r"ps.pull_every=2 applies to ps.mode=async or dc")
+    check({"checkpoint": {"async_save": True}}, 3, r"checkpoint.async=true does not combine with parallel.mode=ps")
     cfg = validate(from_sections({"parallel": {"mode": "ps"}, "ps": {"servers": 2}, "train": {
         "global_batch_size": 8, "micro_batch_size": 2}}, Config()), 4, model_checks=False)
     assert cfg.parallel.dp == 2 and cfg.grad_accum == 2
@@ -229,8 +248,10 @@ def _train(sections: dict, run_dir: str, steps: int = STEPS, save_at: int = 0, l
     try:
         model, opt = p.setup(_hf_model() if hf else _model(sleepy), loss_fn="hf" if hf else _mse)
     except ServerDone as e:
-        st = p.layout.server.state
-        return {"server": e.stats, "w": st.w.clone(), "events": list(st.events)}
+        st, flat = p.layout.server.state, p.layout.flat
+        names = [name for _, name in param_names(p.layout.model, flat)]
+        return {"server": e.stats, "w": st.w.clone(), "events": list(st.events), "bounds": flat.bounds,
+                "order": [(n, tuple(q.shape)) for n, q in zip(names, flat.params, strict=True)]}
     loader = p.setup_dataloader(_hf_data() if hf else _data())
     if load:
         p.load(load, model=model, optimizer=opt, dataloader=loader)
@@ -422,21 +443,26 @@ def _world4(rank: int, world: int, tmp: str) -> dict:
     ps = {"parallel": {"mode": "ps"}}
     out = {"two_servers": _train({**BASE, **ps, "ps": {"servers": 2}}, f"{tmp}/two")}
     out["hf"] = _train({**BASE, **ps, "ps": {"servers": 2}}, f"{tmp}/hf", steps=3, hf=True)
-    gpt = ["--model.n_layer=1", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=16", "--train.steps=4",
-           "--train.global_batch_size=4", "--train.micro_batch_size=2"]
-    out["gpt"] = _trainer(gpt + ["--ps.mode=async", "--ps.servers=2"], f"{tmp}/gpt")
+    out["gpt"] = _trainer(GPT_ARGS, f"{tmp}/gpt")
     cnn = ["--model.name=cnn", "--train.steps=4", "--train.global_batch_size=12", "--train.micro_batch_size=4",
            "--ps.mode=backup", "--ps.backup_workers=1", "--ps.servers=1"]
     out["cnn"] = _trainer(cnn, f"{tmp}/cnn")
     one = {"train": {"global_batch_size": 8, "micro_batch_size": 8}, "optim": BASE["optim"]}
     out["async1"] = _train({**one, **ps, "ps": {"servers": 3, "mode": "async"}}, f"{tmp}/async1")
     out["dc1"] = _train({**one, **ps, "ps": {"servers": 3, "mode": "dc", "dc_lambda": 0.0}}, f"{tmp}/dc1")
-    out["ps3"] = _train({**THREE, **ps}, f"{tmp}/ps3")  # 3 workers + 1 server, sync
+    # checkpoints across server counts (sync, global batch 12): saved by 1 server + 3 workers at step 3 of 6
+    # and resumed by 2 servers + 2 workers, and the other way round
+    out["ps3"] = _train({**THREE, **ps}, f"{tmp}/ps3", save_at=3)  # 3 workers + 1 server
+    out["u2"] = _train({**THREE, **ps, "ps": {"servers": 2}}, f"{tmp}/u2", save_at=3)  # 2 workers + 2 servers
+    out["r21"] = _train({**THREE, **ps}, f"{tmp}/r21", load=f"{tmp}/u2/ckpt")
+    out["r12"] = _train({**THREE, **ps, "ps": {"servers": 2}}, f"{tmp}/r12", load=f"{tmp}/ps3/ckpt")
     out["dp3"] = _all_reduce_dp(rank, f"{tmp}/dp3")
     return out
 
 
-THREE = {"train": {"global_batch_size": 12, "micro_batch_size": 4}, "optim": BASE["optim"]}
+THREE = {"train": {"global_batch_size": 12, "micro_batch_size": 2}, "optim": BASE["optim"]}
+GPT_ARGS = ["--model.n_layer=1", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=16", "--train.steps=4",
+            "--train.global_batch_size=4", "--train.micro_batch_size=2", "--ps.mode=async", "--ps.servers=2"]
 
 
 def _all_reduce_dp(rank: int, run_dir: str) -> dict | None:
@@ -457,9 +483,15 @@ def _all_reduce_dp(rank: int, run_dir: str) -> dict | None:
     return _train(THREE, run_dir)
 
 
-def test_two_servers_one_worker_and_other_models(tmp_path: __import__("pathlib").Path) -> None:
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+    tmp = tmp_path_factory.mktemp("ps4")
+    return run_ranks(_world4, 4, str(tmp), timeout=300), tmp
+
+
+def test_two_servers_one_worker_and_other_models(world4: tuple) -> None:
+    ranks, tmp_path = world4
     tmp = str(tmp_path)
-    ranks = run_ranks(_world4, 4, tmp, timeout=300)
     ref = _reference(tmp)
     hf_ref = _train(BASE, f"{tmp}/hf_ref", steps=3, hf=True)
     for w in (0, 1):  # a transformers model through the same API (tolerance: summation order of the mean)
@@ -492,6 +524,92 @@ def test_two_servers_one_worker_and_other_models(tmp_path: __import__("pathlib")
     assert ranks[2]["two_servers"]["server"]["numel"] + ranks[3]["two_servers"]["server"]["numel"] == 212
     _same(ranks[0]["async1"]["sd"], ref["sd"])  # one worker: asynchronous is plain training
     _same(ranks[0]["dc1"]["sd"], ranks[0]["async1"]["sd"], atol=0.0)  # dc with lambda 0 is async
+
+
+def _chunks_by_rank(ckpt: Path) -> dict[int, dict[str, set[int]]]:
+    """For each rank's file of a DCP checkpoint: the row-major element indices of every tensor it holds
+    (from DCP's own metadata: which file stores each chunk)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(ckpt)).read_metadata()
+    out: dict[int, dict[str, set[int]]] = {}
+    for index, info in md.storage_data.items():
+        rank = int(info.relative_path.split("_")[2])
+        tensor = md.state_dict_metadata[index.fqn]
+        chunk = next(c for c in tensor.chunks if tuple(c.offsets) == tuple(index.offset))
+        ids = torch.arange(math.prod(tensor.size)).reshape(tensor.size)
+        box = ids[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes, strict=True))]
+        out.setdefault(rank, {}).setdefault(index.fqn, set()).update(box.reshape(-1).tolist())
+    return out
+
+
+def test_servers_write_only_their_own_pieces(world4: tuple) -> None:
+    """2 workers + 2 servers save at step 3: each server's file holds exactly its flat shard's elements of
+    every parameter and AdamW state (a tensor split between servers is split between their files, in row-major
+    boxes), each scalar state once (by the server holding the parameter's first element), its own version;
+    the workers' files hold nothing (the model has no buffers)."""
+    ranks, tmp = world4
+    written = _chunks_by_rank(tmp / "u2" / "ckpt")
+    assert set(written) == {2, 3}  # no worker wrote a tensor
+    split = 0
+    for server in (2, 3):
+        lo, hi = ranks[server]["u2"]["bounds"][server - 2:server]
+        offset, mine = 0, written[server]
+        for name, shape in ranks[server]["u2"]["order"]:
+            n = math.prod(shape)
+            expected = set(range(max(lo - offset, 0), min(hi - offset, n)))  # empty where the shard misses it
+            for key in (f"model.{name}", f"optim.state.{name}.exp_avg", f"optim.state.{name}.exp_avg_sq"):
+                assert mine.get(key, set()) == expected, (server, key)
+            assert (f"optim.state.{name}.step" in mine) == (lo <= offset < hi), (server, name)
+            split += 0 < len(expected) < n
+            offset += n
+        assert mine["ps.versions"] == {server - 2} and ("ps.clocks" in mine) == (server == 2)
+        assert sum(len(v) for k, v in mine.items() if k.startswith("model.")) == hi - lo == 106
+    assert split == 2  # one weight matrix spans both servers
+
+
+def test_resume_with_another_number_of_servers(world4: tuple) -> None:
+    """sync, global batch 12: the checkpoint of 1 server + 3 workers at step 3 resumed by 2 servers + 2 workers
+    equals the uninterrupted 2-server run, and the 2-server checkpoint resumed by 1 server + 3 workers equals
+    the uninterrupted 1-server run (losses and parameters: 1e-5, the summation order of the mean over 2 or 3
+    workers in steps 1-3; the uninterrupted runs themselves differ by that much)."""
+    ranks, _ = world4
+    for w in (0, 1):
+        for resumed, whole in (("r12", "u2"), ("r21", "ps3")):
+            got, ref = ranks[w][resumed], ranks[w][whole]
+            assert got["losses"] == pytest.approx(ref["losses"][3:], abs=1e-5), resumed
+            _same(got["sd"], ref["sd"], atol=1e-5)
+            assert got["last"]["ps_clock"] == 6 and got["last"]["ps_versions"] == ref["last"]["ps_versions"]
+    _same(ranks[0]["u2"]["sd"], ranks[0]["ps3"]["sd"], atol=1e-5)
+    assert ranks[3]["r21"]["server"]["version"] == 6 and ranks[2]["r12"]["server"]["version"] == 6
+    assert ranks[3]["r12"]["server"]["clocks"] == [6, 6]  # 3 saved clocks (3 each) onto 2 workers
+
+
+def test_ps_checkpoint_loads_into_one_process_and_plait_sample(world4: tuple, capsys: pytest.CaptureFixture) -> None:
+    """plait's GPT (tied embeddings) trained by plait train with 2 async servers: its last checkpoint, written
+    by the servers, loads by DCP into the single-process model (every name, strict) and equals the exported
+    model.safetensors exactly; ``plait sample`` generates from that export."""
+    import torch.distributed.checkpoint as dcp
+
+    from plait.cli import cmd_sample
+    from plait.config import load_config, to_toml
+    from plait.models.gpt import GPT
+    from plait.train.checkpoint import latest_checkpoint
+    from plait.train.export import load_safetensors
+
+    _, tmp = world4
+    cfg = load_config(None, GPT_ARGS)
+    (tmp / "gpt" / "config.toml").write_text(to_toml(cfg))  # as plait train writes it
+    exported, loaded = GPT(cfg.model, cfg.moe), GPT(cfg.model, cfg.moe)
+    load_safetensors(exported, tmp / "gpt" / "model.safetensors")
+    ckpt = latest_checkpoint(tmp / "gpt")
+    assert ckpt.name == "step_0000004" and json.loads((ckpt / "meta.json").read_text())["steps"] == 4
+    state = {"model": loaded.state_dict()}
+    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    assert loaded.head.weight is loaded.tok_emb.weight
+    _same(loaded.state_dict(), exported.state_dict(), atol=0.0)
+    assert cmd_sample([str(tmp / "gpt"), "--prompt", "def ", "--tokens", "8"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
 
 
 def _dies(rank: int, world: int, tmp: str, victim: int) -> None:

@@ -710,14 +710,15 @@ class Plait:
                   "scaler": self.scaler.state_dict(), "steps": self.steps, "skipped_steps": self.skipped_steps,
                   "micro": self._micro, "param_groups": hyperparameters(layout.scheduler_target()),
                   "auto": self.auto.state_dict() if self.auto is not None else None}
-        if self.ps is not None:  # the servers' versions and clocks (the workers meet there first)
-            shared["ps"] = layout.shared_state()
+        if self.ps is not None:  # the servers join this save and write their own shards (plait.ps.checkpoint)
+            layout.begin_save(Path(path))
         meta = {"extra": extra or {}, "world_size": self.world_size, "dp": self.dp,
                 "layout": self._kinds() or "single process", "steps": self.steps}
         rank_state = {"comm": self.comm.state_dict()}
         async_ = self.config.checkpoint.async_save
-        pending = save_state(Path(path), layout, meta, self.rank, rank_state, shared, async_=async_,
-                             group=self._ckpt_group if self._ckpt_group is not None else self.group)
+        group = self.ps.world if self.ps is not None else self._ckpt_group if self._ckpt_group is not None \
+            else self.group
+        pending = save_state(Path(path), layout, meta, self.rank, rank_state, shared, async_=async_, group=group)
         self.last_save_blocking_s = time.perf_counter() - t0
         if async_:
             self._pending = (pending, on_complete, self.steps)
@@ -762,8 +763,10 @@ class Plait:
             same_world = json.loads(meta_path.read_text()).get("world_size") == self.world_size
         check = self.config.checkpoint.verify if verify is None else verify
         self._meet()
+        if self.ps is not None:  # the servers join this load and read their own shards
+            layout.begin_load(Path(path), check)
         meta, rank_state, shared = load_state(Path(path), layout, self.rank, restore_rank=same_world, verify=check,
-                                              group=self.group)
+                                              group=self.ps.world if self.ps is not None else self.group)
         set_hyperparameters(layout.scheduler_target(), shared.get("param_groups"))
         sched = scheduler or self.scheduler
         if sched is not None and shared.get("scheduler") is not None:
@@ -778,8 +781,8 @@ class Plait:
         self.scaler.load_state_dict(shared["scaler"])
         self.steps, self.skipped_steps = int(shared["steps"]), int(shared["skipped_steps"])
         self.resumed_from = self.steps  # the launcher's no-progress rule compares where attempts started
-        if self.ps is not None:  # the loaded state goes to the servers; every worker pulls it back
-            layout.load_shared_state(shared.get("ps"), self.steps)
+        if self.ps is not None:  # the servers' versions and this worker's clock; every worker pulls the weights
+            layout.finish_load()
         if rank_state is not None:  # compressor residuals: the resumed run continues exactly
             self.comm.load_state_dict(rank_state["comm"])
         elif not same_world:

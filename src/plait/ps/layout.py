@@ -3,11 +3,15 @@
 On a worker, ``Plait.step`` runs: ``clip_grad_norm`` (measures the gradient's norm; the servers clip),
 ``step`` (only when the gradient is finite: marks it for pushing), ``after_step`` (PUSH to every
 server, which answers with its parameters when a pull is due; a non-finite gradient is announced
-instead, so no server waits for it). Checkpoints keep every layout's format: ``state_dicts`` fetches the servers'
-parameters and optimizer states into this worker's model and (never stepped) optimizer and returns
-them keyed by the single-process names, so a PS checkpoint loads into data parallelism, ZeRO or
-``plait sample``, and any checkpoint loads into a PS run (``load_shared_state`` sends it to the
-servers). BatchNorm running statistics are not parameters: each worker keeps its own.
+instead, so no server waits for it). Checkpoints keep every layout's format and are written by the
+servers: ``begin_save`` asks every server to join the save (after this worker's last push), then
+workers and servers run ``save_state`` together on a gloo group of every rank, each server writing
+only its own shard's pieces of the parameters and optimizer states, with its version and the clocks,
+under the single-process names (``plait.ps.checkpoint``); worker 0 writes the buffers. So a PS
+checkpoint loads into data parallelism, ZeRO or one process, and any checkpoint, of any layout or
+number of servers, loads into a PS run: the servers read their own pieces (``begin_load``), then every
+worker takes its clock from the servers and pulls (``finish_load``). A worker never holds optimizer
+state. BatchNorm running statistics are not parameters: each worker keeps its own (worker 0's are saved).
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ from torch import nn
 from plait.comm.collectives import Comm
 from plait.config import Config
 from plait.parallel.layout import ELEMENTWISE, Layout, LayoutError, OptimizerFactory
+from plait.ps.checkpoint import PiecesSavePlanner, ServerCheckpoint, param_names, untrained_state
+from plait.ps.protocol import Op
 from plait.ps.roles import PsGroups
 from plait.ps.shard import FlatLayout
 from plait.ps.worker import PsClient, grad_norm_sq
 from plait.topology import Topology
-from plait.train.optim import materialize_optimizer_state, optimizer_recipe
+from plait.train.optim import optimizer_recipe
 
 
 class PsLayout(Layout):
@@ -77,7 +83,8 @@ class PsLayout(Layout):
         w = torch.zeros(hi - lo, dtype=self.flat.dtype)
         state = ShardState(w, self.flat.segments(g.server_index), cls, defaults, groups, g.num_workers, self.cfg.ps,
                            self.cfg.optim.grad_clip, norm_sum=self._norm_sum)
-        return Server(state, g.server_index, g.rank, g.num_workers, g.p2p, len(opt.param_groups))
+        return Server(state, g.server_index, g.rank, g.num_workers, g.p2p, len(opt.param_groups),
+                      checkpoint=self._server_checkpoint)
 
     def _norm_sum(self, x: float) -> float:
         """A squared norm summed over the servers: one all-reduce of one float64 among them."""
@@ -193,63 +200,45 @@ class PsLayout(Layout):
             self.client.finish()
 
     # -- state ------------------------------------------------------------------------------------
-    def _fetch_state(self) -> None:
-        """The servers' parameters and optimizer states into this worker's model and optimizer."""
-        params, vectors, scalars, self._versions, self._clocks = self.client.get_state()
-        self._install(params)
-        materialize_optimizer_state(self.optimizer, keep_grads=False)
-        per_key = {k: [torch.empty_like(p) for p in self.flat.params] for k in vectors}
-        for k, flat in vectors.items():
-            self.flat.unflatten_into(flat, per_key[k])
-        for i, p in enumerate(self.flat.params):
-            st = self.optimizer.state[p]
-            for k in vectors:
-                st[k].copy_(per_key[k][i].to(st[k].dtype))
-            for k, x in scalars.items():
-                if torch.is_tensor(st.get(k)):
-                    st[k].fill_(x)
-                else:
-                    st[k] = type(st.get(k, x))(x)
+    def begin_save(self, path: Path) -> None:
+        """Before ``save_state``: ask every server to join the save at ``path`` (after this worker's last
+        push, so the server has applied it); the servers write their shards (``plait.ps.checkpoint``)."""
+        self.meet()
+        self.client.checkpoint(Op.SAVE, {"path": str(path)})
+
+    def begin_load(self, path: Path, verify: bool) -> None:
+        """Before ``load_state``: ask every server to join the load from ``path``."""
+        self.client.checkpoint(Op.LOAD, {"path": str(path), "verify": verify})
+
+    def finish_load(self) -> None:
+        """After ``load_state``: the servers' versions and this worker's clock, then pull the loaded weights."""
+        self.client.loaded()
+        self._install(self.client.pull())
 
     def state_dicts(self) -> tuple[dict, dict]:
-        self._fetch_state()
-        return super().state_dicts()
-
-    def shared_state(self) -> dict[str, Any]:
-        """Versions and clocks, saved with the checkpoint's shared state (every worker meets first, so no
-        push is in flight)."""
-        self.meet()
-        if dist.is_initialized() and self.groups.num_workers > 1:
-            dist.barrier(group=self.groups.workers)
-        stats = self.client.stats()
-        clocks = [max(s["clocks"][k] for s in stats) for k in range(self.groups.num_workers)]
-        return {"versions": [int(s["version"]) for s in stats], "clocks": clocks}
+        """This worker's part of a checkpoint: the model's entries the servers do not hold (buffers); the
+        servers contribute the parameters and optimizer states. A worker holds no optimizer state."""
+        return untrained_state(self.model, self.flat), {}
 
     def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
-        super().load_state_dicts(model_sd, optim_sd)
+        """The buffers were read in place; the parameters come from the servers (``finish_load``)."""
 
-    def load_shared_state(self, ps: dict[str, Any] | None, steps: int) -> None:
-        """After a load: worker 0 sends the loaded weights and optimizer state to the servers, with the saved
-        versions and clocks (``steps`` for both when the checkpoint came from another layout); then every
-        worker pulls."""
-        g = self.groups
-        versions = [int(v) for v in ps["versions"]] if ps else [steps] * g.num_servers
-        same = ps is not None and len(ps["clocks"]) == g.num_workers
-        clocks = [int(c) for c in ps["clocks"]] if same else [steps] * g.num_workers
-        if g.rank == 0:
-            flat = self.flat.flatten_params()
-            keys = sorted(k for k, v in self.optimizer.state[self.flat.params[0]].items()
-                          if torch.is_tensor(v) and v.dim() > 0) if self.flat.params else []
-            vectors = {k: torch.cat([self.optimizer.state[p][k].reshape(-1).float().cpu() for p in self.flat.params])
-                       for k in keys}
-            first = self.optimizer.state[self.flat.params[0]] if self.flat.params else {}
-            scalars = {k: float(v) for k, v in first.items() if k not in vectors}
-            self.client.load_state(flat, vectors, scalars, versions, clocks)
-        if g.num_workers > 1:
-            dist.barrier(group=g.workers)
-        self.client.clock = clocks[g.rank]
-        self._install(self.client.pull())
-        self.optimizer.state.clear()  # the servers hold it; this worker's copy is not used again
+    def save_planner(self) -> Any:
+        return PiecesSavePlanner()  # replicated buffers: worker 0's are written
+
+    def _server_checkpoint(self, op: Op, args: dict[str, Any]) -> None:
+        """A server's part of a checkpoint save or load (collective with every rank; see ``begin_save``)."""
+        from plait.train.checkpoint import load_state, save_state
+
+        g, st = self.groups, self.server.state
+        ckpt = ServerCheckpoint(st, self.flat, param_names(self.model, self.flat), g.server_index, g.num_workers,
+                                loading=op == Op.LOAD)
+        if op == Op.SAVE:
+            save_state(Path(args["path"]), ckpt, {}, g.rank, group=g.world)
+            return
+        _, _, shared = load_state(Path(args["path"]), ckpt, g.rank, restore_rank=False, verify=bool(args["verify"]),
+                                  group=g.world)
+        st.restored(*ckpt.versions_and_clocks(int(shared.get("steps", 0))))
 
     def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The servers' current parameters (pulled fresh) under the single-process names."""

@@ -7,14 +7,14 @@ A header is ``HEADER_LEN`` float64 numbers (integers up to 2**53 are exact)::
 announcing ``nbytes`` of payload. Requests (worker to server) and parameter replies travel *framed*: one
 float32 message of the header's 128 bytes followed by a slot the size of the shard, holding the payload
 (a gradient, parameters) or nothing (a pull, statistics, done), so the hot path, a push answered with
-the new parameters, is one message each way. Other replies are a header, then the payload as its own
-message (UTF-8 JSON as uint8, optimizer state). Messages go over c10d point-to-point
-``send``/``recv`` on a gloo group of their own (also when training uses NCCL); per pair of ranks gloo
-delivers them in order, so a request and its payload, and a reply and its payload, never interleave
-with another message of the same pair. A server receives with one blocking ``recv`` per worker on its
-own thread; no operation polls ``is_completed()`` or sets a timeout on a pair (both break gloo). A
-peer that dies closes its connections: the blocked ``recv`` raises, and the survivor raises a
-``PsError`` naming the rank.
+the new parameters, is one message each way. Other replies, and a checkpoint request's arguments, are a
+header, then the payload as its own message (UTF-8 JSON as uint8: statistics, a checkpoint's path).
+Messages go over c10d point-to-point ``send``/``recv`` on a gloo group of their own (also when training
+uses NCCL); per pair of ranks gloo delivers them in order, so a request and its payload, and a reply
+and its payload, never interleave with another message of the same pair. A server receives with one
+blocking ``recv`` per worker on its own thread; no operation polls ``is_completed()`` or sets a
+timeout on a pair (both break gloo). A peer that dies closes its connections: the blocked ``recv``
+raises, and the survivor raises a ``PsError`` naming the rank.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ class Op(enum.IntEnum):
     INIT = 1  # worker 0 -> server: the initial parameters of the shard
     PUSH = 2  # worker -> server: a gradient of the shard, computed on ``version``
     PULL = 3  # worker -> server: request the shard's parameters; the reply carries them
-    STATE = 4  # worker -> server: request parameters and optimizer state (for a checkpoint)
-    LOAD = 5  # worker 0 -> server: parameters, optimizer state, versions and clocks (from a checkpoint)
+    SAVE = 4  # worker -> server: join the checkpoint save at a path (JSON); the server writes its shard
+    LOAD = 5  # worker -> server: join the checkpoint load from a path (JSON); answered with version, clock
     STATS = 6  # worker -> server: request the server's statistics (JSON)
     DONE = 7  # worker -> server: this worker has finished; no more messages follow
     REPLY = 8  # server -> worker

@@ -1,12 +1,13 @@
 """Who serves and who works, the process groups of a PS run, its config checks and merged statistics.
 
 Ranks ``0 .. N-1`` are workers and the last ``ps.servers`` ranks are servers, so global rank 0 (the
-rank that writes metrics, checkpoints' metadata and summaries) is a worker. Three groups, created on
-every rank in the same order: the workers' (their collectives: logging, evaluation, checkpoints),
+rank that writes metrics, checkpoints' metadata and summaries) is a worker. Four groups, created on
+every rank in the same order: the workers' (their collectives: logging, evaluation),
 the parameter-server group for point-to-point messages (gloo, whatever the training backend, with a
 long timeout: a server legitimately waits as long as the workers compute, and a peer that dies is
-seen at once through its closed connection), and the servers' (one all-reduce per sync version when
-the gradient is clipped over several shards).
+seen at once through its closed connection), the servers' (one all-reduce per sync version when
+the gradient is clipped over several shards), and every rank's (gloo: the checkpoints' DCP collectives,
+in which the servers write and read their own shards).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class PsGroups:
     workers: Any = None
     p2p: Any = None
     servers: Any = None
+    world: Any = None
 
     @property
     def num_workers(self) -> int:
@@ -70,6 +72,7 @@ def make_groups(cfg: Config) -> PsGroups:
     g.workers = dist.new_group(ranks=list(range(g.num_workers)), use_local_synchronization=False)
     g.p2p = dist.new_group(backend="gloo", timeout=P2P_TIMEOUT)
     g.servers = dist.new_group(ranks=g.server_ranks, backend="gloo") if g.num_servers > 1 else None
+    g.world = dist.new_group(backend="gloo")
     return g
 
 
@@ -92,6 +95,9 @@ def check_ps(cfg: Config, world_size: int) -> int:
         if s.servers > 1:
             raise ConfigError("ps.mode=backup runs with ps.servers=1 in this build (servers would pick different "
                               "gradients of a version); set ps.servers=1")
+    if cfg.checkpoint.async_save:
+        raise ConfigError("checkpoint.async=true does not combine with parallel.mode=ps in this build: the servers "
+                          "write their own shards of a checkpoint while the workers wait; set checkpoint.async=false")
     if s.dc_lambda < 0 or s.staleness_scaling < 0:
         raise ConfigError("ps.dc_lambda and ps.staleness_scaling must be 0 or more")
     if s.max_staleness < -1:

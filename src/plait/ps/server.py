@@ -8,12 +8,19 @@ reply goes only to a worker that is waiting for it. A pull that may not be answe
 condition, which every push and every finished worker notifies; only that worker's thread waits, the
 others go on. ``serve`` returns once every worker has sent
 ``DONE``; a worker whose connection breaks first ends the server with a ``PsError`` naming it.
+
+Checkpoints: each worker sends ``SAVE`` (or ``LOAD``) with the checkpoint's path after its last push, so
+its thread has applied every gradient of that worker before it; the thread then waits. Once every
+active worker's request is in, the main thread (in ``serve``) takes part in the DCP save or load with
+the workers (``checkpoint(op, args)``, see ``plait.ps.checkpoint``) while no thread touches the shard;
+then the threads go on (after a load each answers its worker with the version and that worker's clock).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,11 +31,15 @@ from plait.ps.state import ShardState
 
 
 class Server:
-    """Serve shard ``index`` (global rank ``rank``) to ``num_workers`` workers (global ranks 0..N-1)."""
+    """Serve shard ``index`` (global rank ``rank``) to ``num_workers`` workers (global ranks 0..N-1);
+    ``checkpoint(op, args)`` runs this server's part of a checkpoint save or load (collective)."""
 
     def __init__(self, state: ShardState, index: int, rank: int, num_workers: int, group: dist.ProcessGroup,
-                 num_groups: int) -> None:
+                 num_groups: int, checkpoint: Callable[[Op, dict[str, Any]], None] | None = None) -> None:
         self.state, self.index, self.rank, self.num_groups = state, index, rank, num_groups
+        self.checkpoint = checkpoint
+        self.requests: dict[int, tuple[Op, dict[str, Any]]] = {}  # worker -> its checkpoint request
+        self.checkpoints = 0  # checkpoint operations completed
         self.channels = [Channel(group, rank, k, "worker", slot=state.w.numel()) for k in range(num_workers)]
         self.cond = threading.Condition()
         self.errors: list[BaseException] = []
@@ -44,14 +55,33 @@ class Server:
         self.t_start = time.perf_counter()
         for t in threads:
             t.start()
-        with self.cond:
-            self.cond.wait_for(lambda: self.errors or self.finished == len(self.channels))
-            if self.errors:
-                raise self.errors[0]
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.errors or self.finished == len(self.channels) or self._requested())
+                if self.errors:
+                    raise self.errors[0]
+                if not self.requests:
+                    break
+                op, args = self.requests[min(self.requests)]
+            try:
+                self.checkpoint(op, args)  # every worker thread waits: nothing touches the shard
+            except BaseException as e:
+                with self.cond:
+                    self.errors.append(e)
+                    self.cond.notify_all()
+                raise
+            with self.cond:
+                self.requests.clear()
+                self.checkpoints += 1
+                self.cond.notify_all()
         for t in threads:
             t.join()
         self.wall_s = time.perf_counter() - self.t_start
         return self.stats()
+
+    def _requested(self) -> bool:
+        """Every worker still training has asked for the checkpoint operation (under the lock)."""
+        return bool(self.requests) and len(self.requests) == len(self.channels) - self.finished
 
     def _loop(self, worker: int) -> None:
         ch = self.channels[worker]
@@ -94,24 +124,19 @@ class Server:
                 self._answer_pull(worker, ch)
         elif h.op == Op.PULL:
             self._answer_pull(worker, ch)
-        elif h.op == Op.STATE:
+        elif h.op in (Op.SAVE, Op.LOAD):
+            args = decode_json(ch.recv_payload(ch.recv_header(), dtype=torch.uint8))
             with self.cond:
-                vec, sca = s.optimizer_keys()
-                meta = {"vectors": vec, "scalars": {k: s.scalar(k) for k in sca}, "version": s.version,
-                        "clocks": list(s.clocks)}
-                tensors = [s.w.clone()] + [s.state_vector(k) for k in vec]
-            ch.send(Header(Op.REPLY, worker, self.index, s.version), encode_json(meta))
-            for t in tensors:
-                ch.send(Header(Op.REPLY, worker, self.index), t)
-        elif h.op == Op.LOAD:
-            w = payload.clone()
-            meta = decode_json(ch.recv_payload(ch.recv_header(), dtype=torch.uint8))
-            vectors = {k: ch.recv_framed(what="receiving a LOAD")[1].clone() for k in meta["vectors"]}
-            with self.cond:
-                s.load(w, vectors, meta["scalars"], int(meta["version"]), [int(c) for c in meta["clocks"]])
-                self.initialized.set()
+                done = self.checkpoints
+                self.requests[worker] = (h.op, args)
                 self.cond.notify_all()
-            ch.send(Header(Op.REPLY, worker, self.index, s.version))
+                self.cond.wait_for(lambda: self.errors or self.checkpoints > done)
+                if self.errors:
+                    return
+                if h.op == Op.LOAD:
+                    self.initialized.set()
+            if h.op == Op.LOAD:
+                ch.send(Header(Op.REPLY, worker, self.index, s.version, clock=s.clocks[worker]))
         elif h.op == Op.PARK:
             with self.cond:
                 s.park(worker)

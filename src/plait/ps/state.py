@@ -312,28 +312,9 @@ class ShardState:
         sca = sorted(k for k, v in st.items() if not (torch.is_tensor(v) and v.dim() > 0))
         return vec, sca
 
-    def state_vector(self, key: str) -> torch.Tensor:
-        return torch.cat([self.optimizer.state[v][key].reshape(-1).float() for v in self.views]) if self.views \
-            else torch.zeros(0)
-
-    def scalar(self, key: str) -> float:
-        return float(self.optimizer.state[self.views[0]][key]) if self.views else 0.0
-
-    @torch.no_grad()
-    def load(self, w: torch.Tensor, vectors: dict[str, torch.Tensor], scalars: dict[str, float], version: int,
-             clocks: list[int]) -> None:
-        """Replace parameters, optimizer state, version and clocks (a checkpoint's)."""
-        self.w.copy_(w)
-        if self.views:
-            from plait.train.optim import materialize_optimizer_state
-
-            materialize_optimizer_state(self.optimizer, keep_grads=False)
-        for s, v in zip(self.segments, self.views, strict=True):
-            st = self.optimizer.state[v]
-            for k, flat in vectors.items():
-                st[k].copy_(flat[s.start:s.end].view_as(st[k]))
-            for k, x in scalars.items():
-                st[k] = torch.tensor(x, dtype=st[k].dtype) if torch.is_tensor(st[k]) else type(st[k])(x)
+    def restored(self, version: int, clocks: list[int]) -> None:
+        """After a checkpoint load (parameters and optimizer state were read in place): the version and
+        clocks it sets; nothing of the previous timeline stays pending."""
         self.version = version
         self.clocks = list(clocks)
         self.last_push_version = [None] * self.num_workers

@@ -5,8 +5,8 @@ A worker's step: forward and backward on its own micro-batches (plait's accumula
 record), one PUSH per server of its slice of the flat gradient (every ``ps.push_every`` steps, the
 mean of those steps) which, when a pull is due, the server answers with the shard's parameters (one
 framed message each way). Pushes go to every server before any reply is awaited. The worker's own
-optimizer object never steps: it holds the parameter groups whose learning rate the LR scheduler sets,
-sent with every push; it holds state only while a checkpoint is saved or loaded.
+optimizer object never steps and holds no state: it holds the parameter groups whose learning rate the
+LR scheduler sets, sent with every push (checkpoints are written by the servers).
 """
 
 from __future__ import annotations
@@ -97,38 +97,19 @@ class PsClient:
             out.append(decode_json(ch.recv_payload(h, dtype=torch.uint8)))
         return out
 
-    def get_state(self) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float], list[int], list[int]]:
-        """(flat parameters, flat optimizer state per key, scalar states, versions, clocks) of all shards."""
-        params = torch.empty(self.flat.numel, dtype=self.flat.dtype)
-        vectors: dict[str, torch.Tensor] = {}
-        scalars: dict[str, float] = {}
-        versions: list[int] = []
-        clocks: list[int] = []
+    def checkpoint(self, op: Op, args: dict[str, Any]) -> None:
+        """Ask every server to join a checkpoint save or load (``Op.SAVE`` / ``Op.LOAD``, ``args`` with the
+        path); the caller then runs ``save_state`` / ``load_state`` on the group of every rank."""
         for s, ch in enumerate(self.channels):
-            lo, hi = self.flat.shard_range(s)
-            ch.send_framed(Header(Op.STATE, self.worker, s))
-            meta = decode_json(ch.recv_payload(ch.recv_header(), dtype=torch.uint8))
-            ch.recv_payload(ch.recv_header(), out=params[lo:hi])
-            for k in meta["vectors"]:
-                flat = vectors.setdefault(k, torch.zeros(self.flat.numel))
-                ch.recv_payload(ch.recv_header(), out=flat[lo:hi])
-            if not scalars:
-                scalars = {k: float(v) for k, v in meta["scalars"].items()}
-            versions.append(int(meta["version"]))
-            clocks = [max(a, int(b)) for a, b in zip(clocks or [0] * len(meta["clocks"]), meta["clocks"], strict=True)]
-        return params, vectors, scalars, versions, clocks
+            ch.send_framed(Header(op, self.worker, s))
+            ch.send(Header(op, self.worker, s), encode_json(args))
 
-    def load_state(self, params: torch.Tensor, vectors: dict[str, torch.Tensor], scalars: dict[str, float],
-                   versions: list[int], clocks: list[int]) -> None:
-        """Worker 0: replace every shard's parameters, optimizer state, version and clocks."""
+    def loaded(self) -> None:
+        """After a checkpoint load: each server's answer holds its version and this worker's clock."""
         for s, ch in enumerate(self.channels):
-            lo, hi = self.flat.shard_range(s)
-            meta = {"vectors": sorted(vectors), "scalars": scalars, "version": versions[s], "clocks": clocks}
-            ch.send_framed(Header(Op.LOAD, self.worker, s), params[lo:hi].float())
-            ch.send(Header(Op.LOAD, self.worker, s), encode_json(meta))
-            for k in sorted(vectors):
-                ch.send_framed(Header(Op.LOAD, self.worker, s), vectors[k][lo:hi].float())
-            ch.recv_header()
+            h = ch.recv_header()
+            self.versions[s] = h.version
+            self.clock = h.clock
 
     def park(self) -> None:
         """Tell every server this worker waits for the other workers (a collective among them): a backup

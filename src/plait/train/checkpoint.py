@@ -16,8 +16,9 @@ untouched), and a file damaged later is caught by the manifest before anything i
 rank at the same point. Model
 and optimizer states come from the layout (``Layout.state_dicts``), keyed by the single-process
 model's parameter names whatever the sharding, so DCP can load them at another world size, ZeRO stage
-or layout. Nothing is ever unpickled: DCP reads tensors, ``*.pt`` files are read with
-``weights_only=True``, metadata is JSON.
+or layout (a layout with chunks of its own, a parameter server's, also gives DCP planners for them:
+``save_planner()`` / ``load_planner()``). Nothing is ever unpickled: DCP reads tensors, ``*.pt`` files
+are read with ``weights_only=True``, metadata is JSON.
 
 A training run keeps several under ``RUN_DIR/checkpoints``: ``step_0000200/`` ... and ``latest``, a
 file naming the newest complete one, replaced atomically after each save (``point_latest``).
@@ -164,14 +165,15 @@ def save_state(path: Path, layout: StatefulLayout, meta: dict[str, Any], rank: i
     _test_kill(path, rank, "before")
     model_sd, optim_sd = layout.state_dicts()
     state = {"model": model_sd, "optim": optim_sd}
+    planner = layout.save_planner() if hasattr(layout, "save_planner") else None  # a layout's own chunks
     future = None
     with _quiet_single_process():
         if async_ and _distributed():
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group)
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group, planner=planner)
         elif async_:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), no_dist=True)
+            future = dcp.async_save(state, checkpoint_id=str(tmp), no_dist=True, planner=planner)
         else:
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed(), process_group=group)
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed(), process_group=group, planner=planner)
     _test_kill(path, rank, "between")
     torch.save({**rng_state(), "rank_state": rank_state}, tmp / f"rank{rank}.pt")
     if rank == 0:
@@ -216,8 +218,9 @@ def load_state(path: Path, layout: StatefulLayout, rank: int, restore_rank: bool
     meta = json.loads(meta_file.read_text())
     model_sd, optim_sd = layout.state_dicts()
     state = {"model": model_sd, "optim": optim_sd}
+    planner = layout.load_planner() if hasattr(layout, "load_planner") else None
     with _quiet_single_process():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed(), process_group=group)
+        dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed(), process_group=group, planner=planner)
     layout.load_state_dicts(state["model"], state["optim"])
     rank_state = None
     rank_file = path / f"rank{rank}.pt"
