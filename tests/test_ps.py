@@ -585,6 +585,7 @@ def test_resume_with_another_number_of_servers(world4: tuple) -> None:
     assert ranks[3]["r12"]["server"]["clocks"] == [6, 6]  # 3 saved clocks (3 each) onto 2 workers
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_ps_checkpoint_loads_into_one_process_and_plait_sample(world4: tuple, capsys: pytest.CaptureFixture) -> None:
     """plait's GPT (tied embeddings) trained by plait train with 2 async servers: its last checkpoint, written
     by the servers, loads by DCP into the single-process model (every name, strict) and equals the exported

@@ -199,9 +199,9 @@ class Plait:
         self.last_save_blocking_s = 0.0
         self.shares: list[int] | None = None
         # An asynchronous save runs DCP's collectives on a background thread: on a group of their own, so
-        # they never interleave with training's on the same channels.
-        self._ckpt_group = dist.new_group(ranks=list(range(self.world_size)) if self.ps is not None else None,
-                                          backend="gloo") if self.world_size > 1 and cfg.checkpoint.async_save else None
+        # they never interleave with training's on the same channels (not with ps: its servers write, synchronously).
+        self._ckpt_group = dist.new_group(backend="gloo") if self.world_size > 1 and cfg.checkpoint.async_save \
+            else None
 
     # -- where things go ---------------------------------------------------------------------------
     @property
