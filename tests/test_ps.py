@@ -11,12 +11,16 @@ pull rule, exact sums. Two spawns then run several configurations each through `
   exact sums through the transport in sync/async/ssp/dc, a 3x slower worker in async (converges,
   staleness recorded, max-staleness rejections counted), ssp (the read gap never exceeds s), backup
   (exactly the stale gradients dropped and counted), and checkpoints (sync resume equals the
-  uninterrupted run exactly; the PS checkpoint loads into plain data parallelism);
+  uninterrupted run exactly; the PS checkpoint loads into plain data parallelism, and that run's
+  checkpoint back into a PS run);
 - world 4: 3 workers + 1 server in sync against plait's all-reduce data parallelism over 3 ranks (the
   same spawn's ranks 0-2 regroup; same global batch and weights; 1e-5), two servers against the
   single-process reference, async and dc (lambda 0) with one
   worker and three servers against single-process training, a transformers Llama against one process,
-  and ``plait train``'s worker function on plait's GPT (async, two servers) and CNN (backup, one server).
+  and ``plait train``'s worker function on plait's GPT (async, two servers) and CNN (backup, one server);
+  checkpoints written by the servers: each server's file holds exactly its shard's pieces, a resume
+  with 1 -> 2 and 2 -> 1 servers equals the uninterrupted run (1e-5), the GPT's checkpoint loads into
+  one process and equals its export, which ``plait sample`` reads.
 """
 
 from __future__ import annotations
@@ -238,7 +242,7 @@ def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _train(sections: dict, run_dir: str, steps: int = STEPS, save_at: int = 0, load: str = "",
-           sleepy: bool = False, hf: bool = False) -> dict:
+           sleepy: bool = False, hf: bool = False, load_data: bool = True) -> dict:
     """Train ``steps`` optimizer steps with the keep-your-loop API; a server returns its statistics and
     final shard, a worker its losses, final weights and (rank 0) the servers' merged statistics."""
     import plait
@@ -254,7 +258,7 @@ def _train(sections: dict, run_dir: str, steps: int = STEPS, save_at: int = 0, l
                 "order": [(n, tuple(q.shape)) for n, q in zip(names, flat.params, strict=True)]}
     loader = p.setup_dataloader(_hf_data() if hf else _data())
     if load:
-        p.load(load, model=model, optimizer=opt, dataloader=loader)
+        p.load(load, model=model, optimizer=opt, dataloader=loader if load_data else None)
     it, losses, last, saved = iter(loader), [], None, None
     while p.steps < steps:
         batch = next(it)
@@ -317,6 +321,8 @@ def _world3(rank: int, world: int, tmp: str) -> dict:
     out["saving"] = _train({**BASE, **ps}, f"{tmp}/sync_saved", save_at=3)
     out["resumed"] = _train({**BASE, **ps}, f"{tmp}/resume", load=f"{tmp}/sync_saved/ckpt")
     out["dp_load"] = _load_into_dp(f"{tmp}/sync_saved/ckpt", f"{tmp}/dp")
+    # and back: data parallelism's checkpoint (one chunk per tensor) read by the server into its shard
+    out["from_dp"] = _train({**BASE, **ps}, f"{tmp}/from_dp", steps=3, load=f"{tmp}/dp/ckpt", load_data=False)
     return out
 
 
@@ -328,6 +334,7 @@ def _load_into_dp(ckpt: str, run_dir: str) -> dict:
     model, opt = p.setup(_model(), loss_fn=_mse)
     p.load(ckpt, model=model, optimizer=opt)
     sd = p.full_state_dict(model)
+    p.save(f"{run_dir}/ckpt", model=model, optimizer=opt)
     p.close()
     return {"sd": sd, "steps": p.steps}
 
@@ -426,6 +433,8 @@ def test_checkpoint_resume_and_load_into_data_parallel(world3: tuple) -> None:
     dp = ranks[0]["dp_load"]
     assert dp["steps"] == 3
     _same(dp["sd"], ranks[0]["saving"]["saved"], atol=0.0)  # the servers' weights at step 3
+    for w in (0, 1):  # data parallelism's re-save of them, loaded by the server and pulled by each worker
+        _same(ranks[w]["from_dp"]["sd"], dp["sd"], atol=0.0)
     _same(ranks[0]["saving"]["sd"], ranks[0]["sync"]["sd"], atol=0.0)  # saving changed nothing
 
 
