@@ -185,7 +185,6 @@ def test_bad_config() -> None:
     check({}, 1, r"at least 2 ranks")
     check({"ps": {"mode": "ssp", "staleness": -1}}, 3, r"ps.staleness must be 0 or more")
     check({"ps": {"mode": "backup", "backup_workers": 2}}, 3, r"ps.backup_workers=2 must be between 0 and workers - 1")
-    check({"ps": {"mode": "backup", "servers": 2}}, 4, r"ps.servers=1")
     check({"parallel": {"mode": "ps", "tp": 2}}, 3, r"does not combine with parallel.tp=2.*it supports")
     check({"parallel": {"mode": "ps", "zero": 2}}, 3, r"does not combine with parallel.zero=2")
     check({"ps": {"mode": "sync", "pull_every": 2}}, 3, r"ps.pull_every=2 applies to ps.mode=async or dc")
@@ -465,6 +464,13 @@ def _world4(rank: int, world: int, tmp: str) -> dict:
     out["u2"] = _train({**THREE, **ps, "ps": {"servers": 2}}, f"{tmp}/u2", save_at=3)  # 2 workers + 2 servers
     out["r21"] = _train({**THREE, **ps}, f"{tmp}/r21", load=f"{tmp}/u2/ckpt")
     out["r12"] = _train({**THREE, **ps, "ps": {"servers": 2}}, f"{tmp}/r12", load=f"{tmp}/ps3/ckpt")
+    # backup over two servers (each shard takes the first N - b gradients that reach it): b = 0 is sync
+    out["backup0_two"] = _train({**BASE, **ps, "ps": {"servers": 2, "mode": "backup", "backup_workers": 0}},
+                                f"{tmp}/backup0_two")
+    slow = {"fault": {"slow_rank": 1, "slow_factor": 3.0}}
+    long = {"train": {**BASE["train"], "eval_every": 0}, "optim": BASE["optim"]}
+    out["backup_two"] = _train({**long, **ps, **slow, "ps": {"servers": 2, "mode": "backup", "backup_workers": 1}},
+                               f"{tmp}/backup_two", steps=12, sleepy=True)
     out["dp3"] = _all_reduce_dp(rank, f"{tmp}/dp3")
     return out
 
@@ -531,6 +537,14 @@ def test_two_servers_one_worker_and_other_models(world4: tuple) -> None:
         assert ranks[w]["two_servers"]["losses"] == pytest.approx(ref["losses"], abs=1e-6)
         _same(ranks[w]["two_servers"]["sd"], ref["sd"])
     assert ranks[2]["two_servers"]["server"]["numel"] + ranks[3]["two_servers"]["server"]["numel"] == 212
+    for w in (0, 1):  # backup with b = 0 over two servers is sync over two servers (its loss is each worker's own)
+        _same(ranks[w]["backup0_two"]["sd"], ranks[w]["two_servers"]["sd"], atol=0.0)
+    for server in (2, 3):  # b = 1, worker 1 three times slower: each shard drops exactly its stale gradients
+        stats, events = ranks[server]["backup_two"]["server"], ranks[server]["backup_two"]["events"]
+        assert stats["dropped"] > 0 and stats["dropped"] + stats["applied"] == 2 * 12
+        assert all((v < at) == (o == "dropped") for _, v, at, o in events)
+        assert stats["version"] == stats["applied"]  # one gradient (N - b) completes each version
+    assert ranks[0]["backup_two"]["losses"][-1] < ranks[0]["backup_two"]["losses"][0]
     _same(ranks[0]["async1"]["sd"], ref["sd"])  # one worker: asynchronous is plain training
     _same(ranks[0]["dc1"]["sd"], ranks[0]["async1"]["sd"], atol=0.0)  # dc with lambda 0 is async
 

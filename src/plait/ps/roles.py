@@ -92,9 +92,6 @@ def check_ps(cfg: Config, world_size: int) -> int:
         if not 0 <= s.backup_workers < workers:
             raise ConfigError(f"ps.backup_workers={s.backup_workers} must be between 0 and workers - 1 = {workers - 1} "
                               f"({workers} workers): each version needs at least one gradient")
-        if s.servers > 1:
-            raise ConfigError("ps.mode=backup runs with ps.servers=1 in this build (servers would pick different "
-                              "gradients of a version); set ps.servers=1")
     if cfg.checkpoint.async_save:
         raise ConfigError("checkpoint.async=true does not combine with parallel.mode=ps in this build: the servers "
                           "write their own shards of a checkpoint while the workers wait; set checkpoint.async=false")

@@ -12,7 +12,11 @@ Modes (``ps.mode``), for a gradient ``g`` that worker ``k`` computed on version 
   optimizer step. A pull after a push waits for the version it contributed to. This is all-reduce data
   parallelism's update.
 - ``backup`` (``b`` backup workers): as ``sync`` but a version is applied once ``N - b`` gradients
-  computed on it arrived; a gradient computed on an older version is dropped and counted.
+  computed on it arrived; a gradient computed on an older version is dropped and counted. With several
+  servers each shard takes the first ``N - b`` gradients that reach it (as TensorFlow's per-variable
+  gradient accumulators in ``SyncReplicasOptimizer`` do), so shards may average different workers' gradients
+  of one version; each shard's update is still the mean of ``N - b`` gradients of that version, and the
+  clipping norm is the applied update's (the shards' squared norms summed over the servers).
 - ``async``: each gradient is applied when it arrives, clipped by its own norm (the worker measured it
   over all shards), with staleness ``t = version - v``. With ``max_staleness >= 0`` a gradient with
   ``t > max_staleness`` is rejected and counted; with ``staleness_scaling = a`` the learning rate is
