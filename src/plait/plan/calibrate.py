@@ -1,6 +1,8 @@
 """``plait calibrate``: measure this machine into a hardware profile (``kind = "cpu"``).
 
-What is timed (each the fastest of repeated runs after a warm-up, torch's threads set per measurement):
+What is timed (each the fastest of repeated runs after a warm-up, torch's threads set per measurement;
+matmuls and memory-bound kernels cycle through enough copies of their operands to fill 64 MB, so they
+read them from memory as a training step's operators do, not from a cache kept warm by the loop):
 
 * matmul: ``torch.mm`` over a grid of ``(m, n, k)`` shapes for each thread count (1 .. cores), fp32 and
   bf16; shapes above ``MAX_GEMM_FLOPS`` are skipped;
@@ -25,6 +27,7 @@ file (``plait.plan.hardware`` reads it); default ``~/.cache/plait/local-cpu.toml
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import time
@@ -40,6 +43,7 @@ from plait.config import Config
 from plait.plan.hardware import default_profile_path
 
 MAX_GEMM_FLOPS = 2 * 2048 * 2048 * 2048
+COLD_BYTES, MAX_COPIES = 64 * 2**20, 64  # operand sets a matmul or kernel measurement cycles through
 FULL = {"min_time": 0.02, "dims": (32, 128, 512, 2048), "kernel_sizes": (2**16, 2**18, 2**20, 2**22, 2**24, 2**26),
         "attention": ((64, 32), (128, 32), (256, 32), (512, 32), (128, 64), (512, 64)),
         "comm_sizes": tuple(2**e for e in range(12, 27, 2)), "worlds": (2, 3, 4), "dtypes": ("fp32", "bf16")}
@@ -65,10 +69,18 @@ def timed(fn: Callable[[], Any], min_time: float, repeats: int = 5) -> float:
     return min(samples)
 
 
+def copies(nbytes: int) -> int:
+    """How many independent operand sets of ``nbytes`` each a measurement cycles through: enough to fill
+    ``COLD_BYTES`` (at most ``MAX_COPIES``), so an operator reads its operands from memory as it does in a
+    training step (where other operators ran in between), not from the cache a loop over one set keeps warm."""
+    return max(1, min(MAX_COPIES, -(-COLD_BYTES // max(nbytes, 1))))
+
+
 def _matmul(dims: tuple[int, ...], threads: list[int], dtypes: tuple[str, ...], min_time: float) -> list[list[Any]]:
     rows = []
     for dtype in dtypes:
         tdtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+        size = torch.finfo(tdtype).bits // 8
         for t in threads:
             torch.set_num_threads(t)
             for m in dims:
@@ -76,8 +88,10 @@ def _matmul(dims: tuple[int, ...], threads: list[int], dtypes: tuple[str, ...], 
                     for k in dims:
                         if 2 * m * n * k > MAX_GEMM_FLOPS:
                             continue
-                        a, b = torch.randn(m, k, dtype=tdtype), torch.randn(k, n, dtype=tdtype)
-                        rows.append([dtype, t, m, n, k, timed(lambda a=a, b=b: torch.mm(a, b), min_time)])
+                        sets = [(torch.randn(m, k, dtype=tdtype), torch.randn(k, n, dtype=tdtype))
+                                for _ in range(copies(size * (m * k + k * n)))]
+                        cycle = itertools.cycle(sets)
+                        rows.append([dtype, t, m, n, k, timed(lambda c=cycle: torch.mm(*next(c)), min_time)])
     return rows
 
 
@@ -120,8 +134,10 @@ def _kernels(sizes: tuple[int, ...], threads: list[int], cfg: Config, min_time: 
     for t in threads:
         torch.set_num_threads(t)
         for nbytes in sizes:
-            for kind, (fn, counted) in _kernel_fns(nbytes // 4, cfg).items():
-                rows.append([kind, t, int(counted), timed(fn, min_time)])
+            sets = [_kernel_fns(nbytes // 4, cfg) for _ in range(copies(4 * nbytes))]  # about 4 tensors each
+            for kind, (_, counted) in sets[0].items():
+                cycle = itertools.cycle([fns[kind][0] for fns in sets])
+                rows.append([kind, t, int(counted), timed(lambda c=cycle: next(c)(), min_time)])
     return rows
 
 
