@@ -14,6 +14,10 @@
 3. ``plait plan`` on the calibrated profile for 4 devices: its pick is measured too and compared with the
    best measured world-4 layout.
 
+A probe (a small GPT at world 1, one thread) is timed right after calibrating and before and after each
+measured run: each layout reports ``probe_vs_calibration`` (how much slower the machine ran than when it was
+calibrated) and, as a diagnostic only, its step error with the prediction scaled by that ratio.
+
 Output: per layout predicted / measured / error, the median absolute percentage error of step time per
 world size and for worlds 1-2 and 3-4 (the targets: 10% and 20%), model-state and activation memory
 errors, Spearman of the ranking by step time, the planner's pick against the best measured world-4
@@ -96,6 +100,26 @@ def wait_quiet(log: list, what: str, timeout_s: float = 4 * 3600) -> float:
 
 
 # -- measurements ---------------------------------------------------------------------------------------
+def probe() -> float:
+    """The machine's speed now: the median step of the calibration's tiny GPT widened to d_model 96 and
+    sequence 96 (compute-bound: repeated probes agree within about 5%, the d=32 run's within 20%) at world
+    1, one thread (about 6 s with its start). Taken right after calibrating and before and
+    after each measured run, it shows how far the machine drifted from the speed it was calibrated at (a
+    shared or virtual machine's speed moves with its neighbours). ``step_error_at_probed_speed`` scales the
+    prediction by that ratio: a diagnostic of how much of an error is drift, never the reported error."""
+    from plait.plan.calibrate_paths import TINY, WORLD1, measure_step
+
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        return measure_step(TINY + ["--model.d_model=96", "--model.seq_len=96"] + WORLD1)
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
 def run_train(name: str, overrides: list[str], steps: int, out_dir: Path) -> Path:
     run_dir = out_dir / name
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
@@ -228,12 +252,15 @@ def main() -> None:
     steps = 12 if args.quick else args.steps
     names = [n for n in LAYOUTS if not args.only or n in args.only.split(",")]
     rows = {}
+    reference = probe() if not args.reuse else None  # the machine's speed right after calibrating
     for name in names:
         overrides = LAYOUTS[name]
         run_dir, act_file = out_dir / name, out_dir / f"{name}-act.json"
         if not (args.reuse and (run_dir / "summary.json").is_file()):
             wait_quiet(loads, name, args.max_wait)  # timings need a quiet machine; memory does not
+            speed = probe()
             run_dir = run_train(name, overrides, steps, out_dir)
+            (out_dir / f"{name}-probe.json").write_text(json.dumps({"before": speed, "after": probe()}))
             act_file.unlink(missing_ok=True)
         if not act_file.is_file():
             act_file.write_text(json.dumps(measure_activations(name, overrides, out_dir)))
@@ -249,8 +276,25 @@ def main() -> None:
                       "activation_predicted": [int(sim.memory[r // per_pp].activations) for r in range(len(acts))],
                       "activation_measured": [a["activation_peak"] for a in acts],
                       "activation_error": [round(e, 4) for e in act_err]}
+        probe_file = out_dir / f"{name}-probe.json"
+        if reference and probe_file.is_file():
+            seen = json.loads(probe_file.read_text())
+            slower = statistics.mean([seen["before"], seen["after"]]) / reference
+            rows[name]["probe_vs_calibration"] = round(slower, 3)
+            rows[name]["step_error_at_probed_speed"] = round(sim.step_s * slower / cmp["step_s"]["measured"] - 1, 4)
         print(json.dumps({name: rows[name]}), file=sys.stderr)
     result = summarise(rows, loads, profile_path)
+    if reference:
+        result["probe_reference_s"] = round(reference, 5)
+        result["probe_vs_calibration_range"] = [min(r.get("probe_vs_calibration", 1.0) for r in rows.values()),
+                                                max(r.get("probe_vs_calibration", 1.0) for r in rows.values())]
+        adjusted = {}
+        for r in rows.values():
+            if "step_error_at_probed_speed" in r:
+                band = "1-2" if r["world"] <= 2 else "3-4"
+                adjusted.setdefault(band, []).append(abs(r["step_error_at_probed_speed"]))
+        result["diagnostic_step_mape_at_probed_speed"] = {b: round(statistics.median(v), 4)
+                                                          for b, v in sorted(adjusted.items())}
     if not args.only:
         result["planner"] = planner_pick(profile, rows, loads, steps, out_dir, args.reuse, args.max_wait)
     print(json.dumps(result, indent=1))
