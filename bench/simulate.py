@@ -107,17 +107,10 @@ def probe() -> float:
     after each measured run, it shows how far the machine drifted from the speed it was calibrated at (a
     shared or virtual machine's speed moves with its neighbours). ``step_error_at_probed_speed`` scales the
     prediction by that ratio: a diagnostic of how much of an error is drift, never the reported error."""
-    from plait.plan.calibrate_paths import TINY, WORLD1, measure_step
+    from plait.plan.calibrate_paths import TINY, WORLD1, measure_step, one_thread
 
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
+    with one_thread():
         return measure_step(TINY + ["--model.d_model=96", "--model.seq_len=96"] + WORLD1)
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
 
 
 def run_train(name: str, overrides: list[str], steps: int, out_dir: Path) -> Path:

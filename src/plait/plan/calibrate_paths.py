@@ -31,11 +31,12 @@ one the validation bench predicts, and one set of constants serves every layout 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import statistics
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,23 +125,37 @@ def _dtensor_worker(rank: int, world: int, port: int, _: list[str], __: str, out
 
 
 def measure_step(overrides: list[str], world: int = 2, timeout_s: float = 300, target: Any = None) -> float:
-    """Median step seconds of the tiny GPT with ``overrides`` on ``world`` spawned gloo ranks (1 when the
-    overrides hold ``WORLD1``); ``target``: another worker of this module with the same signature, whose one
-    number is returned."""
+    """Median step seconds of the tiny GPT with ``overrides`` on ``world`` spawned gloo ranks (the last
+    ``--parallel.nproc`` of the overrides when they set one); ``target``: another worker of this module with
+    the same signature, whose one number is returned."""
     from plait.plan.calibrate_comm import spawn_and_collect
 
-    if WORLD1[0] in overrides:
-        world = 1
+    nproc = [o.split("=", 1)[1] for o in overrides if o.startswith("--parallel.nproc=")]
+    world = int(nproc[-1]) if nproc else world
     with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as tmp:
         return float(spawn_and_collect(target or _worker, world, (overrides, tmp), timeout_s,
                                        f"code-path calibration {overrides}"))
 
 
-def with_overhead(profile: Any, key: str, seconds: float | dict[int, float]) -> Any:
-    """``profile`` with its calibrated ``key`` overhead set to ``seconds`` (a number: at any thread count; or
-    ``{threads: value}``)."""
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """``OMP_NUM_THREADS=1`` for the ranks spawned inside (``_worker`` takes its thread count from it), then
+    the variable as it was."""
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+def with_overhead(profile: Any, key: str, seconds: float) -> Any:
+    """``profile`` with its calibrated ``key`` overhead set to ``seconds`` (at one thread)."""
     cal = profile.calibration
-    overhead = {**cal.overhead, key: dict(seconds) if isinstance(seconds, dict) else {1: seconds}}
+    overhead = {**cal.overhead, key: {1: seconds}}
     return dataclasses.replace(profile, calibration=dataclasses.replace(cal, overhead=overhead))
 
 
@@ -160,10 +175,8 @@ def calibrate_paths(profile: Any, log: Callable[[str], None] = print,
     from plait.config import load_config
     from plait.plan.simulate import simulate_config
 
-    saved = os.environ.get("OMP_NUM_THREADS")
-    found: dict[str, Any] = {}
-    try:
-        os.environ["OMP_NUM_THREADS"] = "1"  # the spawned ranks run one thread each
+    found: dict[str, float] = {}
+    with one_thread():  # the spawned ranks run one thread each
         found["dtensor"] = measure([], target=_dtensor_worker) if measure is measure_step else measure(["dtensor"])
         profile = with_overhead(profile, "dtensor", found["dtensor"])
         log(f"calibrate: dtensor {found['dtensor'] * 1e6:.1f} us per operator (optimizer step on DTensors)")
@@ -178,15 +191,10 @@ def calibrate_paths(profile: Any, log: Callable[[str], None] = print,
             profile = with_overhead(profile, key, found[key])
             log(f"calibrate: {key} {found[key] * 1e6:.1f} us per event (tiny {' '.join(overrides)}: "
                 f"measured {measured * 1e3:.1f} ms)")
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
     return found
 
 
-def write_overheads(path: str | Path, found: dict[str, Any]) -> None:
+def write_overheads(path: str | Path, found: dict[str, float]) -> None:
     """Set ``[calibration.overhead]`` entries of the profile at ``path`` to ``found`` (one thread)."""
     from plait.plan.calibrate import _toml
 
@@ -194,6 +202,5 @@ def write_overheads(path: str | Path, found: dict[str, Any]) -> None:
     start = lines.index(next(ln for ln in lines if ln.startswith("[calibration.overhead]")))
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("[")), len(lines))
     body = [ln for ln in lines[start + 1:end] if ln.split("=")[0].strip() not in found and ln.strip()]
-    body += [f"{k} = {_toml({str(t): x for t, x in v.items()} if isinstance(v, dict) else {'1': v})}"
-             for k, v in found.items()]
+    body += [f"{k} = {_toml({'1': v})}" for k, v in found.items()]
     Path(path).write_text("\n".join(lines[:start + 1] + body + [""] + lines[end:]) + "\n")
