@@ -23,9 +23,9 @@ if str(SRC) not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from plait.comm.collectives import free_port  # noqa: E402, F401 - re-exported for the scripts
+from plait.plan.calibrate_comm import spawned  # noqa: E402
 
 # Overrides every benchmark trainer shares: a long schedule (no decay effects), no I/O, no evaluation.
 COMMON = ["--train.steps=100000", "--optim.warmup_steps=1", "--observe.progress=false",
@@ -129,14 +129,8 @@ def spawn_group(fn: Any, world: int, *args: Any, name: str = "group", timeout_s:
     ``fn`` must be a module-level function returning something picklable. Raises ``GroupError`` when a
     rank exits without a result or the group takes longer than ``timeout_s``.
     """
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, out, args)) for r in range(world)]
-    for p in procs:
-        p.start()
     results: dict[int, Any] = {}
-    try:
+    with spawned(_entry, world, lambda r, port, out: (fn, r, world, port, out, args)) as (procs, out):
         while len(results) < world:
             try:
                 rank, res = out.get(timeout=5)
@@ -147,11 +141,6 @@ def spawn_group(fn: Any, world: int, *args: Any, name: str = "group", timeout_s:
                 if dead or timeout_s <= 0:
                     raise GroupError(f"{name}: ranks exited with codes {[p.exitcode for p in procs]} "
                                      f"after {len(results)}/{world} results (see stderr above)") from None
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
     return [results[r] for r in range(world)]
 
 

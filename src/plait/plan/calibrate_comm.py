@@ -12,8 +12,10 @@ relative error, so small and large messages weigh alike.
 
 from __future__ import annotations
 
+import contextlib
 import queue as queue_mod
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -130,28 +132,37 @@ def _worker(rank: int, world: int, port: int, sizes: tuple[int, ...], min_time: 
         dist.destroy_process_group()
 
 
-def spawn_and_collect(target: Any, world: int, args: tuple, timeout_s: float, what: str) -> Any:
-    """Run ``target(rank, world, port, *args, queue)`` on ``world`` spawned processes and return the first
-    thing one of them puts on the queue; a clear error naming ``what`` and the exit codes when none does
-    within ``timeout_s``. The processes are joined (killed after 30 s) either way."""
+@contextlib.contextmanager
+def spawned(target: Any, world: int, args_of: Callable[[int, int, Any], tuple]) -> Iterator[tuple[list, Any]]:
+    """``world`` spawned processes running ``target(*args_of(rank, port, queue))`` on a free port, and the
+    queue they report on; on leaving, each is joined (killed after 30 s)."""
     from plait.comm.collectives import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, out)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=args_of(r, port, out)) for r in range(world)]
     for p in procs:
         p.start()
     try:
-        return out.get(timeout=timeout_s)
-    except queue_mod.Empty:
-        raise RuntimeError(f"{what} did not report within {timeout_s} s; exit codes "
-                           f"{[p.exitcode for p in procs]}") from None
+        yield procs, out
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+def spawn_and_collect(target: Any, world: int, args: tuple, timeout_s: float, what: str) -> Any:
+    """Run ``target(rank, world, port, *args, queue)`` on ``world`` spawned processes and return the first
+    thing one of them puts on the queue; a clear error naming ``what`` and the exit codes when none does
+    within ``timeout_s``. The processes are joined (killed after 30 s) either way."""
+    with spawned(target, world, lambda r, port, out: (r, world, port, *args, out)) as (procs, out):
+        try:
+            return out.get(timeout=timeout_s)
+        except queue_mod.Empty:
+            raise RuntimeError(f"{what} did not report within {timeout_s} s; exit codes "
+                               f"{[p.exitcode for p in procs]}") from None
 
 
 def measure_collectives(worlds: tuple[int, ...], sizes: tuple[int, ...], min_time: float = 0.01,
