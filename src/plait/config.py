@@ -105,6 +105,9 @@ class TrainConfig:
     # torch.compile the model's blocks and the loss (plait.parallel.compile); composes with data parallel,
     # DDP, ZeRO, FSDP, tensor and pipeline parallelism (not expert parallelism); on CPU needs g++.
     compile: bool = False
+    # torch.compile backend for train.compile: inductor (generated kernels), or another registered backend
+    # such as aot_eager (traces forward and backward, runs them eagerly: no code generation, for checks).
+    compile_backend: str = "inductor"
     # Loss of a batch: auto (the model's registered loss; for a factory model, hf when the batch holds
     # labels and the model returns .loss, classification for (x, y) with one label per sample, causal_lm
     # for (x, y) token batches), causal_lm, hf, classification, or "package.module:function" taking

@@ -281,7 +281,8 @@ class Plait:
         if self.config.train.compile:
             from plait.parallel.compile import compile_loss
 
-            compile_loss(self.loss, self.config)  # in place: the caller's Loss object runs compiled too
+            # in place: the caller's Loss object runs compiled too
+            compile_loss(self.loss, self.config, backend=self.config.train.compile_backend)
         p = self.config.parallel
         if self.topology.degree("pp") > 1 and self.loss is None:
             if sample is None:

@@ -103,7 +103,7 @@ def apply_parallel(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, sp
     if t.compile:
         from plait.parallel.compile import compile_blocks
 
-        compile_blocks(model)
+        compile_blocks(model, backend=cfg.train.compile_backend)
     layout = _layout(model, topo, cfg, comm, spec)
     if experts:
         from plait.parallel.expert import ExpertParallelLayout

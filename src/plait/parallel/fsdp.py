@@ -50,14 +50,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype |
     reduce-scatter dtype. ``reshard_after_forward=False`` keeps each block unsharded between forward
     and backward (ZeRO-2-like memory, one all-gather fewer). ``ignored_params`` stay plain, unsharded
     and unreduced (expert-parallel weights, reduced by ``plait.parallel.expert``). Raises
-    ``ZeroConfigError`` for a mesh of size 1, an unknown offload, or offload on a CPU device.
+    ``ZeroConfigError`` for a mesh of size 1 without offload (one rank with ``offload="params"`` is
+    allowed: the states live in host memory), an unknown offload, or offload on a CPU device.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if mesh.ndim != 1:
         raise ZeroConfigError(f"apply_fsdp takes the 1-D data-parallel mesh; got a {mesh.ndim}-D mesh "
                               "(pass topology.mesh['dp_replicate'])")
-    if mesh.size() < 2:
+    if mesh.size() < 2 and offload != "params":
         raise ZeroConfigError("parallel.zero=3 shards parameters across the data-parallel ranks, but the "
                               "data-parallel mesh has 1 rank; use parallel.zero=0 or dp >= 2")
     if offload not in ("none", "params"):

@@ -68,14 +68,16 @@ class ZeroConfigError(ValueError):
 def validate_zero(stage: int, dp: int, offload: str, device_type: str) -> None:
     """Reject impossible ``parallel.zero`` / ``parallel.offload`` choices with one clear message.
 
-    Contract: ``stage`` in 0..3; stages >= 1 shard over the data-parallel ranks so they need dp >= 2;
+    Contract: ``stage`` in 0..3; stages >= 1 shard over the data-parallel ranks so they need dp >= 2,
+    except ZeRO-3 with ``offload="params"``, which on one rank keeps the model's states in host memory and
+    only the units in use on the device (one GPU training a model larger than its memory);
     ``offload="optimizer"`` belongs to stages 1-2 and ``"params"`` to stage 3; any offload needs
     parameters on an accelerator, because offload moves state from accelerator memory to CPU memory
     and on a CPU device the state already lives there.
     """
     if stage not in (0, 1, 2, 3):
         raise ZeroConfigError(f"parallel.zero must be 0, 1, 2 or 3; got {stage!r}")
-    if stage >= 1 and dp < 2:
+    if stage >= 1 and dp < 2 and not (stage == 3 and offload == "params"):
         raise ZeroConfigError(
             f"parallel.zero={stage} shards model state across the data-parallel ranks, but dp={dp}: "
             "there is nothing to shard across. Use parallel.zero=0, or run with dp >= 2 "

@@ -140,7 +140,7 @@ def cmd_plan_memory(argv: list[str]) -> int:
     config, flags, overrides = parse(argv, ("--hardware",))
     cfg = load_config(config, overrides)
     profile = load_profile(flags.get("--hardware", "a100-80gb"))
-    sim = simulate_config(cfg, profile, derive_tp=False)
+    sim = simulate_config(cfg, profile, derive_tp=False, memory_only=True)
     m, t, p, lay = cfg.model, cfg.train, cfg.parallel, sim.work.layout
     lines = []
     if not m.factory and m.name == "gpt" and lay.tp == lay.pp == 1:

@@ -88,12 +88,17 @@ def _states(params: list[Param], work: Workload, n_layer: int, dp: int) -> tuple
         full = [sum(params[i].local_numel(tp) for i in u) for u in units]
         # the root unit stays gathered through forward and backward; two block units around it
         buffers = 4 * (full[-1] + 2 * max(full[:-1] or [0]))
+        if lay.offload == "params":  # FSDP2's CPUOffloadPolicy: the shards and the optimizer live in host memory
+            return RankMemory(0.0, 0.0, 0.0, detail={"host_bytes": int(16 * shard)}), buffers
         return RankMemory(4 * shard, 4 * shard, STATE_BYTES * shard), buffers
     if lay.zero in (1, 2):
         buckets = zero_buckets(params, tp, lay.bucket_mb, dp)
         padded = sum(n for _, n in buckets)
         grads = padded if lay.zero == 1 else padded / dp
         buffers = 0.0 if lay.zero == 1 else 4 * 2 * max(n for _, n in buckets)
+        if lay.offload == "optimizer":  # the optimizer shard's states live in host memory
+            return RankMemory(4 * padded, 4 * grads, 0.0, detail={"host_bytes": int(STATE_BYTES * padded / dp)}), \
+                buffers
         return RankMemory(4 * padded, 4 * grads, STATE_BYTES * padded / dp), buffers
     buffers = 4 * local if dp > 1 and (tp > 1 or lay.impl == "torch") else 0.0
     return RankMemory(4 * local, 4 * local, STATE_BYTES * local), buffers

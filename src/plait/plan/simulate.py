@@ -306,7 +306,7 @@ def _single_device_time(work: Workload, cluster: Cluster, op_counts: Any = None)
 
 def simulate_config(cfg: Config, profile: HardwareProfile, *, nodes: int = 0, gpus_per_node: int = 0,
                     attention: str = "auto", stack: str = "plait", recompute: str | None = None,
-                    derive_tp: bool = True) -> Simulation:
+                    derive_tp: bool = True, memory_only: bool = False) -> Simulation:
     """Predict ``plait train cfg`` on ``nodes x gpus_per_node`` devices (default: ``parallel.nproc``
     ranks). Raises ``ConfigError`` for a layout the trainer would refuse."""
     if nodes > 0:
@@ -317,7 +317,8 @@ def simulate_config(cfg: Config, profile: HardwareProfile, *, nodes: int = 0, gp
         world = cfg.parallel.nproc
     if attention == "auto":
         attention = "unfused" if stack == "megatron" else "flash"
-    work = workload_from_config(cfg, world, attention=attention, stack=stack, recompute=recompute)
+    work = workload_from_config(cfg, world, attention=attention, stack=stack, recompute=recompute,
+                                memory_only=memory_only)
     cluster = Cluster.of(profile, world, nodes, gpus_per_node)
     notes: list[str] = []
     derived = counts = None

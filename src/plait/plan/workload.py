@@ -38,6 +38,9 @@ class Layout:
     pp_balance: str = "cost"
     loss_parallel: bool = True
     ep: int = 1
+    # parallel.offload: optimizer (ZeRO-1/2's optimizer shard in host memory) or params (ZeRO-3's sharded
+    # parameters, gradients and optimizer states in host memory); priced for memory only (plait plan memory)
+    offload: str = "none"
 
     @property
     def world(self) -> int:
@@ -120,21 +123,24 @@ def layout_from_config(cfg: Config) -> Layout:
                   virtual=virtual, microbatches=p.microbatches if p.pp > 1 else 1,
                   micro_batch_size=t.micro_batch_size, recompute=t.activation_checkpointing,
                   every_k=t.checkpoint_every_k, reshard_after_forward=p.reshard_after_forward, bucket_mb=p.bucket_mb,
-                  impl=p.impl, pp_balance=p.pp_balance, loss_parallel=p.loss_parallel, ep=p.ep)
+                  impl=p.impl, pp_balance=p.pp_balance, loss_parallel=p.loss_parallel, ep=p.ep,
+                  offload=p.offload)
 
 
-def validated(cfg: Config, world: int) -> Config:
+def validated(cfg: Config, world: int, memory_only: bool = False) -> Config:
     """A copy of ``cfg`` checked for ``world`` ranks by the trainer's own checks, dp resolved: the layout's
     rules (``plait.validate``) and the registered model's own check of its shape against the degrees. The
-    data set is not needed to simulate and is not checked. Offload is refused (not modelled)."""
+    data set is not needed to simulate and is not checked. Offload is modelled for device memory only
+    (``memory_only``: the host-side optimizer step and the copies to and from the host are not timed), so
+    a timing of an offloaded layout is refused."""
     from plait.recipes import model_recipe
     from plait.topology import resolve_degrees
     from plait.validate import validate
 
     cfg = copy.deepcopy(cfg)
-    if cfg.parallel.offload != "none":
+    if cfg.parallel.offload != "none" and not memory_only:
         raise ConfigError(f"the simulator does not model parallel.offload={cfg.parallel.offload}; set "
-                          "parallel.offload=none")
+                          "parallel.offload=none (plait plan memory predicts its device memory)")
     cfg = validate(cfg, world, model_checks=False)
     recipe = model_recipe(cfg)
     if recipe is not None and recipe.check is not None:
@@ -143,10 +149,10 @@ def validated(cfg: Config, world: int) -> Config:
 
 
 def workload_from_config(cfg: Config, world: int, *, shape: ModelShape | None = None, attention: str = "flash",
-                         stack: str = "plait", recompute: str | None = None) -> Workload:
+                         stack: str = "plait", recompute: str | None = None, memory_only: bool = False) -> Workload:
     """The workload ``plait train`` would run with ``cfg`` on ``world`` ranks. ``recompute`` overrides
     ``train.activation_checkpointing`` (``selective`` exists only in the simulator, as a what-if)."""
-    cfg = validated(cfg, world)
+    cfg = validated(cfg, world, memory_only)
     shape = shape or shape_from_config(cfg)
     layout = layout_from_config(cfg)
     if recompute is not None:
