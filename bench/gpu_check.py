@@ -165,11 +165,10 @@ def make_trainer(overrides: list[str], run_dir: Path) -> Any:
     return Trainer.from_config(cfg)
 
 
-def release(*objs: Any) -> None:
+def release() -> None:
+    """Collect what the caller has dropped (``del`` its names first) and return the cached device memory."""
     import torch
 
-    for o in objs:
-        del o
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -281,12 +280,31 @@ def _peer_gpt(overrides: list[str], device: Any, compiled: bool, quick: bool) ->
 
     warmup, steps = (2, 3) if quick else (8 if compiled else 4, 20)
     seconds = timed_steps(step, device, warmup, steps)
-    release(model, opt, run, data)
+    model = opt = run = data = None  # dropped (the step closure holds the same cells)
+    release()
     return seconds, cfg.train.global_batch_size * t, flops
 
 
-def _plait_gpt(overrides: list[str], device: Any, tmp: Path, quick: bool) -> tuple[float, int, float]:
-    """plait's Trainer (the main job's path): (seconds per step, tokens per step, FLOPs per token)."""
+def host_profile(step: Any, steps: int = 3) -> list[dict[str, Any]]:
+    """The host operators that took the most of ``steps`` steps' time (self CPU time, torch.profiler): where
+    a host-bound step goes (kernel launches, device synchronisations, Python-side work)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    return [{"op": e.key, "calls": e.count, "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / steps}
+            for e in rows]
+
+
+def _plait_gpt(overrides: list[str], device: Any, tmp: Path, quick: bool,
+               profile_host: bool = False) -> tuple[float, int, float, list | None]:
+    """plait's Trainer (the main job's path): (seconds per step, tokens per step, FLOPs per token, host profile)."""
     from plait.observe.mfu import formula_flops_per_token
 
     trainer = make_trainer(overrides, tmp)
@@ -294,10 +312,12 @@ def _plait_gpt(overrides: list[str], device: Any, tmp: Path, quick: bool) -> tup
     compiled = any(o == "--train.compile=true" for o in overrides)
     warmup, steps = (2, 3) if quick else (8 if compiled else 4, 20)
     seconds = timed_steps(trainer.train_step, device, warmup, steps)
+    hosts = host_profile(trainer.train_step) if profile_host else None
     tokens = trainer.cfg.train.global_batch_size * trainer.cfg.model.seq_len
     trainer.p.close()
-    release(trainer)
-    return seconds, tokens, flops
+    del trainer
+    release()
+    return seconds, tokens, flops, hosts
 
 
 def section_gpt(device: Any, quick: bool, peaks: dict[str, Any]) -> dict[str, Any]:
@@ -305,12 +325,16 @@ def section_gpt(device: Any, quick: bool, peaks: dict[str, Any]) -> dict[str, An
     backend = ["--train.compile_backend=aot_eager"] if quick else []
     out: dict[str, Any] = {"precision": "bf16", "world": 1, "timing": "median-free: mean over 20 steps after warm-up "
                            "(3 in quick mode), device synchronised around them"}
+    last = list(gpt_sizes(quick))[-1]
     for size, sizes in gpt_sizes(quick).items():
         row: dict[str, Any] = {"overrides": sizes}
         for mode in ("eager", "compiled"):
             extra = ["--train.precision=bf16"] + (["--train.compile=true", *backend] if mode == "compiled" else [])
             with tempfile.TemporaryDirectory() as tmp:
-                s_plait, tokens, flops = _plait_gpt(sizes + extra, device, Path(tmp), quick)
+                s_plait, tokens, flops, hosts = _plait_gpt(sizes + extra, device, Path(tmp), quick,
+                                                           profile_host=size == last and mode == "eager")
+            if hosts is not None:
+                out["plait_host_profile"] = {"size": size, "mode": mode, "top_self_cpu": hosts}
             s_peer, _, _ = _peer_gpt(sizes + extra, device, mode == "compiled", quick)
             plait_tps, peer_tps = tokens / s_plait, tokens / s_peer
             row[mode] = {"plait_tokens_per_s": plait_tps, "peer_tokens_per_s": peer_tps,
@@ -328,10 +352,32 @@ def _allocated_peak(device: Any) -> int | None:
     return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
 
 
-def section_memory(device: Any, quick: bool) -> dict[str, Any]:
-    """Predicted (``plait plan memory``) against measured peak device memory per world-1 run."""
+def _memory_row(overrides: list[str], device: Any) -> dict[str, Any]:
+    """One world-1 run: device memory after setup and the peak over 3 training steps. The trainer is local to
+    this function, so it is gone (and its memory free) before the next row is measured."""
     import torch
 
+    row: dict[str, Any] = {"allocated_before_bytes": torch.cuda.memory_allocated(device) if device.type == "cuda"
+                           else None}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = make_trainer(overrides, Path(tmp))
+        row["setup_peak_bytes"] = _allocated_peak(device)
+        if device.type == "cuda":
+            row["allocated_after_setup_bytes"] = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(3):
+            trainer.train_step()
+        sync(device)
+        row["measured_bytes"] = _allocated_peak(device)
+        row["measured_model_state_bytes"] = trainer.memory.get("total")
+        trainer.p.close()
+    return row
+
+
+def section_memory(device: Any, quick: bool) -> dict[str, Any]:
+    """Predicted (``plait plan memory``) against measured peak device memory per world-1 run."""
     from plait.config import load_config
     from plait.plan.hardware import load_profile
     from plait.plan.simulate import simulate_config
@@ -345,37 +391,21 @@ def section_memory(device: Any, quick: bool) -> dict[str, Any]:
             out[name] = {"skipped": "FSDP2's CPUOffloadPolicy moves state from accelerator memory to the host; on "
                                     "the CPU there is no device memory to offload from"}
             continue
-        cfg = load_config(overrides=QUIET + overrides + ["--parallel.nproc=1"])
-        sim = simulate_config(cfg, profile, derive_tp=False, memory_only=True)
-        predicted = sim.memory[0].as_dict()
-        row: dict[str, Any] = {"overrides": overrides, "params": sim.work.shape.param_count(),
-                               "predicted_bytes": predicted["total"], "predicted": predicted}
+        row: dict[str, Any] = {"overrides": overrides}
         try:
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            with tempfile.TemporaryDirectory() as tmp:
-                trainer = make_trainer(overrides, Path(tmp))
-                row["setup_peak_bytes"] = _allocated_peak(device)
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                for _ in range(3):
-                    trainer.train_step()
-                sync(device)
-                measured = _allocated_peak(device)
-                row["measured_model_state_bytes"] = trainer.memory.get("total")
-                trainer.p.close()
-                release(trainer)
-        except torch.OutOfMemoryError as e:
-            row["error"] = f"out of memory: {str(e).splitlines()[0]}"
-            release()
-            out[name] = row
-            continue
-        if measured is None:
-            row["measured_bytes"] = None
+            cfg = load_config(overrides=QUIET + overrides + ["--parallel.nproc=1"])
+            sim = simulate_config(cfg, profile, derive_tp=False, memory_only=True)
+            predicted = sim.memory[0].as_dict()
+            row.update(params=sim.work.shape.param_count(), predicted_bytes=predicted["total"], predicted=predicted)
+            row.update(_memory_row(overrides, device))
+        except Exception as e:  # this row's error in the JSON; the other rows still run
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            row["traceback"] = traceback.format_exc()[-1500:]
+        release()
+        if row.get("measured_bytes") is None and "error" not in row:
             row["measured_skipped"] = "no device allocator on the CPU (its RSS counts the interpreter too)"
-        else:
-            row["measured_bytes"] = measured
-            row["error_vs_measured"] = predicted["total"] / measured - 1
+        elif "error" not in row:
+            row["error_vs_measured"] = row["predicted_bytes"] / row["measured_bytes"] - 1
         out[name] = row
         emit(out)
     return out
@@ -431,7 +461,8 @@ def section_hf(device: Any, quick: bool, peaks: dict[str, Any]) -> dict[str, Any
 
         s_plait = timed_steps(plait_step, device, warmup, steps)
         p.close()
-    release(model, opt)
+    model = opt = p = None  # dropped before the peer's copy is built
+    release()
     model, _ = _llama(quick, device)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -444,7 +475,8 @@ def section_hf(device: Any, quick: bool, peaks: dict[str, Any]) -> dict[str, Any
         opt.zero_grad(set_to_none=True)
 
     s_peer = timed_steps(peer_step, device, warmup, steps)
-    release(model, opt)
+    model = opt = None
+    release()
     out.update(plait_step_s=s_plait, peer_step_s=s_peer, ratio_plait_over_peer_time=s_plait / s_peer,
                plait=utilisation(flops, tokens / s_plait, peaks), peer=utilisation(flops, tokens / s_peer, peaks))
     return out
@@ -466,7 +498,7 @@ def run_section(name: str, device_name: str, quick: bool, peaks: dict[str, Any])
     """One section in this process (``--worker``)."""
     import torch
 
-    device = torch.device(device_name)
+    device = torch.device("cuda", 0) if device_name == "cuda" else torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not peaks:  # the env section did not run: the datasheet peak still applies, the measured one is absent

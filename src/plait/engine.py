@@ -435,7 +435,8 @@ class Plait:
 
     def _end_micro(self, loss: torch.Tensor) -> None:
         self._micro += 1
-        self._window_loss.append(loss.detach().float().reshape(()).cpu())
+        # kept on the device: a copy to the host here would wait for this micro-step's backward on a GPU
+        self._window_loss.append(loss.detach().float().reshape(()))
         self._require_layout().set_sync(self.sync_gradients)  # DDP reads it in the next forward
 
     @_explained

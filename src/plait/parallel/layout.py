@@ -139,10 +139,11 @@ class Layout:
             params = [p for p in self.model.parameters() if p.grad is not None]
             if not params:
                 return 0.0
-            return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
+            # foreach=None: torch's choice, the per-tensor loop on the CPU, multi-tensor kernels on a GPU
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=None))
         # torch's formula (coefficient max_norm / (norm + 1e-6), at most 1) on the bucket buffers:
         # a parameter without a gradient this step holds zeros there, so the norm is the same.
-        total = torch.nn.utils.get_total_norm(flats, foreach=False)
+        total = torch.nn.utils.get_total_norm(flats, foreach=None)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if coef < 1.0:
             for f in flats:

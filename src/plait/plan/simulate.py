@@ -144,17 +144,18 @@ def _comm_plan(model: StageModel, params: list[Param], dp_group: Any) -> dict:
         else:  # whole on each replica: one all-reduce of the flattened gradients
             plan["expert"] = collective_time(profile, "all_reduce", experts, group)
         params = [p for p in params if not p.expert]  # the dense layout reduces the rest
-    if lay.dp == 1 or not params:
-        return plan
-    if lay.zero == 3:
+    if lay.zero == 3 and params:
         param_bytes = 2 if work.precision == "bf16" else 4  # FSDP2 gathers in its param_dtype
         units = derive.fsdp_units(params, work.shape.n_layer)
         sizes = [sum(params[i].local_numel(lay.tp) for i in u) for u in units]
         keys = list(range(len(units) - 1)) + [-1]
-        plan["unit_ag"] = {k: collective_time(profile, "all_gather", n * param_bytes, dp_group)
+        # one rank (ZeRO-3 with offload=params): no collective; the host copies of offload are not timed
+        plan["unit_ag"] = {k: collective_time(profile, "all_gather", n * param_bytes, dp_group) if lay.dp > 1
+                           else 0.0 for k, n in zip(keys, sizes, strict=True)}
+        plan["unit_rs"] = {k: collective_time(profile, "reduce_scatter", n * 4, dp_group) if lay.dp > 1 else 0.0
                            for k, n in zip(keys, sizes, strict=True)}
-        plan["unit_rs"] = {k: collective_time(profile, "reduce_scatter", n * 4, dp_group)
-                           for k, n in zip(keys, sizes, strict=True)}
+        return plan
+    if lay.dp == 1 or not params:
         return plan
     if lay.zero in (1, 2):
         buckets = derive.zero_buckets(params, lay.tp, lay.bucket_mb, lay.dp)

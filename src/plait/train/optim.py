@@ -32,9 +32,11 @@ def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay:
 
 
 def adamw_options(cfg: OptimConfig) -> dict:
-    """AdamW keyword arguments from ``optim.*``: the fused kernel with ``optim.fused``, else the plain
-    per-parameter loop (foreach=False), which keeps CPU runs bit-repeatable across layouts."""
-    kernel = {"fused": True} if cfg.fused else {"foreach": False}
+    """AdamW keyword arguments from ``optim.*``: the fused kernel with ``optim.fused``, else torch's default,
+    which is the plain per-parameter loop on the CPU (bit-repeatable across layouts) and the multi-tensor
+    (foreach) kernels on a GPU (the per-parameter loop there launches ~10 kernels per parameter: on an H100
+    it took a 124M-parameter GPT's step from 40 to 69 ms, a host-bound step)."""
+    kernel = {"fused": True} if cfg.fused else {}
     return {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), **kernel}
 
 
