@@ -271,7 +271,7 @@ def _train(sections: dict, run_dir: str, steps: int = STEPS, save_at: int = 0, l
                 saved = {k: v.clone() for k, v in p.full_state_dict(model).items()}
     sd = p.full_state_dict(model)
     out = {"losses": losses, "sd": sd, "last": last, "saved": saved}
-    if p.ps is not None:
+    if p.config.parallel.mode == "ps":
         out["reads"] = list(p.layout.client.reads)
         out["stats"] = p.layout.server_stats() if p.rank == 0 else None
     p.close()

@@ -147,6 +147,10 @@ class ParallelConfig:
     # parameter server, the last ps.servers ranks hold the parameters and the optimizer, the others are
     # workers that push gradients and pull parameters (see [ps]).
     mode: Literal["collective", "ps"] = "collective"
+    # The training strategy: auto picks it from the settings below (ps for mode=ps, then tensor-parallel with
+    # ZeRO-3, pipeline, tensor-parallel, ZeRO-1/2, ZeRO-3, data parallel); a name picks a registered strategy,
+    # yours included (plait.parallel.strategy.register_strategy).
+    strategy: str = "auto"
     # Data-parallel degree, expert-parallel ranks included (ep divides it); 0 infers world size / (tp * pp).
     dp: int = 0
     # Tensor-parallel degree.

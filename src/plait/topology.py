@@ -106,6 +106,12 @@ class Topology:
         raise KeyError(axis)
 
     @property
+    def train_group(self) -> dist.ProcessGroup | None:
+        """The ranks that run the training loop, for the engine's own collectives (None: the whole world;
+        a parameter server's topology names its workers)."""
+        return None
+
+    @property
     def dp_rank(self) -> int:
         d = self.degrees
         return ((self.coord(MeshAxis.DP_REPLICATE) * d["dp_shard"] + self.coord(MeshAxis.DP_SHARD)) * d["ep"]

@@ -1,9 +1,10 @@
 """Composition of parallelisms, in one documented order.
 
-Tensor parallel -> activation checkpointing -> compile (``train.compile``) -> pipeline split ->
-data/ZeRO/FSDP wrapping, each step returning the model. The result is a ``Layout`` (``layout.py``,
-``mp_layout.py``): the one object the engine talks to, whatever the strategy underneath. Which model it
-is does not matter here: the tensor-parallel plan, the pipeline adapter and the loss come in a ``ModelSpec``.
+Tensor parallel -> experts sharded over ep -> activation checkpointing -> compile (``train.compile``) ->
+the strategy's own wrapping (pipeline split, data/ZeRO/FSDP) -> wrappers (expert parallelism), each step
+returning the model. ``compose_model`` does the steps before the strategy (``Strategy.apply`` calls it);
+``plait.parallel.registry.build_strategy`` adds the wrappers. Which model it is does not matter here: the
+tensor-parallel plan, the pipeline adapter and the loss come in a ``ModelSpec``.
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ from typing import Any
 
 from torch import nn
 
-from plait.comm.collectives import Comm
 from plait.config import Config
 from plait.parallel.checkpointing import apply_activation_checkpointing
-from plait.parallel.data import apply_data_parallel
-from plait.parallel.layout import FsdpLayout, Layout, ZeroLayout
+from plait.parallel.compile import compile_blocks
+from plait.parallel.expert import shard_experts
 from plait.topology import Topology
 
 
@@ -85,51 +85,18 @@ def _registered(model: nn.Module) -> bool:
     return plan is not None and plan.parallelize is not None
 
 
-def apply_parallel(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec: ModelSpec) -> Layout:
-    """Apply the configured layout to ``model`` in the composition order; returns the engine's Layout.
+def compose_model(model: nn.Module, topo: Topology, cfg: Config, spec: ModelSpec) -> nn.Module:
+    """The model after the composition steps that precede a strategy's own wrapping, in order: tensor
+    parallel (``spec``'s plan), this rank's slice of the experts, activation checkpointing, compile.
 
     Unsupported combinations were rejected by ``plait.validate``. The model's weights are already the
-    same on every rank (the engine broadcasts them first).
-    """
+    same on every rank (the strategy broadcasts them first)."""
     p, t = cfg.parallel, cfg.train
     if p.tp > 1:
         model = _tp_function(model, cfg, spec)(model, topo.mesh["tp"])
-    experts = None
-    if topo.ep > 1:  # this rank's slice of the experts; the layouts below leave them to ExpertParallelLayout
-        from plait.parallel.expert import shard_experts
-
-        experts = shard_experts(model, topo.ep, topo.coord("ep"), topo.ep_group, cfg.moe.dispatcher)
+    if topo.ep > 1:  # this rank's slice of the experts; the expert-parallel wrapper reduces their gradients
+        shard_experts(model, topo.ep, topo.coord("ep"), topo.ep_group, cfg.moe.dispatcher)
     model = apply_activation_checkpointing(model, t.activation_checkpointing, t.checkpoint_every_k)
     if t.compile:
-        from plait.parallel.compile import compile_blocks
-
-        compile_blocks(model, backend=cfg.train.compile_backend)
-    layout = _layout(model, topo, cfg, comm, spec)
-    if experts:
-        from plait.parallel.expert import ExpertParallelLayout
-
-        return ExpertParallelLayout(layout, topo, comm)  # type: ignore[return-value]
-    return layout
-
-
-def _layout(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec: ModelSpec) -> Layout:
-    p = cfg.parallel
-    if p.tp > 1 and p.zero == 3:
-        from plait.parallel.mp_layout import TensorFsdpLayout
-
-        return TensorFsdpLayout(model, cfg, topo, comm)
-    if p.pp > 1:
-        from plait.parallel.mp_layout import PipelineLayout
-
-        return PipelineLayout(model, cfg, topo, comm, loss=spec.loss, sample=spec.sample, split=spec.pp_split,
-                              stage_fn=spec.stage_fn)
-    if p.tp > 1:
-        from plait.parallel.mp_layout import TensorLayout
-
-        return TensorLayout(model, cfg, topo, comm)
-    if p.zero in (1, 2):
-        return ZeroLayout(model, cfg, topo, comm)
-    if p.zero == 3:
-        return FsdpLayout(model, cfg, topo, comm)
-    engine = apply_data_parallel(model, topo.dp_group, topo.dp, p.impl, p.bucket_mb, comm, broadcast=False)
-    return Layout(model, cfg, topo, comm, engine)
+        compile_blocks(model, backend=t.compile_backend)
+    return model

@@ -6,7 +6,7 @@ the ``nn.ModuleList`` or ``nn.Sequential`` holding the most parameters with at l
 (plait's GPT and CNN ``blocks``, a Sequential model's layers). A model without either has no blocks.
 Batch normalisation: the running statistics of a model's BatchNorm layers, for averaging over ranks.
 Expert-parallel parameters: marked by ``plait.parallel.expert.shard_experts``; the data-parallel engines
-(reducer, DDP, ZeRO, FSDP) leave them to ``ExpertParallelLayout``.
+(reducer, DDP, ZeRO, FSDP) leave them to ``plait.parallel.expert_strategy.ExpertParallel``.
 """
 
 from __future__ import annotations

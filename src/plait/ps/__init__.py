@@ -4,7 +4,7 @@ The last ``ps.servers`` ranks serve, the others are workers. Each server holds a
 of all parameters (``shard``) and runs the optimizer on it (``state``: versions, per-worker clocks and
 the consistency modes sync, async, ssp, backup and dc); workers push gradients and pull parameters
 over c10d point-to-point messages on a gloo group of their own (``protocol``, ``server``, ``worker``).
-``PsLayout`` (``layout``) plugs it into ``plait.Plait``: the user's loop, the Trainer and
+``ParameterServer`` (``strategy``) plugs it into ``plait.Plait``: the user's loop, the Trainer and
 ``plait train`` run unchanged on the workers, while ``Plait.setup`` on a server rank serves until
 every worker has finished and then ends the process (``ServerDone``, exit status 0).
 """

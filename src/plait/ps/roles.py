@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from plait.config import Config, ConfigError
+from plait.parallel.strategy import RankDone
+from plait.topology import Topology
 
 # How long a PS peer may be silent: a server waits for the workers' whole compute, so no timeout of
 # gloo's short kind may apply to it; a dead peer is detected by its closed connection instead.
@@ -28,14 +30,12 @@ SUPPORTED = ("data parallelism over the workers only: parallel.tp = pp = ep = 1,
              "parallel.impl = plait, comm.compress = none, comm.allreduce = backend")
 
 
-class ServerDone(SystemExit):
+class ServerDone(RankDone):
     """Raised by ``Plait.setup`` on a server rank once every worker has finished: the server's part of the
     run is over, and the process exits with status 0 unless the caller catches it (``stats`` holds the
     server's statistics). Servers never run the user's loop."""
 
-    def __init__(self, stats: dict[str, Any]) -> None:
-        super().__init__(0)
-        self.stats = stats
+    key = "ps_server"
 
 
 @dataclass
@@ -117,13 +117,22 @@ def check_ps(cfg: Config, world_size: int) -> int:
     return workers
 
 
-def ps_topology(cfg: Config, groups: PsGroups, device: torch.device) -> Any:
-    """The workers' topology: ``dp`` = the workers, over the workers' group (servers get the same one)."""
-    from plait.topology import Topology
+@dataclass
+class PsTopology(Topology):
+    """The workers' topology, with the PS run's process groups (``groups``)."""
 
+    groups: PsGroups | None = None
+
+    @property
+    def train_group(self) -> Any:
+        return self.groups.workers
+
+
+def ps_topology(cfg: Config, groups: PsGroups, device: torch.device) -> PsTopology:
+    """The workers' topology: ``dp`` = the workers, over the workers' group (servers get the same one)."""
     degrees = {"pp": 1, "dp_replicate": groups.num_workers, "dp_shard": 1, "ep": 1, "tp": 1}
-    return Topology(degrees=degrees, rank=groups.rank, world_size=groups.num_workers, device=device,
-                    _groups={"dp_replicate": groups.workers})
+    return PsTopology(degrees=degrees, rank=groups.rank, world_size=groups.num_workers, device=device,
+                      _groups={"dp_replicate": groups.workers}, groups=groups)
 
 
 def merge_stats(per_server: list[dict[str, Any]], ps: Any) -> dict[str, Any]:

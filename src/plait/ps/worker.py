@@ -1,4 +1,5 @@
-"""The worker side: ``PsClient`` talks to every server; ``PsLayout`` is the engine's view of a PS run.
+"""The worker side: ``PsClient`` talks to every server (``ParameterServer`` in ``plait.ps.strategy`` is the
+engine's view of a PS run).
 
 A worker's step: forward and backward on its own micro-batches (plait's accumulation), then at
 ``Plait.step``: the gradient's norm over all parameters (for clipping on the servers and for the step

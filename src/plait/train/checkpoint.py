@@ -44,9 +44,16 @@ from plait.config import ConfigError
 
 
 class StatefulLayout(Protocol):
+    """What a checkpoint is written from and read into: a strategy (``plait.parallel.strategy``), or a
+    parameter server's shard (``plait.ps.checkpoint.ServerCheckpoint``). The planners may be None (DCP's)."""
+
     def state_dicts(self) -> tuple[dict, dict]: ...
 
     def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None: ...
+
+    def save_planner(self) -> Any: ...
+
+    def load_planner(self) -> Any: ...
 
 
 class CheckpointError(ConfigError):
@@ -165,7 +172,7 @@ def save_state(path: Path, layout: StatefulLayout, meta: dict[str, Any], rank: i
     _test_kill(path, rank, "before")
     model_sd, optim_sd = layout.state_dicts()
     state = {"model": model_sd, "optim": optim_sd}
-    planner = layout.save_planner() if hasattr(layout, "save_planner") else None  # a layout's own chunks
+    planner = layout.save_planner()  # a layout's own chunks, or None for DCP's default
     future = None
     with _quiet_single_process():
         if async_ and _distributed():
@@ -218,7 +225,7 @@ def load_state(path: Path, layout: StatefulLayout, rank: int, restore_rank: bool
     meta = json.loads(meta_file.read_text())
     model_sd, optim_sd = layout.state_dicts()
     state = {"model": model_sd, "optim": optim_sd}
-    planner = layout.load_planner() if hasattr(layout, "load_planner") else None
+    planner = layout.load_planner()
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed(), process_group=group, planner=planner)
     layout.load_state_dicts(state["model"], state["optim"])

@@ -87,12 +87,11 @@ class Trainer:
         self.loader = p.setup_dataloader(train_data)
         self.eval_loader = None
         if eval_data is not None:
-            self.eval_loader = p.setup_dataloader(eval_data, shuffle=False,
-                                                  drop_last=p.topology.degree("pp") > 1)
+            self.eval_loader = p.setup_dataloader(eval_data, shuffle=False, drop_last=not p.model_whole)
         self.loss = resolve_loss(loss_fn if loss_fn is not None else cfg.train.loss)
         # One batch read ahead (and put back) only when something needs it: inferring the loss, measuring
         # pipeline stage costs.
-        needs_sample = self.loss is None or (p.topology.degree("pp") > 1 and cfg.parallel.pp_balance == "cost")
+        needs_sample = self.loss is None or p.wants_sample
         sample = self._peek() if needs_sample else None
         self.loss = self.loss or infer_loss(model, sample)
         self.num_params = sum(q.numel() for q in model.parameters())
@@ -277,8 +276,8 @@ class Trainer:
             rec["mfu"] = util
         if info.moe is not None:
             rec["moe"] = info.moe
-        if info.ps is not None:  # parameter server: this worker's clock, versions, bytes and waits
-            rec.update(info.ps)
+        if info.strategy_metrics:  # e.g. a parameter server worker's clock, versions, bytes and waits
+            rec.update(info.strategy_metrics)
             self.last_moe = info.moe
         return rec
 
@@ -293,7 +292,7 @@ class Trainer:
         p.phase("evaluate")
         self.model.train(False)
         acc = torch.zeros(4, dtype=torch.float64)  # (sum of per-sample mean losses, samples, correct, counted)
-        classify = isinstance(self.loss, ClassificationLoss) and p.topology.degree("pp") == 1
+        classify = isinstance(self.loss, ClassificationLoss) and p.model_whole
         for batch in self.eval_loader:
             _, n = _items(batch, self.loss)
             if classify:
@@ -401,13 +400,13 @@ class Trainer:
 def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:
     """``plait train`` on this worker: the configured model and data through ``Trainer`` (the process
     group, if any, is already initialised)."""
-    from plait.ps.roles import ServerDone
+    from plait.parallel.strategy import RankDone
 
     cfg.run.dir = str(run_dir)
     try:
         trainer = Trainer.from_config(cfg)
-    except ServerDone as e:  # a parameter server's rank: it served until every worker finished
-        return {"ps_server": e.stats}
+    except RankDone as e:  # a rank whose part ended in setup (a parameter server's, once every worker finished)
+        return {e.key: e.stats}
     try:
         if resume:
             trainer.resume()

@@ -1,5 +1,8 @@
-"""``PsLayout``: the engine's ``Layout`` for ``parallel.mode = "ps"``, on workers and on servers.
+"""``ParameterServer``: the strategy for ``parallel.mode = "ps"``, on workers and on servers.
 
+Its topology spans the workers only (``plait.ps.roles``): the engine's collectives (logging, evaluation,
+the step agreement in sync modes) run among them, while the servers serve from ``start`` (called by
+``Plait.setup`` once the optimizer is built) until every worker has finished, then end with ``ServerDone``.
 On a worker, ``Plait.step`` runs: ``clip_grad_norm`` (measures the gradient's norm; the servers clip),
 ``step`` (only when the gradient is finite: marks it for pushing), ``after_step`` (PUSH to every
 server, which answers with its parameters when a pull is due; a non-finite gradient is announced
@@ -16,7 +19,7 @@ state. BatchNorm running statistics are not parameters: each worker keeps its ow
 
 from __future__ import annotations
 
-import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +28,54 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.comm.collectives import Comm
-from plait.config import Config
-from plait.parallel.layout import ELEMENTWISE, Layout, LayoutError, OptimizerFactory
+from plait.config import Config, ParallelConfig
+from plait.observe.log import get_logger
+from plait.parallel.apply import ModelSpec
+from plait.parallel.data_strategy import ELEMENTWISE
+from plait.parallel.strategy import LayoutError, OptimizerFactory, Strategy, register_strategy
 from plait.ps.checkpoint import PiecesSavePlanner, ServerCheckpoint, param_names, untrained_state
 from plait.ps.protocol import Op
-from plait.ps.roles import PsGroups
+from plait.ps.roles import PsTopology, ServerDone, check_ps, make_groups, merge_stats, ps_topology
+from plait.ps.server import Server
 from plait.ps.shard import FlatLayout
+from plait.ps.state import ShardState
 from plait.ps.worker import PsClient, grad_norm_sq
 from plait.topology import Topology
+from plait.train.checkpoint import load_state, save_state
 from plait.train.optim import optimizer_recipe
 
 
-class PsLayout(Layout):
-    """Parameter-server training (see the module docstring); ``groups`` says who serves."""
+@register_strategy
+class ParameterServer(Strategy):
+    """Parameter-server training (see the module docstring); the topology's ``groups`` say who serves."""
 
-    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm, groups: PsGroups) -> None:
-        self.model, self.engine, self.topo, self.comm, self.cfg = model, None, topo, comm, cfg
-        self.groups = groups
+    name = "ps"
+    priority = 100
+
+    @classmethod
+    def applies(cls, p: ParallelConfig) -> bool:
+        return p.mode == "ps"
+
+    @classmethod
+    def resolve_degrees(cls, cfg: Config, world_size: int) -> dict[str, int]:
+        """The workers are the data-parallel ranks; the servers hold no batch."""
+        return {"pp": 1, "dp_replicate": check_ps(cfg, world_size), "dp_shard": 1, "ep": 1, "tp": 1}
+
+    @classmethod
+    def build_topology(cls, cfg: Config, device: torch.device) -> Topology:
+        return ps_topology(cfg, make_groups(cfg), device)
+
+    @classmethod
+    def apply(cls, model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec: ModelSpec) -> Strategy:
+        """No composition (``check_ps`` allows data parallelism over the workers only) and no broadcast:
+        worker 0's weights go to the servers in ``build_optimizer`` and every worker pulls them."""
+        return cls(model, cfg, topo, comm, spec)
+
+    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm,
+                 spec: ModelSpec | None = None) -> None:
+        super().__init__(model, cfg, topo, comm, spec)
+        assert isinstance(topo, PsTopology)
+        self.groups = topo.groups
         self._bn: list[torch.Tensor] = []
         self.client: PsClient | None = None
         self.server: Any = None
@@ -74,9 +108,6 @@ class PsLayout(Layout):
         return opt
 
     def _build_server(self, opt: torch.optim.Optimizer) -> Any:
-        from plait.ps.server import Server
-        from plait.ps.state import ShardState
-
         g = self.groups
         cls, defaults, groups = optimizer_recipe(opt)
         lo, hi = self.flat.shard_range(g.server_index)
@@ -94,23 +125,24 @@ class PsLayout(Layout):
         dist.all_reduce(t, group=self.groups.servers)
         return float(t[0])
 
-    def serve(self) -> dict[str, Any]:
-        """Server ranks: answer the workers until every one has finished; returns the statistics."""
-        return self.server.serve()
+    def start(self, leaving: Callable[[], None]) -> None:
+        """A server rank answers the workers until every one has finished, then ends with ``ServerDone``
+        (exit status 0): servers never run the user's loop. A worker goes on."""
+        if not self.groups.is_server:
+            return
+        leaving()  # a server waits for as long as the workers compute: no step phases to bound
+        stats = self.server.serve()
+        get_logger(self.groups.rank).info("parameter server %d: done after %d updates", self.groups.server_index,
+                                          stats["updates"])
+        raise ServerDone(stats)
 
     @torch.no_grad()
     def _install(self, flat: torch.Tensor) -> None:
         self.flat.unflatten_into(flat.to(self.flat.params[0].device) if self.flat.params else flat)
 
     # -- one step ---------------------------------------------------------------------------------
-    def set_sync(self, enabled: bool) -> None:
-        """Gradients stay local until ``step``: nothing to arm."""
-
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def finish(self) -> None:
-        """Nothing is in flight after backward: the push is the step."""
+    # gradients stay local until ``step`` and nothing is in flight after backward (the push is the step):
+    # set_sync, no_sync and finish keep the base class's nothing-to-do defaults
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """The norm of this step's gradient (the servers clip what they apply); accumulates the push."""
@@ -173,6 +205,18 @@ class PsLayout(Layout):
             out["ps"] = self.server_stats()
         return out
 
+    def agreement_group(self, default: Any) -> tuple[bool, Any]:
+        """The workers meet at every step only in sync mode (and ssp with staleness 0, which is sync): the
+        others run at their own pace (their loss is their own; a stop request is seen by the rank that got it)."""
+        ps = self.cfg.ps
+        return ps.mode == "sync" or (ps.mode == "ssp" and ps.staleness == 0), default
+
+    def before_collective(self) -> None:
+        self.meet()
+
+    def checkpoint_group(self, default: Any) -> Any:
+        return self.groups.world  # the servers join the checkpoint's collectives and write their own shards
+
     def meet(self) -> None:
         """Before a collective among the workers: in backup mode, a version waiting for this worker's
         peers completes with the gradients it holds (they cannot push until the collective ends)."""
@@ -181,12 +225,11 @@ class PsLayout(Layout):
 
     def server_stats(self) -> dict[str, Any]:
         """Every server's statistics merged (see ``merge_stats``); one request per server."""
-        from plait.ps.roles import merge_stats
-
         return merge_stats(self.client.stats(), self.cfg.ps)
 
-    def report(self, run_dir: Path | None) -> dict[str, Any]:
-        """The ``ps`` block of summary.json (rank 0 asks the servers; others return nothing)."""
+    def report(self, run_dir: Path | None, measured: dict[str, int] | None, device: torch.device) -> dict[str, Any]:
+        """The ``ps`` block of summary.json (rank 0 asks the servers; others return nothing). No memory block:
+        its all-gather would span the world, where the servers have ended."""
         if self.topo.rank != 0:
             return {}
         c = self.client
@@ -228,8 +271,6 @@ class PsLayout(Layout):
 
     def _server_checkpoint(self, op: Op, args: dict[str, Any]) -> None:
         """A server's part of a checkpoint save or load (collective with every rank; see ``begin_save``)."""
-        from plait.train.checkpoint import load_state, save_state
-
         g, st = self.groups, self.server.state
         ckpt = ServerCheckpoint(st, self.flat, param_names(self.model, self.flat), g.server_index, g.num_workers,
                                 loading=op == Op.LOAD)

@@ -1,15 +1,15 @@
-"""Tensor and pipeline parallelism behind the trainer's ``Layout`` interface.
+"""Tensor and pipeline parallelism as strategies (``plait.parallel.strategy``).
 
-``TensorLayout``: a model sharded over the ``tp`` axis (its plan applied by ``apply.py``), data parallel
+``Tensor``: a model sharded over the ``tp`` axis (its plan applied by ``apply.py``), data parallel
 over the dp axis with plait's reducer (which copies DTensor gradient shards into its buckets).
 
-``PipelineLayout``: the (possibly tensor-parallel) model split into stages over the ``pp`` axis and
+``Pipeline``: the (possibly tensor-parallel) model split into stages over the ``pp`` axis and
 driven by a ``torch.distributed.pipelining`` schedule; each accumulation micro-batch is one schedule
 step over ``parallel.microbatches`` pipeline micro-batches. The loss exists only on the last stage's
 rank; it is summed over the pp group so every rank can log it. The user cannot call the stages as one
 model: ``Plait.forward_backward`` runs a step.
 
-``TensorFsdpLayout``: 2-D, the tensor-parallel model sharded again over dp with FSDP2 (ZeRO-3).
+``TensorFsdp``: 2-D, the tensor-parallel model sharded again over dp with FSDP2 (ZeRO-3).
 
 Gradient clipping with a mix of sharded and replicated parameters: each parameter's squared norm is
 summed over the mesh axes it is sharded on (tp for Megatron shards, dp for FSDP shards), replicated
@@ -37,14 +37,16 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dp shard of a tp shard
 
 from plait.comm.collectives import Comm
-from plait.config import Config
+from plait.config import Config, ConfigError, ParallelConfig
+from plait.parallel.apply import ModelSpec
 from plait.parallel.data import GradReducer, LocalGrads, local_grad
-from plait.parallel.layout import Layout, OptimizerFactory
-from plait.parallel.pipeline import build_pipeline, measure_layer_costs
+from plait.parallel.pipeline import NATURAL_VIRTUAL, build_pipeline, check_pipeline_layout, measure_layer_costs
 from plait.parallel.pipeline_trace import bubble_summary, write_chrome_trace
+from plait.parallel.strategy import PlaitError, Strategy, register_strategy
 from plait.parallel.tensor import full_state_dict, local_value, loss_context
 from plait.topology import Topology
 from plait.train.optim import materialize_optimizer_state
+from plait.train.precision import autocast
 
 
 @dataclass
@@ -90,29 +92,29 @@ def sum_sharded_squares(pairs: Iterable[tuple[nn.Parameter, torch.Tensor]]) -> t
     return total
 
 
-class ModelParallelLayout(Layout):
-    """Shared parts of the tensor and pipeline layouts (see the module docstring)."""
+class ModelParallel(Strategy):
+    """Shared parts of the tensor and pipeline strategies (see the module docstring)."""
 
     torch_collectives = True
 
     named: list[tuple[str, nn.Parameter]]  # (single-process name, parameter), each parameter once
     tied_copies: set[int] = frozenset()  # id() of later stages' copies of tied parameters
 
-    def _init_common(self, cfg: Config, topo: Topology, comm: Comm, holder: nn.Module) -> None:
-        self.topo, self.comm = topo, comm
-        self.engine = GradReducer(holder, topo.dp_group, comm, cfg.parallel.bucket_mb, broadcast=False) \
-            if topo.dp > 1 else LocalGrads(holder)
-        self._bn = []
-
-    def build_optimizer(self, factory: OptimizerFactory) -> Any:
-        self.optimizer = factory(self.model)
-        return self.optimizer
+    def _init_reducer(self, holder: nn.Module) -> None:
+        self.engine = GradReducer(holder, self.topo.dp_group, self.comm, self.cfg.parallel.bucket_mb,
+                                  broadcast=False) if self.topo.dp > 1 else LocalGrads(holder)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.named)
 
-    def forward_wrapper(self) -> Callable | None:
-        return None
+    def set_sync(self, enabled: bool) -> None:
+        self.engine.set_sync(enabled)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.engine.no_sync()
+
+    def finish(self) -> None:
+        self.engine.finish()
 
     def grads(self) -> list[torch.Tensor]:
         return [g for _, p in self.named if (g := local_grad(p)) is not None]
@@ -121,11 +123,16 @@ class ModelParallelLayout(Layout):
         for _, p in self.named:
             p.grad = None
 
+    def sharded_squares(self, skip: set[int] = frozenset()) -> torch.Tensor:
+        """The squared gradient norm of this rank's parameters summed over their tp and FSDP shards (each
+        tied parameter once); not yet summed over pipeline stages."""
+        return sum_sharded_squares((p, g) for _, p in self.named if (g := local_grad(p)) is not None
+                                   and id(p) not in self.tied_copies and id(p) not in skip)
+
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global gradient norm over tp shards, FSDP dp shards and pp stages; scales the local gradients
         in place. Communication: one all-reduce per (sharding pattern, mesh axis) pair, then one over pp."""
-        total = sum_sharded_squares((p, g) for _, p in self.named
-                                    if (g := local_grad(p)) is not None and id(p) not in self.tied_copies)
+        total = self.sharded_squares()
         if self.topo.degree("pp") > 1:
             dist.all_reduce(total, group=self.topo.group("pp"))
         norm = float(total.sqrt())
@@ -157,13 +164,34 @@ class ModelParallelLayout(Layout):
                     self.optimizer.state[p][k].copy_(v)
 
 
-class TensorLayout(ModelParallelLayout):
-    """A tensor-parallel model (already sharded), data parallel over dp."""
+@register_strategy
+class Tensor(ModelParallel):
+    """A tensor-parallel model (already sharded by the composition's plan), data parallel over dp."""
 
-    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm) -> None:
-        self.model = model
+    name = "tensor"
+    priority = 30
+
+    @classmethod
+    def applies(cls, p: ParallelConfig) -> bool:
+        return p.tp > 1
+
+    @classmethod
+    def check(cls, cfg: Config, degrees: dict[str, int]) -> None:
+        p = cfg.parallel
+        if p.sequence_parallel and p.tp == 1:
+            raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
+        if p.tp > 1 and p.zero in (1, 2):
+            raise ConfigError(
+                f"parallel.zero={p.zero} (plait's flat-buffer sharded optimizer) does not take tensor-parallel "
+                f"parameters; with parallel.tp={p.tp} use parallel.zero=3 (FSDP2 over dp on top of tp: 2-D; add "
+                "parallel.reshard_after_forward=false for ZeRO-2's memory, parameters kept whole through backward) "
+                "or 0")
+
+    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm,
+                 spec: ModelSpec | None = None) -> None:
+        super().__init__(model, cfg, topo, comm, spec)
         self.named = [(n.replace("_checkpoint_wrapped_module.", ""), p) for n, p in self.model.named_parameters()]
-        self._init_common(cfg, topo, comm, self.model)
+        self._init_reducer(self.model)
 
     def context(self) -> contextlib.AbstractContextManager:
         return loss_context(self.model)  # forward and backward both inside it (loss parallel)
@@ -175,7 +203,8 @@ class TensorLayout(ModelParallelLayout):
         return full_state_dict(self.model)
 
 
-class TensorFsdpLayout(TensorLayout):
+@register_strategy
+class TensorFsdp(Tensor):
     """2-D: the tensor-parallel model sharded again over dp with FSDP2 (ZeRO-3), on one (dp, tp) mesh.
 
     ``fully_shard`` on the dp axis turns each tensor-parallel DTensor into a 2-D DTensor: dim 0 sharded
@@ -185,17 +214,32 @@ class TensorFsdpLayout(TensorLayout):
     holds only this rank's 1/(dp*tp) of the states; clipping sums the squares over both axes.
     """
 
-    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm) -> None:
+    name = "tensor_fsdp"
+    priority = 50
+    shards_gradients = True
+
+    @classmethod
+    def applies(cls, p: ParallelConfig) -> bool:
+        return p.tp > 1 and p.zero == 3
+
+    @classmethod
+    def check(cls, cfg: Config, degrees: dict[str, int]) -> None:
+        """Tensor's own checks run through its registration."""
+
+    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm,
+                 spec: ModelSpec | None = None) -> None:
         from plait.parallel.fsdp import apply_fsdp
 
+        Strategy.__init__(self, model, cfg, topo, comm, spec)
         p = cfg.parallel
         param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
         self.model = apply_fsdp(model, topo.mesh["dp_replicate"], param_dtype=param_dtype, offload=p.offload,
                                 reshard_after_forward=p.reshard_after_forward)
         self.named = [(n.replace("_checkpoint_wrapped_module.", ""), q) for n, q in self.model.named_parameters()]
-        self.topo, self.comm = topo, comm
         self.engine = None
-        self._bn = []
+
+    def uses_autocast(self) -> bool:
+        return self.precision not in ("fp32", "bf16")  # FSDP2's mixed-precision policy casts to bf16
 
     def set_sync(self, enabled: bool) -> None:
         self.model.set_requires_gradient_sync(enabled)
@@ -235,14 +279,44 @@ class PipelineModel(nn.Module):
                            "loss = p.forward_backward(model, batch) instead of model(...) and p.backward(loss)")
 
 
-class PipelineLayout(ModelParallelLayout):
+@register_strategy
+class Pipeline(ModelParallel):
     """The model (tensor-parallel already, or not) split into pipeline stages over the pp axis."""
 
-    pipelined = True
+    name = "pipeline"
+    priority = 40
+    model_whole = False
 
-    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm, *, loss: Any,
-                 sample: Any = None, split: list[str] | None = None, stage_fn: Callable | None = None) -> None:
+    @classmethod
+    def wants_sample(cls, cfg: Config) -> bool:
+        return cfg.parallel.pp_balance == "cost"
+
+    @classmethod
+    def applies(cls, p: ParallelConfig) -> bool:
+        return p.pp > 1
+
+    @classmethod
+    def check(cls, cfg: Config, degrees: dict[str, int]) -> None:
+        p, t = cfg.parallel, cfg.train
+        if p.pp == 1:
+            return
+        virtual = p.pp_virtual_stages or NATURAL_VIRTUAL.get(p.pp_schedule, 1)
+        try:
+            check_pipeline_layout(p.pp_schedule, p.pp, p.microbatches, virtual)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if t.micro_batch_size % p.microbatches:
+            raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} must divide into parallel.microbatches="
+                              f"{p.microbatches} pipeline micro-batches; make it a multiple of {p.microbatches}")
+        if p.zero:
+            raise ConfigError(f"parallel.pp={p.pp} composes with plait's data-parallel reducer only in this build "
+                              f"(parallel.zero={p.zero}); set parallel.zero=0")
+
+    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm,
+                 spec: ModelSpec | None = None) -> None:
+        super().__init__(model, cfg, topo, comm, spec)
         p = cfg.parallel
+        loss, sample, split, stage_fn = spec.loss, spec.sample, spec.pp_split, spec.stage_fn
         costs = None
         if p.pp_balance == "cost" and sample is not None and stage_fn is None and not split:
             args, _, target = loss.split(sample)
@@ -257,7 +331,35 @@ class PipelineLayout(ModelParallelLayout):
         self.model = PipelineModel(self.runner)
         self.named = self.runner.named_parameters()
         self.tied_copies = set(self.runner.copy_names)
-        self._init_common(cfg, topo, comm, self.model.stages)
+        self._init_reducer(self.model.stages)
+
+    def wrap_forward(self, device: torch.device, compiled: bool) -> None:
+        """Nothing: the stages run inside the schedule (under autocast there), never through ``model(...)``."""
+
+    def backward(self, loss: torch.Tensor, scale: float) -> None:
+        raise PlaitError("with parallel.pp > 1 forward and backward interleave over pipeline micro-batches: "
+                          "use loss = p.forward_backward(model, batch) instead of model(...) and p.backward")
+
+    def forward_backward(self, model: nn.Module, batch: Any, loss: Any, scale: float,
+                         before_backward: Callable[[float], None] | None = None,
+                         times: dict[str, float] | None = None) -> torch.Tensor:
+        """One schedule step over the micro-batch (the stages' loss is the one given to setup); returns the
+        unscaled mean loss (0 on ranks without the last stage). Forward and backward interleave, so the
+        whole step counts as backward time."""
+        import time
+
+        t0 = time.perf_counter()
+        if before_backward is not None:  # each pipeline micro-batch's auxiliary losses, scaled like its loss
+            before_backward(scale / self.runner.microbatches)
+        with autocast(self.precision, self.topo.device):
+            value = self._schedule_step(batch, scale)
+        if times is not None:
+            times["backward_s"] += time.perf_counter() - t0
+        return value
+
+    def evaluate(self, model: nn.Module, batch: Any, loss: Any) -> torch.Tensor:
+        with autocast(self.precision, self.topo.device):
+            return self._evaluate(batch)
 
     def _split(self, batch: Any) -> tuple[tuple, Any]:
         args, kwargs, target = self.loss.split(batch)
@@ -266,9 +368,9 @@ class PipelineLayout(ModelParallelLayout):
                              f"{sorted(kwargs)}: pass (inputs, target) batches, or a loss whose split gives them")
         return args, target
 
-    def forward_backward(self, batch: Any, factor: float) -> torch.Tensor:
+    def _schedule_step(self, batch: Any, factor: float) -> torch.Tensor:
         """One schedule step over the micro-batch; returns the unscaled mean loss (0 on ranks without the
-        last stage). Forward and backward interleave, so the whole step counts as backward time."""
+        last stage)."""
         args, target = self._split(batch)
         # The schedule does not average over pipeline micro-batches (scale_grads=False): the loss does.
         self.loss_fn.factor = factor / self.runner.microbatches
@@ -280,7 +382,7 @@ class PipelineLayout(ModelParallelLayout):
         return loss / self.loss_fn.factor if loss is not None else torch.zeros(())
 
     @torch.no_grad()
-    def evaluate(self, batch: Any) -> torch.Tensor:
+    def _evaluate(self, batch: Any) -> torch.Tensor:
         """Mean loss of the micro-batch on the last stage's rank (0 elsewhere)."""
         args, target = self._split(batch)
         if self.schedule == "zbv":
@@ -324,11 +426,15 @@ class PipelineLayout(ModelParallelLayout):
         self.engine.finish()
         self.runner.sync_tied_grads()
 
-    def report(self, run_dir: Path | None) -> dict[str, Any]:
-        """Bubble accounting of the last pipeline step and ``pipeline_trace.json`` (collective over pp).
+    def report(self, run_dir: Path | None, measured: dict[str, int] | None, device: torch.device) -> dict[str, Any]:
+        """The memory block, bubble accounting of the last pipeline step and ``pipeline_trace.json``
+        (collective over pp). Each stage's measured idle fraction (1 - busy / step span) next to the
+        theoretical (p-1)/(v*m+p-1); the trace holds every forward/backward of every micro-batch on every stage."""
+        out = self._bubble(run_dir)
+        out.update(super().report(run_dir, measured, device))
+        return out
 
-        Each stage's measured idle fraction (1 - busy / step span) next to the theoretical
-        (p-1)/(v*m+p-1); the trace holds every forward/backward of every micro-batch on every stage."""
+    def _bubble(self, run_dir: Path | None) -> dict[str, Any]:
         if self.runner.span is None:
             return {}
         gathered = self.runner.gather_timeline()

@@ -1,0 +1,55 @@
+"""Rank 0's metrics: ``metrics.jsonl``, TensorBoard scalars and the progress bar, opened on first use."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from plait.config import Config
+from plait.observe.metrics import MetricsWriter, ProgressBar
+
+
+class MetricsSink:
+    """What ``Plait.log`` writes to (rank 0 only; other ranks hold an inactive sink)."""
+
+    def __init__(self, run_dir: Path, config: Config, active: bool) -> None:
+        self.run_dir, self.config, self.active = run_dir, config, active
+        self._writer: MetricsWriter | None = None
+        self._bar: ProgressBar | None = None
+
+    def log(self, rec: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        if self._writer is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._writer = MetricsWriter(self.run_dir, True, self.config.observe.tensorboard)
+        self._writer.log(rec)
+        if self._bar is None and self.config.observe.progress:
+            self._bar = ProgressBar(self.config.train.steps, 0, True)
+        if self._bar is not None and "loss" in rec:
+            self._bar.update(int(rec["step"]), float(rec["loss"]), float(rec.get("tokens_per_s", 0.0)), rec.get("mfu"))
+
+    def truncate(self, step: int) -> None:
+        """Drop ``metrics.jsonl`` records of steps after ``step`` (a restart or a rollback undid them)."""
+        if not self.active:
+            return
+        path = self.run_dir / "metrics.jsonl"
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if path.is_file():
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    if int(json.loads(line).get("step", 0)) <= step:
+                        kept.append(line)
+                except (ValueError, AttributeError):
+                    continue
+            path.write_text("".join(x + "\n" for x in kept))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._writer is not None:
+            self._writer.close()

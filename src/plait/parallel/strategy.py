@@ -1,0 +1,503 @@
+"""The strategy contract: the one interface between the engine and a parallel layout, and its registry.
+
+A strategy takes the user's model and optimizer and trains them over the ranks one way: data parallelism
+(plait's reducer or DDP), ZeRO-1/2, ZeRO-3 on FSDP2, tensor, pipeline or expert parallelism, a parameter
+server, or a layout of yours. ``plait.Plait`` (the engine) asks the strategy, and only the strategy, how to
+build the optimizer, run a micro-step, synchronise and clip gradients, step, checkpoint, export and report;
+it holds no ``if`` about any layout. Lightning Fabric's ``Strategy`` is the model: one base class with a
+default for everything a layout may have nothing to do for.
+
+Two levels:
+
+* **The class** is what the registry holds (``register_strategy``): ``applies(cfg)`` and ``priority`` choose
+  it for a config (``parallel.strategy = "auto"``, the default; or by ``name``), ``check(cfg, degrees)``
+  rejects the settings it cannot train with one clear message before any process starts (``plait.validate``
+  runs every registered strategy's check), ``resolve_degrees``/``build_topology`` lay out the ranks, and
+  ``apply`` builds an instance around a model. ``Wrapper`` classes compose around the chosen strategy
+  (expert parallelism around any data-parallel layout): composition is by wrapping, in the order of
+  ``plait.parallel.apply``.
+* **The instance** does one training run's work. The engine calls, per optimizer step: ``backward`` or
+  ``forward_backward`` per micro-step (``set_sync`` / ``no_sync`` keep gradients local on all but the last
+  micro-step of an accumulation window), then ``finish`` (complete the gradient synchronisation; its wait
+  is the step's exposed communication), ``clip_and_step``, ``after_step`` and ``zero_grad``. Checkpoints go
+  through ``state_dicts`` / ``load_state_dicts`` (one format for every layout: the single-process model's
+  names) with the hooks around them (``save_planner``, ``begin_save``, ``begin_load``, ``finish_load``,
+  ``checkpoint_group``); ``full_model_state`` is the export; ``step_metrics`` and ``report`` feed metrics.
+
+Adding a layout is a new module with a ``Strategy`` subclass decorated with ``@register_strategy`` (its
+checks, its state, its tests and docs): nothing in the engine, the trainer or the checkpoint code changes.
+``tests/test_strategy_registry.py`` trains a strategy defined in the test itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from plait.comm.collectives import Comm
+from plait.config import Config, ConfigError, ParallelConfig
+from plait.parallel.apply import ModelSpec, check_model, compose_model
+from plait.parallel.prepare import broadcast_weights, route_forward, sync_batchnorm
+from plait.plan.memory import memory_report
+from plait.topology import Topology, build_topology, resolve_degrees
+from plait.train.optim import materialize_optimizer_state
+from plait.train.precision import LossScaler, autocast
+
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+
+
+class LayoutError(ConfigError):
+    """A model or optimizer this layout cannot take; the message says what to do."""
+
+
+class PlaitError(ConfigError):
+    """The API was used in a way that cannot work; the message says what to do instead (``plait.PlaitError``)."""
+
+
+class RankDone(SystemExit):
+    """Raised by ``Plait.setup`` on a rank whose part of the run ends there (a parameter server's server
+    ranks, once every worker has finished): the process exits with status 0 unless the caller catches it.
+    ``stats`` is that rank's summary, under ``key`` in what ``plait train`` returns."""
+
+    key = "rank_done"
+
+    def __init__(self, stats: dict[str, Any]) -> None:
+        super().__init__(0)
+        self.stats = stats
+
+
+class Strategy:
+    """One way of training a model over the ranks (see the module docstring); defaults for one process.
+
+    The defaults are those of a replicated model whose gradients need no communication: a strategy
+    overrides what it does differently. Subclasses set ``name`` and register with ``register_strategy``.
+    """
+
+    name: ClassVar[str] = ""
+    # auto selection: the registered strategy with the highest priority whose applies() holds is used
+    priority: ClassVar[int] = 0
+    # what the rank's copy of the model is called in messages ("data-parallel", "tensor-parallel", ...)
+    kind: ClassVar[str] = ""
+    # whether torch issues the collectives (DDP, FSDP2, DTensor, pipelining) rather than plait's Comm:
+    # the engine counts those with plait.comm.accounting.TorchCollectiveCounter
+    torch_collectives: bool = False
+    # gradients held are shards of the data-parallel world's (ZeRO, FSDP): a wrapper sums their norms there
+    shards_gradients: ClassVar[bool] = False
+    # whether the user's model runs whole on each rank (False: it is split over ranks, like a pipeline's,
+    # and ``forward_backward`` runs each micro-step; evaluation batches are then kept whole: drop_last)
+    model_whole: ClassVar[bool] = True
+
+    @classmethod
+    def wants_sample(cls, cfg: Config) -> bool:
+        """Whether ``apply`` uses a sample micro-batch (a pipeline balancing its stages by measured cost)."""
+        return False
+
+    # -- the class: selection, checks, ranks ---------------------------------------------------------
+    @classmethod
+    def applies(cls, p: ParallelConfig) -> bool:
+        """Whether ``parallel.strategy = "auto"`` picks this strategy for ``p`` (highest priority first)."""
+        return False
+
+    @classmethod
+    def check(cls, cfg: Config, degrees: dict[str, int]) -> None:
+        """Reject the settings this strategy owns that cannot work with these degrees (a ``ConfigError``
+        naming the fix). Every registered strategy's check runs for every config: each checks its own keys."""
+
+    @classmethod
+    def resolve_degrees(cls, cfg: Config, world_size: int) -> dict[str, int]:
+        """Mesh degrees for ``world_size`` ranks (``plait.topology.resolve_degrees`` by default)."""
+        return resolve_degrees(cfg, world_size)
+
+    @classmethod
+    def build_topology(cls, cfg: Config, device: torch.device) -> Topology:
+        """The topology of this process's run (its ranks, mesh and groups); collective on every rank."""
+        return build_topology(cfg, device)
+
+    @classmethod
+    def apply(cls, model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec: ModelSpec) -> Strategy:
+        """The strategy around ``model`` (on this rank's device). By default: the model checked against the
+        layout before any collective, rank 0's weights broadcast, BatchNorm synchronised if asked, then the
+        composition order of ``plait.parallel.apply`` (tensor parallel, experts, activation checkpointing,
+        compile) and this class built around the result."""
+        check_model(model, topo, cfg, spec)
+        broadcast_weights(model, comm, topo.world_size)
+        if cfg.parallel.sync_batchnorm and topo.dp > 1:
+            model = sync_batchnorm(model, topo.dp_group, topo.device)
+        return cls(compose_model(model, topo, cfg, spec), cfg, topo, comm, spec)
+
+    # -- the instance --------------------------------------------------------------------------------
+    optimizer: Any = None
+
+    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm,
+                 spec: ModelSpec | None = None) -> None:
+        self.model = model  # what the user runs forward on: their own model object
+        self.cfg, self.topo, self.comm = cfg, topo, comm
+        self.precision = cfg.train.precision
+
+    # building
+    def build_optimizer(self, factory: OptimizerFactory) -> Any:
+        """The optimizer from the user's factory, over the parameters this strategy trains."""
+        self.optimizer = factory(self.model)
+        return self.optimizer
+
+    @property
+    def optimizers(self) -> list[Any]:
+        """Every optimizer holding state (what memory accounting reads)."""
+        return [self.optimizer]
+
+    def scheduler_target(self) -> torch.optim.Optimizer:
+        """The torch optimizer an LR scheduler is attached to (and whose hyperparameters a checkpoint keeps)."""
+        return self.optimizer
+
+    def start(self, leaving: Callable[[], None]) -> None:
+        """After the optimizer is built. A rank that does not run the user's loop (a parameter server's
+        server) calls ``leaving()`` (the engine stops bounding its phases), does its part here and ends by
+        raising ``RankDone``."""
+
+    def uses_autocast(self) -> bool:
+        """Whether the model's forward runs under autocast (False where the layout casts, e.g. FSDP2's
+        mixed-precision policy)."""
+        return self.precision != "fp32"
+
+    def forward_wrapper(self) -> Callable | None:
+        """A callable running the model's forward through the layout's wrapper (DDP), or None."""
+        return None
+
+    def wrap_forward(self, device: torch.device, compiled: bool) -> None:
+        """Make the user's ``model(...)`` run through ``forward_wrapper`` and under autocast."""
+        route_forward(self.model, self.forward_wrapper(), self.precision, self.uses_autocast(), device, compiled)
+
+    # one micro-step
+    def set_sync(self, enabled: bool) -> None:
+        """Whether the next backward communicates gradients (False on non-final accumulation micro-steps)."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Context for a micro-step whose gradients stay local."""
+        return contextlib.nullcontext()
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """Context forward and backward run in (tensor parallelism's loss parallelism); none by default."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, scale: float) -> None:
+        """Backward of one micro-batch's loss computed by the user's own forward, times ``scale``."""
+        (loss * scale).backward()
+
+    def forward_backward(self, model: nn.Module, batch: Any, loss: Any, scale: float,
+                         before_backward: Callable[[float], None] | None = None,
+                         times: dict[str, float] | None = None) -> torch.Tensor:
+        """Forward, loss and backward of one micro-batch (already on the device); returns the loss, detached.
+        ``before_backward(scale)`` runs just before backward; ``times`` collects forward_s/backward_s."""
+        import time
+
+        t0 = time.perf_counter()
+        out = loss(model, batch)
+        t1 = time.perf_counter()
+        check_loss(out)
+        if before_backward is not None:
+            before_backward(scale)
+        self.backward(out, scale)
+        if times is not None:
+            times["forward_s"] += t1 - t0
+            times["backward_s"] += time.perf_counter() - t1
+        return out.detach()
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, batch: Any, loss: Any) -> torch.Tensor:
+        """One batch's loss without gradients, on the rank's device."""
+        with autocast(self.precision, self.topo.device), self.context():
+            return loss(model, batch)
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """This rank's loss as a value every rank of its model replica agrees on."""
+        return loss
+
+    # one optimizer step
+    def finish(self) -> None:
+        """Complete gradient synchronisation (the engine times the wait as exposed communication)."""
+
+    def grads(self) -> list[torch.Tensor]:
+        """The gradient tensors the optimizer will read (what loss-scale unscaling divides)."""
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip to ``max_norm`` (inf: measure only); returns the global pre-clip norm."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        # foreach=None: torch's choice, the per-tensor loop on the CPU, multi-tensor kernels on a GPU
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=None))
+
+    def step(self) -> None:
+        """The optimizer update (the gradients are finite and clipped)."""
+        self.optimizer.step()
+
+    def clip_and_step(self, max_norm: float, scaler: LossScaler, before_step: Callable[[], None]) -> tuple[float, bool]:
+        """Unscale, clip (the global norm over every shard), and step when the norm is finite (after
+        ``before_step``); returns (pre-clip norm, whether the update ran). Every rank sees the same norm, so
+        all skip or step together."""
+        scaler.unscale(self.grads())
+        norm = self.clip_grad_norm(max_norm)
+        finite = math.isfinite(norm)
+        if finite:
+            before_step()
+            self.step()
+        return norm, finite
+
+    def after_step(self) -> None:
+        """After every optimizer step, stepped or skipped (buffers averaged, a parameter server's push)."""
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def agreement_group(self, default: Any) -> tuple[bool, Any]:
+        """Whether the ranks agree on the loss and a stop request at every step boundary, and over which
+        group (``default``: the training ranks'). Ranks that run at their own pace do not."""
+        return True, default
+
+    def before_collective(self) -> None:
+        """Just before a collective among the training ranks that the user's loop calls."""
+
+    def step_metrics(self) -> dict[str, Any]:
+        """This rank's strategy-specific figures of the step just taken (merged into the metrics record)."""
+        return {}
+
+    # state
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's trainable parameters under the single-process model's names."""
+        return [(n.replace("_checkpoint_wrapped_module.", ""), p) for n, p in self.model.named_parameters()]
+
+    def state_dicts(self) -> tuple[dict, dict]:
+        """(model, {"state": optimizer states}) keyed by the single-process model's names: the one checkpoint
+        format of every layout. The optimizer state is created first if no step ran, so the result can serve
+        as a load template."""
+        materialize_optimizer_state(self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        self._param_groups = optim_sd["param_groups"]
+        return model_sd, {"state": optim_sd["state"]}
+
+    def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
+        """Load a checkpoint's states; hyperparameters stay this run's (an LR scheduler restores its own)."""
+        full = {"state": optim_sd["state"], "param_groups": self._param_groups}
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=full)
+
+    def save_planner(self) -> Any:
+        """DCP's save planner for this strategy's entries (None: DCP's default)."""
+        return None
+
+    def load_planner(self) -> Any:
+        """DCP's load planner for this strategy's entries (None: DCP's default)."""
+        return None
+
+    def checkpoint_group(self, default: Any) -> Any:
+        """The process group a checkpoint's collectives run over (``default``: the engine's)."""
+        return default
+
+    def begin_save(self, path: Path) -> None:
+        """Before the checkpoint collective of a save (a parameter server's servers join it)."""
+
+    def begin_load(self, path: Path, verify: bool) -> None:
+        """Before the checkpoint collective of a load."""
+
+    def finish_load(self) -> None:
+        """After a load's collective (a parameter server's workers pull the loaded weights)."""
+
+    def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights under the single-process names; every rank calls it. With
+        ``rank0_only`` other ranks may get an empty dict (layouts that gather save the memory)."""
+        return self.model.state_dict()
+
+    # reporting
+    def describe(self) -> str:
+        """The kinds of parallelism in use, for messages ("tensor-parallel/FSDP"); empty for one process."""
+        t, z = self.topo, self.cfg.parallel.zero
+        used = (("tensor-parallel", t.degree("tp") > 1), ("pipeline", t.degree("pp") > 1),
+                ("expert", t.degree("ep") > 1), ("FSDP", z == 3), ("ZeRO", z in (1, 2)),
+                ("data-parallel", t.dp > 1 and z == 0))
+        return "/".join(name for name, on in used if on)
+
+    def report(self, run_dir: Path | None, measured: dict[str, int] | None, device: torch.device) -> dict[str, Any]:
+        """This strategy's part of the run summary: the per-rank memory prediction against ``measured``
+        (collective: an all-gather over the world); layouts add their own blocks."""
+        params = sum(p.numel() for p in {id(p): p for _, p in self.named_parameters()}.values())
+        precision = "bf16" if self.precision != "fp32" else "fp32"
+        data_parallel_only = self.topo.degree("tp") == self.topo.degree("pp") == 1
+        return {"memory": memory_report(params, self.cfg.parallel.zero, self.topo.dp, precision, measured or None,
+                                        device, predict=data_parallel_only)}
+
+    def close(self) -> None:
+        """At the end of the run (a parameter server's worker tells the servers it is done)."""
+
+
+class Wrapper(Strategy):
+    """A strategy composed around another (``inner``): every call goes to ``inner`` unless overridden.
+    ``wraps(cfg)`` says when the registry puts it around the chosen strategy."""
+
+    def __init__(self, inner: Strategy) -> None:  # noqa: D107 - the inner strategy is already built
+        self.inner = inner
+        self.cfg, self.topo, self.comm, self.precision = inner.cfg, inner.topo, inner.comm, inner.precision
+
+    @classmethod
+    def wraps(cls, p: ParallelConfig) -> bool:
+        return False
+
+    @property
+    def model(self) -> nn.Module:  # type: ignore[override]
+        return self.inner.model
+
+    @property
+    def optimizer(self) -> Any:  # type: ignore[override]
+        return self.inner.optimizer
+
+    @property
+    def torch_collectives(self) -> bool:  # type: ignore[override]
+        return self.inner.torch_collectives
+
+    @property
+    def optimizers(self) -> list[Any]:
+        return self.inner.optimizers
+
+    def build_optimizer(self, factory: OptimizerFactory) -> Any:
+        return self.inner.build_optimizer(factory)
+
+    def scheduler_target(self) -> torch.optim.Optimizer:
+        return self.inner.scheduler_target()
+
+    def start(self, leaving: Callable[[], None]) -> None:
+        self.inner.start(leaving)
+
+    def uses_autocast(self) -> bool:
+        return self.inner.uses_autocast()
+
+    def wrap_forward(self, device: torch.device, compiled: bool) -> None:
+        self.inner.wrap_forward(device, compiled)
+
+    def set_sync(self, enabled: bool) -> None:
+        self.inner.set_sync(enabled)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.inner.no_sync()
+
+    def context(self) -> contextlib.AbstractContextManager:
+        return self.inner.context()
+
+    def backward(self, loss: torch.Tensor, scale: float) -> None:
+        self.inner.backward(loss, scale)
+
+    def forward_backward(self, model: nn.Module, batch: Any, loss: Any, scale: float,
+                         before_backward: Callable[[float], None] | None = None,
+                         times: dict[str, float] | None = None) -> torch.Tensor:
+        return self.inner.forward_backward(model, batch, loss, scale, before_backward, times)
+
+    def evaluate(self, model: nn.Module, batch: Any, loss: Any) -> torch.Tensor:
+        return self.inner.evaluate(model, batch, loss)
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.inner.reduce_loss(loss)
+
+    def finish(self) -> None:
+        self.inner.finish()
+
+    def grads(self) -> list[torch.Tensor]:
+        return self.inner.grads()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return self.inner.clip_grad_norm(max_norm)
+
+    def step(self) -> None:
+        self.inner.step()
+
+    def after_step(self) -> None:
+        self.inner.after_step()
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def agreement_group(self, default: Any) -> tuple[bool, Any]:
+        return self.inner.agreement_group(default)
+
+    def before_collective(self) -> None:
+        self.inner.before_collective()
+
+    def step_metrics(self) -> dict[str, Any]:
+        return self.inner.step_metrics()
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return self.inner.named_parameters()
+
+    def state_dicts(self) -> tuple[dict, dict]:
+        return self.inner.state_dicts()
+
+    def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
+        self.inner.load_state_dicts(model_sd, optim_sd)
+
+    def save_planner(self) -> Any:
+        return self.inner.save_planner()
+
+    def load_planner(self) -> Any:
+        return self.inner.load_planner()
+
+    def checkpoint_group(self, default: Any) -> Any:
+        return self.inner.checkpoint_group(default)
+
+    def begin_save(self, path: Path) -> None:
+        self.inner.begin_save(path)
+
+    def begin_load(self, path: Path, verify: bool) -> None:
+        self.inner.begin_load(path, verify)
+
+    def finish_load(self) -> None:
+        self.inner.finish_load()
+
+    def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        return self.inner.full_model_state(rank0_only)
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+    def report(self, run_dir: Path | None, measured: dict[str, int] | None, device: torch.device) -> dict[str, Any]:
+        return self.inner.report(run_dir, measured, device)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def check_loss(loss: Any) -> None:
+    """A clear error for a loss that cannot be backpropagated: not a scalar, or not from the model."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise PlaitError(f"backward() needs a scalar loss; got {shape}. Reduce it first (loss.mean()), or "
+                          "check the loss function returns one number per batch")
+    if not loss.requires_grad:
+        raise PlaitError("the loss does not require grad: compute it from the model returned by setup(), "
+                          "outside torch.no_grad()")
+
+
+# -- the registry ------------------------------------------------------------------------------------
+_STRATEGIES: dict[str, type[Strategy]] = {}
+_WRAPPERS: dict[str, type[Wrapper]] = {}
+
+
+def register_strategy(cls: type[Strategy]) -> type[Strategy]:
+    """Class decorator: make ``cls`` selectable (by ``applies`` and ``priority``, or by
+    ``parallel.strategy = cls.name``) and run its ``check`` on every config. A ``Wrapper`` subclass is
+    composed around the chosen strategy where its ``wraps`` holds."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a name to be registered")
+    table: dict = _WRAPPERS if issubclass(cls, Wrapper) else _STRATEGIES
+    if table.get(cls.name, cls) is not cls and table[cls.name].__qualname__ != cls.__qualname__:
+        raise ValueError(f"a strategy named {cls.name!r} is already registered ({table[cls.name].__qualname__})")
+    table[cls.name] = cls
+    return cls
+
+
+def strategy_table() -> tuple[dict[str, type[Strategy]], dict[str, type[Wrapper]]]:
+    """The registered strategies and wrappers by name (``plait.parallel.registry`` adds the built-ins)."""
+    return _STRATEGIES, _WRAPPERS
