@@ -1,0 +1,80 @@
+"""The small collectives of ``Plait`` (a mixin: ``reduce``, ``gather``, ``barrier``) over the training ranks,
+each preceded by the strategy's ``before_collective`` (a parameter server's worker parks a backup version)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.parallel.strategy import PlaitError
+
+
+def explained(method: Any) -> Any:
+    """A collective API method whose backend timeout or lost peer becomes the watchdog's error naming the
+    phase and the ranks that did not arrive (raised in the user's loop, where no trainer catches it)."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as e:
+            named = self.explain(e)
+            if named is e:
+                raise
+            raise named from e
+    return wrapper
+
+
+class SmallCollectives:
+    """``reduce``, ``gather`` and ``barrier`` for ``Plait`` (which provides the attributes used here)."""
+
+    strategy: Any
+    comm: Any
+    topology: Any
+    group: Any
+    device: torch.device
+    world_size: int
+
+    def _meet(self) -> None:
+        if self.strategy is not None:
+            self.strategy.before_collective()
+
+    @explained
+    def reduce(self, value: float | torch.Tensor, op: str = "mean", over: str = "dp") -> Any:
+        """``value`` summed or averaged over the data-parallel ranks (``over="dp"``) or all ranks
+        (``"world"``); a float for a float. Every rank of the group must call it."""
+        if op not in ("mean", "sum") or over not in ("dp", "world"):
+            raise PlaitError("reduce(op='mean'|'sum', over='dp'|'world')")
+        t = torch.as_tensor(value, dtype=torch.float64).clone().reshape(-1)
+        size = self.dp if over == "dp" else self.world_size
+        if size > 1:
+            self._meet()
+            self.comm.all_reduce_sum(t, self.topology.dp_group if over == "dp" else self.group,
+                                     name=f"reduce over {over}")
+        if op == "mean":
+            t /= size
+        if isinstance(value, torch.Tensor):
+            return t.reshape(value.shape)
+        return float(t[0])
+
+    @explained
+    def gather(self, values: list[float]) -> list[list[float]]:
+        """Every rank's ``values`` as a list indexed by global rank; every rank must call it with the same
+        number of values. Collective over the world: one all-gather of ``len(values)`` float64 per rank."""
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        if self.world_size == 1:
+            return [t.tolist()]
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        self._meet()
+        dist.all_gather(out, t, group=self.group)
+        return [o.tolist() for o in out]
+
+    @explained
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            self._meet()
+            dist.barrier(group=self.group)
+
