@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from plait.components.optim import build_optimizer, lr_at
 from plait.config import load_config
 from plait.data.corpus import load_splits
 from plait.data.sampler import WindowSampler
 from plait.fault import goodput
 from plait.fault.restart import write_pid, write_progress
 from plait.models.gpt import GPT
-from plait.train.optim import build_optimizer, lr_at
-from plait.validate import validate
+from plait.recipes import validate_config as validate
 
 
 def main() -> None:

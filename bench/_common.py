@@ -47,12 +47,12 @@ def init_worker(rank: int, world: int, port: int) -> None:
 def make_trainer(overrides: list[str], run_dir: Path, world: int) -> Any:
     """A ``Trainer`` from ``COMMON + overrides``, validated for ``world`` ranks, writing into ``run_dir``."""
     from plait.config import load_config
-    from plait.train.trainer import Trainer
-    from plait.validate import validate
+    from plait.recipes import build_trainer
+    from plait.recipes import validate_config as validate
 
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = validate(load_config(overrides=COMMON + overrides + [f"--run.dir={run_dir}"]), world)
-    return Trainer.from_config(cfg)
+    return build_trainer(cfg)
 
 
 def run_deepspeed_script(python: str, script: str, args: list[str]) -> dict | str:
@@ -161,7 +161,7 @@ class StatePeak:
         self.points: dict[str, dict[str, int]] = {}
 
     def sample(self, point: str) -> None:
-        from plait.plan.memory import _count
+        from plait.observe.memory import _count
 
         seen: dict[int, int] = {}
         tensors = self.sources()

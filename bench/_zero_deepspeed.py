@@ -83,7 +83,7 @@ def deepspeed_state_tensors(module: torch.nn.Module, ds_opt) -> dict[str, list]:
 
 def deepspeed_state_bytes(module: torch.nn.Module, ds_opt) -> dict[str, int]:
     """Per-rank bytes of ``deepspeed_state_tensors``, each storage once (params, then grads, then optimizer)."""
-    from plait.plan.memory import _count
+    from plait.observe.memory import _count
 
     seen: dict[int, int] = {}
     tensors = deepspeed_state_tensors(module, ds_opt)
@@ -112,12 +112,12 @@ def _measure(engine, ds_opt, sampler, steps: int) -> dict:
 def run_rank(rank: int, world: int, stage: int, overrides: list[str], warmup: int, steps: int) -> dict:
     import deepspeed
 
+    from plait.components.optim import lr_at, param_groups
     from plait.config import load_config
     from plait.data.corpus import load_splits
     from plait.data.sampler import WindowSampler
     from plait.models.gpt import GPT
-    from plait.train.optim import lr_at, param_groups
-    from plait.validate import validate
+    from plait.recipes import validate_config as validate
 
     os.environ.update(LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     deepspeed.init_distributed(dist_backend="gloo")  # the gloo group _common started is reused

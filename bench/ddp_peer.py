@@ -32,12 +32,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from plait.comm.collectives import ring_allreduce_bytes
+from plait.components.optim import build_optimizer, lr_at
 from plait.config import load_config
 from plait.data.corpus import load_splits
 from plait.data.sampler import WindowSampler, validation_batches
 from plait.models.gpt import GPT
-from plait.train.optim import build_optimizer, lr_at
-from plait.validate import validate
+from plait.recipes import validate_config as validate
 
 
 def _hook_state(ddp: DistributedDataParallel, hook: str, rank: int, start_iter: int):

@@ -10,7 +10,7 @@ Sections (each in its own process, so an out-of-memory error or a hang in one do
 a section that cannot run holds ``{"skipped": reason}``, one that failed ``{"error": ...}``):
 
 - ``env``: the device, its memory, driver, torch / CUDA / NCCL versions, the datasheet bf16 peak for the
-  GPU name detected (``plait.observe.mfu.gpu_peak``) and the bf16 matmul peak measured here (8192^3).
+  GPU name detected (``plait.train.mfu.gpu_peak``) and the bf16 matmul peak measured here (8192^3).
 - ``tests``: the suite's GPU-marked tests (``pytest -m gpu`` over the test files that carry the marker),
   with each test's outcome.
 - ``gpt``: plait's GPT through ``plait.Trainer`` at world 1 (a one-rank process group, as ``plait train
@@ -117,7 +117,7 @@ def datasheet_peak(device: Any) -> dict[str, Any]:
     """bf16 dense datasheet peak of the GPU detected (None on a CPU or an unknown GPU, with the reason)."""
     import torch
 
-    from plait.observe.mfu import gpu_peak
+    from plait.train.mfu import gpu_peak
 
     if device.type != "cuda":
         return {"flops": None, "source": "no datasheet peak for a CPU"}
@@ -158,11 +158,11 @@ def init_one_rank(device: Any) -> None:
 
 def make_trainer(overrides: list[str], run_dir: Path) -> Any:
     from plait.config import load_config
-    from plait.train.trainer import Trainer
-    from plait.validate import validate
+    from plait.recipes import build_trainer
+    from plait.recipes import validate_config as validate
 
     cfg = validate(load_config(overrides=QUIET + overrides + ["--parallel.nproc=1", f"--run.dir={run_dir}"]), 1)
-    return Trainer.from_config(cfg)
+    return build_trainer(cfg)
 
 
 def release() -> None:
@@ -252,7 +252,7 @@ def _peer_gpt(overrides: list[str], device: Any, compiled: bool, quick: bool) ->
 
     from plait.config import load_config
     from plait.models.gpt import GPT
-    from plait.observe.mfu import formula_flops_per_token
+    from plait.train.mfu import formula_flops_per_token
 
     cfg = load_config(overrides=QUIET + overrides)
     torch.manual_seed(cfg.train.seed)
@@ -305,7 +305,7 @@ def host_profile(step: Any, steps: int = 3) -> list[dict[str, Any]]:
 def _plait_gpt(overrides: list[str], device: Any, tmp: Path, quick: bool,
                profile_host: bool = False) -> tuple[float, int, float, list | None]:
     """plait's Trainer (the main job's path): (seconds per step, tokens per step, FLOPs per token, host profile)."""
-    from plait.observe.mfu import formula_flops_per_token
+    from plait.train.mfu import formula_flops_per_token
 
     trainer = make_trainer(overrides, tmp)
     flops = formula_flops_per_token(trainer.model)
@@ -426,7 +426,7 @@ def _hf_flops_per_token(model: Any, c: dict[str, Any]) -> float:
     """Forward + backward FLOPs per token counted by ``FlopCounterMode`` on a meta copy of the model."""
     import torch
 
-    from plait.observe.mfu import counted_flops
+    from plait.train.mfu import counted_flops
 
     batch = {"input_ids": torch.zeros(1, c["seq"], dtype=torch.long)}
     return counted_flops(model, lambda m, b: m(input_ids=b["input_ids"], labels=b["input_ids"]).loss, batch) / c["seq"]

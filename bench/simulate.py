@@ -108,9 +108,10 @@ def probe() -> float:
     shared or virtual machine's speed moves with its neighbours). ``step_error_at_probed_speed`` scales the
     prediction by that ratio: a diagnostic of how much of an error is drift, never the reported error."""
     from plait.plan.calibrate_paths import TINY, WORLD1, measure_step, one_thread
+    from plait.recipes import build_trainer
 
     with one_thread():
-        return measure_step(TINY + ["--model.d_model=96", "--model.seq_len=96"] + WORLD1)
+        return measure_step(TINY + ["--model.d_model=96", "--model.seq_len=96"] + WORLD1, build_trainer=build_trainer)
 
 
 def run_train(name: str, overrides: list[str], steps: int, out_dir: Path) -> Path:
@@ -238,9 +239,10 @@ def main() -> None:
     if not profile_path:
         wait_quiet(loads, "calibrate", args.max_wait)
         from plait.plan.calibrate import calibrate
+        from plait.recipes import build_trainer
 
         profile_path = str(calibrate(out_dir / "profile.toml", quick=args.quick,
-                                     log=lambda s: print(s, file=sys.stderr)))
+                                     log=lambda s: print(s, file=sys.stderr), build_trainer=build_trainer))
     profile = load_profile(profile_path)
     steps = 12 if args.quick else args.steps
     names = [n for n in LAYOUTS if not args.only or n in args.only.split(",")]

@@ -76,8 +76,8 @@ def _build(impl: str, cfg, batch: tuple[torch.Tensor, torch.Tensor], rank: int) 
     from plait.comm.collectives import Comm
     from plait.models.gpt import GPT
     from plait.parallel.data import GradReducer
+    from plait.parallel.gpt_plans import apply_tensor_parallel
     from plait.parallel.tensor import local_value, loss_context
-    from plait.recipes.gpt import apply_tensor_parallel
 
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -147,7 +147,7 @@ def _activation_meter(model: torch.nn.Module):
 def _measure_memory(t: Trainer) -> dict[str, int]:
     """One step: peak activation bytes saved for backward, and model-state bytes after the update
     (before the gradients are cleared, so parameters, gradients and AdamW states are all present)."""
-    from plait.plan.memory import measure_model_state_bytes
+    from plait.observe.memory import measure_model_state_bytes
 
     if not t.active:
         return {}

@@ -100,8 +100,8 @@ def _build_peer(impl: str, cfg, world: int):
     """(module to run, optimizer to step, optimizer whose ``state`` holds the states) for a PyTorch peer."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from plait.components.optim import param_groups
     from plait.models.gpt import GPT
-    from plait.train.optim import param_groups
 
     torch.manual_seed(cfg.train.seed)  # the Trainer's initial weights
     model = GPT(cfg.model)
@@ -137,8 +137,8 @@ def _peer_step(impl: str, parts, sampler, cfg, step: int, measure: bool,
     optimizer step and after zero_grad (the measurement step only)."""
     from torch.distributed.tensor import DTensor
 
-    from plait.plan.memory import measure_model_state_bytes
-    from plait.train.optim import lr_at
+    from plait.components.optim import lr_at
+    from plait.observe.memory import measure_model_state_bytes
 
     probe = probe or (lambda point: None)
     module, model, opt, state_opt = parts
@@ -208,7 +208,7 @@ def run_impl(rank: int, world: int, impl: str, dp_overrides: list[str], root: st
         from plait.config import load_config
         from plait.data.corpus import load_splits
         from plait.data.sampler import WindowSampler
-        from plait.validate import validate
+        from plait.recipes import validate_config as validate
 
         cfg = validate(load_config(overrides=_common.COMMON + dp_overrides), world)
         t = cfg.train

@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch import nn
 
+from plait.components.losses import CausalLMLoss, ClassificationLoss, HFLoss, LossError, infer_loss, resolve_loss
 from plait.config import ConfigError, from_sections, load_config, to_toml
 from plait.models.gpt import GPT
 from plait.parallel.pipeline_split import PipelineConfigError, split_by_names
 from plait.parallel.tensor import TensorParallelError, hf_plan, validate_plan
 from plait.parallel.units import find_blocks
-from plait.train.losses import CausalLMLoss, ClassificationLoss, HFLoss, LossError, infer_loss, resolve_loss
 
 
 def test_tables_and_lists_from_the_command_line_round_trip(tmp_path) -> None:

@@ -19,7 +19,7 @@ import _zero_deepspeed  # noqa: E402
 import zero  # noqa: E402
 
 from plait.config import load_config  # noqa: E402
-from plait.validate import validate  # noqa: E402
+from plait.recipes import validate_config as validate  # noqa: E402
 
 
 def _rank(step_s, total, peak, loss=1.0, in_step=None):

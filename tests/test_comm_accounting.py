@@ -10,7 +10,7 @@ from pathlib import Path
 from helpers import run_ranks
 
 from plait.config import load_config
-from plait.validate import validate
+from plait.recipes import validate_config as validate
 
 
 def _unit(rank: int, world: int) -> dict:
@@ -78,11 +78,11 @@ BASE = [
 
 
 def _train(rank: int, world: int, root: str, extra: list[str]) -> dict:
-    from plait.train.trainer import Trainer
+    from plait.recipes import build_trainer
 
     cfg = validate(load_config(overrides=BASE + extra + [f"--run.dir={root}"]), world)
     Path(root).mkdir(parents=True, exist_ok=True)
-    trainer = Trainer.from_config(cfg)
+    trainer = build_trainer(cfg)
     trainer.fit()
     n_params = sum(p.numel() for p in trainer.layout.model.parameters())
     rows = [json.loads(x) for x in Path(root, "metrics.jsonl").read_text().splitlines()]

@@ -16,7 +16,7 @@ import torch
 from helpers import run_ranks
 
 from plait.config import load_config
-from plait.validate import validate
+from plait.recipes import validate_config as validate
 
 SMALL = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
          "--train.global_batch_size=16", "--train.micro_batch_size=8", "--train.eval_sequences=32",
@@ -64,11 +64,11 @@ ALGORITHMS = {
 
 
 def _trainer(root: str, name: str, extra: list[str]):
-    from plait.train.trainer import Trainer
+    from plait.recipes import build_trainer
 
     cfg = validate(load_config(overrides=SMALL + extra + [f"--run.dir={root}/{name}"]), 2)
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-    return Trainer.from_config(cfg)
+    return build_trainer(cfg)
 
 
 def _train(rank: int, world: int, root: str, runs: dict[str, list[str]], steps: int) -> dict:

@@ -86,7 +86,7 @@ def _train_compiled(rank: int, world: int, tmp: str) -> dict:
 
 
 def test_compile_matches_eager_single_process_under_every_layout(tmp_path) -> None:
-    from plait.train.losses import CausalLMLoss
+    from plait.components.losses import CausalLMLoss
 
     ref_losses, ref_state = reference_training(_model(), _data(), GLOBAL, STEPS, LR, 1337,
                                                lambda m, b: CausalLMLoss()(m, b))
@@ -103,7 +103,7 @@ def test_compile_matches_eager_single_process_under_every_layout(tmp_path) -> No
 def test_compile_refuses_expert_parallelism() -> None:
     from plait.config import load_config
     from plait.parallel.compile import CompileError
-    from plait.validate import validate
+    from plait.recipes import validate_config as validate
 
     cfg = load_config(overrides=["--train.compile=true", "--moe.num_experts=4", "--parallel.ep=2"])
     with pytest.raises(CompileError, match="expert parallelism"):

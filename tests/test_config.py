@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from plait.config import Config, ConfigError, load_config, to_toml
-from plait.validate import validate
+from plait.recipes import validate_config as validate
 
 
 def test_defaults_validate_for_two_workers() -> None:

@@ -18,7 +18,7 @@ from helpers import assert_same_training, run_ranks
 from safetensors.torch import load_file
 
 from plait.config import load_config
-from plait.validate import validate
+from plait.recipes import validate_config as validate
 
 BASE = [
     "--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
@@ -41,14 +41,14 @@ VARIANTS = {
 
 
 def _train_variants(rank: int, world: int, root: str, variants: dict[str, list[str]]) -> dict:
-    from plait.train.trainer import Trainer
+    from plait.recipes import build_trainer
 
     out = {}
     for name, extra in variants.items():
         cfg = validate(load_config(overrides=BASE + extra + [f"--run.dir={root}/{name}"]), world)
         run_dir = Path(cfg.run.dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        trainer = Trainer.from_config(cfg)
+        trainer = build_trainer(cfg)
         if name == "plait_small_buckets":
             out["num_buckets"] = len(trainer.layout.engine.buckets)
         trainer.fit()

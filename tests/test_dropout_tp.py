@@ -17,7 +17,7 @@ from helpers import run_ranks
 
 from plait.config import ModelConfig, load_config
 from plait.models.gpt import GPT, CausalSelfAttention
-from plait.validate import validate
+from plait.recipes import validate_config as validate
 
 TP_DROPOUT = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=4", "--model.seq_len=16",
               "--model.dropout=0.2", "--train.steps=3", "--train.global_batch_size=4", "--train.micro_batch_size=4",
@@ -26,11 +26,11 @@ TP_DROPOUT = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=4", "--
 
 
 def _train(rank: int, world: int, root: str) -> dict:
-    from plait.train.trainer import Trainer
+    from plait.recipes import build_trainer
 
     cfg = validate(load_config(overrides=TP_DROPOUT + [f"--run.dir={root}"]), world)
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-    trainer = Trainer.from_config(cfg)
+    trainer = build_trainer(cfg)
     losses = [trainer.train_step()["loss"] for _ in range(3)]
     m = trainer.layout.model
     # LayerNorm parameters stay plain, replicated tensors without sequence parallelism: each tp rank

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from plait.config import load_config
-from plait.validate import validate
+from plait.recipes import validate_config as validate
 
 EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.toml"))
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from helpers import free_port
 from test_cli import TINY
 
-from plait.launch import _first_slurm_host
+from plait.runtime.dist import _first_slurm_host
 
 
 def _env() -> dict[str, str]:

@@ -8,6 +8,7 @@ import torch
 from helpers import run_ranks
 from zero_util import CFG, batches, local_micro_batches, make_model, param_groups
 
+from plait.observe.memory import measure_model_state_bytes
 from plait.parallel.checkpointing import apply_activation_checkpointing
 from plait.parallel.fsdp import apply_fsdp
 from plait.parallel.zero import ZeroOptimizer
@@ -15,7 +16,6 @@ from plait.plan.memory import (
     GPTShape,
     format_memory_table,
     gpt_num_params,
-    measure_model_state_bytes,
     predict_activation_bytes,
     predict_model_state_bytes,
 )

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from plait.components.losses import resolve_loss
 from plait.config import load_config
 from plait.models.gpt import GPT
 from plait.observe import mfu as M
-from plait.train.losses import resolve_loss
 
 
 @pytest.mark.parametrize("shape", [(2, 64, 4, 32), (3, 96, 6, 64)])
@@ -103,8 +103,8 @@ def test_gpu_peaks_come_from_datasheets() -> None:
 
 def test_mfu_in_metrics_summary_and_progress_bar(tmp_path, monkeypatch) -> None:
     from plait.observe.metrics import ProgressBar
-    from plait.train.trainer import Trainer
-    from plait.validate import validate
+    from plait.recipes import build_trainer
+    from plait.recipes import validate_config as validate
 
     monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "cache"))
     cfg = load_config(overrides=["--model.n_layer=1", "--model.d_model=32", "--model.n_head=2",
@@ -112,7 +112,7 @@ def test_mfu_in_metrics_summary_and_progress_bar(tmp_path, monkeypatch) -> None:
                                  "--train.steps=2", "--train.eval_every=0", "--train.eval_sequences=2",
                                  "--train.log_every=1", "--checkpoint.every=0", "--observe.progress=false",
                                  "--observe.tensorboard=false", f"--run.dir={tmp_path / 'run'}"])
-    summary = Trainer.from_config(validate(cfg, 1)).fit()
+    summary = build_trainer(validate(cfg, 1)).fit()
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "step_s" in r]
     assert len(steps) == 2 and all(0 < r["mfu"] < 1 for r in steps)

@@ -19,7 +19,7 @@ from torch import nn
 
 from plait.config import ConfigError, load_config
 from plait.nn import MoE
-from plait.validate import validate
+from plait.recipes import validate_config as validate
 
 V, C, H, E, K = 32, 16, 24, 8, 2
 WORLD, B, T, STEPS, LR = 4, 2, 8, 3, 1e-2

@@ -73,8 +73,8 @@ def test_bubble_arithmetic_and_trace_format():
 def _train_pp(cfg, data, pp_group, schedule, microbatches, *, dp_group=None, costs=None, tp_mesh=None):
     from mp_common import allreduce_grads_mean, mean_over
 
+    from plait.parallel.gpt_plans import apply_tensor_parallel
     from plait.parallel.pipeline import build_pipeline
-    from plait.recipes.gpt import apply_tensor_parallel
 
     model = make_model(cfg)
     if tp_mesh is not None:

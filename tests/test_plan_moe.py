@@ -58,7 +58,7 @@ def test_plan_enumerates_expert_parallelism_and_writes_it(tmp_path, capsys):
     import json
 
     from plait.cli import main
-    from plait.validate import validate
+    from plait.recipes import validate_config as validate
 
     out = tmp_path / "best.toml"
     assert main(["plan", "--hardware", "a100-80gb", "--gpus", "8", "--moe.num_experts=8", "--model.n_layer=4",

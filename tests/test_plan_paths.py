@@ -15,8 +15,8 @@ import pytest
 
 from plait.config import load_config
 from plait.plan import derive
-from plait.plan.calibrate import _render
-from plait.plan.calibrate_paths import PATHS, TINY, calibrate_paths, residual_constant, with_overhead, write_overheads
+from plait.plan.calibrate import _render, write_overheads
+from plait.plan.calibrate_paths import PATHS, TINY, calibrate_paths, residual_constant, with_overhead
 from plait.plan.hardware import load_profile
 from plait.plan.network import COLLECTIVES
 from plait.plan.ops import MEMORY_KINDS

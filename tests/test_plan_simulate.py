@@ -108,7 +108,7 @@ def test_plan_ranks_layouts_and_writes_a_runnable_config(tmp_path, capsys):
     assert rc == 0
     result = json.loads(text)
     assert len(result["ranked"]) == 3 and result["screened"] > 3 and result["pruned"]
-    from plait.validate import validate
+    from plait.recipes import validate_config as validate
 
     cfg = load_config(out)
     validate(cfg, cfg.parallel.nproc)

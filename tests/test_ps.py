@@ -38,7 +38,7 @@ from helpers import run_ranks
 from plait.config import Config, ConfigError, from_sections
 from plait.ps.checkpoint import flat_boxes, param_names
 from plait.ps.state import ShardState, dc_compensate
-from plait.validate import validate
+from plait.recipes import validate_config as validate
 
 STEPS = 6
 BASE = {"train": {"global_batch_size": 8, "micro_batch_size": 4},
@@ -440,7 +440,7 @@ def test_checkpoint_resume_and_load_into_data_parallel(world3: tuple) -> None:
 def _trainer(overrides: list[str], run_dir: str) -> dict:
     """``plait train``'s worker function (Trainer.from_config) in this rank; a server returns its figures."""
     from plait.config import load_config
-    from plait.train.trainer import train
+    from plait.recipes import train
 
     base = ["--parallel.mode=ps", "--train.eval_every=0", "--train.eval_sequences=16", "--train.log_every=2",
             "--checkpoint.every=2", "--observe.progress=false", "--observe.tensorboard=false"]
@@ -616,10 +616,10 @@ def test_ps_checkpoint_loads_into_one_process_and_plait_sample(world4: tuple, ca
     import torch.distributed.checkpoint as dcp
 
     from plait.cli import cmd_sample
+    from plait.components.checkpoint import latest_checkpoint
+    from plait.components.export import load_safetensors
     from plait.config import load_config, to_toml
     from plait.models.gpt import GPT
-    from plait.train.checkpoint import latest_checkpoint
-    from plait.train.export import load_safetensors
 
     _, tmp = world4
     cfg = load_config(None, GPT_ARGS)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from plait.config import Config, load_config
-from plait.validate import validate
+from plait.recipes import validate_config as validate
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["--observe.progress=false", "--observe.tensorboard=false"]

@@ -119,7 +119,7 @@ def test_toy_strategy_trains_at_world_2_like_one_process(tmp_path: Path) -> None
 
 def test_registry_selects_checks_and_refuses_a_taken_name() -> None:
     from plait.parallel import registry
-    from plait.validate import validate
+    from plait.recipes import validate_config as validate
 
     assert registry.select(ParallelConfig(strategy="toy_allreduce")) is ToyAllReduce
     assert registry.select(ParallelConfig()).name == "data"

@@ -18,17 +18,17 @@ from mp_common import (
     tiny_cfg,
 )
 
+from plait.parallel.gpt_plans import check_tensor_parallel
 from plait.parallel.tensor import (
     TensorParallelError,
     full_state_dict,
     local_value,
     loss_context,
 )
-from plait.recipes.gpt import check_tensor_parallel
 
 
 def _train_tp(cfg, data, tp_mesh, sp: bool, dp_group=None) -> tuple[list[float], object]:
-    from plait.recipes.gpt import apply_tensor_parallel
+    from plait.parallel.gpt_plans import apply_tensor_parallel
 
     model = apply_tensor_parallel(make_model(cfg), tp_mesh, sequence_parallel=sp)
     assert model.head.weight is model.tok_emb.weight
@@ -49,8 +49,8 @@ def _train_tp(cfg, data, tp_mesh, sp: bool, dp_group=None) -> tuple[list[float],
 
 def _activation_bytes(cfg, tp_mesh, sp: bool) -> int:
     """Live bytes saved for backward after one forward of a (B=4, T=16) batch."""
+    from plait.parallel.gpt_plans import apply_tensor_parallel
     from plait.parallel.memory import SavedTensorMeter
-    from plait.recipes.gpt import apply_tensor_parallel
 
     model = apply_tensor_parallel(make_model(cfg), tp_mesh, sequence_parallel=sp)
     idx, tgt = batches(4, steps=1, seed=5)[0]

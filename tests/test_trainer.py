@@ -8,9 +8,9 @@ import pytest
 import torch
 from helpers import run_ranks
 
+from plait.components.optim import lr_at
 from plait.config import OptimConfig, load_config
-from plait.train.optim import lr_at
-from plait.validate import validate
+from plait.recipes import validate_config as validate
 
 TINY = ["--model.n_layer=1", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=16",
         "--train.global_batch_size=4", "--train.micro_batch_size=2", "--train.eval_sequences=4",
@@ -18,11 +18,11 @@ TINY = ["--model.n_layer=1", "--model.d_model=32", "--model.n_head=2", "--model.
 
 
 def _trainer(root: str, name: str, extra: list[str]):
-    from plait.train.trainer import Trainer
+    from plait.recipes import build_trainer
 
     cfg = validate(load_config(overrides=TINY + extra + [f"--run.dir={root}/{name}"]), 1)
     Path(cfg.run.dir).mkdir(parents=True)
-    return Trainer.from_config(cfg)
+    return build_trainer(cfg)
 
 
 def _skip_nonfinite(rank: int, world: int, root: str, precision: str) -> dict:

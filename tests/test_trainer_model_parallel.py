@@ -18,7 +18,7 @@ from helpers import assert_same_training, run_ranks
 from safetensors.torch import load_file
 
 from plait.config import load_config
-from plait.validate import validate
+from plait.recipes import validate_config as validate
 
 BASE = [
     "--model.n_layer=4", "--model.d_model=32", "--model.n_head=4", "--model.seq_len=16",
@@ -51,13 +51,13 @@ FOUR_RANKS = {
 
 
 def _train(rank: int, world: int, root: str, variants: dict[str, list[str]], resume: bool = False) -> dict:
-    from plait.train.trainer import Trainer
+    from plait.recipes import build_trainer
 
     out = {}
     for name, extra in variants.items():
         cfg = validate(load_config(overrides=BASE + extra + [f"--run.dir={root}/{name}"]), world)
         Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-        trainer = Trainer.from_config(cfg)
+        trainer = build_trainer(cfg)
         if resume:
             trainer.resume()
         trainer.fit()

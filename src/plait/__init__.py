@@ -11,17 +11,17 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from plait.components import losses
     from plait.config import Config, ConfigError, load_config
     from plait.engine import Plait, StepInfo
     from plait.parallel.plans import register_plan
-    from plait.train import losses
     from plait.train.trainer import Trainer
 
 _EXPORTS = {
     "Config": ("plait.config", "Config"), "ConfigError": ("plait.config", "ConfigError"),
     "load_config": ("plait.config", "load_config"), "Plait": ("plait.engine", "Plait"),
     "StepInfo": ("plait.engine", "StepInfo"), "Trainer": ("plait.train.trainer", "Trainer"),
-    "losses": ("plait.train.losses", None), "register_plan": ("plait.parallel.plans", "register_plan"),
+    "losses": ("plait.components.losses", None), "register_plan": ("plait.parallel.plans", "register_plan"),
 }
 __all__ = ["Config", "ConfigError", "Plait", "StepInfo", "Trainer", "load_config", "losses", "register_plan"]
 

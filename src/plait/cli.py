@@ -24,56 +24,10 @@ import copy
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from plait.config import Config, ConfigError, describe_keys, load_config, to_toml
-
-
-def split_args(argv: list[str], options: dict[str, Callable[[str], Any] | None] | None = None,
-               choices: dict[str, tuple[str, ...]] | None = None,
-               metavars: dict[str, str] | None = None) -> tuple[str | None, dict[str, Any], list[str]]:
-    """(CONFIG path or None, option values, ``--section.key=value`` overrides) of a command line.
-
-    ``options``: option name -> converter of its value (``--name VALUE`` or ``--name=VALUE``), or None for a
-    switch; ``choices`` restrict values; unknown options, a second CONFIG, a missing value are errors."""
-    options, choices, metavars = options or {}, choices or {}, metavars or {}
-    config, values, overrides = None, {}, []
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        name, eq, value = a.partition("=")
-        if name in options and options[name] is None:
-            values[name] = True
-        elif name in options:
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ConfigError(f"{name} needs a value: {name} {metavars.get(name, 'VALUE')}")
-                value, i = argv[i + 1], i + 1
-            try:
-                values[name] = options[name](value)  # type: ignore[misc]
-            except ValueError:
-                raise ConfigError(f"{name} needs a whole number; got {value!r}") from None
-            if name in choices and value not in choices[name]:
-                raise ConfigError(f"{name} must be one of {', '.join(choices[name])}; got {value!r}")
-        elif a.startswith("--") and "." in name:
-            if eq:
-                overrides.append(a)
-            elif i + 1 < len(argv):
-                overrides.append(f"{a}={argv[i + 1]}")
-                i += 1
-            else:
-                raise ConfigError(f"{a} needs a value: {a}=VALUE")
-        elif a.startswith("-"):
-            known = ", ".join(f"{n} {metavars[n]}" if n in metavars else n for n in options)
-            raise ConfigError(f"unknown option {a}; options are {known + ' and ' if known else ''}--section.key=value")
-        elif config is None:
-            config = a
-        else:
-            raise ConfigError(f"unexpected argument {a!r}; pass at most one CONFIG.toml")
-        i += 1
-    return config, values, overrides
+from plait.runtime.args import split_args
 
 
 def _split_train_args(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
@@ -85,9 +39,9 @@ def _split_train_args(argv: list[str]) -> tuple[str | None, str | None, list[str
 def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
     """Returns (validated config, config as written to the run dir, run dir, resume?). The written copy
     keeps inferred values unresolved (parallel.dp=0 stays 0) so a resumed run may change the world size."""
+    from plait.components.checkpoint import latest_checkpoint
     from plait.launch import external_world_size, launched_externally
-    from plait.train.checkpoint import latest_checkpoint
-    from plait.validate import validate
+    from plait.recipes import validate_config as validate
 
     config_path, resume, overrides = _split_train_args(argv)
     if not resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
@@ -128,7 +82,7 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
 
 def cmd_train(argv: list[str]) -> int:
     from plait.launch import ERROR_DIR_ENV, Restarts, launch_local, launched_externally, run_worker
-    from plait.train.trainer import train
+    from plait.recipes import train
 
     cfg, written, run_dir, resume = _prepare_run(argv)
     if cfg.observe.report:  # before training, not after it: the run would end without its report
@@ -220,8 +174,8 @@ def cmd_run(argv: list[str]) -> int:
 def cmd_sample(argv: list[str]) -> int:
     import torch
 
+    from plait.components.export import load_safetensors
     from plait.models.gpt import GPT
-    from plait.train.export import load_safetensors
 
     ap = argparse.ArgumentParser(prog="plait sample", description="Generate text from a trained run.")
     ap.add_argument("run_dir")
@@ -300,7 +254,7 @@ def cmd_launch(argv: list[str]) -> int:
 def cmd_checkpoint(argv: list[str]) -> int:
     """``plait checkpoint verify RUN_DIR|CHECKPOINT``: every checkpoint checked against its SHA-256 manifest;
     exit 0 when all are whole, 1 when one is damaged (each problem printed)."""
-    from plait.fault.integrity import checkpoints_newest_first, verify
+    from plait.components.integrity import checkpoints_newest_first, verify
 
     if len(argv) != 2 or argv[0] != "verify":
         raise ConfigError("usage: plait checkpoint verify RUN_DIR (or the path of one checkpoint)")

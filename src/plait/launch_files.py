@@ -5,7 +5,7 @@ SLURM: an sbatch script that runs ``srun`` with one task per worker process (one
 because SLURM then starts, binds, accounts and signals every process itself (``scancel`` reaches each
 one, ``--kill-on-bad-exit`` ends the step when one fails) and plait needs no second launcher between
 SLURM and itself: it reads ``SLURM_PROCID`` / ``SLURM_NTASKS`` / ``SLURM_LOCALID`` directly
-(``plait.launch.adopt_slurm_env``). The rendezvous is rank 0's TCP store on the allocation's first node,
+(``plait.runtime.dist.adopt_slurm_env``). The rendezvous is rank 0's TCP store on the allocation's first node,
 ``MASTER_ADDR`` / ``MASTER_PORT``, which the script derives from the allocation and exports to every task.
 
 Kubernetes: a Kubeflow ``PyTorchJob`` (training-operator >= 1.7) with a Master and N-1 Workers, one pod
@@ -84,7 +84,7 @@ def job_name(config_path: str | Path) -> str:
 
 def checked_config(config_path: str | Path, overrides: list[str], world_size: int) -> Config:
     """The config with overrides, validated for the job's world size here rather than on the cluster."""
-    from plait.validate import validate
+    from plait.recipes import validate_config as validate
 
     cfg = load_config(config_path, overrides)
     validate(copy.deepcopy(cfg), world_size)  # the file keeps inferred values open (parallel.dp=0), as a run does

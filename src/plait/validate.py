@@ -7,26 +7,28 @@ every impossible setting before any worker starts and ``Plait`` does the same wh
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from plait.config import Config, ConfigError, check_values
 from plait.parallel.registry import check_all, select
 
 
-def validate(cfg: Config, world_size: int, *, model_checks: bool = True) -> Config:
+def validate(cfg: Config, world_size: int, model_check: Callable[[Config, dict[str, int]], None] | None = None
+             ) -> Config:
     """Check ``cfg`` for ``world_size`` workers and fill inferred values (``parallel.dp``); returns cfg.
 
     The chosen strategy lays out the degrees; then every registered strategy checks the settings it owns
-    (``plait.parallel.registry.check_all``). ``model_checks=False`` leaves out the registered model's and
-    data set's own checks (for a model passed to ``Plait.setup`` rather than named in the config).
+    (``plait.parallel.registry.check_all``), and ``model_check(cfg, degrees)`` the model's and data's own
+    (``plait.recipes.validate_config`` passes the registered model's; a model given to ``Plait.setup`` is
+    checked there).
     """
     check_values(cfg)
     t, p = cfg.train, cfg.parallel
     degrees = select(p).resolve_degrees(cfg, world_size)
     p.dp = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["ep"]
     check_all(cfg, degrees)
-    if model_checks:
-        from plait.recipes import check_recipe
-
-        check_recipe(cfg, degrees)
+    if model_check is not None:
+        model_check(cfg, degrees)
     per_step = t.micro_batch_size * p.dp
     if t.global_batch_size % per_step:
         lo = max(per_step, t.global_batch_size // per_step * per_step)

@@ -22,9 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.comm.collectives import Comm
-
-AUTO_COMPRESSOR = "powersgd"
+from plait.comm.collectives import AUTO_COMPRESSOR, Comm
 
 
 class AutoCompress:

@@ -97,6 +97,12 @@ class _CommThread:
             self._thread = None
 
 
+# comm.compress=auto's compressor (plait.comm.auto explains the choice)
+AUTO_COMPRESSOR = "powersgd"
+# A flat all-gather into one tensor (torch's newer name where it has it)
+all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
 @dataclass
 class CommWork:
     """A started collective: a c10d ``Work`` or a comm-thread future, and its guard record."""
@@ -281,8 +287,6 @@ def comm_from_config(c: CommConfig, seed: int, rank: int, world_size: int) -> Co
         guard = CollectiveGuard(dist.distributed_c10d._get_default_store(), c.timeout_s, rank)
     comm = Comm(c.allreduce, ranks_per_node=c.ranks_per_node or None, guard=guard)
     if c.compress != "none":
-        from plait.comm.auto import AUTO_COMPRESSOR
-
         name = AUTO_COMPRESSOR if c.compress == "auto" else c.compress
         comm.set_compression(name, active=c.compress != "auto", ratio=c.compress_ratio,
                              powersgd_rank=c.powersgd_rank, error_feedback=c.error_feedback,

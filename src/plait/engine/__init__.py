@@ -35,6 +35,9 @@ from plait.comm.auto import AutoCompress
 from plait.comm.collectives import comm_from_config
 from plait.comm.guard import CollectiveTimeout
 from plait.comm.watchdog import StepWatchdog
+from plait.components.export import export_safetensors
+from plait.components.losses import Loss, infer_loss, resolve_loss
+from plait.components.optim import optimizer_factory
 from plait.config import Config
 from plait.data.loader import to_device
 from plait.engine.checkpointer import Checkpointer
@@ -46,7 +49,6 @@ from plait.engine.setup import batch_size, check_setup_args, coerce_config, sele
 from plait.engine.step_info import StepInfo
 from plait.engine.stepper import Stepper
 from plait.fault.preempt import PreemptionFlag
-from plait.launch import init_distributed, write_error
 from plait.nn.moe import moe_layers
 from plait.observe.log import get_logger
 from plait.parallel import registry
@@ -55,10 +57,8 @@ from plait.parallel.expert import MoeMonitor
 from plait.parallel.prepare import unwrap_compiled
 from plait.parallel.strategy import PlaitError, RankDone, Strategy, check_loss
 from plait.parallel.tensor import local_value
+from plait.runtime.dist import init_distributed, write_error
 from plait.topology import Topology
-from plait.train.export import export_safetensors
-from plait.train.losses import Loss, infer_loss, resolve_loss
-from plait.train.optim import optimizer_factory
 from plait.validate import validate
 
 
@@ -86,7 +86,7 @@ class Plait(SmallCollectives):
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         init_distributed(cfg.comm.backend, cfg.comm.timeout_s)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        self.config = validate(cfg, world, model_checks=False)
+        self.config = validate(cfg, world)
         self.device = select_device()
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)

@@ -1,5 +1,5 @@
 """Checkpoints of one run: complete, reshardable saves (synchronous or asynchronous) and loads, through
-the strategy's state and hooks (``plait.train.checkpoint`` writes and reads the files)."""
+the strategy's state and hooks (``plait.components.checkpoint`` writes and reads the files)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from plait.train.checkpoint import PendingSave, load_state, save_state
+from plait.components.checkpoint import PendingSave, load_state, save_state
 
 
 class Checkpointer:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from plait.fault.restart import write_pid, write_progress
-from plait.launch import error_dir_from_env, error_file
+from plait.runtime.dist import error_dir_from_env, error_file
 
 
 class RunFiles:

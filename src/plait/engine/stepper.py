@@ -15,17 +15,17 @@ from plait.comm.accounting import TorchCollectiveCounter
 from plait.comm.auto import AutoCompress
 from plait.comm.collectives import Comm, CommStats
 from plait.comm.watchdog import StepWatchdog
+from plait.components.optim import hyperparameters, set_hyperparameters
+from plait.components.precision import LossScaler
 from plait.config import Config
 from plait.engine.run_files import RunFiles
 from plait.engine.step_info import StepInfo
 from plait.engine.window import AccumulationWindow
 from plait.fault.preempt import PreemptionFlag
 from plait.observe.log import get_logger
+from plait.observe.memory import measure_model_state_bytes
 from plait.parallel.expert import MoeMonitor
 from plait.parallel.strategy import PlaitError, Strategy
-from plait.plan.memory import measure_model_state_bytes
-from plait.train.optim import hyperparameters, set_hyperparameters
-from plait.train.precision import LossScaler
 
 
 class Stepper:

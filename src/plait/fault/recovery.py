@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from plait.components.integrity import newest_good
 from plait.fault import goodput
-from plait.fault.integrity import newest_good
 from plait.fault.spikes import SpikeDetector
 from plait.fault.stragglers import StragglerScore
 

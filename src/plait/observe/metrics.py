@@ -45,7 +45,7 @@ class MetricsWriter:
 
 
 class ProgressBar:
-    """Step, loss, tokens/s, MFU (``plait.observe.mfu``) and time left on rank 0; nothing elsewhere."""
+    """Step, loss, tokens/s, MFU (``plait.train.mfu``) and time left on rank 0; nothing elsewhere."""
 
     def __init__(self, total: int, start: int, enabled: bool) -> None:
         self._progress = None

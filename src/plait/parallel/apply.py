@@ -28,7 +28,7 @@ class ModelSpec:
 
     ``tp_plan``: a dict of module patterns to styles, or "auto"; ``parallelize_fn(model, tp_mesh)``
     overrides it. ``pp_split``: names of the layers that start stages 2..n; ``stage_fn(model,
-    stage_index, num_stages)`` overrides the adapter. ``loss``: a ``plait.train.losses.Loss`` (needed by
+    stage_index, num_stages)`` overrides the adapter. ``loss``: a ``plait.components.losses.Loss`` (needed by
     the pipeline's last stage); ``sample``: one micro-batch, to measure layer costs for the split.
     """
 

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from plait.comm.collectives import Comm
+from plait.components.optim import optimizer_recipe
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.parallel.apply import ModelSpec
 from plait.parallel.data import GradReducer, TorchDDP, apply_data_parallel
@@ -32,7 +33,6 @@ from plait.parallel.strategy import LayoutError, OptimizerFactory, Strategy, reg
 from plait.parallel.units import batchnorm_buffers, is_expert
 from plait.parallel.zero import validate_zero
 from plait.topology import Topology
-from plait.train.optim import optimizer_recipe
 
 # The elementwise torch optimizers: sharding their flat buffers computes exactly what they compute whole.
 ELEMENTWISE = ("Adam", "AdamW", "SGD", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Adadelta", "ASGD",

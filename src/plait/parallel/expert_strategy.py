@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.components.optim import materialize_optimizer_state, optimizer_recipe
 from plait.config import Config, ParallelConfig
 from plait.parallel.compile import check_compile
 from plait.parallel.data_strategy import reduce_in_place
@@ -26,7 +27,6 @@ from plait.parallel.strategy import Strategy, Wrapper, register_strategy
 from plait.parallel.tensor import local_value
 from plait.parallel.units import is_expert
 from plait.parallel.zero import ZeroOptimizer
-from plait.train.optim import materialize_optimizer_state, optimizer_recipe
 
 
 @register_strategy

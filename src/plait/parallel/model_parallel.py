@@ -37,6 +37,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dp shard of a tp shard
 
 from plait.comm.collectives import Comm
+from plait.components.optim import materialize_optimizer_state
+from plait.components.precision import autocast
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.parallel.apply import ModelSpec
 from plait.parallel.data import GradReducer, LocalGrads, local_grad
@@ -45,8 +47,6 @@ from plait.parallel.pipeline_trace import bubble_summary, write_chrome_trace
 from plait.parallel.strategy import PlaitError, Strategy, register_strategy
 from plait.parallel.tensor import full_state_dict, local_value, loss_context
 from plait.topology import Topology
-from plait.train.optim import materialize_optimizer_state
-from plait.train.precision import autocast
 
 
 @dataclass

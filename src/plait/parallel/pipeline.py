@@ -317,7 +317,7 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
     unknown schedule, more stages than layers, a bad split, a model no adapter can split, or too few
     micro-batches for the interleaved and zbv schedules.
     """
-    from plait.train.losses import CausalLMLoss
+    from plait.components.losses import CausalLMLoss
 
     group = _as_group(pp)
     num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)

@@ -219,8 +219,8 @@ def measure_layer_costs(model: nn.Module, inputs: Any, target: Any, *, loss: Cal
     ``group`` (default: the world), so every rank gets the same numbers and the same partition. Works on
     a tensor-parallel model too (every tp rank runs the same collectives in the same order).
     """
+    from plait.components.losses import CausalLMLoss
     from plait.parallel.tensor import loss_context
-    from plait.train.losses import CausalLMLoss
 
     adapter = adapter or pipeline_adapter(model)
     loss = loss or CausalLMLoss().loss

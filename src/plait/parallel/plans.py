@@ -2,7 +2,7 @@
 
 A model class can register a tensor-parallel function (``parallelize(model, tp_mesh, parallel_cfg)``,
 used for ``parallel.tp_plan = "auto"``) and a pipeline adapter (how to cut it into stages). plait's
-GPT registers both from its recipe; a user registers their own classes the same way, or passes
+GPT has both (``plait.parallel.gpt_plans``, registered here); a user registers their own classes the same way, or passes
 ``tp_plan`` / ``parallelize_fn`` / ``stage_fn`` to ``Plait.setup`` instead. Models registered nowhere
 fall back to what plait finds on them: a Hugging Face model's shipped tensor-parallel plan and
 pipeline plan, an ``nn.Sequential``'s children.
@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+
+from plait.models.gpt import GPT
+from plait.parallel.gpt_plans import GPTPipeline, parallelize
 
 
 @dataclass
@@ -36,9 +39,10 @@ def register_plan(cls: type, *, parallelize: Callable[[nn.Module, Any, Any], nn.
 
 def plan_for(model: nn.Module) -> ModelPlan | None:
     """The hooks registered for ``type(model)`` or its nearest registered base class."""
-    import plait.recipes  # noqa: F401  (the built-in recipes register plait's own models)
-
     for cls in type(model).__mro__:
         if cls in _PLANS:
             return _PLANS[cls]
     return None
+
+
+register_plan(GPT, parallelize=parallelize, pipeline=GPTPipeline())

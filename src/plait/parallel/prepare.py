@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.comm.collectives import Comm
-from plait.train.precision import autocast
+from plait.components.precision import autocast
 
 
 def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:

@@ -42,13 +42,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from plait.comm.collectives import Comm
+from plait.components.optim import materialize_optimizer_state
+from plait.components.precision import LossScaler, autocast
 from plait.config import Config, ConfigError, ParallelConfig
+from plait.observe.memory import memory_report
 from plait.parallel.apply import ModelSpec, check_model, compose_model
 from plait.parallel.prepare import broadcast_weights, route_forward, sync_batchnorm
-from plait.plan.memory import memory_report
 from plait.topology import Topology, build_topology, resolve_degrees
-from plait.train.optim import materialize_optimizer_state
-from plait.train.precision import LossScaler, autocast
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 

@@ -47,8 +47,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.comm.collectives import Comm, ring_allreduce_bytes, ring_half_bytes
+from plait.comm.collectives import Comm, all_gather_flat, ring_allreduce_bytes, ring_half_bytes
 from plait.parallel.units import is_expert
+from plait.parallel.zero_state import gather_state_dict, scatter_state_dict
 
 OFFLOAD_CHOICES = ("none", "optimizer", "params")
 # Stage 2: launched buckets that may still hold their full local gradient during backward (those whose
@@ -58,7 +59,6 @@ MAX_FULL_IN_FLIGHT = 1
 
 # torch 2.13 renamed the flat-tensor collectives; older releases (pyproject allows >= 2.4) lack the new names.
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 class ZeroConfigError(ValueError):
@@ -414,13 +414,9 @@ class ZeroOptimizer:
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        from plait.parallel.zero_state import gather_state_dict
-
         return gather_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        from plait.parallel.zero_state import scatter_state_dict
-
         scatter_state_dict(self, state_dict)
 
 

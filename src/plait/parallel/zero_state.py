@@ -14,15 +14,15 @@ once. Loading reads full tensors and keeps only this rank's chunk.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from plait.parallel.zero import all_gather_flat
-from plait.train.optim import materialize_optimizer_state
+from plait.comm.collectives import all_gather_flat
+from plait.components.optim import materialize_optimizer_state
 
-if TYPE_CHECKING:
-    from plait.parallel.zero import ZeroOptimizer, _Bucket
+# (the ZeroOptimizer and its buckets, plait.parallel.zero, which imports this module)
+ZeroOptimizer = _Bucket = Any
 
 
 def init_state(zopt: ZeroOptimizer) -> None:

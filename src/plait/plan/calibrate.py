@@ -32,7 +32,6 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ import torch.nn.functional as F
 
 from plait.config import Config
 from plait.plan.hardware import default_profile_path
+from plait.runtime.timing import timed
 
 MAX_GEMM_FLOPS = 2 * 2048 * 2048 * 2048
 COLD_BYTES, MAX_COPIES = 64 * 2**20, 64  # operand sets a matmul or kernel measurement cycles through
@@ -49,24 +49,6 @@ FULL = {"min_time": 0.02, "dims": (32, 128, 512, 2048), "kernel_sizes": (2**16, 
         "comm_sizes": tuple(2**e for e in range(12, 27, 2)), "worlds": (2, 3, 4), "dtypes": ("fp32", "bf16")}
 QUICK = {"min_time": 0.004, "dims": (64, 512), "kernel_sizes": (2**18, 2**22), "attention": ((128, 32),),
          "comm_sizes": (2**12, 2**18, 2**22), "worlds": (2,), "dtypes": ("fp32",)}
-
-
-def timed(fn: Callable[[], Any], min_time: float, repeats: int = 5) -> float:
-    """Seconds of one ``fn()``: the fastest of ``repeats`` samples, each enough calls to last ``min_time``
-    (after a warm-up). The fastest, not the median: other processes on a shared machine only ever slow a
-    sample down, so the minimum is the least disturbed estimate of what this machine does."""
-    fn()
-    start = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - start, 1e-7)
-    calls = max(1, int(min_time / once))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - start) / calls)
-    return min(samples)
 
 
 def copies(nbytes: int) -> int:
@@ -104,8 +86,8 @@ def _kernel_fns(n: int, cfg: Config) -> dict[str, tuple[Callable[[], Any], float
     _, mean, rstd = torch.ops.aten.native_layer_norm(x, [width], w, b, 1e-5)
     logp = torch.log_softmax(x, -1)
     ids = torch.randint(0, width, (rows,))
+    from plait.components.optim import adamw
     from plait.plan.derive import optimizer_traffic
-    from plait.train.optim import adamw
 
     _, per_element = optimizer_traffic(cfg)
     param = torch.nn.Parameter(torch.randn(rows * width))
@@ -179,8 +161,13 @@ def _overheads(threads: list[int], min_time: float) -> dict[str, dict[str, float
 
 
 def calibrate(path: str | Path | None = None, *, quick: bool = False, cfg: Config | None = None,
-              log: Callable[[str], None] = print) -> Path:
-    """Measure this machine (see the module docstring) and write the profile to ``path``; returns it."""
+              log: Callable[[str], None] = print, build_trainer: Callable[[Config], Any] | None = None) -> Path:
+    """Measure this machine (see the module docstring) and write the profile to ``path``; returns it.
+    ``build_trainer(cfg)`` (``plait.recipes.build_trainer``) builds the tiny runs that time plait's code paths;
+    it is needed unless ``quick`` (which leaves those constants 0)."""
+    if not quick and build_trainer is None:
+        raise ValueError("calibrate(quick=False) times plait's code paths on tiny runs: pass build_trainer= "
+                         "(plait.recipes.build_trainer)")
     grid = QUICK if quick else FULL
     cfg = cfg or Config()
     cores = os.cpu_count() or 1
@@ -207,11 +194,11 @@ def calibrate(path: str | Path | None = None, *, quick: bool = False, cfg: Confi
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(_render(matmul, kernels, attention, overhead, collectives, threads, cores, quick))
     if not quick and 2 in grid["worlds"]:
-        from plait.plan.calibrate_paths import calibrate_paths, write_overheads
+        from plait.plan.calibrate_paths import calibrate_paths
         from plait.plan.hardware import load_profile
 
         log("calibrate: code paths (tensor parallel, ZeRO-3, pipeline) on a tiny GPT at world 2")
-        write_overheads(out, calibrate_paths(load_profile(out), log=log))
+        write_overheads(out, calibrate_paths(load_profile(out), log=log, build_trainer=build_trainer))
     log(f"calibrate: wrote {out} in {time.perf_counter() - t0:.1f} s")
     return out
 
@@ -279,12 +266,11 @@ def _render(matmul: list, kernels: list, attention: list, overhead: dict, collec
     return "\n".join(lines)
 
 
-def init_rank(rank: int, world: int, port: int, threads: int = 1) -> None:
-    """``threads`` per rank (one unless told) and a gloo process group over TCP (the calibration's spawned
-    ranks)."""
-    import torch.distributed as dist
-
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+def write_overheads(path: str | Path, found: dict[str, float]) -> None:
+    """Set ``[calibration.overhead]`` entries of the profile at ``path`` to ``found`` (one thread)."""
+    lines = Path(path).read_text().splitlines()
+    start = lines.index(next(ln for ln in lines if ln.startswith("[calibration.overhead]")))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("[")), len(lines))
+    body = [ln for ln in lines[start + 1:end] if ln.split("=")[0].strip() not in found and ln.strip()]
+    body += [f"{k} = {_toml({'1': v})}" for k, v in found.items()]
+    Path(path).write_text("\n".join(lines[:start + 1] + body + [""] + lines[end:]) + "\n")

@@ -13,18 +13,21 @@ relative error, so small and large messages weigh alike.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue as queue_mod
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from plait.comm.collectives import all_gather_flat
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
-# torch 2.13 renamed the flat-tensor collectives; older releases lack the new names (as in plait.parallel.zero)
-all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+# torch 2.13 renamed the flat-tensor collectives; older releases lack the new names (all_gather_flat likewise)
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
@@ -106,7 +109,7 @@ def dtensor_overhead(world: int, min_time: float) -> float:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    from plait.plan.calibrate import timed
+    from plait.runtime.timing import timed
 
     mesh = init_device_mesh("cpu", (world,))
     x, y = torch.ones(1), torch.ones(1)
@@ -115,8 +118,6 @@ def dtensor_overhead(world: int, min_time: float) -> float:
 
 
 def _worker(rank: int, world: int, port: int, sizes: tuple[int, ...], min_time: float, out: Any) -> None:
-    from plait.plan.calibrate import init_rank
-
     init_rank(rank, world, port)
     try:
         rows: list[Any] = []
@@ -180,3 +181,14 @@ def measure_collectives(worlds: tuple[int, ...], sizes: tuple[int, ...], min_tim
             table.append({"op": op, "world": world, "alpha_s": alpha, "beta_s_per_byte": beta,
                           "samples": [[int(s), t] for s, t in samples]})
     return table, dtensor
+
+
+def init_rank(rank: int, world: int, port: int, threads: int = 1) -> None:
+    """``threads`` per rank (one unless told) and a gloo process group over TCP (the calibration's spawned
+    ranks)."""
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))

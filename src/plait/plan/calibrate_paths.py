@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import statistics
 import tempfile
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 TINY = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
@@ -56,19 +56,19 @@ TENSORS = 32
 PROBE_S = 1e-3
 
 
-def _worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str, out: Any) -> None:
+def _worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str, build_trainer: Any,
+            out: Any) -> None:
     import torch.distributed as dist
 
     from plait.config import load_config
-    from plait.plan.calibrate import init_rank
-    from plait.train.trainer import Trainer
+    from plait.plan.calibrate_comm import init_rank
     from plait.validate import validate
 
     init_rank(rank, world, port, int(os.environ.get("OMP_NUM_THREADS", "1")))  # the parent's, set per run
     try:
         cfg = validate(load_config(overrides=TINY + overrides + [f"--run.dir={run_dir}", "--train.steps=100000"]),
                        world)
-        trainer = Trainer.from_config(cfg)
+        trainer = build_trainer(cfg)
         times = [trainer.train_step()["step_s"] for _ in range(WARMUP + STEPS)][WARMUP:]
         if rank == 0:  # the median step, the figure a run's step time is compared by
             out.put(statistics.median(times))
@@ -76,7 +76,7 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str
         dist.destroy_process_group()
 
 
-def _dtensor_worker(rank: int, world: int, port: int, _: list[str], __: str, out: Any) -> None:
+def _dtensor_worker(rank: int, world: int, port: int, _: list[str], __: str, ___: Any, out: Any) -> None:
     """Seconds DTensor adds to one operator of plait's optimizer step: AdamW over ``TENSORS`` sharded
     DTensor parameters against the same step over their plain local shards, over the operators per tensor."""
     import time
@@ -86,10 +86,10 @@ def _dtensor_worker(rank: int, world: int, port: int, _: list[str], __: str, out
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from plait.components.optim import adamw
     from plait.config import Config
-    from plait.plan.calibrate import init_rank
+    from plait.plan.calibrate_comm import init_rank
     from plait.plan.derive import optimizer_traffic
-    from plait.train.optim import adamw
 
     init_rank(rank, world, port)
     try:
@@ -124,16 +124,19 @@ def _dtensor_worker(rank: int, world: int, port: int, _: list[str], __: str, out
         dist.destroy_process_group()
 
 
-def measure_step(overrides: list[str], world: int = 2, timeout_s: float = 300, target: Any = None) -> float:
+def measure_step(overrides: list[str], world: int = 2, timeout_s: float = 300, target: Any = None,
+                 build_trainer: Callable[[Any], Any] | None = None) -> float:
     """Median step seconds of the tiny GPT with ``overrides`` on ``world`` spawned gloo ranks (the last
-    ``--parallel.nproc`` of the overrides when they set one); ``target``: another worker of this module with
-    the same signature, whose one number is returned."""
+    ``--parallel.nproc`` of the overrides when they set one), each building its ``Trainer`` with
+    ``build_trainer(cfg)`` (``plait.recipes.build_trainer``: the caller passes it, the calibration does not
+    know the recipes); ``target``: another worker of this module with the same signature, whose one number is
+    returned."""
     from plait.plan.calibrate_comm import spawn_and_collect
 
     nproc = [o.split("=", 1)[1] for o in overrides if o.startswith("--parallel.nproc=")]
     world = int(nproc[-1]) if nproc else world
     with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as tmp:
-        return float(spawn_and_collect(target or _worker, world, (overrides, tmp), timeout_s,
+        return float(spawn_and_collect(target or _worker, world, (overrides, tmp, build_trainer), timeout_s,
                                        f"code-path calibration {overrides}"))
 
 
@@ -168,16 +171,20 @@ def residual_constant(measured: float, predict: Callable[[float], float], probe:
     return max(0.0, (measured - base) / slope)
 
 
-def calibrate_paths(profile: Any, log: Callable[[str], None] = print,
-                    measure: Callable[[list[str]], float] = measure_step) -> dict[str, float]:
+def calibrate_paths(profile: Any, log: Callable[[str], None] = print, measure: Callable[..., float] = measure_step,
+                    build_trainer: Callable[[Any], Any] | None = None) -> dict[str, float]:
     """``{constant: seconds}`` for every entry of ``PATHS`` on the calibrated ``profile`` (see the module
-    docstring). ``measure`` times a layout (the spawned tiny run; a test may pass its own)."""
+    docstring). ``measure`` times a layout (the spawned tiny run, whose ranks build trainers with
+    ``build_trainer``; a test may pass its own ``measure``)."""
+    if measure is measure_step:
+        measure = functools.partial(measure_step, build_trainer=build_trainer)
     from plait.config import load_config
     from plait.plan.simulate import simulate_config
 
     found: dict[str, float] = {}
     with one_thread():  # the spawned ranks run one thread each
-        found["dtensor"] = measure([], target=_dtensor_worker) if measure is measure_step else measure(["dtensor"])
+        found["dtensor"] = measure([], target=_dtensor_worker) if isinstance(measure, functools.partial) \
+            else measure(["dtensor"])
         profile = with_overhead(profile, "dtensor", found["dtensor"])
         log(f"calibrate: dtensor {found['dtensor'] * 1e6:.1f} us per operator (optimizer step on DTensors)")
         for key, overrides in PATHS.items():
@@ -192,15 +199,3 @@ def calibrate_paths(profile: Any, log: Callable[[str], None] = print,
             log(f"calibrate: {key} {found[key] * 1e6:.1f} us per event (tiny {' '.join(overrides)}: "
                 f"measured {measured * 1e3:.1f} ms)")
     return found
-
-
-def write_overheads(path: str | Path, found: dict[str, float]) -> None:
-    """Set ``[calibration.overhead]`` entries of the profile at ``path`` to ``found`` (one thread)."""
-    from plait.plan.calibrate import _toml
-
-    lines = Path(path).read_text().splitlines()
-    start = lines.index(next(ln for ln in lines if ln.startswith("[calibration.overhead]")))
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("[")), len(lines))
-    body = [ln for ln in lines[start + 1:end] if ln.split("=")[0].strip() not in found and ln.strip()]
-    body += [f"{k} = {_toml({'1': v})}" for k, v in found.items()]
-    Path(path).write_text("\n".join(lines[:start + 1] + body + [""] + lines[end:]) + "\n")

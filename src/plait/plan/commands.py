@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.config import ConfigError, load_config
+from plait.runtime.args import split_args
 
 FLAGS = {"--hardware": str, "--nodes": int, "--gpus-per-node": int, "--trace": str, "--compare": str,
          "--stack": str, "--attention": str, "--recompute": str, "--gpus": int, "--top": int, "--write": str,
@@ -32,8 +33,6 @@ CHOICES = {"--stack": ("plait", "megatron"), "--attention": ("auto", "flash", "u
 
 def parse(argv: list[str], allowed: tuple[str, ...]) -> tuple[str | None, dict[str, Any], list[str]]:
     """(CONFIG path or None, flags, ``--section.key=value`` overrides); unknown options are errors."""
-    from plait.cli import split_args
-
     return split_args(argv, {n: None if n in SWITCHES else FLAGS[n] for n in allowed}, CHOICES)
 
 
@@ -90,11 +89,13 @@ def _run_world(run_dir: Path, default: int) -> int:
 def cmd_calibrate(argv: list[str]) -> int:
     """``plait calibrate [--out PATH] [--quick]``: measure this machine into a profile."""
     from plait.plan.calibrate import calibrate
+    from plait.recipes import build_trainer
 
     config, flags, overrides = parse(argv, ("--out", "--quick"))
     if config or overrides:
         raise ConfigError("plait calibrate takes only --out PATH and --quick")
-    calibrate(flags.get("--out"), quick=bool(flags.get("--quick")), log=lambda s: print(s, file=sys.stderr))
+    calibrate(flags.get("--out"), quick=bool(flags.get("--quick")), log=lambda s: print(s, file=sys.stderr),
+              build_trainer=build_trainer)
     return 0
 
 

@@ -17,7 +17,7 @@
   (each optimizer operator on one goes through DTensor too): counted on the real model built on the meta
   device, like the collectives. On a CPU each costs the calibrated per-operator overhead.
 * ``optimizer_traffic``: operators per parameter tensor and bytes per element of one step of the
-  optimizer plait builds from ``[optim]`` (``plait.train.optim.adamw``), counted on tiny real tensors.
+  optimizer plait builds from ``[optim]`` (``plait.components.optim.adamw``), counted on tiny real tensors.
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ class _Counter(TorchDispatchMode):
 def optimizer_traffic(cfg: Config) -> tuple[float, float]:
     """(operators per parameter tensor, bytes read + written per fp32 element) of one step of the
     optimizer plait builds from ``cfg.optim``, counted on two parameters of 4 elements each."""
-    from plait.train.optim import adamw
+    from plait.components.optim import adamw
 
     params = [nn.Parameter(torch.ones(2, 2)), nn.Parameter(torch.ones(4))]
     for p in params:

@@ -141,7 +141,7 @@ def validated(cfg: Config, world: int, memory_only: bool = False) -> Config:
     if cfg.parallel.offload != "none" and not memory_only:
         raise ConfigError(f"the simulator does not model parallel.offload={cfg.parallel.offload}; set "
                           "parallel.offload=none (plait plan memory predicts its device memory)")
-    cfg = validate(cfg, world, model_checks=False)
+    cfg = validate(cfg, world)
     recipe = model_recipe(cfg)
     if recipe is not None and recipe.check is not None:
         recipe.check(cfg, resolve_degrees(cfg, world))

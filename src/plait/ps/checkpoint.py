@@ -1,6 +1,6 @@
 """Parameter-server checkpoints written and read by the servers themselves, through DCP.
 
-A PS checkpoint is every layout's checkpoint (``plait.train.checkpoint``: one DCP directory under the
+A PS checkpoint is every layout's checkpoint (``plait.components.checkpoint``: one DCP directory under the
 single-process names, a SHA-256 manifest, written to ``PATH.tmp`` and renamed): workers and servers
 take part in one DCP save over a gloo group of every rank, and each server contributes only what it
 holds. Its flat shard ``[lo, hi)`` overlaps each parameter in a contiguous range ``[a, b)`` of the
@@ -41,9 +41,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from plait.components.optim import single_names
 from plait.ps.shard import FlatLayout
 from plait.ps.state import ShardState
-from plait.train.optim import single_names
 
 Box = tuple[tuple[int, ...], tuple[int, ...], int]  # (offsets, sizes, first element relative to a)
 

@@ -307,7 +307,7 @@ class ShardState:
     # -- state for checkpoints -----------------------------------------------------------------------
     def optimizer_keys(self) -> tuple[list[str], list[str]]:
         """(per-element state keys, scalar state keys) of the optimizer, sorted; state is created first."""
-        from plait.train.optim import materialize_optimizer_state
+        from plait.components.optim import materialize_optimizer_state
 
         if self.views:
             materialize_optimizer_state(self.optimizer, keep_grads=False)

@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.comm.collectives import Comm
+from plait.components.checkpoint import load_state, save_state
+from plait.components.optim import optimizer_recipe
 from plait.config import Config, ParallelConfig
 from plait.observe.log import get_logger
 from plait.parallel.apply import ModelSpec
@@ -41,8 +43,6 @@ from plait.ps.shard import FlatLayout
 from plait.ps.state import ShardState
 from plait.ps.worker import PsClient, grad_norm_sq
 from plait.topology import Topology
-from plait.train.checkpoint import load_state, save_state
-from plait.train.optim import optimizer_recipe
 
 
 @register_strategy

@@ -18,12 +18,19 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
+from plait.components.losses import import_object
 from plait.config import Config, ConfigError
-from plait.train.losses import import_object
+from plait.engine import Plait
+from plait.parallel.strategy import RankDone
+from plait.recipes import cnn, gpt
+from plait.train.trainer import Trainer
+from plait.validate import validate
 
 
 @dataclass
@@ -180,11 +187,44 @@ def check_recipe(cfg: Config, degrees: dict[str, int]) -> None:
             DATA[name].check(cfg)
 
 
-def _register_builtins() -> None:
-    from plait.recipes import cnn, gpt
+register_model("gpt", ModelRecipe(build=gpt.build_model, data="text", loss="causal_lm", check=gpt.check_model,
+                                  describe="plait's GPT (pre-LayerNorm decoder, tied embeddings)"))
+register_data("text", DataRecipe(build=gpt.build_text, check=gpt.check_text,
+                                 describe="a token corpus in model.seq_len windows (embedded by default)"))
+register_model("cnn", ModelRecipe(build=cnn.build_model, data="digits", loss="classification",
+                                  describe="a ResNet-style CNN with BatchNorm"))
+register_data("digits", DataRecipe(build=cnn.build_digits, describe="scikit-learn's 8x8 handwritten digits"))
 
-    gpt.register()
-    cnn.register()
+
+def validate_config(cfg: Config, world_size: int, *, model_checks: bool = True) -> Config:
+    """``plait.validate.validate`` with the registered model's and data set's own checks (``check_recipe``);
+    ``model_checks=False`` leaves them out (a model passed to ``Plait.setup`` rather than named in the config)."""
+    return validate(cfg, world_size, check_recipe if model_checks else None)
 
 
-_register_builtins()
+def build_trainer(cfg: Config) -> Trainer:
+    """A ``Trainer`` on the model and data the config names (``model.name`` / ``model.factory``, ``data.*``),
+    seeded by ``train.seed`` so every rank builds the same weights."""
+    p = Plait(cfg)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg)
+    train_data, held_out = build_data(cfg)
+    if hasattr(train_data, "source"):
+        p.logger.info("data: %s, %d training samples", train_data.source, len(train_data))
+    return Trainer(model, train_data, loss_fn=default_loss(cfg), eval_data=held_out, plait=p)
+
+
+def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:
+    """``plait train`` on this worker: the configured model and data through ``Trainer`` (the process
+    group, if any, is already initialised)."""
+    cfg.run.dir = str(run_dir)
+    try:
+        trainer = build_trainer(cfg)
+    except RankDone as e:  # a rank whose part ended in setup (a parameter server's, once every worker finished)
+        return {e.key: e.stats}
+    try:
+        if resume:
+            trainer.resume()
+        return trainer.fit()
+    finally:
+        trainer.p.watchdog.close()

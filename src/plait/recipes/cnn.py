@@ -30,11 +30,3 @@ def build_digits(cfg: Config) -> tuple[Any, Any]:
     from plait.data.digits import load_digits_splits
 
     return load_digits_splits(**{"test_fraction": 0.2, "seed": 0, **cfg.data.args})
-
-
-def register() -> None:
-    from plait.recipes import DataRecipe, ModelRecipe, register_data, register_model
-
-    register_model("cnn", ModelRecipe(build=build_model, data="digits", loss="classification",
-                                      describe="a ResNet-style CNN with BatchNorm"))
-    register_data("digits", DataRecipe(build=build_digits, describe="scikit-learn's 8x8 handwritten digits"))

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.components.losses import ClassificationLoss, Loss, infer_loss, resolve_loss
+from plait.components.optim import lr_at
 from plait.config import Config
 from plait.engine import Plait
 from plait.fault.recovery import Recovery
 from plait.observe.ranks import rank_timings
-from plait.train.losses import ClassificationLoss, Loss, infer_loss, resolve_loss
-from plait.train.optim import lr_at
 
 
 @dataclass
@@ -108,20 +108,6 @@ class Trainer:
         self.log.info("model: %.2fM parameters, world %d, dp %d x accumulation %d, precision %s, loss %s",
                       self.num_params / 1e6, p.world_size, p.dp, p.accumulation, cfg.train.precision, self.loss.name)
 
-    @classmethod
-    def from_config(cls, cfg: Config) -> Trainer:
-        """The model and data the config names (``model.name`` / ``model.factory``, ``data.*``), seeded by
-        ``train.seed`` so every rank builds the same weights."""
-        from plait.recipes import build_data, build_model, default_loss
-
-        p = Plait(cfg)
-        torch.manual_seed(cfg.train.seed)
-        model = build_model(cfg)
-        train, held_out = build_data(cfg)
-        if hasattr(train, "source"):
-            p.logger.info("data: %s, %d training samples", train.source, len(train))
-        return cls(model, train, loss_fn=default_loss(cfg), eval_data=held_out, plait=p)
-
     # -- the engine's parts, for inspection ---------------------------------------------------------
     @property
     def layout(self) -> Any:
@@ -141,8 +127,8 @@ class Trainer:
 
     # -- utilisation ------------------------------------------------------------------------------
     def _model_flops(self, model: nn.Module, sample: Any) -> Any:
-        """Rank 0 (the rank that logs): the model's FLOPs per token or sample (``plait.observe.mfu``)."""
-        from plait.observe.mfu import dense_gpt, model_flops_per_item
+        """Rank 0 (the rank that logs): the model's FLOPs per token or sample (``plait.train.mfu``)."""
+        from plait.train.mfu import dense_gpt, model_flops_per_item
 
         if not self.rank0:
             return None
@@ -153,13 +139,13 @@ class Trainer:
 
     def _peak(self) -> Any:
         """Rank 0: one device's peak FLOP/s for this run's precision (measured once per machine on a CPU)."""
-        from plait.observe.mfu import device_peak
+        from plait.train.mfu import device_peak
 
         return device_peak(self.p.device, self.cfg.train.precision) if self.rank0 else None
 
     def mfu(self, tokens_per_s: float, samples_per_s: float) -> float | None:
         """Model FLOPs utilisation at these rates over all ``world_size`` devices (None off rank 0)."""
-        from plait.observe.mfu import mfu
+        from plait.train.mfu import mfu
 
         if self.flops is None or self.peak is None:
             return None
@@ -187,7 +173,7 @@ class Trainer:
     def resume(self) -> bool:
         """Continue from the run directory's newest good checkpoint (damaged ones, and those of loss-spike
         steps, are skipped with a warning naming the problem); False when it has none."""
-        from plait.fault.integrity import newest_good
+        from plait.components.integrity import newest_good
 
         found = newest_good(self.run_dir, check=self.cfg.checkpoint.verify)
         for path, problems in found.skipped.items():
@@ -225,7 +211,7 @@ class Trainer:
             self.p.truncate_metrics(step)
 
     def save(self) -> Path:
-        from plait.train.checkpoint import point_latest, step_dir
+        from plait.components.checkpoint import point_latest, step_dir
 
         s = self.state
         extra = {"step": s.step, "skipped_steps": s.skipped_steps, "tokens_seen": s.tokens_seen,
@@ -395,21 +381,3 @@ class Trainer:
 
             report_at_end(self.run_dir, self.log)
         return summary
-
-
-def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:
-    """``plait train`` on this worker: the configured model and data through ``Trainer`` (the process
-    group, if any, is already initialised)."""
-    from plait.parallel.strategy import RankDone
-
-    cfg.run.dir = str(run_dir)
-    try:
-        trainer = Trainer.from_config(cfg)
-    except RankDone as e:  # a rank whose part ended in setup (a parameter server's, once every worker finished)
-        return {e.key: e.stats}
-    try:
-        if resume:
-            trainer.resume()
-        return trainer.fit()
-    finally:
-        trainer.p.watchdog.close()

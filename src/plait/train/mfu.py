@@ -24,7 +24,7 @@ Peak per device (``device_peak``):
   otherwise; sparsity not counted): the shipped hardware profiles (``plait.plan.profiles``) for A100
   and H100 SXM, ``GPU_PEAKS`` for the others; an unknown GPU gives no MFU (``None``, with the reason).
 * CPU: the matmul peak measured on this machine: the fastest ``torch.mm`` of ``PEAK_SIZES`` square
-  matrices in the training dtype at this process's thread count (``plait.plan.calibrate.timed``: the
+  matrices in the training dtype at this process's thread count (``plait.runtime.timing.timed``: the
   fastest of repeated samples, the least disturbed by other processes), cached in
   ``~/.cache/plait/peak.json`` keyed by CPU model, thread count, dtype and torch version, so it is
   measured once per machine and setting (about a second).
@@ -160,7 +160,7 @@ def peak_cache_path() -> Path:
 
 def measure_cpu_matmul_peak(dtype: torch.dtype, threads: int, min_time: float = 0.05) -> float:
     """FLOP/s of the fastest ``torch.mm`` of ``PEAK_SIZES`` square matrices at ``threads`` threads."""
-    from plait.plan.calibrate import timed
+    from plait.runtime.timing import timed
 
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -208,7 +208,7 @@ def gpu_peak(name: str, dtype: str) -> Peak:
     for pattern, bf16, fp32 in GPU_PEAKS:
         if pattern in name:
             return Peak(bf16 if dtype == "bf16" else fp32, f"datasheet {dtype} dense peak ({pattern})")
-    return Peak(None, f"no datasheet peak known for {name!r}: add it to plait.observe.mfu.GPU_PEAKS")
+    return Peak(None, f"no datasheet peak known for {name!r}: add it to plait.train.mfu.GPU_PEAKS")
 
 
 def device_peak(device: torch.device, precision: str) -> Peak:

@@ -1,0 +1,1 @@
+"""Pieces several layers use: the optimizer factory, mixed precision, losses, the checkpoint format and export."""

@@ -1,0 +1,1 @@
+"""The lowest layer: config, topology, joining the process group, spawning ranks, timing."""
