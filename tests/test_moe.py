@@ -336,7 +336,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
         model, _ = p.setup(build(**moe), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR))
         losses, grads = _train(p, model, rank, STEPS)
         out[name] = {"losses": losses, "grads": {} if name in SHARDED_GRADS else _gather_grads(p, grads),
-                     "full": _full(p, model), "report": p.layout.report(None).get("expert_parallel")}
+                     "full": _full(p, model), "report": p.layout.report(None, None, p.device).get("expert_parallel")}
         p.close()
 
     # the auxiliary loss alone (main loss x 0): the router gradient of every layout
