@@ -111,7 +111,7 @@ def test_mfu_in_metrics_summary_and_progress_bar(tmp_path, monkeypatch) -> None:
                                  "--model.seq_len=16", "--train.global_batch_size=2", "--train.micro_batch_size=2",
                                  "--train.steps=2", "--train.eval_every=0", "--train.eval_sequences=2",
                                  "--train.log_every=1", "--checkpoint.every=0", "--observe.progress=false",
-                                 "--observe.tensorboard=false", f"--run.dir={tmp_path / 'run'}"])
+                                 "--observe.trackers=[]", f"--run.dir={tmp_path / 'run'}"])
     summary = Trainer.from_config(validate(cfg, 1)).fit()
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "step_s" in r]

@@ -39,12 +39,13 @@ from plait.comm.accounting import TorchCollectiveCounter
 from plait.comm.auto import AutoCompress
 from plait.comm.collectives import CommStats, comm_from_config
 from plait.comm.watchdog import StepWatchdog
-from plait.config import Config, ConfigError, from_sections, load_config
+from plait.config import Config, ConfigError, from_sections, load_config, to_dict
 from plait.data.loader import DeviceLoader, to_device
 from plait.fault.preempt import PreemptionFlag
 from plait.fault.restart import write_pid, write_progress
 from plait.launch import error_dir_from_env, error_file, init_distributed, write_error
 from plait.observe.log import get_logger
+from plait.observe.prometheus import serve_metrics
 from plait.parallel.apply import ModelSpec, apply_parallel, check_model
 from plait.parallel.layout import Layout
 from plait.parallel.prepare import broadcast_weights, route_forward, sync_batchnorm, unwrap_compiled
@@ -175,6 +176,10 @@ class Plait:
         self.preemption = PreemptionFlag()
         self.preemption.install()
         self.watchdog = self._build_watchdog()
+        o = cfg.observe  # rank r's Prometheus endpoint (None: off); the trainer and recovery feed it too
+        self.prometheus = serve_metrics(o.prometheus_port, o.prometheus_host, job=self.run_dir.resolve().name,
+                                        rank=self.rank, device=self.device, status=self.watchdog.status,
+                                        timeout_s=cfg.comm.timeout_s)
         self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")
         self.auto = AutoCompress() if cfg.comm.compress == "auto" and self.topology.dp > 1 else None
         self.accumulation = cfg.grad_accum
@@ -592,6 +597,8 @@ class Plait:
         info = self._finish_step(norm, not finite, lr, exposed, now - t1, now - self._boundary_t)
         info.moe = moe
         info.ps = layout.step_metrics() if self.ps is not None else None
+        if self.prometheus is not None:
+            self.prometheus.step_done(vars(info))
         self._boundary_t = now
         self._start_step()
         return info
@@ -741,6 +748,8 @@ class Plait:
         self.logger.info("checkpoint saved: %s", path)
         self.saved_step = step
         self._write_progress()
+        if self.prometheus is not None:
+            self.prometheus.checkpoint_done()
         if on_complete is not None and self.is_main:
             on_complete(path)
 
@@ -791,6 +800,8 @@ class Plait:
         if self.auto is not None and shared.get("auto") is not None:
             self.auto.load_state_dict(shared["auto"])
         self.logger.info("loaded %s (step %d)", path, self.steps)
+        if self.prometheus is not None:  # the checkpoint's age counts from when it was written
+            self.prometheus.checkpoint_done(Path(path).stat().st_mtime)
         self._start_step()
         return meta.get("extra", {})
 
@@ -824,8 +835,9 @@ class Plait:
 
     # -- metrics -----------------------------------------------------------------------------------
     def log(self, record: dict[str, Any], step: int | None = None) -> None:
-        """Record metrics (rank 0): a line of ``metrics.jsonl``, TensorBoard scalars, the progress bar.
-        ``step`` defaults to ``record["step"]``, else the optimizer steps taken."""
+        """Record metrics (rank 0): a line of ``metrics.jsonl``, the same to each of ``observe.trackers``
+        (TensorBoard, W&B, MLflow), the progress bar. ``step`` defaults to ``record["step"]``, else the optimizer
+        steps taken."""
         if not self.is_main:
             return
         from plait.observe.metrics import MetricsWriter, ProgressBar
@@ -833,7 +845,9 @@ class Plait:
         rec = {"step": step if step is not None else record.get("step", self.steps), **record}
         if self._metrics is None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._metrics = MetricsWriter(self.run_dir, True, self.config.observe.tensorboard)
+            o = self.config.observe
+            self._metrics = MetricsWriter(self.run_dir, True, o.trackers, to_dict(self.config), o.experiment,
+                                          o.mlflow_uri)
         self._metrics.log(rec)
         if self._bar is None and self.config.observe.progress:
             self._bar = ProgressBar(self.config.train.steps, 0, True)
@@ -843,24 +857,15 @@ class Plait:
     @_explained
     def truncate_metrics(self, step: int) -> None:
         """Rank 0: drop ``metrics.jsonl`` records of steps after ``step`` (they belong to a timeline a
-        restart or a rollback undid), so the file reads as one run."""
+        restart or a rollback undid), so the file reads as one run; the trackers rewind with it."""
         if not self.is_main:
             return
-        path = self.run_dir / "metrics.jsonl"
+        from plait.observe.metrics import truncate_metrics
+
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
-        if path.is_file():
-            import json
-
-            kept = []
-            for line in path.read_text().splitlines():
-                try:
-                    if int(json.loads(line).get("step", 0)) <= step:
-                        kept.append(line)
-                except (ValueError, AttributeError):
-                    continue
-            path.write_text("".join(x + "\n" for x in kept))
+        truncate_metrics(self.run_dir, step)
 
     def report(self) -> dict[str, Any]:
         """Layout results (pipeline bubble, memory predicted against measured, communication) for a
@@ -916,6 +921,8 @@ class Plait:
             self._bar.close()
         if self._metrics is not None:
             self._metrics.close()
+        if self.prometheus is not None:
+            self.prometheus.close()
         self.watchdog.close()
         self.comm.close()
         self.preemption.uninstall()

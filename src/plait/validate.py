@@ -9,6 +9,8 @@ when it is built.
 from __future__ import annotations
 
 from plait.config import Config, ConfigError, check_values
+from plait.observe.prometheus import check_prometheus
+from plait.observe.trackers import check_trackers
 from plait.parallel.pipeline import NATURAL_VIRTUAL, check_pipeline_layout
 from plait.parallel.zero import validate_zero
 from plait.topology import resolve_degrees
@@ -21,6 +23,8 @@ def validate(cfg: Config, world_size: int, *, model_checks: bool = True) -> Conf
     passed to ``Plait.setup`` rather than named in the config).
     """
     check_values(cfg)
+    check_trackers(cfg.observe.trackers)  # a missing extra is named before any worker starts
+    check_prometheus(cfg.observe.prometheus_port)
     t, p = cfg.train, cfg.parallel
     if p.mode == "ps":  # the workers are the data-parallel ranks; the servers hold no batch
         from plait.ps.roles import check_ps
