@@ -800,8 +800,8 @@ class Plait:
         if self.auto is not None and shared.get("auto") is not None:
             self.auto.load_state_dict(shared["auto"])
         self.logger.info("loaded %s (step %d)", path, self.steps)
-        if self.prometheus is not None:  # the checkpoint's age counts from when it was written
-            self.prometheus.checkpoint_done(Path(path).stat().st_mtime)
+        if self.prometheus is not None:  # training since this checkpoint is what a failure would lose
+            self.prometheus.checkpoint_done()
         self._start_step()
         return meta.get("extra", {})
 

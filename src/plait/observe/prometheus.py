@@ -44,9 +44,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "plait_straggler_score": ("gauge", "This rank's smoothed work time over the median rank's (1: typical)."),
     "plait_straggler_factor": ("gauge", "Score above which plait names a rank a straggler (fault.straggler_factor)."),
     "plait_restarts": ("gauge", "Restarts of the job before this attempt (0 on the first attempt)."),
-    "plait_last_checkpoint_timestamp_seconds": ("gauge", "Unix time of the newest complete checkpoint (saved or "
-                                                         "loaded; the process start before any)."),
-    "plait_checkpoint_age_seconds": ("gauge", "Seconds since the newest complete checkpoint (read at scrape)."),
+    "plait_last_checkpoint_timestamp_seconds": ("gauge", "Unix time at which this process last completed or "
+                                                         "loaded a checkpoint (its start before any)."),
+    "plait_checkpoint_age_seconds": ("gauge", "Seconds since this process last completed or loaded a checkpoint "
+                                              "(its start before any; read at scrape): training a failure would lose."),
     "plait_checkpoint_interval_steps": ("gauge", "Steps between checkpoints (0: only at the end)."),
     "plait_watchdog_state": ("gauge", "Hang watchdog's view of the main thread, 1 for the current state: off, "
                                       "running, busy (computing) or waiting (in communication) (read at scrape)."),
@@ -177,9 +178,9 @@ class PrometheusExporter:
         for kind, value in memory_bytes(self.device).items():
             self._memory.labels(*self.labels, kind).set(value)
 
-    def checkpoint_done(self, at: float | None = None) -> None:
-        """A checkpoint completed (or was loaded) at unix time ``at`` (default: now)."""
-        self.checkpoint_at = time.time() if at is None else at
+    def checkpoint_done(self) -> None:
+        """A checkpoint completed (or was loaded) now."""
+        self.checkpoint_at = time.time()
         self._set("plait_last_checkpoint_timestamp_seconds", self.checkpoint_at)
 
     def close(self) -> None:
