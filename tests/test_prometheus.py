@@ -19,6 +19,7 @@ import json
 import re
 import socket
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -226,3 +227,27 @@ def test_dashboard_and_rules_use_served_names() -> None:
     used = {name for e in exprs for name in re.findall(r"\bplait_\w+", e)}
     assert used and used <= set(METRICS), used - set(METRICS)
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+def test_bad_endpoint_settings_are_one_line(tmp_path: Path, monkeypatch) -> None:
+    """A port another process holds, a port out of range, prometheus_client missing: a ConfigError each, naming
+    what to change."""
+    import plait
+    from plait.config import ConfigError
+
+    def build(port: int) -> None:
+        plait.Plait(run={"dir": str(tmp_path)}, observe={"progress": False, "trackers": [], "prometheus_port": port})
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"rank 0 cannot serve metrics on 127.0.0.1:{port} .*choose another "
+                                              "observe.prometheus_port"):
+            build(port)
+    with pytest.raises(ConfigError, match="observe.prometheus_port must be a TCP port"):
+        build(70000)
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    with pytest.raises(ConfigError, match=r"prometheus-client package is not installed: pip install "
+                                          r"'plait\[prometheus\]'"):
+        build(9400)
