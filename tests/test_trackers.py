@@ -31,9 +31,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("mlflow")
-pytest.importorskip("wandb")
-
 FLAKY = """
     import os
 
@@ -145,6 +142,8 @@ def _check_append_only(history: dict[str, list[tuple[int, float]]], expected: di
 
 
 def test_trackers_hold_metrics_jsonl_across_a_restart_and_a_resume(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
+    pytest.importorskip("wandb", reason="the wandb extra is not installed")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow's opt-in to its file store, for reading back
     (tmp_path / "flaky.py").write_text(textwrap.dedent(FLAKY))
     run = tmp_path / "run"

@@ -20,11 +20,13 @@ The libraries are imported only when their tracker is asked for; ``check_tracker
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -143,7 +145,7 @@ class WandbTracker:
                                    resume="allow" if run_id else None, dir=str(run_dir),
                                    config=None if run_id else config)
         except Exception as e:  # a login, network or settings problem: the message says which
-            what = f"resume run {run_id}" if run_id else "start a run"
+            what = f"resume run {run_id} (named in {run_dir / STATE_FILE})" if run_id else "start a run"
             raise ConfigError(f"observe.trackers: W&B could not {what}: {type(e).__name__}: {_first_line(e)} (log "
                               "in with `wandb login`, or set WANDB_MODE=offline)") from None
         self.run_id = self._run.id
@@ -192,7 +194,7 @@ class MlflowTracker:
             self._log_config(config_params(config), run.data.params)
         except Exception as e:  # an unreachable server, a store MLflow refuses, a run id it does not hold
             where = uri or os.environ.get("MLFLOW_TRACKING_URI") or "MLflow's default tracking URI"
-            what = f"resume run {run_id}" if run_id else "start a run"
+            what = f"resume run {run_id} (named in {run_dir / STATE_FILE})" if run_id else "start a run"
             raise ConfigError(f"observe.trackers: MLflow at {where} could not {what}: {type(e).__name__}: "
                               f"{_first_line(e)}") from None
 
@@ -282,9 +284,9 @@ class Trackers:
             logged = self.state[t.name]["logged"] if t.append_only else {}
             fresh = {k: v for k, v in metrics.items() if step > logged.get(k, -1)}
             if fresh:
-                self._call(t, lambda t=t, fresh=fresh: t.log(fresh, step), f"at step {step}")
+                self._call(t, functools.partial(t.log, fresh, step), f"at step {step}")
 
-    def _call(self, t: Tracker, fn: Any, when: str) -> None:
+    def _call(self, t: Tracker, fn: Callable[[], Committed], when: str) -> None:
         """Run one tracker call; note what it committed in the ledger, or leave the tracker out if it failed."""
         try:
             done = fn()
