@@ -1,6 +1,6 @@
 """The Prometheus endpoint (``observe.prometheus_port``) scraped by a real Prometheus, and the shipped rules.
 
-* A 2-rank run (gloo, a tiny GPT, 6 steps, rank 1 made 3x slower with ``fault.slow_rank``) serves one endpoint
+* A 2-rank run (gloo, a tiny GPT, 6 steps, rank 1 made 5x slower with ``fault.slow_rank``) serves one endpoint
   per rank (port + rank). A Prometheus server (Debian's ``prometheus`` package, started here on loopback,
   scraping both endpoints every 200 ms) is queried over its HTTP API before the run ends: ``plait_loss`` per rank
   equals the loss each rank computed at its last step, ``plait_straggler_score`` per rank equals the trainer's
@@ -96,7 +96,7 @@ def _worker(rank: int, world: int, run_dir: str, port: int, url: str) -> dict:
         "run": {"dir": run_dir}, "model": {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 32},
         "train": {"steps": 6, "global_batch_size": 8, "micro_batch_size": 2, "eval_every": 0, "eval_sequences": 8,
                   "log_every": 1},
-        "checkpoint": {"every": 3}, "fault": {"slow_rank": 1, "slow_factor": 3.0},
+        "checkpoint": {"every": 3}, "fault": {"slow_rank": 1, "slow_factor": 5.0},
         "observe": {"progress": False, "trackers": [], "prometheus_port": port}})
     trainer = Held.from_config(cfg)
     trainer.fit()

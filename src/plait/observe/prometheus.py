@@ -125,7 +125,7 @@ class PrometheusExporter:
                  status: Callable[[], tuple[str, float]] | None = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-        self.labels = [job, str(rank), socket.gethostname()]
+        self.rank, self.labels = rank, [job, str(rank), socket.gethostname()]
         self.registry = CollectorRegistry(auto_describe=True)
         self.device, self.status = device, status
         self.checkpoint_at = time.time()
@@ -141,7 +141,6 @@ class PrometheusExporter:
             else:  # the series appears with its first value: no loss of 0 before the first step
                 self._gauges[name] = Gauge(name, doc, LABELS, registry=self.registry)
         self.registry.register(_ReadAtScrape(self))
-        self.address = (host, port)
         try:
             self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as e:
@@ -166,7 +165,7 @@ class PrometheusExporter:
             self._set("plait_compute_seconds", float(values["forward_s"]) + float(values["backward_s"]))
         scores = values.get("straggler_score")
         if scores:
-            self._set("plait_straggler_score", float(scores[int(self.labels[1])]))
+            self._set("plait_straggler_score", float(scores[self.rank]))
 
     def step_done(self, values: Mapping[str, Any]) -> None:
         """One optimizer step completed on this rank (``values``: its record, as ``set_values`` reads it)."""
