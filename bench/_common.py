@@ -29,7 +29,7 @@ from plait.plan.calibrate_comm import spawned  # noqa: E402
 
 # Overrides every benchmark trainer shares: a long schedule (no decay effects), no I/O, no evaluation.
 COMMON = ["--train.steps=100000", "--optim.warmup_steps=1", "--observe.progress=false",
-          "--observe.tensorboard=false", "--train.eval_every=0"]
+          "--observe.trackers=[]", "--train.eval_every=0"]
 
 
 class GroupError(RuntimeError):

@@ -170,7 +170,7 @@ def make_plait(s: Setup, root: str, name: str, zero: int) -> Any:
                        train={"global_batch_size": s.global_batch, "micro_batch_size": s.micro,
                               "steps": s.total_steps, "seed": SEED},
                        optim={"grad_clip": GRAD_CLIP, "lr": ADAMW["lr"], "warmup_steps": 0, "min_lr_ratio": 1.0},
-                       observe={"progress": False, "tensorboard": False}, run={"dir": str(Path(root, name))})
+                       observe={"progress": False, "trackers": []}, run={"dir": str(Path(root, name))})
 
 
 def build_api(s: Setup, data: CausalLMData, root: str, name: str, zero: int) -> tuple[Step, Callable]:

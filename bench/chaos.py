@@ -40,7 +40,7 @@ from plait.fault.goodput import goodput
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = ["--train.steps=1000000", "--train.eval_every=0", "--train.log_every=50", "--observe.progress=false",
-          "--observe.tensorboard=false", "--checkpoint.every=20", "--checkpoint.keep=3", "--comm.timeout_s=10",
+          "--observe.trackers=[]", "--checkpoint.every=20", "--checkpoint.keep=3", "--comm.timeout_s=10",
           "--parallel.nproc=2"]
 KINDS = (("kill", 0.5), ("stop", 0.3), ("corrupt", 0.2))
 
@@ -133,7 +133,7 @@ def blocking_saves(root: Path) -> dict:
     for mode in ("sync", "async"):
         run = root / f"save-{mode}"
         cmd = [sys.executable, "-m", "plait.cli", "train", "--train.steps=61", "--checkpoint.every=10",
-               "--train.eval_every=0", "--observe.progress=false", "--observe.tensorboard=false",
+               "--train.eval_every=0", "--observe.progress=false", "--observe.trackers=[]",
                f"--checkpoint.async={'true' if mode == 'async' else 'false'}", f"--run.dir={run}"]
         subprocess.run(cmd, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, check=True)
         events = [json.loads(x) for x in (run / "goodput.jsonl").read_text().splitlines()]

@@ -71,7 +71,7 @@ QUICK_METHODS = ["plait-none", "plait-powersgd", "ddp"]
 MODEL = ["--model.n_layer=4", "--model.d_model=256", "--model.n_head=8", "--model.seq_len=32",
          "--train.global_batch_size=8", "--train.micro_batch_size=4", "--comm.powersgd_rank=8"]
 COMMON = ["--train.log_every=1", "--train.eval_sequences=256", "--optim.fused=true", "--optim.warmup_steps=20",
-          "--optim.lr=1.5e-3", "--checkpoint.every=0", "--observe.progress=false", "--observe.tensorboard=false"]
+          "--optim.lr=1.5e-3", "--checkpoint.every=0", "--observe.progress=false", "--observe.trackers=[]"]
 ADDRS = ("10.77.0.1", "10.77.0.2")
 
 

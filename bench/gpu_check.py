@@ -53,7 +53,7 @@ if str(SRC) not in sys.path:
 SECTIONS = ("env", "tests", "gpt", "memory", "hf", "multiprocess")
 # Seconds each section may run before it is stopped (the whole check must end within five minutes on a GPU).
 LIMITS = {"env": 40, "tests": 90, "gpt": 180, "memory": 120, "hf": 90, "multiprocess": 15}
-QUIET = ["--observe.progress=false", "--observe.tensorboard=false", "--train.eval_every=0",
+QUIET = ["--observe.progress=false", "--observe.trackers=[]", "--train.eval_every=0",
          "--checkpoint.every=0", "--optim.warmup_steps=1", "--train.log_every=1000"]
 
 
@@ -452,7 +452,7 @@ def section_hf(device: Any, quick: bool, peaks: dict[str, Any]) -> dict[str, Any
                            "precision": "bf16 autocast, fp32 weights and AdamW", "flops_per_token": flops}
     with tempfile.TemporaryDirectory() as tmp:
         p = Plait(train={"precision": "bf16", "global_batch_size": c["batch"], "micro_batch_size": c["batch"]},
-                  optim={"grad_clip": 0.0}, observe={"progress": False, "tensorboard": False}, run={"dir": tmp})
+                  optim={"grad_clip": 0.0}, observe={"progress": False, "trackers": []}, run={"dir": tmp})
         model, opt = p.setup(model, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4))
 
         def plait_step() -> None:

@@ -63,7 +63,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = ["--model.n_layer=2", "--model.d_model=64", "--model.n_head=4", "--model.seq_len=64",
          "--train.global_batch_size=16", "--train.micro_batch_size=16", "--optim.lr=3e-3",
          "--optim.warmup_steps=20", "--train.eval_sequences=128", "--parallel.nproc=1",
-         "--observe.progress=false", "--observe.tensorboard=false", "--checkpoint.every=0"]
+         "--observe.progress=false", "--observe.trackers=[]", "--checkpoint.every=0"]
 MOE = ["--moe.num_experts=8", "--moe.top_k=2"]
 SHAPE = (128, 256, 8, 2)  # speed and the DeepSpeed step: d_model C, expert width H, experts E, top-k K
 TOKENS = 1024  # tokens per rank per forward
@@ -249,7 +249,7 @@ def _plait_step_rank(rank: int, world: int, root: str, warmup: int, steps: int) 
 
     p = plait.Plait(parallel={"nproc": world, "ep": world}, run={"dir": f"{root}/plait-step"},
                     train={"global_batch_size": world, "micro_batch_size": 1, "seed": 0},
-                    optim={"grad_clip": 0.0}, observe={"progress": False, "tensorboard": False})
+                    optim={"grad_clip": 0.0}, observe={"progress": False, "trackers": []})
     batches = step_batches(rank)
     baseline = _common.rss_bytes()
     reset = _common.reset_peak_rss()

@@ -85,7 +85,7 @@ def run(name: str, seed: int, slow: bool, args: argparse.Namespace, run_dir: str
     from plait.ps import ServerDone
 
     sections: dict[str, Any] = {
-        "run": {"dir": run_dir}, "observe": {"progress": False, "tensorboard": False},
+        "run": {"dir": run_dir}, "observe": {"progress": False, "trackers": []},
         "train": {"global_batch_size": WORKERS * MICRO, "micro_batch_size": MICRO, "seed": seed},
         "optim": {"lr": 0.01, "warmup_steps": 0, "grad_clip": 1.0},
         "fault": {"slow_rank": SLOW_RANK if slow else -1, "slow_factor": args.slow_factor if slow else 1.0}}

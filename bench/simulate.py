@@ -45,7 +45,7 @@ from _common import SRC, spawn_group  # noqa: F401 - puts src on the path
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LOAD = 0.7
 MODEL = ["--model.n_layer=4", "--model.d_model=128", "--model.n_head=4", "--model.seq_len=128"]
-RUN = ["--train.eval_every=0", "--checkpoint.every=0", "--observe.progress=false", "--observe.tensorboard=false",
+RUN = ["--train.eval_every=0", "--checkpoint.every=0", "--observe.progress=false", "--observe.trackers=[]",
        "--train.log_every=1", "--optim.warmup_steps=1"]
 B32 = ["--train.global_batch_size=32", "--train.micro_batch_size=8"]
 PP = ["--parallel.pp=2", "--parallel.microbatches=4"]

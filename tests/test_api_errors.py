@@ -16,7 +16,7 @@ import plait
 from plait.config import ConfigError
 from plait.engine import PlaitError
 
-QUIET = {"observe": {"progress": False, "tensorboard": False}}
+QUIET = {"observe": {"progress": False, "trackers": []}}
 
 
 def _plait(tmp_path: Path, **sections) -> plait.Plait:
@@ -99,7 +99,7 @@ def test_tensor_parallel_plan_errors_before_any_collective(tmp_path) -> None:
 # -- the command line ----------------------------------------------------------------------------------
 TINY = ["--model.n_layer=1", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=16",
         "--train.global_batch_size=4", "--train.micro_batch_size=2", "--train.steps=2", "--train.eval_sequences=4",
-        "--observe.progress=false", "--observe.tensorboard=false"]
+        "--observe.progress=false", "--observe.trackers=[]"]
 SCRIPTS = {
     "not_scalar.py": """
         import torch, plait

@@ -74,7 +74,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
         if name == "zero3-checkpointed":
             train["activation_checkpointing"] = "full"
         p = plait.Plait(parallel=parallel, train=train, run={"dir": f"{root}/{name}"},
-                        observe={"progress": False, "tensorboard": False})
+                        observe={"progress": False, "trackers": []})
         model, _ = p.setup(build(), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR),
                            loss_fn="classification", **kwargs)
         losses = []

@@ -82,7 +82,7 @@ def train_plait(kind: str, parallel: dict, micro: int, run_dir: str, seed: int) 
 
     p = plait.Plait(parallel=parallel, run={"dir": run_dir}, optim={"grad_clip": 1.0},
                     train={"global_batch_size": GLOBAL, "micro_batch_size": micro, "seed": SEED},
-                    observe={"progress": False, "tensorboard": False})
+                    observe={"progress": False, "trackers": []})
     sample = [dataset().tensors[0][:micro]] if parallel.get("pp", 1) > 1 else None
     model, opt = p.setup(build(kind, seed), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR),
                          loss_fn="causal_lm", sample=sample)

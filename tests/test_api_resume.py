@@ -33,7 +33,7 @@ def _run(run_dir: str, dropout: float, *, save: str | None = None, load: str | N
     from plait.models.gpt import GPT
 
     p = plait.Plait(run={"dir": run_dir}, train={"global_batch_size": GLOBAL, "micro_batch_size": MICRO, "seed": 1},
-                    observe={"progress": False, "tensorboard": False})
+                    observe={"progress": False, "trackers": []})
     torch.manual_seed(0)
     model = GPT(ModelConfig(n_layer=2, d_model=32, n_head=2, seq_len=SEQ, dropout=dropout))
     model, opt = p.setup(model, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3),

@@ -107,7 +107,7 @@ def test_named_pipeline_splits() -> None:
 def _plait(tmp_path, **sections):
     import plait
 
-    return plait.Plait(run={"dir": str(tmp_path)}, observe={"progress": False, "tensorboard": False}, **sections)
+    return plait.Plait(run={"dir": str(tmp_path)}, observe={"progress": False, "trackers": []}, **sections)
 
 
 def test_compiled_model_comes_back_without_prefixes(tmp_path) -> None:

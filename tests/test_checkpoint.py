@@ -16,7 +16,7 @@ from plait.train import checkpoint as ckpt
 def _trained(seed: int, steps: int = 1) -> tuple[Plait, torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     p = Plait(train={"global_batch_size": 2, "micro_batch_size": 2},
-              observe={"progress": False, "tensorboard": False})
+              observe={"progress": False, "trackers": []})
     model, opt = p.setup(torch.nn.Linear(4, 3), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.1))
     for _ in range(steps):
         p.backward(model(torch.randn(2, 4)).sum())

@@ -19,7 +19,7 @@ TINY = [
     "--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
     "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.eval_sequences=8",
     "--train.eval_every=0", "--train.log_every=1", "--optim.warmup_steps=2", "--observe.progress=false",
-    "--observe.tensorboard=false", "--parallel.nproc=2",
+    "--observe.trackers=[]", "--parallel.nproc=2",
 ]
 
 

@@ -73,7 +73,7 @@ BASE = [
     "--model.n_layer=2", "--model.d_model=32", "--model.n_head=4", "--model.seq_len=16",
     "--train.steps=2", "--train.global_batch_size=4", "--train.log_every=1",
     "--train.eval_every=0", "--train.eval_sequences=4", "--optim.grad_clip=1.0", "--checkpoint.every=0",
-    "--observe.progress=false", "--observe.tensorboard=false", "--observe.count_torch_collectives=every_step",
+    "--observe.progress=false", "--observe.trackers=[]", "--observe.count_torch_collectives=every_step",
 ]
 
 

@@ -21,7 +21,7 @@ from plait.recipes import validate_config as validate
 SMALL = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
          "--train.global_batch_size=16", "--train.micro_batch_size=8", "--train.eval_sequences=32",
          "--train.eval_every=0", "--train.log_every=1", "--optim.warmup_steps=2", "--optim.lr=1e-2",
-         "--observe.progress=false", "--observe.tensorboard=false", "--checkpoint.every=0",
+         "--observe.progress=false", "--observe.trackers=[]", "--checkpoint.every=0",
          "--parallel.nproc=2", "--parallel.bucket_mb=0.02"]  # ~5k-element buckets: several per step
 
 TRAIN_STEPS = 120

@@ -65,7 +65,7 @@ def _train_compiled(rank: int, world: int, tmp: str) -> dict:
         p = plait.Plait(run={"dir": f"{tmp}/{name}"}, train={"compile": True, "global_batch_size": GLOBAL,
                                                               "micro_batch_size": micro},
                         parallel={"nproc": world, **parallel}, optim={"lr": LR},
-                        observe={"progress": False, "tensorboard": False})
+                        observe={"progress": False, "trackers": []})
         model, _ = p.setup(_model(), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR),
                            loss_fn="causal_lm")
         loader = p.setup_dataloader(_data())

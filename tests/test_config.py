@@ -34,6 +34,20 @@ def test_overrides_are_typed() -> None:
         load_config(overrides=["--train.precision=fp8"])
 
 
+def test_list_overrides_and_the_replaced_tensorboard_key(tmp_path) -> None:
+    """A list as TOML, as bare comma-separated names, bracketed or not; observe.tensorboard names its successor."""
+    for text, want in (("[]", []), ('["wandb", "mlflow"]', ["wandb", "mlflow"]),
+                       ("[wandb, mlflow]", ["wandb", "mlflow"]), ("tensorboard,mlflow", ["tensorboard", "mlflow"])):
+        assert load_config(overrides=[f"--observe.trackers={text}"]).observe.trackers == want, text
+    assert load_config().observe.trackers == ["tensorboard"]
+    with pytest.raises(ConfigError, match="observe.trackers must be one of tensorboard, wandb, mlflow; got 'neptune'"):
+        load_config(overrides=["--observe.trackers=[neptune]"])
+    path = tmp_path / "c.toml"
+    path.write_text("[observe]\ntensorboard = false\n")
+    with pytest.raises(ConfigError, match=r"'observe.tensorboard' was replaced by observe.trackers"):
+        load_config(path)
+
+
 def test_toml_round_trip(tmp_path) -> None:
     cfg = load_config(overrides=["--run.dir=x \"y\"", "--model.n_layer=3", "--comm.timeout_s=9"])
     path = tmp_path / "c.toml"

@@ -24,7 +24,7 @@ BASE = [
     "--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
     "--train.steps=5", "--train.global_batch_size=8", "--train.log_every=1", "--train.eval_every=0",
     "--train.eval_sequences=8", "--optim.warmup_steps=2", "--optim.lr=3e-3", "--checkpoint.every=0",
-    "--observe.progress=false", "--observe.tensorboard=false", "--train.deterministic=true",
+    "--observe.progress=false", "--observe.trackers=[]", "--train.deterministic=true",
 ]
 
 # name -> overrides for the 2-rank run; every variant must match the same single-process reference.

@@ -22,7 +22,7 @@ from plait.recipes import validate_config as validate
 TP_DROPOUT = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=4", "--model.seq_len=16",
               "--model.dropout=0.2", "--train.steps=3", "--train.global_batch_size=4", "--train.micro_batch_size=4",
               "--train.eval_every=0", "--train.eval_sequences=4", "--checkpoint.every=0",
-              "--observe.progress=false", "--observe.tensorboard=false", "--parallel.tp=2"]
+              "--observe.progress=false", "--observe.trackers=[]", "--parallel.tp=2"]
 
 
 def _train(rank: int, world: int, root: str) -> dict:

@@ -41,7 +41,7 @@ DATA = """
 ARGS = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
         "--data.factory=elasticdata:build", "--train.global_batch_size=12", "--train.micro_batch_size=1",
         "--optim.decay_steps=6", "--train.eval_every=0", "--train.log_every=1", "--train.deterministic=true",
-        "--observe.progress=false", "--observe.tensorboard=false", "--checkpoint.every=0"]
+        "--observe.progress=false", "--observe.trackers=[]", "--checkpoint.every=0"]
 
 
 def _plait(tmp: Path, record: Path, *args: str) -> subprocess.CompletedProcess:

@@ -35,7 +35,7 @@ STEPS = 30
 ARGS = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
         "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.eval_sequences=8",
         f"--train.steps={STEPS}", f"--optim.decay_steps={STEPS}", "--train.eval_every=0", "--train.log_every=5",
-        "--train.deterministic=true", "--observe.progress=false", "--observe.tensorboard=false",
+        "--train.deterministic=true", "--observe.progress=false", "--observe.trackers=[]",
         "--checkpoint.every=4", "--checkpoint.keep=3", "--parallel.nproc=2", "--fault.max_restarts=6",
         "--fault.restart_backoff_s=0.2", "--comm.timeout_s=5"]
 

@@ -28,7 +28,7 @@ def _nan_worker(rank: int, world: int, root: str) -> dict:
     import plait
 
     p = plait.Plait(run={"dir": root}, train={"global_batch_size": 8, "micro_batch_size": 4},
-                    observe={"progress": False, "tensorboard": False})
+                    observe={"progress": False, "trackers": []})
     torch.manual_seed(0)
     model, _ = p.setup(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)))
     g = torch.Generator().manual_seed(rank)
@@ -86,7 +86,7 @@ SPIKY = """
 """
 ARGS = ["--model.factory=spiky:build", "--data.name=text", "--model.seq_len=32", "--train.global_batch_size=8",
         "--train.micro_batch_size=2", "--train.eval_sequences=32", "--train.eval_every=0", "--train.log_every=2",
-        "--observe.progress=false", "--observe.tensorboard=false", "--parallel.nproc=2", "--train.deterministic=true",
+        "--observe.progress=false", "--observe.trackers=[]", "--parallel.nproc=2", "--train.deterministic=true",
         "--fault.max_restarts=0"]
 
 

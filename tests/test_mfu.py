@@ -12,7 +12,7 @@ from torch import nn
 from plait.components.losses import resolve_loss
 from plait.config import load_config
 from plait.models.gpt import GPT
-from plait.observe import mfu as M
+from plait.train import mfu as M
 
 
 @pytest.mark.parametrize("shape", [(2, 64, 4, 32), (3, 96, 6, 64)])
@@ -111,7 +111,7 @@ def test_mfu_in_metrics_summary_and_progress_bar(tmp_path, monkeypatch) -> None:
                                  "--model.seq_len=16", "--train.global_batch_size=2", "--train.micro_batch_size=2",
                                  "--train.steps=2", "--train.eval_every=0", "--train.eval_sequences=2",
                                  "--train.log_every=1", "--checkpoint.every=0", "--observe.progress=false",
-                                 "--observe.tensorboard=false", f"--run.dir={tmp_path / 'run'}"])
+                                 "--observe.trackers=[]", f"--run.dir={tmp_path / 'run'}"])
     summary = build_trainer(validate(cfg, 1)).fit()
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "step_s" in r]

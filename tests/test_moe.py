@@ -172,7 +172,7 @@ CASES = {
 }
 # ZeRO keeps no full reduced gradient per parameter (shards only): compared on losses and parameters.
 SHARDED_GRADS = {"ep2-zero1", "ep2-zero2-cap1", "ep2-zero3", "ep4-zero1"}
-QUIET = {"observe": {"progress": False, "tensorboard": False}}
+QUIET = {"observe": {"progress": False, "trackers": []}}
 
 
 def _plait(root: str, name: str, parallel: dict, dispatcher: str):
@@ -285,7 +285,7 @@ def _gpt_cases(rank: int, root: str) -> dict:
         cfg = load_config(overrides=GPT_MODEL + extra + [
             f"--run.dir={root}/{name}", f"--parallel.nproc={WORLD}", f"--train.global_batch_size={GPT_DP * B}",
             f"--train.micro_batch_size={mb}", "--optim.grad_clip=0", "--observe.progress=false",
-            "--observe.tensorboard=false"])
+            "--observe.trackers=[]"])
         p = plait.Plait(cfg)
         model, _ = p.setup(gpt(every), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR),
                            loss_fn="causal_lm")

@@ -30,7 +30,7 @@ from plait.plan.simulate import simulate_config
 RUN = ["--model.n_layer=2", "--model.d_model=64", "--model.n_head=2", "--model.seq_len=64",
        "--train.global_batch_size=16", "--train.micro_batch_size=8", "--parallel.nproc=2", "--train.steps=14",
        "--train.log_every=1", "--train.eval_every=0", "--checkpoint.every=0", "--optim.warmup_steps=1",
-       "--observe.progress=false", "--observe.tensorboard=false", "--train.eval_sequences=8"]
+       "--observe.progress=false", "--observe.trackers=[]", "--train.eval_sequences=8"]
 
 
 @pytest.mark.slow

@@ -247,7 +247,7 @@ def _train(sections: dict, run_dir: str, steps: int = STEPS, save_at: int = 0, l
     import plait
     from plait.ps import ServerDone
 
-    p = plait.Plait(run={"dir": run_dir}, observe={"progress": False, "tensorboard": False}, **sections)
+    p = plait.Plait(run={"dir": run_dir}, observe={"progress": False, "trackers": []}, **sections)
     try:
         model, opt = p.setup(_hf_model() if hf else _model(sleepy), loss_fn="hf" if hf else _mse)
     except ServerDone as e:
@@ -284,7 +284,7 @@ def _exact_sum(sections: dict, run_dir: str) -> dict:
     import plait
     from plait.ps import ServerDone
 
-    p = plait.Plait(run={"dir": run_dir}, observe={"progress": False, "tensorboard": False},
+    p = plait.Plait(run={"dir": run_dir}, observe={"progress": False, "trackers": []},
                     optim={"grad_clip": 0.0}, train={"global_batch_size": 2, "micro_batch_size": 1}, **sections)
     w = torch.nn.Linear(5, 1, bias=False)
     torch.nn.init.zeros_(w.weight)
@@ -328,7 +328,7 @@ def _world3(rank: int, world: int, tmp: str) -> dict:
 def _load_into_dp(ckpt: str, run_dir: str) -> dict:
     import plait
 
-    p = plait.Plait(run={"dir": run_dir}, observe={"progress": False, "tensorboard": False},
+    p = plait.Plait(run={"dir": run_dir}, observe={"progress": False, "trackers": []},
                     train={"global_batch_size": 12, "micro_batch_size": 4})
     model, opt = p.setup(_model(), loss_fn=_mse)
     p.load(ckpt, model=model, optimizer=opt)
@@ -438,12 +438,12 @@ def test_checkpoint_resume_and_load_into_data_parallel(world3: tuple) -> None:
 
 
 def _trainer(overrides: list[str], run_dir: str) -> dict:
-    """``plait train``'s worker function (Trainer.from_config) in this rank; a server returns its figures."""
+    """``plait train``'s worker function (plait.recipes.build_trainer) in this rank; a server returns its figures."""
     from plait.config import load_config
     from plait.recipes import train
 
     base = ["--parallel.mode=ps", "--train.eval_every=0", "--train.eval_sequences=16", "--train.log_every=2",
-            "--checkpoint.every=2", "--observe.progress=false", "--observe.tensorboard=false"]
+            "--checkpoint.every=2", "--observe.progress=false", "--observe.trackers=[]"]
     return train(load_config(None, base + overrides), __import__("pathlib").Path(run_dir))
 
 
@@ -646,7 +646,7 @@ def _dies(rank: int, world: int, tmp: str, victim: int) -> None:
     import plait
     from plait.ps import ServerDone
 
-    p = plait.Plait(run={"dir": tmp}, observe={"progress": False, "tensorboard": False}, **BASE,
+    p = plait.Plait(run={"dir": tmp}, observe={"progress": False, "trackers": []}, **BASE,
                     parallel={"mode": "ps"})
     if rank == victim == 2:
         threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGKILL)).start()

@@ -16,7 +16,7 @@ from plait.config import Config, load_config
 from plait.recipes import validate_config as validate
 
 ROOT = Path(__file__).resolve().parents[1]
-QUIET = ["--observe.progress=false", "--observe.tensorboard=false"]
+QUIET = ["--observe.progress=false", "--observe.trackers=[]"]
 
 FACTORY = """
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -26,7 +26,7 @@ pytest.importorskip("matplotlib", reason="the report needs matplotlib: pip insta
 TINY = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
         "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.eval_sequences=8",
         "--train.eval_every=0", "--train.log_every=1", "--optim.warmup_steps=2", "--observe.progress=false",
-        "--observe.tensorboard=false"]
+        "--observe.trackers=[]"]
 FIGURES = ["fig-loss", "fig-lr", "fig-grad-norm", "fig-throughput", "fig-step-time", "fig-comm", "fig-ranks-0",
            "fig-memory-0"]
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -48,7 +48,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     pipeline run (pp=2) that writes its own report."""
     root = tmp_path_factory.mktemp("runs")
     main = plait("train", "--train.steps=20", "--train.eval_every=10", "--train.log_every=5",
-                 "--observe.progress=false", "--observe.tensorboard=false", f"--run.dir={root}/main", cwd=root)
+                 "--observe.progress=false", "--observe.trackers=[]", f"--run.dir={root}/main", cwd=root)
     assert f"report:        plait report {root}/main" in main.stdout
     pipe = plait("train", *TINY, "--parallel.nproc=2", "--parallel.pp=2", "--train.micro_batch_size=8",
                  "--train.steps=4", "--observe.report=true", f"--run.dir={root}/pipeline", cwd=root)

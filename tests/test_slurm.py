@@ -41,7 +41,7 @@ log_every = 2
 warmup_steps = 1
 [observe]
 progress = false
-tensorboard = false
+trackers = []
 """
 
 

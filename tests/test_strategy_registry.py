@@ -60,7 +60,7 @@ def _train(rank: int, world: int, run_dir: str) -> dict:
 
     p = plait.Plait(parallel={"strategy": "toy_allreduce"}, optim={"grad_clip": 0.0},
                     train={"global_batch_size": 8, "micro_batch_size": 8 // world},
-                    observe={"progress": False, "tensorboard": False}, run={"dir": run_dir})
+                    observe={"progress": False, "trackers": []}, run={"dir": run_dir})
     model, opt = p.setup(_model(), optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=LR))
     share = 8 // world
     losses = []
@@ -80,7 +80,7 @@ def _load_into_data_parallel(rank: int, world: int, run_dir: str) -> dict:
     import plait
 
     p = plait.Plait(optim={"grad_clip": 0.0}, train={"global_batch_size": 8, "micro_batch_size": 8 // world},
-                    observe={"progress": False, "tensorboard": False}, run={"dir": run_dir + "/dp"})
+                    observe={"progress": False, "trackers": []}, run={"dir": run_dir + "/dp"})
     model, opt = p.setup(_model(), optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=LR))
     p.load(f"{run_dir}/ckpt", model=model, optimizer=opt)
     out = {"params": {k: v.clone() for k, v in p.full_state_dict(model).items()}, "steps": p.steps,

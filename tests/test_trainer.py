@@ -14,7 +14,7 @@ from plait.recipes import validate_config as validate
 
 TINY = ["--model.n_layer=1", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=16",
         "--train.global_batch_size=4", "--train.micro_batch_size=2", "--train.eval_sequences=4",
-        "--observe.progress=false", "--observe.tensorboard=false", "--optim.warmup_steps=1"]
+        "--observe.progress=false", "--observe.trackers=[]", "--optim.warmup_steps=1"]
 
 
 def _trainer(root: str, name: str, extra: list[str]):

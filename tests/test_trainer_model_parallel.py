@@ -24,7 +24,7 @@ BASE = [
     "--model.n_layer=4", "--model.d_model=32", "--model.n_head=4", "--model.seq_len=16",
     "--train.steps=3", "--train.global_batch_size=8", "--train.log_every=1", "--train.eval_every=0",
     "--train.eval_sequences=8", "--optim.warmup_steps=1", "--optim.lr=3e-3", "--optim.grad_clip=0.5",
-    "--checkpoint.every=0", "--observe.progress=false", "--observe.tensorboard=false", "--train.deterministic=true",
+    "--checkpoint.every=0", "--observe.progress=false", "--observe.trackers=[]", "--train.deterministic=true",
 ]
 TWO_RANKS = {
     "tp2": ["--train.micro_batch_size=8", "--parallel.tp=2"],

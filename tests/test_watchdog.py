@@ -131,7 +131,7 @@ gpt.Block.forward = _stalling_block
 CLI_TIMEOUT_S = 5
 SMALL = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
          "--train.global_batch_size=16", "--train.micro_batch_size=8", "--train.eval_every=0",
-         "--observe.progress=false", "--observe.tensorboard=false", "--checkpoint.every=0",
+         "--observe.progress=false", "--observe.trackers=[]", "--checkpoint.every=0",
          "--parallel.nproc=2", "--train.steps=4", f"--comm.timeout_s={CLI_TIMEOUT_S}", "--fault.max_restarts=0"]
 
 

@@ -114,7 +114,8 @@ def cmd_train(argv: list[str]) -> int:
             f"\nplait: trained {summary['steps']} steps on {summary['world_size']} worker(s): "
             f"val loss {summary['final_val_loss']:.4f}{accuracy}, {speed}",
             f"  run directory: {run_dir}",
-            f"  metrics:       {run_dir / 'metrics.jsonl'} (TensorBoard: {run_dir / 'tensorboard'})",
+            f"  metrics:       {run_dir / 'metrics.jsonl'}" + (f" (also to {', '.join(cfg.observe.trackers)})"
+                                                                    if cfg.observe.trackers else ""),
             f"  summary:       {run_dir / 'summary.json'}",
         ]
         if cfg.model.name == "gpt" and not cfg.model.factory:

@@ -303,8 +303,21 @@ class PsConfig:
 class ObserveConfig:
     # Show a progress bar on rank 0.
     progress: bool = True
-    # Write TensorBoard event files to the run directory.
-    tensorboard: bool = True
+    # Experiment trackers that receive every metrics.jsonl record and the resolved config from rank 0, any of:
+    # tensorboard (event files in RUN_DIR/tensorboard), wandb (Weights & Biases; the wandb extra; WANDB_MODE=offline
+    # writes RUN_DIR/wandb only), mlflow (the mlflow extra; see observe.mlflow_uri). [] for none. A resumed run
+    # continues the same tracker runs.
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"])
+    # W&B project and MLflow experiment of the run (empty: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else each
+    # library's default).
+    experiment: str = ""
+    # MLflow tracking URI: http(s)://server, sqlite:///path.db, file:/path... (empty: MLFLOW_TRACKING_URI, else
+    # MLflow's default).
+    mlflow_uri: str = ""
+    # Serve Prometheus metrics over HTTP (path /metrics): rank r listens on this port + its local rank (0: off).
+    prometheus_port: int = 0
+    # Address the Prometheus endpoints bind: loopback unless Prometheus scrapes from another host (0.0.0.0).
+    prometheus_host: str = "127.0.0.1"
     # Count the collectives torch issues (DDP, FSDP2, tensor and pipeline parallelism) into comm_bytes:
     # first_step counts them on the process's first training step and adds that figure to every later
     # step (their pattern is fixed by the layout and batch shape; counting slowed a small tp=2 step
@@ -415,8 +428,11 @@ def _coerce(section: str, key: str, value: Any, typ: Any) -> Any:
         return {str(k): v if value_type is Any else _coerce(section, f"{key}.{k}", v, value_type)
                 for k, v in value.items()}
     if origin is list:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, str):  # a TOML list ("[]", '["a", "b"]'), else comma-separated items (a,b or [a, b])
+            parsed = _parse_literal(value) if value.strip().startswith("[") else value
+            value = parsed if isinstance(parsed, list) else [
+                v.strip().strip("'\"") for v in value.strip().removeprefix("[").removesuffix("]").split(",")
+                if v.strip().strip("'\"")]
         if not isinstance(value, list):
             raise ConfigError(f"{where} must be a list; got {value!r}")
         (item_type,) = get_args(typ)
@@ -455,6 +471,8 @@ def _is_table(typ: Any) -> bool:
 
 # TOML keys that are not Python names: key -> field.
 _ALIASES = {"checkpoint.async": "async_save"}
+# Keys that were replaced: old key -> what to write instead.
+_REPLACED = {"observe.tensorboard": 'observe.trackers (a list: ["tensorboard"] writes TensorBoard files, [] none)'}
 
 
 def _set(cfg: Config, section: str, key: str, value: Any) -> None:
@@ -465,6 +483,8 @@ def _set(cfg: Config, section: str, key: str, value: Any) -> None:
         )
     obj = getattr(cfg, section)
     hints = typing.get_type_hints(type(obj))
+    if f"{section}.{key}" in _REPLACED:
+        raise ConfigError(f"config key '{section}.{key}' was replaced by {_REPLACED[f'{section}.{key}']}")
     key = _ALIASES.get(f"{section}.{key}", key)
     name, _, sub = key.partition(".")
     if sub and name in hints and _is_table(hints[name]):
@@ -557,6 +577,12 @@ def check_values(cfg: Config) -> Config:
         raise ConfigError("data.val_fraction must be between 0 and 1 (exclusive)")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"data.num_workers must be 0 or more; got {cfg.data.num_workers}")
+    o = cfg.observe
+    if len(set(o.trackers)) != len(o.trackers):
+        raise ConfigError(f"observe.trackers names a tracker twice: {o.trackers}")
+    if not 0 <= o.prometheus_port <= 65535:
+        raise ConfigError(f"observe.prometheus_port must be a TCP port (1-65535), or 0 for off; got "
+                          f"{o.prometheus_port}")
     if p.bucket_mb <= 0:
         raise ConfigError("parallel.bucket_mb must be positive")
     if isinstance(p.tp_plan, str) and p.tp_plan != "auto":

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from plait.config import Config, ConfigError, check_values
+from plait.observe.prometheus import check_prometheus
+from plait.observe.trackers import check_trackers
 from plait.parallel.registry import check_all, select
 
 
@@ -23,6 +25,8 @@ def validate(cfg: Config, world_size: int, model_check: Callable[[Config, dict[s
     checked there).
     """
     check_values(cfg)
+    check_trackers(cfg.observe.trackers)  # a missing extra is named before any worker starts
+    check_prometheus(cfg.observe.prometheus_port)
     t, p = cfg.train, cfg.parallel
     degrees = select(p).resolve_degrees(cfg, world_size)
     p.dp = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["ep"]

@@ -164,6 +164,7 @@ class StepWatchdog:
         self._published: str | None = None
         self._wait_id: tuple | None = None
         self._wait_since = 0.0
+        self._state = "running"  # the last sample's view of the main thread (``status``)
         self._lock = threading.Lock()  # held by whoever reports the error: the thread or explain()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -205,6 +206,16 @@ class StepWatchdog:
         lost = "Connection" in cause or "connection" in cause
         return CollectiveTimeout(f"{self.describe(None, where, lost)}; backend said: {cause}", ranks=self.late)
 
+    def status(self) -> tuple[str, float]:
+        """``(state, seconds)`` for monitoring, from any thread: "off" (inert, not started or closed), "running" (not
+        sampled yet), "busy" or "waiting" as last sampled, and how long the main thread has waited in the same
+        communication call (0 when it is not waiting)."""
+        if self.store is None or self._stop.is_set() or self._thread is None:
+            return "off", 0.0
+        if self._state != "waiting" or self._wait_id is None:
+            return self._state, 0.0
+        return "waiting", time.monotonic() - self._wait_since
+
     # -- the thread --------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -221,6 +232,7 @@ class StepWatchdog:
             return
         seq, now = self._seq, time.monotonic()
         state, where, f = locate(_stack(frame))
+        self._state = state
         if state == "waiting":
             ident = (seq, id(f), f.f_lasti if f is not None else -1)
             if ident != self._wait_id:

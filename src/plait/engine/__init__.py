@@ -51,6 +51,7 @@ from plait.engine.stepper import Stepper
 from plait.fault.preempt import PreemptionFlag
 from plait.nn.moe import moe_layers
 from plait.observe.log import get_logger
+from plait.observe.prometheus import serve_metrics
 from plait.parallel import registry
 from plait.parallel.apply import ModelSpec
 from plait.parallel.expert import MoeMonitor
@@ -102,11 +103,15 @@ class Plait(SmallCollectives):
         self.preemption = PreemptionFlag()
         self.preemption.install()
         self.watchdog = self._build_watchdog()
+        o = cfg.observe  # rank r's Prometheus endpoint (None: off); the trainer and recovery feed it too
+        self.prometheus = serve_metrics(o.prometheus_port, o.prometheus_host, job=self.run_dir.resolve().name,
+                                        rank=self.rank, device=self.device, status=self.watchdog.status,
+                                        timeout_s=cfg.comm.timeout_s)
         self.auto = AutoCompress() if cfg.comm.compress == "auto" and self.topology.dp > 1 else None
         self.checkpointer = Checkpointer(cfg.checkpoint.async_save, self.world_size, self.group, self._saved)
         self.metrics = MetricsSink(self.files.run_dir, cfg, self.is_main)
         self.stepper = Stepper(cfg, self.rank, self.world_size, self.comm, self.watchdog, self.files,
-                               self.preemption, self.group, self.auto, self.finish_saves)
+                               self.preemption, self.group, self.auto, self.finish_saves, self.prometheus)
         self.loss: Loss | None = None
         self._closed = False
 
@@ -391,6 +396,8 @@ class Plait(SmallCollectives):
         self.logger.info("checkpoint saved: %s", path)
         self.stepper.saved_step = step
         self.stepper.write_progress()
+        if self.prometheus is not None:
+            self.prometheus.checkpoint_done()
 
     @explained
     def load(self, path: str | Path, *, model: nn.Module | None = None, optimizer: Any = None,
@@ -413,6 +420,8 @@ class Plait(SmallCollectives):
             self.logger.info("checkpoint saved at world size %s, loading at %d: per-rank RNG and compressor "
                              "residuals start fresh", meta.get("world_size"), self.world_size)
         self.logger.info("loaded %s (step %d)", path, self.steps)
+        if self.prometheus is not None:  # training since this checkpoint is what a failure would lose
+            self.prometheus.checkpoint_done()
         self.stepper.start_step()
         return meta.get("extra", {})
 
@@ -444,14 +453,15 @@ class Plait(SmallCollectives):
 
     # -- metrics -----------------------------------------------------------------------------------
     def log(self, record: dict[str, Any], step: int | None = None) -> None:
-        """Record metrics (rank 0): a line of ``metrics.jsonl``, TensorBoard scalars, the progress bar.
-        ``step`` defaults to ``record["step"]``, else the optimizer steps taken."""
+        """Record metrics (rank 0): a line of ``metrics.jsonl``, the same to each of ``observe.trackers``
+        (TensorBoard, W&B, MLflow), the progress bar. ``step`` defaults to ``record["step"]``, else the optimizer
+        steps taken."""
         self.metrics.log({"step": step if step is not None else record.get("step", self.steps), **record})
 
     @explained
     def truncate_metrics(self, step: int) -> None:
         """Rank 0: drop ``metrics.jsonl`` records of steps after ``step`` (they belong to a timeline a
-        restart or a rollback undid), so the file reads as one run."""
+        restart or a rollback undid), so the file reads as one run; the trackers rewind with it."""
         self.metrics.truncate(step)
 
     def report(self) -> dict[str, Any]:
@@ -490,6 +500,8 @@ class Plait(SmallCollectives):
             self.strategy.close()  # a parameter server's worker tells the servers it is done
         self.stepper.stop_counting()
         self.metrics.close()
+        if self.prometheus is not None:
+            self.prometheus.close()
         self.watchdog.close()
         self.comm.close()
         self.preemption.uninstall()

@@ -1,13 +1,13 @@
-"""Rank 0's metrics: ``metrics.jsonl``, TensorBoard scalars and the progress bar, opened on first use."""
+"""Rank 0's metrics: ``metrics.jsonl``, the same to each of ``observe.trackers`` (TensorBoard, W&B, MLflow),
+and the progress bar, opened on first use."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from plait.config import Config
-from plait.observe.metrics import MetricsWriter, ProgressBar
+from plait.config import Config, to_dict
+from plait.observe.metrics import MetricsWriter, ProgressBar, truncate_metrics
 
 
 class MetricsSink:
@@ -23,7 +23,9 @@ class MetricsSink:
             return
         if self._writer is None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._writer = MetricsWriter(self.run_dir, True, self.config.observe.tensorboard)
+            o = self.config.observe
+            self._writer = MetricsWriter(self.run_dir, True, o.trackers, to_dict(self.config), o.experiment,
+                                         o.mlflow_uri)
         self._writer.log(rec)
         if self._bar is None and self.config.observe.progress:
             self._bar = ProgressBar(self.config.train.steps, 0, True)
@@ -31,22 +33,14 @@ class MetricsSink:
             self._bar.update(int(rec["step"]), float(rec["loss"]), float(rec.get("tokens_per_s", 0.0)), rec.get("mfu"))
 
     def truncate(self, step: int) -> None:
-        """Drop ``metrics.jsonl`` records of steps after ``step`` (a restart or a rollback undid them)."""
+        """Drop ``metrics.jsonl`` records of steps after ``step`` (a restart or a rollback undid them); the
+        trackers rewind with it."""
         if not self.active:
             return
-        path = self.run_dir / "metrics.jsonl"
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        if path.is_file():
-            kept = []
-            for line in path.read_text().splitlines():
-                try:
-                    if int(json.loads(line).get("step", 0)) <= step:
-                        kept.append(line)
-                except (ValueError, AttributeError):
-                    continue
-            path.write_text("".join(x + "\n" for x in kept))
+        truncate_metrics(self.run_dir, step)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -34,11 +34,12 @@ class Stepper:
 
     def __init__(self, config: Config, rank: int, world_size: int, comm: Comm, watchdog: StepWatchdog,
                  files: RunFiles, preemption: PreemptionFlag, group: Any, auto: AutoCompress | None,
-                 at_boundary: Callable[[], None]) -> None:
+                 at_boundary: Callable[[], None], prometheus: Any = None) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.comm, self.watchdog, self.files, self.preemption, self.group, self.auto = (
             comm, watchdog, files, preemption, group, auto)
         self.at_boundary = at_boundary  # work due at every step boundary (completing an asynchronous save)
+        self.prometheus = prometheus  # this rank's Prometheus exporter (None: off)
         self.logger = get_logger(rank)
         self.window = AccumulationWindow(config.grad_accum)
         self.scaler = LossScaler(enabled=config.train.precision == "fp16")
@@ -143,6 +144,8 @@ class Stepper:
         info = self._finish_step(norm, not stepped, lr, exposed, now - t1, now - self._boundary_t)
         info.moe = moe
         info.strategy_metrics = strategy.step_metrics()
+        if self.prometheus is not None:
+            self.prometheus.step_done(vars(info))
         self._boundary_t = now
         self.start_step()
         return info

@@ -69,8 +69,16 @@ class Recovery:
         self.every = trainer.cfg.checkpoint.every
         self.auto_every: int | None = None
         self._step_times: list[float] = []
+        self._export({"straggler_factor": f.straggler_factor})
         if trainer.rank0:
             goodput.record(trainer.run_dir, "ready", attempt=int(__import__("os").environ.get("PLAIT_ATTEMPT", "0")))
+
+    def _export(self, values: dict[str, Any]) -> None:
+        """To the Prometheus endpoint, when there is one: the checkpoint interval it judges age by, and more."""
+        exporter = self.t.p.prometheus
+        if exporter is not None:
+            every = self.every if self.every != "auto" else self.auto_every or AUTO_FIRST_SAVE
+            exporter.set_values({"checkpoint_interval_steps": every, **values})
 
     # -- state carried in checkpoints ---------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -81,6 +89,7 @@ class Recovery:
             self.detector.load_state_dict(state.get("detector", {}))
             self.rollbacks = int(state.get("rollbacks", 0))
             self.auto_every = state.get("auto_every")
+            self._export({})
 
     # -- after every step ---------------------------------------------------------------------------
     def after_step(self, rec: dict[str, Any]) -> bool:
@@ -157,6 +166,7 @@ class Recovery:
             self.auto_every = max(1, round(interval_s / max(step_s, 1e-9)))
             self.t.log.info("checkpoint.every=auto: save %.3fs, step %.3fs, MTBF %gs -> every %d steps",
                             blocking_s, step_s, self.t.cfg.fault.mtbf_s, self.auto_every)
+            self._export({})
 
     def save_done(self, blocking_s: float) -> None:
         """An asynchronous save completed inside a later step: the seconds that step waited for it (the
@@ -176,6 +186,7 @@ class Recovery:
                                self.stragglers.scores[r])
         self.named_stragglers |= set(slow)
         out = {"straggler_score": [round(x, 3) for x in self.stragglers.scores], "stragglers": sorted(slow)}
+        self._export({"straggler_score": out["straggler_score"]})
         if self.t.cfg.fault.rebalance and self.t.p.dp == self.t.p.world_size > 1:
             work = [c + d for c, d in zip(compute, data or [0.0] * len(compute), strict=True)]
             out["shares"] = self._rebalance(work)

@@ -1,4 +1,5 @@
-"""Per-step metrics: ``metrics.jsonl``, TensorBoard event files, and the rank-0 progress bar."""
+"""Per-step metrics: ``metrics.jsonl``, the experiment trackers (``plait.observe.trackers``), and the rank-0
+progress bar."""
 
 from __future__ import annotations
 
@@ -10,38 +11,54 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from plait.observe.trackers import Trackers, rewind_trackers
+
 STEP_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_s", "data_s", "forward_s",
              "backward_s", "comm_exposed_s", "optimizer_s")
 
 
 class MetricsWriter:
-    """Writes one JSON object per logged step; a no-op on ranks other than 0."""
+    """Writes one JSON object per logged step and sends it to the trackers; a no-op on ranks other than 0.
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool) -> None:
+    ``trackers``: names from ``observe.trackers``; ``config``: the resolved config (a dict) they record;
+    ``experiment`` and ``mlflow_uri``: ``observe.experiment`` and ``observe.mlflow_uri``."""
+
+    def __init__(self, run_dir: Path, enabled: bool, trackers: list[str] | tuple[str, ...] = (),
+                 config: dict[str, Any] | None = None, experiment: str = "", mlflow_uri: str = "") -> None:
         self.enabled = enabled
+        self._trackers = Trackers(run_dir, list(trackers), config or {}, experiment, mlflow_uri) \
+            if enabled and trackers else None
         self._file = open(run_dir / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115
-        self._tb = None
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            step = record["step"]
-            for k, v in record.items():
-                if k != "step" and isinstance(v, int | float):
-                    self._tb.add_scalar(f"train/{k}" if k != "val_loss" else "val/loss", v, step)
+        if self._trackers is not None:
+            self._trackers.log(record)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        if self._trackers is not None:
+            self._trackers.close()
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop ``metrics.jsonl`` records of steps after ``step`` (a timeline a restart or a rollback undid), so the
+    file reads as one run, and rewind the trackers with it (close the ``MetricsWriter`` first)."""
+    path = run_dir / "metrics.jsonl"
+    if path.is_file():
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                if int(json.loads(line).get("step", 0)) <= step:
+                    kept.append(line)
+            except (ValueError, AttributeError):
+                continue
+        path.write_text("".join(x + "\n" for x in kept))
+    rewind_trackers(run_dir, step)
 
 
 class ProgressBar:

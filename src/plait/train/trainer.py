@@ -4,8 +4,8 @@
     summary = trainer.fit()
 
 One optimizer step is ``accumulation`` micro-steps of ``Plait.forward_backward`` and one ``Plait.step``.
-Every ``train.log_every`` steps a line goes to ``metrics.jsonl`` (and TensorBoard and the progress
-bar): loss (mean over data-parallel ranks), learning rate, gradient norm, throughput and the time of
+Every ``train.log_every`` steps a line goes to ``metrics.jsonl`` (and the trackers of ``observe.trackers``
+and the progress bar): loss (mean over data-parallel ranks), learning rate, gradient norm, throughput and the time of
 each phase; ``comm_exposed_s`` is the time spent waiting for gradient communication after backward
 finished, the part that overlap did not hide. Every ``train.eval_every`` steps the evaluation set is
 scored, every ``checkpoint.every`` steps a checkpoint is saved (``RUN_DIR/checkpoints/step_N``, the
@@ -265,6 +265,8 @@ class Trainer:
         if info.strategy_metrics:  # e.g. a parameter server worker's clock, versions, bytes and waits
             rec.update(info.strategy_metrics)
             self.last_moe = info.moe
+        if p.prometheus is not None:  # what the engine's step does not see: data wait and throughput
+            p.prometheus.set_values({"data_s": data_s, "tokens_per_s": rec.get("tokens_per_s")})
         return rec
 
     # -- evaluation --------------------------------------------------------------------------------
