@@ -61,7 +61,7 @@ def setup_loss(model: nn.Module, loss_fn: Any, sample: Any, config: Config, mode
         from plait.parallel.compile import compile_loss
 
         # in place: the caller's Loss object runs compiled too
-        compile_loss(loss, config, backend=config.train.compile_backend)
+        compile_loss(loss, config.parallel, backend=config.train.compile_backend)
     if not model_whole and loss is None:
         if sample is None:
             raise PlaitError("with parallel.pp > 1 the last stage computes the loss: pass loss_fn= to setup "

@@ -78,7 +78,8 @@ class Stepper:
         samples: ``num_samples`` / the even micro-batch, so the averaged gradient is the global batch's mean."""
         if self.shares is None or num_samples is None:
             return 1.0
-        return num_samples * self.config.parallel.dp * self.window.accumulation / self.config.train.global_batch_size
+        dp = self.strategy.topo.dp
+        return num_samples * dp * self.window.accumulation / self.config.train.global_batch_size
 
     def backward(self, loss: torch.Tensor, num_samples: int | None) -> None:
         """Backward of a loss the user's own forward computed."""

@@ -15,10 +15,14 @@ from typing import Any
 
 from torch import nn
 
-from plait.config import Config
+from plait.config import ParallelConfig, TrainConfig
 from plait.parallel.checkpointing import apply_activation_checkpointing
 from plait.parallel.compile import compile_blocks
 from plait.parallel.expert import shard_experts
+from plait.parallel.pipeline import NATURAL_VIRTUAL
+from plait.parallel.pipeline_split import PipelineConfigError, pipeline_adapter, split_by_names
+from plait.parallel.plans import plan_for
+from plait.parallel.tensor import hf_plan, resolve_tp, validate_plan
 from plait.topology import Topology
 
 
@@ -40,36 +44,28 @@ class ModelSpec:
     sample: Any = None
 
 
-def _tp_function(model: nn.Module, cfg: Config, spec: ModelSpec) -> Callable[[nn.Module, Any], nn.Module]:
-    from plait.parallel.plans import plan_for
-    from plait.parallel.tensor import resolve_tp
-
+def _tp_function(model: nn.Module, p: ParallelConfig, spec: ModelSpec) -> Callable[[nn.Module, Any], nn.Module]:
     plan = plan_for(model)
     registered = plan.parallelize if plan is not None else None
     return resolve_tp(model, spec.tp_plan, spec.parallelize_fn,
-                      (lambda m, mesh: registered(m, mesh, cfg.parallel)) if registered is not None else None)
+                      (lambda m, mesh: registered(m, mesh, p)) if registered is not None else None)
 
 
-def check_model(model: nn.Module, topo: Topology, cfg: Config, spec: ModelSpec) -> None:
+def check_model(model: nn.Module, topo: Topology, p: ParallelConfig, spec: ModelSpec) -> None:
     """What can be checked about the model against the layout without communicating: a tensor-parallel
     plan (every pattern matches, kinds and widths and heads divide), a pipeline split (an adapter exists,
     the named split points are layers, every stage gets one). Raises a ``ConfigError`` subclass; every rank
     raises the same one, before any collective."""
-    p = cfg.parallel
-    if p.tp > 1 and spec.parallelize_fn is None:
-        from plait.parallel.tensor import hf_plan, validate_plan
-
-        _tp_function(model, cfg, spec)  # raises when no plan applies
+    tp, pp = topo.degree("tp"), topo.degree("pp")
+    if tp > 1 and spec.parallelize_fn is None:
+        _tp_function(model, p, spec)  # raises when no plan applies
         plan = spec.tp_plan if isinstance(spec.tp_plan, dict) else None
         if plan is None and not _registered(model):
             plan = hf_plan(model)
         if plan:
-            validate_plan(model, plan, p.tp)
-    if p.pp > 1 and spec.stage_fn is None:
-        from plait.parallel.pipeline import NATURAL_VIRTUAL
-        from plait.parallel.pipeline_split import PipelineConfigError, pipeline_adapter, split_by_names
-
-        stages = p.pp * (p.pp_virtual_stages or NATURAL_VIRTUAL.get(p.pp_schedule, 1))
+            validate_plan(model, plan, tp)
+    if pp > 1 and spec.stage_fn is None:
+        stages = pp * (p.pp_virtual_stages or NATURAL_VIRTUAL.get(p.pp_schedule, 1))
         names = pipeline_adapter(model).layer_names(model)
         if len(names) < stages:
             raise PipelineConfigError(f"{stages} pipeline stages but {type(model).__name__} has {len(names)} layers "
@@ -79,23 +75,22 @@ def check_model(model: nn.Module, topo: Topology, cfg: Config, spec: ModelSpec) 
 
 
 def _registered(model: nn.Module) -> bool:
-    from plait.parallel.plans import plan_for
-
     plan = plan_for(model)
     return plan is not None and plan.parallelize is not None
 
 
-def compose_model(model: nn.Module, topo: Topology, cfg: Config, spec: ModelSpec) -> nn.Module:
+def compose_model(model: nn.Module, topo: Topology, p: ParallelConfig, t: TrainConfig, dispatcher: str,
+                  spec: ModelSpec) -> nn.Module:
     """The model after the composition steps that precede a strategy's own wrapping, in order: tensor
-    parallel (``spec``'s plan), this rank's slice of the experts, activation checkpointing, compile.
+    parallel (``spec``'s plan), this rank's slice of the experts (dispatched by ``moe.dispatcher``),
+    activation checkpointing, compile.
 
     Unsupported combinations were rejected by ``plait.validate``. The model's weights are already the
     same on every rank (the strategy broadcasts them first)."""
-    p, t = cfg.parallel, cfg.train
-    if p.tp > 1:
-        model = _tp_function(model, cfg, spec)(model, topo.mesh["tp"])
+    if topo.degree("tp") > 1:
+        model = _tp_function(model, p, spec)(model, topo.mesh["tp"])
     if topo.ep > 1:  # this rank's slice of the experts; the expert-parallel wrapper reduces their gradients
-        shard_experts(model, topo.ep, topo.coord("ep"), topo.ep_group, cfg.moe.dispatcher)
+        shard_experts(model, topo.ep, topo.coord("ep"), topo.ep_group, dispatcher)
     model = apply_activation_checkpointing(model, t.activation_checkpointing, t.checkpoint_every_k)
     if t.compile:
         compile_blocks(model, backend=t.compile_backend)

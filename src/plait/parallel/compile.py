@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.config import Config, ConfigError
+from plait.config import ConfigError, ParallelConfig
 from plait.parallel.units import find_blocks
 
 
@@ -51,12 +51,10 @@ class CompileError(ConfigError):
     """``train.compile`` with a layout it cannot compose with; the message says what to change."""
 
 
-def check_compile(cfg: Config) -> None:
-    """Raise ``CompileError`` for the combinations in the module docstring (before any process group)."""
-    if not cfg.train.compile:
-        return
-    p = cfg.parallel
-    if getattr(p, "ep", 1) > 1:
+def check_compile(compile_: bool, ep: int) -> None:
+    """Raise ``CompileError`` for the combinations in the module docstring (before any process group):
+    ``train.compile`` with expert parallelism of degree ``ep``."""
+    if compile_ and ep > 1:
         raise CompileError("train.compile=true is refused with expert parallelism (parallel.ep > 1): the MoE "
                            "dispatch is data dependent (bincount, .item()), so torch.compile breaks the graph and "
                            "recompiles as routing changes, far slower than eager; set train.compile=false or "
@@ -74,11 +72,11 @@ def compile_blocks(model: nn.Module, **options: Any) -> list[str]:
     return [name for name, _ in blocks]
 
 
-def compile_loss(loss: Any, cfg: Config, **options: Any) -> Any:
+def compile_loss(loss: Any, p: ParallelConfig, **options: Any) -> Any:
     """Compile ``loss.loss`` (output, target -> scalar) in place on this ``plait.losses.Loss`` instance,
     unless the layout keeps it eager (tensor parallelism with ``loss_parallel``, see the module docstring);
     a no-op for a loss already compiled. Returns the loss."""
-    if cfg.parallel.tp > 1 and cfg.parallel.loss_parallel:
+    if p.tp > 1 and p.loss_parallel:
         return loss
     if loss is not None and not getattr(loss, "_plait_compiled", False):
         loss.loss = torch.compile(loss.loss, **options)

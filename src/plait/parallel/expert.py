@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dfn
 from torch import nn
 
-from plait.config import Config, ConfigError
+from plait.config import ConfigError, MoeConfig, ParallelConfig
 from plait.nn.moe import GroupedExperts, MoE, Routing, max_violation, moe_layers
 from plait.parallel.units import EXPERT_ATTR, is_expert
 
@@ -63,9 +63,8 @@ class ExpertParallelError(ConfigError):
     """A model or layout expert parallelism cannot take; the message says what to do."""
 
 
-def check_expert_layout(cfg: Config) -> None:
+def check_expert_layout(m: MoeConfig, p: ParallelConfig) -> None:
     """Config-only checks of ``[moe]`` against ``parallel.ep`` and the other degrees."""
-    m, p = cfg.moe, cfg.parallel
     if m.num_experts < 0 or m.top_k < 1 or m.every < 1 or m.d_hidden < 0 or m.shared_experts < 0:
         raise ConfigError("moe.num_experts >= 0, moe.top_k >= 1, moe.every >= 1, moe.d_hidden >= 0 and "
                           "moe.shared_experts >= 0 are required")

@@ -58,8 +58,8 @@ class ExpertParallel(Wrapper):
 
     @classmethod
     def check(cls, cfg: Config, degrees: dict[str, int]) -> None:
-        check_expert_layout(cfg)
-        check_compile(cfg)
+        check_expert_layout(cfg.moe, cfg.parallel)
+        check_compile(cfg.train.compile, degrees["ep"])
 
     def __init__(self, inner: Strategy) -> None:
         super().__init__(inner)

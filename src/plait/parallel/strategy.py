@@ -126,11 +126,12 @@ class Strategy:
         layout before any collective, rank 0's weights broadcast, BatchNorm synchronised if asked, then the
         composition order of ``plait.parallel.apply`` (tensor parallel, experts, activation checkpointing,
         compile) and this class built around the result."""
-        check_model(model, topo, cfg, spec)
+        check_model(model, topo, cfg.parallel, spec)
         broadcast_weights(model, comm, topo.world_size)
         if cfg.parallel.sync_batchnorm and topo.dp > 1:
             model = sync_batchnorm(model, topo.dp_group, topo.device)
-        return cls(compose_model(model, topo, cfg, spec), cfg, topo, comm, spec)
+        model = compose_model(model, topo, cfg.parallel, cfg.train, cfg.moe.dispatcher, spec)
+        return cls(model, cfg, topo, comm, spec)
 
     # -- the instance --------------------------------------------------------------------------------
     optimizer: Any = None

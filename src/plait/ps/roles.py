@@ -65,10 +65,10 @@ class PsGroups:
         return list(range(self.num_workers, self.world_size))
 
 
-def make_groups(cfg: Config) -> PsGroups:
-    """The PS process groups (collective: every rank calls it, in the same order)."""
+def make_groups(servers: int) -> PsGroups:
+    """The PS process groups for ``servers`` servers (collective: every rank calls it, in the same order)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    g = PsGroups(rank, world, cfg.ps.servers)
+    g = PsGroups(rank, world, servers)
     g.workers = dist.new_group(ranks=list(range(g.num_workers)), use_local_synchronization=False)
     g.p2p = dist.new_group(backend="gloo", timeout=P2P_TIMEOUT)
     g.servers = dist.new_group(ranks=g.server_ranks, backend="gloo") if g.num_servers > 1 else None
@@ -128,7 +128,7 @@ class PsTopology(Topology):
         return self.groups.workers
 
 
-def ps_topology(cfg: Config, groups: PsGroups, device: torch.device) -> PsTopology:
+def ps_topology(groups: PsGroups, device: torch.device) -> PsTopology:
     """The workers' topology: ``dp`` = the workers, over the workers' group (servers get the same one)."""
     degrees = {"pp": 1, "dp_replicate": groups.num_workers, "dp_shard": 1, "ep": 1, "tp": 1}
     return PsTopology(degrees=degrees, rank=groups.rank, world_size=groups.num_workers, device=device,

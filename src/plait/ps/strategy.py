@@ -63,7 +63,7 @@ class ParameterServer(Strategy):
 
     @classmethod
     def build_topology(cls, cfg: Config, device: torch.device) -> Topology:
-        return ps_topology(cfg, make_groups(cfg), device)
+        return ps_topology(make_groups(cfg.ps.servers), device)
 
     @classmethod
     def apply(cls, model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec: ModelSpec) -> Strategy:
