@@ -23,9 +23,10 @@ from plait.parallel.compile import check_compile
 from plait.parallel.data_strategy import reduce_in_place
 from plait.parallel.expert import ExpertParallelError, check_expert_layout
 from plait.parallel.model_parallel import ModelParallel, Pipeline
-from plait.parallel.strategy import Strategy, Wrapper, register_strategy
+from plait.parallel.strategy import Strategy, register_strategy
 from plait.parallel.tensor import local_value
 from plait.parallel.units import is_expert
+from plait.parallel.wrapper import Wrapper
 from plait.parallel.zero import ZeroOptimizer
 
 

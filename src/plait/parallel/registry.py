@@ -16,7 +16,8 @@ from plait.comm.collectives import Comm
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.parallel import data_strategy, expert_strategy, model_parallel  # noqa: F401 - they register themselves
 from plait.parallel.apply import ModelSpec
-from plait.parallel.strategy import Strategy, Wrapper, strategy_table
+from plait.parallel.strategy import Strategy, strategy_table
+from plait.parallel.wrapper import Wrapper
 from plait.ps import strategy as ps_strategy  # noqa: F401 - registers the parameter server
 from plait.topology import Topology
 

@@ -14,8 +14,8 @@ Two levels:
   rejects the settings it cannot train with one clear message before any process starts (``plait.validate``
   runs every registered strategy's check), ``resolve_degrees``/``build_topology`` lay out the ranks, and
   ``apply`` builds an instance around a model. ``Wrapper`` classes compose around the chosen strategy
-  (expert parallelism around any data-parallel layout): composition is by wrapping, in the order of
-  ``plait.parallel.apply``.
+  (expert parallelism around any data-parallel layout; ``plait.parallel.wrapper``): composition is by
+  wrapping, in the order of ``plait.parallel.apply``.
 * **The instance** does one training run's work. The engine calls, per optimizer step: ``backward`` or
   ``forward_backward`` per micro-step (``set_sync`` / ``no_sync`` keep gradients local on all but the last
   micro-step of an accumulation window), then ``finish`` (complete the gradient synchronisation; its wait
@@ -90,6 +90,8 @@ class Strategy:
     torch_collectives: bool = False
     # gradients held are shards of the data-parallel world's (ZeRO, FSDP): a wrapper sums their norms there
     shards_gradients: ClassVar[bool] = False
+    # a wrapper (plait.parallel.wrapper.Wrapper) is composed around the chosen strategy instead of chosen
+    is_wrapper: ClassVar[bool] = False
     # whether the user's model runs whole on each rank (False: it is split over ranks, like a pipeline's,
     # and ``forward_backward`` runs each micro-step; evaluation batches are then kept whole: drop_last)
     model_whole: ClassVar[bool] = True
@@ -337,139 +339,6 @@ class Strategy:
         """At the end of the run (a parameter server's worker tells the servers it is done)."""
 
 
-class Wrapper(Strategy):
-    """A strategy composed around another (``inner``): every call goes to ``inner`` unless overridden.
-    ``wraps(cfg)`` says when the registry puts it around the chosen strategy."""
-
-    def __init__(self, inner: Strategy) -> None:  # noqa: D107 - the inner strategy is already built
-        self.inner = inner
-        self.cfg, self.topo, self.comm, self.precision = inner.cfg, inner.topo, inner.comm, inner.precision
-
-    @classmethod
-    def wraps(cls, p: ParallelConfig) -> bool:
-        return False
-
-    @property
-    def model(self) -> nn.Module:  # type: ignore[override]
-        return self.inner.model
-
-    @property
-    def optimizer(self) -> Any:  # type: ignore[override]
-        return self.inner.optimizer
-
-    @property
-    def torch_collectives(self) -> bool:  # type: ignore[override]
-        return self.inner.torch_collectives
-
-    @property
-    def optimizers(self) -> list[Any]:
-        return self.inner.optimizers
-
-    def build_optimizer(self, factory: OptimizerFactory) -> Any:
-        return self.inner.build_optimizer(factory)
-
-    def scheduler_target(self) -> torch.optim.Optimizer:
-        return self.inner.scheduler_target()
-
-    def start(self, leaving: Callable[[], None]) -> None:
-        self.inner.start(leaving)
-
-    def uses_autocast(self) -> bool:
-        return self.inner.uses_autocast()
-
-    def wrap_forward(self, device: torch.device, compiled: bool) -> None:
-        self.inner.wrap_forward(device, compiled)
-
-    def set_sync(self, enabled: bool) -> None:
-        self.inner.set_sync(enabled)
-
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return self.inner.no_sync()
-
-    def context(self) -> contextlib.AbstractContextManager:
-        return self.inner.context()
-
-    def backward(self, loss: torch.Tensor, scale: float) -> None:
-        self.inner.backward(loss, scale)
-
-    def forward_backward(self, model: nn.Module, batch: Any, loss: Any, scale: float,
-                         before_backward: Callable[[float], None] | None = None,
-                         times: dict[str, float] | None = None) -> torch.Tensor:
-        return self.inner.forward_backward(model, batch, loss, scale, before_backward, times)
-
-    def evaluate(self, model: nn.Module, batch: Any, loss: Any) -> torch.Tensor:
-        return self.inner.evaluate(model, batch, loss)
-
-    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.inner.reduce_loss(loss)
-
-    def finish(self) -> None:
-        self.inner.finish()
-
-    def grads(self) -> list[torch.Tensor]:
-        return self.inner.grads()
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        return self.inner.clip_grad_norm(max_norm)
-
-    def step(self) -> None:
-        self.inner.step()
-
-    def after_step(self) -> None:
-        self.inner.after_step()
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad()
-
-    def agreement_group(self, default: Any) -> tuple[bool, Any]:
-        return self.inner.agreement_group(default)
-
-    def before_collective(self) -> None:
-        self.inner.before_collective()
-
-    def step_metrics(self) -> dict[str, Any]:
-        return self.inner.step_metrics()
-
-    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return self.inner.named_parameters()
-
-    def state_dicts(self) -> tuple[dict, dict]:
-        return self.inner.state_dicts()
-
-    def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
-        self.inner.load_state_dicts(model_sd, optim_sd)
-
-    def save_planner(self) -> Any:
-        return self.inner.save_planner()
-
-    def load_planner(self) -> Any:
-        return self.inner.load_planner()
-
-    def checkpoint_group(self, default: Any) -> Any:
-        return self.inner.checkpoint_group(default)
-
-    def begin_save(self, path: Path) -> None:
-        self.inner.begin_save(path)
-
-    def begin_load(self, path: Path, verify: bool) -> None:
-        self.inner.begin_load(path, verify)
-
-    def finish_load(self) -> None:
-        self.inner.finish_load()
-
-    def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        return self.inner.full_model_state(rank0_only)
-
-    def describe(self) -> str:
-        return self.inner.describe()
-
-    def report(self, run_dir: Path | None, measured: dict[str, int] | None, device: torch.device) -> dict[str, Any]:
-        return self.inner.report(run_dir, measured, device)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
 def check_loss(loss: Any) -> None:
     """A clear error for a loss that cannot be backpropagated: not a scalar, or not from the model."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -483,7 +352,7 @@ def check_loss(loss: Any) -> None:
 
 # -- the registry ------------------------------------------------------------------------------------
 _STRATEGIES: dict[str, type[Strategy]] = {}
-_WRAPPERS: dict[str, type[Wrapper]] = {}
+_WRAPPERS: dict[str, type[Strategy]] = {}
 
 
 def register_strategy(cls: type[Strategy]) -> type[Strategy]:
@@ -492,13 +361,13 @@ def register_strategy(cls: type[Strategy]) -> type[Strategy]:
     composed around the chosen strategy where its ``wraps`` holds."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} needs a name to be registered")
-    table: dict = _WRAPPERS if issubclass(cls, Wrapper) else _STRATEGIES
+    table: dict = _WRAPPERS if cls.is_wrapper else _STRATEGIES
     if table.get(cls.name, cls) is not cls and table[cls.name].__qualname__ != cls.__qualname__:
         raise ValueError(f"a strategy named {cls.name!r} is already registered ({table[cls.name].__qualname__})")
     table[cls.name] = cls
     return cls
 
 
-def strategy_table() -> tuple[dict[str, type[Strategy]], dict[str, type[Wrapper]]]:
+def strategy_table() -> tuple[dict[str, type[Strategy]], dict[str, type[Strategy]]]:
     """The registered strategies and wrappers by name (``plait.parallel.registry`` adds the built-ins)."""
     return _STRATEGIES, _WRAPPERS
