@@ -16,7 +16,9 @@ from helpers import run_ranks
 
 from plait.comm import compress
 from plait.comm.algorithms import ring_all_reduce
-from plait.comm.compress import COMPRESSORS, CompressConfigError, PowerSGDCompressor, build_compressor
+from plait.comm.compress import COMPRESSORS, CompressConfigError
+from plait.comm.compressors import build_compressor
+from plait.comm.powersgd import PowerSGDCompressor
 
 N = 5000  # not a multiple of the quantization block (128) nor a square
 

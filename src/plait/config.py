@@ -407,18 +407,7 @@ def _coerce(section: str, key: str, value: Any, typ: Any) -> Any:
             raise ConfigError(f"{where} must be one of {', '.join(map(str, allowed))}; got {value!r}")
         return value
     if origin in (typing.Union, types.UnionType):
-        options = [a for a in get_args(typ) if a is not type(None)]
-        if isinstance(value, str) and any(get_origin(a) is dict for a in options) and value.lstrip().startswith("{"):
-            value = _parse_literal(value)
-        if isinstance(value, dict):
-            return _coerce(section, key, value, next(a for a in options if get_origin(a) is dict))
-        errors = []
-        for option in options:  # the first type the value fits, in the declared order
-            try:
-                return _coerce(section, key, value, option)
-            except ConfigError as e:
-                errors.append(str(e).split("; got")[0].removeprefix(f"{where} must be "))
-        raise ConfigError(f"{where} must be {' or '.join(errors)}; got {value!r}")
+        return _coerce_union(section, key, value, typ)
     if origin is dict:
         if isinstance(value, str):
             value = _parse_literal(value)
@@ -437,6 +426,28 @@ def _coerce(section: str, key: str, value: Any, typ: Any) -> Any:
             raise ConfigError(f"{where} must be a list; got {value!r}")
         (item_type,) = get_args(typ)
         return [_coerce(section, key, v, item_type) for v in value]
+    return _coerce_scalar(where, value, typ)
+
+
+def _coerce_union(section: str, key: str, value: Any, typ: Any) -> Any:
+    """The first type of ``typ``'s options the value fits, in the declared order (a table for a dict option)."""
+    where = f"{section}.{key}"
+    options = [a for a in get_args(typ) if a is not type(None)]
+    if isinstance(value, str) and any(get_origin(a) is dict for a in options) and value.lstrip().startswith("{"):
+        value = _parse_literal(value)
+    if isinstance(value, dict):
+        return _coerce(section, key, value, next(a for a in options if get_origin(a) is dict))
+    errors = []
+    for option in options:
+        try:
+            return _coerce(section, key, value, option)
+        except ConfigError as e:
+            errors.append(str(e).split("; got")[0].removeprefix(f"{where} must be "))
+    raise ConfigError(f"{where} must be {' or '.join(errors)}; got {value!r}")
+
+
+def _coerce_scalar(where: str, value: Any, typ: Any) -> Any:
+    """A bool, int, float or str field's value."""
     if typ is bool:
         if isinstance(value, bool):
             return value

@@ -91,12 +91,9 @@ def checked_config(config_path: str | Path, overrides: list[str], world_size: in
     return cfg
 
 
-def slurm_script(config_path: str | Path, overrides: list[str], c: Cluster, *, name: str, max_restarts: int,
-                 partition: str | None = None, time_limit: str | None = None, cpus_per_task: int | None = None,
-                 python: str = sys.executable, workdir: str | Path | None = None) -> str:
-    """The sbatch script (see the module docstring); ``python`` is the interpreter the nodes run plait with."""
-    workdir = Path(workdir or Path.cwd()).resolve()
-    config = Path(config_path).resolve()
+def _sbatch_header(c: Cluster, name: str, workdir: Path, partition: str | None, time_limit: str | None,
+                   cpus_per_task: int | None) -> list[str]:
+    """The ``#SBATCH`` lines of the script."""
     head = [f"#SBATCH --job-name={name}", f"#SBATCH --nodes={c.nodes}", f"#SBATCH --ntasks-per-node={c.procs_per_node}",
             f"#SBATCH --chdir={workdir}", "#SBATCH --output=%x-%j.out"]
     if c.gpus_per_node:
@@ -108,6 +105,16 @@ def slurm_script(config_path: str | Path, overrides: list[str], c: Cluster, *, n
     if time_limit:
         # SIGTERM to every task 2 minutes before the limit: plait saves at the next step boundary and exits 75.
         head += [f"#SBATCH --time={time_limit}", "#SBATCH --signal=TERM@120"]
+    return head
+
+
+def slurm_script(config_path: str | Path, overrides: list[str], c: Cluster, *, name: str, max_restarts: int,
+                 partition: str | None = None, time_limit: str | None = None, cpus_per_task: int | None = None,
+                 python: str = sys.executable, workdir: str | Path | None = None) -> str:
+    """The sbatch script (see the module docstring); ``python`` is the interpreter the nodes run plait with."""
+    workdir = Path(workdir or Path.cwd()).resolve()
+    config = Path(config_path).resolve()
+    head = _sbatch_header(c, name, workdir, partition, time_limit, cpus_per_task)
     srun = ["srun", "--kill-on-bad-exit=1"] + ([f"--cpus-per-task={cpus_per_task}"] if cpus_per_task else [])
     new_run = " ".join(['"$CONFIG"', '--run.dir="$RUN_DIR"', *map(shlex.quote, overrides)])
     return f"""#!/bin/bash

@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from plait.comm.accounting import plait_issuing
 from plait.comm.algorithms import ALGORITHMS, AllReduce, AllReduceConfigError, get_allreduce, node_ids_for_ranks
-from plait.comm.compress import Compressor, build_compressor
+from plait.comm.compress import Compressor
+from plait.comm.compressors import build_compressor
 from plait.comm.guard import CollectiveGuard, Started
 from plait.config import CommConfig
 

@@ -330,14 +330,7 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
     mine = [s for s in range(num_stages) if owner[s] == rank]
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     loss_parallel = uses_loss_parallel(model)
-    if isinstance(adapter, FunctionPipeline):  # the user's stages: built for this rank only, ties are theirs
-        built = {s: adapter.build_stage(model, [str(s)], is_first=s == 0, is_last=s == num_stages - 1) for s in mine}
-        ties, copies = [], {}
-    else:
-        every = [adapter.build_stage(model, [names[i] for i in ranges[s]], is_first=s == 0,
-                                     is_last=s == num_stages - 1) for s in range(num_stages)]
-        ties, copies = untie_across_stages(model, every)
-        built = {s: every[s] for s in mine}
+    built, ties, copies = _build_stages(model, adapter, names, ranges, num_stages, mine)
     tie_group = None
     if any(len({owner[s] for s in t.stages}) > 1 for t in ties):
         tie_group = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
@@ -364,6 +357,19 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
                             events=events)
     runner.__dict__["owner"] = owner
     return runner
+
+
+def _build_stages(model: nn.Module, adapter: PipelineAdapter, names: list[str], ranges: list[range],
+                  num_stages: int, mine: list[int]) -> tuple[dict[int, nn.Module], list, dict]:
+    """(this rank's stage modules by stage index, the weights tied across stages, the names of later stages'
+    copies of them). A user's ``stage_fn`` builds only this rank's stages, and its ties are the user's."""
+    if isinstance(adapter, FunctionPipeline):
+        return {s: adapter.build_stage(model, [str(s)], is_first=s == 0, is_last=s == num_stages - 1)
+                for s in mine}, [], {}
+    every = [adapter.build_stage(model, [names[i] for i in ranges[s]], is_first=s == 0, is_last=s == num_stages - 1)
+             for s in range(num_stages)]
+    ties, copies = untie_across_stages(model, every)
+    return {s: every[s] for s in mine}, ties, copies
 
 
 def _drop_unowned(model: nn.Module, modules: list[nn.Module]) -> None:
