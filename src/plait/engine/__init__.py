@@ -33,7 +33,6 @@ from torch import nn
 
 from plait.comm.auto import AutoCompress
 from plait.comm.collectives import comm_from_config
-from plait.comm.guard import CollectiveTimeout
 from plait.comm.watchdog import StepWatchdog
 from plait.components.export import export_safetensors
 from plait.components.losses import Loss, infer_loss, resolve_loss
@@ -48,6 +47,7 @@ from plait.engine.run_files import RunFiles
 from plait.engine.setup import batch_size, check_setup_args, coerce_config, select_device, setup_loss
 from plait.engine.step_info import StepInfo
 from plait.engine.stepper import Stepper
+from plait.engine.stepper import StepperAttribute as _StepperAttr
 from plait.fault.preempt import PreemptionFlag
 from plait.nn.moe import moe_layers
 from plait.observe.log import get_logger
@@ -61,16 +61,6 @@ from plait.parallel.tensor import local_value
 from plait.runtime.dist import init_distributed, write_error
 from plait.topology import Topology
 from plait.validate import validate
-
-
-class _Stepper:
-    """A read-only attribute of ``Plait`` kept by its stepper."""
-
-    def __init__(self, name: str, doc: str) -> None:
-        self.name, self.__doc__ = name, doc
-
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        return self if obj is None else getattr(obj.stepper, self.name)
 
 
 class Plait(SmallCollectives):
@@ -140,16 +130,16 @@ class Plait(SmallCollectives):
         return self.stepper.strategy
 
     # the step's state lives in the stepper (plait.engine.stepper); read here under the names scripts know
-    window = _Stepper("window", "The accumulation window (``plait.engine.window``).")
-    scaler = _Stepper("scaler", "The loss scaler (fp16; scale 1 otherwise).")
-    scheduler = _Stepper("scheduler", "The LR scheduler ``setup`` built from the factory (None without one).")
-    moe = _Stepper("moe", "The MoE monitor (None for a model without ``plait.nn.MoE`` layers).")
-    steps = _Stepper("steps", "Optimizer steps taken (restored by ``load``).")
-    skipped_steps = _Stepper("skipped_steps", "Updates skipped for a non-finite gradient norm.")
-    saved_step = _Stepper("saved_step", "The step of the last completed checkpoint (None before one).")
-    resumed_from = _Stepper("resumed_from", "The step this process's run was loaded at (0: a new run).")
-    memory = _Stepper("memory", "This rank's measured model-state bytes (empty before the second update).")
-    shares = _Stepper("shares", "Samples per data-parallel rank of every global batch (None: even).")
+    window = _StepperAttr("window", "The accumulation window (``plait.engine.window``).")
+    scaler = _StepperAttr("scaler", "The loss scaler (fp16; scale 1 otherwise).")
+    scheduler = _StepperAttr("scheduler", "The LR scheduler ``setup`` built from the factory (None without one).")
+    moe = _StepperAttr("moe", "The MoE monitor (None for a model without ``plait.nn.MoE`` layers).")
+    steps = _StepperAttr("steps", "Optimizer steps taken (restored by ``load``).")
+    skipped_steps = _StepperAttr("skipped_steps", "Updates skipped for a non-finite gradient norm.")
+    saved_step = _StepperAttr("saved_step", "The step of the last completed checkpoint (None before one).")
+    resumed_from = _StepperAttr("resumed_from", "The step this process's run was loaded at (0: a new run).")
+    memory = _StepperAttr("memory", "This rank's measured model-state bytes (empty before the second update).")
+    shares = _StepperAttr("shares", "Samples per data-parallel rank of every global batch (None: even).")
 
     @property
     def model_whole(self) -> bool:
@@ -477,18 +467,6 @@ class Plait(SmallCollectives):
                 "decision": "undecided", "reason": f"the run ended before the measurement window "
                 f"(steps {self.auto.first}-{self.auto.last}) was complete; compression stayed off"}
         return out
-
-    def explain(self, exc: BaseException) -> BaseException:
-        """A backend timeout or lost peer as the error naming the ranks that did not arrive; the ranks it
-        names that run on this host and are stuck (stopped, hung) are ended, so the attempt ends within
-        seconds and the restart policy applies (``StepWatchdog.end_stuck_peers``)."""
-        named = self.watchdog.explain(exc)
-        if isinstance(named, CollectiveTimeout) and named.ranks:
-            # This rank's report first: the peers ended next fail at once, and the launcher names the
-            # earliest report as the cause.
-            write_error(named, self.rank, self.files.error_dir)
-            self.watchdog.end_stuck_peers(named.ranks)
-        return named
 
     def close(self) -> None:
         """Stop the watchdog and the comm thread, close metrics files; the process group stays."""

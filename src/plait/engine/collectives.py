@@ -1,5 +1,6 @@
 """The small collectives of ``Plait`` (a mixin: ``reduce``, ``gather``, ``barrier``) over the training ranks,
-each preceded by the strategy's ``before_collective`` (a parameter server's worker parks a backup version)."""
+each preceded by the strategy's ``before_collective`` (a parameter server's worker parks a backup version), and
+``explain``, which turns a collective's timeout or lost peer into the error naming the ranks that did not arrive."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait.comm.guard import CollectiveTimeout
 from plait.parallel.strategy import PlaitError
+from plait.runtime.dist import write_error
 
 
 def explained(method: Any) -> Any:
@@ -37,6 +40,10 @@ class SmallCollectives:
     group: Any
     device: torch.device
     world_size: int
+
+    watchdog: Any
+    rank: int
+    files: Any
 
     def _meet(self) -> None:
         if self.strategy is not None:
@@ -78,3 +85,14 @@ class SmallCollectives:
             self._meet()
             dist.barrier(group=self.group)
 
+    def explain(self, exc: BaseException) -> BaseException:
+        """A backend timeout or lost peer as the error naming the ranks that did not arrive; the ranks it
+        names that run on this host and are stuck (stopped, hung) are ended, so the attempt ends within
+        seconds and the restart policy applies (``StepWatchdog.end_stuck_peers``)."""
+        named = self.watchdog.explain(exc)
+        if isinstance(named, CollectiveTimeout) and named.ranks:
+            # This rank's report first: the peers ended next fail at once, and the launcher names the
+            # earliest report as the cause.
+            write_error(named, self.rank, self.files.error_dir)
+            self.watchdog.end_stuck_peers(named.ranks)
+        return named

@@ -28,6 +28,16 @@ from plait.parallel.expert import MoeMonitor
 from plait.parallel.strategy import PlaitError, Strategy
 
 
+class StepperAttribute:
+    """A read-only attribute of ``Plait`` kept by its stepper."""
+
+    def __init__(self, name: str, doc: str) -> None:
+        self.name, self.__doc__ = name, doc
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.stepper, self.name)
+
+
 class Stepper:
     """The step state of one ``Plait`` (its counters, the loss scaler, the MoE monitor, the measured
     model-state bytes) and the step itself (see the module docstring)."""
