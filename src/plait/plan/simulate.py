@@ -130,8 +130,9 @@ def _comm_plan(model: StageModel, params: list[Param], dp_group: Any) -> dict:
     cores_free = profile.kind != "cpu" or profile.cores - min(lay.world, model.cluster.devices_per_node) \
         * model.cluster.threads >= 1
     # Megatron-LM (2021, its default local DDP) all-reduces the gradient buffer after the whole backward
-    # (``allreduce_gradients`` in ``train_step``), so nothing overlaps there; plait's reducer overlaps.
-    overlap = cores_free and work.stack != "megatron"
+    # (``allreduce_gradients`` in ``train_step``), so nothing overlaps there; plait's reducer overlaps, and
+    # so does every fully sharded layout (FSDP reduce-scatters each unit as its gradients exist).
+    overlap = cores_free and (work.stack != "megatron" or lay.zero == 3)
     plan: dict[str, Any] = {"overlap": overlap, "prefetch": profile.kind != "cpu", "buckets": []}
     grad = model.gradient_bytes
     if lay.ep > 1:  # plait.parallel.expert, over the ranks holding the same experts, after backward
@@ -147,13 +148,14 @@ def _comm_plan(model: StageModel, params: list[Param], dp_group: Any) -> dict:
     if lay.dp == 1 or not params:
         return plan
     if lay.zero == 3:
-        param_bytes = 2 if work.precision == "bf16" else 4  # FSDP2 gathers in its param_dtype
+        # FSDP2 gathers in its param_dtype (bf16 under plait's bf16); a half-precision stack holds half params
+        param_bytes = (2 if work.precision == "bf16" else 4) if work.stack == "plait" else work.act_bytes
         units = derive.fsdp_units(params, work.shape.n_layer)
         sizes = [sum(params[i].local_numel(lay.tp) for i in u) for u in units]
         keys = list(range(len(units) - 1)) + [-1]
         plan["unit_ag"] = {k: collective_time(profile, "all_gather", n * param_bytes, dp_group)
                            for k, n in zip(keys, sizes, strict=True)}
-        plan["unit_rs"] = {k: collective_time(profile, "reduce_scatter", n * 4, dp_group)
+        plan["unit_rs"] = {k: collective_time(profile, "reduce_scatter", n * grad, dp_group)
                            for k, n in zip(keys, sizes, strict=True)}
         return plan
     if lay.zero in (1, 2):
@@ -248,12 +250,13 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
         timelines[r].end = ends[r]
         states, buffers = model_states(params_of[r], work, work.shape.n_layer)
         mine = [s for s in range(n_stages) if owner[s] == r]
-        transient = max(model.stage(stages[s], s == 0, s == n_stages - 1).transient for s in mine)
+        costs = [model.stage(stages[s], s == 0, s == n_stages - 1) for s in mine]
+        transient = max(c.transient for c in costs)
+        casts = sum(c.weight_casts for c in costs)  # one autocast copy of the rank's weights is alive at a time
         states.activations = timelines[r].activation_peak
-        states.buffers = buffers + transient
-        states.detail = {"activation_saved_per_microbatch": int(sum(model.stage(stages[s], s == 0,
-                                                                               s == n_stages - 1).saved for s in mine)),
-                         "stages": mine}
+        states.buffers = buffers + transient + casts
+        states.detail = {"activation_saved_per_microbatch": int(sum(c.saved for c in costs)),
+                         "autocast_weight_copies": int(casts), "stages": mine}
         memory[r] = states
     step = max(ends.values())
     for tl in timelines.values():

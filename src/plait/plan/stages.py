@@ -33,6 +33,7 @@ from plait.plan.schedule import ZBV_KEPT
 from plait.plan.workload import Workload
 
 DROPPED_BY_SELECTIVE = ("attn.probs", "attn.pmask", "attn.pdrop")
+WEIGHT_CASTS = "w."  # saved-tensor names of autocast's weight copies (``plait.plan.ops``)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class LayerCost:
     ep_fwd: float = 0.0  # expert all-to-alls in the compute stream (in fwd / bwd_in too)
     ep_bwd: float = 0.0
     zbv_kept: float = 0.0  # of ``saved``, what ZBV's weight-gradient pass leaves alive (plait.plan.schedule)
+    weight_casts: float = 0.0  # autocast's half-precision weight copies kept for backward (once per rank)
 
     @property
     def bwd(self) -> float:
@@ -101,7 +103,7 @@ class LayerCost:
                          self.tp_fwd + other.tp_fwd, self.tp_bwd + other.tp_bwd, self.saved + other.saved,
                          max(self.transient, other.transient), self.flops + other.flops,
                          ep_fwd=self.ep_fwd + other.ep_fwd, ep_bwd=self.ep_bwd + other.ep_bwd,
-                         zbv_kept=self.zbv_kept + other.zbv_kept)
+                         zbv_kept=self.zbv_kept + other.zbv_kept, weight_casts=self.weight_casts + other.weight_casts)
 
 
 def _is_weight_grad(op: Op) -> bool:
@@ -123,7 +125,7 @@ class StageModel:
         self.tp_group: Group = group_span(self.placement.tp_group(), cluster.devices_per_node)
         self.ep_group: Group = group_span(self.placement.ep_group(), cluster.devices_per_node)
         self.setup = Setup(micro_batch=work.pipe_micro_batch, tp=lay.tp, sp=lay.sp, act_bytes=work.act_bytes,
-                           attention=work.attention, stack=work.stack, ep=lay.ep)
+                           attention=work.attention, stack=work.stack, ep=lay.ep, autocast=work.autocast)
         self.derived_tp = derived_tp
         self.op_counts = op_counts
         self.blocks = BlockOps(work.shape, self.setup)
@@ -193,16 +195,19 @@ class StageModel:
             f_over, b_over = self._dispatch(dispatch, (n_f, n_b))
             f_comp, b_comp = f_comp + f_over, b_comp + b_over
         saved = fwd.saved()
+        casts = sum(v for k, v in saved.items() if k.startswith(WEIGHT_CASTS))
         cost = LayerCost(fwd=f_comp + f_comm, bwd_in=b_comp - b_w + b_comm, bwd_w=b_w, tp_fwd=f_comm - f_ep,
-                         tp_bwd=b_comm - b_ep, saved=sum(saved.values()), flops=sum(o.flops for o in fwd.ops + bwd.ops),
-                         ep_fwd=f_ep, ep_bwd=b_ep, zbv_kept=sum(v for k, v in saved.items() if k in ZBV_KEPT))
+                         tp_bwd=b_comm - b_ep, saved=sum(saved.values()) - casts,
+                         flops=sum(o.flops for o in fwd.ops + bwd.ops), ep_fwd=f_ep, ep_bwd=b_ep,
+                         zbv_kept=sum(v for k, v in saved.items() if k in ZBV_KEPT), weight_casts=casts)
         if recompute in ("full", "block"):
             cost.bwd_in += f_comp + f_comm
             cost.tp_bwd += f_comm - f_ep
             cost.ep_bwd += f_ep
             cost.flops += sum(o.flops for o in fwd.ops)
-            cost.transient = cost.saved
-            cost.saved = self.blocks.Mn * self.blocks.C * self.work.act_bytes
+            cost.transient = cost.saved + cost.weight_casts  # rebuilt inside the block's backward
+            cost.weight_casts = 0.0
+            cost.saved = self.blocks.Mn * self.blocks.C * self.setup.residual_bytes
             cost.zbv_kept = 0.0  # the recomputed graph is built and consumed inside the backward
             cost.recomputed = True
         elif recompute == "selective":
@@ -233,7 +238,10 @@ class StageModel:
     def embed(self) -> LayerCost:
         if ("embed",) not in self._cache:
             f, b = embedding_ops(self.work.shape, self.setup)
-            self._cache[("embed",)] = self._layer(f, b, "none", None)  # its operators are counted with the head's
+            cost = self._layer(f, b, "none", None)  # its operators are counted with the head's
+            if self.work.layout.recompute == "full":  # checkpointed blocks keep their hidden input, not rotary's
+                cost.saved -= f.saved().get("embed.rotary", 0.0)
+            self._cache[("embed",)] = cost
         return self._cache[("embed",)]
 
     def head(self) -> LayerCost:

@@ -114,6 +114,8 @@ def flat_step(model: StageModel, tl: RankTimeline, comm: dict, t0: float = 0.0) 
         tl.expose("fsdp", begin - now)
         return begin
 
+    blocks_back = [idx for idx, _ in reversed(layers) if 0 <= idx < n]
+    after = dict(zip([n] + blocks_back, blocks_back, strict=False))  # the unit backward reaches next
     for micro in range(work.accumulation):
         last = micro == work.accumulation - 1
         bwd_end: dict[int, float] = {}
@@ -126,12 +128,23 @@ def flat_step(model: StageModel, tl: RankTimeline, comm: dict, t0: float = 0.0) 
             tl.spans.append(Span(f"F {_name(idx, work)}", "compute", t, t + cost.fwd,
                                  {"micro_step": micro, "tp_comm_s": cost.tp_fwd, "ep_comm_s": cost.ep_fwd}))
             prev_start, t = t, t + cost.fwd
+        regather = fsdp and lay.reshard_after_forward
+        prefetched: dict[int, float] = {}  # unit -> when its backward all-gather, issued ahead, is done
         for idx, cost in reversed(layers):
-            if fsdp and lay.reshard_after_forward and 0 <= idx < n:
-                t = gather(f"all-gather block {idx} (backward)", idx, prev_start, t)
+            if regather and idx in prefetched:
+                begin = max(t, prefetched.pop(idx))
+                tl.expose("fsdp", begin - t)
+                t = begin
+            elif regather and 0 <= idx < n:
+                t = gather(f"all-gather block {idx} (backward)", idx, t, t)
+            if regather and comm["prefetch"] and idx in after:
+                # FSDP2's backward prefetch: the next unit's all-gather is issued as this unit's backward
+                # starts, ahead of this unit's reduce-scatter (issued when its gradients exist)
+                unit = after[idx]
+                prefetched[unit] = stream.issue(f"all-gather block {unit} (backward)", t, comm["unit_ag"][unit])
             tl.spans.append(Span(f"B {_name(idx, work)}", "compute", t, t + cost.bwd,
                                  {"micro_step": micro, "tp_comm_s": cost.tp_bwd, "ep_comm_s": cost.ep_bwd}))
-            prev_start, t = t, t + cost.bwd
+            t += cost.bwd
             bwd_end[idx] = t
             if fsdp and last and 0 <= idx < n:
                 t += unit_s

@@ -88,6 +88,15 @@ class Workload:
     def act_bytes(self) -> int:
         return 4 if self.precision == "fp32" else 2
 
+    @property
+    def autocast(self) -> bool:
+        """Whether forward runs under autocast over float32 parameters: plait's bf16 and fp16, except ZeRO-3 with
+        bf16 without pipelining, which computes in bf16 through FSDP2's mixed-precision policy (``plait.engine``);
+        other stacks hold half-precision parameters."""
+        lay = self.layout
+        return (self.stack == "plait" and self.precision != "fp32"
+                and not (lay.zero == 3 and self.precision == "bf16" and lay.pp == 1))
+
     def check(self) -> None:
         """Raise ``ConfigError`` for what the simulator cannot price (it is not a plait layout)."""
         lay, s = self.layout, self.shape
