@@ -7,7 +7,8 @@ measurements (``kind = "cpu"``, with a ``[calibration]`` section of measured tab
 constants per profile: nothing in it is fitted to a particular model or layout.
 
 Schema (every key required unless marked optional; a missing or mistyped key is a ``ConfigError``
-naming it and the file)::
+naming it and the file; ``base = "<shipped profile>"`` starts from that profile's tables and replaces the
+keys the file gives)::
 
     name, kind ("gpu" | "cpu"), description
     [device]      memory_bytes, usable_memory_fraction, memory_bandwidth (bytes/s),
@@ -134,9 +135,10 @@ def _positive(value: float, where: str, src: str, upper: float | None = None) ->
 
 
 def _share(sub: dict[str, Any], where: str, src: str, devices: int) -> float:
-    """Bytes/s per device: ``bandwidth``, or ``nics_per_node x nic_bandwidth / devices_per_node`` (each GPU's
-    share of its node's NICs when every GPU of the node communicates at once, as symmetric layouts do)."""
-    if "bandwidth" not in sub and "nics_per_node" in sub:
+    """Bytes/s per device: ``nics_per_node x nic_bandwidth / devices_per_node`` when given (each GPU's share of
+    its node's NICs when every GPU of the node communicates at once, as symmetric layouts do; it replaces a
+    ``bandwidth`` a base profile gives), else ``bandwidth``."""
+    if "nics_per_node" in sub:
         nics = _positive(_get(sub, "nics_per_node", float, where, src), where + "nics_per_node", src)
         per_nic = _positive(_get(sub, "nic_bandwidth", float, where, src), where + "nic_bandwidth", src)
         return nics * per_nic / devices
@@ -253,8 +255,26 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         if not path.is_file():
             raise ConfigError(f"hardware profile {text!r} is neither a shipped profile ({', '.join(sorted(shipped))}, "
                               "local) nor a TOML file; pass one of those names or a path")
+    return parse_profile(_read(path, shipped), str(path))
+
+
+def _read(path: Path, shipped: dict[str, Path], depth: int = 0) -> dict[str, Any]:
+    """A profile's TOML; ``base = "<shipped profile>"`` takes that profile's tables and replaces the keys given."""
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"hardware profile {path} is not valid TOML: {e}") from None
-    return parse_profile(data, str(path))
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if base not in shipped or depth > 4:
+        raise ConfigError(f"hardware profile {path}: base = {base!r} must name a shipped profile "
+                          f"({', '.join(sorted(shipped))})")
+    return _merged(_read(shipped[base], shipped, depth + 1), data)
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

@@ -12,7 +12,13 @@ of column-parallel layers get an all-reduce of their gradient (sequence parallel
 them in forward, a reduce-scatter in backward). With sequence parallelism plait (DTensor) keeps the
 all-gathered input of each column-parallel layer for backward; ``stack="megatron"`` models Megatron-LM,
 which keeps the shard and gathers again in backward (overlapped, Korthikanti et al. 2022, section 4.2.2),
-and also its fused kernels: one QKV projection, bias-dropout-add in one pass.
+and also its fused kernels: one QKV projection, bias-dropout-add in one pass. ``stack="metaseq"`` models
+metaseq (OPT-175B: Megatron's tensor-parallel layers and fused softmax under fairscale's FSDP; its
+``ModelParallelMultiheadAttention``): one QKV projection split into contiguous chunks (a copy), q and k
+pre-scaled, unfused dropout and residual adds, the scores passed
+through ``nan_to_num`` (which keeps them for backward), and checkpointed activations distributed over the
+tensor-parallel ranks (``--distribute-checkpointed-activations``: a block keeps ``1/t`` of its input and
+all-gathers it before recomputing). Both hold half-precision parameters (no autocast).
 
 Mixture of experts (``BlockOps(..., moe=True)``): ``plait.plan.ops_moe``.
 
@@ -109,8 +115,13 @@ class BlockOps:
             return [Op("attn.sdpa", "attention", flops=flops, attn=(BH, T, D),
                        saves=(ctx, ("attn.lse", BH * T * 4)))]
         sq = BH * T * T
-        ops = [matmul("attn.scores", T, T, D, a, batch=BH),
-               mem("attn.softmax", "softmax", 2 * sq * a, saves=(("attn.probs", sq * a),))]
+        ops = []
+        if u.stack == "metaseq":  # q and k pre-scaled by sqrt(scaling); non-finite scores zeroed (nan_to_num)
+            ops.append(mem("attn.scale_qk", "copy", 2 * self.M * (self.Cq + self.Ckv) * a))
+        ops.append(matmul("attn.scores", T, T, D, a, batch=BH))
+        if u.stack == "metaseq":
+            ops.append(mem("attn.nan_to_num", "copy", 2 * sq * a, saves=(("attn.scores", sq * a),)))
+        ops.append(mem("attn.softmax", "softmax", 2 * sq * a, saves=(("attn.probs", sq * a),)))
         if s.dropout > 0:
             ops.append(mem("attn.dropout", "copy", 2 * sq * a + sq, saves=(("attn.pmask", sq), ("attn.pdrop", sq * a))))
         ops += [matmul("attn.context", T, D, T, a, batch=BH),
@@ -129,7 +140,11 @@ class BlockOps:
         if s.dropout > 0:
             ops.append(mem("attn.dropout.bwd", "copy", 2 * sq * a + sq, backward=True))
         ops.append(mem("attn.softmax.bwd", "softmax_bwd", 3 * sq * a, backward=True))
+        if u.stack == "metaseq":
+            ops.append(mem("attn.nan_to_num.bwd", "copy", 3 * sq * a, backward=True))
         ops += matmul_backward("attn.scores", T, T, D, a, bias=False, batch=BH)
+        if u.stack == "metaseq":
+            ops.append(mem("attn.scale_qk.bwd", "copy", 2 * self.M * (self.Cq + self.Ckv) * a, backward=True))
         return ops
 
     def _qkv_saves(self) -> tuple:
@@ -139,9 +154,11 @@ class BlockOps:
     # -- the block ----------------------------------------------------------------------------------
     def forward(self) -> Pass:
         s, a, M, C, F = self.s, self.a, self.M, self.C, self.F
-        ops = self._weight_casts() + self._norm("ln1", 1 if self.u.stack == "megatron" else 3)
-        if self.u.stack == "megatron":
+        ops = self._weight_casts() + self._norm("ln1", 1 if self.u.stack != "plait" else 3)
+        if self.u.stack != "plait":  # one fused QKV projection; metaseq copies q, k, v into contiguous chunks
             ops.append(matmul("attn.qkv", M, self.Cq + 2 * self.Ckv, C, a, saves=self._qkv_saves()))
+            if self.u.stack == "metaseq":
+                ops.append(mem("attn.qkv_split", "copy", 2 * M * (self.Cq + 2 * self.Ckv) * a))
         else:
             ops += [matmul("attn.q", M, self.Cq, C, a), matmul("attn.k", M, self.Ckv, C, a),
                     matmul("attn.v", M, self.Ckv, C, a, saves=self._qkv_saves())]
@@ -219,7 +236,7 @@ class BlockOps:
         ops += self.attention_core_backward()
         if s.norm == "rmsnorm":
             ops.append(mem("attn.rotary.bwd", "copy", 2 * M * (self.Cq + self.Ckv) * a, backward=True))
-        if self.u.stack == "megatron":
+        if self.u.stack != "plait":
             ops += matmul_backward("attn.qkv", M, self.Cq + 2 * self.Ckv, C, a, b)
         else:
             ops += (matmul_backward("attn.v", M, self.Ckv, C, a, b) + matmul_backward("attn.k", M, self.Ckv, C, a, b)

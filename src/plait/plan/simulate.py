@@ -19,10 +19,11 @@ from plait.parallel.pipeline_trace import theoretical_bubble
 from plait.plan import derive
 from plait.plan.flops import hardware_flops, model_flops, utilisation
 from plait.plan.hardware import HardwareProfile
+from plait.plan.layouts import PipelineZero, pipeline_zero
 from plait.plan.network import collective_time, group_span
 from plait.plan.ops import Op
 from plait.plan.params import Param, param_list
-from plait.plan.rank_memory import RankMemory, model_states
+from plait.plan.rank_memory import RankMemory, gather_bytes, model_states
 from plait.plan.schedule import stage_owner
 from plait.plan.stages import Cluster, StageModel
 from plait.plan.timeline import RankTimeline, Span, flat_step, pipeline_step
@@ -149,7 +150,7 @@ def _comm_plan(model: StageModel, params: list[Param], dp_group: Any) -> dict:
         return plan
     if lay.zero == 3:
         # FSDP2 gathers in its param_dtype (bf16 under plait's bf16); a half-precision stack holds half params
-        param_bytes = (2 if work.precision == "bf16" else 4) if work.stack == "plait" else work.act_bytes
+        param_bytes = gather_bytes(work)
         units = derive.fsdp_units(params, work.shape.n_layer)
         sizes = [sum(params[i].local_numel(lay.tp) for i in u) for u in units]
         keys = list(range(len(units) - 1)) + [-1]
@@ -237,10 +238,24 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
         act = sum(c.saved for _, c in _all_layers(model))
         timelines[0].activation_peak = act
     else:
-        hop = work.pipe_micro_batch * work.shape.seq_len * work.shape.d_model * work.act_bytes // (lay.tp if lay.sp
-                                                                                                    else 1)
+        # Megatron-LM and DeepSpeed send each tensor-parallel rank 1/tp of the activation and gather it on the
+        # other side (Narayanan et al. 2021, section 4.1); plait sends it whole unless sequence parallel
+        split = lay.tp if lay.sp or work.stack != "plait" else 1
+        hop = work.pipe_micro_batch * work.shape.seq_len * work.shape.d_model * work.act_bytes // split
         pp_link = group_span(place.pp_group()[:2], dpn)
-        ends = pipeline_step(model, timelines, stages, collective_time(cluster.profile, "send", hop, pp_link))
+        if lay.zero == 3 and lay.dp > 1:
+            for r in range(lay.pp):
+                numel = sum(p.local_numel(lay.tp) for p in params_of[r])
+                plans[r]["pipeline_zero"] = pipeline_zero(cluster.profile, 3, numel, gather_bytes(work),
+                                                          model.gradient_bytes, group_span(place.dp_group(r), dpn),
+                                                          lay.reshard_after_forward)
+        pz = {r: plans[r].get("pipeline_zero", PipelineZero()) for r in range(lay.pp)}
+        for r, z in pz.items():
+            if z.before:
+                timelines[r].spans.append(Span("all-gather the stage's units", "fsdp", 0.0, z.before))
+                timelines[r].expose("fsdp", z.before)
+        ends = pipeline_step(model, timelines, stages, collective_time(cluster.profile, "send", hop, pp_link),
+                             t0=max(z.before for z in pz.values()), per_action={r: z.per_action for r, z in pz.items()})
         ends = _pipeline_gradients(model, timelines, ends, plans, place, dpn)
     for r in range(lay.pp):
         groups = {"tp": model.tp_group, "pp": group_span(place.pp_group(), dpn)}
@@ -283,9 +298,14 @@ def _pipeline_gradients(model: StageModel, timelines: dict[int, RankTimeline], e
     for r, tl in timelines.items():
         t = ends[r]
         for i, (_, seconds) in enumerate(plans[r]["buckets"]):
-            tl.spans.append(Span(f"all-reduce bucket {i}", "dp", t, t + seconds))
+            tl.spans.append(Span(f"gradient bucket {i}", "dp", t, t + seconds))
             tl.expose("dp", seconds)
             t += seconds
+        after = plans[r].get("pipeline_zero", PipelineZero()).after
+        if after:
+            tl.spans.append(Span("reduce-scatter the stage's gradients", "fsdp", t, t + after))
+            tl.expose("fsdp", after)
+            t += after
         if tied:
             table = work.shape.vocab_size // work.layout.tp * work.shape.d_model * 4
             s = collective_time(model.profile, "all_reduce", table, group_span(place.pp_group(), dpn))
@@ -319,7 +339,7 @@ def simulate_config(cfg: Config, profile: HardwareProfile, *, nodes: int = 0, gp
     else:
         world = cfg.parallel.nproc
     if attention == "auto":
-        attention = "unfused" if stack == "megatron" else "flash"
+        attention = "unfused" if stack != "plait" else "flash"
     work = workload_from_config(cfg, world, attention=attention, stack=stack, recompute=recompute)
     cluster = Cluster.of(profile, world, nodes, gpus_per_node)
     notes: list[str] = []

@@ -208,6 +208,11 @@ class StageModel:
             cost.transient = cost.saved + cost.weight_casts  # rebuilt inside the block's backward
             cost.weight_casts = 0.0
             cost.saved = self.blocks.Mn * self.blocks.C * self.setup.residual_bytes
+            if self.work.stack == "metaseq" and self.tp_group.size > 1:  # distributed checkpoints (plait.plan.ops)
+                cost.saved /= self.tp_group.size
+                gather = self.comm_time("all_gather", cost.saved * self.tp_group.size)
+                cost.bwd_in += gather
+                cost.tp_bwd += gather
             cost.zbv_kept = 0.0  # the recomputed graph is built and consumed inside the backward
             cost.recomputed = True
         elif recompute == "selective":
@@ -269,10 +274,11 @@ class StageModel:
 
     @property
     def gradient_bytes(self) -> int:
-        """Bytes per gradient element the data-parallel reduction sends: plait's reducer and ZeRO reduce the
-        fp32 gradients (plait's mixed precision is autocast over fp32 parameters); Megatron-LM's fp16 runs
-        reduce their fp16 gradient buffers (its default without --accumulate-allreduce-grads-in-fp32)."""
-        return self.work.act_bytes if self.work.stack == "megatron" else 4
+        """Bytes per gradient element the data-parallel reduction sends: plait's reducer, ZeRO and FSDP2 reduce
+        fp32 gradients (plait's mixed precision is autocast over fp32 parameters, FSDP2's reduce dtype fp32);
+        the half-precision stacks reduce their half gradient buffers (Megatron-LM's default without
+        --accumulate-allreduce-grads-in-fp32; metaseq's memory-efficient fp16)."""
+        return self.work.act_bytes if self.work.stack != "plait" else 4
 
     def stage(self, layers: range, first: bool, last: bool) -> LayerCost:
         """Summed cost of a stage: its blocks, plus the embedding if ``first`` and the head if ``last``."""

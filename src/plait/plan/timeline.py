@@ -203,10 +203,11 @@ def _name(idx: int, work: object) -> str:
 
 
 def pipeline_step(model: StageModel, timelines: dict[int, RankTimeline], ranges: list[range],
-                  transfer_s: float, t0: float = 0.0) -> dict[int, float]:
+                  transfer_s: float, t0: float = 0.0, per_action: dict[int, float] | None = None) -> dict[int, float]:
     """All accumulation micro-steps of a pipelined step; fills each pipeline rank's timeline, returns each
     rank's end. ``ranges[s]`` are stage ``s``'s blocks; ``transfer_s`` is one activation's point-to-point
-    time between ranks."""
+    time between ranks; ``per_action`` what each pipeline rank adds to every forward and backward (ZeRO-3's
+    re-gather of its units, ``plait.plan.layouts.pipeline_zero``)."""
     work = model.work
     lay = work.layout
     n = len(ranges)
@@ -218,7 +219,8 @@ def pipeline_step(model: StageModel, timelines: dict[int, RankTimeline], ranges:
 
     def duration(a: Action) -> float:
         c = costs[a.stage]
-        return {"F": c.fwd, "B": c.bwd, "I": c.bwd_in, "W": c.bwd_w}[a.kind] + action_s
+        extra = (per_action or {}).get(owner[a.stage], 0.0) if a.kind in ("F", "B", "I") else 0.0
+        return {"F": c.fwd, "B": c.bwd, "I": c.bwd_in, "W": c.bwd_w}[a.kind] + action_s + extra
 
     def transfer(src: int, dst: int, _: str) -> float:
         return 0.0 if owner[src] == owner[dst] else transfer_s

@@ -58,7 +58,7 @@ class Layout:
 @dataclass(frozen=True)
 class Workload:
     """A model, a layout, the global batch (sequences per step) and how the software runs it:
-    ``precision`` (fp32, bf16, fp16), ``attention`` kernel (flash, unfused), ``stack`` (plait, megatron;
+    ``precision`` (fp32, bf16, fp16), ``attention`` kernel (flash, unfused), ``stack`` (plait, megatron, metaseq;
     see ``plait.plan.ops``), the optimizer kernel and whether gradients are clipped."""
 
     shape: ModelShape
