@@ -139,24 +139,29 @@ def _latency_us(t: NcclTuning, algo: str, p: int, op: str, n: int, nodes: int) -
     return lat + (steps - cross) * intra + cross * inter
 
 
+def predict(t: NcclTuning, algo: str, protocol: str, op: str, nbytes: float, n: int, nodes: int, bus: float) -> float:
+    """Seconds NCCL's model predicts for ``op`` on ``nbytes`` with ``algo`` (ring, tree) and ``protocol``."""
+    p = PROTOCOLS.index(protocol)
+    bw = _bandwidth(t, algo, p, op, n, nodes, bus)
+    log_size = int(math.log2(max(nbytes, 64.0) / 64))
+    if algo == "tree" and log_size < 22:
+        bw *= t.tree_correction[p][log_size]
+    lat = _latency_us(t, algo, p, op, n, nodes)
+    if algo == "ring" and p == 2 and nodes > 1 and op == "all_reduce" and nbytes >= n * t.ring_plateau_bytes_per_rank:
+        lat *= t.ring_plateau
+    return lat * 1e-6 + nbytes / bw
+
+
 def choose(t: NcclTuning, op: str, nbytes: float, n: int, nodes: int, bus: float) -> Choice:
     """The algorithm and protocol NCCL's model picks for ``op`` on ``nbytes`` over ``n`` ranks on ``nodes``
-    nodes of bus bandwidth ``bus`` (bytes/s), with its predicted seconds. Raises ``ValueError`` for an
-    operation NCCL's model does not cover (``NCCL_OPS``)."""
+    nodes of bus bandwidth ``bus`` (bytes/s): the fastest ``predict``. Raises ``ValueError`` for an operation
+    NCCL's model does not cover (``NCCL_OPS``)."""
     if op not in NCCL_OPS:
         raise ValueError(f"NCCL's tuning model covers {NCCL_OPS}; not {op!r}")
     best = Choice(math.inf, "", "")
     for algo in ("ring", "tree") if op == "all_reduce" else ("ring",):
-        for p, proto in enumerate(PROTOCOLS):
-            bw = _bandwidth(t, algo, p, op, n, nodes, bus)
-            log_size = int(math.log2(max(nbytes, 64.0) / 64))
-            if algo == "tree" and log_size < 22:
-                bw *= t.tree_correction[p][log_size]
-            lat = _latency_us(t, algo, p, op, n, nodes)
-            if (algo == "ring" and p == 2 and nodes > 1 and op == "all_reduce"
-                    and nbytes >= n * t.ring_plateau_bytes_per_rank):
-                lat *= t.ring_plateau
-            seconds = lat * 1e-6 + nbytes / bw
+        for proto in PROTOCOLS:
+            seconds = predict(t, algo, proto, op, nbytes, n, nodes, bus)
             if seconds < best.seconds:
                 best = Choice(seconds, algo, proto)
     return best

@@ -1,5 +1,13 @@
 """What is simulated: a model shape, a layout, a batch and a precision, from a plait config or by hand.
 
+``Layout`` also names two layouts plait does not run yet, so their prices (``plait.plan.layouts``) have a
+home: ``dp_shard`` (HSDP: FSDP over groups of ``dp_shard`` of the ``dp`` data-parallel ranks, replicated
+across the ``dp / dp_shard`` groups; 1 means unset) and ``cp`` (context parallelism: the sequence split
+over ``cp`` ranks, which multiply the world). They have no config keys (``plait.config`` knows nothing of
+them), ``layout_from_config`` never sets them, the planner does not enumerate them and ``write_config``
+does not write them; the step simulator refuses them (``Workload.check``) until the strategies that run
+them exist and tell it how.
+
 ``workload_from_config`` reads the same config ``plait train`` reads (file, ``--section.key=value``
 overrides, ``model.factory``), checks it for the world size with the trainer's own checks
 (``plait.validate``), and resolves what the trainer resolves: dp inferred from the world, the
@@ -38,11 +46,13 @@ class Layout:
     pp_balance: str = "cost"
     loss_parallel: bool = True
     ep: int = 1
+    dp_shard: int = 1  # HSDP's shard group (module docstring); not run by plait yet
+    cp: int = 1  # context-parallel degree (module docstring); not run by plait yet
 
     @property
     def world(self) -> int:
-        """``dp x tp x pp``: expert-parallel ranks are data-parallel ranks (``ep`` divides ``dp``)."""
-        return self.dp * self.tp * self.pp
+        """``dp x cp x tp x pp``: expert-parallel ranks are data-parallel ranks (``ep`` divides ``dp``)."""
+        return self.dp * self.cp * self.tp * self.pp
 
     def describe(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}" + ("+sp" if self.sp else ""), f"pp={self.pp}"]
@@ -52,6 +62,10 @@ class Layout:
         parts += [f"zero={self.zero}", f"mb={self.micro_batch_size}", f"recompute={self.recompute}"]
         if self.ep > 1:
             parts.insert(1, f"ep={self.ep}")
+        if self.cp > 1:
+            parts.insert(1, f"cp={self.cp}")
+        if self.dp_shard > 1:
+            parts.insert(1, f"dp_shard={self.dp_shard}")
         return " ".join(parts)
 
 
@@ -100,6 +114,9 @@ class Workload:
     def check(self) -> None:
         """Raise ``ConfigError`` for what the simulator cannot price (it is not a plait layout)."""
         lay, s = self.layout, self.shape
+        if lay.cp > 1 or lay.dp_shard not in (1, lay.dp):
+            raise ConfigError(f"the step simulator does not lay out {'context parallelism' if lay.cp > 1 else 'HSDP'} "
+                              "yet (plait does not run it): plait.plan.layouts prices it; set cp=1 and dp_shard=1")
         if lay.ep > 1 and (lay.dp % lay.ep or not s.num_experts or s.num_experts % lay.ep):
             raise ConfigError(f"parallel.ep={lay.ep} needs a mixture of experts whose {s.num_experts} experts and "
                               f"data-parallel degree {lay.dp} it divides; set parallel.ep among their common divisors")
