@@ -29,9 +29,19 @@ from plait.plan.shapes import gpt_shape, shape_from_hf
 from plait.plan.stages import Cluster, StageModel
 from plait.plan.workload import Layout, Workload
 
-B, T, C, HEADS, KV, FF, V = 2, 24, 64, 4, 2, 176, 96
+B, T, C, HEADS, KV, FF, V = 2, 24, 64, 4, 2, 176, 112
 TOLERANCE = 0.05
 NORMS = ("ln1", "ln2", "input_layernorm", "post_attention_layernorm", "ln_f", "norm")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what the rank holds), other tensors as they are."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
 
 
 class Saved:
@@ -40,17 +50,18 @@ class Saved:
     def __init__(self, model: nn.Module) -> None:
         self.model, self.stack, self.rows = model, [""], []
         self.names = {m: n for n, m in model.named_modules()}
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.seen: set[int] = set()
 
     def _leave(self, *_: object) -> None:
         self.stack.pop()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
+        local = _local(t)
+        ptr = local.untyped_storage().data_ptr()
         if ptr not in self.params and ptr not in self.seen:
             self.seen.add(ptr)
-            self.rows.append((self.stack[-1], tuple(t.shape), t.dtype, t.untyped_storage().nbytes()))
+            self.rows.append((self.stack[-1], tuple(local.shape), local.dtype, local.untyped_storage().nbytes()))
         return t
 
     @contextlib.contextmanager
@@ -92,7 +103,7 @@ class Terms:
         for d in shape:
             numel *= d
         mod = self.modules.get(path)
-        if isinstance(mod, nn.Linear) and numel == mod.weight.numel():
+        if isinstance(mod, nn.Linear) and numel == _local(mod.weight).numel():
             return "w.head" if leaf in ("head", "lm_head") else "w.block"
         if leaf in CONSUMERS:
             tag = CONSUMERS[leaf]
@@ -161,9 +172,9 @@ def predicted(shape, setup: Setup) -> dict[str, dict[str, float]]:
     def rename(d: dict) -> dict:
         out = {}
         for k, v in d.items():
-            if k.endswith(".out") or ".cast" in k:
+            if k.endswith((".out", ".gathered")) or ".cast" in k:
                 tag = k.rsplit(".", 1)[0]
-                if k.endswith(".out"):  # one tensor read by every consumer
+                if k.endswith((".out", ".gathered")):  # one tensor read by every consumer
                     k = f"{tag}.input0"
                 else:
                     k = f"{tag}.input{int(k.rsplit('cast', 1)[1])}"
@@ -197,8 +208,8 @@ def _build(family: str, regime: str):
     return model, shape, lambda: model(input_ids=ids, labels=targets).loss
 
 
-def _setup(regime: str) -> Setup:
-    return Setup(micro_batch=B, act_bytes=4 if regime == "fp32" else 2, autocast=regime == "autocast")
+def _setup(regime: str, tp: int = 1, sp: bool = False) -> Setup:
+    return Setup(micro_batch=B, tp=tp, sp=sp, act_bytes=4 if regime == "fp32" else 2, autocast=regime == "autocast")
 
 
 def _compare(got: dict, want: dict, where: str) -> None:
@@ -260,3 +271,71 @@ def term_table() -> list[tuple[str, str, str, str, int, float]]:
                 for term, v in want[part].items():
                     rows.append((family, regime, part, term, got[part].get(term, 0), v))
     return rows
+
+
+@pytest.mark.parametrize("regime", ["fp32", "autocast"])
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_and_sequence_parallel_terms_through_plait_s_plan(sp, regime):
+    """plait's GPT under its own tensor-parallel plan (tp 2, this process rank 0 of a fake process group: real
+    shapes, no peers): heads and the MLP width halve, the loss runs on the vocabulary shard; with sequence
+    parallelism the norms keep half the tokens and each column-parallel Linear the all-gathered input (under
+    autocast, its own half-precision copy of it)."""
+    from plait.config import load_config
+    from plait.plan.derive import fake_world, tensor_parallel
+
+    cfg = load_config(None, ["--parallel.nproc=2", "--parallel.tp=2", f"--parallel.sequence_parallel={sp}",
+                             "--model.n_layer=2", f"--model.d_model={C}", f"--model.n_head={HEADS}",
+                             f"--model.seq_len={T}", f"--model.vocab_size={V}"])
+    ids, targets = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+    with fake_world(2) as mesh:
+        torch.manual_seed(0)
+        model, loss_context = tensor_parallel(cfg, GPT(cfg.model), mesh)
+        with loss_context:
+            got = measure(model, lambda: model(ids, targets), regime)
+    want = predicted(gpt_shape(2, C, HEADS, T, V), _setup(regime, tp=2, sp=sp))
+    _compare(got, want, f"gpt tp=2 sp={sp} {regime}")
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zbv", 2)])
+def test_micro_batches_in_flight_per_schedule_match_the_simulated_order(schedule, v):
+    """The closed forms (``plait.plan.schedule.in_flight``: GPipe m, 1F1B min(m, p), interleaved Narayanan et al.
+    2021's p + (p - 1)/v, the zero-bubble V min(m, p)) against the peak of the very order plait runs."""
+    from plait.plan.schedule import in_flight, pipeline_orders, run_pipeline, stage_owner
+
+    cost = {"F": 1.0 / v, "B": 2.0 / v, "I": 1.0 / v, "W": 1.0 / v}
+    for p, m in ((4, 8), (4, 16), (8, 16), (8, 32), (4, 4)):
+        owner = stage_owner(p, v, schedule)
+        _, _, peaks = run_pipeline(pipeline_orders(schedule, p, m, v), owner, lambda a: cost[a.kind],
+                                   lambda *_: 0.0, lambda s: 1.0 / v)  # a stage's layers: 1/v of a rank's
+        assert max(peaks.values()) == pytest.approx(in_flight(schedule, p, m, v)), (p, m)
+
+
+def test_a_llama_70b_at_8192_with_sequence_parallel_and_interleaving_fits_an_h100():
+    """Llama-3-70B's shape (GQA 64/8 heads, SwiGLU 28672, RMSNorm, rotary) at sequence 8192, tp 8 with sequence
+    parallelism, pp 4 interleaved (v 5), dp 4 with the distributed optimizer, Megatron-LM's kernels and flash
+    attention, one sequence per micro-batch: a block keeps, per micro-batch and in bytes, ``2 M C / t`` for each
+    norm's input and kept shard (x 4), float32 statistics ``4 M / t`` (x 2), q and the output ``2 M C / t`` each,
+    K and V ``2 M kv / t`` each, the log-sum-exp ``4 H T / t`` and SwiGLU's four ``2 M F / t``: no T x T scores.
+    The first stage holds ``p + (p - 1)/v`` micro-batches of its layers (Narayanan et al. 2021)."""
+    from plait.plan.hardware import load_profile as load
+    from plait.plan.schedule import in_flight
+    from plait.plan.shapes import ModelShape
+    from plait.plan.simulate import simulate
+
+    shape = ModelShape(n_layer=80, d_model=8192, n_head=64, n_kv_head=8, d_ff=28672, vocab_size=128256,
+                       seq_len=8192, gated_mlp=True, tied_embeddings=False, learned_positions=False, bias=False,
+                       norm="rmsnorm", name="llama")
+    lay = Layout(dp=4, tp=8, sp=True, pp=4, zero=1, schedule="interleaved", virtual=5, microbatches=32,
+                 micro_batch_size=32, recompute="none", pp_balance="count")
+    work = Workload(shape, lay, 128, precision="bf16", stack="megatron")
+    h100 = load("h100-sxm")
+    block = StageModel(work, Cluster.of(h100, 128)).block(0)
+    M, C, t = 8192, 8192, 8
+    per_layer = (4 * 2 * M * C / t + 2 * 4 * M / t + 2 * 2 * M * C / t + 2 * 2 * M * 1024 / t + 4 * 64 * M / t
+                 + 4 * 2 * M * 28672 / t)
+    assert block.saved == pytest.approx(per_layer, rel=1e-9)
+    sim = simulate(work, Cluster.of(h100, 128))
+    first = sim.memory[0]
+    layers = sum(len(r) for s, r in enumerate(sim.stages) if s % 4 == 0)
+    assert first.activations == pytest.approx(in_flight("interleaved", 4, 32, 5) * layers * per_layer, rel=0.02)
+    assert sim.fits(), first.as_dict()
