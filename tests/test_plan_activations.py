@@ -143,10 +143,10 @@ class Terms:
         return ("attn.q" if n == 1 else "attn.ctx") if shape[1] == HEADS else ("attn.k" if n == 1 else "attn.v")
 
 
-def measure(model: nn.Module, run, regime: str) -> dict[str, dict[str, int]]:
+def measure(model: nn.Module, run, regime: str, device: str = "cpu") -> dict[str, dict[str, int]]:
     """Bytes of each term saved by one forward: ``block`` (block 0) and ``rest`` (embedding and head)."""
     saved = Saved(model)
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if regime == "autocast" else contextlib.nullcontext()
+    ctx = torch.autocast(device, dtype=torch.bfloat16) if regime == "autocast" else contextlib.nullcontext()
     with saved.recording(), ctx:
         run()
     parts: dict[str, dict[str, int]] = {"block": defaultdict(int), "rest": defaultdict(int)}
@@ -196,13 +196,12 @@ def _llama():
     return transformers.LlamaForCausalLM(config), shape_from_hf(config, T)
 
 
-def _build(family: str, regime: str):
+def _build(family: str, regime: str, device: str = "cpu"):
     torch.manual_seed(0)
     model, shape = _gpt() if family == "gpt" else _llama()
-    if regime == "bf16":
-        model = model.to(torch.bfloat16)
+    model = model.to(device=device, dtype=torch.bfloat16 if regime == "bf16" else None)
     model.train()
-    ids, targets = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+    ids, targets = torch.randint(0, V, (B, T), device=device), torch.randint(0, V, (B, T), device=device)
     if isinstance(model, GPT):
         return model, shape, lambda: model(ids, targets)
     return model, shape, lambda: model(input_ids=ids, labels=targets).loss
