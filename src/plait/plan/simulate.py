@@ -238,25 +238,7 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
         act = sum(c.saved for _, c in _all_layers(model))
         timelines[0].activation_peak = act
     else:
-        # Megatron-LM and DeepSpeed send each tensor-parallel rank 1/tp of the activation and gather it on the
-        # other side (Narayanan et al. 2021, section 4.1); plait sends it whole unless sequence parallel
-        split = lay.tp if lay.sp or work.stack != "plait" else 1
-        hop = work.pipe_micro_batch * work.shape.seq_len * work.shape.d_model * work.act_bytes // split
-        pp_link = group_span(place.pp_group()[:2], dpn)
-        if lay.zero == 3 and lay.dp > 1:
-            for r in range(lay.pp):
-                numel = sum(p.local_numel(lay.tp) for p in params_of[r])
-                plans[r]["pipeline_zero"] = pipeline_zero(cluster.profile, 3, numel, gather_bytes(work),
-                                                          model.gradient_bytes, group_span(place.dp_group(r), dpn),
-                                                          lay.reshard_after_forward)
-        pz = {r: plans[r].get("pipeline_zero", PipelineZero()) for r in range(lay.pp)}
-        for r, z in pz.items():
-            if z.before:
-                timelines[r].spans.append(Span("all-gather the stage's units", "fsdp", 0.0, z.before))
-                timelines[r].expose("fsdp", z.before)
-        ends = pipeline_step(model, timelines, stages, collective_time(cluster.profile, "send", hop, pp_link),
-                             t0=max(z.before for z in pz.values()), per_action={r: z.per_action for r, z in pz.items()})
-        ends = _pipeline_gradients(model, timelines, ends, plans, place, dpn)
+        ends = _pipelined(model, timelines, stages, plans, params_of)
     for r in range(lay.pp):
         groups = {"tp": model.tp_group, "pp": group_span(place.pp_group(), dpn)}
         if lay.zero:
@@ -282,6 +264,32 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
     single = _single_device_time(work, cluster, op_counts)
     return Simulation(work, cluster, step, memory, timelines, stages, model.compute.peak_flops,
                       single * work.global_batch / max(lay.world, 1) / step, notes or [])
+
+
+def _pipelined(model: StageModel, timelines: dict[int, RankTimeline], stages: list[range], plans: dict[int, dict],
+               params_of: dict[int, list[Param]]) -> dict[int, float]:
+    """The pipelined step on every rank's timeline (ZeRO-3's stage gathers around it), then its gradients."""
+    work, cluster = model.work, model.cluster
+    lay, place, dpn = work.layout, model.placement, cluster.devices_per_node
+    # Megatron-LM and DeepSpeed send each tensor-parallel rank 1/tp of the activation and gather it on the
+    # other side (Narayanan et al. 2021, section 4.1); plait sends it whole unless sequence parallel
+    split = lay.tp if lay.sp or work.stack != "plait" else 1
+    hop = work.pipe_micro_batch * work.shape.seq_len * work.shape.d_model * work.act_bytes // split
+    pp_link = group_span(place.pp_group()[:2], dpn)
+    if lay.zero == 3 and lay.dp > 1:
+        for r in range(lay.pp):
+            numel = sum(p.local_numel(lay.tp) for p in params_of[r])
+            plans[r]["pipeline_zero"] = pipeline_zero(cluster.profile, 3, numel, gather_bytes(work),
+                                                      model.gradient_bytes, group_span(place.dp_group(r), dpn),
+                                                      lay.reshard_after_forward)
+    pz = {r: plans[r].get("pipeline_zero", PipelineZero()) for r in range(lay.pp)}
+    for r, z in pz.items():
+        if z.before:
+            timelines[r].spans.append(Span("all-gather the stage's units", "fsdp", 0.0, z.before))
+            timelines[r].expose("fsdp", z.before)
+    ends = pipeline_step(model, timelines, stages, collective_time(cluster.profile, "send", hop, pp_link),
+                         t0=max(z.before for z in pz.values()), per_action={r: z.per_action for r, z in pz.items()})
+    return _pipeline_gradients(model, timelines, ends, plans, place, dpn)
 
 
 def _all_layers(model: StageModel) -> list:

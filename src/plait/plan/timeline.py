@@ -114,8 +114,6 @@ def flat_step(model: StageModel, tl: RankTimeline, comm: dict, t0: float = 0.0) 
         tl.expose("fsdp", begin - now)
         return begin
 
-    blocks_back = [idx for idx, _ in reversed(layers) if 0 <= idx < n]
-    after = dict(zip([n] + blocks_back, blocks_back, strict=False))  # the unit backward reaches next
     for micro in range(work.accumulation):
         last = micro == work.accumulation - 1
         bwd_end: dict[int, float] = {}
@@ -128,33 +126,53 @@ def flat_step(model: StageModel, tl: RankTimeline, comm: dict, t0: float = 0.0) 
             tl.spans.append(Span(f"F {_name(idx, work)}", "compute", t, t + cost.fwd,
                                  {"micro_step": micro, "tp_comm_s": cost.tp_fwd, "ep_comm_s": cost.ep_fwd}))
             prev_start, t = t, t + cost.fwd
-        regather = fsdp and lay.reshard_after_forward
-        prefetched: dict[int, float] = {}  # unit -> when its backward all-gather, issued ahead, is done
-        for idx, cost in reversed(layers):
-            if regather and idx in prefetched:
-                begin = max(t, prefetched.pop(idx))
-                tl.expose("fsdp", begin - t)
-                t = begin
-            elif regather and 0 <= idx < n:
-                t = gather(f"all-gather block {idx} (backward)", idx, t, t)
-            if regather and comm["prefetch"] and idx in after:
-                # FSDP2's backward prefetch: the next unit's all-gather is issued as this unit's backward
-                # starts, ahead of this unit's reduce-scatter (issued when its gradients exist)
-                unit = after[idx]
-                prefetched[unit] = stream.issue(f"all-gather block {unit} (backward)", t, comm["unit_ag"][unit])
-            tl.spans.append(Span(f"B {_name(idx, work)}", "compute", t, t + cost.bwd,
-                                 {"micro_step": micro, "tp_comm_s": cost.tp_bwd, "ep_comm_s": cost.ep_bwd}))
-            t += cost.bwd
-            bwd_end[idx] = t
-            if fsdp and last and 0 <= idx < n:
-                t += unit_s
-                tl.expose("fsdp", unit_s)
-                done = stream.issue(f"reduce-scatter block {idx}", t, comm["unit_rs"][idx])
-                if not comm["overlap"]:
-                    tl.expose("fsdp", done - t)
-                    t = done
+        t = _backward(model, tl, stream, comm, layers, micro, last, bwd_end, t)
         if last:
             t = _reduce_gradients(model, tl, stream, comm, bwd_end, t)
+    return t
+
+
+def _backward(model: StageModel, tl: RankTimeline, stream: CommStream, comm: dict, layers: list, micro: int,
+              last: bool, bwd_end: dict[int, float], t: float) -> float:
+    """One micro-step's backward on ``tl`` from ``t`` (``flat_step``): FSDP's re-gathers, prefetched one unit
+    ahead, and on the last micro-step each unit's reduce-scatter; returns when the backward's compute ends."""
+    work = model.work
+    lay, n = work.layout, work.shape.n_layer
+    fsdp = lay.zero == 3
+    unit_s = model.compute.overhead("fsdp_unit")
+    regather = fsdp and lay.reshard_after_forward
+    blocks_back = [idx for idx, _ in reversed(layers) if 0 <= idx < n]
+    after = dict(zip([n] + blocks_back, blocks_back, strict=False))  # the unit backward reaches next
+    prefetched: dict[int, float] = {}  # unit -> when its backward all-gather, issued ahead, is done
+    for idx, cost in reversed(layers):
+        if regather and idx in prefetched:
+            begin = max(t, prefetched.pop(idx))
+            tl.expose("fsdp", begin - t)
+            t = begin
+        elif regather and 0 <= idx < n:
+            if unit_s:
+                tl.spans.append(Span(f"all-gather block {idx} (backward) (FSDP2 work)", "fsdp", t, t + unit_s))
+                tl.expose("fsdp", unit_s)
+                t += unit_s
+            done = stream.issue(f"all-gather block {idx} (backward)", t, comm["unit_ag"][idx])
+            tl.expose("fsdp", max(t, done) - t)
+            t = max(t, done)
+        if regather and comm["prefetch"] and idx in after:
+            # FSDP2's backward prefetch: the next unit's all-gather is issued as this unit's backward
+            # starts, ahead of this unit's reduce-scatter (issued when its gradients exist)
+            unit = after[idx]
+            prefetched[unit] = stream.issue(f"all-gather block {unit} (backward)", t, comm["unit_ag"][unit])
+        tl.spans.append(Span(f"B {_name(idx, work)}", "compute", t, t + cost.bwd,
+                             {"micro_step": micro, "tp_comm_s": cost.tp_bwd, "ep_comm_s": cost.ep_bwd}))
+        t += cost.bwd
+        bwd_end[idx] = t
+        if fsdp and last and 0 <= idx < n:
+            t += unit_s
+            tl.expose("fsdp", unit_s)
+            done = stream.issue(f"reduce-scatter block {idx}", t, comm["unit_rs"][idx])
+            if not comm["overlap"]:
+                tl.expose("fsdp", done - t)
+                t = done
     return t
 
 
