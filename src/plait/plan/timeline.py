@@ -16,7 +16,10 @@ send set-up, stage bookkeeping: ``pipeline_action``) run on the rank's thread an
 are 0 on a GPU profile, where that host work runs ahead of the device.
 
 Overlap: on a GPU the next all-gather is prefetched while the current unit computes (FSDP2's
-behaviour under CUDA streams). On a CPU the process issues the all-gather when the unit's forward
+behaviour under CUDA streams): in forward as the previous unit starts, in backward as this unit's backward
+starts, ahead of this unit's reduce-scatter; gathers and reduce-scatters share the network (one stream),
+so a unit whose collectives outlast one unit's compute exposes the difference. On a CPU the process
+issues the all-gather when the unit's forward
 starts and waits for it at once, so nothing is prefetched; and an asynchronous collective overlaps
 compute only on a core no rank computes on, otherwise it takes its time from the compute stream.
 
