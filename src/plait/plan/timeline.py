@@ -19,9 +19,9 @@ Overlap: on a GPU the next all-gather is prefetched while the current unit compu
 behaviour under CUDA streams): in forward as the previous unit starts, in backward as this unit's backward
 starts, ahead of this unit's reduce-scatter; gathers and reduce-scatters share the network (one stream),
 so a unit whose collectives outlast one unit's compute exposes the difference. On a CPU the process
-issues the all-gather when the unit's forward
-starts and waits for it at once, so nothing is prefetched; and an asynchronous collective overlaps
-compute only on a core no rank computes on, otherwise it takes its time from the compute stream.
+issues the all-gather when the unit's forward starts and waits for it at once, so nothing is prefetched;
+and an asynchronous collective overlaps compute only on a core no rank computes on, otherwise it takes
+its time from the compute stream.
 
 With pipelining (``pipeline_step``): each accumulation micro-step is one schedule step
 (``plait.plan.schedule``); after the last, plait's pipeline layout reduces the data-parallel gradients
