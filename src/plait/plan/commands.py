@@ -27,7 +27,7 @@ FLAGS = {"--hardware": str, "--nodes": int, "--gpus-per-node": int, "--trace": s
          "--stack": str, "--attention": str, "--recompute": str, "--gpus": int, "--top": int, "--write": str,
          "--out": str}
 SWITCHES = ("--quick",)
-CHOICES = {"--stack": ("plait", "megatron"), "--attention": ("auto", "flash", "unfused"),
+CHOICES = {"--stack": ("plait", "megatron", "metaseq"), "--attention": ("auto", "flash", "unfused"),
            "--recompute": ("none", "full", "every_k", "selective")}
 
 

@@ -165,14 +165,23 @@ def _scaled_config(cfg: Config, layers: int) -> tuple[Config, Any]:
         return small, type(model)(config)
 
 
+def tensor_parallel(cfg: Config, model: nn.Module, mesh: Any) -> tuple[nn.Module, Any]:
+    """``model`` with the tensor-parallel plan ``plait train`` applies for ``cfg`` over ``mesh`` (a ``fake_world``
+    mesh on cpu or meta tensors), and the context its loss runs in (loss parallelism)."""
+    from plait.parallel.apply import ModelSpec, _tp_function
+    from plait.parallel.tensor import loss_context
+
+    model = _tp_function(model, cfg.parallel, ModelSpec(tp_plan=cfg.parallel.tp_plan))(model, mesh)
+    return model, loss_context(model)
+
+
 def _record(cfg: Config, model: nn.Module, mesh: Any, micro_batch: int, checkpointing: str = "none") -> _Recorder:
     """One forward and backward of the real model (tensor-parallel plan applied when ``mesh``) on meta tensors."""
-    from plait.parallel.apply import ModelSpec, _tp_function
     from plait.parallel.checkpointing import apply_activation_checkpointing
     from plait.parallel.tensor import loss_context
 
     if mesh is not None:
-        model = _tp_function(model, cfg, ModelSpec(tp_plan=cfg.parallel.tp_plan))(model, mesh)
+        model, _ = tensor_parallel(cfg, model, mesh)
     model = apply_activation_checkpointing(model, checkpointing)
     ids = torch.zeros(micro_batch, cfg.model.seq_len, dtype=torch.long, device="meta")
     rec = _Recorder()

@@ -7,14 +7,19 @@ measurements (``kind = "cpu"``, with a ``[calibration]`` section of measured tab
 constants per profile: nothing in it is fitted to a particular model or layout.
 
 Schema (every key required unless marked optional; a missing or mistyped key is a ``ConfigError``
-naming it and the file)::
+naming it and the file; ``base = "<shipped profile>"`` starts from that profile's tables and replaces the
+keys the file gives)::
 
     name, kind ("gpu" | "cpu"), description
     [device]      memory_bytes, usable_memory_fraction, memory_bandwidth (bytes/s),
                   cores (cpu only), [device.peak_flops] fp32, bf16, fp16 (FLOP/s; tf32 optional)
     [efficiency]  matmul, attention, memory (fractions of peak), kernel_overhead_s
     [network]     devices_per_node, [network.intra] and [network.inter]: bandwidth (bytes/s per
-                  device per direction), latency_s, efficiency
+                  device per direction; across nodes each GPU's share of its node's NICs, which
+                  [network.inter] may give instead as nics_per_node x nic_bandwidth), latency_s
+                  (point-to-point), efficiency
+    [network.nccl] (optional, gpu) NCCL's tuning-model constants: see ``plait.plan.nccl``; without it
+                  collectives take the alpha-beta model of ``plait.plan.network``
     [calibration] (cpu profiles, written by ``plait calibrate``): see ``plait.plan.calibrate``
 """
 
@@ -27,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.config import ConfigError
+from plait.plan.nccl import NcclTuning, parse_tuning
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
 # Per-event costs of plait's code paths on a calibrated cpu (``plait.plan.calibrate_paths``): what DTensor
@@ -89,6 +95,7 @@ class HardwareProfile:
     cores: int = 0
     calibration: Calibration | None = None
     source: str = ""
+    nccl: NcclTuning | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -127,11 +134,21 @@ def _positive(value: float, where: str, src: str, upper: float | None = None) ->
     return value
 
 
-def _link(table: dict[str, Any], level: str, src: str) -> Link:
+def _share(sub: dict[str, Any], where: str, src: str, devices: int) -> float:
+    """Bytes/s per device: ``nics_per_node x nic_bandwidth / devices_per_node`` when given (each GPU's share of
+    its node's NICs when every GPU of the node communicates at once, as symmetric layouts do; it replaces a
+    ``bandwidth`` a base profile gives), else ``bandwidth``."""
+    if "nics_per_node" in sub:
+        nics = _positive(_get(sub, "nics_per_node", float, where, src), where + "nics_per_node", src)
+        per_nic = _positive(_get(sub, "nic_bandwidth", float, where, src), where + "nic_bandwidth", src)
+        return nics * per_nic / devices
+    return _positive(_get(sub, "bandwidth", float, where, src), where + "bandwidth", src)
+
+
+def _link(table: dict[str, Any], level: str, src: str, devices: int = 1) -> Link:
     where = f"[network.{level}] "
     sub = _get(table, level, dict, "[network] ", src)
-    return Link(name=str(sub.get("name", level)),
-                bandwidth=_positive(_get(sub, "bandwidth", float, where, src), where + "bandwidth", src),
+    return Link(name=str(sub.get("name", level)), bandwidth=_share(sub, where, src, devices),
                 latency_s=_get(sub, "latency_s", float, where, src),
                 efficiency=_positive(_get(sub, "efficiency", float, where, src), where + "efficiency", src, 1.0))
 
@@ -192,9 +209,22 @@ def parse_profile(data: dict[str, Any], src: str) -> HardwareProfile:
         kernel_overhead_s=_get(eff, "kernel_overhead_s", float, "[efficiency] ", src),
         devices_per_node=int(_positive(_get(net, "devices_per_node", int, "[network] ", src),
                                        "[network] devices_per_node", src)),
-        intra=_link(net, "intra", src), inter=_link(net, "inter", src), cores=cores,
-        calibration=_calibration(data, src) if kind == "cpu" else None, source=src,
+        intra=_link(net, "intra", src), inter=_link(net, "inter", src, int(net.get("devices_per_node", 1))),
+        cores=cores, calibration=_calibration(data, src) if kind == "cpu" else None, source=src,
+        nccl=_nccl(net, src),
     )
+
+
+def _nccl(net: dict[str, Any], src: str) -> NcclTuning | None:
+    if "nccl" not in net:
+        return None
+    try:
+        return parse_tuning(_get(net, "nccl", dict, "[network] ", src))
+    except KeyError as e:
+        raise ConfigError(f"hardware profile {src} is missing [network.nccl] {e.args[0]}; see plait.plan.nccl "
+                          "for NCCL's tuning constants") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"hardware profile {src}: [network.nccl] {e}") from None
 
 
 def builtin_profiles() -> dict[str, Path]:
@@ -225,8 +255,26 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         if not path.is_file():
             raise ConfigError(f"hardware profile {text!r} is neither a shipped profile ({', '.join(sorted(shipped))}, "
                               "local) nor a TOML file; pass one of those names or a path")
+    return parse_profile(_read(path, shipped), str(path))
+
+
+def _read(path: Path, shipped: dict[str, Path], depth: int = 0) -> dict[str, Any]:
+    """A profile's TOML; ``base = "<shipped profile>"`` takes that profile's tables and replaces the keys given."""
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"hardware profile {path} is not valid TOML: {e}") from None
-    return parse_profile(data, str(path))
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if base not in shipped or depth > 4:
+        raise ConfigError(f"hardware profile {path}: base = {base!r} must name a shipped profile "
+                          f"({', '.join(sorted(shipped))})")
+    return _merged(_read(shipped[base], shipped, depth + 1), data)
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

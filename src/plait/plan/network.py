@@ -6,24 +6,36 @@ Placement follows ``plait.topology``: mesh axes ``pp, dp, ep, tp`` with tp inner
 parallelism the data-parallel degree is ``dp x ep`` (``plait.topology``). A group is described by its
 size, the nodes it spans and its ranks per node.
 
-Cost of a collective over a group of ``n`` ranks on a buffer of ``S`` bytes (``S`` is the reduced
-buffer for all-reduce, the gathered output for all-gather, the input for reduce-scatter and
-all-to-all), with ``B`` the bus bandwidth (``intra.bandwidth x efficiency`` inside one node; across
-nodes ``min(intra, ranks_per_node x inter.bandwidth x efficiency)``, every device driving its own NIC,
-as NCCL's rings do) and ``a`` the latency term:
+Cost of a collective over a group of ``n`` ranks on ``N`` nodes, ``k`` of them per node, on a buffer of
+``S`` bytes (``S`` is the reduced buffer for all-reduce, the gathered output for all-gather, the input
+for reduce-scatter and all-to-all). The group's bus bandwidth ``B`` is ``intra.bandwidth x efficiency``
+inside one node; across nodes ``min(intra, k x inter.bandwidth x inter.efficiency)``: every GPU of a node
+communicates at once in a symmetric layout, so each has its share of the node's NICs (its rail; DGX:
+one NIC per GPU), and a ring that enters and leaves each node ``k`` times, once per channel, uses ``k``
+of them.
+
+A profile with a ``[network.nccl]`` table prices all-reduce, all-gather, reduce-scatter and broadcast
+with NCCL's own model (``plait.plan.nccl``): the algorithm (ring, or tree for all-reduce) and protocol
+NCCL picks at that size, each hop's latency (NVLink inside a node, the network across), and the
+bus-bandwidth factors nccl-tests reports (``2(n-1)/n`` all-reduce, ``(n-1)/n`` all-gather and
+reduce-scatter, 1 broadcast). A ring of ``n`` ranks pays ``n - 1`` hops per gather (``2(n-1)`` per
+all-reduce): at thousands of ranks that latency is milliseconds per collective.
+
+Without it (the alpha-beta model), with ``a`` the latency terms:
 
 =================  ==================================  ============================================
 collective         bandwidth term                      latency term
 =================  ==================================  ============================================
-all-reduce         ``2 (n-1)/n x S / B``               ``a_intra + 2 log2(nodes) a_inter``
-all-gather,        ``(n-1)/n x S / B``                 ``a_intra + log2(nodes) a_inter``
+all-reduce         ``2 (n-1)/n x S / B``               ``a_intra + 2 log2(N) a_inter``
+all-gather,        ``(n-1)/n x S / B``                 ``a_intra + log2(N) a_inter``
 reduce-scatter
-all-to-all         ``(n-1)/n x S / B``                 ``a_intra + (nodes - 1) a_inter``
-send / recv        ``S / link bandwidth``              one level's ``a``
+broadcast          ``S / B``                           ``a_intra + log2(N) a_inter``
 =================  ==================================  ============================================
 
-``a_intra`` is a small collective's latency inside a node (counted when the group has more than one
-rank there), ``a_inter`` the latency added per level of the tree NCCL uses across nodes.
+All-to-all (NCCL runs it as point-to-point sends to every peer): each rank sends ``S / n`` to each
+peer, ``(n - k) / n x S`` of it off the node through its own NIC share and ``(k - 1) / n x S`` over
+NVLink, both at once; plus one message latency per level it crosses. Send / recv: ``S / link bandwidth``
+plus the link's latency.
 
 Calibrated (cpu) profiles carry a fitted ``alpha + beta x S`` per collective and world size from
 ``plait calibrate`` (measured on this machine's backend), used as they are; a world size that was not
@@ -36,6 +48,7 @@ import math
 from dataclasses import dataclass
 
 from plait.plan.hardware import HardwareProfile
+from plait.plan.nccl import NCCL_OPS, Choice, choose
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
 
@@ -109,17 +122,35 @@ def _analytic(profile: HardwareProfile, op: str, nbytes: float, group: Group) ->
     if op == "send":
         link = profile.intra if group.nodes <= 1 else profile.inter
         return nbytes / (link.bandwidth * link.efficiency) + link.latency_s
+    if op == "all_to_all":
+        return _all_to_all(profile, nbytes, group)
     bus = _bus_bandwidth(profile, group)
     levels = math.log2(group.nodes) if group.nodes > 1 else 0.0
     if op == "all_reduce":
         return 2 * (n - 1) / n * nbytes / bus + _latency(profile, group, 2 * levels)
     if op in ("all_gather", "reduce_scatter"):
         return (n - 1) / n * nbytes / bus + _latency(profile, group, levels)
-    if op == "all_to_all":
-        return (n - 1) / n * nbytes / bus + _latency(profile, group, group.nodes - 1)
     if op == "broadcast":
         return nbytes / bus + _latency(profile, group, levels)
     raise ValueError(f"unknown collective {op!r}; one of {COLLECTIVES}")
+
+
+def _all_to_all(profile: HardwareProfile, nbytes: float, group: Group) -> float:
+    """Point-to-point exchange: the NVLink part and the NIC part run at once (module docstring)."""
+    n, k = group.size, min(group.ranks_per_node, group.size)
+    intra = (k - 1) / n * nbytes / (profile.intra.bandwidth * profile.intra.efficiency)
+    if group.nodes <= 1:
+        return intra + profile.intra.latency_s
+    inter = (n - k) / n * nbytes / (profile.inter.bandwidth * profile.inter.efficiency)
+    return max(intra, inter) + profile.inter.latency_s + (profile.intra.latency_s if k > 1 else 0.0)
+
+
+def nccl_choice(profile: HardwareProfile, op: str, nbytes: float, group: Group) -> Choice | None:
+    """NCCL's pick (``plait.plan.nccl.Choice``: seconds, algorithm, protocol) for ``op`` over ``group``;
+    None when the profile has no ``[network.nccl]`` table or NCCL's model does not cover ``op``."""
+    if profile.nccl is None or op not in NCCL_OPS or group.size <= 1:
+        return None
+    return choose(profile.nccl, op, nbytes, group.size, group.nodes, _bus_bandwidth(profile, group))
 
 
 def _ring_factor(op: str, n: int) -> float:
@@ -148,4 +179,7 @@ def collective_time(profile: HardwareProfile, op: str, nbytes: float, group: Gro
         return 0.0
     if profile.calibration is not None:
         return _measured(profile, op, nbytes, group)
+    choice = nccl_choice(profile, op, nbytes, group)
+    if choice is not None:
+        return choice.seconds
     return _analytic(profile, op, nbytes, group)

@@ -12,14 +12,29 @@ of column-parallel layers get an all-reduce of their gradient (sequence parallel
 them in forward, a reduce-scatter in backward). With sequence parallelism plait (DTensor) keeps the
 all-gathered input of each column-parallel layer for backward; ``stack="megatron"`` models Megatron-LM,
 which keeps the shard and gathers again in backward (overlapped, Korthikanti et al. 2022, section 4.2.2),
-and also its fused kernels: one QKV projection, bias-dropout-add in one pass.
+and also its fused kernels: one QKV projection, bias-dropout-add in one pass. ``stack="metaseq"`` models
+metaseq (OPT-175B: Megatron's tensor-parallel layers and fused softmax under fairscale's FSDP; its
+``ModelParallelMultiheadAttention``): one QKV projection split into contiguous chunks (a copy), q and k
+pre-scaled, unfused dropout and residual adds, the scores passed
+through ``nan_to_num`` (which keeps them for backward), and checkpointed activations distributed over the
+tensor-parallel ranks (``--distribute-checkpointed-activations``: a block keeps ``1/t`` of its input and
+all-gathers it before recomputing). Both hold half-precision parameters (no autocast).
 
-Mixture of experts (``BlockOps(..., moe=True)``, plait's ``plait.nn.MoE`` under
-``plait.parallel.expert``): an fp32 router and its softmax and top-k, the ``A = k M`` assignments
-gathered, each rank's ``E / ep`` experts run as one matmul pair per expert on ``A / E`` rows each (a
-balanced router), the outputs weighted and summed back; with ``ep > 1`` the dispatcher's all-to-alls in
-the compute stream: forward the per-expert counts (``E`` int64), the tokens (``A C`` activations) and
-the results (``A C``); backward the two token-sized ones again.
+Mixture of experts (``BlockOps(..., moe=True)``): ``plait.plan.ops_moe``.
+
+Saved tensors, as the code that runs them keeps them (each term checked against
+``torch.autograd.graph.saved_tensors_hooks`` counts on plait's GPT and a Hugging Face Llama in
+``tests/test_plan_activations.py``). Three precision regimes: float32; half-precision parameters
+(Megatron-LM, FSDP2's bf16 policy: everything in bf16 but the norms' statistics, the attention's
+log-sum-exp and the loss's log-probabilities); and autocast over float32 parameters (plait's bf16 and
+fp16 elsewhere), where the residual stream and the norms stay float32, each Linear fed a float32 tensor
+keeps its own half-precision copy of it (q, k and v three copies of the norm's output; gate and up two)
+and every Linear keeps a half-precision copy of its weight for backward (``w.*``: once per rank, not per
+micro-batch, since a copy lives until its backward and autocast re-casts per forward). A fused norm
+keeps its input and float32 statistics; Hugging Face's Python RMSNorm also a float32 copy of its input
+and the normalized tensor. Rotary's cos and sin are kept once for all blocks (on the embedding). Grouped
+query attention keeps K and V at ``n_kv_head`` heads; a SwiGLU MLP keeps its gate, up, SiLU and product
+(four ``M x F``), a GELU MLP its pre- and post-activation; a model with no dropout keeps no mask.
 
 Attention: ``flash`` is scaled_dot_product_attention's fused kernel (saves q, k, v, the output and the
 row log-sum-exp; executes half the ``T x T`` square when causal; backward re-forms the probabilities:
@@ -29,93 +44,11 @@ row log-sum-exp; executes half the ``T x T`` square when causal; backward re-for
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
+from plait.plan.opcore import MEMORY_KINDS, Op, Pass, Setup, comm, flops_of, matmul, matmul_backward, mem  # noqa: F401
+from plait.plan.ops_moe import moe_backward, moe_forward, moe_shape
 from plait.plan.shapes import ModelShape
-
-MEMORY_KINDS = ("copy", "norm", "norm_bwd", "act", "act_bwd", "softmax", "softmax_bwd", "reduce", "embed_bwd",
-                "optimizer")
-
-
-@dataclass(frozen=True)
-class Op:
-    """One operator: a matmul (``m, n, k``, ``batch`` for a batched one), an attention kernel, a
-    memory-bound kernel (``kind`` in ``MEMORY_KINDS``) or a collective (``kind="comm"``) in the compute
-    stream. ``bytes`` is what it reads plus writes (a collective: its buffer); ``saves`` names the tensors
-    it keeps for backward with their bytes."""
-
-    name: str
-    kind: str
-    flops: float = 0.0
-    bytes: float = 0.0
-    m: int = 0
-    n: int = 0
-    k: int = 0
-    batch: int = 1
-    attn: tuple[int, int, int] = (0, 0, 0)  # (batch x heads, sequence, head dim)
-    backward: bool = False
-    comm: str = ""
-    saves: tuple[tuple[str, float], ...] = ()
-
-
-@dataclass(frozen=True)
-class Setup:
-    """How one block runs on one rank: sequences per forward, tensor-parallel degree, sequence
-    parallelism, activation bytes (4 fp32, 2 bf16/fp16), attention kernel and software stack."""
-
-    micro_batch: int
-    tp: int = 1
-    sp: bool = False
-    act_bytes: int = 4
-    attention: str = "flash"
-    stack: str = "plait"
-    causal: bool = True
-    ep: int = 1
-
-
-@dataclass
-class Pass:
-    """A list of operators and the tensors they save (name -> bytes, each distinct tensor once)."""
-
-    ops: list[Op] = field(default_factory=list)
-
-    def saved(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for op in self.ops:
-            for name, nbytes in op.saves:
-                out.setdefault(name, nbytes)
-        return out
-
-    def saved_bytes(self) -> float:
-        return sum(self.saved().values())
-
-
-def matmul(name: str, m: int, n: int, k: int, a: int, saves: tuple = (), batch: int = 1) -> Op:
-    """``(m, k) x (k, n)`` (``batch`` times): ``2 m n k`` FLOPs; reads both operands, writes the output."""
-    return Op(name, "matmul", flops=2.0 * m * n * k * batch, bytes=float(batch * (m * k + k * n + m * n) * a),
-              m=m, n=n, k=k, batch=batch, saves=saves)
-
-
-def matmul_backward(name: str, m: int, n: int, k: int, a: int, bias: bool, batch: int = 1,
-                    input_grad: bool = True) -> list[Op]:
-    """Gradient of ``(m, k) x (k, n)``: ``dX = dY W^T`` (m, k, n), ``dW = X^T dY`` (k, n, m), bias: a sum of dY."""
-    ops = []
-    if input_grad:
-        ops.append(Op(f"{name}.dX", "matmul", flops=2.0 * m * n * k * batch,
-                      bytes=float(batch * (m * n + n * k + m * k) * a), m=m, n=k, k=n, batch=batch, backward=True))
-    ops.append(Op(f"{name}.dW", "matmul", flops=2.0 * m * n * k * batch,
-                  bytes=float(batch * (k * m + m * n + k * n) * a), m=k, n=n, k=m, batch=batch, backward=True))
-    if bias:
-        ops.append(Op(f"{name}.db", "reduce", bytes=float(m * n * a), backward=True))
-    return ops
-
-
-def mem(name: str, kind: str, nbytes: float, saves: tuple = (), backward: bool = False) -> Op:
-    return Op(name, kind, bytes=float(nbytes), saves=saves, backward=backward)
-
-
-def comm(name: str, collective: str, nbytes: float, backward: bool = False) -> Op:
-    return Op(name, "comm", bytes=float(nbytes), comm=collective, backward=backward)
 
 
 class BlockOps:
@@ -126,26 +59,38 @@ class BlockOps:
         t = setup.tp
         self.M = setup.micro_batch * shape.seq_len  # tokens through the matmuls
         self.Mn = self.M // t if setup.sp else self.M  # tokens through norms and the residual stream
-        self.C, self.a = shape.d_model, setup.act_bytes
+        self.C, self.a, self.r = shape.d_model, setup.act_bytes, setup.residual_bytes
         self.Cq, self.Ckv, self.F = shape.d_model // t, shape.kv_dim // t, shape.d_ff // t
         self.H = shape.n_head // t
         self.BH = setup.micro_batch * self.H
 
     # -- pieces -------------------------------------------------------------------------------------
-    def _norm(self, tag: str) -> list[Op]:
-        M, C, a = self.Mn, self.C, self.a
-        stats = (2 if self.s.norm == "layernorm" else 1) * M * 4
-        ops = [mem(f"{tag}", "norm", 2 * M * C * a, saves=((f"{tag}.in", M * C * a), (f"{tag}.stats", stats)))]
-        if self.u.sp:
-            full = self.M * C * a
-            keep = (f"{tag}.out", M * C * a) if self.u.stack == "megatron" else (f"{tag}.gathered", full)
-            ops.append(Op(f"{tag}.allgather", "comm", bytes=full, comm="all_gather", saves=(keep,)))
-        else:
-            ops[0] = replace(ops[0], saves=ops[0].saves + ((f"{tag}.out", M * C * a),))
+    def _norm(self, tag: str, consumers: int = 1) -> list[Op]:
+        """A norm and what is kept of its output for the ``consumers`` Linears that read it."""
+        ops = norm_forward(self.s, self.u, tag, self.Mn)
+        ops += consumed(self.u, tag, self.M, self.Mn, self.C, consumers, ops)
         return ops
 
+    def weight_bytes(self) -> float:
+        """Matmul weights of this block on this rank (tensor-parallel shards; a MoE block: its router, local
+        experts and shared experts)."""
+        C, F = self.C, self.F
+        attn = C * (self.Cq + 2 * self.Ckv) + self.Cq * C
+        if self.moe:
+            _, local, _, H, _ = moe_shape(self)
+            return attn + local * 2 * C * H + self.s.shared_experts * 2 * C * H
+        return attn + (3 if self.s.gated_mlp else 2) * C * F
+
+    def _weight_casts(self) -> list[Op]:
+        """Under autocast each Linear casts its float32 weight to half precision once per forward and keeps
+        the copy for backward (the router stays float32)."""
+        if not self.u.casts:
+            return []
+        n = self.weight_bytes() - (self.C * self.s.num_experts if self.moe else 0)
+        return [mem("weights.cast", "copy", n * (4 + 2), saves=(("w.block", 2 * n),))]
+
     def _residual(self, tag: str) -> list[Op]:
-        M, C, a = self.Mn, self.C, self.a
+        M, C, a, r = self.Mn, self.C, self.a, self.r
         if self.u.stack == "megatron":  # fused bias-dropout-add: read the branch and the residual, write once
             mask = M * C if self.s.dropout > 0 else 0
             return [mem(f"{tag}.bias_dropout_add", "copy", 3 * M * C * a + mask,
@@ -153,7 +98,7 @@ class BlockOps:
         ops = []
         if self.s.dropout > 0:
             ops.append(mem(f"{tag}.dropout", "copy", 2 * M * C * a + M * C, saves=((f"{tag}.mask", M * C),)))
-        ops.append(mem(f"{tag}.add", "copy", 3 * M * C * a))
+        ops.append(mem(f"{tag}.add", "copy", M * C * (2 * r + a)))  # the residual plus the branch
         return ops
 
     def _row_output(self, tag: str) -> Op:
@@ -170,8 +115,13 @@ class BlockOps:
             return [Op("attn.sdpa", "attention", flops=flops, attn=(BH, T, D),
                        saves=(ctx, ("attn.lse", BH * T * 4)))]
         sq = BH * T * T
-        ops = [matmul("attn.scores", T, T, D, a, batch=BH),
-               mem("attn.softmax", "softmax", 2 * sq * a, saves=(("attn.probs", sq * a),))]
+        ops = []
+        if u.stack == "metaseq":  # q and k pre-scaled by sqrt(scaling); non-finite scores zeroed (nan_to_num)
+            ops.append(mem("attn.scale_qk", "copy", 2 * self.M * (self.Cq + self.Ckv) * a))
+        ops.append(matmul("attn.scores", T, T, D, a, batch=BH))
+        if u.stack == "metaseq":
+            ops.append(mem("attn.nan_to_num", "copy", 2 * sq * a, saves=(("attn.scores", sq * a),)))
+        ops.append(mem("attn.softmax", "softmax", 2 * sq * a, saves=(("attn.probs", sq * a),)))
         if s.dropout > 0:
             ops.append(mem("attn.dropout", "copy", 2 * sq * a + sq, saves=(("attn.pmask", sq), ("attn.pdrop", sq * a))))
         ops += [matmul("attn.context", T, D, T, a, batch=BH),
@@ -190,7 +140,11 @@ class BlockOps:
         if s.dropout > 0:
             ops.append(mem("attn.dropout.bwd", "copy", 2 * sq * a + sq, backward=True))
         ops.append(mem("attn.softmax.bwd", "softmax_bwd", 3 * sq * a, backward=True))
+        if u.stack == "metaseq":
+            ops.append(mem("attn.nan_to_num.bwd", "copy", 3 * sq * a, backward=True))
         ops += matmul_backward("attn.scores", T, T, D, a, bias=False, batch=BH)
+        if u.stack == "metaseq":
+            ops.append(mem("attn.scale_qk.bwd", "copy", 2 * self.M * (self.Cq + self.Ckv) * a, backward=True))
         return ops
 
     def _qkv_saves(self) -> tuple:
@@ -200,9 +154,11 @@ class BlockOps:
     # -- the block ----------------------------------------------------------------------------------
     def forward(self) -> Pass:
         s, a, M, C, F = self.s, self.a, self.M, self.C, self.F
-        ops = self._norm("ln1")
-        if self.u.stack == "megatron":
+        ops = self._weight_casts() + self._norm("ln1", 1 if self.u.stack != "plait" else 3)
+        if self.u.stack != "plait":  # one fused QKV projection; metaseq copies q, k, v into contiguous chunks
             ops.append(matmul("attn.qkv", M, self.Cq + 2 * self.Ckv, C, a, saves=self._qkv_saves()))
+            if self.u.stack == "metaseq":
+                ops.append(mem("attn.qkv_split", "copy", 2 * M * (self.Cq + 2 * self.Ckv) * a))
         else:
             ops += [matmul("attn.q", M, self.Cq, C, a), matmul("attn.k", M, self.Ckv, C, a),
                     matmul("attn.v", M, self.Ckv, C, a, saves=self._qkv_saves())]
@@ -212,9 +168,9 @@ class BlockOps:
         ops.append(matmul("attn.proj", M, C, self.Cq, a))
         if self.u.tp > 1:
             ops.append(self._row_output("attn"))
-        ops += self._residual("res1") + self._norm("ln2")
+        ops += self._residual("res1") + self._norm("ln2", 2 if s.gated_mlp and not self.moe else 1)
         if self.moe:
-            return Pass(ops + self.moe_forward() + self._residual("res2"))
+            return Pass(ops + moe_forward(self) + self._residual("res2"))
         hidden = ("mlp.hidden", M * F * a)
         if s.gated_mlp:
             ops += [matmul("mlp.gate", M, F, C, a, saves=(("mlp.gate", M * F * a),)),
@@ -247,7 +203,7 @@ class BlockOps:
         if t > 1 and self.u.sp:
             ops.append(comm("mlp.allgather.bwd", "all_gather", M * C * a, backward=True))
         if self.moe:
-            ops += self.moe_backward()
+            ops += moe_backward(self)
         else:
             ops += self._mlp_backward()
         if t > 1 and not self.u.sp:
@@ -270,64 +226,6 @@ class BlockOps:
             ops += matmul_backward("mlp.fc", M, F, C, a, b)
         return ops
 
-    def _moe_shape(self) -> tuple[int, int, int, int, int]:
-        """(assignments A, local experts, rows per expert, experts' hidden H, ep)."""
-        s, ep = self.s, self.u.ep
-        A = self.M * s.top_k
-        local = s.num_experts // ep
-        return A, local, -(-A // s.num_experts), s.expert_hidden, ep
-
-    def moe_forward(self) -> list[Op]:
-        """The MoE feed-forward (see the module docstring)."""
-        s, a, M, C = self.s, self.a, self.M, self.C
-        A, local, rows, H, ep = self._moe_shape()
-        E = s.num_experts
-        ops = [mem("moe.router_in_float", "copy", M * C * (a + 4), saves=(("moe.router_in", M * C * 4),)),
-               matmul("moe.router", M, E, C, 4),
-               mem("moe.softmax", "softmax", 2 * M * E * 4, saves=(("moe.probs", M * E * 4),)),
-               mem("moe.topk", "reduce", M * E * 4 + A * 16, saves=(("moe.routing", A * 16),)),
-               mem("moe.gather", "copy", 2 * A * C * a)]
-        if ep > 1:
-            ops += [comm("moe.counts.alltoall", "all_to_all", E * 8),
-                    comm("moe.dispatch.alltoall", "all_to_all", A * C * a)]
-        ops += [matmul("moe.experts.fc", rows, H, C, a, batch=local, saves=(("moe.x_recv", A * C * a),)),
-                mem("moe.experts.gelu", "act", 2 * A * H * a, saves=(("moe.fc", A * H * a), ("moe.hidden", A * H * a))),
-                matmul("moe.experts.proj", rows, C, H, a, batch=local),
-                mem("moe.experts.scatter", "copy", 3 * A * C * a)]
-        if ep > 1:
-            ops.append(comm("moe.combine.alltoall", "all_to_all", A * C * a))
-        ops.append(mem("moe.combine", "copy", 3 * A * C * a + M * C * a, saves=(("moe.y", A * C * a),)))
-        for j in range(s.shared_experts):
-            ops += [matmul(f"moe.shared.{j}.fc", M, H, C, a),
-                    mem(f"moe.shared.{j}.gelu", "act", 2 * M * H * a,
-                        saves=((f"moe.shared.{j}.fc", M * H * a), (f"moe.shared.{j}.hidden", M * H * a))),
-                    matmul(f"moe.shared.{j}.proj", M, C, H, a), mem(f"moe.shared.{j}.add", "copy", 3 * M * C * a)]
-        return ops
-
-    def moe_backward(self) -> list[Op]:
-        s, a, M, C = self.s, self.a, self.M, self.C
-        A, local, rows, H, ep = self._moe_shape()
-        E = s.num_experts
-        ops: list[Op] = []
-        for j in reversed(range(s.shared_experts)):
-            ops += matmul_backward(f"moe.shared.{j}.proj", M, C, H, a, True)
-            ops.append(mem(f"moe.shared.{j}.gelu.bwd", "act_bwd", 3 * M * H * a, backward=True))
-            ops += matmul_backward(f"moe.shared.{j}.fc", M, H, C, a, True)
-        ops.append(mem("moe.combine.bwd", "copy", 3 * A * C * a + A * 4, backward=True))
-        if ep > 1:
-            ops.append(comm("moe.combine.alltoall.bwd", "all_to_all", A * C * a, backward=True))
-        ops.append(mem("moe.experts.scatter.bwd", "copy", 2 * A * C * a, backward=True))
-        ops += matmul_backward("moe.experts.proj", rows, C, H, a, False, batch=local)
-        ops.append(mem("moe.experts.gelu.bwd", "act_bwd", 3 * A * H * a, backward=True))
-        ops += matmul_backward("moe.experts.fc", rows, H, C, a, False, batch=local)
-        if ep > 1:
-            ops.append(comm("moe.dispatch.alltoall.bwd", "all_to_all", A * C * a, backward=True))
-        ops += [mem("moe.gather.bwd", "copy", 3 * A * C * a, backward=True),
-                mem("moe.softmax.bwd", "softmax_bwd", 3 * M * E * 4, backward=True)]
-        ops += matmul_backward("moe.router", M, E, C, 4, False)
-        ops.append(mem("moe.router_in_float.bwd", "copy", M * C * (a + 4), backward=True))
-        return ops
-
     def _attention_backward(self) -> list[Op]:
         s, a, M, C, b = self.s, self.a, self.M, self.C, self.s.bias
         t = self.u.tp
@@ -338,7 +236,7 @@ class BlockOps:
         ops += self.attention_core_backward()
         if s.norm == "rmsnorm":
             ops.append(mem("attn.rotary.bwd", "copy", 2 * M * (self.Cq + self.Ckv) * a, backward=True))
-        if self.u.stack == "megatron":
+        if self.u.stack != "plait":
             ops += matmul_backward("attn.qkv", M, self.Cq + 2 * self.Ckv, C, a, b)
         else:
             ops += (matmul_backward("attn.v", M, self.Ckv, C, a, b) + matmul_backward("attn.k", M, self.Ckv, C, a, b)
@@ -349,11 +247,50 @@ class BlockOps:
         return ops + self._norm_backward("ln1")
 
 
+def norm_forward(shape: ModelShape, u: Setup, tag: str, Mn: int) -> list[Op]:
+    """A norm over ``Mn`` tokens and what it saves itself: a fused LayerNorm / RMSNorm kernel keeps its
+    input and float32 statistics; Hugging Face's RMSNorm (Python: ``x.float()``, ``pow``, ``mean``,
+    ``rsqrt``, ``x * rsqrt``, ``.to(dtype)``, ``weight * .``) keeps a float32 copy of its input, the float32
+    ``rsqrt`` and the normalized tensor before the weight, in the input's dtype."""
+    C, r = shape.d_model, u.residual_bytes
+    stats = (2 if shape.norm == "layernorm" else 1) * Mn * 4
+    if shape.norm == "rmsnorm" and u.stack != "megatron":
+        upcast = (r + 4) if r < 4 else 0
+        saves = ((f"{tag}.in", Mn * C * 4), (f"{tag}.stats", stats), (f"{tag}.normalized", Mn * C * r))
+        return [mem(tag, "norm", Mn * C * (upcast + 24 + 3 * r), saves=saves)]
+    return [mem(tag, "norm", 2 * Mn * C * r, saves=((f"{tag}.in", Mn * C * r), (f"{tag}.stats", stats)))]
+
+
+def consumed(u: Setup, tag: str, M: int, Mn: int, C: int, consumers: int, ops: list[Op]) -> list[Op]:
+    """What is kept of a norm's output for the ``consumers`` Linears reading it (``ops``: the norm, whose
+    saves may grow): the output itself, once; under sequence parallelism the all-gathered input (plait's
+    DTensor) or the shard (Megatron-LM, which gathers again in backward); under autocast one half-precision
+    copy per Linear, which autocast casts separately for each (it caches only parameters' casts)."""
+    a, r = u.act_bytes, u.residual_bytes
+    out: list[Op] = []
+    if u.sp:
+        full = M * C * a
+        keep = ((f"{tag}.out", Mn * C * a),) if u.stack == "megatron" else ((f"{tag}.gathered", full),)
+        if u.casts and u.stack != "megatron":
+            keep = tuple((f"{tag}.cast{i}", M * C * 2) for i in range(consumers))
+        out.append(Op(f"{tag}.allgather", "comm", bytes=full, comm="all_gather", saves=keep))
+    elif u.casts:
+        out += [mem(f"{tag}.cast{i}", "copy", M * C * (r + 2), saves=((f"{tag}.cast{i}", M * C * 2),))
+                for i in range(consumers)]
+    else:
+        ops[0] = replace(ops[0], saves=ops[0].saves + ((f"{tag}.out", Mn * C * r),))
+    return out
+
+
 def embedding_ops(shape: ModelShape, setup: Setup) -> tuple[Pass, Pass]:
     """Forward and backward of the token (and learned position) embedding on the first stage."""
     M, C, a, t = setup.micro_batch * shape.seq_len, shape.d_model, setup.act_bytes, setup.tp
     Mn = M // t if setup.sp else M
-    fwd = [mem("embed.lookup", "copy", 2 * M * C * a, saves=(("embed.ids", M * 8),))]
+    r = setup.residual_bytes
+    fwd = [mem("embed.lookup", "copy", 2 * M * C * r, saves=(("embed.ids", M * 8),))]
+    if shape.norm == "rmsnorm":  # rotary cos and sin, computed once per forward and kept by every block
+        fwd.append(mem("embed.rotary", "copy", 2 * shape.seq_len * shape.head_dim * r,
+                       saves=(("embed.rotary", 2 * shape.seq_len * shape.head_dim * r),)))
     if t > 1:
         fwd.append(comm("embed.reduce", "reduce_scatter" if setup.sp else "all_reduce", M * C * a))
     if shape.learned_positions:
@@ -373,11 +310,10 @@ def head_ops(shape: ModelShape, setup: Setup, loss_parallel: bool = True) -> tup
     Mn = M // t if setup.sp else M
     V = shape.vocab_size // t
     Vl = V if t == 1 or loss_parallel else shape.vocab_size  # vocabulary the loss sees on this rank
-    stats = (2 if shape.norm == "layernorm" else 1) * Mn * 4
-    fwd = [mem("head.norm", "norm", 2 * Mn * C * a,
-               saves=(("head.norm.in", Mn * C * a), ("head.norm.stats", stats), ("head.norm.out", M * C * a)))]
-    if setup.sp:
-        fwd.append(comm("head.allgather", "all_gather", M * C * a))
+    fwd = norm_forward(shape, setup, "head.norm", Mn)
+    fwd += consumed(setup, "head.norm", M, Mn, C, 1, fwd)
+    if setup.casts:  # the head's weight, cast once per forward and kept for backward
+        fwd.append(mem("head.weight.cast", "copy", V * C * (4 + 2), saves=(("w.head", V * C * 2),)))
     fwd.append(matmul("head.logits", M, V, C, a))
     if t > 1 and not loss_parallel:
         fwd.append(comm("head.logits.allgather", "all_gather", M * shape.vocab_size * a))
@@ -400,8 +336,3 @@ def head_ops(shape: ModelShape, setup: Setup, loss_parallel: bool = True) -> tup
     if shape.tied_embeddings:
         bwd.append(mem("head.tied_grad_accumulate", "copy", 3 * V * C * 4, backward=True))
     return Pass(fwd), Pass(bwd)
-
-
-def flops_of(ops: list[Op]) -> float:
-    """FLOPs executed by ``ops`` (matmuls and attention kernels)."""
-    return sum(op.flops for op in ops)

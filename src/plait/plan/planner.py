@@ -22,7 +22,9 @@ the simulator is held to on published measurements (Narayanan et al. 2021, Korth
 largest error there is about 10%), so a smaller predicted difference is not evidence. Among them the
 planner prefers the fewest pipeline stages (less activation memory on the first stage, fewer
 point-to-point hops, no bubble to lose to a straggler; Narayanan et al.'s rule: tensor parallelism up to
-a node, then pipelining), then the fastest.
+a node, then pipelining), then the fastest; a ZeRO-3 layout in the band that is not itself the fastest
+comes after the band's others (``preference``). The layouts other work will add (HSDP's ``dp_shard``,
+context parallelism's ``cp``; ``plait.plan.layouts``) are not enumerated.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from plait.plan.hardware import HardwareProfile
 from plait.plan.network import collective_time, group_span
 from plait.plan.params import param_list
 from plait.plan.rank_memory import model_states
+from plait.plan.schedule import in_flight as schedule_in_flight
 from plait.plan.shapes import ModelShape
 from plait.plan.simulate import Simulation, simulate
 from plait.plan.stages import Cluster, StageModel
@@ -191,15 +194,11 @@ def estimate(work: Workload, cluster: Cluster, model: StageModel) -> float:
 
 
 def in_flight(lay: Layout) -> float:
-    """Pipeline micro-batches whose activations a first stage holds at once, for the memory screen: GPipe
-    all ``m``; 1F1B ``min(m, p)``; the interleaved and V schedules about 1.5 times that (the simulation's
-    schedule peak is the final word)."""
+    """Pipeline micro-batches whose activations a stage holds at once, for the memory screen
+    (``plait.plan.schedule.in_flight``; the simulation's schedule peak is the final word)."""
     if lay.pp == 1:
         return 1.0
-    if lay.schedule == "gpipe":
-        return float(lay.microbatches)
-    base = float(min(lay.microbatches, lay.pp))
-    return base if lay.schedule == "1f1b" else 1.5 * base
+    return schedule_in_flight(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
 
 
 def plan(shape: ModelShape, profile: HardwareProfile, gpus: int, batch: int, *, base: Workload | None = None,
@@ -226,7 +225,7 @@ def plan(shape: ModelShape, profile: HardwareProfile, gpus: int, batch: int, *, 
             models[key] = StageModel(work, cluster)
         block = max((models[key].block(i) for i in range(min(shape.n_layer, shape.moe_every + 1))),
                     key=lambda c: c.saved)
-        act = block.saved * math.ceil(shape.n_layer / lay.pp) * in_flight(lay) + block.transient
+        act = (block.saved * in_flight(lay) + block.weight_casts) * math.ceil(shape.n_layer / lay.pp) + block.transient
         if floors[fkey] + act > usable:
             family = f"tp={lay.tp} pp={lay.pp} zero={lay.zero}"
             too_big[family] = min(too_big.get(family, math.inf), floors[fkey] + act)
@@ -257,9 +256,25 @@ def plan(shape: ModelShape, profile: HardwareProfile, gpus: int, batch: int, *, 
                                                    f"{usable / 2**30:.1f} GiB usable")
     if not ranked:
         raise ConfigError(_nothing_fits(shape, profile, gpus, batch, too_big))
-    fastest = min(sim.step_s for sim in ranked)
-    ranked.sort(key=lambda sim: (sim.step_s > fastest * (1 + TOLERANCE), sim.work.layout.pp, sim.step_s))
+    ranked.sort(key=preference(ranked))
     return Plan(ranked=ranked[:top], pruned=pruned, screened=len(screened))
+
+
+def preference(ranked: list[Simulation]) -> Any:
+    """The planner's sort key (module docstring): layouts within ``TOLERANCE`` of the fastest first, the fewest
+    pipeline stages among them, then the fastest; a fully sharded layout (ZeRO-3) in the band but slower
+    than the fastest goes after the band's others. Its step rests on the overlap of every unit's gathers and
+    reduce-scatters with one unit's compute, which the published rows exercise least (OPT-175B: predicted
+    faster than measured), so the band's benefit of the doubt is not given to it over a faster tp/pp layout."""
+    fastest = min(sim.step_s for sim in ranked)
+
+    def key(sim: Simulation) -> tuple:
+        lay = sim.work.layout
+        in_band = sim.step_s <= fastest * (1 + TOLERANCE)
+        doubted = in_band and lay.zero == 3 and lay.dp > 1 and sim.step_s > fastest
+        return (not in_band, doubted, lay.pp, sim.step_s)
+
+    return key
 
 
 def _nothing_fits(shape: ModelShape, profile: HardwareProfile, gpus: int, batch: int, too_big: dict) -> str:

@@ -1,18 +1,23 @@
 """Per-rank memory: model states by layout, activations by schedule, buffers.
 
-Model states follow what plait holds right after backward (``plait.plan.memory``'s table, extended to
-tensor and pipeline parallelism): fp32 parameters, gradients and AdamW's two states (plait's bf16 is
-autocast: these stay fp32). Data parallel (plait's reducer): ``4 + 4 + 8`` bytes per local parameter;
-ZeRO-1: parameters and gradients in flat buckets padded to a multiple of dp, states ``8 / dp``; ZeRO-2:
-gradients ``4 / dp`` as well; ZeRO-3 (FSDP2): every parameter's dim 0 split in dp padded chunks, all
-three sharded. Local parameters are the tensor-parallel shards of the rank's pipeline stages (a tied
-head on the last stage has its own copy of the token table).
+Model states follow what the stack holds right after backward (``plait.plan.memory``'s table, extended to
+tensor and pipeline parallelism), per parameter ``P + G + K`` bytes (``state_bytes``): plait keeps fp32
+parameters, gradients and AdamW's two states (its bf16 is autocast, or FSDP2's bf16 compute copies):
+``4 + 4 + 8``; a half-precision stack (Megatron-LM, DeepSpeed, metaseq) keeps half parameters and
+gradients and an fp32 master copy with the two states: ``2 + 2 + 12`` (the ZeRO paper's ``K = 12``).
+Data parallel: all of it per local parameter; ZeRO-1: parameters and gradients in flat buckets padded to a
+multiple of dp, states ``K / dp``; ZeRO-2: gradients ``G / dp`` as well; ZeRO-3 (FSDP): every parameter's
+dim 0 split in dp padded chunks, all three sharded. Local parameters are the tensor-parallel shards of the
+rank's pipeline stages (a tied head on the last stage has its own copy of the token table). Pipeline
+stages compose with every ZeRO stage the same way (over the stage's data-parallel group).
 
 Activations: the bytes saved for backward (``plait.plan.ops``) times the micro-batches alive at once:
 one accumulation micro-batch without pipelining, the schedule's peak (``plait.plan.schedule``) with it.
 Buffers: the largest transient (a checkpointed block's recompute, the logits and their gradient), plus
-the layout's communication buffers (ZeRO-2's full buckets in flight, FSDP2's unsharded units, the
-tensor-parallel reducer's bucket copies of DTensor gradients, DDP's bucket copies).
+the layout's communication buffers (ZeRO-2's full buckets in flight; FSDP's unsharded units in the gather
+dtype: the root and two blocks around the one computing, or, without ``reshard_after_forward``, every
+unit from its forward to its backward; the tensor-parallel reducer's bucket copies of DTensor gradients,
+DDP's bucket copies), and autocast's half-precision weight copies (``plait.plan.ops``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,21 @@ from plait.plan.params import Param
 from plait.plan.workload import Workload
 
 STATE_BYTES = 8  # AdamW: exp_avg and exp_avg_sq, fp32
+
+
+def state_bytes(work: Workload) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes per parameter for the workload's stack (module docstring)."""
+    if work.stack == "plait" or work.precision == "fp32":
+        return 4, 4, STATE_BYTES
+    return work.act_bytes, work.act_bytes, 4 + STATE_BYTES
+
+
+def gather_bytes(work: Workload) -> int:
+    """Bytes per element of an FSDP unit gathered for compute: FSDP2's bf16 ``param_dtype`` under plait's bf16,
+    the stack's own half parameters otherwise."""
+    if work.stack == "plait":
+        return 2 if work.precision == "bf16" else 4
+    return work.act_bytes
 
 
 @dataclass
@@ -81,24 +101,27 @@ def _states(params: list[Param], work: Workload, n_layer: int, dp: int) -> tuple
     """Model states and buffers of ``params`` sharded by the layout's ZeRO stage over ``dp`` ranks."""
     lay = work.layout
     tp = lay.tp
+    p_b, g_b, k_b = state_bytes(work)
     local = sum(p.local_numel(tp) for p in params)
     if lay.zero == 3:
         shard = sum(fsdp_shard_numel(p, tp, dp) for p in params)
         units = fsdp_units(params, n_layer)
         full = [sum(params[i].local_numel(tp) for i in u) for u in units]
-        # the root unit stays gathered through forward and backward; two block units around it
-        buffers = 4 * (full[-1] + 2 * max(full[:-1] or [0]))
+        if lay.reshard_after_forward:  # the root unit stays gathered; two block units around the one computing
+            gathered = full[-1] + 2 * max(full[:-1] or [0])
+        else:  # every unit stays gathered from its forward to its backward
+            gathered = sum(full)
         if lay.offload == "params":  # FSDP2's CPUOffloadPolicy: the shards and the optimizer live in host memory
-            return RankMemory(0.0, 0.0, 0.0, detail={"host_bytes": int(16 * shard)}), buffers
-        return RankMemory(4 * shard, 4 * shard, STATE_BYTES * shard), buffers
+            return (RankMemory(0.0, 0.0, 0.0, detail={"host_bytes": int((p_b + g_b + k_b) * shard)}),
+                    gather_bytes(work) * gathered)
+        return RankMemory(p_b * shard, g_b * shard, k_b * shard), gather_bytes(work) * gathered
     if lay.zero in (1, 2):
         buckets = zero_buckets(params, tp, lay.bucket_mb, dp)
         padded = sum(n for _, n in buckets)
         grads = padded if lay.zero == 1 else padded / dp
-        buffers = 0.0 if lay.zero == 1 else 4 * 2 * max(n for _, n in buckets)
+        buffers = 0.0 if lay.zero == 1 else g_b * 2 * max(n for _, n in buckets)
         if lay.offload == "optimizer":  # the optimizer shard's states live in host memory
-            return RankMemory(4 * padded, 4 * grads, 0.0, detail={"host_bytes": int(STATE_BYTES * padded / dp)}), \
-                buffers
-        return RankMemory(4 * padded, 4 * grads, STATE_BYTES * padded / dp), buffers
-    buffers = 4 * local if dp > 1 and (tp > 1 or lay.impl == "torch") else 0.0
-    return RankMemory(4 * local, 4 * local, STATE_BYTES * local), buffers
+            return RankMemory(p_b * padded, g_b * grads, 0.0, detail={"host_bytes": int(k_b * padded / dp)}), buffers
+        return RankMemory(p_b * padded, g_b * grads, k_b * padded / dp), buffers
+    buffers = g_b * local if dp > 1 and (tp > 1 or lay.impl == "torch") and work.stack == "plait" else 0.0
+    return RankMemory(p_b * local, g_b * local, k_b * local), buffers

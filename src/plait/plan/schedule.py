@@ -96,6 +96,22 @@ def _torch_order(schedule: str, p: int, m: int, v: int) -> dict[int, list[Action
     return out
 
 
+def in_flight(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Micro-batches whose activations the busiest pipeline rank holds at once, in units of one micro-batch's
+    activations of all the rank's layers: GPipe ``m``; 1F1B ``min(m, p)``; interleaved 1F1B with ``v`` chunks
+    ``min(m, p + (p - 1) / v)`` (Narayanan et al. 2021, section 2.2.2: the first stage's warm-up of
+    ``2 (p - 1) + (v - 1) p + 1`` chunks of ``1/v`` of its layers, the ``1 + (p - 1) / (p v)`` factor of
+    Korthikanti et al. 2022); the zero-bubble V ``min(m, p)`` (Qi et al. 2024: 1F1B's peak). ZBV's split
+    backward keeps ``ZBV_KEPT`` longer in plait (module docstring): the simulation adds it."""
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved":
+        return min(float(m), p + (p - 1) / v)
+    if schedule in ("1f1b", "zbv"):
+        return float(min(m, p))
+    raise ValueError(f"unknown pipeline schedule {schedule!r}; one of {SCHEDULES}")
+
+
 def pipeline_orders(schedule: str, p: int, m: int, v: int = 1) -> dict[int, list[Action]]:
     """Each pipeline rank's actions for one schedule step over ``m`` micro-batches (see the module docstring)."""
     if schedule not in SCHEDULES:

@@ -19,10 +19,11 @@ from plait.parallel.pipeline_trace import theoretical_bubble
 from plait.plan import derive
 from plait.plan.flops import hardware_flops, model_flops, utilisation
 from plait.plan.hardware import HardwareProfile
+from plait.plan.layouts import PipelineZero, pipeline_zero
 from plait.plan.network import collective_time, group_span
 from plait.plan.ops import Op
 from plait.plan.params import Param, param_list
-from plait.plan.rank_memory import RankMemory, model_states
+from plait.plan.rank_memory import RankMemory, gather_bytes, model_states
 from plait.plan.schedule import stage_owner
 from plait.plan.stages import Cluster, StageModel
 from plait.plan.timeline import RankTimeline, Span, flat_step, pipeline_step
@@ -130,8 +131,9 @@ def _comm_plan(model: StageModel, params: list[Param], dp_group: Any) -> dict:
     cores_free = profile.kind != "cpu" or profile.cores - min(lay.world, model.cluster.devices_per_node) \
         * model.cluster.threads >= 1
     # Megatron-LM (2021, its default local DDP) all-reduces the gradient buffer after the whole backward
-    # (``allreduce_gradients`` in ``train_step``), so nothing overlaps there; plait's reducer overlaps.
-    overlap = cores_free and work.stack != "megatron"
+    # (``allreduce_gradients`` in ``train_step``), so nothing overlaps there; plait's reducer overlaps, and
+    # so does every fully sharded layout (FSDP reduce-scatters each unit as its gradients exist).
+    overlap = cores_free and (work.stack != "megatron" or lay.zero == 3)
     plan: dict[str, Any] = {"overlap": overlap, "prefetch": profile.kind != "cpu", "buckets": []}
     grad = model.gradient_bytes
     if lay.ep > 1:  # plait.parallel.expert, over the ranks holding the same experts, after backward
@@ -145,14 +147,15 @@ def _comm_plan(model: StageModel, params: list[Param], dp_group: Any) -> dict:
             plan["expert"] = collective_time(profile, "all_reduce", experts, group)
         params = [p for p in params if not p.expert]  # the dense layout reduces the rest
     if lay.zero == 3 and params:
-        param_bytes = 2 if work.precision == "bf16" else 4  # FSDP2 gathers in its param_dtype
+        # FSDP2 gathers in its param_dtype (bf16 under plait's bf16); a half-precision stack holds half params
+        param_bytes = gather_bytes(work)
         units = derive.fsdp_units(params, work.shape.n_layer)
         sizes = [sum(params[i].local_numel(lay.tp) for i in u) for u in units]
         keys = list(range(len(units) - 1)) + [-1]
         # one rank (ZeRO-3 with offload=params): no collective; the host copies of offload are not timed
         plan["unit_ag"] = {k: collective_time(profile, "all_gather", n * param_bytes, dp_group) if lay.dp > 1
                            else 0.0 for k, n in zip(keys, sizes, strict=True)}
-        plan["unit_rs"] = {k: collective_time(profile, "reduce_scatter", n * 4, dp_group) if lay.dp > 1 else 0.0
+        plan["unit_rs"] = {k: collective_time(profile, "reduce_scatter", n * grad, dp_group) if lay.dp > 1 else 0.0
                            for k, n in zip(keys, sizes, strict=True)}
         return plan
     if lay.dp == 1 or not params:
@@ -236,11 +239,7 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
         act = sum(c.saved for _, c in _all_layers(model))
         timelines[0].activation_peak = act
     else:
-        hop = work.pipe_micro_batch * work.shape.seq_len * work.shape.d_model * work.act_bytes // (lay.tp if lay.sp
-                                                                                                    else 1)
-        pp_link = group_span(place.pp_group()[:2], dpn)
-        ends = pipeline_step(model, timelines, stages, collective_time(cluster.profile, "send", hop, pp_link))
-        ends = _pipeline_gradients(model, timelines, ends, plans, place, dpn)
+        ends = _pipelined(model, timelines, stages, plans, params_of)
     for r in range(lay.pp):
         groups = {"tp": model.tp_group, "pp": group_span(place.pp_group(), dpn)}
         if lay.zero:
@@ -249,12 +248,13 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
         timelines[r].end = ends[r]
         states, buffers = model_states(params_of[r], work, work.shape.n_layer)
         mine = [s for s in range(n_stages) if owner[s] == r]
-        transient = max(model.stage(stages[s], s == 0, s == n_stages - 1).transient for s in mine)
+        costs = [model.stage(stages[s], s == 0, s == n_stages - 1) for s in mine]
+        transient = max(c.transient for c in costs)
+        casts = sum(c.weight_casts for c in costs)  # one autocast copy of the rank's weights is alive at a time
         states.activations = timelines[r].activation_peak
-        states.buffers = buffers + transient
-        states.detail = {"activation_saved_per_microbatch": int(sum(model.stage(stages[s], s == 0,
-                                                                               s == n_stages - 1).saved for s in mine)),
-                         "stages": mine}
+        states.buffers = buffers + transient + casts
+        states.detail = {"activation_saved_per_microbatch": int(sum(c.saved for c in costs)),
+                         "autocast_weight_copies": int(casts), "stages": mine}
         memory[r] = states
     step = max(ends.values())
     for tl in timelines.values():
@@ -265,6 +265,32 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
     single = _single_device_time(work, cluster, op_counts)
     return Simulation(work, cluster, step, memory, timelines, stages, model.compute.peak_flops,
                       single * work.global_batch / max(lay.world, 1) / step, notes or [])
+
+
+def _pipelined(model: StageModel, timelines: dict[int, RankTimeline], stages: list[range], plans: dict[int, dict],
+               params_of: dict[int, list[Param]]) -> dict[int, float]:
+    """The pipelined step on every rank's timeline (ZeRO-3's stage gathers around it), then its gradients."""
+    work, cluster = model.work, model.cluster
+    lay, place, dpn = work.layout, model.placement, cluster.devices_per_node
+    # Megatron-LM and DeepSpeed send each tensor-parallel rank 1/tp of the activation and gather it on the
+    # other side (Narayanan et al. 2021, section 4.1); plait sends it whole unless sequence parallel
+    split = lay.tp if lay.sp or work.stack != "plait" else 1
+    hop = work.pipe_micro_batch * work.shape.seq_len * work.shape.d_model * work.act_bytes // split
+    pp_link = group_span(place.pp_group()[:2], dpn)
+    if lay.zero == 3 and lay.dp > 1:
+        for r in range(lay.pp):
+            numel = sum(p.local_numel(lay.tp) for p in params_of[r])
+            plans[r]["pipeline_zero"] = pipeline_zero(cluster.profile, 3, numel, gather_bytes(work),
+                                                      model.gradient_bytes, group_span(place.dp_group(r), dpn),
+                                                      lay.reshard_after_forward)
+    pz = {r: plans[r].get("pipeline_zero", PipelineZero()) for r in range(lay.pp)}
+    for r, z in pz.items():
+        if z.before:
+            timelines[r].spans.append(Span("all-gather the stage's units", "fsdp", 0.0, z.before))
+            timelines[r].expose("fsdp", z.before)
+    ends = pipeline_step(model, timelines, stages, collective_time(cluster.profile, "send", hop, pp_link),
+                         t0=max(z.before for z in pz.values()), per_action={r: z.per_action for r, z in pz.items()})
+    return _pipeline_gradients(model, timelines, ends, plans, place, dpn)
 
 
 def _all_layers(model: StageModel) -> list:
@@ -281,9 +307,14 @@ def _pipeline_gradients(model: StageModel, timelines: dict[int, RankTimeline], e
     for r, tl in timelines.items():
         t = ends[r]
         for i, (_, seconds) in enumerate(plans[r]["buckets"]):
-            tl.spans.append(Span(f"all-reduce bucket {i}", "dp", t, t + seconds))
+            tl.spans.append(Span(f"gradient bucket {i}", "dp", t, t + seconds))
             tl.expose("dp", seconds)
             t += seconds
+        after = plans[r].get("pipeline_zero", PipelineZero()).after
+        if after:
+            tl.spans.append(Span("reduce-scatter the stage's gradients", "fsdp", t, t + after))
+            tl.expose("fsdp", after)
+            t += after
         if tied:
             table = work.shape.vocab_size // work.layout.tp * work.shape.d_model * 4
             s = collective_time(model.profile, "all_reduce", table, group_span(place.pp_group(), dpn))
@@ -317,7 +348,7 @@ def simulate_config(cfg: Config, profile: HardwareProfile, *, nodes: int = 0, gp
     else:
         world = cfg.parallel.nproc
     if attention == "auto":
-        attention = "unfused" if stack == "megatron" else "flash"
+        attention = "unfused" if stack != "plait" else "flash"
     work = workload_from_config(cfg, world, attention=attention, stack=stack, recompute=recompute,
                                 memory_only=memory_only)
     cluster = Cluster.of(profile, world, nodes, gpus_per_node)

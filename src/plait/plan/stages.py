@@ -33,6 +33,7 @@ from plait.plan.schedule import ZBV_KEPT
 from plait.plan.workload import Workload
 
 DROPPED_BY_SELECTIVE = ("attn.probs", "attn.pmask", "attn.pdrop")
+WEIGHT_CASTS = "w."  # saved-tensor names of autocast's weight copies (``plait.plan.ops``)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class LayerCost:
     ep_fwd: float = 0.0  # expert all-to-alls in the compute stream (in fwd / bwd_in too)
     ep_bwd: float = 0.0
     zbv_kept: float = 0.0  # of ``saved``, what ZBV's weight-gradient pass leaves alive (plait.plan.schedule)
+    weight_casts: float = 0.0  # autocast's half-precision weight copies kept for backward (once per rank)
 
     @property
     def bwd(self) -> float:
@@ -101,7 +103,7 @@ class LayerCost:
                          self.tp_fwd + other.tp_fwd, self.tp_bwd + other.tp_bwd, self.saved + other.saved,
                          max(self.transient, other.transient), self.flops + other.flops,
                          ep_fwd=self.ep_fwd + other.ep_fwd, ep_bwd=self.ep_bwd + other.ep_bwd,
-                         zbv_kept=self.zbv_kept + other.zbv_kept)
+                         zbv_kept=self.zbv_kept + other.zbv_kept, weight_casts=self.weight_casts + other.weight_casts)
 
 
 def _is_weight_grad(op: Op) -> bool:
@@ -123,7 +125,7 @@ class StageModel:
         self.tp_group: Group = group_span(self.placement.tp_group(), cluster.devices_per_node)
         self.ep_group: Group = group_span(self.placement.ep_group(), cluster.devices_per_node)
         self.setup = Setup(micro_batch=work.pipe_micro_batch, tp=lay.tp, sp=lay.sp, act_bytes=work.act_bytes,
-                           attention=work.attention, stack=work.stack, ep=lay.ep)
+                           attention=work.attention, stack=work.stack, ep=lay.ep, autocast=work.autocast)
         self.derived_tp = derived_tp
         self.op_counts = op_counts
         self.blocks = BlockOps(work.shape, self.setup)
@@ -193,16 +195,24 @@ class StageModel:
             f_over, b_over = self._dispatch(dispatch, (n_f, n_b))
             f_comp, b_comp = f_comp + f_over, b_comp + b_over
         saved = fwd.saved()
+        casts = sum(v for k, v in saved.items() if k.startswith(WEIGHT_CASTS))
         cost = LayerCost(fwd=f_comp + f_comm, bwd_in=b_comp - b_w + b_comm, bwd_w=b_w, tp_fwd=f_comm - f_ep,
-                         tp_bwd=b_comm - b_ep, saved=sum(saved.values()), flops=sum(o.flops for o in fwd.ops + bwd.ops),
-                         ep_fwd=f_ep, ep_bwd=b_ep, zbv_kept=sum(v for k, v in saved.items() if k in ZBV_KEPT))
+                         tp_bwd=b_comm - b_ep, saved=sum(saved.values()) - casts,
+                         flops=sum(o.flops for o in fwd.ops + bwd.ops), ep_fwd=f_ep, ep_bwd=b_ep,
+                         zbv_kept=sum(v for k, v in saved.items() if k in ZBV_KEPT), weight_casts=casts)
         if recompute in ("full", "block"):
             cost.bwd_in += f_comp + f_comm
             cost.tp_bwd += f_comm - f_ep
             cost.ep_bwd += f_ep
             cost.flops += sum(o.flops for o in fwd.ops)
-            cost.transient = cost.saved
-            cost.saved = self.blocks.Mn * self.blocks.C * self.work.act_bytes
+            cost.transient = cost.saved + cost.weight_casts  # rebuilt inside the block's backward
+            cost.weight_casts = 0.0
+            cost.saved = self.blocks.Mn * self.blocks.C * self.setup.residual_bytes
+            if self.work.stack == "metaseq" and self.tp_group.size > 1:  # distributed checkpoints (plait.plan.ops)
+                cost.saved /= self.tp_group.size
+                gather = self.comm_time("all_gather", cost.saved * self.tp_group.size)
+                cost.bwd_in += gather
+                cost.tp_bwd += gather
             cost.zbv_kept = 0.0  # the recomputed graph is built and consumed inside the backward
             cost.recomputed = True
         elif recompute == "selective":
@@ -233,7 +243,10 @@ class StageModel:
     def embed(self) -> LayerCost:
         if ("embed",) not in self._cache:
             f, b = embedding_ops(self.work.shape, self.setup)
-            self._cache[("embed",)] = self._layer(f, b, "none", None)  # its operators are counted with the head's
+            cost = self._layer(f, b, "none", None)  # its operators are counted with the head's
+            if self.work.layout.recompute == "full":  # checkpointed blocks keep their hidden input, not rotary's
+                cost.saved -= f.saved().get("embed.rotary", 0.0)
+            self._cache[("embed",)] = cost
         return self._cache[("embed",)]
 
     def head(self) -> LayerCost:
@@ -261,10 +274,11 @@ class StageModel:
 
     @property
     def gradient_bytes(self) -> int:
-        """Bytes per gradient element the data-parallel reduction sends: plait's reducer and ZeRO reduce the
-        fp32 gradients (plait's mixed precision is autocast over fp32 parameters); Megatron-LM's fp16 runs
-        reduce their fp16 gradient buffers (its default without --accumulate-allreduce-grads-in-fp32)."""
-        return self.work.act_bytes if self.work.stack == "megatron" else 4
+        """Bytes per gradient element the data-parallel reduction sends: plait's reducer, ZeRO and FSDP2 reduce
+        fp32 gradients (plait's mixed precision is autocast over fp32 parameters, FSDP2's reduce dtype fp32);
+        the half-precision stacks reduce their half gradient buffers (Megatron-LM's default without
+        --accumulate-allreduce-grads-in-fp32; metaseq's memory-efficient fp16)."""
+        return self.work.act_bytes if self.work.stack != "plait" else 4
 
     def stage(self, layers: range, first: bool, last: bool) -> LayerCost:
         """Summed cost of a stage: its blocks, plus the embedding if ``first`` and the head if ``last``."""

@@ -16,9 +16,12 @@ send set-up, stage bookkeeping: ``pipeline_action``) run on the rank's thread an
 are 0 on a GPU profile, where that host work runs ahead of the device.
 
 Overlap: on a GPU the next all-gather is prefetched while the current unit computes (FSDP2's
-behaviour under CUDA streams). On a CPU the process issues the all-gather when the unit's forward
-starts and waits for it at once, so nothing is prefetched; and an asynchronous collective overlaps
-compute only on a core no rank computes on, otherwise it takes its time from the compute stream.
+behaviour under CUDA streams): in forward as the previous unit starts, in backward as this unit's backward
+starts, ahead of this unit's reduce-scatter; gathers and reduce-scatters share the network (one stream),
+so a unit whose collectives outlast one unit's compute exposes the difference. On a CPU the process
+issues the all-gather when the unit's forward starts and waits for it at once, so nothing is prefetched;
+and an asynchronous collective overlaps compute only on a core no rank computes on, otherwise it takes
+its time from the compute stream.
 
 With pipelining (``pipeline_step``): each accumulation micro-step is one schedule step
 (``plait.plan.schedule``); after the last, plait's pipeline layout reduces the data-parallel gradients
@@ -126,22 +129,53 @@ def flat_step(model: StageModel, tl: RankTimeline, comm: dict, t0: float = 0.0) 
             tl.spans.append(Span(f"F {_name(idx, work)}", "compute", t, t + cost.fwd,
                                  {"micro_step": micro, "tp_comm_s": cost.tp_fwd, "ep_comm_s": cost.ep_fwd}))
             prev_start, t = t, t + cost.fwd
-        for idx, cost in reversed(layers):
-            if fsdp and lay.reshard_after_forward and 0 <= idx < n:
-                t = gather(f"all-gather block {idx} (backward)", idx, prev_start, t)
-            tl.spans.append(Span(f"B {_name(idx, work)}", "compute", t, t + cost.bwd,
-                                 {"micro_step": micro, "tp_comm_s": cost.tp_bwd, "ep_comm_s": cost.ep_bwd}))
-            prev_start, t = t, t + cost.bwd
-            bwd_end[idx] = t
-            if fsdp and last and 0 <= idx < n:
-                t += unit_s
-                tl.expose("fsdp", unit_s)
-                done = stream.issue(f"reduce-scatter block {idx}", t, comm["unit_rs"][idx])
-                if not comm["overlap"]:
-                    tl.expose("fsdp", done - t)
-                    t = done
+        t = _backward(model, tl, stream, comm, layers, micro, last, bwd_end, t)
         if last:
             t = _reduce_gradients(model, tl, stream, comm, bwd_end, t)
+    return t
+
+
+def _backward(model: StageModel, tl: RankTimeline, stream: CommStream, comm: dict, layers: list, micro: int,
+              last: bool, bwd_end: dict[int, float], t: float) -> float:
+    """One micro-step's backward on ``tl`` from ``t`` (``flat_step``): FSDP's re-gathers, prefetched one unit
+    ahead, and on the last micro-step each unit's reduce-scatter; returns when the backward's compute ends."""
+    work = model.work
+    lay, n = work.layout, work.shape.n_layer
+    fsdp = lay.zero == 3
+    unit_s = model.compute.overhead("fsdp_unit")
+    regather = fsdp and lay.reshard_after_forward
+    blocks_back = [idx for idx, _ in reversed(layers) if 0 <= idx < n]
+    after = dict(zip([n] + blocks_back, blocks_back, strict=False))  # the unit backward reaches next
+    prefetched: dict[int, float] = {}  # unit -> when its backward all-gather, issued ahead, is done
+    for idx, cost in reversed(layers):
+        if regather and idx in prefetched:
+            begin = max(t, prefetched.pop(idx))
+            tl.expose("fsdp", begin - t)
+            t = begin
+        elif regather and 0 <= idx < n:
+            if unit_s:
+                tl.spans.append(Span(f"all-gather block {idx} (backward) (FSDP2 work)", "fsdp", t, t + unit_s))
+                tl.expose("fsdp", unit_s)
+                t += unit_s
+            done = stream.issue(f"all-gather block {idx} (backward)", t, comm["unit_ag"][idx])
+            tl.expose("fsdp", max(t, done) - t)
+            t = max(t, done)
+        if regather and comm["prefetch"] and idx in after:
+            # FSDP2's backward prefetch: the next unit's all-gather is issued as this unit's backward
+            # starts, ahead of this unit's reduce-scatter (issued when its gradients exist)
+            unit = after[idx]
+            prefetched[unit] = stream.issue(f"all-gather block {unit} (backward)", t, comm["unit_ag"][unit])
+        tl.spans.append(Span(f"B {_name(idx, work)}", "compute", t, t + cost.bwd,
+                             {"micro_step": micro, "tp_comm_s": cost.tp_bwd, "ep_comm_s": cost.ep_bwd}))
+        t += cost.bwd
+        bwd_end[idx] = t
+        if fsdp and last and 0 <= idx < n:
+            t += unit_s
+            tl.expose("fsdp", unit_s)
+            done = stream.issue(f"reduce-scatter block {idx}", t, comm["unit_rs"][idx])
+            if not comm["overlap"]:
+                tl.expose("fsdp", done - t)
+                t = done
     return t
 
 
@@ -190,10 +224,11 @@ def _name(idx: int, work: object) -> str:
 
 
 def pipeline_step(model: StageModel, timelines: dict[int, RankTimeline], ranges: list[range],
-                  transfer_s: float, t0: float = 0.0) -> dict[int, float]:
+                  transfer_s: float, t0: float = 0.0, per_action: dict[int, float] | None = None) -> dict[int, float]:
     """All accumulation micro-steps of a pipelined step; fills each pipeline rank's timeline, returns each
     rank's end. ``ranges[s]`` are stage ``s``'s blocks; ``transfer_s`` is one activation's point-to-point
-    time between ranks."""
+    time between ranks; ``per_action`` what each pipeline rank adds to every forward and backward (ZeRO-3's
+    re-gather of its units, ``plait.plan.layouts.pipeline_zero``)."""
     work = model.work
     lay = work.layout
     n = len(ranges)
@@ -205,7 +240,8 @@ def pipeline_step(model: StageModel, timelines: dict[int, RankTimeline], ranges:
 
     def duration(a: Action) -> float:
         c = costs[a.stage]
-        return {"F": c.fwd, "B": c.bwd, "I": c.bwd_in, "W": c.bwd_w}[a.kind] + action_s
+        extra = (per_action or {}).get(owner[a.stage], 0.0) if a.kind in ("F", "B", "I") else 0.0
+        return {"F": c.fwd, "B": c.bwd, "I": c.bwd_in, "W": c.bwd_w}[a.kind] + action_s + extra
 
     def transfer(src: int, dst: int, _: str) -> float:
         return 0.0 if owner[src] == owner[dst] else transfer_s

@@ -1,5 +1,13 @@
 """What is simulated: a model shape, a layout, a batch and a precision, from a plait config or by hand.
 
+``Layout`` also names two layouts plait does not run yet, so their prices (``plait.plan.layouts``) have a
+home: ``dp_shard`` (HSDP: FSDP over groups of ``dp_shard`` of the ``dp`` data-parallel ranks, replicated
+across the ``dp / dp_shard`` groups; 1 means unset) and ``cp`` (context parallelism: the sequence split
+over ``cp`` ranks, which multiply the world). They have no config keys (``plait.config`` knows nothing of
+them), ``layout_from_config`` never sets them, the planner does not enumerate them and ``write_config``
+does not write them; the step simulator refuses them (``Workload.check``) until the strategies that run
+them exist and tell it how.
+
 ``workload_from_config`` reads the same config ``plait train`` reads (file, ``--section.key=value``
 overrides, ``model.factory``), checks it for the world size with the trainer's own checks
 (``plait.validate``), and resolves what the trainer resolves: dp inferred from the world, the
@@ -41,11 +49,13 @@ class Layout:
     # parallel.offload: optimizer (ZeRO-1/2's optimizer shard in host memory) or params (ZeRO-3's sharded
     # parameters, gradients and optimizer states in host memory); priced for memory only (plait plan memory)
     offload: str = "none"
+    dp_shard: int = 1  # HSDP's shard group (module docstring); not run by plait yet
+    cp: int = 1  # context-parallel degree (module docstring); not run by plait yet
 
     @property
     def world(self) -> int:
-        """``dp x tp x pp``: expert-parallel ranks are data-parallel ranks (``ep`` divides ``dp``)."""
-        return self.dp * self.tp * self.pp
+        """``dp x cp x tp x pp``: expert-parallel ranks are data-parallel ranks (``ep`` divides ``dp``)."""
+        return self.dp * self.cp * self.tp * self.pp
 
     def describe(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}" + ("+sp" if self.sp else ""), f"pp={self.pp}"]
@@ -55,13 +65,17 @@ class Layout:
         parts += [f"zero={self.zero}", f"mb={self.micro_batch_size}", f"recompute={self.recompute}"]
         if self.ep > 1:
             parts.insert(1, f"ep={self.ep}")
+        if self.cp > 1:
+            parts.insert(1, f"cp={self.cp}")
+        if self.dp_shard > 1:
+            parts.insert(1, f"dp_shard={self.dp_shard}")
         return " ".join(parts)
 
 
 @dataclass(frozen=True)
 class Workload:
     """A model, a layout, the global batch (sequences per step) and how the software runs it:
-    ``precision`` (fp32, bf16, fp16), ``attention`` kernel (flash, unfused), ``stack`` (plait, megatron;
+    ``precision`` (fp32, bf16, fp16), ``attention`` kernel (flash, unfused), ``stack`` (plait, megatron, metaseq;
     see ``plait.plan.ops``), the optimizer kernel and whether gradients are clipped."""
 
     shape: ModelShape
@@ -91,9 +105,21 @@ class Workload:
     def act_bytes(self) -> int:
         return 4 if self.precision == "fp32" else 2
 
+    @property
+    def autocast(self) -> bool:
+        """Whether forward runs under autocast over float32 parameters: plait's bf16 and fp16, except ZeRO-3 with
+        bf16 without pipelining, which computes in bf16 through FSDP2's mixed-precision policy (``plait.engine``);
+        other stacks hold half-precision parameters."""
+        lay = self.layout
+        return (self.stack == "plait" and self.precision != "fp32"
+                and not (lay.zero == 3 and self.precision == "bf16" and lay.pp == 1))
+
     def check(self) -> None:
         """Raise ``ConfigError`` for what the simulator cannot price (it is not a plait layout)."""
         lay, s = self.layout, self.shape
+        if lay.cp > 1 or lay.dp_shard not in (1, lay.dp):
+            raise ConfigError(f"the step simulator does not lay out {'context parallelism' if lay.cp > 1 else 'HSDP'} "
+                              "yet (plait does not run it): plait.plan.layouts prices it; set cp=1 and dp_shard=1")
         if lay.ep > 1 and (lay.dp % lay.ep or not s.num_experts or s.num_experts % lay.ep):
             raise ConfigError(f"parallel.ep={lay.ep} needs a mixture of experts whose {s.num_experts} experts and "
                               f"data-parallel degree {lay.dp} it divides; set parallel.ep among their common divisors")
