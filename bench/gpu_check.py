@@ -379,8 +379,8 @@ def _memory_row(overrides: list[str], device: Any) -> dict[str, Any]:
 def section_memory(device: Any, quick: bool) -> dict[str, Any]:
     """Predicted (``plait plan memory``) against measured peak device memory per world-1 run."""
     from plait.config import load_config
+    from plait.plan.configured import simulate_config
     from plait.plan.hardware import load_profile
-    from plait.plan.simulate import simulate_config
 
     init_one_rank(device)
     profile = load_profile("h100-sxm")

@@ -205,7 +205,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 def simulate_run(name: str, overrides: list[str], profile: object, run_dir: Path) -> dict:
     from plait.config import load_config
     from plait.plan.compare import compare_run
-    from plait.plan.simulate import simulate_config
+    from plait.plan.configured import simulate_config
 
     cfg = load_config(None, MODEL + RUN + overrides)
     os.environ.pop("OMP_NUM_THREADS", None)
@@ -298,8 +298,8 @@ def main() -> None:
 def predict_only(measured_json: Path, profile_path: str | None, only: str) -> dict:
     """Predictions of the current model against the measurements a previous run saved (see the docstring)."""
     from plait.config import load_config
+    from plait.plan.configured import simulate_config
     from plait.plan.hardware import load_profile
-    from plait.plan.simulate import simulate_config
 
     old = json.loads(measured_json.read_text())
     profile_path = profile_path or old["profile"]
@@ -329,9 +329,8 @@ def predict_only(measured_json: Path, profile_path: str | None, only: str) -> di
 def planner_predicted(profile: object, described: dict, old: dict) -> dict:
     """The planner's pick now, measured only when it is a layout the previous run measured."""
     from plait.config import load_config
-    from plait.plan.derive import optimizer_traffic
     from plait.plan.planner import plan
-    from plait.plan.shapes import shape_from_config
+    from plait.plan.record import optimizer_traffic, shape_from_config
     from plait.plan.workload import Layout, Workload
 
     cfg = load_config(None, MODEL + B32)
@@ -362,9 +361,8 @@ def planner_pick(profile: object, rows: dict, loads: list, steps: int, out_dir: 
                  max_wait: float) -> dict:
     """``plait plan`` for 4 devices: its pick measured against the best measured world-4 layout."""
     from plait.config import load_config
-    from plait.plan.derive import optimizer_traffic
     from plait.plan.planner import plan
-    from plait.plan.shapes import shape_from_config
+    from plait.plan.record import optimizer_traffic, shape_from_config
     from plait.plan.workload import Layout, Workload
 
     cfg = load_config(None, MODEL + B32)

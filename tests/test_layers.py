@@ -16,9 +16,13 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Bottom first. A module belongs to the first layer with a prefix that matches its dotted name (longest
 # prefix wins within a layer list; the package ``plait`` itself is the public API at the top).
+PLAN_MODEL = ("buckets", "derive", "flops", "hardware", "kernels", "layouts", "memory", "nccl", "network", "opcore",
+              "ops", "ops_moe", "params", "planner", "rank_memory", "schedule", "shapes", "simulate", "stages",
+              "timeline", "trace", "workload")
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("plan/model", ("plait.plan.model",)),
     ("runtime", ("plait.runtime", "plait.config", "plait.topology")),
+    # the pure cost and memory model: above the runtime (it reads a Config's sections and raises ConfigError)
+    ("plan/model", tuple(f"plait.plan.{m}" for m in PLAN_MODEL)),
     ("components", ("plait.components",)),
     ("data observe", ("plait.data", "plait.observe")),
     ("comm fault nn", ("plait.comm", "plait.fault", "plait.nn", "plait.models")),

@@ -276,8 +276,8 @@ def gpt_reference(every: int, chunks: int) -> dict:
 
 def _gpt_cases(rank: int, root: str) -> dict:
     import plait
+    from plait.plan.configured import simulate_config
     from plait.plan.hardware import load_profile
-    from plait.plan.simulate import simulate_config
 
     out = {}
     for name, (extra, every, _) in GPT_CASES.items():

@@ -280,7 +280,7 @@ def test_tensor_and_sequence_parallel_terms_through_plait_s_plan(sp, regime):
     parallelism the norms keep half the tokens and each column-parallel Linear the all-gathered input (under
     autocast, its own half-precision copy of it)."""
     from plait.config import load_config
-    from plait.plan.derive import fake_world, tensor_parallel
+    from plait.plan.record import fake_world, tensor_parallel
 
     cfg = load_config(None, ["--parallel.nproc=2", "--parallel.tp=2", f"--parallel.sequence_parallel={sp}",
                              "--model.n_layer=2", f"--model.d_model={C}", f"--model.n_head={HEADS}",

@@ -24,8 +24,8 @@ import pytest
 from plait.config import load_config
 from plait.plan.calibrate import calibrate
 from plait.plan.compare import compare_run
+from plait.plan.configured import simulate_config
 from plait.plan.hardware import load_profile
-from plait.plan.simulate import simulate_config
 
 RUN = ["--model.n_layer=2", "--model.d_model=64", "--model.n_head=2", "--model.seq_len=64",
        "--train.global_batch_size=16", "--train.micro_batch_size=8", "--parallel.nproc=2", "--train.steps=14",

@@ -10,12 +10,13 @@ import torch
 
 from plait.config import load_config
 from plait.models.gpt import GPT
+from plait.plan.configured import simulate_config
 from plait.plan.hardware import load_profile
 from plait.plan.network import collective_time, group_span
 from plait.plan.ops import BlockOps, Setup
 from plait.plan.params import param_list
-from plait.plan.shapes import count_params, shape_from_config
-from plait.plan.simulate import simulate_config
+from plait.plan.record import shape_from_config
+from plait.plan.shapes import count_params
 
 pytestmark = pytest.mark.skipif(not hasattr(load_config(None, []), "moe"), reason="no [moe] section in this build")
 MOE = ["--moe.num_experts=4", "--parallel.nproc=4", "--parallel.ep=2", "--train.micro_batch_size=8"]

@@ -14,14 +14,14 @@ import os
 import pytest
 
 from plait.config import load_config
-from plait.plan import derive
+from plait.plan import record
 from plait.plan.calibrate import _render, write_overheads
 from plait.plan.calibrate_paths import PATHS, TINY, calibrate_paths, residual_constant, with_overhead
+from plait.plan.configured import simulate_config
 from plait.plan.hardware import load_profile
 from plait.plan.network import COLLECTIVES
 from plait.plan.ops import MEMORY_KINDS
 from plait.plan.params import param_list
-from plait.plan.simulate import simulate_config
 
 H = 1e-3  # a probe constant: 1 ms per event
 
@@ -61,7 +61,7 @@ def test_a_profile_without_the_code_path_constants_prices_them_at_zero(profile):
 def test_tp_collective_cost_counts_every_recorded_collective_once(profile):
     cfg = load_config(None, TINY + PATHS["tp_collective"])
     sim = simulate_config(cfg, profile)
-    block, rest = derive.tp_collectives(cfg, sim.work.pipe_micro_batch)
+    block, rest = record.tp_collectives(cfg, sim.work.pipe_micro_batch)
     per_micro_step = cfg.model.n_layer * len(block) + len(rest)
     assert per_micro_step == 2 * 4 + 5  # 2 blocks x (2 forward + 2 backward all-reduces) + embedding and loss
     assert _slope(cfg, profile, "tp_collective") == pytest.approx(sim.work.accumulation * per_micro_step, rel=1e-6)
@@ -86,7 +86,7 @@ def test_step_cost_is_charged_once_per_optimizer_step(profile):
 def test_dtensor_cost_covers_the_optimizer_steps_on_fsdp_shards(profile):
     cfg = load_config(None, TINY + PATHS["fsdp_unit"])
     sim = simulate_config(cfg, profile)
-    ops_per_tensor = derive.optimizer_traffic(cfg)[0]
+    ops_per_tensor = record.optimizer_traffic(cfg)[0]
     tensors = len(param_list(sim.work.shape, range(cfg.model.n_layer), first=True, last=True))
     per_tensor = ops_per_tensor + (3 if sim.work.grad_clip else 0)
     assert _slope(cfg, profile, "dtensor") == pytest.approx(per_tensor * tensors, rel=1e-6)

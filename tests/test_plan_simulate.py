@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from plait import recipes
 from plait.cli import main
 from plait.config import ConfigError, load_config, to_toml
-from plait.plan import derive
+from plait.plan import derive, record
+from plait.plan.configured import simulate_config
 from plait.plan.hardware import load_profile
 from plait.plan.ops import BlockOps, Setup
 from plait.plan.params import param_list
 from plait.plan.shapes import gpt_shape
-from plait.plan.simulate import simulate_config
 
 GPT_1B = ["--model.n_layer=24", "--model.d_model=2048", "--model.n_head=16", "--model.seq_len=2048",
           "--model.vocab_size=51200", "--train.global_batch_size=64", "--train.micro_batch_size=4",
@@ -70,7 +71,7 @@ def test_compare_reports_the_error_of_each_figure(tmp_path, capsys):
 def test_tensor_parallel_collectives_recorded_from_the_real_plan_match_the_op_list(sp):
     cfg = load_config(None, ["--parallel.nproc=2", "--parallel.tp=2", f"--parallel.sequence_parallel={sp}",
                              "--model.n_layer=2"])
-    block, _ = derive.tp_collectives(cfg, micro_batch=2)
+    block, _ = record.tp_collectives(cfg, micro_batch=2)
     shape = gpt_shape(2, 128, 4, 128, 256)
     ops = BlockOps(shape, Setup(micro_batch=2, tp=2, sp=sp))
     analytic = sorted((o.comm, int(o.bytes), o.backward) for o in ops.forward().ops + ops.backward().ops
@@ -95,7 +96,7 @@ def test_a_400b_model_from_a_factory_simulates_on_the_meta_device():
                              "--parallel.tp=8", "--parallel.pp=16", "--parallel.microbatches=16",
                              "--train.micro_batch_size=16", "--train.global_batch_size=1024",
                              "--train.precision=bf16", "--train.activation_checkpointing=full"])
-    sim = simulate_config(cfg, load_profile("h100-sxm"), nodes=128, gpus_per_node=8, derive_tp=False)
+    sim = simulate_config(cfg, load_profile("h100-sxm"), nodes=128, gpus_per_node=8, derive_tp=False, models=recipes)
     assert 400e9 < sim.work.shape.param_count() < 410e9
     assert sim.work.shape.formula_params() == sim.work.shape.param_count()
     assert sim.world == 1024 and sim.step_s > 0 and 0 < sim.mfu < 1

@@ -19,10 +19,10 @@ from plait.config import ParallelConfig, TrainConfig
 from plait.parallel.checkpointing import apply_activation_checkpointing
 from plait.parallel.compile import compile_blocks
 from plait.parallel.expert import shard_experts
-from plait.parallel.pipeline import NATURAL_VIRTUAL
-from plait.parallel.pipeline_split import PipelineConfigError, pipeline_adapter, split_by_names
+from plait.parallel.pipeline_split import pipeline_adapter, split_by_names
 from plait.parallel.plans import plan_for
 from plait.parallel.tensor import hf_plan, resolve_tp, validate_plan
+from plait.plan.schedule import NATURAL_VIRTUAL, PipelineConfigError
 from plait.topology import Topology
 
 

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from plait.comm.collectives import Comm, CommWork
 from plait.comm.compress import Compressor
 from plait.parallel.units import is_expert
+from plait.plan.buckets import reducer_groups
 
 
 @dataclass
@@ -61,7 +62,6 @@ def local_grad(p: nn.Parameter) -> torch.Tensor | None:
     return g
 
 
-FIRST_BUCKET_BYTES = 2**20
 
 
 def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
@@ -69,17 +69,8 @@ def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket
 
     The first bucket is capped at 1 MiB: its gradients are ready earliest, and a small first bucket
     starts communication early in backward even when the whole model would fit in one bucket."""
-    groups: list[list[nn.Parameter]] = []
-    size = 0
-    for p in params:
-        nbytes = _local(p).numel() * p.element_size()
-        cap = min(bucket_bytes, FIRST_BUCKET_BYTES) if len(groups) == 1 else bucket_bytes
-        if groups and groups[-1][-1].dtype == p.dtype and size + nbytes <= cap:
-            groups[-1].append(p)
-            size += nbytes
-        else:
-            groups.append([p])
-            size = nbytes
+    sizes = [(_local(p).numel() * p.element_size(), p.dtype) for p in params]
+    groups = [[params[i] for i in group] for group in reducer_groups(sizes, bucket_bytes)]
     buckets = []
     for ps in groups:
         shards = [_local(p) for p in ps]

@@ -42,10 +42,11 @@ from plait.components.precision import autocast
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.parallel.apply import ModelSpec
 from plait.parallel.data import GradReducer, LocalGrads, local_grad
-from plait.parallel.pipeline import NATURAL_VIRTUAL, build_pipeline, check_pipeline_layout, measure_layer_costs
+from plait.parallel.pipeline import build_pipeline, measure_layer_costs
 from plait.parallel.pipeline_trace import bubble_summary, write_chrome_trace
 from plait.parallel.strategy import PlaitError, Strategy, register_strategy
 from plait.parallel.tensor import full_state_dict, local_value, loss_context
+from plait.plan.schedule import NATURAL_VIRTUAL, check_pipeline_layout
 from plait.topology import Topology
 
 

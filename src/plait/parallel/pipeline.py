@@ -42,7 +42,6 @@ from plait.parallel.pipeline_split import (
     FunctionPipeline,
     LayerCosts,
     PipelineAdapter,
-    PipelineConfigError,
     Tie,
     measure_layer_costs,
     pipeline_adapter,
@@ -51,94 +50,21 @@ from plait.parallel.pipeline_split import (
 )
 from plait.parallel.pipeline_trace import PipeEvent, StepSpan, bubble_summary, instrument_stage
 from plait.parallel.tensor import local_grads, local_value, loss_context, uses_loss_parallel
+from plait.plan.schedule import (
+    NATURAL_VIRTUAL,
+    SCHEDULE_NAMES,
+    PipelineConfigError,
+    check_pipeline_layout,
+    partition_layers,
+    stage_ranks,
+)
 
 __all__ = ["LayerCosts", "PipelineConfigError", "PipelineRunner", "build_pipeline", "check_pipeline_layout",
            "measure_layer_costs", "partition_layers"]
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
              "zbv": ScheduleZBVZeroBubble}
-NATURAL_VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbv": 2}
-
-
-def partition_layers(costs: list[float], num_stages: int, *, first_cost: float = 0.0,
-                     last_cost: float = 0.0) -> list[range]:
-    """Split layers ``0..len(costs)-1`` into ``num_stages`` contiguous non-empty ranges.
-
-    Minimises the largest stage cost, where a stage costs the sum of its layers' costs, plus
-    ``first_cost`` (embedding) on stage 0 and ``last_cost`` (norm, head, loss) on the last stage.
-    Exact dynamic programme, O(num_stages * n^2). Ties go to the split with earlier boundaries.
-    """
-    n = len(costs)
-    if num_stages < 1:
-        raise PipelineConfigError(f"the pipeline needs at least one stage; got {num_stages}")
-    if num_stages > n:
-        raise PipelineConfigError(
-            f"{num_stages} pipeline stages but the model has only {n} layers: every stage needs at least "
-            f"one block; lower parallel.pp (or the virtual stages per rank) or raise model.n_layer"
-        )
-    if any(c < 0 for c in costs):
-        raise PipelineConfigError(f"layer costs must be non-negative; got {costs}")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-
-    def cost(s: int, i: int, j: int) -> float:  # stage s owns layers i..j-1
-        extra = (first_cost if s == 0 else 0.0) + (last_cost if s == num_stages - 1 else 0.0)
-        return prefix[j] - prefix[i] + extra
-
-    inf = float("inf")
-    # best[s][j]: the smallest max-cost of stages 0..s covering layers 0..j-1; cut[s][j]: start of stage s.
-    best = [[inf] * (n + 1) for _ in range(num_stages)]
-    cut = [[0] * (n + 1) for _ in range(num_stages)]
-    for j in range(1, n + 1):
-        best[0][j] = cost(0, 0, j)
-    for s in range(1, num_stages):
-        for j in range(s + 1, n + 1):
-            for i in range(s, j):
-                value = max(best[s - 1][i], cost(s, i, j))
-                if value < best[s][j]:
-                    best[s][j], cut[s][j] = value, i
-    bounds, j = [], n
-    for s in range(num_stages - 1, 0, -1):
-        i = cut[s][j]
-        bounds.append(range(i, j))
-        j = i
-    bounds.append(range(0, j))
-    return bounds[::-1]
-
-
-def stage_ranks(num_ranks: int, num_stages: int, style: str) -> list[int]:
-    """Pipeline rank of each stage: round-robin ("loop") or V-shaped ("v", 2 stages per rank)."""
-    if style == "v":
-        return [s if s < num_ranks else 2 * num_ranks - 1 - s for s in range(num_stages)]
-    return [s % num_ranks for s in range(num_stages)]
-
-
-def check_pipeline_layout(schedule: str, num_ranks: int, microbatches: int, virtual: int) -> None:
-    """Readable errors for layouts the schedules cannot run."""
-    if schedule not in SCHEDULES:
-        raise PipelineConfigError(
-            f"unknown pipeline schedule {schedule!r}; "
-            f"parallel.pp_schedule must be one of {sorted(SCHEDULES)}")
-    if microbatches < 1:
-        raise PipelineConfigError(f"parallel.microbatches must be at least 1; got {microbatches}")
-    if schedule in ("gpipe", "1f1b") and virtual != 1:
-        raise PipelineConfigError(f"schedule {schedule!r} runs one stage per rank; got {virtual}")
-    if schedule == "interleaved" and virtual < 2:
-        raise PipelineConfigError("schedule 'interleaved' needs at least 2 virtual stages per rank")
-    if schedule == "zbv" and virtual != 2:
-        raise PipelineConfigError(f"schedule 'zbv' runs exactly 2 stages per rank in a V; got {virtual}")
-    if schedule in ("interleaved", "zbv") and microbatches < num_ranks:
-        raise PipelineConfigError(
-            f"schedule {schedule!r} needs at least as many micro-batches as pipeline stages "
-            f"(pp={num_ranks}); got parallel.microbatches={microbatches}; "
-            f"raise microbatches to {num_ranks} or more")
-    if schedule == "interleaved":
-        rounds = max(1, microbatches // num_ranks)
-        if microbatches % rounds:
-            raise PipelineConfigError(
-                f"interleaved 1F1B needs micro-batches to be a multiple of pp={num_ranks} (or divisible by "
-                f"microbatches // pp = {rounds}); got {microbatches}")
+assert tuple(SCHEDULES) == SCHEDULE_NAMES
 
 
 @dataclass

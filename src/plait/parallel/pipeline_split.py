@@ -30,11 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.config import ConfigError
-
-
-class PipelineConfigError(ConfigError):
-    """The pipeline layout asked for cannot be built; the message says what to change."""
+from plait.plan.schedule import PipelineConfigError
 
 
 class PipelineAdapter(Protocol):

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from plait.plan.schedule import theoretical_bubble
+
 
 @dataclass(frozen=True)
 class PipeEvent:
@@ -35,10 +37,6 @@ class StepSpan:
     start_ns: int
     end_ns: int
 
-
-def theoretical_bubble(num_ranks: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of a synchronous schedule: (p-1)/(v*m+p-1) (GPipe/1F1B: v=1)."""
-    return (num_ranks - 1) / (virtual_stages * microbatches + num_ranks - 1)
 
 
 def measured_bubble(events: list[PipeEvent], span: StepSpan) -> float:

@@ -37,7 +37,6 @@ compressors on few ranks (their all-gathers grow with ``n - 1``); fp16/bf16 do n
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -50,12 +49,12 @@ from torch import nn
 from plait.comm.collectives import Comm, all_gather_flat, ring_allreduce_bytes, ring_half_bytes
 from plait.parallel.units import is_expert
 from plait.parallel.zero_state import gather_state_dict, scatter_state_dict
+from plait.plan.buckets import MAX_FULL_IN_FLIGHT, padded, zero_groups
 
 OFFLOAD_CHOICES = ("none", "optimizer", "params")
 # Stage 2: launched buckets that may still hold their full local gradient during backward (those whose
 # reduce-scatter is in flight); more and backward waits for the oldest. 1 is double buffering: one
 # bucket reducing while the next fills, so a bucket's communication still overlaps the next one's compute.
-MAX_FULL_IN_FLIGHT = 1
 
 # torch 2.13 renamed the flat-tensor collectives; older releases (pyproject allows >= 2.4) lack the new names.
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -114,7 +113,7 @@ class _Bucket:
         for p in params:
             self.offsets.append(total)
             total += p.numel()
-        self.numel = math.ceil(total / world) * world  # padded so the N chunks are equal
+        self.numel = padded(total, world)  # so the N chunks are equal
         # What the flat buffer holds, padding included: PowerSGD compresses each matrix on its own.
         self.shapes = [tuple(p.shape) for p in params] + ([(self.numel - total,)] if self.numel > total else [])
         self.chunk = self.numel // world
@@ -471,13 +470,5 @@ def _build_buckets(model: nn.Module, groups: list[dict[str, Any]], bucket_mb: fl
     if len(kinds) != 1:
         raise ValueError(f"ZeroOptimizer needs one dtype and device for all parameters; got {kinds}")
     limit = max(1, int(bucket_mb * 2**20 / trainable[0].element_size()))
-    buckets: list[_Bucket] = []
-    open_: dict[int, list[nn.Parameter]] = {}
-    for p in reversed(trainable):  # backward produces gradients roughly in reverse order
-        gi = owner[p]
-        open_.setdefault(gi, []).append(p)
-        if sum(q.numel() for q in open_[gi]) >= limit:
-            buckets.append(_Bucket(open_.pop(gi), gi, world, rank))
-    for gi in sorted(open_):
-        buckets.append(_Bucket(open_[gi], gi, world, rank))
-    return buckets
+    groups = zero_groups([p.numel() for p in trainable], [owner[p] for p in trainable], limit)
+    return [_Bucket([trainable[i] for i in index], gi, world, rank) for gi, index in groups]

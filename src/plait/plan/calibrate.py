@@ -87,7 +87,7 @@ def _kernel_fns(n: int, cfg: Config) -> dict[str, tuple[Callable[[], Any], float
     logp = torch.log_softmax(x, -1)
     ids = torch.randint(0, width, (rows,))
     from plait.components.optim import adamw
-    from plait.plan.derive import optimizer_traffic
+    from plait.plan.record import optimizer_traffic
 
     _, per_element = optimizer_traffic(cfg)
     param = torch.nn.Parameter(torch.randn(rows * width))

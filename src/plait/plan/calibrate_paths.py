@@ -89,7 +89,7 @@ def _dtensor_worker(rank: int, world: int, port: int, _: list[str], __: str, ___
     from plait.components.optim import adamw
     from plait.config import Config
     from plait.plan.calibrate_comm import init_rank
-    from plait.plan.derive import optimizer_traffic
+    from plait.plan.record import optimizer_traffic
 
     init_rank(rank, world, port)
     try:
@@ -179,7 +179,7 @@ def calibrate_paths(profile: Any, log: Callable[[str], None] = print, measure: C
     if measure is measure_step:
         measure = functools.partial(measure_step, build_trainer=build_trainer)
     from plait.config import load_config
-    from plait.plan.simulate import simulate_config
+    from plait.plan.configured import simulate_config
 
     found: dict[str, float] = {}
     with one_thread():  # the spawned ranks run one thread each

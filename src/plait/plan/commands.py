@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from plait import recipes
 from plait.config import ConfigError, load_config
 from plait.runtime.args import split_args
 
@@ -48,7 +49,7 @@ def _profile(flags: dict[str, Any]) -> Any:
 def cmd_simulate(argv: list[str]) -> int:
     """``plait simulate``: JSON prediction on stdout, Chrome trace to ``--trace`` (default simulate_trace.json)."""
     from plait.plan.compare import compare_run
-    from plait.plan.simulate import simulate_config
+    from plait.plan.configured import simulate_config
     from plait.plan.trace import write_trace
 
     config, flags, overrides = parse(argv, ("--hardware", "--nodes", "--gpus-per-node", "--trace", "--compare",
@@ -64,12 +65,12 @@ def cmd_simulate(argv: list[str]) -> int:
     if run_dir and not nodes:
         cfg.parallel.nproc = _run_world(Path(run_dir), cfg.parallel.nproc)
     sim = simulate_config(cfg, profile, nodes=nodes, gpus_per_node=per_node, attention=flags.get("--attention", "auto"),
-                          stack=flags.get("--stack", "plait"), recompute=flags.get("--recompute"))
+                          stack=flags.get("--stack", "plait"), recompute=flags.get("--recompute"), models=recipes)
     out = sim.as_dict()
     if not sim.fits():
         from plait.plan.fixes import smallest_fix
 
-        raise ConfigError(smallest_fix(sim, cfg, profile))
+        raise ConfigError(smallest_fix(sim, cfg, profile, recipes))
     trace = Path(flags.get("--trace", "simulate_trace.json"))
     write_trace(sim, trace)
     out["trace"] = str(trace)
@@ -102,7 +103,7 @@ def cmd_calibrate(argv: list[str]) -> int:
 def cmd_plan(argv: list[str]) -> int:
     """``plait plan CONFIG --hardware P --gpus N``: ranked layouts as JSON; ``--write`` the best as a config."""
     from plait.plan.planner import plan, summary_row, write_config
-    from plait.plan.shapes import shape_from_config
+    from plait.plan.record import shape_from_config
     from plait.plan.workload import Layout, Workload
 
     config, flags, overrides = parse(argv, ("--hardware", "--gpus", "--top", "--write"))
@@ -111,9 +112,9 @@ def cmd_plan(argv: list[str]) -> int:
     gpus = flags.get("--gpus", cfg.parallel.nproc)
     if gpus < 1:
         raise ConfigError(f"--gpus must be at least 1; got {gpus}")
-    from plait.plan.derive import optimizer_traffic
+    from plait.plan.record import optimizer_traffic
 
-    shape = shape_from_config(cfg)
+    shape = shape_from_config(cfg, recipes)
     base = Workload(shape, Layout(), cfg.train.global_batch_size, precision=cfg.train.precision,
                     fused_optimizer=cfg.optim.fused, grad_clip=cfg.optim.grad_clip > 0)
     result = plan(shape, profile, gpus, cfg.train.global_batch_size, base=base, top=flags.get("--top", 5),
@@ -134,14 +135,14 @@ def cmd_plan_memory(argv: list[str]) -> int:
     rank; for plait's GPT under data parallelism and ZeRO also the table next to the ZeRO paper's
     accounting (``plait.plan.memory.format_memory_table``). Activation peaks under pipelining depend on the
     schedule's order, which is simulated with ``--hardware``'s timings (default a100-80gb)."""
+    from plait.plan.configured import simulate_config
     from plait.plan.hardware import load_profile
     from plait.plan.memory import GPTShape, format_memory_table
-    from plait.plan.simulate import simulate_config
 
     config, flags, overrides = parse(argv, ("--hardware",))
     cfg = load_config(config, overrides)
     profile = load_profile(flags.get("--hardware", "a100-80gb"))
-    sim = simulate_config(cfg, profile, derive_tp=False, memory_only=True)
+    sim = simulate_config(cfg, profile, derive_tp=False, memory_only=True, models=recipes)
     m, t, p, lay = cfg.model, cfg.train, cfg.parallel, sim.work.layout
     lines = []
     if not m.factory and m.name == "gpt" and lay.tp == lay.pp == 1:

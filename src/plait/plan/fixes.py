@@ -12,6 +12,7 @@ import copy
 from typing import Any
 
 from plait.config import Config, ConfigError
+from plait.plan.configured import simulate_config
 
 
 def _candidates(cfg: Config, profile: Any, world: int) -> list[tuple[str, Config, int]]:
@@ -39,10 +40,9 @@ def _candidates(cfg: Config, profile: Any, world: int) -> list[tuple[str, Config
     return out
 
 
-def smallest_fix(sim: Any, cfg: Config, profile: Any) -> str:
-    """One message: what the layout needs, what the device offers, and the smallest change that fits."""
-    from plait.plan.simulate import simulate_config
-
+def smallest_fix(sim: Any, cfg: Config, profile: Any, models: Any = None) -> str:
+    """One message: what the layout needs, what the device offers, and the smallest change that fits
+    (``models``: ``plait.recipes``, for a model other than plait's GPT)."""
     lay = sim.work.layout
     worst = max(sim.memory.values(), key=lambda m: m.total)
     head = (f"layout {lay.describe()} needs {worst.total / 2**30:.2f} GiB on its fullest rank (model states "
@@ -56,7 +56,7 @@ def smallest_fix(sim: Any, cfg: Config, profile: Any) -> str:
             candidate.parallel.nproc = world
             trial = simulate_config(candidate, profile, nodes=nodes, gpus_per_node=sim.cluster.devices_per_node
                                     if nodes else 0, attention=sim.work.attention, stack=sim.work.stack,
-                                    derive_tp=False)
+                                    derive_tp=False, models=models)
         except ConfigError:
             continue
         if trial.fits():

@@ -9,12 +9,11 @@ dispatcher's all-to-alls in the compute stream: forward the per-expert counts (`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from plait.plan.opcore import Op, comm, matmul, matmul_backward, mem
 
-if TYPE_CHECKING:
-    from plait.plan.ops import BlockOps
+BlockOps = Any  # plait.plan.ops.BlockOps, whose methods these are (it imports this module)
 
 
 def moe_shape(self: BlockOps) -> tuple[int, int, int, int, int]:

@@ -8,7 +8,8 @@ Three ways in, one ``ModelShape`` out:
   ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``, ``vocab_size``,
   ``tie_word_embeddings`` (GPT-2's ``n_embd``/``n_layer``/``n_head``/``n_inner`` too); Llama-style
   configs get a gated (SwiGLU) MLP, RMSNorm and rotary positions;
-* any ``model.factory`` / ``model.name`` (``shape_from_config``): the model is built on the meta device
+* any ``model.factory`` / ``model.name`` (``plait.plan.record.shape_from_config``): the model is built on
+  the meta device
   (no memory, so a 400B-parameter model is fine here) and read through its ``config`` (Hugging Face) or
   ``cfg`` (plait's GPT); its exact parameter count is kept.
 
@@ -185,17 +186,6 @@ def shape_from_hf(config: Any, seq_len: int) -> ModelShape:
         name=model_type or "hf", positions=positions)
 
 
-def meta_model(cfg: Config) -> Any:
-    """The configured model built on the meta device (parameters without memory), by the recipe or factory
-    ``plait train`` uses."""
-    import torch
-
-    from plait.recipes import build_model
-
-    with torch.device("meta"):
-        return build_model(cfg)
-
-
 def count_params(model: Any) -> int:
     """Parameters of ``model`` counted once (tied weights once), meta tensors included."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
@@ -217,15 +207,6 @@ def shape_from_model(model: Any, seq_len: int) -> ModelShape:
             "Hugging Face .config nor plait's GPT .cfg; build it from a Hugging Face config (e.g. "
             "AutoModelForCausalLM.from_config) or use model.name=gpt")
     return replace(shape, exact_params=count_params(model))
-
-
-def shape_from_config(cfg: Config) -> ModelShape:
-    """The configured model's shape: from ``[model]`` for plait's GPT, else from the model built on the meta
-    device by ``model.factory`` / ``model.name`` (its config and exact parameter count)."""
-    m = cfg.model
-    if not m.factory and m.name == "gpt":
-        return with_moe(gpt_shape(m.n_layer, m.d_model, m.n_head, m.seq_len, m.vocab_size, m.dropout), cfg)
-    return shape_from_model(meta_model(cfg), m.seq_len)
 
 
 def with_moe(shape: ModelShape, cfg: Config) -> ModelShape:

@@ -5,8 +5,8 @@ pipeline rank on simulated time (``plait.plan.timeline``; data-parallel and tens
 pipeline rank are identical, so one of each stands for all), adds the optimizer, and reports the step
 time, throughput, MFU and HFU, per-rank peak memory with its breakdown, exposed communication, the
 pipeline bubble and the scaling efficiency (the layout's throughput per device over one device's
-compute-only throughput on the same micro-batch). ``simulate_config`` does the same for a plait config,
-deriving what it can from the code that trains (``plait.plan.derive``).
+compute-only throughput on the same micro-batch). ``plait.plan.configured.simulate_config`` does the same
+for a plait config, deriving what it can from the code that trains (``plait.plan.record``).
 """
 
 from __future__ import annotations
@@ -14,20 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from plait.config import Config, ConfigError
-from plait.parallel.pipeline_trace import theoretical_bubble
 from plait.plan import derive
 from plait.plan.flops import hardware_flops, model_flops, utilisation
-from plait.plan.hardware import HardwareProfile
 from plait.plan.layouts import PipelineZero, pipeline_zero
 from plait.plan.network import collective_time, group_span
 from plait.plan.ops import Op
 from plait.plan.params import Param, param_list
 from plait.plan.rank_memory import RankMemory, gather_bytes, model_states
-from plait.plan.schedule import stage_owner
+from plait.plan.schedule import stage_owner, theoretical_bubble
 from plait.plan.stages import Cluster, StageModel
 from plait.plan.timeline import RankTimeline, Span, flat_step, pipeline_step
-from plait.plan.workload import Workload, workload_from_config
+from plait.plan.workload import Workload
 
 MFU_FORMULA = "mfu = (6 N_matmul + 12 L d T) x tokens / (step_s x devices x peak)"
 HFU_FORMULA = "hfu = (model FLOPs + recomputed forward FLOPs) / (step_s x devices x peak)"
@@ -214,7 +211,7 @@ def _optimizer(model: StageModel, tl: RankTimeline, params: list[Param], plan: d
 def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: tuple[float, float] = (7.5, 80.0),
              notes: list[str] | None = None, op_counts: Any = None) -> Simulation:
     """Predict one step of ``work`` on ``cluster`` (see the module docstring). ``traffic`` is the optimizer's
-    (operators per tensor, bytes per element), ``derive.optimizer_traffic`` for a config; ``derived_tp`` and
+    (operators per tensor, bytes per element), ``plait.plan.record.optimizer_traffic`` for a config; ``derived_tp`` and
     ``op_counts`` what ``plait.plan.derive`` recorded from the real model (None: the analytic model alone)."""
     work.check()
     lay = work.layout
@@ -334,37 +331,3 @@ def _single_device_time(work: Workload, cluster: Cluster, op_counts: Any = None)
         op_counts = None  # counted under tensor parallelism: not the single device's
     model = StageModel(single, cluster, None, op_counts)
     return sum(c.total for _, c in _all_layers(model)) / work.pipe_micro_batch
-
-
-def simulate_config(cfg: Config, profile: HardwareProfile, *, nodes: int = 0, gpus_per_node: int = 0,
-                    attention: str = "auto", stack: str = "plait", recompute: str | None = None,
-                    derive_tp: bool = True, memory_only: bool = False) -> Simulation:
-    """Predict ``plait train cfg`` on ``nodes x gpus_per_node`` devices (default: ``parallel.nproc``
-    ranks). Raises ``ConfigError`` for a layout the trainer would refuse."""
-    if nodes > 0:
-        gpus_per_node = gpus_per_node or (profile.devices_per_node if profile.kind == "gpu"
-                                          else -(-cfg.parallel.nproc // nodes))
-        world = nodes * gpus_per_node
-    else:
-        world = cfg.parallel.nproc
-    if attention == "auto":
-        attention = "unfused" if stack != "plait" else "flash"
-    work = workload_from_config(cfg, world, attention=attention, stack=stack, recompute=recompute,
-                                memory_only=memory_only)
-    cluster = Cluster.of(profile, world, nodes, gpus_per_node)
-    notes: list[str] = []
-    derived = counts = None
-    if derive_tp and work.layout.tp > 1:
-        try:
-            derived = derive.tp_collectives(cfg, work.pipe_micro_batch)
-            notes.append("tensor-parallel collectives recorded from the real plan on the meta device (fake process "
-                         "group)")
-        except (RuntimeError, ConfigError) as e:
-            notes.append(f"tensor-parallel collectives from the analytic model ({e})")
-    if profile.kind == "cpu":
-        try:
-            counts = derive.operator_counts(cfg, work.pipe_micro_batch)
-            notes.append("dispatcher operators per block counted on the real model (meta device)")
-        except (RuntimeError, ValueError, ConfigError) as e:
-            notes.append(f"operator counts unavailable ({e}): per-operator overhead left out")
-    return simulate(work, cluster, derived, derive.optimizer_traffic(cfg), notes, counts)

@@ -6,7 +6,7 @@ the block is checkpointed, runs again before its backward and counts in the inpu
 tensor-parallel collectives in the compute stream (they block it: nothing overlaps them in plait's
 DTensor layout), and the activation bytes it keeps for backward. On a calibrated CPU every operator the
 dispatcher runs beyond the priced ones (views, copies, autograd's bookkeeping; counted on the real model
-by ``plait.plan.derive.operator_counts``) costs the measured per-operator overhead, each DTensor
+by ``plait.plan.record.operator_counts``) costs the measured per-operator overhead, each DTensor
 operator what DTensor adds, and each tensor-parallel collective the host work measured around one
 (``plait.plan.calibrate_paths``). Activation checkpointing keeps only a
 checkpointed block's input and adds one block's activations while it is recomputed; ``selective``
@@ -295,6 +295,6 @@ class StageModel:
 @lru_cache(maxsize=256)
 def _partition(costs: tuple[float, ...], num_stages: int, first: float, last: float) -> list[range]:
     """``partition_layers`` memoised: the planner prices many layouts with the same per-layer costs."""
-    from plait.parallel.pipeline import partition_layers
+    from plait.plan.schedule import partition_layers
 
     return partition_layers(list(costs), num_stages, first_cost=first, last_cost=last)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from plait.parallel.zero import MAX_FULL_IN_FLIGHT
+from plait.plan.buckets import MAX_FULL_IN_FLIGHT
 from plait.plan.schedule import Action, pipeline_orders, run_pipeline, stage_owner
 from plait.plan.stages import LayerCost, StageModel
 

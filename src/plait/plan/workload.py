@@ -16,11 +16,10 @@ schedule's natural virtual stages, the accumulation steps.
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from plait.config import Config, ConfigError
-from plait.plan.shapes import ModelShape, shape_from_config
+from plait.plan.shapes import ModelShape
 
 RECOMPUTE = ("none", "full", "every_k", "selective")
 
@@ -141,7 +140,7 @@ class Workload:
 
 def layout_from_config(cfg: Config) -> Layout:
     """The layout of a validated config (``parallel.dp`` already resolved)."""
-    from plait.parallel.pipeline import NATURAL_VIRTUAL
+    from plait.plan.schedule import NATURAL_VIRTUAL
 
     p, t = cfg.parallel, cfg.train
     virtual = (p.pp_virtual_stages or NATURAL_VIRTUAL.get(p.pp_schedule, 1)) if p.pp > 1 else 1
@@ -151,40 +150,3 @@ def layout_from_config(cfg: Config) -> Layout:
                   every_k=t.checkpoint_every_k, reshard_after_forward=p.reshard_after_forward, bucket_mb=p.bucket_mb,
                   impl=p.impl, pp_balance=p.pp_balance, loss_parallel=p.loss_parallel, ep=p.ep,
                   offload=p.offload)
-
-
-def validated(cfg: Config, world: int, memory_only: bool = False) -> Config:
-    """A copy of ``cfg`` checked for ``world`` ranks by the trainer's own checks, dp resolved: the layout's
-    rules (``plait.validate``) and the registered model's own check of its shape against the degrees. The
-    data set is not needed to simulate and is not checked. Offload is modelled for device memory only
-    (``memory_only``: the host-side optimizer step and the copies to and from the host are not timed), so
-    a timing of an offloaded layout is refused."""
-    from plait.recipes import model_recipe
-    from plait.topology import resolve_degrees
-    from plait.validate import validate
-
-    cfg = copy.deepcopy(cfg)
-    if cfg.parallel.offload != "none" and not memory_only:
-        raise ConfigError(f"the simulator does not model parallel.offload={cfg.parallel.offload}; set "
-                          "parallel.offload=none (plait plan memory predicts its device memory)")
-    cfg = validate(cfg, world)
-    recipe = model_recipe(cfg)
-    if recipe is not None and recipe.check is not None:
-        recipe.check(cfg, resolve_degrees(cfg, world))
-    return cfg
-
-
-def workload_from_config(cfg: Config, world: int, *, shape: ModelShape | None = None, attention: str = "flash",
-                         stack: str = "plait", recompute: str | None = None, memory_only: bool = False) -> Workload:
-    """The workload ``plait train`` would run with ``cfg`` on ``world`` ranks. ``recompute`` overrides
-    ``train.activation_checkpointing`` (``selective`` exists only in the simulator, as a what-if)."""
-    cfg = validated(cfg, world, memory_only)
-    shape = shape or shape_from_config(cfg)
-    layout = layout_from_config(cfg)
-    if recompute is not None:
-        layout = replace(layout, recompute=recompute)
-    work = Workload(shape=shape, layout=layout, global_batch=cfg.train.global_batch_size,
-                    precision=cfg.train.precision, attention=attention, stack=stack,
-                    fused_optimizer=cfg.optim.fused, grad_clip=cfg.optim.grad_clip > 0)
-    work.check()
-    return work

@@ -172,6 +172,14 @@ def default_loss(cfg: Config) -> str:
     return recipe.loss if recipe is not None else "auto"
 
 
+def check_model(cfg: Config, degrees: dict[str, int]) -> None:
+    """The registered model's own check of its shape against the layout (no data set, no factory import):
+    what the simulator and planner need."""
+    recipe = model_recipe(cfg)
+    if recipe is not None and recipe.check is not None:
+        recipe.check(cfg, degrees)
+
+
 def check_recipe(cfg: Config, degrees: dict[str, int]) -> None:
     """The registered model's and data set's own checks (shape against layout, files), before launch."""
     for ref, what in ((cfg.model.factory, "model.factory"), (cfg.data.factory, "data.factory")):

@@ -17,7 +17,7 @@ from typing import Any
 from plait.config import Config, ConfigError
 from plait.models.gpt import GPT
 from plait.parallel.gpt_plans import check_tensor_parallel
-from plait.parallel.pipeline import NATURAL_VIRTUAL
+from plait.plan.schedule import NATURAL_VIRTUAL
 
 
 # -- recipe ----------------------------------------------------------------------------------------
