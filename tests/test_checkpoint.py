@@ -10,7 +10,7 @@ import torch
 
 from plait.data.corpus import DataError, load_splits
 from plait.engine import Plait
-from plait.train import checkpoint as ckpt
+from plait.components import checkpoint as ckpt
 
 
 def _trained(seed: int, steps: int = 1) -> tuple[Plait, torch.nn.Module, torch.optim.Optimizer]:
