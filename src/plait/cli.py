@@ -40,8 +40,8 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
     """Returns (validated config, config as written to the run dir, run dir, resume?). The written copy
     keeps inferred values unresolved (parallel.dp=0 stays 0) so a resumed run may change the world size."""
     from plait.components.checkpoint import latest_checkpoint
-    from plait.launch import external_world_size, launched_externally
     from plait.recipes import validate_config as validate
+    from plait.runtime.dist import external_world_size, launched_externally
 
     config_path, resume, overrides = _split_train_args(argv)
     if not resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
@@ -81,8 +81,9 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
 
 
 def cmd_train(argv: list[str]) -> int:
-    from plait.launch import ERROR_DIR_ENV, Restarts, launch_local, launched_externally, run_worker
+    from plait.launch import Restarts, launch_local, run_worker
     from plait.recipes import train
+    from plait.runtime.dist import ERROR_DIR_ENV, launched_externally
 
     cfg, written, run_dir, resume = _prepare_run(argv)
     if cfg.observe.report:  # before training, not after it: the run would end without its report
