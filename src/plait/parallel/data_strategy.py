@@ -67,8 +67,24 @@ class BatchNormAveraging:
             reduce_in_place(self._bn, self.comm, self.topo.dp_group, self.topo.dp, "batchnorm statistics")
 
 
+class ReducerSync:
+    """Mixin: gradient synchronisation by a data-parallel engine (``self.engine``: plait's reducer, DDP, or
+    one rank's ``LocalGrads``), armed per micro-step and completed after backward."""
+
+    engine: Any
+
+    def set_sync(self, enabled: bool) -> None:
+        self.engine.set_sync(enabled)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.engine.no_sync()
+
+    def finish(self) -> None:
+        self.engine.finish()
+
+
 @register_strategy
-class DataParallel(BatchNormAveraging, Strategy):
+class DataParallel(ReducerSync, BatchNormAveraging, Strategy):
     """Data parallelism (plait's bucketed reducer, or PyTorch DDP with ``parallel.impl=torch``; one rank
     needs neither) with a replicated torch optimizer. The strategy when no other applies."""
 
@@ -105,15 +121,6 @@ class DataParallel(BatchNormAveraging, Strategy):
 
     def forward_wrapper(self) -> Callable | None:
         return self.engine.module if isinstance(self.engine, TorchDDP) else None
-
-    def set_sync(self, enabled: bool) -> None:
-        self.engine.set_sync(enabled)
-
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return self.engine.no_sync()
-
-    def finish(self) -> None:
-        self.engine.finish()
 
     def _flat_grads(self) -> list[torch.Tensor] | None:
         """plait's reducer buckets when every gradient is a view into them (None otherwise): unscaling

@@ -42,6 +42,7 @@ from plait.components.precision import autocast
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.parallel.apply import ModelSpec
 from plait.parallel.data import GradReducer, LocalGrads, local_grad
+from plait.parallel.data_strategy import ReducerSync
 from plait.parallel.pipeline import build_pipeline, measure_layer_costs
 from plait.parallel.pipeline_trace import bubble_summary, write_chrome_trace
 from plait.parallel.strategy import PlaitError, Strategy, register_strategy
@@ -93,7 +94,7 @@ def sum_sharded_squares(pairs: Iterable[tuple[nn.Parameter, torch.Tensor]]) -> t
     return total
 
 
-class ModelParallel(Strategy):
+class ModelParallel(ReducerSync, Strategy):
     """Shared parts of the tensor and pipeline strategies (see the module docstring)."""
 
     torch_collectives = True
@@ -107,15 +108,6 @@ class ModelParallel(Strategy):
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.named)
-
-    def set_sync(self, enabled: bool) -> None:
-        self.engine.set_sync(enabled)
-
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return self.engine.no_sync()
-
-    def finish(self) -> None:
-        self.engine.finish()
 
     def grads(self) -> list[torch.Tensor]:
         return [g for _, p in self.named if (g := local_grad(p)) is not None]
