@@ -351,12 +351,15 @@ class Plait:
         """This rank's share of ``data`` in micro-batches of ``batch_size`` (default
         ``train.micro_batch_size``): a deterministic, resumable loader (``plait.data.loader``).
 
-        ``data`` is a map-style data set or a DataLoader (whose data set, collate function and worker
-        settings are kept). A DataLoader whose sampler is already rank-aware (``DistributedSampler``) is
-        returned as it is. Training (``shuffle=True``) yields whole global batches of ``batch_size x dp x
-        accumulation`` samples, each data-parallel rank a disjoint share; ``shuffle=False`` is for
-        evaluation: every sample once (but at most dp-1), the same number of batches on every rank.
-        A ``batch_size`` other than the config's changes the accumulation so the global batch stays.
+        ``data`` is a map-style data set (a Hugging Face ``datasets.Dataset`` too) or a DataLoader (whose
+        data set, collate function and worker settings are kept); an iterable data set (Hugging Face or
+        torch), a ``StatefulDataLoader``, plait's streamed documents or a plain iterable are read through
+        ``plait.data.resumable.loader_for`` (sharded over data-parallel ranks, per-rank state). A DataLoader
+        whose sampler is already rank-aware (``DistributedSampler``) is returned as it is. Training
+        (``shuffle=True``) yields whole global batches of ``batch_size x dp x accumulation`` samples, each
+        data-parallel rank a disjoint share; ``shuffle=False`` is for evaluation: every sample once (but at
+        most dp-1), the same number of batches on every rank. A ``batch_size`` other than the config's changes
+        the accumulation so the global batch stays.
         """
         from torch.utils.data import DataLoader
 
@@ -365,6 +368,14 @@ class Plait:
         if data is None:
             raise PlaitError("setup_dataloader() got None; pass a data set or a DataLoader")
         t = self.config.train
+        from plait.data.resumable import loader_for
+
+        special = loader_for(data, dp_rank=self.dp_rank, dp_size=self.dp, batch_size=batch_size or t.micro_batch_size,
+                             num_workers=dataloader_kwargs.get("num_workers", self.config.data.num_workers),
+                             collate_fn=collate_fn, pin_memory=self.device.type == "cuda",
+                             prefetch_factor=dataloader_kwargs.get("prefetch_factor"))
+        if special is not None:  # streamed, iterable or Hugging Face data (plait.data.resumable)
+            return special if self.device.type == "cpu" else DeviceLoader(special, self.device)
         if isinstance(data, DataLoader):
             if is_rank_aware(data):
                 self.logger.info("the DataLoader's sampler is already rank-aware: used as it is (not resumable)")
@@ -698,6 +709,7 @@ class Plait:
         checkpoint completes at the next optimizer step (or save, or ``close``); ``on_complete(path)``
         then runs on rank 0.
         """
+        from plait.data.resumable import checkpoint_state
         from plait.train.checkpoint import save_state
 
         layout = self._check_objects(model, optimizer)
@@ -706,7 +718,7 @@ class Plait:
         t0 = time.perf_counter()
         sched = scheduler or self.scheduler
         shared = {"scheduler": sched.state_dict() if sched is not None else None,
-                  "dataloader": dataloader.state_dict() if dataloader is not None else None,
+                  "dataloader": checkpoint_state(dataloader, self.group) if dataloader is not None else None,
                   "scaler": self.scaler.state_dict(), "steps": self.steps, "skipped_steps": self.skipped_steps,
                   "micro": self._micro, "param_groups": hyperparameters(layout.scheduler_target()),
                   "auto": self.auto.state_dict() if self.auto is not None else None}

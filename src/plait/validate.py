@@ -21,6 +21,9 @@ def validate(cfg: Config, world_size: int, *, model_checks: bool = True) -> Conf
     passed to ``Plait.setup`` rather than named in the config).
     """
     check_values(cfg)
+    from plait.data.tokenize import resolve_vocab_size
+
+    resolve_vocab_size(cfg)  # model.vocab_size = 0: the tokenizer's
     t, p = cfg.train, cfg.parallel
     if p.mode == "ps":  # the workers are the data-parallel ranks; the servers hold no batch
         from plait.ps.roles import check_ps

@@ -120,7 +120,8 @@ class Trainer:
         model = build_model(cfg)
         train, held_out = build_data(cfg)
         if hasattr(train, "source"):
-            p.logger.info("data: %s, %d training samples", train.source, len(train))
+            p.logger.info("data: %s, %s training samples", train.source,
+                          len(train) if hasattr(train, "__len__") else "streamed")
         return cls(model, train, loss_fn=default_loss(cfg), eval_data=held_out, plait=p)
 
     # -- the engine's parts, for inspection ---------------------------------------------------------
