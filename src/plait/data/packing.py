@@ -51,6 +51,24 @@ def doc_occurrence(doc_id: int, epoch: int) -> int:
     return doc_id | ((epoch & 1) << EPOCH_BIT)
 
 
+def document_causal_mask(doc_ids: torch.Tensor, key_doc_ids: torch.Tensor | None = None,
+                         query_offset: int = 0) -> torch.Tensor:
+    """A boolean attention mask, True where a query may attend a key: same document and not later.
+
+    ``doc_ids``: (B, Tq) the queries' document ids; ``key_doc_ids``: (B, Tk) the keys' (default: the
+    queries' own); ``query_offset``: the position of the first query among the keys (a query at position
+    ``query_offset + i`` sees keys ``0..query_offset + i``), so a layer or layout holding a slice of the
+    queries (a context-parallel rank) builds its part. Returns (B, 1, Tq, Tk), broadcast over heads, as
+    ``torch.nn.functional.scaled_dot_product_attention`` takes it.
+    """
+    keys = doc_ids if key_doc_ids is None else key_doc_ids
+    tq, tk = doc_ids.size(1), keys.size(1)
+    same = doc_ids[:, :, None] == keys[:, None, :]  # (B, Tq, Tk)
+    q_pos = torch.arange(tq, device=doc_ids.device)[:, None] + query_offset
+    causal = torch.arange(tk, device=doc_ids.device)[None, :] <= q_pos  # (Tq, Tk)
+    return (same & causal)[:, None]
+
+
 def packed_fields(tokens: torch.Tensor, docs: torch.Tensor) -> dict[str, torch.Tensor]:
     """The packed batch of ``tokens`` and their ``docs``, both (B, T) int64 (see the module docstring)."""
     B, T = tokens.shape
@@ -74,17 +92,21 @@ def rows_to_batch(tokens: np.ndarray, docs: np.ndarray | None, pack: bool,
     t = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
     if pack:
         out = packed_fields(t, torch.from_numpy(np.ascontiguousarray(docs, dtype=np.int64)))
+        if "attention_mask" in fields:
+            out["attention_mask"] = document_causal_mask(out["doc_ids"])
         return {k: out[k] for k in fields}
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
 def model_fields(plait_gpt: bool, document_mask: bool) -> tuple[str, ...]:
-    """The packed fields a model takes: plait's GPT all four (it masks by ``doc_ids`` when asked); a Hugging
-    Face model ``position_ids`` only with ``document_mask`` (transformers builds the block-diagonal causal
-    mask from position ids that restart, and would do so unasked), never ``doc_ids`` (not an argument)."""
+    """The packed fields a model takes: plait's GPT all four (it masks by ``doc_ids`` when asked). A Hugging
+    Face model never gets ``doc_ids`` (not an argument of its forward); with ``document_mask`` it gets the
+    restarting ``position_ids`` and ``attention_mask``, the (B, 1, T, T) boolean ``document_causal_mask``
+    (True: attend), which transformers passes as it is to its sdpa attention (the default; not to eager or
+    flash-attention-2 kernels); without, neither (positions 0..T-1 and a causal mask, as unpacked text)."""
     if plait_gpt:
         return PACKED_FIELDS
-    return ("input_ids", "labels", "position_ids") if document_mask else ("input_ids", "labels")
+    return ("input_ids", "labels", "position_ids", "attention_mask") if document_mask else ("input_ids", "labels")
 
 
 class Packer:

@@ -96,15 +96,14 @@ class StreamingLoader:
                                 f"({', '.join(f'{k}={e[k]}' for k in differ)}); resume with the same data files, "
                                 "train.seed, model.seq_len and data.pack")
         by_rank = {int(e["dp_rank"]): e for e in entries}
-        old_dp = int(entries[0]["dp_size"])
-        if sorted(by_rank) != list(range(old_dp)):
-            raise DataError(f"the checkpoint holds the stream state of ranks {sorted(by_rank)} of {old_dp}; it is "
-                            "incomplete, resume from another checkpoint")
-        old_w = int(entries[0]["num_workers"])
-        if old_dp == self.dp_size and old_w == self.W:
+        old_dp, old_w = int(entries[0]["dp_size"]), int(entries[0]["num_workers"])
+        if old_dp == self.dp_size and old_w == self.W and self.dp_rank in by_rank:
             e = by_rank[self.dp_rank]
             self.states, self.next_worker = [dict(s) for s in e["slots"]], int(e["next_worker"])
             return
+        if sorted(by_rank) != list(range(old_dp)):
+            raise DataError(f"the checkpoint holds the stream state of ranks {sorted(by_rank)} of {old_dp}; it is "
+                            "incomplete, resume from another checkpoint")
         old = [(r * old_w + w, s) for r, e in sorted(by_rank.items()) for w, s in enumerate(e["slots"])]
         new = redeal(old, old_dp * old_w, self.num_slots, len(self.spec.files.units), self.spec.seed)
         first = self.dp_rank * self.W
