@@ -122,7 +122,7 @@ def eval_windows(files: DataFiles, tok: Any, cfg: Config, *, keep_held_out: bool
         for j, ids in zip(rows, tok.encode_batch([texts[j] for j in rows]), strict=True):
             packer.add(np.asarray(ids + eos, dtype=np.int64), files.doc_id(unit, j))
             while packer.ready() and len(out) < t.eval_sequences:
-                batch = packer.take()
+                batch = packer.batch(packer.take())
                 out.append({k: v[0] for k, v in batch.items()} if isinstance(batch, dict)
                            else (batch[0][0], batch[1][0]))
         if len(out) >= t.eval_sequences:

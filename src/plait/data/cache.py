@@ -20,6 +20,7 @@ makes the ranks of one machine build once: the others wait and then read it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -71,16 +72,21 @@ def _init_worker(files: DataFiles, tokenizer: object) -> None:
 
 def tokenize_unit(files: DataFiles, tokenizer: object, unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(tokens, doc_lengths, doc_hashes)`` of one unit, each document followed by the end-of-document
-    token when the tokenizer has one."""
+    token when the tokenizer has one; tokens in the cache's dtype (what a tokenising process sends back)."""
     texts = files.read(unit)
     ids = tokenizer.encode_batch(texts)  # type: ignore[attr-defined]
     eos = tokenizer.eos_id  # type: ignore[attr-defined]
     if eos is not None:
         ids = [d + [eos] for d in ids]
     lengths = np.fromiter((len(d) for d in ids), dtype=np.int64, count=len(ids))
-    flat = np.concatenate([np.asarray(d, dtype=np.int64) for d in ids]) if ids else np.zeros(0, dtype=np.int64)
+    dtype = token_dtype(tokenizer.vocab_size)  # type: ignore[attr-defined]
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
     hashes = np.fromiter((doc_hash(t) for t in texts), dtype=np.uint64, count=len(texts))
     return flat, lengths, hashes
+
+
+def token_dtype(vocab_size: int) -> type:
+    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
 
 def _task(unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -114,7 +120,7 @@ def build_entries(files: DataFiles, tokenizer: object, todo: list[tuple[int, Pat
                   show_progress: bool) -> None:
     """Tokenise the files ``todo`` ((file index, entry dir)) into their cache entries."""
     units = [u for i, _ in todo for u in files.units if u.file == i]
-    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32  # type: ignore[attr-defined]
+    dtype = token_dtype(tokenizer.vocab_size)  # type: ignore[attr-defined]
     progress = _progress(len(units), show_progress)
     results = _results(units, files, tokenizer, processes)
     for i, entry in todo:

@@ -137,18 +137,22 @@ class Packer:
         # unpacked windows overlap by one token: a block needs one token more than it consumes
         return self.rows * self.seq_len + (0 if self.pack else 1)
 
-    def take(self) -> object:
-        """The next block as a batch (call when ``ready()``)."""
+    def take(self) -> tuple[np.ndarray, np.ndarray]:
+        """The next block (call when ``ready()``): tokens and their documents, (rows, window) int64 arrays;
+        ``batch(block)`` makes it the loader's batch. Arrays, not tensors: a DataLoader worker sends them by
+        value, cheaper than a shared-memory segment per small tensor."""
         tokens, docs = np.concatenate(self._tokens), np.concatenate(self._docs)
         n = self.rows * self.seq_len
         if self.pack:
-            batch = rows_to_batch(tokens[:n].reshape(self.rows, self.seq_len), docs[:n].reshape(self.rows, -1), True,
-                                  self.fields)
+            block = tokens[:n].reshape(self.rows, self.seq_len), docs[:n].reshape(self.rows, self.seq_len)
         else:
             ar = np.arange(self.rows)[:, None] * self.seq_len + np.arange(self.window)[None, :]
-            batch = rows_to_batch(tokens[ar], None, False)
+            block = tokens[ar], docs[ar]
         self._tokens, self._docs, self._size = [tokens[n:]], [docs[n:]], len(tokens) - n
-        return batch
+        return block
+
+    def batch(self, block: tuple[np.ndarray, np.ndarray]) -> object:
+        return rows_to_batch(block[0], block[1], self.pack, self.fields)
 
     def carry(self) -> tuple[np.ndarray, np.ndarray]:
         if not self._tokens:

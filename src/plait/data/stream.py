@@ -77,7 +77,8 @@ def fresh_state(epoch: int = 0) -> dict[str, Any]:
 
 
 class Slot:
-    """One slot's reader: ``run()`` yields ``(batch, state)``, the state being exact after that batch."""
+    """One slot's reader: ``run()`` yields ``(block, state)``, the state being exact after that block (a
+    micro-batch as arrays; ``self.packer.batch(block)`` makes it the batch)."""
 
     def __init__(self, spec: StreamSpec, slot: int, num_slots: int, state: dict[str, Any]) -> None:
         self.spec, self.slot, self.num_slots = spec, slot, num_slots
@@ -127,8 +128,8 @@ class Slot:
         unit = self.spec.files.units[u]
         self.packer.add(tokens, doc_occurrence(self.spec.files.doc_id(unit, r), st["epoch"]))
         while self.packer.ready():
-            batch = self.packer.take()
-            yield batch, self.snapshot()
+            block = self.packer.take()
+            yield block, self.snapshot()
 
     def run(self) -> Iterator[tuple[Any, dict[str, Any]]]:
         st, cap = self.st, max(1, self.spec.shuffle_buffer)
@@ -203,7 +204,12 @@ class _Workers(torch.utils.data.IterableDataset):
         w = (info.id + self.offset) % info.num_workers if info is not None else 0
         slot = Slot(self.spec, self.first_slot + w, self.num_slots, self.states[w])
         try:
-            for batch, state in slot.run():
-                yield w, batch, state
+            for block, state in slot.run():
+                yield w, block, state
         except DataError as e:  # sent as a value: the DataLoader would wrap the message in a traceback
             yield w, None, {"error": str(e)}
+
+
+def as_is(item: object) -> object:
+    """The DataLoader's collate for the readers' items: arrays stay arrays (sent by value)."""
+    return item

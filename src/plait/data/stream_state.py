@@ -22,7 +22,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from plait.data.corpus import DataError
-from plait.data.stream import Slot, StreamSpec, _Workers, dealt_pieces, fresh_state
+from plait.data.packing import Packer
+from plait.data.stream import Slot, StreamSpec, _Workers, as_is, dealt_pieces, fresh_state
 
 KIND, VERSION = "plait-stream", 1
 _ORDER_KEYS = ("num_units", "seed", "seq_len", "pack")
@@ -47,23 +48,24 @@ class StreamingLoader:
 
     def __iter__(self) -> Iterator[Any]:
         first = self.dp_rank * self.W
+        packer = Packer(self.spec.seq_len, self.spec.rows, self.spec.pack, self.spec.fields)
         if self.num_workers == 0:
-            for batch, state in Slot(self.spec, first, self.num_slots, self.states[0]).run():
+            for block, state in Slot(self.spec, first, self.num_slots, self.states[0]).run():
                 self.states[0] = state
-                yield batch
+                yield packer.batch(block)
             return
         from torch.utils.data import DataLoader
 
         workers = _Workers(self.spec, first, self.num_slots, self.states, self.next_worker)
         kwargs = {"prefetch_factor": self.prefetch_factor} if self.prefetch_factor else {}
-        loader = DataLoader(workers, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
-                            **kwargs)
-        for w, batch, state in loader:
-            if batch is None:
+        loader = DataLoader(workers, batch_size=None, num_workers=self.num_workers, collate_fn=as_is, **kwargs)
+        for w, block, state in loader:
+            if block is None:
                 raise DataError(state["error"])
             self.states[w] = state
             self.next_worker = (w + 1) % self.W
-            yield batch
+            batch = packer.batch(block)
+            yield _pinned(batch) if self.pin_memory else batch
 
     def advance(self, micro_batches: int) -> None:
         """Skip this rank's next ``micro_batches`` (read and dropped: a stream has no index to jump to)."""
@@ -108,6 +110,13 @@ class StreamingLoader:
         new = redeal(old, old_dp * old_w, self.num_slots, len(self.spec.files.units), self.spec.seed)
         first = self.dp_rank * self.W
         self.states, self.next_worker = new[first:first + self.W], 0
+
+
+def _pinned(batch: Any) -> Any:
+    """Tensors of a batch in page-locked memory, for an asynchronous copy to the GPU."""
+    if isinstance(batch, dict):
+        return {k: v.pin_memory() for k, v in batch.items()}
+    return tuple(v.pin_memory() for v in batch)
 
 
 def _rest(state: dict[str, Any], slot: int, num_slots: int, num_units: int, seed: int) -> list[list[int]]:
