@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from plait.config import Config, DataConfig
-from plait.data.corpus import DataError
+from plait.data.errors import DataError
 from plait.data.files import FORMATS, DataFiles
 from plait.data.packing import Packer, held_out, model_fields
 from plait.data.tokenize import load_tokenizer

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.data.corpus import DataError
+from plait.data.errors import DataError
 from plait.data.files import DataFiles, Unit, file_digest
-from plait.data.packing import doc_hash
+from plait.data.split import doc_hash
 
 VERSION = 1
 

@@ -23,7 +23,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from plait.data.corpus import DataError
+from plait.data.errors import DataError
 
 FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".arrow": "arrow", ".txt": "txt"}
 ROW_BITS = 40  # doc id = file_index << ROW_BITS | row

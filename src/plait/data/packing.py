@@ -17,31 +17,15 @@ falls below ``data.val_fraction``, the same on every rank, reader and resume.
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import torch
 
+from plait.data.split import doc_hash, held_out
+
 IGNORE_INDEX = -100
 EPOCH_BIT = 62  # doc_ids carry the epoch's parity here (streaming), see doc_occurrence
-_MIX = np.uint64(0x9E3779B97F4A7C15)
-
-
-def doc_hash(text: str) -> int:
-    """A 64-bit hash of a document's text (BLAKE2b): stable across processes and Python runs."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
-
-
-def held_out(hashes: np.ndarray, seed: int, fraction: float) -> np.ndarray:
-    """Which documents (by ``doc_hash``) are validation documents for ``seed``: a boolean array."""
-    if fraction <= 0:
-        return np.zeros(len(hashes), dtype=bool)
-    x = hashes.astype(np.uint64) ^ np.uint64(doc_hash(f"plait-val-{seed}"))
-    with np.errstate(over="ignore"):  # splitmix64's finaliser: wrap-around multiplication is the point
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x = x ^ (x >> np.uint64(31))
-    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
+__all__ = ["EPOCH_BIT", "PACKED_FIELDS", "Packer", "doc_hash", "doc_occurrence", "document_causal_mask", "held_out",
+           "model_fields", "packed_fields", "rows_to_batch"]
 
 
 def doc_occurrence(doc_id: int, epoch: int) -> int:

@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from plait.data.corpus import DataError
+from plait.data.errors import DataError
 
 _STATEFUL = "plait-stateful"
 

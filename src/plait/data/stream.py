@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from plait.data.corpus import DataError
+from plait.data.errors import DataError
 from plait.data.files import DataFiles
 from plait.data.packing import PACKED_FIELDS, Packer, doc_hash, doc_occurrence, held_out
 

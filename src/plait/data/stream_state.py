@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from plait.data.corpus import DataError
+from plait.data.errors import DataError
 from plait.data.packing import Packer
 from plait.data.stream import Slot, StreamSpec, _Workers, as_is, dealt_pieces, fresh_state
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.config import Config
-from plait.data.corpus import DataError
+from plait.data.errors import DataError
 
 BYTE_VOCAB = 256
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[EOS]", "<|eot_id|>")
