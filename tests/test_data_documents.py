@@ -8,7 +8,9 @@
   one epoch are those of a single process (the same multiset of tokens), and no document reaches two
   ranks; a streaming checkpoint saved at dp=2 mid-epoch and resumed at dp=1 consumes every training
   document of that epoch exactly once (token counts per document equal the document's length);
-* bad input: one line, exit code 2, no traceback, for each of five mistakes.
+* bad input: one line, exit code 2, no traceback, for each of six mistakes (no file matches, a missing
+  column, a tokenizer directory without a tokenizer, a vocabulary larger than the GPT's or than a
+  factory model's embedding, a corrupt Parquet file).
 """
 
 from __future__ import annotations
@@ -104,6 +106,28 @@ def test_hf_model_gets_the_document_mask_from_position_ids() -> None:
     batches = [rows_to_batch(t.numpy(), docs.numpy(), True, fields) for t in (tokens, changed)]
     out = [model(**{k: v for k, v in b.items() if k != "labels"}).logits for b in batches]
     assert torch.equal(out[0][0, 9:], out[1][0, 9:]) and not torch.allclose(out[0][0, 3:9], out[1][0, 3:9])
+
+
+def test_every_format_reads_its_documents(tmp_path) -> None:
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    from plait.data.files import DataFiles
+
+    texts = [f"document {i} " * (i % 7 + 1) for i in range(25)]
+    table = pa.table({"text": texts, "n": list(range(25))})
+    with ipc.new_file(str(tmp_path / "a.arrow"), table.schema) as w:  # IPC file: a unit per record batch
+        for batch in table.to_batches(max_chunksize=10):
+            w.write_batch(batch)
+    with ipc.new_stream(str(tmp_path / "b.arrow"), table.schema) as w:  # IPC stream (Hugging Face datasets)
+        w.write_table(table)
+    (tmp_path / "c.txt").write_text("\n".join(texts[:5]) + "\n\n" + "\n".join(texts[5:]) + "\n")
+    files = DataFiles(str(tmp_path))
+    assert [p.name for p in files.paths] == ["a.arrow", "b.arrow", "c.txt"]
+    assert [u.num_rows for u in files.units] == [10, 10, 5, -1, -1]
+    for i in range(3):
+        assert [t for u in files.units if u.file == i for t in files.read(u)] == texts  # the blank line skipped
+    assert files.doc_id(files.units[2], 3) == 23  # file 0, row 23
 
 
 def test_token_cache_is_built_once_and_rekeyed_by_contents(corpus, tmp_path) -> None:
@@ -248,7 +272,7 @@ def _bad(corpus: dict, tmp: Path, capsys, *args: str) -> str:
     return err
 
 
-def test_bad_input_is_one_line(corpus, tmp_path, capsys) -> None:
+def test_bad_input_is_one_line(corpus, tmp_path, capsys, monkeypatch) -> None:
     tok = f"--data.tokenizer={corpus['tokenizer']}"
     err = _bad(corpus, tmp_path, capsys, f"--data.path={tmp_path}/nothing/*.parquet", tok)
     assert "matches no .parquet" in err
@@ -266,3 +290,13 @@ def test_bad_input_is_one_line(corpus, tmp_path, capsys) -> None:
     err = _bad(corpus, tmp_path, capsys, f"--data.path={bad}", tok)
     assert f"{bad / 'broken.parquet'} is not a readable Parquet file" in err
     assert not (tmp_path / "run").exists()  # refused before anything of a run was written
+    # a model from model.factory whose embedding is smaller than the tokenizer's vocabulary
+    (tmp_path / "smallvocab.py").write_text(
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "def build():\n"
+        "    return LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32,\n"
+        "                                        num_hidden_layers=1, num_attention_heads=2))\n")
+    monkeypatch.chdir(tmp_path)
+    err = _bad(corpus, tmp_path, capsys, f"--data.path={corpus['parquet']}", tok, "--model.factory=smallvocab:build",
+               "--data.name=text", f"--data.cache_dir={tmp_path / 'cache'}")
+    assert "has 500 tokens but the model embeds 300" in err

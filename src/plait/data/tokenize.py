@@ -142,3 +142,17 @@ def resolve_vocab_size(cfg: Config) -> None:
     elif m.vocab_size < vocab:
         raise DataError(f"the tokenizer {d.tokenizer} has {vocab} tokens but model.vocab_size={m.vocab_size}; set "
                         f"model.vocab_size to at least {vocab}, or to 0 to take the tokenizer's")
+
+
+def check_model_vocab(model: Any, cfg: Config) -> None:
+    """A model from ``model.factory`` must embed every token id of ``data.tokenizer``: a ``DataError`` naming
+    both sizes otherwise (a model with no ``get_input_embeddings`` is not checked)."""
+    d = cfg.data
+    get = getattr(model, "get_input_embeddings", None)
+    if not d.tokenizer or d.factory or not callable(get):
+        return
+    rows = getattr(get(), "num_embeddings", None)
+    vocab = load_tokenizer(d.tokenizer).vocab_size
+    if rows is not None and rows < vocab:
+        raise DataError(f"the tokenizer {d.tokenizer} has {vocab} tokens but the model embeds {rows}; build the model "
+                        f"with a vocabulary of at least {vocab} (resize_token_embeddings({vocab}))")

@@ -117,6 +117,9 @@ def build_model(cfg: Config) -> nn.Module:
         model = _call(fn, cfg.model.args, what)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{what} returned {type(model).__name__}, not a torch.nn.Module")
+    from plait.data.tokenize import check_model_vocab
+
+    check_model_vocab(model, cfg)  # a factory's model against data.tokenizer (the GPT's is model.vocab_size)
     return model
 
 
