@@ -2,8 +2,8 @@
 
 ``data.path`` is read as documents (``plait.data.files``) when ``data.tokenizer`` is set, when
 ``data.streaming`` is set, or when it names a directory, a glob, or a ``.parquet`` / ``.jsonl`` / ``.json``
-/ ``.arrow`` file. Otherwise (empty, one UTF-8 text file, a ``.bin`` token file, no tokenizer) it is
-today's byte or token stream (``plait.data.corpus``), unchanged.
+/ ``.arrow`` file. Otherwise (empty, one UTF-8 text file or any other single file, a ``.bin`` token
+file, no tokenizer) it is today's byte or token stream (``plait.data.corpus``), unchanged.
 
 Documents give training data and a fixed validation set of ``train.eval_sequences`` windows:
 
@@ -39,7 +39,9 @@ def reads_documents(d: DataConfig) -> bool:
     if not d.path:
         return False
     p = Path(d.path)
-    return not p.is_file() or p.suffix in DOCUMENT_SUFFIXES
+    if p.is_dir() or any(c in d.path for c in "*?["):
+        return True
+    return p.suffix in DOCUMENT_SUFFIXES  # a missing .txt/.bin keeps today's message
 
 
 def packs(d: DataConfig) -> bool:
