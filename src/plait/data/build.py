@@ -61,6 +61,11 @@ def check_documents(cfg: Config) -> DataFiles:
     if d.val_path:
         DataFiles(d.val_path, d.text_field)
     load_tokenizer(d.tokenizer)
+    readers = max(1, cfg.parallel.dp) * max(1, d.num_workers)
+    if d.streaming and readers > len(files.units):
+        raise DataError(f"{files.describe()} hold {len(files.units)} units (Parquet row groups, Arrow record batches, "
+                        f"other files), fewer than the {readers} stream readers (data-parallel ranks x "
+                        "data.num_workers); write more (smaller) row groups or shards, or lower data.num_workers")
     return files
 
 
