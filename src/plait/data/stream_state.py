@@ -39,10 +39,9 @@ class StreamingLoader:
         self.spec, self.dp_rank, self.dp_size, self.num_workers = spec, dp_rank, dp_size, num_workers
         self.W = max(1, num_workers)
         if self.num_slots > len(spec.files.units):
-            raise DataError(f"{spec.files.describe()} hold {len(spec.files.units)} units (Parquet row groups, "
-                            f"Arrow record batches, other files), fewer than the {self.num_slots} readers (data-parallel ranks x "
-                            "data.num_workers), some of which would read nothing: write more (smaller) row groups or "
-                            "shards, or lower data.num_workers")
+            raise DataError(f"{spec.files.describe()} hold {len(spec.files.units)} units, fewer than the "
+                            f"{self.num_slots} readers (data-parallel ranks x data.num_workers), some of which would "
+                            "read nothing: write more (smaller) row groups or shards, or lower data.num_workers")
         self.prefetch_factor, self.pin_memory = prefetch_factor, pin_memory
         self.states = [fresh_state() for _ in range(self.W)]
         self.next_worker = 0
