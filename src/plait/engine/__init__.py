@@ -258,12 +258,15 @@ class Plait(SmallCollectives):
         """This rank's share of ``data`` in micro-batches of ``batch_size`` (default
         ``train.micro_batch_size``): a deterministic, resumable loader (``plait.data.loader``).
 
-        ``data`` is a map-style data set or a DataLoader (whose data set, collate function and worker
-        settings are kept). A DataLoader whose sampler is already rank-aware (``DistributedSampler``) is
-        returned as it is. Training (``shuffle=True``) yields whole global batches of ``batch_size x dp x
-        accumulation`` samples, each data-parallel rank a disjoint share; ``shuffle=False`` is for
-        evaluation: every sample once (but at most dp-1), the same number of batches on every rank.
-        A ``batch_size`` other than the config's changes the accumulation so the global batch stays.
+        ``data`` is a map-style data set (a Hugging Face ``datasets.Dataset`` too) or a DataLoader (whose
+        data set, collate function and worker settings are kept); an iterable data set (Hugging Face or
+        torch), a ``StatefulDataLoader``, plait's streamed documents or a plain iterable are read through
+        ``plait.data.resumable.loader_for`` (sharded over data-parallel ranks, per-rank state). A DataLoader
+        whose sampler is already rank-aware (``DistributedSampler``) is returned as it is. Training
+        (``shuffle=True``) yields whole global batches of ``batch_size x dp x accumulation`` samples, each
+        data-parallel rank a disjoint share; ``shuffle=False`` is for evaluation: every sample once (but at
+        most dp-1), the same number of batches on every rank. A ``batch_size`` other than the config's changes
+        the accumulation so the global batch stays.
         """
         if data is None:
             raise PlaitError("setup_dataloader() got None; pass a data set or a DataLoader")

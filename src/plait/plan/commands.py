@@ -60,7 +60,7 @@ def cmd_simulate(argv: list[str]) -> int:
         config = str(Path(run_dir) / "config.toml")
         if not Path(config).is_file():
             raise ConfigError(f"{run_dir} holds no config.toml; --compare takes a run directory plait train wrote")
-    cfg = load_config(config, overrides)
+    cfg = _load(config, overrides)
     nodes, per_node = flags.get("--nodes", 0), flags.get("--gpus-per-node", 0)
     if run_dir and not nodes:
         cfg.parallel.nproc = _run_world(Path(run_dir), cfg.parallel.nproc)
@@ -100,6 +100,15 @@ def cmd_calibrate(argv: list[str]) -> int:
     return 0
 
 
+def _load(config: str | None, overrides: list[str]) -> Any:
+    """The config with ``model.vocab_size = 0`` resolved (the tokenizer's, 256 for bytes), for the model's shape."""
+    from plait.data.tokenize import resolve_vocab_size
+
+    cfg = load_config(config, overrides)
+    resolve_vocab_size(cfg)
+    return cfg
+
+
 def cmd_plan(argv: list[str]) -> int:
     """``plait plan CONFIG --hardware P --gpus N``: ranked layouts as JSON; ``--write`` the best as a config."""
     from plait.plan.planner import plan, summary_row, write_config
@@ -108,7 +117,7 @@ def cmd_plan(argv: list[str]) -> int:
 
     config, flags, overrides = parse(argv, ("--hardware", "--gpus", "--top", "--write"))
     profile = _profile(flags)
-    cfg = load_config(config, overrides)
+    cfg = _load(config, overrides)
     gpus = flags.get("--gpus", cfg.parallel.nproc)
     if gpus < 1:
         raise ConfigError(f"--gpus must be at least 1; got {gpus}")
@@ -140,7 +149,7 @@ def cmd_plan_memory(argv: list[str]) -> int:
     from plait.plan.memory import GPTShape, format_memory_table
 
     config, flags, overrides = parse(argv, ("--hardware",))
-    cfg = load_config(config, overrides)
+    cfg = _load(config, overrides)
     profile = load_profile(flags.get("--hardware", "a100-80gb"))
     sim = simulate_config(cfg, profile, derive_tp=False, memory_only=True, models=recipes)
     m, t, p, lay = cfg.model, cfg.train, cfg.parallel, sim.work.layout

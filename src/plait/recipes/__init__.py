@@ -124,6 +124,9 @@ def build_model(cfg: Config) -> nn.Module:
         model = _call(fn, cfg.model.args, what)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{what} returned {type(model).__name__}, not a torch.nn.Module")
+    from plait.data.tokenize import check_model_vocab
+
+    check_model_vocab(model, cfg)  # a factory's model against data.tokenizer (the GPT's is model.vocab_size)
     return model
 
 
@@ -218,7 +221,8 @@ def build_trainer(cfg: Config) -> Trainer:
     model = build_model(cfg)
     train_data, held_out = build_data(cfg)
     if hasattr(train_data, "source"):
-        p.logger.info("data: %s, %d training samples", train_data.source, len(train_data))
+        p.logger.info("data: %s, %s training samples", train_data.source,
+                      len(train_data) if hasattr(train_data, "__len__") else "streamed")
     return Trainer(model, train_data, loss_fn=default_loss(cfg), eval_data=held_out, plait=p)
 
 
