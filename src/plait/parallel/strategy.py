@@ -322,7 +322,8 @@ class Strategy:
         """The kinds of parallelism in use, for messages ("tensor-parallel/FSDP"); empty for one process."""
         t, z = self.topo, self.cfg.parallel.zero
         used = (("tensor-parallel", t.degree("tp") > 1), ("pipeline", t.degree("pp") > 1),
-                ("expert", t.degree("ep") > 1), ("FSDP", z == 3), ("ZeRO", z in (1, 2)),
+                ("expert", t.degree("ep") > 1), ("FSDP", z == 3 and not t.hybrid), ("HSDP", z == 3 and t.hybrid),
+                ("ZeRO", z in (1, 2)),
                 ("data-parallel", t.dp > 1 and z == 0))
         return "/".join(name for name, on in used if on)
 
@@ -332,8 +333,9 @@ class Strategy:
         params = sum(p.numel() for p in {id(p): p for _, p in self.named_parameters()}.values())
         precision = "bf16" if self.precision != "fp32" else "fp32"
         data_parallel_only = self.topo.degree("tp") == self.topo.degree("pp") == 1
-        return {"memory": memory_report(params, self.cfg.parallel.zero, self.topo.dp, precision, measured or None,
-                                        device, predict=data_parallel_only)}
+        # ZeRO shards over the shard group: every data-parallel rank, or dp_shard of them under HSDP
+        return {"memory": memory_report(params, self.cfg.parallel.zero, self.topo.shard_degree, precision,
+                                        measured or None, device, predict=data_parallel_only)}
 
     def close(self) -> None:
         """At the end of the run (a parameter server's worker tells the servers it is done)."""
