@@ -90,7 +90,8 @@ def _slice(batch: Any, rank: int, dp: int) -> Any:
 
 def _micro(batch: Any, micro: int) -> list[Any]:
     size = (batch[0] if isinstance(batch, tuple) else batch).size(0)
-    return [_slice(batch, i, size // micro) for i in range(size // micro)]
+    cut = [slice(i, i + micro) for i in range(0, size, micro)]
+    return [tuple(t[c] for t in batch) if isinstance(batch, tuple) else batch[c] for c in cut]
 
 
 def train(kind: str, parallel: dict[str, Any], run_dir: str, *, micro: int, steps: int = STEPS, start: int = 0,
@@ -107,7 +108,7 @@ def train(kind: str, parallel: dict[str, Any], run_dir: str, *, micro: int, step
     out: dict[str, Any] = {}
     if load is not None:
         p.load(load, model=model, optimizer=opt)
-        out["loaded"] = p.full_state_dict(model)
+        out["loaded"] = _copy(p.full_state_dict(model))  # one process: views of the live parameters
     losses = []
     for batch in data(kind, start + steps)[start:]:
         for mb in _micro(_slice(batch, p.dp_rank, p.dp), micro):
@@ -118,13 +119,17 @@ def train(kind: str, parallel: dict[str, Any], run_dir: str, *, micro: int, step
         info = p.step()
         assert info is not None, "one optimizer step per global batch"
         losses.append(info.global_loss)
-    out["losses"], out["state"] = losses, p.full_state_dict(model)
+    out["losses"], out["state"] = losses, _copy(p.full_state_dict(model))
     if inspect is not None:
         out["inspect"] = inspect(p, model)
     if save is not None:
         p.save(save, model=model, optimizer=opt)
     p.close()
     return out
+
+
+def _copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in state.items()}
 
 
 def max_diff(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
