@@ -112,7 +112,7 @@ def train(kind: str, parallel: dict[str, Any], run_dir: str, *, micro: int, step
     losses = []
     for batch in data(kind, start + steps)[start:]:
         for mb in _micro(_slice(batch, p.dp_rank, p.dp), micro):
-            if kind == "gpt" and not pp:
+            if kind == "gpt" and not pp and parallel.get("tp", 1) == 1:  # the user's own forward and loss
                 p.backward(reference_loss(kind, model, mb))
             else:
                 p.forward_backward(model, mb, loss_fn="causal_lm")

@@ -108,6 +108,10 @@ def test_hsdp_shards_every_parameter_over_two_ranks_and_replicates_twice(runs, k
         assert v["memory"]["measured_model_state_bytes"][rank] == v["measured"]["total"]
         assert v["memory"]["predicted_model_state_bytes"][rank] == pytest.approx(16 * psi / 2, rel=0.01)
         assert 16 * held == pytest.approx(16 * psi / 2, rel=0.05)
+        # setup: the whole model given and broadcast, then shards over the shard group of 2
+        setup = v["memory"]["setup"]["ranks"][rank]
+        assert setup["predicted"]["layout"] == pytest.approx(4 * psi / 2, abs=64)
+        assert setup["predicted"]["broadcast"] >= 4 * psi and setup["measured"]["host_increase_bytes"] >= 0
 
 
 def test_checkpoints_reshard_between_hsdp_fsdp_and_one_process(runs) -> None:
