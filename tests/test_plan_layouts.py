@@ -163,3 +163,28 @@ def test_planner_enumerates_hsdp_and_pipelines_with_zero():
     assert any(lay.pp > 1 and lay.zero == 3 for lay in layouts)
     assert any(lay.hybrid for lay in layouts)
     assert "zero=1-3 with pp>1" not in result.pruned
+
+
+def test_a_config_with_dp_shard_or_pipeline_zero_simulates_and_plans_to_a_runnable_config(tmp_path):
+    from plait import recipes
+    from plait.config import load_config
+    from plait.plan.configured import simulate_config
+    from plait.plan.planner import write_config
+    from plait.validate import validate
+
+    base = ["--model.n_layer=4", "--model.d_model=256", "--model.n_head=4", "--train.micro_batch_size=4",
+            "--train.global_batch_size=32"]
+    hsdp = simulate_config(load_config(overrides=[*base, "--parallel.nproc=8", "--parallel.zero=3",
+                                                  "--parallel.dp_shard=2"]), A100, derive_tp=False, models=recipes)
+    fsdp = simulate_config(load_config(overrides=[*base, "--parallel.nproc=8", "--parallel.zero=3"]), A100,
+                           derive_tp=False, models=recipes)
+    assert hsdp.work.layout.dp_shard == 2 and hsdp.work.layout.hybrid
+    assert hsdp.memory[0].model_states == pytest.approx(4 * fsdp.memory[0].model_states, rel=0.01)
+    pp = simulate_config(load_config(overrides=[*base, "--parallel.nproc=4", "--parallel.pp=2", "--parallel.zero=2"]),
+                         A100, derive_tp=False, models=recipes)
+    assert (pp.work.layout.pp, pp.work.layout.zero) == (2, 2)
+    for sim in (hsdp, pp):  # what plait plan --write writes, plait train accepts as it is
+        write_config(sim, load_config(overrides=base), str(tmp_path / "best.toml"))
+        cfg = validate(load_config(tmp_path / "best.toml"), sim.work.layout.world)
+        assert (cfg.parallel.dp_shard, cfg.parallel.zero, cfg.parallel.pp) == (
+            2 if sim is hsdp else 0, sim.work.layout.zero, sim.work.layout.pp)
