@@ -242,12 +242,10 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
     next-token cross-entropy). With ``scale_grads=False`` the gradients are those of the sum of the
     micro-batch losses (for callers that accumulate over several steps and scale the loss themselves).
     ``virtual_stages_per_rank`` defaults to the schedule's natural value (1 for gpipe/1f1b, 2 for
-    interleaved/zbv). ``prepare_stage(module)`` runs on each of this rank's stage modules before it becomes a
-    ``PipelineStage`` (sharding it with FSDP2 over the stage's data-parallel ranks, as torchtitan composes
-    pipelines with FSDP); it may replace the module's parameters. Every rank must pass the same arguments.
-    Raises ``PipelineConfigError`` for an unknown schedule, more stages than layers, a bad split, a model no adapter
-    can split, or too few micro-batches for the interleaved and zbv schedules.
-    """
+    interleaved/zbv). ``prepare_stage(module)`` (FSDP2's sharding) may replace a stage module's parameters before
+    it becomes a ``PipelineStage``. Every rank must pass the same arguments. Raises ``PipelineConfigError`` for an
+    unknown schedule, more stages than layers, a bad split, a model no adapter can split, or too few
+    micro-batches for the interleaved and zbv schedules."""
     from plait.components.losses import CausalLMLoss
 
     group = _as_group(pp)
@@ -261,9 +259,7 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
     mine = [s for s in range(num_stages) if owner[s] == rank]
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     loss_parallel = uses_loss_parallel(model)
-    built, ties, copies = _build_stages(model, adapter, names, ranges, num_stages, mine)
-    if prepare_stage is not None:
-        built, copies = _prepare(built, ties, copies, prepare_stage)
+    built, ties, copies = _build_stages(model, adapter, names, ranges, num_stages, mine, prepare_stage)
     tie_group = None
     if any(len({owner[s] for s in t.stages}) > 1 for t in ties):
         tie_group = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
@@ -293,16 +289,22 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
 
 
 def _build_stages(model: nn.Module, adapter: PipelineAdapter, names: list[str], ranges: list[range],
-                  num_stages: int, mine: list[int]) -> tuple[dict[int, nn.Module], list, dict]:
-    """(this rank's stage modules by stage index, the weights tied across stages, the names of later stages'
-    copies of them). A user's ``stage_fn`` builds only this rank's stages, and its ties are the user's."""
+                  num_stages: int, mine: list[int], prepare: Callable[[nn.Module], nn.Module] | None = None
+                  ) -> tuple[dict[int, nn.Module], list, dict]:
+    """(this rank's stage modules by stage index, each through ``prepare``, the weights tied across stages, the
+    names of later stages' copies of them). A user's ``stage_fn`` builds only this rank's stages, and its ties
+    are the user's."""
     if isinstance(adapter, FunctionPipeline):
-        return {s: adapter.build_stage(model, [str(s)], is_first=s == 0, is_last=s == num_stages - 1)
-                for s in mine}, [], {}
-    every = [adapter.build_stage(model, [names[i] for i in ranges[s]], is_first=s == 0, is_last=s == num_stages - 1)
-             for s in range(num_stages)]
-    ties, copies = untie_across_stages(model, every)
-    return {s: every[s] for s in mine}, ties, copies
+        built, ties, copies = {s: adapter.build_stage(model, [str(s)], is_first=s == 0, is_last=s == num_stages - 1)
+                               for s in mine}, [], {}
+    else:
+        every = [adapter.build_stage(model, [names[i] for i in ranges[s]], is_first=s == 0,
+                                     is_last=s == num_stages - 1) for s in range(num_stages)]
+        ties, copies = untie_across_stages(model, every)
+        built = {s: every[s] for s in mine}
+    if prepare is not None:
+        built, copies = _prepare(built, ties, copies, prepare)
+    return built, ties, copies
 
 
 def _prepare(built: dict[int, nn.Module], ties: list[Tie], copies: dict[int, str],
