@@ -102,6 +102,8 @@ def test_config_sections_complete() -> None:
     (["--parallel.zero=2", "--parallel.dp_shard=2"], 4, r"parallel.dp_shard=2 sets the shard groups of hybrid "
                                                        r"sharding.* set parallel.zero=3"),
     (["--parallel.zero=3", "--parallel.dp_shard=1"], 4, r"parallel.dp_shard=1 makes shard groups of one rank"),
+    (["--parallel.zero=3", "--parallel.pp=2", "--parallel.pp_schedule=zbv"], 4,
+     r"parallel.pp_schedule=zbv does not compose with parallel.zero=3"),
     (["--parallel.zero=3", "--parallel.dp_shard=-2"], 4, r"parallel.dp_shard must be 0"),
     (["--parallel.zero=3", "--parallel.dp_shard=2", "--parallel.ep=2", "--moe.num_experts=2"], 8,
      r"hybrid sharding does not compose with expert parallelism"),

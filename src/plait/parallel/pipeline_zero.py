@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.components.optim import optimizer_recipe
-from plait.config import Config, ParallelConfig
+from plait.config import Config, ConfigError, ParallelConfig
 from plait.parallel.data_strategy import check_elementwise
 from plait.parallel.pipeline_strategy import Pipeline
 from plait.parallel.strategy import OptimizerFactory, register_strategy
@@ -176,7 +176,15 @@ class PipelineFsdp(Pipeline):
 
     @classmethod
     def check(cls, cfg: Config, degrees: dict[str, int]) -> None:
-        """The pipeline's, FSDP's (``parallel.dp_shard``) and ZeRO's checks run through their registrations."""
+        """The zero-bubble schedule's weight pass computes gradients for the parameters a stage module
+        registers, which under FSDP2 are the shards, not the gathered tensors the forward used: its weight
+        gradients would be lost, so it is refused (the pipeline's, FSDP's and ZeRO's own checks run through
+        their registrations)."""
+        p = cfg.parallel
+        if p.pp > 1 and p.zero == 3 and p.pp_schedule == "zbv":
+            raise ConfigError("parallel.pp_schedule=zbv does not compose with parallel.zero=3 in this build (its "
+                              "weight-gradient pass misses FSDP2's gathered parameters); use pp_schedule=1f1b, "
+                              "gpipe or interleaved, or zero=1 or 2")
 
     def stage_preparation(self, model: nn.Module) -> Callable[[nn.Module], nn.Module]:
         from plait.parallel.fsdp import apply_fsdp

@@ -11,10 +11,10 @@ of the experts).
 
 Pruned, each family with its reason: degrees that do not divide the devices, the heads, the MLP width,
 the vocabulary or the sequence; a global batch that does not split over dp; combinations plait refuses
-(``plait.validate``: ZeRO-1/2 with tp, hybrid sharding with ep; ``plait.parallel.expert``: ZeRO-3 with ep
-whose expert weights do not split evenly over the dp / ep replicas; the planner also leaves MoE models
-with tp or pp out of its search); layouts whose predicted peak memory
-exceeds the device's usable memory (with the bytes).
+(``plait.validate``: ZeRO-1/2 with tp, hybrid sharding with ep, the zbv schedule with ZeRO-3;
+``plait.parallel.expert``: ZeRO-3 with ep whose expert weights do not split evenly over the dp / ep
+replicas; the planner also leaves MoE models with tp or pp out of its search); layouts whose predicted
+peak memory exceeds the device's usable memory (with the bytes).
 
 Ranked in two passes: a closed-form screen (``estimate``: the stages' summed costs, the pipeline bubble
 ``(p-1)/(v m)``, exposed gradient communication, the optimizer), then the full simulation
@@ -156,6 +156,10 @@ def _variants(shape: ModelShape, batch: int, tp: int, pp: int, dp: int, pruned: 
                     m = per_replica // pm
                     for schedule, v in SCHEDULE_CHOICES:
                         if schedule not in space.schedules or pp * v > shape.n_layer or (v > 1 and m < pp):
+                            continue
+                        if schedule == "zbv" and zero == 3:
+                            pruned["zbv with zero=3"] = "the zero-bubble schedule's weight pass misses FSDP2's " \
+                                                        "gathered parameters (plait.parallel.pipeline_zero)"
                             continue
                         if schedule == "interleaved" and m % max(1, m // pp):
                             continue
