@@ -83,9 +83,9 @@ def _host_status() -> dict[str, int]:
 
 
 class SetupMeter:
-    """Peak memory of a phase (``Plait.setup``), measured by this rank on itself: a context manager whose
-    ``reading`` is, in bytes, the host resident set before, at its peak and after, and on a GPU the allocated
-    device memory likewise.
+    """Peak memory of a phase (``Plait.setup``), measured by this rank on itself between ``start`` and ``stop``
+    (or as a context manager): ``reading`` holds, in bytes, the host resident set before, at its peak and
+    after, and on a GPU the allocated device memory likewise.
 
     The host peak is the kernel's high-water mark, reset when the phase starts (Linux: ``/proc/self/clear_refs``),
     so it is the phase's own peak (``host_peak_source = "phase"``); where it cannot be reset it is the
@@ -98,6 +98,13 @@ class SetupMeter:
         self.reading: dict[str, Any] = {}
 
     def __enter__(self) -> SetupMeter:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> SetupMeter:
+        """Note the memory now and reset the peaks."""
         source = "process"
         try:
             with open("/proc/self/clear_refs", "w") as f:
@@ -112,7 +119,8 @@ class SetupMeter:
             self.reading["device_before_bytes"] = int(torch.cuda.memory_allocated(self.device))
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> dict[str, Any]:
+        """The reading of the phase since ``start`` (also kept in ``reading``)."""
         status = _host_status()
         r = self.reading
         peak = status.get("VmHWM") if r["host_peak_source"] == "phase" else peak_memory_bytes(torch.device("cpu"))
@@ -123,6 +131,7 @@ class SetupMeter:
             r["device_peak_bytes"] = int(torch.cuda.max_memory_allocated(self.device))
             r["device_after_bytes"] = int(torch.cuda.memory_allocated(self.device))
             r["device_increase_bytes"] = r["device_peak_bytes"] - r["device_before_bytes"]
+        return r
 
 
 def memory_report(num_params: int, stage: int, dp: int, precision: Precision, measured: dict[str, int] | None,
