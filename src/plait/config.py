@@ -172,9 +172,10 @@ class ParallelConfig:
     # parameter server, the last ps.servers ranks hold the parameters and the optimizer, the others are
     # workers that push gradients and pull parameters (see [ps]).
     mode: Literal["collective", "ps"] = "collective"
-    # The training strategy: auto picks it from the settings below (ps for mode=ps, then tensor-parallel with
-    # ZeRO-3, pipeline, tensor-parallel, ZeRO-1/2, ZeRO-3, data parallel); a name picks a registered strategy,
-    # yours included (plait.parallel.strategy.register_strategy).
+    # The training strategy: auto picks it from the settings below (ps for mode=ps, then pipeline with ZeRO-3,
+    # tensor-parallel with ZeRO-3, pipeline with ZeRO-1/2, pipeline, tensor-parallel, ZeRO-1/2, ZeRO-3 or HSDP,
+    # data parallel); a name picks a registered strategy, yours included
+    # (plait.parallel.strategy.register_strategy).
     strategy: str = "auto"
     # Data-parallel degree, expert-parallel ranks included (ep divides it); 0 infers world size / (tp * pp).
     dp: int = 0
@@ -194,6 +195,10 @@ class ParallelConfig:
     zero: int = 0
     # Move state to CPU memory: optimizer (the ZeRO-1/2 optimizer shard) or params (zero=3, FSDP2).
     offload: Literal["none", "optimizer", "params"] = "none"
+    # zero=3: ranks per shard group (hybrid sharding, HSDP): parameters, gradients and optimizer states are
+    # sharded over groups of dp_shard ranks and replicated across the dp / (ep x dp_shard) groups; 0 shards
+    # over every data-parallel rank (FSDP). Must divide dp / ep; needs zero=3.
+    dp_shard: int = 0
     # zero=3: free each block's gathered parameters after forward (false keeps them until backward).
     reshard_after_forward: bool = True
     # Tensor parallel: shard LayerNorm/dropout regions along the sequence (needs tp > 1).
@@ -633,6 +638,9 @@ def check_values(cfg: Config) -> Config:
                           f"{o.prometheus_port}")
     if p.bucket_mb <= 0:
         raise ConfigError("parallel.bucket_mb must be positive")
+    if p.dp_shard < 0:
+        raise ConfigError(f"parallel.dp_shard must be 0 (shard over every data-parallel rank) or the ranks per "
+                          f"shard group; got {p.dp_shard}")
     if isinstance(p.tp_plan, str) and p.tp_plan != "auto":
         raise ConfigError(f"parallel.tp_plan must be auto or a table of module-name patterns to styles; got "
                           f"{p.tp_plan!r}")

@@ -51,6 +51,7 @@ from plait.engine.stepper import StepperAttribute as _StepperAttr
 from plait.fault.preempt import PreemptionFlag
 from plait.nn.moe import moe_layers
 from plait.observe.log import get_logger
+from plait.observe.memory import SetupMeter
 from plait.observe.prometheus import serve_metrics
 from plait.parallel import registry
 from plait.parallel.apply import ModelSpec
@@ -221,12 +222,14 @@ class Plait(SmallCollectives):
                          pp_split=list(pp_split if pp_split is not None else p.pp_split), stage_fn=stage_fn,
                          loss=self.loss, sample=self.to_device(sample) if sample is not None else None)
         moe = moe_layers(model)  # the whole model's, the same on every rank (a pipeline stage keeps some)
+        meter = SetupMeter(self.device).start()  # this rank's peak memory of setup, reported with the prediction
         self.stepper.strategy = strategy = registry.build(self._strategy_cls, model.to(self.device), self.topology,
                                                           self.config, self.comm, spec)
         if moe:
             self.stepper.moe = MoeMonitor(strategy.model, self.topology, self.comm, self.config.train.log_every,
                                           bias=any(layer.balance == "bias" for layer in moe))
         opt = strategy.build_optimizer(factory)
+        strategy.setup_memory = meter.stop()
         self._start(strategy)
         if scheduler is not None:
             self.stepper.scheduler = scheduler(strategy.scheduler_target())

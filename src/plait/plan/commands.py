@@ -158,6 +158,7 @@ def cmd_plan_memory(argv: list[str]) -> int:
         shape = GPTShape(micro_batch=t.micro_batch_size, seq_len=m.seq_len, d_model=m.d_model, n_head=m.n_head,
                          n_layer=m.n_layer, vocab_size=m.vocab_size)
         lines += [format_memory_table(sim.work.shape.param_count(), dp=lay.dp, stage=p.zero,
+                                      dp_shard=lay.shard if lay.hybrid else 0,
                                       precision="fp32" if t.precision == "fp32" else "bf16", shape=shape,
                                       checkpointing=t.activation_checkpointing, k=t.checkpoint_every_k), ""]
     mib = 2**20
@@ -167,5 +168,18 @@ def cmd_plan_memory(argv: list[str]) -> int:
     for rank, mem in sorted(sim.memory.items()):
         row = mem.as_dict()
         lines.append(f"{rank:<6}" + "".join(f"{row[k] / mib:>14.3f}" for k in keys))
+    if lay.tp == lay.pp == 1:
+        lines += ["", _setup_line(sim.work.shape.param_count(), lay)]
     print("\n".join(lines))
     return 0
+
+
+def _setup_line(params: int, lay: Any) -> str:
+    """The peak of setup per rank (``plait.plan.memory.predict_setup_bytes``) for a data-parallel layout."""
+    from plait.plan.memory import predict_setup_bytes
+
+    setup = predict_setup_bytes(4 * params, 0, world=lay.world, zero=lay.zero, dp=lay.dp, shard=lay.shard,
+                                bucket_mb=lay.bucket_mb)
+    parts = "  ".join(f"{k} {setup[k] / 2**20:.3f}" for k in ("given", "broadcast", "loading", "layout", "peak"))
+    return ("setup peak per rank (the whole model given on every rank, rank 0's weights broadcast; fp32 parameters, "
+            f"buffers not counted; MiB):\n  {parts}")
