@@ -213,9 +213,10 @@ def validate_config(cfg: Config, world_size: int, *, model_checks: bool = True) 
     return validate(cfg, world_size, check_recipe if model_checks else None)
 
 
-def build_trainer(cfg: Config) -> Trainer:
-    """A ``Trainer`` on the model and data the config names (``model.name`` / ``model.factory``, ``data.*``),
-    seeded by ``train.seed`` so every rank builds the same weights."""
+def build_trainer(cfg: Config, trainer_class: type[Trainer] = Trainer) -> Trainer:
+    """A ``Trainer`` (or the ``trainer_class`` subclass given) on the model and data the config names
+    (``model.name`` / ``model.factory``, ``data.*``), seeded by ``train.seed`` so every rank builds the same
+    weights."""
     p = Plait(cfg)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg)
@@ -223,7 +224,7 @@ def build_trainer(cfg: Config) -> Trainer:
     if hasattr(train_data, "source"):
         p.logger.info("data: %s, %s training samples", train_data.source,
                       len(train_data) if hasattr(train_data, "__len__") else "streamed")
-    return Trainer(model, train_data, loss_fn=default_loss(cfg), eval_data=held_out, plait=p)
+    return trainer_class(model, train_data, loss_fn=default_loss(cfg), eval_data=held_out, plait=p)
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:
