@@ -8,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import free_port
 from test_cli import TINY
 
 from plait.launch import _first_slurm_host
+from plait.runtime.spawn import free_port
 
 
 def _env() -> dict[str, str]:

@@ -38,6 +38,7 @@ from helpers import run_ranks
 from plait.config import Config, ConfigError, from_sections
 from plait.ps.checkpoint import flat_boxes, param_names
 from plait.ps.state import ShardState, dc_compensate
+from plait.runtime.spawn import SpawnError
 from plait.validate import validate
 
 STEPS = 6
@@ -486,7 +487,8 @@ def _all_reduce_dp(rank: int, run_dir: str) -> dict | None:
     from datetime import timedelta
 
     import torch.distributed as dist
-    from helpers import free_port
+
+    from plait.runtime.spawn import free_port
 
     port = torch.tensor([free_port() if rank == 0 else 0])
     dist.broadcast(port, 0)
@@ -669,7 +671,7 @@ def test_a_killed_worker_or_server_ends_the_job_with_its_name(tmp_path: __import
     import time
 
     t0 = time.perf_counter()
-    with pytest.raises(AssertionError) as e:
+    with pytest.raises(SpawnError) as e:
         run_ranks(_dies, 3, str(tmp_path), victim, timeout=60)
     if victim == 1:  # the server names the worker whose link broke (or worker 0 the server that ended for it)
         assert "PsError: worker rank 1 is gone" in str(e.value) or "PsError: parameter server rank 2" in str(e.value)

@@ -24,7 +24,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def test_script_runs_under_every_launcher(tmp_path: Path) -> None:
-    from plait.comm.collectives import free_port
+    from plait.runtime.spawn import free_port
 
     port = free_port()
     launches = {

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 from sysdeps import ensure_debian, which
 
+from plait.runtime.spawn import free_port
+
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 BINARIES = ["slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "munged"]
 
@@ -45,18 +47,12 @@ tensorboard = false
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _slurm_conf(d: Path, host: str) -> str:
     cpus = os.cpu_count() or 2
     return f"""ClusterName=plaittest
 SlurmctldHost={host}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -146,7 +142,7 @@ def test_sbatch_script_trains_with_two_tasks(slurm: dict[str, str], tmp_path: Pa
     config = tmp_path / "tiny.toml"
     config.write_text(TINY)
     env = {**slurm, "OMP_NUM_THREADS": "1", "PLAIT_RUN_DIR": str(tmp_path / "run"),
-           "PLAIT_MASTER_PORT": str(_free_port())}
+           "PLAIT_MASTER_PORT": str(free_port())}
     made = subprocess.run([sys.executable, "-m", "plait.cli", "launch", "slurm", str(config), "--nodes", "1",
                            "--gpus-per-node", "0", "--procs-per-node", "2", "-o", str(tmp_path / "job.sbatch")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)

@@ -12,17 +12,15 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import free_port
 
 from plait.comm.guard import CollectiveTimeout
 from plait.comm.watchdog import StepWatchdog, is_comm_failure
+from plait.runtime.spawn import RankGroup
 
 TIMEOUT_S = 2.0
 STALL_S = 30.0
@@ -32,11 +30,7 @@ def _stall_in_own_code() -> None:
     time.sleep(STALL_S)
 
 
-def _rank(rank: int, world: int, port: int, run_dir: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    # The process group waits far longer than the watchdog: only the watchdog can end this wait.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+def _rank(rank: int, world: int, run_dir: str) -> None:
     wd = StepWatchdog(dist.distributed_c10d._get_default_store(), TIMEOUT_S, rank, world,
                       Path(run_dir) / "errors" / f"rank{rank}.txt", "tensor-parallel", interval_s=0.2,
                       margin_s=1.0)
@@ -52,20 +46,10 @@ def _rank(rank: int, world: int, port: int, run_dir: str) -> None:
 
 
 def test_watchdog_ends_a_rank_blocked_in_an_unguarded_collective(tmp_path) -> None:
-    ctx = mp.get_context("spawn")
-    port, world = free_port(), 2
-    procs = [ctx.Process(target=_rank, args=(r, world, port, str(tmp_path))) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        procs[0].join(timeout=90)  # start-up included, on a loaded machine
-        code = procs[0].exitcode
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-    assert code == 1, code  # not a hang, and a non-zero exit
+    # The process group waits far longer than the watchdog: only the watchdog can end this wait.
+    with RankGroup(_rank, 2, (str(tmp_path),), pg_timeout_s=120, name="watchdog") as group:
+        rank0 = group.wait(timeout_s=90)[0]  # start-up included, on a loaded machine
+    assert rank0.exitcode == 1, rank0  # not a hang, and a non-zero exit
     error = tmp_path / "errors" / "rank0.txt"
     waited = error.stat().st_mtime - float((tmp_path / "blocked0").read_text())
     assert waited < TIMEOUT_S + 5, waited

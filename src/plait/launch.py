@@ -213,7 +213,7 @@ def _shorten_grace_after_failure() -> None:
 def _launch_config(nproc: int, error_dir: Path) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
-    from plait.comm.collectives import free_port
+    from plait.runtime.spawn import free_port
 
     _quiet_elastic_logs()
     _shorten_grace_after_failure()

@@ -32,7 +32,6 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -277,14 +276,3 @@ def _render(matmul: list, kernels: list, attention: list, overhead: dict, collec
         f"dtensor = {_toml(overhead['dtensor'])}", "",
     ]
     return "\n".join(lines)
-
-
-def init_rank(rank: int, world: int, port: int, threads: int = 1) -> None:
-    """``threads`` per rank (one unless told) and a gloo process group over TCP (the calibration's spawned
-    ranks)."""
-    import torch.distributed as dist
-
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))

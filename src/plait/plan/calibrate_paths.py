@@ -56,27 +56,19 @@ TENSORS = 32
 PROBE_S = 1e-3
 
 
-def _worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str, out: Any) -> None:
-    import torch.distributed as dist
-
+def _worker(rank: int, world: int, overrides: list[str], run_dir: str) -> float:
+    """The median step of the tiny run (the figure a run's step time is compared by)."""
     from plait.config import load_config
-    from plait.plan.calibrate import init_rank
     from plait.train.trainer import Trainer
     from plait.validate import validate
 
-    init_rank(rank, world, port, int(os.environ.get("OMP_NUM_THREADS", "1")))  # the parent's, set per run
-    try:
-        cfg = validate(load_config(overrides=TINY + overrides + [f"--run.dir={run_dir}", "--train.steps=100000"]),
-                       world)
-        trainer = Trainer.from_config(cfg)
-        times = [trainer.train_step()["step_s"] for _ in range(WARMUP + STEPS)][WARMUP:]
-        if rank == 0:  # the median step, the figure a run's step time is compared by
-            out.put(statistics.median(times))
-    finally:
-        dist.destroy_process_group()
+    cfg = validate(load_config(overrides=TINY + overrides + [f"--run.dir={run_dir}", "--train.steps=100000"]), world)
+    trainer = Trainer.from_config(cfg)
+    times = [trainer.train_step()["step_s"] for _ in range(WARMUP + STEPS)][WARMUP:]
+    return statistics.median(times)
 
 
-def _dtensor_worker(rank: int, world: int, port: int, _: list[str], __: str, out: Any) -> None:
+def _dtensor_worker(rank: int, world: int, _: list[str], __: str) -> float:
     """Seconds DTensor adds to one operator of plait's optimizer step: AdamW over ``TENSORS`` sharded
     DTensor parameters against the same step over their plain local shards, over the operators per tensor."""
     import time
@@ -87,54 +79,49 @@ def _dtensor_worker(rank: int, world: int, port: int, _: list[str], __: str, out
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from plait.config import Config
-    from plait.plan.calibrate import init_rank
     from plait.plan.derive import optimizer_traffic
     from plait.train.optim import adamw
 
-    init_rank(rank, world, port)
-    try:
-        cfg = Config()
-        mesh = init_device_mesh("cpu", (world,))
+    cfg = Config()
+    mesh = init_device_mesh("cpu", (world,))
 
-        def step_time(dtensor: bool) -> float:
-            params = []
-            for i in range(TENSORS):
-                full = torch.ones(16 * world, 16)
-                t = distribute_tensor(full, mesh, [Shard(0)]) if dtensor else full[:16].clone()
-                q = torch.nn.Parameter(t)
-                q.grad = torch.ones_like(q)
-                params.append((f"w{i}", q))
-            opt = adamw(params, cfg.optim)
-            for _ in range(3):
+    def step_time(dtensor: bool) -> float:
+        params = []
+        for i in range(TENSORS):
+            full = torch.ones(16 * world, 16)
+            t = distribute_tensor(full, mesh, [Shard(0)]) if dtensor else full[:16].clone()
+            q = torch.nn.Parameter(t)
+            q.grad = torch.ones_like(q)
+            params.append((f"w{i}", q))
+        opt = adamw(params, cfg.optim)
+        for _ in range(3):
+            opt.step()
+        best = float("inf")
+        for _ in range(5):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(10):
                 opt.step()
-            best = float("inf")
-            for _ in range(5):
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(10):
-                    opt.step()
-                best = min(best, (time.perf_counter() - start) / 10)
-            return best
+            best = min(best, (time.perf_counter() - start) / 10)
+        return best
 
-        ops_per_tensor = optimizer_traffic(cfg)[0]
-        added = (step_time(True) - step_time(False)) / (ops_per_tensor * TENSORS)
-        if rank == 0:
-            out.put(max(added, 0.0))
-    finally:
-        dist.destroy_process_group()
+    ops_per_tensor = optimizer_traffic(cfg)[0]
+    return max((step_time(True) - step_time(False)) / (ops_per_tensor * TENSORS), 0.0)
 
 
 def measure_step(overrides: list[str], world: int = 2, timeout_s: float = 300, target: Any = None) -> float:
     """Median step seconds of the tiny GPT with ``overrides`` on ``world`` spawned gloo ranks (the last
-    ``--parallel.nproc`` of the overrides when they set one); ``target``: another worker of this module with
-    the same signature, whose one number is returned."""
-    from plait.plan.calibrate_comm import spawn_and_collect
+    ``--parallel.nproc`` of the overrides when they set one), rank 0's figure; ``target``: another worker of
+    this module with the same signature, whose one number is returned. Each rank runs ``$OMP_NUM_THREADS``
+    threads (one unless set)."""
+    from plait.runtime.spawn import spawn_ranks
 
     nproc = [o.split("=", 1)[1] for o in overrides if o.startswith("--parallel.nproc=")]
     world = int(nproc[-1]) if nproc else world
     with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as tmp:
-        return float(spawn_and_collect(target or _worker, world, (overrides, tmp), timeout_s,
-                                       f"code-path calibration {overrides}"))
+        return float(spawn_ranks(target or _worker, world, overrides, tmp, timeout_s=timeout_s, pg_timeout_s=120,
+                                 threads=int(os.environ.get("OMP_NUM_THREADS", "1")),
+                                 name=f"code-path calibration {overrides}")[0])
 
 
 @contextlib.contextmanager

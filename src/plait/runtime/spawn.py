@@ -44,7 +44,7 @@ _DONE, _ALL_DONE = "plait-spawn/done", "plait-spawn/all_done"
 # the first, but their tracebacks help); then the group is killed.
 FAILURE_GRACE_S = 3.0
 # After every rank reported, how long the group gets to tear down and exit before it is killed.
-EXIT_GRACE_S = 10.0
+EXIT_GRACE_S = 5.0
 
 
 def free_port(host: str = HOST) -> int:
