@@ -46,3 +46,31 @@ def test_under_slurm_environment(tmp_path: Path) -> None:
 def test_slurm_nodelist_parsing() -> None:
     assert _first_slurm_host("node[03-05,07],gpu1") == "node03"
     assert _first_slurm_host("gpu7") == "gpu7"
+
+
+ENDS_FIRST = """
+import atexit, os, sys, time
+from pathlib import Path
+import torch, plait
+p = plait.Plait(observe={"progress": False, "tensorboard": False}, run={"dir": "run"})
+model, _ = p.setup(torch.nn.Linear(4, 2))
+p.backward(model(torch.randn(3, 4)).sum())
+p.step()
+p.close()
+if p.rank == 1:  # ends at once; its exit is stamped when the interpreter shuts down
+    atexit.register(lambda: Path("rank1_exited").write_text(str(time.time())))
+else:  # still in its script, as a rank still in its last collective would be
+    time.sleep(3)
+    if Path("rank1_exited").exists():
+        sys.exit("rank 1 exited while rank 0 was still running its script")
+"""
+
+
+def test_a_rank_that_ends_first_waits_for_the_others(tmp_path: Path) -> None:
+    """Under ``plait run`` a rank whose script ends first keeps its connections until every rank's script has
+    ended, so it cannot abort a peer still in its last collective (plait.runtime.group)."""
+    (tmp_path / "ends_first.py").write_text(ENDS_FIRST)
+    p = subprocess.run([sys.executable, "-m", "plait.cli", "run", "--nproc", "2", "ends_first.py"], cwd=tmp_path,
+                       env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (tmp_path / "rank1_exited").is_file()  # it did exit, after rank 0's script ended

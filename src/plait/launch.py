@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from plait.config import ConfigError
+from plait.runtime.group import leave_process_group
 
 ERROR_DIR_ENV = "PLAIT_ERROR_DIR"
 
@@ -131,13 +132,28 @@ def run_worker(fn: Callable[..., Any], args: tuple, backend: str, timeout_s: flo
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     try:
         init_distributed(backend, timeout_s)
-        return fn(*args)
+        out = fn(*args)
     except BaseException as e:
         write_error(e, rank, error_dir_from_env())
+        if dist.is_initialized():
+            dist.destroy_process_group()
         if type(e).__name__ == "Preempted":
             raise SystemExit(75) from None  # plait.fault.preempt.PREEMPTED_EXIT
         raise
-    finally:
+    leave_cleanly(rank)
+    return out
+
+
+def leave_cleanly(rank: int) -> None:
+    """A worker that ended cleanly leaves its process group only once every rank has ended
+    (``plait.runtime.group``): exiting earlier could abort a peer still in its last collective. Peers that
+    take longer than the store's timeout to end are not waited for: the worker warns and leaves."""
+    try:
+        leave_process_group()
+    except Exception as e:  # the store's timeout or its host gone: this worker's own work is done
+        logging.getLogger("plait").warning("rank %d ended cleanly but the other ranks did not end within the "
+                                           "store's timeout (%s); leaving without them", rank,
+                                           str(e).splitlines()[0] if str(e) else type(e).__name__)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -345,10 +361,11 @@ def _script_main(argv: list[str]) -> int:
     except SystemExit as e:
         if e.code not in (None, 0):
             write_error(RuntimeError(f"the script exited with status {e.code}"), rank, error_dir_from_env())
-        raise
+            raise
     except BaseException as e:
         write_error(e, rank, error_dir_from_env())
         raise SystemExit(1) from None
+    leave_cleanly(rank)  # the script may have left its group open (plait.Plait keeps it for the user)
     return 0
 
 

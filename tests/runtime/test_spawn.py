@@ -1,5 +1,6 @@
 """plait.runtime.spawn: results by rank, failures with their tracebacks, a hung group ended, and the two
-ordering rules (the store outlives every rank; no rank tears down while a peer still runs)."""
+ordering rules (the store outlives every rank; no rank tears down while a peer still runs); and
+plait.runtime.group's leaving together."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from plait.runtime.group import leave_process_group
 from plait.runtime.spawn import RankGroup, SpawnError, spawn_ranks
 
 
@@ -30,6 +32,9 @@ def _sum_and_late_store_use(rank: int, world: int, late_s: float) -> dict:
             out["rank0_alive"] = True
         except ProcessLookupError:
             out["rank0_alive"] = False
+    start = time.monotonic()
+    leave_process_group()  # the first ranks wait here for the last one
+    out["left_after_s"], out["initialized"] = time.monotonic() - start, dist.is_initialized()
     return out
 
 
@@ -39,6 +44,8 @@ def test_results_by_rank_and_no_rank_leaves_before_the_others() -> None:
     assert [r["env"] for r in out] == [("0", "3"), ("1", "3"), ("2", "3")]
     assert all(r["threads"] == 1 for r in out)
     assert out[2]["late"] == "written after rank 0 returned" and out[2]["rank0_alive"] is True
+    # plait.runtime.group: every rank left together, then the group was gone
+    assert out[0]["left_after_s"] >= 1.0 and not any(r["initialized"] for r in out), out
 
 
 def _fail_in_three_ways(rank: int, world: int) -> int:

@@ -14,10 +14,10 @@ Two rules keep a group from failing for reasons of its own:
   ``new_group`` talks to the store: a store hosted by a rank that had already exited gave its peer
   ``DistNetworkError: Broken pipe``). The parent binds the store's port itself, so there is no gap
   between choosing a free port and using it.
-- Every rank reports, then waits on the store until every rank has reported, before it tears its
-  process group down and exits. A rank that ends early (it raised, or simply had less to do) cannot close
-  its connections while a peer is still in a collective with it. The parent stops waiting for the others
-  a few seconds after the first failure, and kills what is left.
+- Every rank reports, then waits on the store until every rank has reported (``plait.runtime.group.meet``)
+  before it tears its process group down and exits. A rank that ends early (it raised, or simply had
+  less to do) cannot close its connections while a peer is still in a collective with it. The parent
+  stops waiting for the others a few seconds after the first failure, and kills what is left.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from plait.runtime.group import meet
+
 HOST = "127.0.0.1"
-_DONE, _ALL_DONE = "plait-spawn/done", "plait-spawn/all_done"
 # After the first failure, how long the other ranks get to report theirs (they are usually fallout of
 # the first, but their tracebacks help); then the group is killed.
 FAILURE_GRACE_S = 3.0
@@ -85,13 +86,6 @@ def init_rank(rank: int, world: int, store: dist.Store, timeout_s: float, thread
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
 
 
-def _wait_for_all(store: dist.Store, world: int) -> None:
-    """Count this rank as done and wait until every rank is (the store's timeout bounds the wait)."""
-    if store.add(_DONE, 1) >= world:
-        store.set(_ALL_DONE, "1")
-    store.wait([_ALL_DONE])
-
-
 def _rank_main(fn: Callable, rank: int, world: int, port: int, args: tuple, results: Any, timeout_s: float,
                threads: int) -> None:
     """A spawned rank: join the group, run ``fn``, report, wait for the others, tear down."""
@@ -111,7 +105,7 @@ def _rank_main(fn: Callable, rank: int, world: int, port: int, args: tuple, resu
     results.join_thread()
     try:
         if store is not None:
-            _wait_for_all(store, world)
+            meet(store, world, "plait-spawn/done")  # the store's timeout bounds the wait
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
