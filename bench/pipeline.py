@@ -31,6 +31,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from plait.config import ModelConfig
 from plait.models.gpt import GPT
+from plait.models.tiny import token_batches
 from plait.parallel.pipeline import LayerCosts, build_pipeline, measure_layer_costs
 from plait.runtime.spawn import spawn_ranks
 
@@ -135,8 +136,7 @@ def _partition(cfg: ModelConfig, rounds: int, per_round: int) -> dict:
     pipes = {"plait_cost_balanced": _plait_pipeline(cfg, costs),
              "plait_count_balanced": _plait_pipeline(cfg, None),
              "torch_count_balanced": _torch_pipeline(cfg, tie_group)}
-    g = torch.Generator().manual_seed(1)
-    idx, tgt = (torch.randint(0, cfg.vocab_size, (PART_BATCH, cfg.seq_len), generator=g) for _ in range(2))
+    idx, tgt = token_batches(1, PART_BATCH, cfg.seq_len, cfg.vocab_size, seed=1)[0]
     first_loss, times = {}, {name: [] for name in pipes}
     for name, (step, _, _) in pipes.items():  # warm-up; same weights and data, so same loss
         first_loss[name] = step(idx, tgt)

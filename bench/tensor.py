@@ -166,11 +166,11 @@ def _timed(t: Trainer) -> float:
 
 def _bench(args: argparse.Namespace, rank: int) -> dict:
     from plait.config import ModelConfig
+    from plait.models.tiny import token_batches
 
     shape = QUICK if args.quick else FULL
     cfg = ModelConfig(**{k: v for k, v in shape.items() if k != "batch"}, dropout=0.0)
-    g = torch.Generator().manual_seed(1)
-    batch = tuple(torch.randint(0, cfg.vocab_size, (shape["batch"], cfg.seq_len), generator=g) for _ in range(2))
+    batch = token_batches(1, shape["batch"], cfg.seq_len, cfg.vocab_size, seed=1)[0]
     trainers = {impl: _build(impl, cfg, batch, rank) for impl in IMPLS}
     first_loss = {impl: trainers[impl].step() for impl in IMPLS}  # also the warm-up step
     memory = {impl: _measure_memory(trainers[impl]) for impl in IMPLS}

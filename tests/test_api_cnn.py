@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from api_common import reference_training
 from helpers import run_ranks
+from references import reference_training
 
 pytest.importorskip("sklearn", reason="the vision extra (pip install 'plait[vision]') is not installed")
 

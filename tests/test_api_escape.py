@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from api_common import reference_training
 from helpers import run_ranks
+from references import reference_training
 from torch import nn
 
 STEPS, GLOBAL, LR = 4, 8, 1e-2

@@ -22,8 +22,8 @@ import os
 
 import pytest
 import torch
-from api_common import reference_training
 from helpers import run_ranks
+from references import reference_training
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'plait[hf]') is not installed")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -30,12 +30,11 @@ def _run(run_dir: str, dropout: float, *, save: str | None = None, load: str | N
          until: int = STEPS) -> dict:
     import plait
     from plait.config import ModelConfig
-    from plait.models.gpt import GPT
+    from plait.models.tiny import seeded_gpt
 
     p = plait.Plait(run={"dir": run_dir}, train={"global_batch_size": GLOBAL, "micro_batch_size": MICRO, "seed": 1},
                     observe={"progress": False, "tensorboard": False})
-    torch.manual_seed(0)
-    model = GPT(ModelConfig(n_layer=2, d_model=32, n_head=2, seq_len=SEQ, dropout=dropout))
+    model = seeded_gpt(ModelConfig(n_layer=2, d_model=32, n_head=2, seq_len=SEQ, dropout=dropout))
     model, opt = p.setup(model, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3),
                          scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)),
                          loss_fn="causal_lm")

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from references import dp_batches, dp_model
 from test_memory import _saved_bytes
-from zero_util import batches, make_model
 
 from plait.parallel.checkpointing import apply_activation_checkpointing, wrapped_block_indices
 
 
 @pytest.mark.parametrize("mode,k,wrapped", [("full", 1, [0, 1]), ("every_k", 2, [0])])
 def test_checkpointing_is_exact_and_saves_memory(mode, k, wrapped):
-    x, y = batches(1)[0]
-    ref = make_model()
+    x, y = dp_batches(1)[0]
+    ref = dp_model()
     ref_loss, ref_saved = _saved_bytes(ref, x, y)
     ref_loss.backward()
-    model = apply_activation_checkpointing(make_model(), mode, k)
+    model = apply_activation_checkpointing(dp_model(), mode, k)
     assert wrapped_block_indices(model) == wrapped
     assert list(model.state_dict().keys()) == list(ref.state_dict().keys())
     loss, saved = _saved_bytes(model, x, y)
@@ -33,7 +33,7 @@ def test_checkpointing_is_exact_and_saves_memory(mode, k, wrapped):
 
 def test_checkpointing_rejects_bad_input():
     with pytest.raises(ValueError, match="none, full or every_k"):
-        apply_activation_checkpointing(make_model(), "some")
+        apply_activation_checkpointing(dp_model(), "some")
     with pytest.raises(ValueError, match="k >= 1"):
-        apply_activation_checkpointing(make_model(), "every_k", 0)
-    assert wrapped_block_indices(apply_activation_checkpointing(make_model(), "none")) == []
+        apply_activation_checkpointing(dp_model(), "every_k", 0)
+    assert wrapped_block_indices(apply_activation_checkpointing(dp_model(), "none")) == []

@@ -15,11 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from plait.models.tiny import model_flags, tiny_config
+
 TINY = [
-    "--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
-    "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.eval_sequences=8",
-    "--train.eval_every=0", "--train.log_every=1", "--optim.warmup_steps=2", "--observe.progress=false",
-    "--observe.tensorboard=false", "--parallel.nproc=2",
+    *model_flags(tiny_config(seq_len=32)), "--train.global_batch_size=8", "--train.micro_batch_size=2",
+    "--train.eval_sequences=8", "--train.eval_every=0", "--train.log_every=1", "--optim.warmup_steps=2",
+    "--observe.progress=false", "--observe.tensorboard=false", "--parallel.nproc=2",
 ]
 
 

@@ -3,7 +3,7 @@
 One spawn of 2 gloo ranks trains the tiny GPT for ``STEPS`` steps with ``train.compile=true`` under
 each layout in ``LAYOUTS`` (plait's data-parallel reducer, PyTorch DDP, ZeRO-2, ZeRO-3/FSDP2, tensor
 parallel with its vocabulary-parallel loss (kept eager there), pipeline) from the same weights and data
-as ``api_common.reference_training`` (eager, one process, same global batches, AdamW, clipping at 1.0).
+as ``references.reference_training`` (eager, one process, same global batches, AdamW, clipping at 1.0).
 
 Tolerance: inductor fuses and reorders the float32 arithmetic (layer norm, GELU, softmax, the
 cross-entropy's reductions), so losses and parameters match eager training up to rounding, not bit
@@ -20,10 +20,9 @@ import shutil
 
 import pytest
 import torch
+from helpers import run_ranks
+from references import reference_training
 from torch.utils.data import TensorDataset
-
-from tests.api_common import reference_training
-from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="torch.compile's inductor backend needs a C++ compiler on CPU")
@@ -47,11 +46,9 @@ def _data() -> TensorDataset:
 
 
 def _model() -> torch.nn.Module:
-    from tests.mp_common import make_model, tiny_cfg
+    from plait.models.tiny import seeded_gpt, tiny_config
 
-    cfg = tiny_cfg(4)
-    cfg.seq_len = SEQ
-    return make_model(cfg)
+    return seeded_gpt(tiny_config(n_layer=4, d_model=32, n_head=4, seq_len=SEQ))
 
 
 def _train_compiled(rank: int, world: int, tmp: str) -> dict:

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 from helpers import run_ranks
-from zero_util import distributed_run, make_model, param_groups, reference_run
+from references import distributed_run, dp_model, dp_reference, param_groups
 
 from plait.parallel import fsdp
 from plait.parallel.zero import ZeroConfigError
@@ -45,7 +45,7 @@ def _fsdp_worker(rank, world, cases):
     mesh = init_device_mesh("cpu", (world,))
     out = []
     for accum, clip, reshard in cases:
-        model = fsdp.apply_fsdp(make_model(), mesh, reshard_after_forward=reshard)
+        model = fsdp.apply_fsdp(dp_model(), mesh, reshard_after_forward=reshard)
         opt = _FsdpStep(model, _adamw(model))
 
         @contextmanager
@@ -66,7 +66,7 @@ def test_fsdp_matches_single_process():
     cases = [(2, 0.05, True), (1, 0.0, False)]  # accumulation + active clipping; then ZeRO-2-like reshard
     per_rank = run_ranks(_fsdp_worker, 2, cases)
     for ci, (_, clip, _) in enumerate(cases):
-        ref_losses, ref_params = reference_run(_adamw, clip)
+        ref_losses, ref_params = dp_reference(_adamw, clip)
         for r in per_rank:
             losses, params, tied = r[ci]
             assert tied
@@ -82,7 +82,7 @@ def _rejects_worker(rank, world):
     errors = []
     for kwargs in ({"offload": "params"}, {"offload": "optimizer"}):
         try:
-            fsdp.apply_fsdp(make_model(), mesh, **kwargs)
+            fsdp.apply_fsdp(dp_model(), mesh, **kwargs)
         except ZeroConfigError as e:
             errors.append(str(e))
     # a one-rank data-parallel mesh: nothing to shard
@@ -94,7 +94,7 @@ def _rejects_worker(rank, world):
 
         one = DeviceMesh.from_group(sub, "cpu")
     try:
-        fsdp.apply_fsdp(make_model(), one)
+        fsdp.apply_fsdp(dp_model(), one)
     except ZeroConfigError as e:
         errors.append(str(e))
     return errors

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import run_ranks
-from zero_util import CFG, batches, local_micro_batches, make_model, param_groups
+from references import DP_CFG, dp_batches, dp_model, local_micro_batches, param_groups
 
 from plait.parallel.checkpointing import apply_activation_checkpointing
 from plait.parallel.fsdp import apply_fsdp
@@ -22,7 +22,7 @@ from plait.plan.memory import (
 
 
 def _build(stage, precision, world, mesh):
-    model = make_model()
+    model = dp_model()
     if stage == 3:
         dtype = torch.bfloat16 if precision == "bf16" else None
         model = apply_fsdp(model, mesh, param_dtype=dtype)
@@ -41,7 +41,7 @@ def _memory_worker(rank, world):
         for stage in (0, 1, 2, 3):
             model, opt = _build(stage, precision, world, mesh)
             autocast = precision == "bf16" and stage != 3  # stage 3 casts through FSDP2's policy
-            for i, (x, y) in enumerate(batches(2)):
+            for i, (x, y) in enumerate(dp_batches(2)):
                 (mx, my), = local_micro_batches(x, y, rank, world, 1)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                     loss = model(mx, my)
@@ -58,8 +58,8 @@ def _memory_worker(rank, world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_measured_model_state_matches_prediction(world):
-    psi = gpt_num_params(CFG.n_layer, CFG.d_model, CFG.vocab_size, CFG.seq_len)
-    assert psi == make_model().num_params()
+    psi = gpt_num_params(DP_CFG.n_layer, DP_CFG.d_model, DP_CFG.vocab_size, DP_CFG.seq_len)
+    assert psi == dp_model().num_params()
     per_rank = run_ranks(_memory_worker, world)
     for measured_all in per_rank:
         for (stage, precision), measured in measured_all.items():
@@ -86,10 +86,10 @@ def _saved_bytes(model, x, y):
 
 @pytest.mark.parametrize("mode,k", [("none", 1), ("full", 1), ("every_k", 2)])
 def test_activation_prediction_matches_saved_tensors(mode, k):
-    x, y = batches(1)[0]
-    model = apply_activation_checkpointing(make_model(), mode, k)
+    x, y = dp_batches(1)[0]
+    model = apply_activation_checkpointing(dp_model(), mode, k)
     _, measured = _saved_bytes(model, x, y)
-    shape = GPTShape(x.shape[0], CFG.seq_len, CFG.d_model, CFG.n_head, CFG.n_layer, CFG.vocab_size)
+    shape = GPTShape(x.shape[0], DP_CFG.seq_len, DP_CFG.d_model, DP_CFG.n_head, DP_CFG.n_layer, DP_CFG.vocab_size)
     pred = predict_activation_bytes(shape, checkpointing=mode, k=k)
     # within 1%: the formula counts every saved activation; a few scalars are left out
     assert measured == pytest.approx(pred["saved"], rel=0.01)

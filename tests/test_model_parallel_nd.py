@@ -1,7 +1,7 @@
 """Pipeline parallelism composed on one device mesh: pp=4, dp x pp, tp x pp, and dp x tp x pp.
 
 Data parallelism here is a plain gradient all-reduce over the dp group in the test loop. Tolerances:
-see mp_common.
+see references.
 """
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 from helpers import run_ranks
-from mp_common import LOSS_ATOL, PARAM_ATOL, batches, make_model, max_param_diff, reference, tiny_cfg
+from references import MP_LOSS_ATOL, MP_PARAM_ATOL, max_param_diff, mp_batches, mp_config, mp_reference
 from test_pipeline import _train_pp
+
+from plait.models.tiny import seeded_gpt
 
 
 def _dp_slice(data, dp_rank: int, dp: int):
@@ -26,7 +28,7 @@ def _result(losses, runner, ref_losses, ref_state) -> dict:
 def _pp4_costed(cfg, data, ref) -> dict:
     from plait.parallel.pipeline import measure_layer_costs
 
-    costs = measure_layer_costs(make_model(cfg), *batches(2, steps=1, seed=9)[0], repeats=1)
+    costs = measure_layer_costs(seeded_gpt(cfg), *mp_batches(2, steps=1, seed=9)[0], repeats=1)
     group = dist.new_group(list(range(4)))
     losses, runner = _train_pp(cfg, data, group, "1f1b", microbatches=4, costs=costs)
     return _result(losses, runner, *ref) | {"costs": costs}
@@ -36,11 +38,11 @@ def _four_rank_worker(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     out = {}
-    cfg6 = tiny_cfg(n_layer=6)
-    data = batches(8)
-    out["pp4"] = _pp4_costed(cfg6, data, reference(cfg6, data))
-    cfg = tiny_cfg()
-    ref = reference(cfg, data)
+    cfg6 = mp_config(n_layer=6)
+    data = mp_batches(8)
+    out["pp4"] = _pp4_costed(cfg6, data, mp_reference(cfg6, data))
+    cfg = mp_config()
+    ref = mp_reference(cfg, data)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     local = _dp_slice(data, mesh["dp"].get_local_rank(), 2)
     losses, runner = _train_pp(cfg, local, mesh["pp"].get_group(), "1f1b", 2, dp_group=mesh["dp"].get_group())
@@ -61,9 +63,9 @@ def _check(results: list[dict], layout: str) -> None:
     last_losses = [r[layout]["losses"] for r in results if r[layout]["losses"][0] is not None]
     assert last_losses, "no rank reported the loss"
     for losses in last_losses:
-        assert losses == pytest.approx(results[0][layout]["ref"], abs=LOSS_ATOL)
+        assert losses == pytest.approx(results[0][layout]["ref"], abs=MP_LOSS_ATOL)
     for r in results:
-        assert r[layout]["diff"] < PARAM_ATOL
+        assert r[layout]["diff"] < MP_PARAM_ATOL
 
 
 def test_pp4_1f1b_with_measured_costs_matches_single_process(four_rank_results):
@@ -83,9 +85,9 @@ def test_tp2_pp2_matches_single_process(four_rank_results):
 def _eight_rank_worker(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    cfg = tiny_cfg()
-    data = batches(8)
-    ref = reference(cfg, data)
+    cfg = mp_config()
+    data = mp_batches(8)
+    ref = mp_reference(cfg, data)
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     local = _dp_slice(data, mesh["dp"].get_local_rank(), 2)
     losses, runner = _train_pp(cfg, local, mesh["pp"].get_group(), "1f1b", 2,

@@ -240,11 +240,10 @@ GPT_DP = 2
 
 
 def gpt(every: int, seed: int = 0):
-    from plait.models.gpt import GPT
+    from plait.models.tiny import seeded_gpt
 
     cfg = load_config(overrides=GPT_MODEL + [f"--moe.every={every}"])
-    torch.manual_seed(seed)
-    return GPT(cfg.model, cfg.moe)
+    return seeded_gpt(cfg.model, seed, cfg.moe)
 
 
 def gpt_batches(step: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Pipeline parallelism: partitioning, schedules against one process, accounting, memory, checkpoints.
 
-Tolerances: see mp_common (rounding-level differences from micro-batch accumulation order).
+Tolerances: see references (rounding-level differences from micro-batch accumulation order).
 """
 
 from __future__ import annotations
@@ -11,17 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import run_ranks
-from mp_common import (
-    LOSS_ATOL,
-    PARAM_ATOL,
-    batches,
-    make_model,
-    max_param_diff,
-    optimizer,
-    reference,
-    tiny_cfg,
-)
+from references import MP_LOSS_ATOL, MP_PARAM_ATOL, max_param_diff, mp_batches, mp_config, mp_optimizer, mp_reference
 
+from plait.models.tiny import seeded_gpt
 from plait.parallel.pipeline import PipelineConfigError, check_pipeline_layout, partition_layers
 from plait.parallel.pipeline_trace import (
     PipeEvent,
@@ -71,16 +63,16 @@ def test_bubble_arithmetic_and_trace_format():
 
 
 def _train_pp(cfg, data, pp_group, schedule, microbatches, *, dp_group=None, costs=None, tp_mesh=None):
-    from mp_common import allreduce_grads_mean, mean_over
+    from references import allreduce_grads_mean, mean_over
 
     from plait.parallel.pipeline import build_pipeline
     from plait.recipes.gpt import apply_tensor_parallel
 
-    model = make_model(cfg)
+    model = seeded_gpt(cfg)
     if tp_mesh is not None:
         model = apply_tensor_parallel(model, tp_mesh, sequence_parallel=True)
     runner = build_pipeline(model, pp_group, schedule=schedule, microbatches=microbatches, costs=costs)
-    opt = optimizer(runner.parameters())
+    opt = mp_optimizer(runner.parameters())
     losses = []
     for idx, tgt in data:
         loss = runner.step(idx, tgt)
@@ -99,8 +91,8 @@ def _peak_activation_bytes(cfg, group, schedule: str) -> int:
     from plait.parallel.memory import SavedTensorMeter
     from plait.parallel.pipeline import build_pipeline
 
-    runner = build_pipeline(make_model(cfg), group, schedule=schedule, microbatches=8)
-    (idx, tgt), (idx2, tgt2) = batches(16, steps=2, seed=3)
+    runner = build_pipeline(seeded_gpt(cfg), group, schedule=schedule, microbatches=8)
+    (idx, tgt), (idx2, tgt2) = mp_batches(16, steps=2, seed=3)
     runner.step(idx, tgt)  # the first step also infers stage shapes; measure the second
     with SavedTensorMeter() as meter:
         runner.step(idx2, tgt2)
@@ -112,9 +104,9 @@ def _pp2_worker(rank: int, world_size: int, ckpt_dir: str, trace_path: str) -> d
 
     from plait.parallel.pipeline_trace import bubble_summary, write_chrome_trace
 
-    cfg = tiny_cfg()
-    data = batches(8)
-    ref_losses, ref_state = reference(cfg, data)
+    cfg = mp_config()
+    data = mp_batches(8)
+    ref_losses, ref_state = mp_reference(cfg, data)
     group = dist.new_group(list(range(world_size)))
     out: dict = {"ref": ref_losses, "schedules": {}}
     for schedule in SCHEDULES:
@@ -144,9 +136,9 @@ def test_pp2_schedule_matches_single_process(pp2_results, schedule):
     results, _, _ = pp2_results
     last = results[1] if schedule != "zbv" else results[0]  # zbv's V puts the last stage on rank 0
     res = last["schedules"][schedule]
-    assert res["losses"] == pytest.approx(last["ref"], abs=LOSS_ATOL)
+    assert res["losses"] == pytest.approx(last["ref"], abs=MP_LOSS_ATOL)
     for r in results:
-        assert r["schedules"][schedule]["diff"] < PARAM_ATOL
+        assert r["schedules"][schedule]["diff"] < MP_PARAM_ATOL
         assert r["schedules"][schedule]["keys_subset"]
 
 
@@ -175,12 +167,12 @@ def test_checkpoint_from_pp2_loads_at_pp1(pp2_results):
     import torch.distributed.checkpoint as dcp
 
     results, ckpt, _ = pp2_results
-    cfg = tiny_cfg()
-    _, ref_state = reference(cfg, batches(8))
-    model = make_model(cfg, seed=123)  # different weights: everything must come from the checkpoint
+    cfg = mp_config()
+    _, ref_state = mp_reference(cfg, mp_batches(8))
+    model = seeded_gpt(cfg, seed=123)  # different weights: everything must come from the checkpoint
     state = model.state_dict()
     dcp.load(state, checkpoint_id=ckpt)
     model.load_state_dict(state)
     assert model.head.weight is model.tok_emb.weight
-    assert max((v - ref_state[k]).abs().max().item() for k, v in model.state_dict().items()) < PARAM_ATOL
-    assert torch.isfinite(model(*batches(2, steps=1)[0])).all()
+    assert max((v - ref_state[k]).abs().max().item() for k, v in model.state_dict().items()) < MP_PARAM_ATOL
+    assert torch.isfinite(model(*mp_batches(2, steps=1)[0])).all()

@@ -1,23 +1,23 @@
-"""Tensor and sequence parallelism against single-process training (tolerances: see mp_common)."""
+"""Tensor and sequence parallelism against single-process training (tolerances: see references)."""
 
 from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
 from helpers import run_ranks
-from mp_common import (
-    LOSS_ATOL,
-    PARAM_ATOL,
+from references import (
+    MP_LOSS_ATOL,
+    MP_PARAM_ATOL,
     allreduce_grads_mean,
-    batches,
-    make_model,
     max_param_diff,
     mean_over,
-    optimizer,
-    reference,
-    tiny_cfg,
+    mp_batches,
+    mp_config,
+    mp_optimizer,
+    mp_reference,
 )
 
+from plait.models.tiny import seeded_gpt
 from plait.parallel.tensor import (
     TensorParallelError,
     full_state_dict,
@@ -30,9 +30,9 @@ from plait.recipes.gpt import check_tensor_parallel
 def _train_tp(cfg, data, tp_mesh, sp: bool, dp_group=None) -> tuple[list[float], object]:
     from plait.recipes.gpt import apply_tensor_parallel
 
-    model = apply_tensor_parallel(make_model(cfg), tp_mesh, sequence_parallel=sp)
+    model = apply_tensor_parallel(seeded_gpt(cfg), tp_mesh, sequence_parallel=sp)
     assert model.head.weight is model.tok_emb.weight
-    opt = optimizer(model.parameters())
+    opt = mp_optimizer(model.parameters())
     losses = []
     for idx, tgt in data:
         with loss_context(model):
@@ -52,8 +52,8 @@ def _activation_bytes(cfg, tp_mesh, sp: bool) -> int:
     from plait.parallel.memory import SavedTensorMeter
     from plait.recipes.gpt import apply_tensor_parallel
 
-    model = apply_tensor_parallel(make_model(cfg), tp_mesh, sequence_parallel=sp)
-    idx, tgt = batches(4, steps=1, seed=5)[0]
+    model = apply_tensor_parallel(seeded_gpt(cfg), tp_mesh, sequence_parallel=sp)
+    idx, tgt = mp_batches(4, steps=1, seed=5)[0]
     with loss_context(model), SavedTensorMeter() as meter:
         loss = model(idx, tgt)
         held = meter.live
@@ -64,9 +64,9 @@ def _activation_bytes(cfg, tp_mesh, sp: bool) -> int:
 def _tp2_worker(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    cfg = tiny_cfg()
-    data = batches(4)
-    ref_losses, ref_state = reference(cfg, data)
+    cfg = mp_config()
+    data = mp_batches(4)
+    ref_losses, ref_state = mp_reference(cfg, data)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     out: dict = {"ref": ref_losses}
     for sp in (False, True):
@@ -87,8 +87,8 @@ def tp2_results() -> list[dict]:
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
 def test_tp2_matches_single_process(tp2_results, sp):
     for res in tp2_results:
-        assert res[sp]["losses"] == pytest.approx(res["ref"], abs=LOSS_ATOL)
-        assert res[sp]["diff"] < PARAM_ATOL
+        assert res[sp]["losses"] == pytest.approx(res["ref"], abs=MP_LOSS_ATOL)
+        assert res[sp]["diff"] < MP_PARAM_ATOL
         assert res[sp]["keys_match"] and res[sp]["shapes_match"]
 
 
@@ -101,9 +101,9 @@ def test_sequence_parallel_saves_activation_memory(tp2_results):
 def _dp2_tp2_worker(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    cfg = tiny_cfg()
-    data = batches(8)
-    ref_losses, ref_state = reference(cfg, data)
+    cfg = mp_config()
+    data = mp_batches(8)
+    ref_losses, ref_state = mp_reference(cfg, data)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
     local = [(i[dp_rank * 4:(dp_rank + 1) * 4], t[dp_rank * 4:(dp_rank + 1) * 4]) for i, t in data]
@@ -114,8 +114,8 @@ def _dp2_tp2_worker(rank: int, world_size: int) -> dict:
 
 def test_dp2_tp2_matches_single_process():
     for res in run_ranks(_dp2_tp2_worker, 4):
-        assert res["losses"] == pytest.approx(res["ref"], abs=LOSS_ATOL)
-        assert res["diff"] < PARAM_ATOL
+        assert res["losses"] == pytest.approx(res["ref"], abs=MP_LOSS_ATOL)
+        assert res["diff"] < MP_PARAM_ATOL
 
 
 def test_heads_not_divisible_by_tp_is_a_clear_error():

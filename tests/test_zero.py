@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import run_ranks
-from zero_util import distributed_run, make_model, param_groups, reference_run
+from references import distributed_run, dp_model, dp_reference, param_groups
 
 from plait.parallel.zero import ZeroConfigError, ZeroOptimizer, validate_zero
 
@@ -31,7 +31,7 @@ def _sgd(model):
 def _zero_worker(rank, world, cases):
     out = []
     for stage, optim, _, accum, clip, bucket_mb, offload in cases:
-        model = make_model()
+        model = dp_model()
         if optim == "adamw":
             opt = ZeroOptimizer(model, param_groups(model), torch.optim.AdamW, stage=stage, offload=offload,
                                 bucket_mb=bucket_mb, lr=LR, betas=(0.9, 0.95))
@@ -69,7 +69,7 @@ def test_zero_matches_single_process(world):
     cases = [c for c in CASES if c[2] == world]
     per_rank = run_ranks(_zero_worker, world, cases)
     for ci, (_, optim, _, _, clip, bucket_mb, offload) in enumerate(cases):
-        ref_losses, ref_params = reference_run(_adamw if optim == "adamw" else _sgd, clip)
+        ref_losses, ref_params = dp_reference(_adamw if optim == "adamw" else _sgd, clip)
         results = [r[ci] for r in per_rank]
         for losses, params, num_buckets, separate in results:
             assert losses == pytest.approx(ref_losses, rel=1e-5)
@@ -94,9 +94,9 @@ def test_zero_matches_single_process(world):
 
 def test_clip_is_active_in_reference():
     """Guard for the cases above: the clip value is below the real gradient norm."""
-    model = make_model()
-    from zero_util import batches
-    x, y = batches(1)[0]
+    model = dp_model()
+    from references import dp_batches
+    x, y = dp_batches(1)[0]
     model(x, y).backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
     assert norm > 0.05 * 4

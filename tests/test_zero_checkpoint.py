@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers import run_ranks
+from references import distributed_run, dp_model, dp_reference_steps, param_groups
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from zero_util import distributed_run, make_model, param_groups, reference_steps
 
 from plait.parallel.zero import ZeroOptimizer
 
@@ -36,7 +36,7 @@ def _params(model):
 
 def _ranks_worker(rank, world, save_dir, load_dir):
     # zero=2 dp=2 trains, saves, and goes on (the run that never stopped)
-    model = make_model()
+    model = dp_model()
     opt = _zero2(model)
     distributed_run(model, opt, rank, world, 1, 0.0, steps=FIRST)
     saved = opt.state_dict()
@@ -44,7 +44,7 @@ def _ranks_worker(rank, world, save_dir, load_dir):
     cont = distributed_run(model, opt, rank, world, 1, 0.0, steps=MORE, first=FIRST)
     out = {"saved": _np_state(saved), "cont": cont, "params": _params(model)}
     # zero=2 dp=2 resumes a plain dp=1 checkpoint
-    model = make_model(seed=123)  # different weights: everything must come from the checkpoint
+    model = dp_model(seed=123)  # different weights: everything must come from the checkpoint
     opt = _zero2(model)
     sd = {"model": model.state_dict(), "optim": opt.state_dict()}
     dcp.load(sd, checkpoint_id=load_dir)
@@ -71,26 +71,26 @@ def _assert_params_close(a, b):
 
 def test_reshard_zero2_dp2_and_plain_dp1(tmp_path):
     # plain AdamW dp=1 trains, saves, and goes on
-    model = make_model()
+    model = dp_model()
     opt = _adamw(model)
-    reference_steps(model, opt, 0.0, FIRST)
+    dp_reference_steps(model, opt, 0.0, FIRST)
     plain_osd = get_optimizer_state_dict(model, opt)
     dcp.save({"model": model.state_dict(), "optim": plain_osd}, checkpoint_id=str(tmp_path / "plain"))
     plain_saved = _np_state(plain_osd)  # a copy: the optimizer's own tensors change as training goes on
-    plain_cont = reference_steps(model, opt, 0.0, MORE, first=FIRST)
+    plain_cont = dp_reference_steps(model, opt, 0.0, MORE, first=FIRST)
     plain_params = _params(model)
 
     res = run_ranks(_ranks_worker, 2, str(tmp_path / "zero2"), str(tmp_path / "plain"))
 
     # zero=2 dp=2 -> plain dp=1
-    model = make_model(seed=123)
+    model = dp_model(seed=123)
     opt = _adamw(model)
     sd = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(sd, checkpoint_id=str(tmp_path / "zero2"))
     model.load_state_dict(sd["model"])
     set_optimizer_state_dict(model, opt, sd["optim"])
     _assert_states_equal(_np_state(get_optimizer_state_dict(model, opt)), res[0]["saved"])
-    resumed = reference_steps(model, opt, 0.0, MORE, first=FIRST)
+    resumed = dp_reference_steps(model, opt, 0.0, MORE, first=FIRST)
     assert resumed == pytest.approx(res[0]["cont"], rel=1e-5)
     _assert_params_close(_params(model), res[0]["params"])
 

@@ -40,10 +40,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-TINY = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
-        "--parallel.nproc=2", "--train.global_batch_size=16", "--train.micro_batch_size=8",
-        "--train.eval_every=0", "--checkpoint.every=0", "--observe.progress=false", "--observe.tensorboard=false",
-        "--train.log_every=1", "--optim.warmup_steps=1"]
+from plait.models.tiny import model_flags, tiny_config
+
+TINY = [*model_flags(tiny_config(seq_len=32)), "--parallel.nproc=2", "--train.global_batch_size=16",
+        "--train.micro_batch_size=8", "--train.eval_every=0", "--checkpoint.every=0", "--observe.progress=false",
+        "--observe.tensorboard=false", "--train.log_every=1", "--optim.warmup_steps=1"]
 WORLD1 = ["--parallel.nproc=1"]  # after TINY's world 2: the later flag wins
 PATHS = {  # constant -> the layout whose residual it carries, in the order they are derived
     "step": WORLD1,
