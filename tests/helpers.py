@@ -1,4 +1,5 @@
-"""What the tests share: ``run_ranks`` (spawned gloo ranks, ``plait.runtime.spawn``) and checks on runs.
+"""What the tests share: ``run_ranks`` (spawned gloo ranks, ``plait.runtime.spawn``), the command line in a
+subprocess (``plait_cli``, ``TINY_CLI``) and checks on finished runs.
 
 ``run_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks
 (one thread each) and returns the results by rank; a rank that raises or dies makes it raise
@@ -7,16 +8,41 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from plait.models.tiny import model_flags, tiny_config
 from plait.runtime.spawn import spawn_ranks
+
+# A 2-worker ``plait train`` of the tiny GPT: seconds per step, no evaluation, no progress bar.
+TINY_CLI = [
+    *model_flags(tiny_config(seq_len=32)), "--train.global_batch_size=8", "--train.micro_batch_size=2",
+    "--train.eval_sequences=8", "--train.eval_every=0", "--train.log_every=1", "--optim.warmup_steps=2",
+    "--observe.progress=false", "--observe.tensorboard=false", "--parallel.nproc=2",
+]
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
               pg_timeout_s: float = 60.0) -> list[Any]:
     """``spawn_ranks`` under the name and keywords the tests use; the group is named after ``fn``."""
     return spawn_ranks(fn, world_size, *args, timeout_s=timeout, pg_timeout_s=pg_timeout_s, name=fn.__name__)
+
+
+def plait_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m plait.cli ARGS`` in ``cwd`` as a user runs it (one thread per process), output captured."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "plait.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def succeeded(p: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """``p``, after checking it exited 0 (else the end of its stderr is the failure message)."""
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
 
 
 def logged_losses(run_dir: str) -> list[float]:

@@ -63,6 +63,32 @@ def mp_reference(cfg: ModelConfig, data) -> tuple[list[float], dict[str, torch.T
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def train_pipeline(cfg: ModelConfig, data, pp_group, schedule: str, microbatches: int, *, dp_group=None, costs=None,
+                   tp_mesh=None) -> tuple[list[float | None], Any]:
+    """The tiny GPT pipelined over ``pp_group`` (tensor-parallel first over ``tp_mesh``, gradients averaged over
+    ``dp_group``), trained on ``data``: the losses this rank sees (None off the last stage) and the runner."""
+    from plait.parallel.pipeline import build_pipeline
+    from plait.recipes.gpt import apply_tensor_parallel
+
+    model = seeded_gpt(cfg)
+    if tp_mesh is not None:
+        model = apply_tensor_parallel(model, tp_mesh, sequence_parallel=True)
+    runner = build_pipeline(model, pp_group, schedule=schedule, microbatches=microbatches, costs=costs)
+    opt = mp_optimizer(runner.parameters())
+    losses = []
+    for idx, tgt in data:
+        loss = runner.step(idx, tgt)
+        if dp_group is not None:
+            allreduce_grads_mean(runner.parameters(), dp_group)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        value = None if loss is None else loss.item()
+        if value is not None and dp_group is not None:
+            value = mean_over(value, dp_group)
+        losses.append(value)
+    return losses, runner
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -86,6 +112,23 @@ def mean_over(value: float, group) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, group=group)
     return t.item() / dist.get_world_size(group)
+
+
+def saved_activation_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``model(x, y)`` and the bytes of the distinct storages autograd saved for its backward, parameters
+    excluded."""
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in param_ptrs:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x, y)
+    return loss, sum(seen.values())
 
 
 # -- data parallelism, ZeRO and FSDP -------------------------------------------------------------------

@@ -6,41 +6,20 @@ These run ``plait`` as a user would, in a subprocess, with 2 local workers under
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_CLI, plait_cli, succeeded
 from safetensors.torch import load_file
-
-from plait.models.tiny import model_flags, tiny_config
-
-TINY = [
-    *model_flags(tiny_config(seq_len=32)), "--train.global_batch_size=8", "--train.micro_batch_size=2",
-    "--train.eval_sequences=8", "--train.eval_every=0", "--train.log_every=1", "--optim.warmup_steps=2",
-    "--observe.progress=false", "--observe.tensorboard=false", "--parallel.nproc=2",
-]
-
-
-def plait(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "plait.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
-
-
-def _ok(p: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert p.returncode == 0, p.stderr[-3000:]
-    return p
 
 
 def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     """3 steps, then resume to 6, ends with exactly (bit for bit) the parameters of 6 straight steps."""
-    det = TINY + ["--train.deterministic=true", "--optim.decay_steps=6", "--checkpoint.every=0"]
-    _ok(plait("train", *det, "--train.steps=6", f"--run.dir={tmp_path}/straight", cwd=tmp_path))
-    _ok(plait("train", *det, "--train.steps=3", f"--run.dir={tmp_path}/split", cwd=tmp_path))
-    resumed = _ok(plait("train", "--resume", f"{tmp_path}/split", "--train.steps=6", cwd=tmp_path))
+    det = TINY_CLI + ["--train.deterministic=true", "--optim.decay_steps=6", "--checkpoint.every=0"]
+    succeeded(plait_cli("train", *det, "--train.steps=6", f"--run.dir={tmp_path}/straight", cwd=tmp_path))
+    succeeded(plait_cli("train", *det, "--train.steps=3", f"--run.dir={tmp_path}/split", cwd=tmp_path))
+    resumed = succeeded(plait_cli("train", "--resume", f"{tmp_path}/split", "--train.steps=6", cwd=tmp_path))
     assert "resumed from" in resumed.stderr
     a = load_file(f"{tmp_path}/straight/model.safetensors")
     b = load_file(f"{tmp_path}/split/model.safetensors")
@@ -54,15 +33,16 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
 
 
 def test_sample_from_finished_run(tmp_path: Path) -> None:
-    _ok(plait("train", *TINY, "--train.steps=2", "--parallel.nproc=1", f"--run.dir={tmp_path}/r", cwd=tmp_path))
-    out = _ok(plait("sample", f"{tmp_path}/r", "--prompt", "def ", "--tokens", "20", cwd=tmp_path))
+    succeeded(plait_cli("train", *TINY_CLI, "--train.steps=2", "--parallel.nproc=1", f"--run.dir={tmp_path}/r",
+                        cwd=tmp_path))
+    out = succeeded(plait_cli("sample", f"{tmp_path}/r", "--prompt", "def ", "--tokens", "20", cwd=tmp_path))
     assert out.stdout.startswith("def ") and len(out.stdout.encode()) >= 20
 
 
 def test_failing_worker_is_named(tmp_path: Path) -> None:
     bad = tmp_path / "odd.bin"
     bad.write_bytes(b"\x01\x02\x03")  # an odd byte count cannot be uint16 tokens: every worker fails loading it
-    p = plait("train", *TINY, "--train.steps=2", f"--data.path={bad}", f"--run.dir={tmp_path}/f", cwd=tmp_path)
+    p = plait_cli("train", *TINY_CLI, "--train.steps=2", f"--data.path={bad}", f"--run.dir={tmp_path}/f", cwd=tmp_path)
     assert p.returncode == 1
     assert "plait: error: rank " in p.stderr and "failed: DataError:" in p.stderr and "odd number of bytes" in p.stderr
     assert "Traceback" not in p.stderr
@@ -85,13 +65,14 @@ def test_failing_worker_is_named(tmp_path: Path) -> None:
 ])
 def test_bad_input_gives_clear_message(tmp_path: Path, args: list[str], message: str) -> None:
     (tmp_path / "EMPTY").mkdir()
-    p = plait("train", *[a.replace("EMPTY", str(tmp_path / "EMPTY")) for a in args], cwd=tmp_path)
+    p = plait_cli("train", *[a.replace("EMPTY", str(tmp_path / "EMPTY")) for a in args], cwd=tmp_path)
     assert p.returncode == 2
     assert message.replace("EMPTY", str(tmp_path / "EMPTY")) in p.stderr
     assert "Traceback" not in p.stderr
 
 
 def test_refuses_to_overwrite_a_run(tmp_path: Path) -> None:
-    _ok(plait("train", *TINY, "--train.steps=1", "--parallel.nproc=1", f"--run.dir={tmp_path}/r", cwd=tmp_path))
-    p = plait("train", *TINY, "--train.steps=1", "--parallel.nproc=1", f"--run.dir={tmp_path}/r", cwd=tmp_path)
+    succeeded(plait_cli("train", *TINY_CLI, "--train.steps=1", "--parallel.nproc=1", f"--run.dir={tmp_path}/r",
+                        cwd=tmp_path))
+    p = plait_cli("train", *TINY_CLI, "--train.steps=1", "--parallel.nproc=1", f"--run.dir={tmp_path}/r", cwd=tmp_path)
     assert p.returncode == 2 and f"continue it with --resume {tmp_path}/r" in p.stderr

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_cli import TINY
+from helpers import TINY_CLI, plait_cli, succeeded
 
 from plait.launch import _first_slurm_host
 from plait.runtime.spawn import free_port
@@ -20,7 +20,7 @@ def _env() -> dict[str, str]:
 
 def test_under_torchrun(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", "-m", "plait.cli", "train", *TINY, "--train.steps=2",
+           f"--master-port={free_port()}", "-m", "plait.cli", "train", *TINY_CLI, "--train.steps=2",
            "--parallel.nproc=1", f"--run.dir={tmp_path}/r"]
     p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -36,7 +36,7 @@ def test_under_slurm_environment(tmp_path: Path) -> None:
         env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_JOB_ID="77",
                    SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "plait.cli", "train", *TINY, "--train.steps=2", f"--run.dir={tmp_path}/s"],
+            [sys.executable, "-m", "plait.cli", "train", *TINY_CLI, "--train.steps=2", f"--run.dir={tmp_path}/s"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
@@ -70,7 +70,5 @@ def test_a_rank_that_ends_first_waits_for_the_others(tmp_path: Path) -> None:
     """Under ``plait run`` a rank whose script ends first keeps its connections until every rank's script has
     ended, so it cannot abort a peer still in its last collective (plait.runtime.group)."""
     (tmp_path / "ends_first.py").write_text(ENDS_FIRST)
-    p = subprocess.run([sys.executable, "-m", "plait.cli", "run", "--nproc", "2", "ends_first.py"], cwd=tmp_path,
-                       env=_env(), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    succeeded(plait_cli("run", "--nproc", "2", "ends_first.py", cwd=tmp_path))
     assert (tmp_path / "rank1_exited").is_file()  # it did exit, after rank 0's script ended

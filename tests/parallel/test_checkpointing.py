@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from references import dp_batches, dp_model
-from test_memory import _saved_bytes
+from references import dp_batches, dp_model, saved_activation_bytes
 
 from plait.parallel.checkpointing import apply_activation_checkpointing, wrapped_block_indices
 
@@ -15,12 +14,12 @@ from plait.parallel.checkpointing import apply_activation_checkpointing, wrapped
 def test_checkpointing_is_exact_and_saves_memory(mode, k, wrapped):
     x, y = dp_batches(1)[0]
     ref = dp_model()
-    ref_loss, ref_saved = _saved_bytes(ref, x, y)
+    ref_loss, ref_saved = saved_activation_bytes(ref, x, y)
     ref_loss.backward()
     model = apply_activation_checkpointing(dp_model(), mode, k)
     assert wrapped_block_indices(model) == wrapped
     assert list(model.state_dict().keys()) == list(ref.state_dict().keys())
-    loss, saved = _saved_bytes(model, x, y)
+    loss, saved = saved_activation_bytes(model, x, y)
     loss.backward()
     assert torch.equal(loss, ref_loss)
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SPEC = importlib.util.spec_from_file_location("bench_ttq", Path(__file__).resolve().parents[1] / "bench" / "ttq.py")
+SPEC = importlib.util.spec_from_file_location("bench_ttq", Path(__file__).resolve().parents[2] / "bench" / "ttq.py")
 ttq = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(ttq)
 

@@ -11,7 +11,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import run_ranks
-from references import MP_LOSS_ATOL, MP_PARAM_ATOL, max_param_diff, mp_batches, mp_config, mp_optimizer, mp_reference
+from references import (
+    MP_LOSS_ATOL,
+    MP_PARAM_ATOL,
+    max_param_diff,
+    mp_batches,
+    mp_config,
+    mp_reference,
+    train_pipeline,
+)
 
 from plait.models.tiny import seeded_gpt
 from plait.parallel.pipeline import PipelineConfigError, check_pipeline_layout, partition_layers
@@ -62,31 +70,6 @@ def test_bubble_arithmetic_and_trace_format():
     assert got == [("F0", 0.0, 2.0, 0), ("B0", 6.0, 2.0, 0)]
 
 
-def _train_pp(cfg, data, pp_group, schedule, microbatches, *, dp_group=None, costs=None, tp_mesh=None):
-    from references import allreduce_grads_mean, mean_over
-
-    from plait.parallel.pipeline import build_pipeline
-    from plait.recipes.gpt import apply_tensor_parallel
-
-    model = seeded_gpt(cfg)
-    if tp_mesh is not None:
-        model = apply_tensor_parallel(model, tp_mesh, sequence_parallel=True)
-    runner = build_pipeline(model, pp_group, schedule=schedule, microbatches=microbatches, costs=costs)
-    opt = mp_optimizer(runner.parameters())
-    losses = []
-    for idx, tgt in data:
-        loss = runner.step(idx, tgt)
-        if dp_group is not None:
-            allreduce_grads_mean(runner.parameters(), dp_group)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        value = None if loss is None else loss.item()
-        if value is not None and dp_group is not None:
-            value = mean_over(value, dp_group)
-        losses.append(value)
-    return losses, runner
-
-
 def _peak_activation_bytes(cfg, group, schedule: str) -> int:
     from plait.parallel.memory import SavedTensorMeter
     from plait.parallel.pipeline import build_pipeline
@@ -110,7 +93,7 @@ def _pp2_worker(rank: int, world_size: int, ckpt_dir: str, trace_path: str) -> d
     group = dist.new_group(list(range(world_size)))
     out: dict = {"ref": ref_losses, "schedules": {}}
     for schedule in SCHEDULES:
-        losses, runner = _train_pp(cfg, data, group, schedule, microbatches=4)
+        losses, runner = train_pipeline(cfg, data, group, schedule, microbatches=4)
         state = runner.state_dict()
         out["schedules"][schedule] = {"losses": losses, "diff": max_param_diff(state, ref_state),
                                       "keys_subset": set(state) <= set(ref_state)}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SPEC = importlib.util.spec_from_file_location("bench_compress", Path(__file__).resolve().parents[1] / "bench" /
+SPEC = importlib.util.spec_from_file_location("bench_compress", Path(__file__).resolve().parents[2] / "bench" /
                                               "compress.py")
 bench = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(bench)

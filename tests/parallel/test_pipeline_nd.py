@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 from helpers import run_ranks
-from references import MP_LOSS_ATOL, MP_PARAM_ATOL, max_param_diff, mp_batches, mp_config, mp_reference
-from test_pipeline import _train_pp
+from references import MP_LOSS_ATOL, MP_PARAM_ATOL, max_param_diff, mp_batches, mp_config, mp_reference, train_pipeline
 
 from plait.models.tiny import seeded_gpt
 
@@ -30,7 +29,7 @@ def _pp4_costed(cfg, data, ref) -> dict:
 
     costs = measure_layer_costs(seeded_gpt(cfg), *mp_batches(2, steps=1, seed=9)[0], repeats=1)
     group = dist.new_group(list(range(4)))
-    losses, runner = _train_pp(cfg, data, group, "1f1b", microbatches=4, costs=costs)
+    losses, runner = train_pipeline(cfg, data, group, "1f1b", microbatches=4, costs=costs)
     return _result(losses, runner, *ref) | {"costs": costs}
 
 
@@ -45,10 +44,10 @@ def _four_rank_worker(rank: int, world_size: int) -> dict:
     ref = mp_reference(cfg, data)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     local = _dp_slice(data, mesh["dp"].get_local_rank(), 2)
-    losses, runner = _train_pp(cfg, local, mesh["pp"].get_group(), "1f1b", 2, dp_group=mesh["dp"].get_group())
+    losses, runner = train_pipeline(cfg, local, mesh["pp"].get_group(), "1f1b", 2, dp_group=mesh["dp"].get_group())
     out["dp2_pp2"] = _result(losses, runner, *ref)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    losses, runner = _train_pp(cfg, data, mesh["pp"].get_group(), "interleaved", 4, tp_mesh=mesh["tp"])
+    losses, runner = train_pipeline(cfg, data, mesh["pp"].get_group(), "interleaved", 4, tp_mesh=mesh["tp"])
     out["tp2_pp2"] = _result(losses, runner, *ref)
     dist.barrier()
     return out
@@ -90,7 +89,7 @@ def _eight_rank_worker(rank: int, world_size: int) -> dict:
     ref = mp_reference(cfg, data)
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     local = _dp_slice(data, mesh["dp"].get_local_rank(), 2)
-    losses, runner = _train_pp(cfg, local, mesh["pp"].get_group(), "1f1b", 2,
+    losses, runner = train_pipeline(cfg, local, mesh["pp"].get_group(), "1f1b", 2,
                                dp_group=mesh["dp"].get_group(), tp_mesh=mesh["tp"])
     dist.barrier()
     return {"dp2_tp2_pp2": _result(losses, runner, *ref)}

@@ -10,15 +10,14 @@ figure must be drawn, and a screenshot is written.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import plait_cli, succeeded
 from sysdeps import ensure_debian, which
 
 pytest.importorskip("matplotlib", reason="the report needs matplotlib: pip install 'plait[report]'")
@@ -35,11 +34,7 @@ CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first
 
 
 def plait(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run([sys.executable, "-m", "plait.cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                       timeout=400)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return p
+    return succeeded(plait_cli(*args, cwd=cwd, timeout=400))
 
 
 @pytest.fixture(scope="module")

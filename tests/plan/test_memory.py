@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import run_ranks
-from references import DP_CFG, dp_batches, dp_model, local_micro_batches, param_groups
+from references import DP_CFG, dp_batches, dp_model, local_micro_batches, param_groups, saved_activation_bytes
 
 from plait.parallel.checkpointing import apply_activation_checkpointing
 from plait.parallel.fsdp import apply_fsdp
@@ -69,26 +69,11 @@ def test_measured_model_state_matches_prediction(world):
                                                                               measured, pred)
 
 
-def _saved_bytes(model, x, y):
-    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in param_ptrs:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(x, y)
-    return loss, sum(seen.values())
-
-
 @pytest.mark.parametrize("mode,k", [("none", 1), ("full", 1), ("every_k", 2)])
 def test_activation_prediction_matches_saved_tensors(mode, k):
     x, y = dp_batches(1)[0]
     model = apply_activation_checkpointing(dp_model(), mode, k)
-    _, measured = _saved_bytes(model, x, y)
+    _, measured = saved_activation_bytes(model, x, y)
     shape = GPTShape(x.shape[0], DP_CFG.seq_len, DP_CFG.d_model, DP_CFG.n_head, DP_CFG.n_layer, DP_CFG.vocab_size)
     pred = predict_activation_bytes(shape, checkpointing=mode, k=k)
     # within 1%: the formula counts every saved activation; a few scalars are left out

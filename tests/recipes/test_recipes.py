@@ -15,7 +15,7 @@ import pytest
 from plait.config import Config, load_config
 from plait.validate import validate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUIET = ["--observe.progress=false", "--observe.tensorboard=false"]
 
 FACTORY = """
