@@ -39,6 +39,27 @@ def plait_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Complet
                           text=True, timeout=timeout)
 
 
+def run_all(commands: dict[Any, list[str]], *, cwd: Path | None = None, env: dict | None = None,
+            envs: dict[Any, dict] | None = None, timeout: float = 180) -> dict[Any, subprocess.CompletedProcess]:
+    """Start every command at once (they share the start-up time), wait for each (``timeout`` seconds at the
+    most), kill whatever is still running; the finished processes by the commands' keys. ``envs`` gives a
+    command its own environment instead of ``env``."""
+    procs = {key: subprocess.Popen(argv, cwd=cwd, env=(envs or {}).get(key, env), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+             for key, argv in commands.items()}
+    done = {}
+    try:
+        for key, proc in procs.items():
+            out, err = proc.communicate(timeout=timeout)
+            done[key] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return done
+
+
 def succeeded(p: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """``p``, after checking it exited 0 (else the end of its stderr is the failure message)."""
     assert p.returncode == 0, p.stderr[-3000:]

@@ -207,6 +207,22 @@ def distributed_run(model: torch.nn.Module, opt, rank: int, world: int, accum: i
 
 
 # -- the keep-your-loop API ----------------------------------------------------------------------------
+def plait_steps(p: Any, model: torch.nn.Module, loader: Any, until: int,
+                after_step: Callable[[Any], None] = lambda info: None) -> list[float]:
+    """The README's loop over one pass of ``loader`` until ``p.steps == until``: ``forward_backward`` and
+    ``step``; each optimizer step's loss reduced over the ranks, then ``after_step(info)``."""
+    losses = []
+    for batch in loader:
+        p.forward_backward(model, batch)
+        info = p.step()
+        if info is not None:
+            losses.append(p.reduce(info.loss))
+            after_step(info)
+        if p.steps == until:
+            break
+    return losses
+
+
 def reference_training(model: torch.nn.Module, dataset: Any, global_batch: int, steps: int, lr: float, seed: int,
                        loss_of: Callable[[torch.nn.Module, Any], torch.Tensor]) -> tuple[list[float], dict]:
     """Losses per step and the final state dict of plain single-process training over the global batches

@@ -6,11 +6,11 @@ plain process trains the same global batches by accumulation instead (float32 ro
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from helpers import run_all
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,26 +35,13 @@ def test_script_runs_under_every_launcher(tmp_path: Path) -> None:
                       *ARGS, "--run-dir", str(tmp_path / "torchrun")]],
         "slurm": [[sys.executable, SCRIPT, *ARGS, "--run-dir", str(tmp_path / "slurm")] for _ in range(2)],
     }
-    procs = {}
-    for name, cmds in launches.items():
-        for i, cmd in enumerate(cmds):
-            env = _env()
-            if name == "slurm":
-                env.update(SLURM_PROCID=str(i), SLURM_NTASKS="2", SLURM_LOCALID=str(i), SLURM_JOB_ID="1234",
-                           SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=str(port))
-            procs[(name, i)] = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                                stderr=subprocess.PIPE, text=True)
-    outputs = {}
-    try:
-        for key, proc in procs.items():
-            outputs[key] = proc.communicate(timeout=240)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-    for (name, i), proc in procs.items():
-        assert proc.returncode == 0, (name, outputs[(name, i)][1][-3000:])
-    worlds = {name: next(line for line in outputs[(name, 0)][0].splitlines() if line.startswith("done:"))
+    commands = {(name, i): cmd for name, cmds in launches.items() for i, cmd in enumerate(cmds)}
+    slurm = {("slurm", i): _env(SLURM_PROCID=str(i), SLURM_NTASKS="2", SLURM_LOCALID=str(i), SLURM_JOB_ID="1234",
+                                SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=str(port)) for i in range(2)}
+    procs = run_all(commands, cwd=tmp_path, env=_env(), envs=slurm, timeout=240)
+    for (name, _), proc in procs.items():
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+    worlds = {name: next(line for line in procs[(name, 0)].stdout.splitlines() if line.startswith("done:"))
               for name in launches}
     assert "on 1 worker(s)" in worlds["single"]
     assert all("on 2 worker(s)" in worlds[n] for n in ("plait-run", "torchrun", "slurm")), worlds

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_ranks
+from helpers import run_all, run_ranks
 
 import plait
 from plait.config import ConfigError
@@ -144,19 +143,10 @@ def test_command_line_errors_are_one_line(tmp_path: Path) -> None:
     for name, text in SCRIPTS.items():
         (tmp_path / name).write_text(textwrap.dedent(text))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = {name: subprocess.Popen([sys.executable, "-m", "plait.cli", *args], cwd=tmp_path, env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name, (args, _, _) in COMMANDS.items()}
-    errs = {}
-    try:
-        for name, proc in procs.items():
-            errs[name] = proc.communicate(timeout=180)[1]
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
+    procs = run_all({name: [sys.executable, "-m", "plait.cli", *args] for name, (args, _, _) in COMMANDS.items()},
+                    cwd=tmp_path, env=env)
     for name, (_, code, fragments) in COMMANDS.items():
-        err = errs[name]
+        err = procs[name].stderr
         assert procs[name].returncode == code, (name, err[-3000:])
         lines = [line for line in err.splitlines() if line.startswith("plait: error:")]
         assert len(lines) == 1 and "Traceback" not in err, (name, err[-3000:])

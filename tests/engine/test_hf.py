@@ -23,7 +23,7 @@ import os
 import pytest
 import torch
 from helpers import run_ranks
-from references import reference_training
+from references import plait_steps, reference_training
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'plait[hf]') is not installed")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -87,15 +87,8 @@ def train_plait(kind: str, parallel: dict, micro: int, run_dir: str, seed: int) 
     model, opt = p.setup(build(kind, seed), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR),
                          loss_fn="causal_lm", sample=sample)
     loader = p.setup_dataloader(dataset())
-    losses, comm = [], []
-    for batch in loader:
-        p.forward_backward(model, batch)
-        info = p.step()
-        if info is not None:
-            losses.append(p.reduce(info.loss))
-            comm.append(info.comm_bytes)
-        if p.steps == STEPS:
-            break
+    comm = []
+    losses = plait_steps(p, model, loader, STEPS, lambda info: comm.append(info.comm_bytes))
     state = p.full_state_dict(model)
     p.close()
     return {"losses": losses, "state": state, "comm_bytes": comm}

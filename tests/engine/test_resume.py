@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import run_ranks
+from references import plait_steps
 
 STEPS, SAVE_AT, GLOBAL, MICRO, SEQ = 6, 3, 8, 2, 16
 LOSS_ATOL, PARAM_ATOL = 1e-5, 3e-5
@@ -42,17 +43,14 @@ def _run(run_dir: str, dropout: float, *, save: str | None = None, load: str | N
     if load:
         extra = p.load(load, model=model, optimizer=opt, dataloader=loader)
         assert extra == {"note": "mid-epoch"} and p.steps == SAVE_AT
-    losses, lrs = [], []
-    for batch in loader:
-        p.forward_backward(model, batch)
-        info = p.step()
-        if info is not None:
-            losses.append(p.reduce(info.loss))
-            lrs.append(info.lr)
-            if save and p.steps == SAVE_AT:
-                p.save(save, model=model, optimizer=opt, dataloader=loader, extra={"note": "mid-epoch"})
-        if p.steps == until:
-            break
+    lrs = []
+
+    def after_step(info) -> None:
+        lrs.append(info.lr)
+        if save and p.steps == SAVE_AT:
+            p.save(save, model=model, optimizer=opt, dataloader=loader, extra={"note": "mid-epoch"})
+
+    losses = plait_steps(p, model, loader, until, after_step)
     state = p.full_state_dict(model)
     p.close()
     return {"losses": losses, "lrs": lrs, "state": state}

@@ -31,6 +31,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from plait.fault.restart import read_progress, worker_pids
+
 STEPS = 30
 ARGS = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
         "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.eval_sequences=8",
@@ -51,17 +53,13 @@ def _start(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.Pop
 
 
 def _steps(run_dir: Path) -> int:
-    try:
-        return int(json.loads((run_dir / "progress.json").read_text())["steps"])
-    except (OSError, ValueError, KeyError):
-        return 0
+    """Steps the run has finished (its progress file; 0 before the first)."""
+    return int(read_progress(run_dir).get("steps") or 0)
 
 
 def _pid(run_dir: Path, rank: int) -> int | None:
-    try:
-        return int((run_dir / "workers" / f"rank{rank}.pid").read_text().split()[0])
-    except (OSError, ValueError):
-        return None
+    """The process id worker ``rank`` recorded, None before it has."""
+    return worker_pids(run_dir).get(rank, (None, ""))[0]
 
 
 class Killer(threading.Thread):
