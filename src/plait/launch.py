@@ -144,16 +144,22 @@ def run_worker(fn: Callable[..., Any], args: tuple, backend: str, timeout_s: flo
     return out
 
 
+# How long a worker that ended cleanly waits for the others before it leaves its process group anyway. A peer
+# still finishing its last collective needs moments (seconds on a loaded machine); a peer that runs longer is
+# doing work of its own (nothing this worker takes part in), or is stuck in a collective this worker will never
+# join, which its own timeout, or this worker's exit, ends.
+LEAVE_WAIT_S = 60.0
+
+
 def leave_cleanly(rank: int) -> None:
-    """A worker that ended cleanly leaves its process group only once every rank has ended
-    (``plait.runtime.group``): exiting earlier could abort a peer still in its last collective. Peers that
-    take longer than the store's timeout to end are not waited for: the worker warns and leaves."""
+    """A worker that ended cleanly leaves its process group once every rank has ended (``plait.runtime.group``)
+    or after ``LEAVE_WAIT_S``: exiting at once could abort a peer still in its last collective."""
     try:
-        leave_process_group()
-    except Exception as e:  # the store's timeout or its host gone: this worker's own work is done
-        logging.getLogger("plait").warning("rank %d ended cleanly but the other ranks did not end within the "
-                                           "store's timeout (%s); leaving without them", rank,
-                                           str(e).splitlines()[0] if str(e) else type(e).__name__)
+        leave_process_group(LEAVE_WAIT_S)
+    except Exception as e:  # the others are still busy, or the store's host is gone: this worker's work is done
+        logging.getLogger("plait").info("rank %d ended; the other ranks had not within %g s (%s): leaving "
+                                        "without them", rank, LEAVE_WAIT_S,
+                                        str(e).splitlines()[0] if str(e) else type(e).__name__)
         if dist.is_initialized():
             dist.destroy_process_group()
 
