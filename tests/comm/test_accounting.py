@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from helpers import run_ranks
 
 from plait.config import load_config
@@ -56,9 +57,9 @@ def _unit(rank: int, world: int) -> dict:
     return out
 
 
-def test_counter_counts_torch_collectives_once_with_the_ring_model() -> None:
+def test_counter_counts_torch_collectives_once_with_the_ring_model(two_ranks) -> None:
     world = 2
-    r0, r1 = run_ranks(_unit, world)
+    r0, r1 = (r["unit"] for r in two_ranks)
     for r in (r0, r1):
         assert r["all_reduce"] == 2 * (world - 1) * 4000 // world
         assert r["all_gather"] == (world - 1) * 400
@@ -93,24 +94,37 @@ def _train_all(rank: int, world: int, root: str, variants: dict[str, list[str]])
     return {name: _train(rank, world, f"{root}/{name}", extra) for name, extra in variants.items()}
 
 
-def test_trainer_counts_fsdp_tensor_and_pipeline_collectives(tmp_path) -> None:
+VARIANTS = {
+    # ZeRO-3, parameters kept through backward: all-gather P/2 + reduce-scatter P/2 floats.
+    "fsdp": ["--train.micro_batch_size=2", "--parallel.zero=3", "--parallel.reshard_after_forward=false"],
+    # Megatron: per block 2 all-reduces forward + 2 backward of (B, T, d); + embedding fwd, head bwd.
+    "tp": ["--train.micro_batch_size=4", "--parallel.tp=2"],
+    # 2 stages, 2 micro-batches of (2, T, d): one send per micro-batch each way, + the tied table's
+    # gradient all-reduced between the first and last stage.
+    "pp": ["--train.micro_batch_size=4", "--parallel.pp=2", "--parallel.microbatches=2"],
+    # The default counts the first step only and adds its figure to the later ones.
+    "tp_first_step": ["--train.micro_batch_size=4", "--parallel.tp=2",
+                      "--observe.count_torch_collectives=first_step"],
+    "tp_off": ["--train.micro_batch_size=4", "--parallel.tp=2", "--observe.count_torch_collectives=off"],
+}
+
+
+def _both(rank: int, world: int, root: str) -> dict:
+    """The counter's unit checks, then the trainer runs, in one spawn of 2 ranks (the unit checks first, in a
+    process that has run no trainer yet, as they did in a spawn of their own)."""
+    return {"unit": _unit(rank, world), "trainer": _train_all(rank, world, root, VARIANTS)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    return run_ranks(_both, 2, str(tmp_path_factory.mktemp("accounting")), timeout=300)
+
+
+def test_trainer_counts_fsdp_tensor_and_pipeline_collectives(two_ranks) -> None:
     """Per step and rank, fp32, n=2 ranks (ring factors: all-reduce 1x, reduce-scatter and all-gather
     1/2x of the full buffer). Lower bounds are the layout's own traffic; the slack above them is the
     scalar all-reduces (clip norm, loss-parallel statistics) and FSDP's dim-0 padding."""
-    variants = {
-        # ZeRO-3, parameters kept through backward: all-gather P/2 + reduce-scatter P/2 floats.
-        "fsdp": ["--train.micro_batch_size=2", "--parallel.zero=3", "--parallel.reshard_after_forward=false"],
-        # Megatron: per block 2 all-reduces forward + 2 backward of (B, T, d); + embedding fwd, head bwd.
-        "tp": ["--train.micro_batch_size=4", "--parallel.tp=2"],
-        # 2 stages, 2 micro-batches of (2, T, d): one send per micro-batch each way, + the tied table's
-        # gradient all-reduced between the first and last stage.
-        "pp": ["--train.micro_batch_size=4", "--parallel.pp=2", "--parallel.microbatches=2"],
-        # The default counts the first step only and adds its figure to the later ones.
-        "tp_first_step": ["--train.micro_batch_size=4", "--parallel.tp=2",
-                          "--observe.count_torch_collectives=first_step"],
-        "tp_off": ["--train.micro_batch_size=4", "--parallel.tp=2", "--observe.count_torch_collectives=off"],
-    }
-    res = run_ranks(_train_all, 2, str(tmp_path), variants, timeout=300)
+    res = [r["trainer"] for r in two_ranks]
     d, t, L, vocab, B = 32, 16, 2, 256, 4
     for r in res:
         p_bytes = 4 * r["fsdp"]["params"]

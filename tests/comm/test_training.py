@@ -1,7 +1,8 @@
 """The comm layer in the training path: algorithms, compression, auto-compression, resume, hang guard.
 
-Every test drives plait's ``Trainer`` on 2 gloo ranks (spawned once per test; several configurations
-run one after another in one spawn to save process start-up).
+Every test drives plait's ``Trainer`` on 2 gloo ranks: the quality, algorithm, resume and auto-compression
+checks share one spawn (``group``: each runs its configurations one after another in its own directory);
+the hang test, which ends a rank on purpose, and the command line run have processes of their own.
 """
 
 from __future__ import annotations
@@ -82,8 +83,27 @@ def _train(rank: int, world: int, root: str, runs: dict[str, list[str]], steps: 
     return out
 
 
-def test_compressed_training_reaches_uncompressed_loss(tmp_path) -> None:
-    results = run_ranks(_train, 2, str(tmp_path), {k: QUALITY_REGIME + v for k, v in QUALITY.items()}, TRAIN_STEPS)
+RESUME_CASES = {"powersgd": ["--comm.compress=powersgd"], "zero2-int8": ["--parallel.zero=2", "--comm.compress=int8"]}
+
+
+def _group(rank: int, world: int, root: str) -> dict:
+    """The checks that share one spawn of 2 ranks, each in a directory of its own under ``root``."""
+    return {"quality": _train(rank, world, f"{root}/quality", {k: QUALITY_REGIME + v for k, v in QUALITY.items()},
+                              TRAIN_STEPS),
+            "algorithms": _train(rank, world, f"{root}/algorithms", {"backend": [], **ALGORITHMS}, 4),
+            **{f"resume-{name}": _resume(rank, world, f"{root}/resume-{name}", extra)
+               for name, extra in RESUME_CASES.items()},
+            "auto": _auto(rank, world, f"{root}/auto")}
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory) -> tuple[list[dict], Path]:
+    root = tmp_path_factory.mktemp("comm-training")
+    return run_ranks(_group, 2, str(root), timeout=600), root
+
+
+def test_compressed_training_reaches_uncompressed_loss(group) -> None:
+    results = [r["quality"] for r in group[0]]
     r0 = results[0]
     base = r0["none"]["val_loss"]
     print({name: round(r["val_loss"], 4) for name, r in r0.items()})
@@ -101,9 +121,8 @@ def test_compressed_training_reaches_uncompressed_loss(tmp_path) -> None:
             assert torch.equal(v, results[1][name]["params"][k]), (name, k)
 
 
-def test_reducer_algorithms_match_backend(tmp_path) -> None:
-    runs = {"backend": [], **ALGORITHMS}
-    r0 = run_ranks(_train, 2, str(tmp_path), runs, 4)[0]
+def test_reducer_algorithms_match_backend(group) -> None:
+    r0 = group[0][0]["algorithms"]
     for name in ("ring", "halving_doubling", "hierarchical"):
         for k, v in r0[name]["params"].items():
             torch.testing.assert_close(v, r0["backend"]["params"][k], rtol=0, atol=ALGORITHM_ATOL, msg=name)
@@ -153,10 +172,9 @@ def _ctor(c) -> dict:
     return kw
 
 
-@pytest.mark.parametrize("extra", [["--comm.compress=powersgd"], ["--parallel.zero=2", "--comm.compress=int8"]],
-                         ids=["powersgd", "zero2-int8"])
-def test_resume_with_error_feedback_equals_uninterrupted(tmp_path, extra: list[str]) -> None:
-    for r in run_ranks(_resume, 2, str(tmp_path), extra):
+@pytest.mark.parametrize("name", list(RESUME_CASES))
+def test_resume_with_error_feedback_equals_uninterrupted(group, name: str) -> None:
+    for r in (ranks[f"resume-{name}"] for ranks in group[0]):
         assert r["residual_norm"] > 0  # error feedback really carried state across the checkpoint
         for k, v in r["straight"].items():
             assert torch.equal(v, r["resumed"][k]), k
@@ -186,8 +204,8 @@ def _auto(rank: int, world: int, root: str) -> dict:
             "active": t.comm.compress_active, "bytes": bytes_}
 
 
-def test_auto_compression_decides_once_and_records_why(tmp_path) -> None:
-    r0, r1 = run_ranks(_auto, 2, str(tmp_path))
+def test_auto_compression_decides_once_and_records_why(group) -> None:
+    r0, r1 = (ranks["auto"] for ranks in group[0])
     assert r0["forced"] == r1["forced"] and r0["forced"]["decision"] == "on"
     assert r0["forced"]["exposed_fraction"] == pytest.approx(0.25)  # (0.5 + 0) / (1 + 1)
     assert r0["forced_active"] and r1["forced_active"]
@@ -196,7 +214,7 @@ def test_auto_compression_decides_once_and_records_why(tmp_path) -> None:
     expected = "communication is exposed" if auto0["decision"] == "on" else "communication is hidden"
     assert auto0["reason"].startswith(expected) and "threshold 10%" in auto0["reason"]
     assert r0["active"] == r1["active"] == (auto0["decision"] == "on")
-    summary_file = (tmp_path / "auto/summary.json").read_text()
+    summary_file = (group[1] / "auto/auto/summary.json").read_text()
     assert '"comm_auto"' in summary_file
     if auto0["decision"] == "on":  # steps 7-8 send PowerSGD factors instead of fp32 buckets
         assert r0["bytes"][-2] < r0["bytes"][4] / 4

@@ -62,9 +62,17 @@ def _reduce(rank: int, world: int, accum: int, drop_grads: bool) -> dict:
             "frozen_grad": model.frozen.weight.grad}
 
 
+CASES = ((1, False), (2, True))
+
+
+def _cases(rank: int, world: int) -> list[dict]:
+    return [_reduce(rank, world, accum, drop) for accum, drop in CASES]  # one spawn for both
+
+
 def test_reducer_matches_reference_with_unused_and_frozen_params() -> None:
-    for accum, drop in ((1, False), (2, True)):
-        results = run_ranks(_reduce, 2, accum, drop)
+    per_rank = run_ranks(_cases, 2)
+    for i, (accum, drop) in enumerate(CASES):
+        results = [r[i] for r in per_rank]
         ref = _reference(2, accum)
         for r in results:
             assert r["broadcast_ok"] and r["num_buckets"] >= 3 and r["frozen_grad"] is None

@@ -62,9 +62,22 @@ def _fsdp_worker(rank, world, cases):
     return out
 
 
-def test_fsdp_matches_single_process():
-    cases = [(2, 0.05, True), (1, 0.0, False)]  # accumulation + active clipping; then ZeRO-2-like reshard
-    per_rank = run_ranks(_fsdp_worker, 2, cases)
+CASES = [(2, 0.05, True), (1, 0.0, False)]  # accumulation + active clipping; then ZeRO-2-like reshard
+
+
+def _both(rank, world):
+    """The equivalence runs, then the refusals, in one spawn of 2 ranks."""
+    return {"runs": _fsdp_worker(rank, world, CASES), "errors": _rejects_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_ranks(_both, 2)
+
+
+def test_fsdp_matches_single_process(two_ranks):
+    cases = CASES
+    per_rank = [r["runs"] for r in two_ranks]
     for ci, (_, clip, _) in enumerate(cases):
         ref_losses, ref_params = dp_reference(_adamw, clip)
         for r in per_rank:
@@ -100,8 +113,8 @@ def _rejects_worker(rank, world):
     return errors
 
 
-def test_fsdp_rejects_impossible_combinations():
-    errors = run_ranks(_rejects_worker, 2)[0]
+def test_fsdp_rejects_impossible_combinations(two_ranks):
+    errors = two_ranks[0]["errors"]
     assert len(errors) == 3
     assert "needs an accelerator" in errors[0] and "parallel.offload=none" in errors[0]
     assert "'none' or 'params'" in errors[1]

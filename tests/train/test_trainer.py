@@ -25,7 +25,7 @@ def _trainer(root: str, name: str, extra: list[str]):
     return Trainer.from_config(cfg)
 
 
-def _skip_nonfinite(rank: int, world: int, root: str, precision: str) -> dict:
+def _skip_nonfinite(root: str, precision: str) -> dict:
     t = _trainer(root, precision, [f"--train.precision={precision}"])
     first = t.train_step()
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
@@ -42,19 +42,7 @@ def _skip_nonfinite(rank: int, world: int, root: str, precision: str) -> dict:
             "scale_after": scale_after, "good_loss": good["loss"]}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_nonfinite_step_is_skipped_and_counted(tmp_path, precision: str) -> None:
-    r = run_ranks(_skip_nonfinite, 1, str(tmp_path), precision)[0]
-    assert r["skipped"] == 1 and r["unchanged"] and r["moved_after"]
-    assert not torch.isfinite(torch.tensor(r["bad_norm"]))
-    assert 4.0 < r["first_loss"] < 7.0 and torch.isfinite(torch.tensor(r["good_loss"]))
-    if precision == "fp16":
-        assert r["scale_after"] == r["scale_before"] / 2  # the dynamic loss scaler backed off
-    else:
-        assert r["scale_before"] == r["scale_after"] == 1.0
-
-
-def _two_runs(rank: int, world: int, root: str) -> list[dict]:
+def _two_runs(root: str) -> list[dict]:
     out = []
     for name in ("a", "b"):
         t = _trainer(root, name, ["--train.deterministic=true", "--model.dropout=0.1"])
@@ -64,8 +52,33 @@ def _two_runs(rank: int, world: int, root: str) -> list[dict]:
     return out
 
 
-def test_deterministic_runs_repeat_bit_for_bit(tmp_path) -> None:
-    a, b = run_ranks(_two_runs, 1, str(tmp_path))[0]
+def _one_process(rank: int, world: int, root: str) -> dict:
+    """Every check of this file in one spawned process (a fresh one per test would cost more than the checks):
+    the precision runs first, then the deterministic pair, which turns deterministic algorithms on for good."""
+    out = {p: _skip_nonfinite(root, p) for p in ("fp32", "bf16", "fp16")}
+    out["deterministic"] = _two_runs(root)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    return run_ranks(_one_process, 1, str(tmp_path_factory.mktemp("trainer")))[0]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_nonfinite_step_is_skipped_and_counted(results: dict, precision: str) -> None:
+    r = results[precision]
+    assert r["skipped"] == 1 and r["unchanged"] and r["moved_after"]
+    assert not torch.isfinite(torch.tensor(r["bad_norm"]))
+    assert 4.0 < r["first_loss"] < 7.0 and torch.isfinite(torch.tensor(r["good_loss"]))
+    if precision == "fp16":
+        assert r["scale_after"] == r["scale_before"] / 2  # the dynamic loss scaler backed off
+    else:
+        assert r["scale_before"] == r["scale_after"] == 1.0
+
+
+def test_deterministic_runs_repeat_bit_for_bit(results: dict) -> None:
+    a, b = results["deterministic"]
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
