@@ -32,10 +32,14 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
     return spawn_ranks(fn, world_size, *args, timeout_s=timeout, pg_timeout_s=pg_timeout_s, name=fn.__name__)
 
 
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment the command-line tests run ``plait`` in: one thread per process, unbuffered output."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
 def plait_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python -m plait.cli ARGS`` in ``cwd`` as a user runs it (one thread per process), output captured."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "plait.cli", *args], cwd=cwd, env=env, capture_output=True,
+    """``python -m plait.cli ARGS`` in ``cwd`` as a user runs it (``cli_env``), output captured."""
+    return subprocess.run([sys.executable, "-m", "plait.cli", *args], cwd=cwd, env=cli_env(), capture_output=True,
                           text=True, timeout=timeout)
 
 

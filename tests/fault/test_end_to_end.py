@@ -31,6 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from plait.cli import main
 from plait.fault.restart import read_progress, worker_pids
 
 STEPS = 30
@@ -157,15 +158,21 @@ def stopped_at_16(tmp_path_factory) -> Path:
     return run
 
 
+def _verify(run: Path, capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    """``plait checkpoint verify RUN``'s exit code and output, through ``plait.cli.main`` in this process (it
+    reads files and starts nothing: a process of its own would only add start-up)."""
+    code = main(["checkpoint", "verify", str(run)])
+    return code, capsys.readouterr().out
+
+
 @pytest.mark.parametrize("how", ["flipped byte", "truncated shard", "deleted .metadata"])
 def test_damaged_checkpoint_falls_back_to_the_previous_good_one(tmp_path: Path, clean, stopped_at_16: Path,
-                                                                how: str) -> None:
+                                                                how: str, capsys) -> None:
     run = tmp_path / "run"
     shutil.copytree(stopped_at_16, run)
     _corrupt(run / "checkpoints" / "step_0000016", how)
-    verify = subprocess.run([sys.executable, "-m", "plait.cli", "checkpoint", "verify", str(run)],
-                            capture_output=True, text=True, env=_env())
-    assert verify.returncode == 1 and "step_0000016: DAMAGED" in verify.stdout and "step_0000012: ok" in verify.stdout
+    code, out = _verify(run, capsys)
+    assert code == 1 and "step_0000016: DAMAGED" in out and "step_0000012: ok" in out
     proc = subprocess.Popen([sys.executable, "-m", "plait.cli", "train", "--resume", str(run),
                              f"--train.steps={STEPS}"], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -300,15 +307,14 @@ def test_cut_cable_between_two_hosts(tmp_path: Path, clean) -> None:
     assert _same(_weights(run), clean)
 
 
-def test_async_checkpoints_keep_their_guarantees(tmp_path: Path, clean) -> None:
+def test_async_checkpoints_keep_their_guarantees(tmp_path: Path, clean, capsys) -> None:
     """checkpoint.async: shards written in the background, each checkpoint complete and verified before it
     becomes the latest; the run resumes from one exactly."""
     run = tmp_path / "async"
     code, err = _finish(_start(run, "--train.steps=16", "--checkpoint.async=true"))
     assert code == 0, err[-3000:]
-    verify = subprocess.run([sys.executable, "-m", "plait.cli", "checkpoint", "verify", str(run)],
-                            capture_output=True, text=True, env=_env())
-    assert verify.returncode == 0 and verify.stdout.count(": ok") == 3, verify.stdout
+    code, out = _verify(run, capsys)
+    assert code == 0 and out.count(": ok") == 3, out
     assert (run / "checkpoints" / "latest").read_text() == "step_0000016"
     resumed = subprocess.run([sys.executable, "-m", "plait.cli", "train", "--resume", str(run),
                               f"--train.steps={STEPS}", "--checkpoint.async=true"], cwd=tmp_path, env=_env(),
