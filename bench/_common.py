@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: gloo worker setup, trainers from overrides, groups of spawned ranks,
+"""Helpers shared by the benchmarks: trainers from overrides, groups of spawned ranks (``plait.runtime.spawn``),
 process memory readings, and model-state sampling inside a step (``StatePeak`` and what each
 implementation holds: plain modules and optimizers, plait's ZeRO buffers, FSDP2's internals, DDP's buckets).
 
@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import os
 import platform
-import queue as queue_mod
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,26 +20,12 @@ if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
-from plait.comm.collectives import free_port  # noqa: E402, F401 - re-exported for the scripts
-from plait.plan.calibrate_comm import spawned  # noqa: E402
+from plait.runtime.spawn import spawn_ranks  # noqa: E402
 
 # Overrides every benchmark trainer shares: a long schedule (no decay effects), no I/O, no evaluation.
 COMMON = ["--train.steps=100000", "--optim.warmup_steps=1", "--observe.progress=false",
           "--observe.trackers=[]", "--train.eval_every=0"]
-
-
-class GroupError(RuntimeError):
-    """A spawned group of ranks failed or timed out; the message names the group and the exit codes."""
-
-
-def init_worker(rank: int, world: int, port: int) -> None:
-    """One CPU thread per rank (ranks share the cores) and a gloo process group over TCP."""
-    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
 
 
 def make_trainer(overrides: list[str], run_dir: Path, world: int) -> Any:
@@ -115,33 +99,10 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def _entry(fn: Any, rank: int, world: int, port: int, out: Any, args: tuple) -> None:
-    init_worker(rank, world, port)
-    try:
-        out.put((rank, fn(rank, world, *args)))
-    finally:
-        dist.destroy_process_group()
-
-
 def spawn_group(fn: Any, world: int, *args: Any, name: str = "group", timeout_s: float = 600) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` in ``world`` fresh spawned gloo ranks; return the results by rank.
-
-    ``fn`` must be a module-level function returning something picklable. Raises ``GroupError`` when a
-    rank exits without a result or the group takes longer than ``timeout_s``.
-    """
-    results: dict[int, Any] = {}
-    with spawned(_entry, world, lambda r, port, out: (fn, r, world, port, out, args)) as (procs, out):
-        while len(results) < world:
-            try:
-                rank, res = out.get(timeout=5)
-                results[rank] = res
-            except queue_mod.Empty:
-                timeout_s -= 5
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead or timeout_s <= 0:
-                    raise GroupError(f"{name}: ranks exited with codes {[p.exitcode for p in procs]} "
-                                     f"after {len(results)}/{world} results (see stderr above)") from None
-    return [results[r] for r in range(world)]
+    """``spawn_ranks`` with the benchmarks' limits: ``timeout_s`` for the whole group, 300 s per collective
+    (a long measured run on a loaded machine); raises ``plait.runtime.spawn.SpawnError`` when a rank fails."""
+    return spawn_ranks(fn, world, *args, timeout_s=timeout_s, pg_timeout_s=300, name=name)
 
 
 class StatePeak:

@@ -37,6 +37,7 @@ from pathlib import Path
 import _common  # noqa: F401  (puts src/ on the path)
 
 from plait.fault.goodput import goodput
+from plait.fault.restart import read_progress, worker_pids
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = ["--train.steps=1000000", "--train.eval_every=0", "--train.log_every=50", "--observe.progress=false",
@@ -57,17 +58,13 @@ def schedule(seed: int, duration: float, mean_gap: float) -> list[tuple[float, s
 
 
 def _steps(run: Path) -> int:
-    try:
-        return int(json.loads((run / "progress.json").read_text())["steps"])
-    except (OSError, ValueError, KeyError):
-        return 0
+    """Steps the run has finished (its progress file; 0 before the first)."""
+    return int(read_progress(run).get("steps") or 0)
 
 
 def _pid(run: Path, rank: int) -> int | None:
-    try:
-        return int((run / "workers" / f"rank{rank}.pid").read_text().split()[0])
-    except (OSError, ValueError):
-        return None
+    """The process id worker ``rank`` recorded, None before it has."""
+    return worker_pids(run).get(rank, (None, ""))[0]
 
 
 def _truncate_newest(run: Path) -> str:

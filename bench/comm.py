@@ -16,20 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from plait.comm.algorithms import get_allreduce  # noqa: E402
 from plait.comm.guard import CollectiveGuard  # noqa: E402
+from plait.runtime.spawn import spawn_ranks  # noqa: E402
 
 ALGOS = ("backend", "ring", "halving_doubling", "hierarchical")
 
@@ -86,11 +84,7 @@ def _guard_overhead(rank: int, calls: int = 200) -> dict[str, float]:
     return out
 
 
-def _worker(rank: int, n: int, port: int, quick: bool, results) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
-                            timeout=timedelta(seconds=600))
+def _worker(rank: int, n: int, quick: bool) -> dict:
     ranks_per_node = max(1, n // 2)
     fns = {a: get_allreduce(a, **({"ranks_per_node": ranks_per_node} if a == "hierarchical" else {}))
            for a in ALGOS}
@@ -107,16 +101,7 @@ def _worker(rank: int, n: int, port: int, quick: bool, results) -> None:
                 "vs_backend": round(secs["backend"] / secs[a], 3),
             })
     guard = _guard_overhead(rank)
-    if rank == 0:
-        results.put({"world_size": n, "hierarchical_ranks_per_node": ranks_per_node,
-                     "rows": rows, "guard": guard})
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return {"world_size": n, "hierarchical_ranks_per_node": ranks_per_node, "rows": rows, "guard": guard}
 
 
 def main() -> None:
@@ -125,14 +110,11 @@ def main() -> None:
     ap.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     report = {"torch": torch.__version__, "backend": "gloo", "cpus": os.cpu_count(),
               "quick": args.quick, "worlds": []}
     for n in (int(w) for w in args.worlds.split(",")):
-        mp.start_processes(_worker, args=(n, _free_port(), args.quick, results), nprocs=n,
-                           start_method="spawn", join=True)
-        report["worlds"].append(results.get(timeout=60))
+        report["worlds"].append(spawn_ranks(_worker, n, args.quick, timeout_s=3600, pg_timeout_s=600,
+                                            name=f"comm bench at world {n}")[0])
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:

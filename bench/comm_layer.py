@@ -20,18 +20,17 @@ import argparse
 import json
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from plait.comm.algorithms import ring_all_reduce  # noqa: E402
-from plait.comm.collectives import Comm, free_port  # noqa: E402
+from plait.comm.collectives import Comm  # noqa: E402
 from plait.comm.guard import CollectiveGuard  # noqa: E402
+from plait.runtime.spawn import spawn_ranks  # noqa: E402
 
 
 def _time(fn, calls: int) -> float:
@@ -44,10 +43,7 @@ def _time(fn, calls: int) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def _worker(rank: int, world: int, port: int, calls: int, numel: int, out: mp.Queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+def _worker(rank: int, world: int, calls: int, numel: int) -> dict:
     store = dist.distributed_c10d._get_default_store()
     t = torch.ones(numel)
     plain = Comm()
@@ -64,9 +60,7 @@ def _worker(rank: int, world: int, port: int, calls: int, numel: int, out: mp.Qu
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     for c in (plain, guarded, ring):
         c.close()
-    if rank == 0:
-        out.put(dict(zip(res, [round(v, 1) for v in slowest.tolist()], strict=True)))
-    dist.destroy_process_group()
+    return dict(zip(res, [round(v, 1) for v in slowest.tolist()], strict=True))
 
 
 def main() -> None:
@@ -74,15 +68,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--numel", type=int, default=1)
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, args.calls, args.numel, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    us = out.get(timeout=600)
-    for p in procs:
-        p.join()
+    us = spawn_ranks(_worker, 2, args.calls, args.numel, timeout_s=600, pg_timeout_s=120, name="comm layer bench")[0]
     overhead = {"comm": us["comm"] - us["bare"], "comm_guarded": us["comm_guarded"] - us["bare"],
                 "comm_thread_ring_guarded": us["comm_thread_ring_guarded"] - us["ring_direct"]}
     report = {"world": 2, "numel": args.numel, "calls": args.calls, "mean_us_per_call": us,

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import _common
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 CONFIGS = {
     # Compute-bound: the default GPT, 16 sequences of 128 tokens per rank per step.
@@ -74,14 +73,9 @@ def _bench_config(name: str, overrides: list[str], rounds: int, per_round: int, 
     }
 
 
-def _worker(rank: int, port: int, args: argparse.Namespace, root: str) -> None:
-    _common.init_worker(rank, 2, port)
-    results = {name: _bench_config(name, ov, args.rounds, args.steps_per_round, root)
-               for name, ov in CONFIGS.items() if not args.only or name == args.only}
-    if rank == 0:
-        print(json.dumps({"bench": "dp", "world_size": 2, **_common.machine_info(), "results": results},
-                         indent=1))
-    dist.destroy_process_group()
+def _worker(rank: int, world: int, args: argparse.Namespace, root: str) -> dict:
+    return {name: _bench_config(name, ov, args.rounds, args.steps_per_round, root)
+            for name, ov in CONFIGS.items() if not args.only or name == args.only}
 
 
 def main() -> None:
@@ -94,7 +88,8 @@ def main() -> None:
     if args.quick:
         args.rounds, args.steps_per_round = 2, 1
     with tempfile.TemporaryDirectory() as root:
-        mp.spawn(_worker, args=(_common.free_port(), args, root), nprocs=2, join=True)
+        results = _common.spawn_group(_worker, 2, args, root, name="dp bench", timeout_s=3600)[0]
+    print(json.dumps({"bench": "dp", "world_size": 2, **_common.machine_info(), "results": results}, indent=1))
 
 
 if __name__ == "__main__":

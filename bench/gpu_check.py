@@ -149,7 +149,7 @@ def init_one_rank(device: Any) -> None:
     """A one-rank process group (NCCL on a GPU, gloo on the CPU), as ``plait train --parallel.nproc=1`` has."""
     import torch.distributed as dist
 
-    from plait.comm.collectives import free_port
+    from plait.runtime.spawn import free_port
 
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",

@@ -19,23 +19,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from plait.config import ModelConfig
 from plait.models.gpt import GPT
+from plait.models.tiny import token_batches
 from plait.parallel.pipeline import LayerCosts, build_pipeline, measure_layer_costs
+from plait.runtime.spawn import spawn_ranks
 
 MICROBATCHES = (1, 2, 4, 8, 16)
 # Norm + head + loss over an 8k vocabulary cost about five blocks: count-balanced stages leave the last
@@ -138,8 +136,7 @@ def _partition(cfg: ModelConfig, rounds: int, per_round: int) -> dict:
     pipes = {"plait_cost_balanced": _plait_pipeline(cfg, costs),
              "plait_count_balanced": _plait_pipeline(cfg, None),
              "torch_count_balanced": _torch_pipeline(cfg, tie_group)}
-    g = torch.Generator().manual_seed(1)
-    idx, tgt = (torch.randint(0, cfg.vocab_size, (PART_BATCH, cfg.seq_len), generator=g) for _ in range(2))
+    idx, tgt = token_batches(1, PART_BATCH, cfg.seq_len, cfg.vocab_size, seed=1)[0]
     first_loss, times = {}, {name: [] for name in pipes}
     for name, (step, _, _) in pipes.items():  # warm-up; same weights and data, so same loss
         first_loss[name] = step(idx, tgt)
@@ -170,11 +167,7 @@ def _partition(cfg: ModelConfig, rounds: int, per_round: int) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
+def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     out: dict = {"bubble": [], "partition": {}}
     cfg = ModelConfig(n_layer=8, d_model=128, n_head=4, seq_len=64, vocab_size=256)
     for m in args.microbatches if args.only != "partition" else ():
@@ -182,23 +175,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
         out["bubble"].append(runner.local_summary())
     if world == 2 and args.only != "bubble":
         out["partition"] = _partition(HEAVY_QUICK if args.quick else HEAVY, args.rounds, args.steps_per_round)
-    queue.put((rank, out))
-    dist.destroy_process_group()
+    return out
 
 
 def _launch(world: int, args: argparse.Namespace) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=1200) for _ in procs)
-    for p in procs:
-        p.join()
-    return [results[r] for r in range(world)]
+    return spawn_ranks(_worker, world, args, timeout_s=1200, pg_timeout_s=300, name=f"pipeline bench at world {world}")
 
 
 def _partition_report(ranks: list[dict], quick: bool) -> dict:

@@ -282,8 +282,9 @@ def peer(args: argparse.Namespace) -> dict[str, Any]:
     loop; server: its setup and serving) per update, the cost that becomes time where cores are scarce."""
     import functools
 
-    from _common import free_port
     from _ps_rpc_peer import run_rpc
+
+    from plait.runtime.spawn import free_port
 
     out = {}
     for width, compute in [(w, c) for w in args.peer_widths for c in (args.compute_ms, 0.0)]:

@@ -33,12 +33,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 IMPLS = ("single", "dp2", "tp2", "tp2_sp")
 FULL = {"n_layer": 4, "d_model": 512, "n_head": 8, "seq_len": 128, "vocab_size": 4096, "batch": 4}
@@ -168,11 +166,11 @@ def _timed(t: Trainer) -> float:
 
 def _bench(args: argparse.Namespace, rank: int) -> dict:
     from plait.config import ModelConfig
+    from plait.models.tiny import token_batches
 
     shape = QUICK if args.quick else FULL
     cfg = ModelConfig(**{k: v for k, v in shape.items() if k != "batch"}, dropout=0.0)
-    g = torch.Generator().manual_seed(1)
-    batch = tuple(torch.randint(0, cfg.vocab_size, (shape["batch"], cfg.seq_len), generator=g) for _ in range(2))
+    batch = token_batches(1, shape["batch"], cfg.seq_len, cfg.vocab_size, seed=1)[0]
     trainers = {impl: _build(impl, cfg, batch, rank) for impl in IMPLS}
     first_loss = {impl: trainers[impl].step() for impl in IMPLS}  # also the warm-up step
     memory = {impl: _measure_memory(trainers[impl]) for impl in IMPLS}
@@ -214,20 +212,8 @@ def _ratios(r: dict) -> dict:
     return out
 
 
-def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=600))
-    result = _bench(args, rank)
-    if rank == 0:
-        print(json.dumps({
-            "bench": "tensor", "world_size": 2, "backend": "gloo", "torch": torch.__version__,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "note": "CPU, one thread per rank; single runs on one core while the other rank waits",
-            **result, "ratios": _ratios(result),
-        }, indent=1))
-    dist.destroy_process_group()
+def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
+    return _bench(args, rank)
 
 
 def main() -> None:
@@ -239,9 +225,15 @@ def main() -> None:
     if args.quick:
         args.rounds, args.steps_per_round = 2, 1
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from plait.comm.collectives import free_port
+    from plait.runtime.spawn import spawn_ranks
 
-    mp.spawn(_worker, args=(free_port(), args), nprocs=2, join=True)
+    result = spawn_ranks(_worker, 2, args, timeout_s=3600, pg_timeout_s=600, name="tensor bench")[0]
+    print(json.dumps({
+        "bench": "tensor", "world_size": 2, "backend": "gloo", "torch": torch.__version__,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "note": "CPU, one thread per rank; single runs on one core while the other rank waits",
+        **result, "ratios": _ratios(result),
+    }, indent=1))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ import _common
 import torch
 import torch.distributed as dist
 
+from plait.runtime.spawn import SpawnError
+
 PLAIT = ("plait0", "plait1", "plait2", "plait3")
 PEERS = ("ddp", "zero_redundancy", "fsdp_no_reshard", "fsdp")
 BUCKET_MB = 1.0  # see NOTES["buckets"]
@@ -315,7 +317,7 @@ def sweep(dp: int, args: argparse.Namespace, root: str) -> dict:
                 per_rank = _common.spawn_group(run_impl, dp, impl, overrides(dp, bucket_mb), root, args.warmup,
                                                args.steps, name=f"{impl} dp={dp}")
                 runs[impl].append(merge_ranks(per_rank))
-            except _common.GroupError as e:
+            except SpawnError as e:
                 results[impl] = f"failed: {e}"
             print(f"[zero bench] dp={dp} round {r + 1}/{args.rounds} {impl} done", file=sys.stderr)
     for impl, rs in runs.items():

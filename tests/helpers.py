@@ -1,91 +1,73 @@
-"""Spawn gloo ranks from a test and collect what each returns.
+"""What the tests share: ``run_ranks`` (spawned gloo ranks, ``plait.runtime.spawn``), the command line in a
+subprocess (``plait_cli``, ``TINY_CLI``) and checks on finished runs.
 
-``run_ranks(fn, world_size, *args)`` starts ``world_size`` spawned processes, initializes a gloo
-process group in each (one thread per rank), calls ``fn(rank, world_size, *args)`` and returns the
-list of results, indexed by rank. A rank that raises makes the call raise with that rank's
-traceback; a rank that hangs makes it fail after ``timeout`` seconds instead of hanging the suite.
+``run_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks
+(one thread each) and returns the results by rank; a rank that raises or dies makes it raise
+``SpawnError`` with that rank's traceback; a group that hangs fails after ``timeout`` seconds.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
-import queue
-import socket
-import traceback
+import subprocess
+import sys
 from collections.abc import Callable
-from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
-import torch.multiprocessing as mp
+from plait.models.tiny import model_flags, tiny_config
+from plait.runtime.spawn import spawn_ranks
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any,
-            pg_timeout_s: float) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=pg_timeout_s),
-        )
-        out = fn(rank, world_size, *args)
-        # Plain pickle sends tensors by value; the queue's own pickler would pass shared-memory handles
-        # that die with this process.
-        results.put((rank, "ok", pickle.dumps(out)))
-    except BaseException:  # report every failure to the parent, whatever it is
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        # Flush the result to the parent before tearing the group down: a group with a collective
-        # still pending (a test that leaves a peer stuck on purpose) can abort the process in
-        # ``destroy_process_group``, which would otherwise lose the queued result.
-        results.close()
-        results.join_thread()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+# A 2-worker ``plait train`` of the tiny GPT: seconds per step, no evaluation, no progress bar.
+TINY_CLI = [
+    *model_flags(tiny_config(seq_len=32)), "--train.global_batch_size=8", "--train.micro_batch_size=2",
+    "--train.eval_sequences=8", "--train.eval_every=0", "--train.log_every=1", "--optim.warmup_steps=2",
+    "--observe.progress=false", "--observe.trackers=[]", "--parallel.nproc=2",
+]
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
               pg_timeout_s: float = 60.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, pg_timeout_s))
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    errors: list[str] = []
+    """``spawn_ranks`` under the name and keywords the tests use; the group is named after ``fn``."""
+    return spawn_ranks(fn, world_size, *args, timeout_s=timeout, pg_timeout_s=pg_timeout_s, name=fn.__name__)
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment the command-line tests run ``plait`` in: one thread per process, unbuffered output."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def plait_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m plait.cli ARGS`` in ``cwd`` as a user runs it (``cli_env``), output captured."""
+    return subprocess.run([sys.executable, "-m", "plait.cli", *args], cwd=cwd, env=cli_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def run_all(commands: dict[Any, list[str]], *, cwd: Path | None = None, env: dict | None = None,
+            envs: dict[Any, dict] | None = None, timeout: float = 180) -> dict[Any, subprocess.CompletedProcess]:
+    """Start every command at once (they share the start-up time), wait for each (``timeout`` seconds at the
+    most), kill whatever is still running; the finished processes by the commands' keys. ``envs`` gives a
+    command its own environment instead of ``env``."""
+    procs = {key: subprocess.Popen(argv, cwd=cwd, env=(envs or {}).get(key, env), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+             for key, argv in commands.items()}
+    done = {}
     try:
-        for _ in range(world_size):
-            rank, status, value = results.get(timeout=timeout)
-            if status == "ok":
-                out[rank] = pickle.loads(value)
-            else:
-                errors.append(f"rank {rank} failed:\n{value}")
-                break
-    except queue.Empty:
-        errors.append(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout}s")
+        for key, proc in procs.items():
+            out, err = proc.communicate(timeout=timeout)
+            done[key] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     finally:
-        for p in procs:
-            p.join(timeout=5 if not errors else 1)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return [out[r] for r in range(world_size)]
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return done
+
+
+def succeeded(p: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """``p``, after checking it exited 0 (else the end of its stderr is the failure message)."""
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
 
 
 def logged_losses(run_dir: str) -> list[float]:

@@ -1,45 +1,43 @@
 """The command line end to end: resume equivalence, launcher failures, and bad input.
 
-These run ``plait`` as a user would, in a subprocess, with 2 local workers under the elastic agent.
+Runs that train start ``plait`` as a user would, in a subprocess, with 2 local workers under the elastic
+agent; commands that start no worker (configuration errors, sampling) go through ``plait.cli.main`` here.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_CLI, cli_env, plait_cli, run_all, succeeded
 from safetensors.torch import load_file
 
-TINY = [
-    "--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
-    "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.eval_sequences=8",
-    "--train.eval_every=0", "--train.log_every=1", "--optim.warmup_steps=2", "--observe.progress=false",
-    "--observe.trackers=[]", "--parallel.nproc=2",
-]
+from plait.cli import main
 
 
-def plait(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "plait.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
-
-
-def _ok(p: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert p.returncode == 0, p.stderr[-3000:]
-    return p
+def _in_process(argv: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch,
+                capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    """``plait ARGV`` through ``plait.cli.main``, what ``python -m plait.cli`` calls, in this process: for a
+    command that starts no worker (a configuration error: the exit code and one line of a separate process are
+    tested in engine/test_errors.py; sampling), a process of its own would only add start-up."""
+    monkeypatch.chdir(cwd)
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     """3 steps, then resume to 6, ends with exactly (bit for bit) the parameters of 6 straight steps."""
-    det = TINY + ["--train.deterministic=true", "--optim.decay_steps=6", "--checkpoint.every=0"]
-    _ok(plait("train", *det, "--train.steps=6", f"--run.dir={tmp_path}/straight", cwd=tmp_path))
-    _ok(plait("train", *det, "--train.steps=3", f"--run.dir={tmp_path}/split", cwd=tmp_path))
-    resumed = _ok(plait("train", "--resume", f"{tmp_path}/split", "--train.steps=6", cwd=tmp_path))
+    det = TINY_CLI + ["--train.deterministic=true", "--optim.decay_steps=6", "--checkpoint.every=0"]
+    first = run_all({name: [sys.executable, "-m", "plait.cli", "train", *det, f"--train.steps={steps}",
+                            f"--run.dir={tmp_path}/{name}"] for name, steps in (("straight", 6), ("split", 3))},
+                    cwd=tmp_path, env=cli_env(), timeout=300)  # side by side: deterministic, so the same
+    for p in first.values():
+        succeeded(p)
+    resumed = succeeded(plait_cli("train", "--resume", f"{tmp_path}/split", "--train.steps=6", cwd=tmp_path))
     assert "resumed from" in resumed.stderr
     a = load_file(f"{tmp_path}/straight/model.safetensors")
     b = load_file(f"{tmp_path}/split/model.safetensors")
@@ -52,22 +50,31 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     assert summary["steps"] == 6 and summary["world_size"] == 2
 
 
-def test_sample_from_finished_run(tmp_path: Path) -> None:
-    _ok(plait("train", *TINY, "--train.steps=2", "--parallel.nproc=1", f"--run.dir={tmp_path}/r", cwd=tmp_path))
-    out = _ok(plait("sample", f"{tmp_path}/r", "--prompt", "def ", "--tokens", "20", cwd=tmp_path))
-    assert out.stdout.startswith("def ") and len(out.stdout.encode()) >= 20
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A finished one-process run (sampled from, and not to be overwritten)."""
+    root = tmp_path_factory.mktemp("cli")
+    succeeded(plait_cli("train", *TINY_CLI, "--train.steps=2", "--parallel.nproc=1", f"--run.dir={root}/r", cwd=root))
+    return root / "r"
+
+
+def test_sample_from_finished_run(finished_run: Path, monkeypatch, capsys) -> None:
+    code, out, err = _in_process(["sample", str(finished_run), "--prompt", "def ", "--tokens", "20"],
+                                 finished_run.parent, monkeypatch, capsys)
+    assert code == 0, err
+    assert out.startswith("def ") and len(out.encode()) >= 20
 
 
 def test_failing_worker_is_named(tmp_path: Path) -> None:
     bad = tmp_path / "odd.bin"
     bad.write_bytes(b"\x01\x02\x03")  # an odd byte count cannot be uint16 tokens: every worker fails loading it
-    p = plait("train", *TINY, "--train.steps=2", f"--data.path={bad}", f"--run.dir={tmp_path}/f", cwd=tmp_path)
+    p = plait_cli("train", *TINY_CLI, "--train.steps=2", f"--data.path={bad}", f"--run.dir={tmp_path}/f", cwd=tmp_path)
     assert p.returncode == 1
     assert "plait: error: rank " in p.stderr and "failed: DataError:" in p.stderr and "odd number of bytes" in p.stderr
     assert "Traceback" not in p.stderr
 
 
-@pytest.mark.parametrize(("args", "message"), [
+BAD_INPUT = [
     (["--train.stepz=3"], "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
     (["--parallel.dp=3"], "parallel degrees dp=3 x tp=1 x pp=1 = 3 do not match the world size 2"),
     (["--train.global_batch_size=10", "--train.micro_batch_size=4"],
@@ -84,16 +91,20 @@ def test_failing_worker_is_named(tmp_path: Path) -> None:
     (["--parallel.zero=3", "--parallel.dp_shard=3"], "parallel.dp_shard=3 does not divide the 2 data-parallel ranks"),
     (["--parallel.dp_shard=2"], "parallel.dp_shard=2 sets the shard groups of hybrid sharding, which shards "
                                 "parameters with FSDP2 (ZeRO-3); set parallel.zero=3"),
-])
-def test_bad_input_gives_clear_message(tmp_path: Path, args: list[str], message: str) -> None:
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_INPUT)
+def test_bad_input_gives_clear_message(tmp_path: Path, monkeypatch, capsys, args: list[str], message: str) -> None:
     (tmp_path / "EMPTY").mkdir()
-    p = plait("train", *[a.replace("EMPTY", str(tmp_path / "EMPTY")) for a in args], cwd=tmp_path)
-    assert p.returncode == 2
-    assert message.replace("EMPTY", str(tmp_path / "EMPTY")) in p.stderr
-    assert "Traceback" not in p.stderr
+    code, _, err = _in_process(["train", *[a.replace("EMPTY", str(tmp_path / "EMPTY")) for a in args]], tmp_path,
+                               monkeypatch, capsys)
+    assert code == 2
+    assert message.replace("EMPTY", str(tmp_path / "EMPTY")) in err
+    assert "Traceback" not in err
 
 
-def test_refuses_to_overwrite_a_run(tmp_path: Path) -> None:
-    _ok(plait("train", *TINY, "--train.steps=1", "--parallel.nproc=1", f"--run.dir={tmp_path}/r", cwd=tmp_path))
-    p = plait("train", *TINY, "--train.steps=1", "--parallel.nproc=1", f"--run.dir={tmp_path}/r", cwd=tmp_path)
-    assert p.returncode == 2 and f"continue it with --resume {tmp_path}/r" in p.stderr
+def test_refuses_to_overwrite_a_run(finished_run: Path, monkeypatch, capsys) -> None:
+    code, _, err = _in_process(["train", *TINY_CLI, "--train.steps=1", "--parallel.nproc=1",
+                                f"--run.dir={finished_run}"], finished_run.parent, monkeypatch, capsys)
+    assert code == 2 and f"continue it with --resume {finished_run}" in err

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_training
-from test_cli import TINY, _ok, plait
+from helpers import TINY_CLI, assert_same_training, plait_cli, succeeded
 
 
 @pytest.mark.gpu
 def test_train_on_cuda_bf16(tmp_path: Path) -> None:
-    _ok(plait("train", *TINY, "--parallel.nproc=1", "--train.steps=3", "--train.precision=bf16",
+    succeeded(plait_cli("train", *TINY_CLI, "--parallel.nproc=1", "--train.steps=3", "--train.precision=bf16",
               f"--run.dir={tmp_path}/g", cwd=tmp_path))
     summary = json.loads((tmp_path / "g/summary.json").read_text())
     assert summary["steps"] == 3 and summary["final_val_loss"] < 6.0
@@ -23,7 +22,7 @@ def test_train_on_cuda_bf16(tmp_path: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL data parallelism needs 2 GPUs")
 def test_nccl_data_parallel(tmp_path: Path) -> None:
-    _ok(plait("train", *TINY, "--parallel.nproc=2", "--train.steps=3", "--comm.backend=nccl",
+    succeeded(plait_cli("train", *TINY_CLI, "--parallel.nproc=2", "--train.steps=3", "--comm.backend=nccl",
               f"--run.dir={tmp_path}/n", cwd=tmp_path))
     assert json.loads((tmp_path / "n/summary.json").read_text())["world_size"] == 2
 
@@ -38,6 +37,6 @@ def test_zero_offload_equals_no_offload(tmp_path: Path, zero: int, offload: str)
     runs = {}
     for name in ("none", offload):
         runs[name] = f"{tmp_path}/{name}"
-        _ok(plait("train", *TINY, "--train.steps=3", "--comm.backend=nccl", f"--parallel.zero={zero}",
+        succeeded(plait_cli("train", *TINY_CLI, "--train.steps=3", "--comm.backend=nccl", f"--parallel.zero={zero}",
                   f"--parallel.offload={name}", f"--run.dir={runs[name]}", cwd=tmp_path))
     assert_same_training(runs["none"], runs[offload], atol=1e-5, loss_tol=1e-5, steps=3)

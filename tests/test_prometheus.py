@@ -27,10 +27,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import free_port, run_ranks
+from helpers import run_ranks
 from sysdeps import ensure_debian, which
 
 from plait.observe.prometheus import METRICS
+from plait.runtime.spawn import free_port
 
 MONITORING = Path(__file__).resolve().parents[1] / "docs" / "monitoring"
 pytest.importorskip("prometheus_client")

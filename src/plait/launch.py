@@ -31,6 +31,7 @@ from plait.runtime.dist import (
     init_distributed,
     write_error,
 )
+from plait.runtime.group import leave_process_group
 
 
 class WorkerFailed(RuntimeError):
@@ -43,13 +44,34 @@ def run_worker(fn: Callable[..., Any], args: tuple, backend: str, timeout_s: flo
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     try:
         init_distributed(backend, timeout_s)
-        return fn(*args)
+        out = fn(*args)
     except BaseException as e:
         write_error(e, rank, error_dir_from_env())
+        if dist.is_initialized():
+            dist.destroy_process_group()
         if type(e).__name__ == "Preempted":
             raise SystemExit(75) from None  # plait.fault.preempt.PREEMPTED_EXIT
         raise
-    finally:
+    leave_cleanly(rank)
+    return out
+
+
+# How long a worker that ended cleanly waits for the others before it leaves its process group anyway. A peer
+# still finishing its last collective needs moments (seconds on a loaded machine); a peer that runs longer is
+# doing work of its own (nothing this worker takes part in), or is stuck in a collective this worker will never
+# join, which its own timeout, or this worker's exit, ends.
+LEAVE_WAIT_S = 60.0
+
+
+def leave_cleanly(rank: int) -> None:
+    """A worker that ended cleanly leaves its process group once every rank has ended (``plait.runtime.group``)
+    or after ``LEAVE_WAIT_S``: exiting at once could abort a peer still in its last collective."""
+    try:
+        leave_process_group(LEAVE_WAIT_S)
+    except Exception as e:  # the others are still busy, or the store's host is gone: this worker's work is done
+        logging.getLogger("plait").info("rank %d ended; the other ranks had not within %g s (%s): leaving "
+                                        "without them", rank, LEAVE_WAIT_S,
+                                        str(e).splitlines()[0] if str(e) else type(e).__name__)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -125,7 +147,7 @@ def _shorten_grace_after_failure() -> None:
 def _launch_config(nproc: int, error_dir: Path) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
-    from plait.comm.collectives import free_port
+    from plait.runtime.spawn import free_port
 
     _quiet_elastic_logs()
     _shorten_grace_after_failure()
@@ -257,10 +279,11 @@ def _script_main(argv: list[str]) -> int:
     except SystemExit as e:
         if e.code not in (None, 0):
             write_error(RuntimeError(f"the script exited with status {e.code}"), rank, error_dir_from_env())
-        raise
+            raise
     except BaseException as e:
         write_error(e, rank, error_dir_from_env())
         raise SystemExit(1) from None
+    leave_cleanly(rank)  # the script may have left its group open (plait.Plait keeps it for the user)
     return 0
 
 

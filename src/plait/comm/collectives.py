@@ -271,15 +271,6 @@ class Comm:
             self.guard.close()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (for a local rendezvous)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def comm_from_config(c: CommConfig, seed: int, rank: int, world_size: int) -> Comm:
     """The comm layer from ``comm.*``: algorithm, compression, and (with several ranks) the hang guard
     on the default process group's store, so every rank's arrivals are visible to the others."""

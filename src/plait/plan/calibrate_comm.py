@@ -12,19 +12,14 @@ relative error, so small and large messages weigh alike.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import queue as queue_mod
 import time
-from collections.abc import Callable, Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from plait.comm.collectives import all_gather_flat
+from plait.runtime.spawn import spawn_ranks
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 # torch 2.13 renamed the flat-tensor collectives; older releases lack the new names (all_gather_flat likewise)
@@ -117,53 +112,16 @@ def dtensor_overhead(world: int, min_time: float) -> float:
     return max(timed(lambda: a + b, min_time) - timed(lambda: x + y, min_time), 0.0)
 
 
-def _worker(rank: int, world: int, port: int, sizes: tuple[int, ...], min_time: float, out: Any) -> None:
-    init_rank(rank, world, port)
-    try:
-        rows: list[Any] = []
-        for op in OPS:
-            samples = [(float(s), _time_collective(_call(op, s, world), min_time)) for s in sizes]
-            rows.append((op, samples))
-        if world == 2:
-            rows.append(("send", [(float(s), _ping_pong(s)) for s in sizes]))
-            rows.append(("dtensor_overhead", dtensor_overhead(world, min_time)))
-        if rank == 0:
-            out.put(rows)
-    finally:
-        dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def spawned(target: Any, world: int, args_of: Callable[[int, int, Any], tuple]) -> Iterator[tuple[list, Any]]:
-    """``world`` spawned processes running ``target(*args_of(rank, port, queue))`` on a free port, and the
-    queue they report on; on leaving, each is joined (killed after 30 s)."""
-    from plait.comm.collectives import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=args_of(r, port, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        yield procs, out
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-
-
-def spawn_and_collect(target: Any, world: int, args: tuple, timeout_s: float, what: str) -> Any:
-    """Run ``target(rank, world, port, *args, queue)`` on ``world`` spawned processes and return the first
-    thing one of them puts on the queue; a clear error naming ``what`` and the exit codes when none does
-    within ``timeout_s``. The processes are joined (killed after 30 s) either way."""
-    with spawned(target, world, lambda r, port, out: (r, world, port, *args, out)) as (procs, out):
-        try:
-            return out.get(timeout=timeout_s)
-        except queue_mod.Empty:
-            raise RuntimeError(f"{what} did not report within {timeout_s} s; exit codes "
-                               f"{[p.exitcode for p in procs]}") from None
+def _worker(rank: int, world: int, sizes: tuple[int, ...], min_time: float) -> list[Any] | None:
+    """One calibration rank: every collective at every size; rank 0 returns the rows."""
+    rows: list[Any] = []
+    for op in OPS:
+        samples = [(float(s), _time_collective(_call(op, s, world), min_time)) for s in sizes]
+        rows.append((op, samples))
+    if world == 2:
+        rows.append(("send", [(float(s), _ping_pong(s)) for s in sizes]))
+        rows.append(("dtensor_overhead", dtensor_overhead(world, min_time)))
+    return rows if rank == 0 else None
 
 
 def measure_collectives(worlds: tuple[int, ...], sizes: tuple[int, ...], min_time: float = 0.01,
@@ -172,7 +130,8 @@ def measure_collectives(worlds: tuple[int, ...], sizes: tuple[int, ...], min_tim
     the DTensor per-operator overhead (measured at world 2; 0 when world 2 is not measured)."""
     table, dtensor = [], 0.0
     for world in worlds:
-        rows = spawn_and_collect(_worker, world, (sizes, min_time), timeout_s, f"calibration ranks at world {world}")
+        rows = spawn_ranks(_worker, world, sizes, min_time, timeout_s=timeout_s, pg_timeout_s=120,
+                           name=f"calibration ranks at world {world}")[0]
         for op, samples in rows:
             if op == "dtensor_overhead":
                 dtensor = float(samples)
@@ -182,13 +141,3 @@ def measure_collectives(worlds: tuple[int, ...], sizes: tuple[int, ...], min_tim
                           "samples": [[int(s), t] for s, t in samples]})
     return table, dtensor
 
-
-def init_rank(rank: int, world: int, port: int, threads: int = 1) -> None:
-    """``threads`` per rank (one unless told) and a gloo process group over TCP (the calibration's spawned
-    ranks)."""
-    import torch.distributed as dist
-
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))

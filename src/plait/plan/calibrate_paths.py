@@ -40,10 +40,11 @@ import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
-TINY = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
-        "--parallel.nproc=2", "--train.global_batch_size=16", "--train.micro_batch_size=8",
-        "--train.eval_every=0", "--checkpoint.every=0", "--observe.progress=false", "--observe.trackers=[]",
-        "--train.log_every=1", "--optim.warmup_steps=1"]
+from plait.models.tiny import model_flags, tiny_config
+
+TINY = [*model_flags(tiny_config(seq_len=32)), "--parallel.nproc=2", "--train.global_batch_size=16",
+        "--train.micro_batch_size=8", "--train.eval_every=0", "--checkpoint.every=0", "--observe.progress=false",
+        "--observe.trackers=[]", "--train.log_every=1", "--optim.warmup_steps=1"]
 WORLD1 = ["--parallel.nproc=1"]  # after TINY's world 2: the later flag wins
 PATHS = {  # constant -> the layout whose residual it carries, in the order they are derived
     "step": WORLD1,
@@ -56,27 +57,19 @@ TENSORS = 32
 PROBE_S = 1e-3
 
 
-def _worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str, build_trainer: Any,
-            out: Any) -> None:
-    import torch.distributed as dist
-
+def _worker(rank: int, world: int, overrides: list[str], run_dir: str, build_trainer: Any) -> float:
+    """The median step of the tiny run (the figure a run's step time is compared by), each rank building its
+    trainer with ``build_trainer(cfg)``."""
     from plait.config import load_config
-    from plait.plan.calibrate_comm import init_rank
     from plait.validate import validate
 
-    init_rank(rank, world, port, int(os.environ.get("OMP_NUM_THREADS", "1")))  # the parent's, set per run
-    try:
-        cfg = validate(load_config(overrides=TINY + overrides + [f"--run.dir={run_dir}", "--train.steps=100000"]),
-                       world)
-        trainer = build_trainer(cfg)
-        times = [trainer.train_step()["step_s"] for _ in range(WARMUP + STEPS)][WARMUP:]
-        if rank == 0:  # the median step, the figure a run's step time is compared by
-            out.put(statistics.median(times))
-    finally:
-        dist.destroy_process_group()
+    cfg = validate(load_config(overrides=TINY + overrides + [f"--run.dir={run_dir}", "--train.steps=100000"]), world)
+    trainer = build_trainer(cfg)
+    times = [trainer.train_step()["step_s"] for _ in range(WARMUP + STEPS)][WARMUP:]
+    return statistics.median(times)
 
 
-def _dtensor_worker(rank: int, world: int, port: int, _: list[str], __: str, ___: Any, out: Any) -> None:
+def _dtensor_worker(rank: int, world: int, _: list[str], __: str, ___: Any) -> float:
     """Seconds DTensor adds to one operator of plait's optimizer step: AdamW over ``TENSORS`` sharded
     DTensor parameters against the same step over their plain local shards, over the operators per tensor."""
     import time
@@ -88,56 +81,50 @@ def _dtensor_worker(rank: int, world: int, port: int, _: list[str], __: str, ___
 
     from plait.components.optim import adamw
     from plait.config import Config
-    from plait.plan.calibrate_comm import init_rank
     from plait.plan.record import optimizer_traffic
 
-    init_rank(rank, world, port)
-    try:
-        cfg = Config()
-        mesh = init_device_mesh("cpu", (world,))
+    cfg = Config()
+    mesh = init_device_mesh("cpu", (world,))
 
-        def step_time(dtensor: bool) -> float:
-            params = []
-            for i in range(TENSORS):
-                full = torch.ones(16 * world, 16)
-                t = distribute_tensor(full, mesh, [Shard(0)]) if dtensor else full[:16].clone()
-                q = torch.nn.Parameter(t)
-                q.grad = torch.ones_like(q)
-                params.append((f"w{i}", q))
-            opt = adamw(params, cfg.optim)
-            for _ in range(3):
+    def step_time(dtensor: bool) -> float:
+        params = []
+        for i in range(TENSORS):
+            full = torch.ones(16 * world, 16)
+            t = distribute_tensor(full, mesh, [Shard(0)]) if dtensor else full[:16].clone()
+            q = torch.nn.Parameter(t)
+            q.grad = torch.ones_like(q)
+            params.append((f"w{i}", q))
+        opt = adamw(params, cfg.optim)
+        for _ in range(3):
+            opt.step()
+        best = float("inf")
+        for _ in range(5):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(10):
                 opt.step()
-            best = float("inf")
-            for _ in range(5):
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(10):
-                    opt.step()
-                best = min(best, (time.perf_counter() - start) / 10)
-            return best
+            best = min(best, (time.perf_counter() - start) / 10)
+        return best
 
-        ops_per_tensor = optimizer_traffic(cfg)[0]
-        added = (step_time(True) - step_time(False)) / (ops_per_tensor * TENSORS)
-        if rank == 0:
-            out.put(max(added, 0.0))
-    finally:
-        dist.destroy_process_group()
+    ops_per_tensor = optimizer_traffic(cfg)[0]
+    return max((step_time(True) - step_time(False)) / (ops_per_tensor * TENSORS), 0.0)
 
 
 def measure_step(overrides: list[str], world: int = 2, timeout_s: float = 300, target: Any = None,
                  build_trainer: Callable[[Any], Any] | None = None) -> float:
     """Median step seconds of the tiny GPT with ``overrides`` on ``world`` spawned gloo ranks (the last
-    ``--parallel.nproc`` of the overrides when they set one), each building its ``Trainer`` with
-    ``build_trainer(cfg)`` (``plait.recipes.build_trainer``: the caller passes it, the calibration does not
-    know the recipes); ``target``: another worker of this module with the same signature, whose one number is
-    returned."""
-    from plait.plan.calibrate_comm import spawn_and_collect
+    ``--parallel.nproc`` of the overrides when they set one), rank 0's figure, each rank building its
+    ``Trainer`` with ``build_trainer(cfg)`` (``plait.recipes.build_trainer``: the caller passes it, the
+    calibration does not know the recipes); ``target``: another worker of this module with the same signature,
+    whose one number is returned. Each rank runs ``$OMP_NUM_THREADS`` threads (one unless set)."""
+    from plait.runtime.spawn import spawn_ranks
 
     nproc = [o.split("=", 1)[1] for o in overrides if o.startswith("--parallel.nproc=")]
     world = int(nproc[-1]) if nproc else world
     with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as tmp:
-        return float(spawn_and_collect(target or _worker, world, (overrides, tmp, build_trainer), timeout_s,
-                                       f"code-path calibration {overrides}"))
+        return float(spawn_ranks(target or _worker, world, overrides, tmp, build_trainer, timeout_s=timeout_s,
+                                 pg_timeout_s=120, threads=int(os.environ.get("OMP_NUM_THREADS", "1")),
+                                 name=f"code-path calibration {overrides}")[0])
 
 
 @contextlib.contextmanager

@@ -1,1 +1,1 @@
-"""The lowest layer: config, topology, joining the process group, spawning ranks, timing."""
+"""The lowest layer: config, topology, joining the process group, spawning ranks on one machine, timing."""

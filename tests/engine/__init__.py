@@ -1,0 +1,1 @@
+"""Tests of plait.engine: the keep-your-loop API (``plait.Plait``)."""

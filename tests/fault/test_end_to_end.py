@@ -1,0 +1,323 @@
+"""Surviving failures, end to end through ``plait train`` (2 workers, deterministic mode, seeded):
+
+* chaos: a seeded schedule SIGKILLs workers at 3 steps; the run restarts by itself and ends with the
+  parameters of a fault-free run, bit for bit;
+* SIGKILL while a checkpoint is written (before, between and after its shard writes), and a flipped
+  byte, a truncated shard, a deleted ``.metadata``: the newest good checkpoint is used, and the run
+  still equals the fault-free one;
+* SIGSTOP of one worker: the attempt ends within ``comm.timeout_s + 10 s`` naming the rank, restarts,
+  finishes;
+* SIGTERM to the launcher, and to one worker: every rank saves at the same step, exit code 75 (preempted),
+  and the resumed run equals the fault-free one;
+* ``torchrun --max-restarts`` resumes the same way;
+* two hosts made with network namespaces (skipped with the reason where the machine forbids it): cutting
+  the cable ends the attempt naming the other side's rank; once it is back, the restarted run finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from plait.cli import main
+from plait.fault.restart import read_progress, worker_pids
+
+STEPS = 30
+ARGS = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
+        "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.eval_sequences=8",
+        f"--train.steps={STEPS}", f"--optim.decay_steps={STEPS}", "--train.eval_every=0", "--train.log_every=5",
+        "--train.deterministic=true", "--observe.progress=false", "--observe.trackers=[]",
+        "--checkpoint.every=4", "--checkpoint.keep=3", "--parallel.nproc=2", "--fault.max_restarts=6",
+        "--fault.restart_backoff_s=0.2", "--comm.timeout_s=5"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _start(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "plait.cli", "train", *ARGS, *args, f"--run.dir={run_dir}"],
+                            cwd=run_dir.parent, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _steps(run_dir: Path) -> int:
+    """Steps the run has finished (its progress file; 0 before the first)."""
+    return int(read_progress(run_dir).get("steps") or 0)
+
+
+def _pid(run_dir: Path, rank: int) -> int | None:
+    """The process id worker ``rank`` recorded, None before it has."""
+    return worker_pids(run_dir).get(rank, (None, ""))[0]
+
+
+class Killer(threading.Thread):
+    """Sends ``sig`` to worker ``rank`` once the run has passed ``step``, for each (step, rank, sig) in turn;
+    a later entry waits for a new attempt (another pid) to get past its step."""
+
+    def __init__(self, run_dir: Path, schedule: list[tuple[int, int, int]]) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.schedule, self.done, self.times = run_dir, schedule, [], []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        killed: set[int] = set()
+        for step, rank, sig in self.schedule:
+            while not self.stop.is_set():
+                pid = _pid(self.run_dir, rank)
+                if pid is not None and pid not in killed and _steps(self.run_dir) >= step:
+                    os.kill(pid, sig)
+                    killed.add(pid)
+                    self.done.append((_steps(self.run_dir), rank, sig))
+                    self.times.append(time.time())
+                    break
+                time.sleep(0.02)
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> dict[str, torch.Tensor]:
+    run = tmp_path_factory.mktemp("clean") / "run"
+    code, err = _finish(_start(run))
+    assert code == 0, err[-3000:]
+    return _weights(run)
+
+
+def test_chaos_kills_are_survived_bit_for_bit(tmp_path: Path, clean) -> None:
+    rng = random.Random(2026)
+    schedule = [(step, rng.randrange(2), signal.SIGKILL) for step in sorted(rng.sample(range(5, STEPS - 3), 3))]
+    run = tmp_path / "chaos"
+    proc = _start(run)
+    killer = Killer(run, schedule)
+    killer.start()
+    code, err = _finish(proc)
+    killer.stop.set()
+    assert len(killer.done) == 3, (killer.done, err[-2000:])
+    assert code == 0, err[-3000:]
+    assert err.count("restart ") == 3, err[-3000:]
+    assert _same(_weights(run), clean)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["goodput"]["lost_s"]["restart"] > 0
+
+
+@pytest.mark.parametrize("where", ["before", "between", "after"])
+def test_kill_during_a_save(tmp_path: Path, clean, where: str) -> None:
+    run = tmp_path / where
+    code, err = _finish(_start(run, env=_env(PLAIT_TEST_KILL_IN_SAVE=f"step_0000012:{where}:1")))
+    assert code == 0, err[-3000:]
+    assert "restart 1 of 6" in err and "resumed from" in err and "step_0000008" in err, err[-3000:]
+    assert _same(_weights(run), clean)
+
+
+def _corrupt(ckpt: Path, how: str) -> None:
+    shard = sorted(ckpt.glob("*.distcp"))[0]
+    if how == "flipped byte":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif how == "truncated shard":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    else:
+        (ckpt / ".metadata").unlink()
+
+
+@pytest.fixture(scope="module")
+def stopped_at_16(tmp_path_factory) -> Path:
+    """A run that ended at step 16 (checkpoints at 8, 12 and 16), to be damaged and resumed to the end."""
+    run = tmp_path_factory.mktemp("base") / "run"
+    code, err = _finish(_start(run, "--train.steps=16"))
+    assert code == 0, err[-3000:]
+    return run
+
+
+def _verify(run: Path, capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    """``plait checkpoint verify RUN``'s exit code and output, through ``plait.cli.main`` in this process (it
+    reads files and starts nothing: a process of its own would only add start-up)."""
+    code = main(["checkpoint", "verify", str(run)])
+    return code, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("how", ["flipped byte", "truncated shard", "deleted .metadata"])
+def test_damaged_checkpoint_falls_back_to_the_previous_good_one(tmp_path: Path, clean, stopped_at_16: Path,
+                                                                how: str, capsys) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(stopped_at_16, run)
+    _corrupt(run / "checkpoints" / "step_0000016", how)
+    code, out = _verify(run, capsys)
+    assert code == 1 and "step_0000016: DAMAGED" in out and "step_0000012: ok" in out
+    proc = subprocess.Popen([sys.executable, "-m", "plait.cli", "train", "--resume", str(run),
+                             f"--train.steps={STEPS}"], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    code, err = _finish(proc)
+    assert code == 0, err[-3000:]
+    assert "step_0000016 skipped" in err and "resumed from" in err and "step_0000012" in err, err[-3000:]
+    assert _same(_weights(run), clean)
+
+
+def test_stopped_worker_ends_the_attempt_in_time_and_the_run_finishes(tmp_path: Path, clean) -> None:
+    run = tmp_path / "stop"
+    proc = _start(run)
+    killer = Killer(run, [(10, 1, signal.SIGSTOP)])
+    killer.start()
+    code, err = _finish(proc)
+    assert code == 0 and killer.done, err[-3000:]
+    events = [json.loads(x) for x in (run / "goodput.jsonl").read_text().splitlines()]
+    failed = [e["t"] for e in events if e["event"] == "failed"]
+    assert len(failed) == 1 and failed[0] - killer.times[0] < 5 + 10, (failed, killer.times)
+    line = next(x for x in err.splitlines() if x.startswith("plait: rank"))
+    assert "ranks [1] did not arrive" in line and "restart 1 of 6" in line
+    assert _same(_weights(run), clean)
+
+
+@pytest.mark.parametrize("target", ["launcher", "worker"])
+def test_sigterm_saves_every_rank_at_one_step_and_resumes_exactly(tmp_path: Path, clean, target: str) -> None:
+    run = tmp_path / target
+    proc = _start(run, "--checkpoint.every=0")
+    while _steps(run) < 8:
+        time.sleep(0.02)
+    os.kill(proc.pid if target == "launcher" else _pid(run, 1), signal.SIGTERM)
+    code, err = _finish(proc)
+    assert code == 75, err[-3000:]
+    line = [x for x in err.splitlines() if x.startswith("plait:")]
+    assert len(line) == 1 and "Traceback" not in err and f"resume with: plait train --resume {run}" in line[0]
+    marker = json.loads((run / "preempted.json").read_text())
+    assert (run / "checkpoints" / f"step_{marker['step']:07d}" / "meta.json").is_file()
+    resumed = subprocess.run([sys.executable, "-m", "plait.cli", "train", "--resume", str(run)], cwd=tmp_path,
+                             env=_env(), capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _same(_weights(run), clean)
+    shutil.rmtree(run / "checkpoints")
+
+
+def test_torchrun_max_restarts_resumes_the_same_way(tmp_path: Path, clean) -> None:
+    run = tmp_path / "torchrun"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "--max-restarts=2", "-m", "plait.cli", "train", *ARGS, f"--run.dir={run}"],
+                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killer = Killer(run, [(10, 1, signal.SIGKILL)])
+    killer.start()
+    code, err = _finish(proc)
+    assert code == 0 and killer.done, err[-3000:]
+    assert "resumed from" in err, err[-3000:]
+    assert _same(_weights(run), clean)
+
+
+class TwoHosts:
+    """Two network namespaces joined by a veth pair: hosts 10.203.0.1 and 10.203.0.2 (made and removed here)."""
+
+    NS, DEV, ADDR = ("plait-fa", "plait-fb"), ("pltfva", "pltfvb"), ("10.203.0.1", "10.203.0.2")
+
+    def __enter__(self) -> TwoHosts:
+        self.close()
+        steps = [["ip", "netns", "add", self.NS[0]], ["ip", "netns", "add", self.NS[1]],
+                 ["ip", "link", "add", self.DEV[0], "type", "veth", "peer", "name", self.DEV[1]]]
+        for ns, dev, addr in zip(self.NS, self.DEV, self.ADDR, strict=True):
+            steps += [["ip", "-n", ns, "link", "set", "lo", "up"], ["ip", "link", "set", dev, "netns", ns],
+                      ["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev],
+                      ["ip", "-n", ns, "link", "set", dev, "up"]]
+        for cmd in steps:
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode:
+                self.close()
+                pytest.skip(f"network namespaces are not available here ({' '.join(cmd)}: {out.stderr.strip()})")
+        return self
+
+    def link(self, up: bool) -> None:
+        subprocess.run(["ip", "-n", self.NS[0], "link", "set", self.DEV[0], "up" if up else "down"], check=True)
+
+    def close(self, *exc: object) -> None:
+        for ns in self.NS:
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    __exit__ = close
+
+
+def test_cut_cable_between_two_hosts(tmp_path: Path, clean) -> None:
+    """One node per namespace under torchrun (c10d rendezvous on host A): the link goes down at step 10 for
+    12 s; the attempt ends naming the other side's rank, and after the link is back the restarted run
+    finishes with the fault-free parameters."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    run = tmp_path / "hosts"
+    with TwoHosts() as hosts:
+        procs, logs = [], []
+        for i, (ns, dev, addr) in enumerate(zip(hosts.NS, hosts.DEV, hosts.ADDR, strict=True)):
+            env = ["env", f"GLOO_SOCKET_IFNAME={dev}", "OMP_NUM_THREADS=1",
+                   f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}"]
+            cmd = ["ip", "netns", "exec", ns, *env, sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                   "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts.ADDR[0]}:29533",
+                   "--rdzv-id=plait-hosts", f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={addr}",
+                   # restarts to spare: a host whose worker fails late (still in its timed-out collective when
+                   # the link returns) can burn several quick attempts waiting for the other's address
+                   "--max-restarts=8", "-m", "plait.cli", "train", *ARGS, f"--run.dir={run}"]
+            logs.append(tmp_path / f"host{i}.log")
+            procs.append(subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=open(logs[-1], "w")))
+        try:
+            deadline = time.time() + 120
+            while _steps(run) < 10 and time.time() < deadline:
+                time.sleep(0.05)
+            hosts.link(False)
+            time.sleep(12)
+            hosts.link(True)
+            codes = [p.wait(timeout=240) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        text = [log.read_text() for log in logs]
+        assert codes == [0, 0], [t[-2000:] for t in text]
+        named = [line for t in text for line in t.splitlines() if "CollectiveTimeout" in line]
+        assert any("ranks [1] did not arrive" in x for x in named) or any("ranks [0] did not arrive" in x
+                                                                       for x in named), named
+        assert "resumed from" in text[0]
+    assert _same(_weights(run), clean)
+
+
+def test_async_checkpoints_keep_their_guarantees(tmp_path: Path, clean, capsys) -> None:
+    """checkpoint.async: shards written in the background, each checkpoint complete and verified before it
+    becomes the latest; the run resumes from one exactly."""
+    run = tmp_path / "async"
+    code, err = _finish(_start(run, "--train.steps=16", "--checkpoint.async=true"))
+    assert code == 0, err[-3000:]
+    code, out = _verify(run, capsys)
+    assert code == 0 and out.count(": ok") == 3, out
+    assert (run / "checkpoints" / "latest").read_text() == "step_0000016"
+    resumed = subprocess.run([sys.executable, "-m", "plait.cli", "train", "--resume", str(run),
+                              f"--train.steps={STEPS}", "--checkpoint.async=true"], cwd=tmp_path, env=_env(),
+                             capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _same(_weights(run), clean)

@@ -1,0 +1,244 @@
+"""Single-process references the multi-process tests compare with, written as a user writes plain PyTorch,
+and the small pieces those comparisons share. Models and data come from ``plait.models.tiny``.
+
+Model parallelism (tensor, sequence, pipeline; ``mp_*``): a 4-layer tiny GPT, ``MP_STEPS`` AdamW steps at
+lr 1e-3 on the same batches on every rank. These layouts compute the same maths as one process but sum
+in a different order (row-parallel partial sums, vocabulary-parallel softmax, micro-batch gradient
+accumulation), so float32 results differ by rounding only: the observed differences are below 3e-6 for
+parameters and 2e-6 for losses; the tests allow ``MP_PARAM_ATOL`` and ``MP_LOSS_ATOL`` (10x margin), far
+below one optimizer update (~1e-3).
+
+Data parallelism and ZeRO/FSDP (``dp_*``): a 2-layer tiny GPT, ``DP_STEPS`` steps over global batches of
+``DP_GLOBAL_BATCH`` language-modelling windows; ``distributed_run`` is the minimal data-parallel loop
+the sharded optimizers are driven by (each test states its own tolerance).
+
+The keep-your-loop API (``reference_training``): AdamW with gradient clipping at 1.0 over the global
+batches plait's loader forms for a seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from plait.config import ModelConfig
+from plait.models.tiny import seeded_gpt, tiny_config, token_batches
+
+# -- model parallelism ---------------------------------------------------------------------------------
+MP_PARAM_ATOL = 3e-5
+MP_LOSS_ATOL = 2e-5
+MP_STEPS = 3
+MP_LR = 1e-3
+
+
+def mp_config(n_layer: int = 4) -> ModelConfig:
+    return tiny_config(n_layer=n_layer, d_model=32, n_head=4, seq_len=16, vocab_size=256)
+
+
+def mp_batches(batch_size: int, steps: int = MP_STEPS, seed: int = 1, vocab: int = 256, seq: int = 16):
+    """The same ``steps`` (idx, targets) batches of shape (B, T) on every rank."""
+    return token_batches(steps, batch_size, seq_len=seq, vocab_size=vocab, seed=seed)
+
+
+def mp_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=MP_LR, weight_decay=0.1, foreach=False)
+
+
+def mp_reference(cfg: ModelConfig, data) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process training from the same weights and data: losses and final state dict."""
+    model = seeded_gpt(cfg)
+    opt = mp_optimizer(model.parameters())
+    losses = []
+    for idx, tgt in data:
+        loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_pipeline(cfg: ModelConfig, data, pp_group, schedule: str, microbatches: int, *, dp_group=None, costs=None,
+                   tp_mesh=None) -> tuple[list[float | None], Any]:
+    """The tiny GPT pipelined over ``pp_group`` (tensor-parallel first over ``tp_mesh``, gradients averaged over
+    ``dp_group``), trained on ``data``: the losses this rank sees (None off the last stage) and the runner."""
+    from plait.parallel.gpt_plans import apply_tensor_parallel
+    from plait.parallel.pipeline import build_pipeline
+
+    model = seeded_gpt(cfg)
+    if tp_mesh is not None:
+        model = apply_tensor_parallel(model, tp_mesh, sequence_parallel=True)
+    runner = build_pipeline(model, pp_group, schedule=schedule, microbatches=microbatches, costs=costs)
+    opt = mp_optimizer(runner.parameters())
+    losses = []
+    for idx, tgt in data:
+        loss = runner.step(idx, tgt)
+        if dp_group is not None:
+            allreduce_grads_mean(runner.parameters(), dp_group)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        value = None if loss is None else loss.item()
+        if value is not None and dp_group is not None:
+            value = mean_over(value, dp_group)
+        losses.append(value)
+    return losses, runner
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def max_param_diff(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """Largest |difference| over the entries this rank holds (gathers DTensors: collective over tp)."""
+    return max((full(v).detach() - ref[k]).abs().max().item() for k, v in sorted(state.items()))
+
+
+def allreduce_grads_mean(params, group) -> None:
+    """Plain data parallelism for the tests: average each local gradient shard over ``group``."""
+    from plait.parallel.tensor import local_grads
+
+    n = dist.get_world_size(group)
+    for g in local_grads(list(params)):
+        dist.all_reduce(g, group=group)
+        g.div_(n)
+
+
+def mean_over(value: float, group) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return t.item() / dist.get_world_size(group)
+
+
+def saved_activation_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``model(x, y)`` and the bytes of the distinct storages autograd saved for its backward, parameters
+    excluded."""
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in param_ptrs:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x, y)
+    return loss, sum(seen.values())
+
+
+# -- data parallelism, ZeRO and FSDP -------------------------------------------------------------------
+DP_CFG = tiny_config(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=256)
+DP_GLOBAL_BATCH = 8
+DP_STEPS = 5
+
+
+def dp_model(seed: int = 0):
+    return seeded_gpt(DP_CFG, seed)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float = 0.1) -> list[dict]:
+    """The trainer's grouping: decay on matrices, none on biases and norms."""
+    params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def dp_batches(steps: int = DP_STEPS, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return token_batches(steps, DP_GLOBAL_BATCH, seq_len=DP_CFG.seq_len, vocab_size=DP_CFG.vocab_size, seed=seed,
+                         shifted=True)
+
+
+def local_micro_batches(x: torch.Tensor, y: torch.Tensor, rank: int, world: int, accum: int):
+    """This rank's disjoint slice of the global batch, split into ``accum`` micro-batches."""
+    per = DP_GLOBAL_BATCH // world
+    xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    return list(zip(xs.chunk(accum), ys.chunk(accum), strict=True))
+
+
+def dp_reference(make_opt: Callable, clip: float, steps: int = DP_STEPS) -> tuple[list[float], dict]:
+    """Single process, whole global batch per step: the losses and final parameters to match."""
+    model = dp_model()
+    opt = make_opt(model)
+    losses = dp_reference_steps(model, opt, clip, steps)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def dp_reference_steps(model, opt, clip: float, steps: int, first: int = 0) -> list[float]:
+    losses = []
+    for x, y in dp_batches(first + steps)[first:]:
+        loss = model(x, y)
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def distributed_run(model: torch.nn.Module, opt, rank: int, world: int, accum: int, clip: float,
+                    no_sync: Callable | None = None, steps: int = DP_STEPS, first: int = 0) -> list[float]:
+    """A minimal data-parallel loop: accumulate ``accum`` micro-steps, clip, step; global mean loss.
+    Runs global batches ``first .. first + steps - 1`` of the fixed sequence."""
+    losses = []
+    for x, y in dp_batches(first + steps)[first:]:
+        micro = local_micro_batches(x, y, rank, world, accum)
+        total = torch.zeros(())
+        for i, (mx, my) in enumerate(micro):
+            ctx = no_sync() if (no_sync is not None and i < accum - 1) else nullcontext()
+            with ctx:
+                loss = model(mx, my) / accum
+                loss.backward()
+            total += loss.detach()
+        if clip > 0:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.all_reduce(total)
+        losses.append((total / world).item())
+    return losses
+
+
+# -- the keep-your-loop API ----------------------------------------------------------------------------
+def plait_steps(p: Any, model: torch.nn.Module, loader: Any, until: int,
+                after_step: Callable[[Any], None] = lambda info: None) -> list[float]:
+    """The README's loop over one pass of ``loader`` until ``p.steps == until``: ``forward_backward`` and
+    ``step``; each optimizer step's loss reduced over the ranks, then ``after_step(info)``."""
+    losses = []
+    for batch in loader:
+        p.forward_backward(model, batch)
+        info = p.step()
+        if info is not None:
+            losses.append(p.reduce(info.loss))
+            after_step(info)
+        if p.steps == until:
+            break
+    return losses
+
+
+def reference_training(model: torch.nn.Module, dataset: Any, global_batch: int, steps: int, lr: float, seed: int,
+                       loss_of: Callable[[torch.nn.Module, Any], torch.Tensor]) -> tuple[list[float], dict]:
+    """Losses per step and the final state dict of plain single-process training over the global batches
+    plait's loader forms for ``seed`` (the order is a property of plait's sampler, tested in the loader's
+    tests: the same samples per step whatever the number of ranks); ``loss_of(model, batch)`` is the test's
+    own loss, not plait's."""
+    from plait.data.loader import DistributedBatchSampler
+
+    order = DistributedBatchSampler(len(dataset), global_batch, dp_rank=0, dp_size=1, seed=seed).batches(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for idx in order[:steps]:
+        loss = loss_of(model, dataset[idx])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
