@@ -37,10 +37,14 @@ def cli_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
 
 
+def cli_argv(*args: str) -> list[str]:
+    """The command line of ``plait ARGS`` run by this interpreter."""
+    return [sys.executable, "-m", "plait.cli", *args]
+
+
 def plait_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python -m plait.cli ARGS`` in ``cwd`` as a user runs it (``cli_env``), output captured."""
-    return subprocess.run([sys.executable, "-m", "plait.cli", *args], cwd=cwd, env=cli_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    """``plait ARGS`` in ``cwd`` as a user runs it (``cli_env``), output captured."""
+    return subprocess.run(cli_argv(*args), cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def run_all(commands: dict[Any, list[str]], *, cwd: Path | None = None, env: dict | None = None,

@@ -8,7 +8,6 @@ main thread, which ``explain`` names (tensor-parallel and pipeline runs through 
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import run_all
+from helpers import cli_argv, run_all
 
 from plait.comm.guard import CollectiveTimeout
 from plait.comm.watchdog import StepWatchdog, is_comm_failure
@@ -133,8 +132,8 @@ def test_cli_runs_with_a_rank_stalled_in_forward_exit_with_one_named_error(tmp_p
     (hook / "sitecustomize.py").write_text(_STALL_HOOK)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
-    runs = run_all({kinds: [sys.executable, "-m", "plait.cli", "train", *SMALL, *layout,
-                            f"--run.dir={tmp_path}/{kinds}"] for kinds, layout in LAYOUTS.items()}, env=env)
+    runs = run_all({kinds: cli_argv("train", *SMALL, *layout, f"--run.dir={tmp_path}/{kinds}")
+                    for kinds, layout in LAYOUTS.items()}, env=env)
     for kinds, p in runs.items():
         err = p.stderr
         assert p.returncode == 1, err[-2000:]

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_all, run_ranks
+from helpers import cli_argv, run_all, run_ranks
 
 import plait
 from plait.config import ConfigError
@@ -143,7 +142,7 @@ def test_command_line_errors_are_one_line(tmp_path: Path) -> None:
     for name, text in SCRIPTS.items():
         (tmp_path / name).write_text(textwrap.dedent(text))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = run_all({name: [sys.executable, "-m", "plait.cli", *args] for name, (args, _, _) in COMMANDS.items()},
+    procs = run_all({name: cli_argv(*args) for name, (args, _, _) in COMMANDS.items()},
                     cwd=tmp_path, env=env)
     for name, (_, code, fragments) in COMMANDS.items():
         err = procs[name].stderr

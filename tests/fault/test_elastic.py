@@ -44,11 +44,21 @@ ARGS = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.
         "--observe.progress=false", "--observe.trackers=[]", "--checkpoint.every=0"]
 
 
-def _plait(tmp: Path, record: Path, *args: str) -> subprocess.CompletedProcess:
+def _start(tmp: Path, record: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RECORD_DIR": str(record),
            "PYTHONPATH": os.pathsep.join([str(tmp), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "plait.cli", "train", *args], cwd=tmp, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.Popen([sys.executable, "-m", "plait.cli", "train", *args], cwd=tmp, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _reads(record: Path) -> Counter:
@@ -60,18 +70,22 @@ def test_world_4_then_2_then_3_keeps_the_global_batch(tmp_path: Path) -> None:
     elastic, single = tmp_path / "read-elastic", tmp_path / "read-single"
     elastic.mkdir(), single.mkdir()
     run = tmp_path / "run"
-    steps = [("4", "2"), ("2", "2"), ("2", "4"), ("3", "6")]  # (world, train.steps); 2 -> 2 trains nothing
-    for i, (world, until) in enumerate(steps):
-        start = ARGS if i == 0 else ["--resume", str(run)]
-        out = _plait(tmp_path, elastic, *start, f"--parallel.nproc={world}", f"--train.steps={until}",
-                     f"--run.dir={run}" if i == 0 else "--fault.max_restarts=0")
-        assert out.returncode == 0, out.stderr[-3000:]
-        if i == 0:
-            saved_at_4 = load_file(str(run / "model.safetensors"))
-        if i == 1:  # resumed at world 2, no step trained: exactly the state saved at world 4
-            resumed = load_file(str(run / "model.safetensors"))
-            assert all(torch.equal(resumed[k], v) for k, v in saved_at_4.items())
-    ref = _plait(tmp_path, single, *ARGS, "--parallel.nproc=1", "--train.steps=6", f"--run.dir={tmp_path}/one")
+    # The one-process reference runs beside the elastic runs (its own directories; deterministic either way).
+    one = _start(tmp_path, single, *ARGS, "--parallel.nproc=1", "--train.steps=6", f"--run.dir={tmp_path}/one")
+    try:
+        steps = [("4", "2"), ("2", "2"), ("2", "4"), ("3", "6")]  # (world, train.steps); 2 -> 2 trains nothing
+        for i, (world, until) in enumerate(steps):
+            start = ARGS if i == 0 else ["--resume", str(run)]
+            out = _finish(_start(tmp_path, elastic, *start, f"--parallel.nproc={world}", f"--train.steps={until}",
+                                 f"--run.dir={run}" if i == 0 else "--fault.max_restarts=0"))
+            assert out.returncode == 0, out.stderr[-3000:]
+            if i == 0:
+                saved_at_4 = load_file(str(run / "model.safetensors"))
+            if i == 1:  # resumed at world 2, no step trained: exactly the state saved at world 4
+                resumed = load_file(str(run / "model.safetensors"))
+                assert all(torch.equal(resumed[k], v) for k, v in saved_at_4.items())
+    finally:
+        ref = _finish(one)
     assert ref.returncode == 0, ref.stderr[-3000:]
     a, b = load_file(str(run / "model.safetensors")), load_file(str(tmp_path / "one" / "model.safetensors"))
     assert max((a[k] - b[k]).abs().max().item() for k in b) < 3e-5
@@ -80,8 +94,12 @@ def test_world_4_then_2_then_3_keeps_the_global_batch(tmp_path: Path) -> None:
     assert reads == expected  # the same 72 samples, each read once across the three world sizes
 
 
-def test_a_world_that_cannot_keep_the_global_batch_is_refused(tmp_path: Path) -> None:
-    out = _plait(tmp_path, tmp_path, "--train.global_batch_size=12", "--train.micro_batch_size=1",
-                 "--parallel.nproc=5", f"--run.dir={tmp_path}/r")
-    assert out.returncode == 2
-    assert "world sizes that keep this global and micro batch: [1, 2, 3, 4, 6, 12]" in out.stderr, out.stderr
+def test_a_world_that_cannot_keep_the_global_batch_is_refused(tmp_path: Path, capsys) -> None:
+    """A configuration error: through ``plait.cli.main`` in this process (it starts no worker)."""
+    from plait.cli import main
+
+    code = main(["train", "--train.global_batch_size=12", "--train.micro_batch_size=1", "--parallel.nproc=5",
+                 f"--run.dir={tmp_path}/r"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "world sizes that keep this global and micro batch: [1, 2, 3, 4, 6, 12]" in err, err

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import plait_cli, succeeded
+from helpers import cli_argv, cli_env, plait_cli, run_all, succeeded
 from sysdeps import ensure_debian, which
 
 from plait.cli import main
@@ -44,12 +44,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The main job (default config: GPT on the embedded corpus, 2 workers; 20 steps instead of 300) and a
     pipeline run (pp=2) that writes its own report."""
     root = tmp_path_factory.mktemp("runs")
-    main = plait("train", "--train.steps=20", "--train.eval_every=10", "--train.log_every=5",
-                 "--observe.progress=false", "--observe.trackers=[]", f"--run.dir={root}/main", cwd=root)
-    assert f"report:        plait report {root}/main" in main.stdout
-    pipe = plait("train", *TINY, "--parallel.nproc=2", "--parallel.pp=2", "--train.micro_batch_size=8",
-                 "--train.steps=4", "--observe.report=true", f"--run.dir={root}/pipeline", cwd=root)
-    assert f"report:        {root}/pipeline/report.html" in pipe.stdout
+    train = cli_argv("train")
+    done = run_all({  # side by side: nothing here depends on their speed
+        "main": [*train, "--train.steps=20", "--train.eval_every=10", "--train.log_every=5", "--observe.progress=false",
+                 "--observe.trackers=[]", f"--run.dir={root}/main"],
+        "pipeline": [*train, *TINY, "--parallel.nproc=2", "--parallel.pp=2", "--train.micro_batch_size=8",
+                     "--train.steps=4", "--observe.report=true", f"--run.dir={root}/pipeline"],
+    }, cwd=root, env=cli_env(), timeout=400)
+    assert f"report:        plait report {root}/main" in succeeded(done["main"]).stdout
+    assert f"report:        {root}/pipeline/report.html" in succeeded(done["pipeline"]).stdout
     assert main(["report", f"{root}/main"]) == 0  # plait report, in this process: it starts no worker
     return {"main": root / "main", "pipeline": root / "pipeline"}
 
@@ -129,9 +132,12 @@ def _table(html: str) -> list[list[str]]:
 
 
 def test_scaling_table_over_world_sizes(tmp_path: Path) -> None:
-    for world in (1, 2, 4):
-        plait("train", *TINY, f"--parallel.nproc={world}", "--train.steps=3", f"--run.dir={tmp_path}/w{world}",
-              cwd=tmp_path)
+    # Side by side: the table is checked against each run's own summary, whatever speed the runs share.
+    runs = run_all({world: cli_argv("train", *TINY, f"--parallel.nproc={world}", "--train.steps=3",
+                            f"--run.dir={tmp_path}/w{world}") for world in (1, 2, 4)},
+                   cwd=tmp_path, env=cli_env(), timeout=400)
+    for p in runs.values():
+        succeeded(p)
     out = tmp_path / "scaling.html"
     assert main(["report", f"{tmp_path}/w4", f"{tmp_path}/w1", f"{tmp_path}/w2", "-o", str(out)]) == 0
     html = out.read_text()
