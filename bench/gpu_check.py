@@ -27,7 +27,7 @@ a section that cannot run holds ``{"skipped": reason}``, one that failed ``{"err
 - ``multiprocess``: NCCL runs one rank per GPU; with one GPU it is skipped and says so.
 
 ``--device cpu --quick`` rehearses every section on the CPU with tiny sizes in under a minute (compile with
-``backend="aot_eager"``), so the script cannot rot between GPU days (tests/test_gpu_check.py runs it).
+``backend="aot_eager"``), so the script cannot rot between GPU days (tests/bench/test_gpu_check.py runs it).
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ Data parallelism and ZeRO/FSDP (``dp_*``): a 2-layer tiny GPT, ``DP_STEPS`` step
 ``DP_GLOBAL_BATCH`` language-modelling windows; ``distributed_run`` is the minimal data-parallel loop
 the sharded optimizers are driven by (each test states its own tolerance).
 
+HSDP and pipelines with ZeRO (``sharded_*``): plait's GPT and a small Hugging Face Llama trained through
+``plait.Plait`` against the same loop in one plain PyTorch process, within the model-parallel tolerances.
+
 The keep-your-loop API (``reference_training``): AdamW with gradient clipping at 1.0 over the global
 batches plait's loader forms for a seed.
 """
@@ -24,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from plait.config import ModelConfig
@@ -204,6 +208,134 @@ def distributed_run(model: torch.nn.Module, opt, rank: int, world: int, accum: i
         dist.all_reduce(total)
         losses.append((total / world).item())
     return losses
+
+
+# -- sharded data parallelism composed: HSDP and pipelines with ZeRO (``sharded_*``) ----------------------
+# plait's GPT (4 layers, width 32, tied embedding and head) and a Hugging Face ``LlamaForCausalLM`` (2 layers,
+# width 64, 4 heads, 2 key-value heads, untied head) built from small configs, trained through ``plait.Plait``
+# on fixed global batches of ``SHARDED_GLOBAL`` sequences, each data-parallel rank its slice of every global
+# batch (the ranks of one pipeline hold the same slice). The reference is the same loop in one plain PyTorch
+# process: the model's forward, cross-entropy of the next token (the Llama's own ``labels`` loss), AdamW (lr
+# 1e-3, weight decay 0.1), ``clip_grad_norm_`` at 1.0. The maths is the reference's, but sums run in another
+# order (gradients averaged over ranks, reduce-scattered then all-reduced across replicas, accumulated over
+# pipeline micro-batches, the clip norm summed over shards), so float32 rounding differs: losses within
+# ``MP_LOSS_ATOL``, parameters within ``MP_PARAM_ATOL`` after 3 AdamW steps, far below one update (~1e-3);
+# ``sharded_moved`` checks that training moved the weights much further than that.
+SHARDED_GLOBAL, SHARDED_SEQ, SHARDED_VOCAB, SHARDED_STEPS = 8, 16, 256, 3
+SHARDED_LR, SHARDED_WD, SHARDED_CLIP = 1e-3, 0.1, 1.0
+SHARDED_LLAMA = {"vocab_size": SHARDED_VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+def sharded_model(kind: str, seed: int = 0) -> torch.nn.Module:
+    """plait's tiny GPT (``kind="gpt"``) or the small Llama, initialised right after ``torch.manual_seed(seed)``."""
+    if kind == "gpt":
+        return seeded_gpt(tiny_config(n_layer=4, d_model=32, n_head=4, seq_len=SHARDED_SEQ, vocab_size=SHARDED_VOCAB),
+                          seed)
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHARDED_LLAMA))
+
+
+def sharded_batches(kind: str, steps: int) -> list[Any]:
+    """``steps`` global batches: ``(x, y)`` next-token pairs for the GPT, token ids ``(B, T)`` for the Llama."""
+    pairs = token_batches(steps, SHARDED_GLOBAL, seq_len=SHARDED_SEQ, vocab_size=SHARDED_VOCAB, seed=11, shifted=True)
+    return pairs if kind == "gpt" else [x for x, _ in pairs]
+
+
+def sharded_loss(kind: str, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The user's own loss: cross-entropy of the next token over the GPT's logits, the Llama's ``labels`` loss."""
+    if kind == "gpt":
+        x, y = batch
+        logits = model(x)  # (B, T, V)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+    return model(input_ids=batch, labels=batch).loss
+
+
+def sharded_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=SHARDED_LR, weight_decay=SHARDED_WD)
+
+
+def sharded_reference(kind: str, steps: int) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """Plain PyTorch in one process: the loss of every step and the state dict after every step."""
+    model = sharded_model(kind)
+    opt = sharded_adamw(model)
+    losses, states = [], []
+    for batch in sharded_batches(kind, steps):
+        loss = sharded_loss(kind, model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), SHARDED_CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        states.append(_copy(model.state_dict()))
+    return losses, states
+
+
+def _slice(batch: Any, rank: int, dp: int) -> Any:
+    n = SHARDED_GLOBAL // dp
+    if isinstance(batch, tuple):
+        return tuple(t[rank * n:(rank + 1) * n] for t in batch)
+    return batch[rank * n:(rank + 1) * n]
+
+
+def _micro(batch: Any, micro: int) -> list[Any]:
+    size = (batch[0] if isinstance(batch, tuple) else batch).size(0)
+    cut = [slice(i, i + micro) for i in range(0, size, micro)]
+    return [tuple(t[c] for t in batch) if isinstance(batch, tuple) else batch[c] for c in cut]
+
+
+def sharded_train(kind: str, parallel: dict[str, Any], run_dir: str, *, micro: int, steps: int = SHARDED_STEPS,
+                  start: int = 0, load: str | None = None, save: str | None = None,
+                  inspect: Any = None) -> dict[str, Any]:
+    """plait's keep-your-loop on global batches ``start .. start + steps - 1``, after loading ``load`` (a
+    checkpoint of step ``start``); saves to ``save`` at the end. Returns the global losses, the whole state
+    (gathered on every rank), the state right after loading, and ``inspect(plait, model)``'s result."""
+    import plait
+
+    p = plait.Plait(parallel=parallel, run={"dir": run_dir}, optim={"grad_clip": SHARDED_CLIP},
+                    train={"global_batch_size": SHARDED_GLOBAL, "micro_batch_size": micro},
+                    observe={"progress": False, "trackers": []})
+    pp = parallel.get("pp", 1) > 1
+    model, opt = p.setup(sharded_model(kind, seed=p.rank), optimizer=sharded_adamw,
+                         loss_fn="causal_lm" if pp else None)
+    out: dict[str, Any] = {}
+    if load is not None:
+        p.load(load, model=model, optimizer=opt)
+        out["loaded"] = _copy(p.full_state_dict(model))  # one process: views of the live parameters
+    losses = []
+    for batch in sharded_batches(kind, start + steps)[start:]:
+        for mb in _micro(_slice(batch, p.dp_rank, p.dp), micro):
+            if kind == "gpt" and not pp and parallel.get("tp", 1) == 1:  # the user's own forward and loss
+                p.backward(sharded_loss(kind, model, mb))
+            else:
+                p.forward_backward(model, mb, loss_fn="causal_lm")
+        info = p.step()
+        assert info is not None, "one optimizer step per global batch"
+        losses.append(info.global_loss)
+    out["losses"], out["state"] = losses, _copy(p.full_state_dict(model))
+    if inspect is not None:
+        out["inspect"] = inspect(p, model)
+    if save is not None:
+        p.save(save, model=model, optimizer=opt)
+    p.close()
+    return out
+
+
+def _copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def state_diff(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """Largest |difference| between two whole state dicts with the same keys (compared in float32)."""
+    assert state.keys() == ref.keys(), sorted(set(state) ^ set(ref))
+    return max((state[k].float() - ref[k].float()).abs().max().item() for k in ref)
+
+
+def sharded_moved(kind: str, ref: dict[str, torch.Tensor]) -> float:
+    """How far training moved the weights from their initial values (to compare the tolerances with)."""
+    return state_diff(ref, sharded_model(kind).state_dict())
 
 
 # -- the keep-your-loop API ----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """``plait launch slurm|k8s``: the files as written, parsed and checked field by field, and bad input.
 
-The sbatch script also runs against a real SLURM in tests/test_slurm.py.
+The sbatch script also runs against a real SLURM in tests/test_launch_slurm.py.
 """
 
 from __future__ import annotations

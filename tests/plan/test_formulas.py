@@ -157,7 +157,7 @@ def test_bubble_of_interleaved_and_zbv():
 
 
 def test_alpha_beta_collective_times():
-    # the alpha-beta model of a profile without NCCL's tuning table (test_plan_network covers NCCL's)
+    # the alpha-beta model of a profile without NCCL's tuning table (plan/test_network covers NCCL's)
     a100 = replace(load_profile("a100-80gb"), nccl=None)
     nbytes = 1 << 30
     intra = a100.intra.bandwidth * a100.intra.efficiency

@@ -4,7 +4,7 @@ Every function here has the contract of ``dist.all_reduce(tensor, op=SUM, group=
 rank of ``group`` calls it with a tensor of the same shape and dtype, and on return each rank's
 ``tensor`` holds the elementwise sum over the group (in place). They exist so plait can choose the
 algorithm that fits the link instead of the one the backend picked, and so the algorithms are
-readable and verified (tests/test_comm_algorithms.py compares each with the backend).
+readable and verified (tests/comm/test_algorithms.py compares each with the backend).
 
 Precision: fp16 and bf16 tensors are carried and summed in fp32 and rounded to their dtype once at
 the end, so the result is within 0.5 ulp (of the input dtype) of the fp32 sum; this doubles the

@@ -261,7 +261,7 @@ class QuantCompressor(Compressor):
     tensors whose gradients differ by orders of magnitude: with 1024-element blocks a tensor of
     small gradients that shares a block with a large one quantizes to zero, moves only when error
     feedback releases a whole quantization step, and training ended 21% (int8) above fp32 in
-    tests/test_comm_training.py's setup instead of within 0.5%.
+    tests/comm/test_training.py's setup instead of within 0.5%.
     """
 
     def __init__(self, bits: int, *, block: int = 128, stochastic_rounding: bool = False, **kw):

@@ -14,7 +14,7 @@ blocks: plait's reducer and ZeRO register gradient hooks on the parameters (AOTA
 accumulates into ``.grad`` as eager does, so the hooks fire per parameter as without compile); DDP wraps
 the model around them; FSDP2's ``fully_shard`` of a compiled block is torchtitan's composition; DTensor
 (tensor parallelism) is traced by dynamo; the pipeline's stages hold the compiled blocks.
-tests/test_compile.py checks each against eager single-process training.
+tests/parallel/test_compile.py checks each against eager single-process training.
 
 The loss stays eager under tensor parallelism with ``parallel.loss_parallel`` (the default): that loss
 runs over vocabulary-sharded DTensor logits inside torch's ``loss_parallel()`` context, a global state

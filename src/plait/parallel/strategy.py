@@ -26,7 +26,7 @@ Two levels:
 
 Adding a layout is a new module with a ``Strategy`` subclass decorated with ``@register_strategy`` (its
 checks, its state, its tests and docs): nothing in the engine, the trainer or the checkpoint code changes.
-``tests/test_strategy_registry.py`` trains a strategy defined in the test itself.
+``tests/parallel/test_registry.py`` trains a strategy defined in the test itself.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Mixture of experts (``BlockOps(..., moe=True)``): ``plait.plan.ops_moe``.
 
 Saved tensors, as the code that runs them keeps them (each term checked against
 ``torch.autograd.graph.saved_tensors_hooks`` counts on plait's GPT and a Hugging Face Llama in
-``tests/test_plan_activations.py``). Three precision regimes: float32; half-precision parameters
+``tests/plan/test_activations.py``). Three precision regimes: float32; half-precision parameters
 (Megatron-LM, FSDP2's bf16 policy: everything in bf16 but the norms' statistics, the attention's
 log-sum-exp and the loss's log-probabilities); and autocast over float32 parameters (plait's bf16 and
 fp16 elsewhere), where the residual stream and the norms stay float32, each Linear fed a float32 tensor

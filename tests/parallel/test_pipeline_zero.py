@@ -5,7 +5,7 @@ and a Hugging Face Llama at ZeRO-3.
 One group of 4 gloo ranks; 1F1B over 2 pipeline micro-batches, the stages split by layer count. The
 accumulation cases run 2 micro-steps per optimizer step (ZeRO-2 keeps the gradients local until the last;
 FSDP2 reduces after every schedule step and adds). Checkpoints saved at pp=2 x ZeRO-2 and x ZeRO-3 load into
-one process, which trains the 4th step as the reference does. Tolerances: ``sharded_common``.
+one process, which trains the 4th step as the reference does. Tolerances: ``references.sharded_*``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import importlib.util
 
 import pytest
 from helpers import run_ranks
-from sharded_common import LOSS_ATOL, PARAM_ATOL, max_diff, moved, reference, train
+from references import MP_LOSS_ATOL, MP_PARAM_ATOL, sharded_moved, sharded_reference, sharded_train, state_diff
 
 PP = {"pp": 2, "microbatches": 2, "pp_balance": "count"}
 CASES = {  # name: (model, parallel, micro-batch per rank)
@@ -52,8 +52,8 @@ def _worker(rank: int, world: int, tmp: str, hf: bool) -> dict:
     for name, (kind, parallel, micro) in CASES.items():
         if kind == "llama" and not hf:
             continue
-        out[name] = train(kind, parallel, f"{tmp}/{name}", micro=micro, inspect=_layout,
-                          save=f"{tmp}/ckpt-{name}" if name in SAVED else None)
+        out[name] = sharded_train(kind, parallel, f"{tmp}/{name}", micro=micro, inspect=_layout,
+                                  save=f"{tmp}/ckpt-{name}" if name in SAVED else None)
     return out
 
 
@@ -61,9 +61,11 @@ def _worker(rank: int, world: int, tmp: str, hf: bool) -> dict:
 def runs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("ppzero")
     ranks = run_ranks(_worker, 4, str(tmp), HAS_HF, timeout=400)
-    one = {name: train("gpt", {}, str(tmp / f"one-{name}"), micro=8, start=3, steps=1, load=str(tmp / f"ckpt-{name}"))
+    one = {name: sharded_train("gpt", {}, str(tmp / f"one-{name}"), micro=8, start=3, steps=1,
+                               load=str(tmp / f"ckpt-{name}"))
            for name in SAVED}
-    return {"ranks": ranks, "one": one, "gpt": reference("gpt", 4), "llama": reference("llama", 3) if HAS_HF else None}
+    return {"ranks": ranks, "one": one, "gpt": sharded_reference("gpt", 4),
+            "llama": sharded_reference("llama", 3) if HAS_HF else None}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -73,9 +75,9 @@ def test_pipeline_with_zero_matches_single_process(runs, name) -> None:
         pytest.skip("the hf extra (transformers) is not installed")
     ref_losses, ref_states = runs[kind]
     for r in runs["ranks"]:
-        assert r[name]["losses"] == pytest.approx(ref_losses[:3], abs=LOSS_ATOL), name
-        assert max_diff(r[name]["state"], ref_states[2]) < PARAM_ATOL, name
-    assert moved(kind, ref_states[2]) > 50 * PARAM_ATOL
+        assert r[name]["losses"] == pytest.approx(ref_losses[:3], abs=MP_LOSS_ATOL), name
+        assert state_diff(r[name]["state"], ref_states[2]) < MP_PARAM_ATOL, name
+    assert sharded_moved(kind, ref_states[2]) > 50 * MP_PARAM_ATOL
     views = [r[name]["inspect"] for r in runs["ranks"]]
     assert [v["pp"] for v in views] == [0, 0, 1, 1]  # pp outermost: ranks 0, 1 hold stage 0
     if parallel["zero"] in (1, 2):
@@ -92,6 +94,6 @@ def test_pipeline_with_zero_matches_single_process(runs, name) -> None:
 def test_pipeline_zero_checkpoint_loads_into_one_process(runs, name) -> None:
     ref_losses, ref_states = runs["gpt"]
     one = runs["one"][name]
-    assert max_diff(one["loaded"], runs["ranks"][0][name]["state"]) == 0.0
-    assert one["losses"] == pytest.approx(ref_losses[3:4], abs=LOSS_ATOL)
-    assert max_diff(one["state"], ref_states[3]) < PARAM_ATOL  # the optimizer states came along
+    assert state_diff(one["loaded"], runs["ranks"][0][name]["state"]) == 0.0
+    assert one["losses"] == pytest.approx(ref_losses[3:4], abs=MP_LOSS_ATOL)
+    assert state_diff(one["state"], ref_states[3]) < MP_PARAM_ATOL  # the optimizer states came along

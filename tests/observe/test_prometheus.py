@@ -33,7 +33,7 @@ from sysdeps import ensure_debian, which
 from plait.observe.prometheus import METRICS
 from plait.runtime.spawn import free_port
 
-MONITORING = Path(__file__).resolve().parents[1] / "docs" / "monitoring"
+MONITORING = Path(__file__).resolve().parents[2] / "docs" / "monitoring"
 pytest.importorskip("prometheus_client")
 
 

@@ -3,7 +3,7 @@ between HSDP, FSDP and one process.
 
 One group of 4 gloo ranks runs dp=4 with ``dp_shard=2``: parameters sharded over shard groups of 2 ranks and
 replicated across the 2 groups. plait's GPT and a Hugging Face Llama train 3 AdamW steps (tolerances in
-``sharded_common``); every parameter is a DTensor on the 2-D ``(dp_replicate, dp_shard)`` mesh placed
+``references.sharded_*``); every parameter is a DTensor on the 2-D ``(dp_replicate, dp_shard)`` mesh placed
 ``(Replicate(), Shard(0))``, each rank holds half of it, the two replicas of a shard hold the same values, and
 each rank's measured model states are 16 bytes per parameter it holds (fp32 AdamW), half the model's.
 
@@ -20,7 +20,7 @@ import importlib.util
 import pytest
 import torch
 from helpers import run_ranks
-from sharded_common import LOSS_ATOL, PARAM_ATOL, max_diff, moved, reference, train
+from references import MP_LOSS_ATOL, MP_PARAM_ATOL, sharded_moved, sharded_reference, sharded_train, state_diff
 
 HSDP = {"zero": 3, "dp_shard": 2}
 HAS_HF = importlib.util.find_spec("transformers") is not None
@@ -46,26 +46,26 @@ def _layout(p, model) -> dict:
 
 
 def _worker(rank: int, world: int, tmp: str, ckpt_one: str, hf: bool) -> dict:
-    out = {"gpt": train("gpt", HSDP, f"{tmp}/gpt", micro=2, inspect=_layout)}
+    out = {"gpt": sharded_train("gpt", HSDP, f"{tmp}/gpt", micro=2, inspect=_layout)}
     if hf:
-        out["llama"] = train("llama", HSDP, f"{tmp}/llama", micro=2, inspect=_layout)
-    out["hsdp<-one"] = train("gpt", HSDP, f"{tmp}/c1", micro=2, start=3, steps=1, load=ckpt_one,
-                             save=f"{tmp}/ckpt-hsdp")
-    out["fsdp<-hsdp"] = train("gpt", {"zero": 3}, f"{tmp}/c2", micro=2, start=4, steps=1, load=f"{tmp}/ckpt-hsdp",
-                              save=f"{tmp}/ckpt-fsdp")
-    out["hsdp<-fsdp"] = train("gpt", HSDP, f"{tmp}/c3", micro=2, start=5, steps=0, load=f"{tmp}/ckpt-fsdp")
+        out["llama"] = sharded_train("llama", HSDP, f"{tmp}/llama", micro=2, inspect=_layout)
+    out["hsdp<-one"] = sharded_train("gpt", HSDP, f"{tmp}/c1", micro=2, start=3, steps=1, load=ckpt_one,
+                                     save=f"{tmp}/ckpt-hsdp")
+    out["fsdp<-hsdp"] = sharded_train("gpt", {"zero": 3}, f"{tmp}/c2", micro=2, start=4, steps=1,
+                                      load=f"{tmp}/ckpt-hsdp", save=f"{tmp}/ckpt-fsdp")
+    out["hsdp<-fsdp"] = sharded_train("gpt", HSDP, f"{tmp}/c3", micro=2, start=5, steps=0, load=f"{tmp}/ckpt-fsdp")
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("hsdp")
-    one = train("gpt", {}, str(tmp / "one"), micro=8, save=str(tmp / "ckpt-one"))  # one process, 3 steps
+    one = sharded_train("gpt", {}, str(tmp / "one"), micro=8, save=str(tmp / "ckpt-one"))  # one process, 3 steps
     ranks = run_ranks(_worker, 4, str(tmp), str(tmp / "ckpt-one"), HAS_HF, timeout=400)
-    one_from_fsdp = train("gpt", {}, str(tmp / "c4"), micro=8, start=5, steps=1, load=str(tmp / "ckpt-fsdp"))
-    one_from_hsdp = train("gpt", {}, str(tmp / "c5"), micro=8, start=4, steps=0, load=str(tmp / "ckpt-hsdp"))
+    one_from_fsdp = sharded_train("gpt", {}, str(tmp / "c4"), micro=8, start=5, steps=1, load=str(tmp / "ckpt-fsdp"))
+    one_from_hsdp = sharded_train("gpt", {}, str(tmp / "c5"), micro=8, start=4, steps=0, load=str(tmp / "ckpt-hsdp"))
     return {"ranks": ranks, "one": one, "one<-fsdp": one_from_fsdp, "one<-hsdp": one_from_hsdp,
-            "gpt": reference("gpt", 6), "llama": reference("llama", 3) if HAS_HF else None}
+            "gpt": sharded_reference("gpt", 6), "llama": sharded_reference("llama", 3) if HAS_HF else None}
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
@@ -74,9 +74,9 @@ def test_hsdp_matches_single_process(runs, kind) -> None:
         pytest.skip("the hf extra (transformers) is not installed")
     ref_losses, ref_states = runs[kind]
     for r in runs["ranks"]:
-        assert r[kind]["losses"] == pytest.approx(ref_losses[:3], abs=LOSS_ATOL)
-        assert max_diff(r[kind]["state"], ref_states[2]) < PARAM_ATOL
-    assert moved(kind, ref_states[2]) > 50 * PARAM_ATOL
+        assert r[kind]["losses"] == pytest.approx(ref_losses[:3], abs=MP_LOSS_ATOL)
+        assert state_diff(r[kind]["state"], ref_states[2]) < MP_PARAM_ATOL
+    assert sharded_moved(kind, ref_states[2]) > 50 * MP_PARAM_ATOL
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
@@ -114,17 +114,17 @@ def test_hsdp_shards_every_parameter_over_two_ranks_and_replicates_twice(runs, k
 
 def test_checkpoints_reshard_between_hsdp_fsdp_and_one_process(runs) -> None:
     ref_losses, ref_states = runs["gpt"]
-    assert runs["one"]["losses"] == pytest.approx(ref_losses[:3], abs=LOSS_ATOL)
+    assert runs["one"]["losses"] == pytest.approx(ref_losses[:3], abs=MP_LOSS_ATOL)
     for r in runs["ranks"]:
-        assert max_diff(r["hsdp<-one"]["loaded"], runs["one"]["state"]) == 0.0  # the saved weights, exactly
-        assert r["hsdp<-one"]["losses"] == pytest.approx(ref_losses[3:4], abs=LOSS_ATOL)
-        assert max_diff(r["hsdp<-one"]["state"], ref_states[3]) < PARAM_ATOL  # optimizer states came along
-        assert max_diff(r["fsdp<-hsdp"]["loaded"], r["hsdp<-one"]["state"]) == 0.0
-        assert r["fsdp<-hsdp"]["losses"] == pytest.approx(ref_losses[4:5], abs=LOSS_ATOL)
-        assert max_diff(r["fsdp<-hsdp"]["state"], ref_states[4]) < PARAM_ATOL
-        assert max_diff(r["hsdp<-fsdp"]["loaded"], r["fsdp<-hsdp"]["state"]) == 0.0
+        assert state_diff(r["hsdp<-one"]["loaded"], runs["one"]["state"]) == 0.0  # the saved weights, exactly
+        assert r["hsdp<-one"]["losses"] == pytest.approx(ref_losses[3:4], abs=MP_LOSS_ATOL)
+        assert state_diff(r["hsdp<-one"]["state"], ref_states[3]) < MP_PARAM_ATOL  # optimizer states came along
+        assert state_diff(r["fsdp<-hsdp"]["loaded"], r["hsdp<-one"]["state"]) == 0.0
+        assert r["fsdp<-hsdp"]["losses"] == pytest.approx(ref_losses[4:5], abs=MP_LOSS_ATOL)
+        assert state_diff(r["fsdp<-hsdp"]["state"], ref_states[4]) < MP_PARAM_ATOL
+        assert state_diff(r["hsdp<-fsdp"]["loaded"], r["fsdp<-hsdp"]["state"]) == 0.0
     rank0 = runs["ranks"][0]
-    assert max_diff(runs["one<-fsdp"]["loaded"], rank0["fsdp<-hsdp"]["state"]) == 0.0
-    assert runs["one<-fsdp"]["losses"] == pytest.approx(ref_losses[5:6], abs=LOSS_ATOL)
-    assert max_diff(runs["one<-fsdp"]["state"], ref_states[5]) < PARAM_ATOL
-    assert max_diff(runs["one<-hsdp"]["loaded"], rank0["hsdp<-one"]["state"]) == 0.0
+    assert state_diff(runs["one<-fsdp"]["loaded"], rank0["fsdp<-hsdp"]["state"]) == 0.0
+    assert runs["one<-fsdp"]["losses"] == pytest.approx(ref_losses[5:6], abs=MP_LOSS_ATOL)
+    assert state_diff(runs["one<-fsdp"]["state"], ref_states[5]) < MP_PARAM_ATOL
+    assert state_diff(runs["one<-hsdp"]["loaded"], rank0["hsdp<-one"]["state"]) == 0.0

@@ -1,0 +1,1 @@
+"""Tests of plait.components."""
