@@ -213,8 +213,8 @@ def _attempts(run: Callable[[int], Any], nproc: int, error_dir: Path, restarts: 
                 goodput.record(restarts.state_dir, "failed", attempt=attempt)
             # Backoff doubles over failures in quick succession; an attempt that ran a minute resets it.
             streak = 0 if time.monotonic() - started > 60 else streak + 1
-            d = decide(_first_report(Path(error_dir), nproc, started_wall), attempt, restarts.max_restarts, progress, previous,
-                       restarts.backoff_s, streak)
+            first = _first_report(Path(error_dir), nproc, started_wall)
+            d = decide(first, attempt, restarts.max_restarts, progress, previous, restarts.backoff_s, streak)
             if not d.restart:
                 suffix = f" (not restarted: {d.reason})" if restarts.max_restarts else ""
                 raise (NoProgress if d.no_progress else WorkerFailed)(message + suffix) from None
