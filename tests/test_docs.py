@@ -10,7 +10,8 @@
   ``<!-- not run: REASON -->`` on the line before it; the reason must be given.
 
 Blocks run side by side (two at a time) in one scratch directory holding the fixtures they name: a small
-document corpus (``corpus/``), a tokenizer (``my-tokenizer/``) and a model factory (``mymodels.py``).
+document corpus (``corpus/``), a tokenizer (``my-tokenizer/``), a model factory (``mymodels.py``) and the
+repository's ``examples/``.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ ALL = [b for p in DOCS for b in blocks(p)]
 
 
 def _fixtures(tmp: Path) -> None:
-    """What the blocks name: a corpus of documents, a tokenizer for it, a model factory."""
+    """What the blocks name: the repository's examples, a corpus of documents, a tokenizer, a model factory."""
+    (tmp / "examples").symlink_to(ROOT / "examples")
     import pyarrow as pa
     import pyarrow.parquet as pq
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
