@@ -87,22 +87,37 @@ def test_factory_plugin_and_cnn_recipes_train(tmp_path: Path) -> None:
     mymodels.build(hidden=32).load_state_dict(load_file(str(tmp_path / "factory" / "model.safetensors")), strict=True)
 
 
-def test_help_on_every_command_lists_commands_and_keys(capsys) -> None:
-    """``--help`` through ``plait.cli.main`` (what ``python -m plait.cli`` calls) in this process: it starts
-    nothing, so a process per command would only add start-up."""
+def test_help_on_every_command_lists_commands_and_keys(tmp_path: Path, capsys) -> None:
+    """``plait --help`` lists every command and key; ``plait COMMAND --help`` prints that command's usage, with
+    every key for the commands that take ``--section.key=value``; ``plait run --help`` prints run's own options,
+    while ``--help`` after the script is the script's. The ``--help`` commands go through ``plait.cli.main`` (what
+    ``python -m plait.cli`` calls) in this process: they start nothing, so a process each would only add
+    start-up; the script's ``--help`` runs under a real ``plait run`` (it starts a worker), beside them."""
     from plait.cli import main
 
+    (tmp_path / "script.py").write_text("import sys\nprint('script got', sys.argv[1:])\n")
+    script = _plait("run", "--nproc", "1", "script.py", "--help", cwd=tmp_path)
     keys = [f"{section}.{key}" for section, obj in vars(Config()).items() for key in vars(obj)]
-    for cmd in ("--help", "train --help", "run --help", "sample --help", "plan --help"):
+    texts = {}
+    for cmd in ("--help", "train --help", "run --help", "sample --help", "plan --help", "checkpoint --help"):
         code = main(cmd.split())
         text, err = capsys.readouterr()
         assert code == 0, (cmd, err)
-        for command in ("plait train", "plait run", "plait sample", "plait plan memory"):
-            assert command in text, (cmd, command)
+        texts[cmd] = text
         missing = [k for k in keys if f"  {k} = " not in text]
-        assert not missing, (cmd, missing)
+        assert (not missing) == (cmd in ("--help", "train --help", "plan --help")), (cmd, missing[:3])
+    for command in ("plait train", "plait run", "plait sample", "plait plan memory"):
+        assert command in texts["--help"], command
+    assert texts["run --help"].startswith("usage: plait run [--nproc N] [--max-restarts R] SCRIPT")
+    assert "--max-restarts R" in texts["run --help"] and "RUN_DIR/errors/rank<r>.txt" in texts["run --help"]
+    assert "plait train" not in texts["run --help"] and "plait sample" not in texts["run --help"]
+    assert texts["sample --help"].startswith("usage: plait sample RUN_DIR --prompt TEXT")
+    assert texts["checkpoint --help"].startswith("usage: plait checkpoint verify RUN_DIR")
+    assert texts["train --help"].startswith("usage: plait train [CONFIG.toml]")
+    out, err = script.communicate(timeout=120)
+    assert script.returncode == 0 and "script got ['--help']" in out, err
     # each key's documentation and default: for example
-    assert 'train.loss = "auto"   (str)' in text and "Loss of a batch: auto" in text
+    assert 'train.loss = "auto"   (str)' in texts["train --help"] and "Loss of a batch: auto" in texts["train --help"]
 
 
 def test_example_configs_name_registered_recipes() -> None:
