@@ -24,6 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from plait.observe.log import get_logger
 from plait.runtime.dist import (
     ERROR_DIR_ENV,
     error_dir_from_env,
@@ -70,9 +71,8 @@ def leave_cleanly(rank: int) -> None:
     try:
         leave_process_group(LEAVE_WAIT_S)
     except Exception as e:  # the others are still busy, or the store's host is gone: this worker's work is done
-        logging.getLogger("plait").info("rank %d ended; the other ranks had not within %g s (%s): leaving "
-                                        "without them", rank, LEAVE_WAIT_S,
-                                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+        get_logger(rank).info("rank %d ended; the other ranks had not within %g s (%s): leaving without them",
+                              rank, LEAVE_WAIT_S, str(e).splitlines()[0] if str(e) else type(e).__name__)
         if dist.is_initialized():
             dist.destroy_process_group()
 
