@@ -42,6 +42,7 @@ from plait.components.precision import autocast
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.parallel.apply import ModelSpec
 from plait.parallel.data import GradReducer, LocalGrads, local_grad
+from plait.parallel.meta_init import is_meta, materialise
 from plait.parallel.pipeline import build_pipeline, measure_layer_costs
 from plait.parallel.pipeline_trace import bubble_summary, write_chrome_trace
 from plait.parallel.strategy import PlaitError, Strategy, register_strategy
@@ -218,6 +219,7 @@ class TensorFsdp(Tensor):
     name = "tensor_fsdp"
     priority = 50
     shards_gradients = True
+    shards_meta = True
 
     @classmethod
     def applies(cls, p: ParallelConfig) -> bool:
@@ -287,6 +289,7 @@ class Pipeline(ModelParallel):
     name = "pipeline"
     priority = 40
     model_whole = False
+    shards_meta = True
 
     @classmethod
     def wants_sample(cls, cfg: Config) -> bool:
@@ -319,7 +322,7 @@ class Pipeline(ModelParallel):
         p = cfg.parallel
         loss, sample, split, stage_fn = spec.loss, spec.sample, spec.pp_split, spec.stage_fn
         costs = None
-        if p.pp_balance == "cost" and sample is not None and stage_fn is None and not split:
+        if p.pp_balance == "cost" and sample is not None and stage_fn is None and not split and not is_meta(model):
             args, _, target = loss.split(sample)
             mb = max(1, args[0].size(0) // p.microbatches)
             costs = measure_layer_costs(model, tuple(a[:mb] for a in args), target[:mb], loss=loss.loss, repeats=2)
@@ -328,10 +331,12 @@ class Pipeline(ModelParallel):
         self.schedule = p.pp_schedule
         self.runner = build_pipeline(model, topo.mesh["pp"], schedule=p.pp_schedule, microbatches=p.microbatches,
                                      virtual_stages_per_rank=p.pp_virtual_stages or None, loss_fn=self.loss_fn,
-                                     costs=costs, scale_grads=False, split=split or None, stage_fn=stage_fn)
+                                     costs=costs, scale_grads=False, split=split or None, stage_fn=stage_fn,
+                                     device=topo.device)
         self.model = PipelineModel(self.runner)
         self.named = self.runner.named_parameters()
         self.tied_copies = set(self.runner.copy_names)
+        materialise(self.model, topo.device)  # a meta model: this rank's stages only (the reducer needs storage)
         self._init_reducer(self.model.stages)
 
     def wrap_forward(self, device: torch.device, compiled: bool) -> None:

@@ -229,7 +229,8 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
                    virtual_stages_per_rank: int | None = None, loss_fn: Callable[[object, object], torch.Tensor] | None
                    = None, costs: LayerCosts | None = None, scale_grads: bool = True,
                    adapter: PipelineAdapter | None = None, split: list[str] | None = None,
-                   stage_fn: Callable[[nn.Module, int, int], nn.Module] | None = None) -> PipelineRunner:
+                   stage_fn: Callable[[nn.Module, int, int], nn.Module] | None = None,
+                   device: torch.device | None = None) -> PipelineRunner:
     """Split ``model`` (tensor-parallel already, or not) into this rank's pipeline stages.
 
     Consumes ``model``: its modules move into the stage modules (the unowned ones are dropped), so do
@@ -254,7 +255,8 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
     names, ranges = _stage_ranges(model, adapter, num_stages, split, costs)
     owner = stage_ranks(num_ranks, num_stages, "v" if schedule == "zbv" else "loop")
     mine = [s for s in range(num_stages) if owner[s] == rank]
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    # the stages' device: the model's, or ``device`` for a model still on the meta device
+    device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
     loss_parallel = uses_loss_parallel(model)
     built, ties, copies = _build_stages(model, adapter, names, ranges, num_stages, mine)
     tie_group = None

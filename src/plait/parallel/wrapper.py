@@ -45,6 +45,13 @@ class Wrapper(Strategy):
     def optimizers(self) -> list[Any]:
         return self.inner.optimizers
 
+    @property
+    def facts(self) -> Any:
+        return self.inner.facts
+
+    def model_entries(self) -> dict[str, torch.Tensor]:
+        return self.inner.model_entries()
+
     def build_optimizer(self, factory: OptimizerFactory) -> Any:
         return self.inner.build_optimizer(factory)
 
