@@ -188,15 +188,14 @@ def cmd_sample(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
-    weights = run_dir / "model.safetensors"
-    if not weights.is_file():
-        raise ConfigError(f"{weights} not found; it is written when a run finishes (finish or --resume the run)")
+    if not (run_dir / "config.toml").is_file():
+        raise ConfigError(f"{run_dir} is not a plait run directory (no config.toml)")
     cfg = load_config(run_dir / "config.toml")
     if cfg.model.factory or cfg.model.name != "gpt":
         raise ConfigError(f"plait sample generates text from plait's GPT (model.name=gpt); {run_dir} trained "
                           f"{cfg.model.factory or cfg.model.name}")
     model = GPT(cfg.model, cfg.moe)
-    load_safetensors(model, weights)
+    load_safetensors(model, run_dir)  # RUN_DIR/model/ (or model.safetensors of older runs)
     model.eval()
     prompt = args.prompt.encode("utf-8") or b"\n"
     if cfg.model.vocab_size < 256:

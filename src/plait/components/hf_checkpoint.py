@@ -58,6 +58,7 @@ from plait.config import ConfigError
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 RUN_EXPORT = "model"  # RUN_DIR/model/: the trainer's end-of-run export
+EXTRA = "model-extra.safetensors"  # the tensors that are not floating point (see save_from)
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool, "F8_E4M3": getattr(torch, "float8_e4m3fn", torch.uint8),
@@ -100,9 +101,10 @@ def checkpoint_files(path: str | Path) -> tuple[Path, list[Path]]:
             raise _fail(f"weights {p} is not a .safetensors file; plait loads safetensors only (no pickled "
                         "checkpoints: convert it with save_pretrained(safe_serialization=True))")
         return p, [p]
-    if (p / RUN_EXPORT).is_dir() and (p / "config.toml").is_file():  # a plait run directory
-        p = p / RUN_EXPORT
-    elif not (p / INDEX).is_file() and not (p / SINGLE).is_file() and (p / "config.toml").is_file():
+    run_export = p / RUN_EXPORT
+    if (run_export / INDEX).is_file() or (run_export / SINGLE).is_file():  # a plait run directory's export
+        p = run_export
+    elif not (p / INDEX).is_file() and not (p / SINGLE).is_file() and (p / "metrics.jsonl").is_file():
         raise _fail(f"run directory {p} has no exported weights ({RUN_EXPORT}/ or {SINGLE}); they are written when "
                     "a run finishes (finish or --resume the run)")
     if (p / INDEX).is_file():
@@ -253,20 +255,52 @@ def save_from(state: dict[str, torch.Tensor], out: Path, indices: dict[str, int]
     """Write ``state`` (this rank's tensors under the names to write) as a Hugging Face directory at ``out``.
     Every rank writes its shards in parallel (DCP), then the coordinating rank assembles the
     ``model-0000k-of-0000n.safetensors`` files and the index from them, one tensor at a time, and removes the
-    shards. Collective over ``group``; ``coordinator``: whether this rank is group rank 0."""
+    shards. Tensors that are not floating point (never sharded, a few bytes: BatchNorm's step counters) go to
+    ``model-extra.safetensors``, named in the same index. Collective over ``group``; ``coordinator``: whether
+    this rank is group rank 0."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     out.mkdir(parents=True, exist_ok=True)
+    floating = {k: v for k, v in state.items() if v.is_floating_point()}
+    others = _gather_small({k: v for k, v in state.items() if not v.is_floating_point()}, group)
     try:
-        writer = HuggingFaceStorageWriter(str(out), fqn_to_index_mapping=indices, save_distributed=True,
-                                          enable_consolidation=True)
+        writer = HuggingFaceStorageWriter(str(out), fqn_to_index_mapping={k: i for k, i in indices.items()
+                                                                          if k not in others},
+                                          save_distributed=True, enable_consolidation=True)
     except TypeError:
         raise _fail("exporting to a directory needs torch's HuggingFaceStorageWriter with save_distributed and "
                     "enable_consolidation (torch >= 2.9); export to a .safetensors file instead") from None
-    dcp.save(state, storage_writer=writer, process_group=group)
+    dcp.save(floating, storage_writer=writer, process_group=group)
     if coordinator:
         shutil.rmtree(out / "sharded", ignore_errors=True)
+        if others:
+            _add_file(out, EXTRA, others)
+
+
+def _gather_small(tensors: dict[str, torch.Tensor], group: Any) -> dict[str, torch.Tensor]:
+    """Every rank's ``tensors`` (small, never sharded: BatchNorm's step counters) on every rank. torch's
+    consolidation reads floating-point tensors only (2.13: ``torch.finfo`` of each dtype), so these go
+    around it."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return dict(tensors)
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, {k: v.detach().cpu() for k, v in tensors.items()}, group=group)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _add_file(out: Path, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``tensors`` as one more file of the checkpoint at ``out`` and name them in its index."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / name), metadata={"format": "pt"})
+    index = json.loads((out / INDEX).read_text())
+    index["weight_map"].update(dict.fromkeys(tensors, name))
+    index.setdefault("metadata", {})["total_size"] = index.get("metadata", {}).get("total_size", 0) + sum(
+        v.numel() * v.element_size() for v in tensors.values())
+    (out / INDEX).write_text(json.dumps(index, indent=2))
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:

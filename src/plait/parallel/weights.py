@@ -57,10 +57,18 @@ def load_weights(facts: ModelFacts, entries: dict[str, torch.Tensor], path: str 
 def export_weights(facts: ModelFacts, entries: dict[str, torch.Tensor], out: Path, group: Any, coordinator: bool,
                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write the model as a Hugging Face directory at ``out`` (see the module docstring); collective over
-    ``group``. No rank holds more than its own shards plus, on the coordinating rank, one full tensor."""
+    ``group``. No rank holds more than its own shards (a tied tensor's twice) plus, on the coordinating rank, one
+    full tensor."""
     sizes = {n: int(torch.Size(facts.shapes[n]).numel()) * facts.dtypes[n].itemsize for n in facts.shapes}
     indices = file_indices(sizes, max_shard_bytes)
-    state = {n: t for n, t in entries.items() if n in indices}
+    state: dict[str, torch.Tensor] = {}
+    seen: set[tuple] = set()
+    for n, t in entries.items():
+        if n not in indices:
+            continue
+        # safetensors refuses two names on one storage: a tied tensor's other names get a copy of this rank's part
+        state[n] = t.detach().clone() if storage_key(t) in seen else t
+        seen.add(storage_key(t))
     _save_from(state, out, indices, group, coordinator)
     save_config = getattr(facts.config, "save_pretrained", None)
     if coordinator and callable(save_config):

@@ -13,6 +13,7 @@ A data factory returns the training set, a ``(train, eval)`` pair, or a dict wit
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import sys
@@ -215,11 +216,13 @@ def build_trainer(cfg: Config) -> Trainer:
     seeded by ``train.seed`` so every rank builds the same weights."""
     p = Plait(cfg)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg)
+    weights = cfg.model.weights or None
+    with torch.device("meta") if weights else contextlib.nullcontext():  # weights: each rank reads its part
+        model = build_model(cfg)
     train_data, held_out = build_data(cfg)
     if hasattr(train_data, "source"):
         p.logger.info("data: %s, %d training samples", train_data.source, len(train_data))
-    return Trainer(model, train_data, loss_fn=default_loss(cfg), eval_data=held_out, plait=p)
+    return Trainer(model, train_data, loss_fn=default_loss(cfg), eval_data=held_out, plait=p, weights=weights)
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:
