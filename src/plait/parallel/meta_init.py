@@ -65,13 +65,18 @@ def place(model: nn.Module, device: torch.device) -> nn.Module:
 @torch.no_grad()
 def materialise(module: nn.Module, device: torch.device) -> None:
     """Allocate (uninitialised) storage on ``device`` for every meta tensor of ``module``; tensors already real
-    are left as they are. Buffers keep their identity (``torch.utils.swap_tensors``), so references a layout
-    took to them (BatchNorm statistics to average) stay valid; parameters are re-allocated by
-    ``Module._apply`` as ``to_empty`` does (FSDP2 and DTensor parameters included)."""
+    are left as they are. Every tensor keeps its identity (``torch.utils.swap_tensors``): tied parameters stay
+    one object, and references a layout took (a pipeline's parameter lists, BatchNorm statistics to average)
+    stay valid. DTensor parameters (tensor parallelism, FSDP2) go through ``Module._apply`` as ``to_empty``
+    does, which swaps them in place too and lets FSDP2 re-register its padded shards."""
+    done: set[int] = set()
     for m in module.modules():
-        for b in list(m._buffers.values()):
-            if b is not None and b.is_meta and type(b) is torch.Tensor:
-                torch.utils.swap_tensors(b, torch.empty_like(b, device=device))
+        for t in list(m._parameters.values()) + list(m._buffers.values()):
+            if t is None or id(t) in done or not t.is_meta or type(t) not in (torch.Tensor, nn.Parameter):
+                continue
+            done.add(id(t))
+            new = torch.empty_like(t, device=device)
+            torch.utils.swap_tensors(t, nn.Parameter(new, t.requires_grad) if type(t) is nn.Parameter else new)
     if any(p.is_meta for p in module.parameters()) or any(b is not None and b.is_meta for b in module.buffers()):
         module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
 
@@ -161,14 +166,14 @@ def _module_init(facts: ModelFacts, init_fn: InitFn | None) -> InitFn:
     return init
 
 
-def _swap(module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _swap(module: nn.Module, tensors: dict[str, Any], wrap: bool = True) -> dict[str, Any]:
     """Put ``tensors`` in ``module`` under their attribute names (bypassing ``__setattr__``, which a layout may
-    have wrapped); returns what was there."""
+    have wrapped), parameters as ``nn.Parameter`` when ``wrap``; returns what was there."""
     old = {}
     for attr, t in tensors.items():
         table = module._parameters if attr in module._parameters else module._buffers
         old[attr] = table[attr]
-        table[attr] = nn.Parameter(t, requires_grad=False) if table is module._parameters else t
+        table[attr] = nn.Parameter(t, requires_grad=False) if wrap and table is module._parameters else t
     return old
 
 
@@ -187,7 +192,7 @@ def _full_values(facts: ModelFacts, mname: str, seed: int, init: InitFn) -> dict
         out = {attr: (module._parameters.get(attr) if attr in module._parameters else module._buffers[attr])
                for attr in full}
     finally:
-        _swap(module, {k: v for k, v in old.items()})
+        _swap(module, old, wrap=False)  # the model's own objects back, exactly
         torch.random.set_rng_state(gen_state)
     return {k: v.detach() for k, v in out.items()}
 

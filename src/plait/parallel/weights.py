@@ -26,6 +26,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def check_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Raise the ``WeightsError`` loading ``path`` into ``model`` would raise (headers only, no collective)."""
+    facts = ModelFacts.of(model)
+    match_names(facts.groups(), facts.shapes, facts.dtypes, open_checkpoint(path), prefix=facts.base_prefix,
+                ignore=facts.ignore_unexpected, what=facts.kind)
+
+
 def load_weights(facts: ModelFacts, entries: dict[str, torch.Tensor], path: str | Path, group: Any,
                  what: str) -> None:
     """Fill ``entries`` (this rank's) from the checkpoint at ``path``; collective over ``group``. A meta-built

@@ -190,6 +190,8 @@ def check_recipe(cfg: Config, degrees: dict[str, int]) -> None:
     recipe = model_recipe(cfg)
     if recipe is not None and recipe.check is not None:
         recipe.check(cfg, degrees)
+    if cfg.model.weights:
+        check_weights(cfg)
     if not cfg.data.factory:
         name = data_name(cfg)
         if name in DATA and DATA[name].check is not None:
@@ -203,6 +205,16 @@ register_data("text", DataRecipe(build=gpt.build_text, check=gpt.check_text,
 register_model("cnn", ModelRecipe(build=cnn.build_model, data="digits", loss="classification",
                                   describe="a ResNet-style CNN with BatchNorm"))
 register_data("digits", DataRecipe(build=cnn.build_digits, describe="scikit-learn's 8x8 handwritten digits"))
+
+
+def check_weights(cfg: Config) -> None:
+    """``model.weights`` against the model the config names, before any worker starts: the model is built on the
+    meta device (shapes only) and the checkpoint's headers are read (``plait.parallel.weights.check_weights``)."""
+    from plait.parallel.weights import check_weights as check
+
+    with torch.device("meta"):
+        model = build_model(cfg)
+    check(model, cfg.model.weights)
 
 
 def validate_config(cfg: Config, world_size: int, *, model_checks: bool = True) -> Config:
