@@ -119,12 +119,15 @@ def _status_kb(key: str) -> int:
 def setup_memory(root: str, world: int, meta: bool) -> int:
     """Bytes this rank's peak RSS rose by over building and setting up the BIG Llama at zero=3: on the meta
     device with ``weights=`` (plait's path), or built whole on every rank (the path without either). The peak
-    is the kernel's high-water mark, reset just before (``/proc/self/clear_refs``), after the model's modules
-    were imported (a first meta build)."""
+    is the kernel's high-water mark, reset just before (``/proc/self/clear_refs``), after the modules used were
+    imported (a first meta build, DCP's reader)."""
     import gc
 
     p = _plait({"zero": 3}, GLOBAL // world, f"{root}/mem-{meta}")
-    build("llama", BIG, meta=True)  # transformers imports the model's modules lazily: not the model's memory
+    # what is imported on first use is not the model's memory: transformers' model modules, DCP's reader
+    build("llama", BIG, meta=True)
+    import safetensors.torch  # noqa: F401
+    from torch.distributed.checkpoint import HuggingFaceStorageReader  # noqa: F401
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     before = _status_kb("VmRSS")
@@ -188,7 +191,7 @@ def root(tmp_path_factory) -> Path:
         assert len(list((root / family).glob("model-*.safetensors"))) >= 3  # several files, one index
     _write_bad(root, "llama")
     torch.manual_seed(0)
-    build("llama", BIG).save_pretrained(root / "big", max_shard_size="20MB")
+    build("llama", BIG).save_pretrained(root / "big", max_shard_size="5MB")
     return root
 
 
