@@ -7,8 +7,11 @@ one ``.safetensors`` file, or a plait run directory (its export, ``RUN_DIR/model
 of runs before directories were written).
 
 Library first: the bytes move through torch's ``torch.distributed.checkpoint`` (DCP) with its
-``HuggingFaceStorageReader`` / ``HuggingFaceStorageWriter`` (torch >= 2.9; checked on torch 2.13 with gloo
-here, and read against the 2.11 sources). DCP plans which slice of which file each rank needs from the
+``HuggingFaceStorageReader`` / ``HuggingFaceStorageWriter``. Checked on torch 2.13 with gloo here. The 2.11
+sources could not be read on this machine; the classes are public since torch 2.8, whose writer took
+``save_sharded`` / ``consolidated_output_path`` instead of ``save_distributed`` / ``enable_consolidation`` and
+whose reader deserialised whole files: a writer without those arguments ends in a message naming the
+single-file export instead. DCP plans which slice of which file each rank needs from the
 DTensor placements of the tensors it is given (FSDP2 shards, tensor-parallel shards, both at once) and the
 reader takes only those slices with safetensors' lazy ``get_slice``; the writer writes each rank's shards,
 and ``enable_consolidation`` then assembles the ``model-0000k-of-0000n.safetensors`` files one tensor at a
