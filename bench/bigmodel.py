@@ -22,7 +22,8 @@ at setup) + the RSS after imports; plait's load time <= the by-hand path's. A va
 would not fit in the memory available now is skipped with the reason (``full`` at 4 ranks holds two copies per
 rank while the broadcast runs).
 
-    python bench/bigmodel.py [--worlds 2 4] [--layouts zero3 tp] [--hidden 2048 --layers 8 --vocab 32000]
+    python bench/bigmodel.py [--worlds 2 4] [--layouts zero3 tp] [--variants plait full by_hand]
+                             [--hidden 2048 --layers 8 --vocab 32000] [--out FILE]
 """
 
 from __future__ import annotations
@@ -89,17 +90,18 @@ def _worker(rank: int, world: int, variant: str, layout: str, ckpt: str, cfg_arg
         model = p.setup(model, loss_fn="causal_lm")[0] if variant == "full" else _by_hand(model, world)
     dist.barrier()
     seconds = time.perf_counter() - t0
-    peak_above = _common.peak_rss_bytes() - before
+    peak = _common.peak_rss_bytes()  # read now: the forward below all-gathers FSDP units
+    peak_above = peak - before
     x = torch.arange(8).reshape(1, 8) % cfg_args["vocab"]
     with torch.no_grad():
         if p is not None:
             loss = float(p.evaluate(model, [x]))
         else:
             loss = float(model(input_ids=x, labels=x).loss)
+    # peak_rss: VmHWM was reset after the imports, so it is the peak of setup+load over an RSS that already held
+    # them (the imports' own transient peak is not the model's)
     out = {"seconds": seconds, "peak_above_baseline": peak_above, "rss_after_imports": rss_imports,
-           "loss": loss}
-    # the lifetime high-water mark: VmHWM was reset above, so take the larger of the two readings
-    out["peak_rss"] = max(_common.peak_rss_bytes(), rss_imports)
+           "peak_rss": max(peak, rss_imports), "loss": loss}
     if p is not None:
         p.close()
     return out
@@ -131,6 +133,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--variants", nargs="+", default=["plait", "full", "by_hand"],
+                    choices=["plait", "full", "by_hand"])
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     import transformers
@@ -149,7 +153,7 @@ def main() -> None:
                      "runs": {}}
     for world in args.worlds:
         for layout in args.layouts:
-            for variant in ("plait", "full", "by_hand"):
+            for variant in args.variants:
                 if variant == "by_hand" and layout != "zero3":
                     continue
                 key = f"{layout}/{world}/{variant}"
