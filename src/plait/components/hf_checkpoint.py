@@ -6,35 +6,37 @@ naming ``model-0000k-of-0000n.safetensors`` files, plus ``config.json``. A weigh
 one ``.safetensors`` file, or a plait run directory (its export, ``RUN_DIR/model/``, or ``model.safetensors``
 of runs before directories were written).
 
-Library first: the bytes move through torch's ``torch.distributed.checkpoint`` (DCP) with its
-``HuggingFaceStorageReader`` / ``HuggingFaceStorageWriter``. Checked on torch 2.13 with gloo here. The 2.11
-sources could not be read on this machine; the classes are public since torch 2.8, whose writer took
-``save_sharded`` / ``consolidated_output_path`` instead of ``save_distributed`` / ``enable_consolidation`` and
-whose reader deserialised whole files: a writer without those arguments ends in a message naming the
-single-file export instead. DCP plans which slice of which file each rank needs from the
-DTensor placements of the tensors it is given (FSDP2 shards, tensor-parallel shards, both at once) and the
-reader takes only those slices with safetensors' lazy ``get_slice``; the writer writes each rank's shards,
-and ``enable_consolidation`` then assembles the ``model-0000k-of-0000n.safetensors`` files one tensor at a
-time (``_consolidate_hf_safetensors``: one full tensor in memory at a time, on the coordinating rank).
+Library first, where it does the job. Writing goes through torch's ``torch.distributed.checkpoint`` (DCP) with
+its ``HuggingFaceStorageWriter``: every rank writes its shards, and ``enable_consolidation`` assembles the
+``model-0000k-of-0000n.safetensors`` files one tensor at a time (``_consolidate_hf_safetensors``: one full
+tensor in memory at a time, on the coordinating rank). Checked on torch 2.13 with gloo here. The 2.11 sources
+could not be read on this machine; the class is public since torch 2.8, whose writer took ``save_sharded`` /
+``consolidated_output_path`` instead of ``save_distributed`` / ``enable_consolidation``: a writer without those
+arguments ends in a message naming the single-file export instead.
+
+Reading does not use torch's ``HuggingFaceStorageReader``, measured: it maps each file and copies each slice out
+of the mapping before copying it into the shard, so while a file is read a rank holds the file's pages it
+touched plus a copy of its largest slice. For a 2 GB Llama in 500 MB files that was 0.3 GB per rank above the
+shard at 2 ranks (``bench/bigmodel.py``). plait reads each slice's contiguous runs with positioned reads
+(``os.preadv``) straight into the shard's storage: its memory is the shard, and no collective is involved.
 
 What plait adds, and why:
 
-* **Which tensors a rank holds, under which names.** DCP is handed this rank's entries under the
+* **Which tensors a rank holds, under which names.** Reading and writing take this rank's entries under the
   single-process model's names (``Strategy.model_entries``): a pipeline stage's layers only, an expert-parallel
   rank's experts as a slice of the global tensor, a later stage's copy of a tied embedding under the name the
-  checkpoint has. torch's classes know files, not layouts.
+  checkpoint has; each DTensor's placements say which slice (FSDP2's dim-0 shards, Megatron row and column
+  shards, both at once). torch's classes know files, not layouts.
 * **Names through the model's own conventions.** Tied weights are read once under whichever of their names
   the checkpoint has (``save_pretrained`` drops the tied head); a checkpoint of the base model (no
   ``base_model_prefix.``) loads into the model with a head and the other way round, as ``from_pretrained``
   does; keys the model lists in ``_keys_to_ignore_on_load_unexpected`` are ignored. Converters that fuse or
   split tensors (transformers 5's per-model weight converters, e.g. fused MoE experts) are not applied: such a
   checkpoint ends in the message below.
-* **Checks before any collective.** torch's reader reads every ``*.safetensors`` file of its directory and
-  fails deep inside a collective (or, on one rank, leaves the others waiting). plait reads the headers first
-  (a few KB per file) and rejects, on every rank alike and before anything is loaded, a PATH that does not
-  exist, an index naming a missing file, a truncated file, and missing, unexpected, wrong-shape and wrong-dtype
-  tensors, in one ``WeightsError`` naming them and the nearest names. The reader then sees exactly the files
-  of the checkpoint (links in a private directory).
+* **Checks before anything is read.** plait reads the headers first (a few KB per file) and rejects, on
+  every rank alike (no rank is left waiting for another), a PATH that does not exist, an index naming a
+  missing file, a truncated file, and missing, unexpected, wrong-shape and wrong-dtype tensors, in one
+  ``WeightsError`` naming them and the nearest names.
 * **dtype.** Floating-point tensors are converted to the dtype of the model's tensor (its fp32 master weights;
   ``train.precision`` bf16/fp16 computes in lower precision from them). A checkpoint tensor of another kind
   (integer for a floating parameter, or the other way round) is a wrong dtype.
@@ -43,12 +45,13 @@ What plait adds, and why:
 from __future__ import annotations
 
 import difflib
+import itertools
 import json
+import math
 import os
 import re
 import shutil
 import struct
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +81,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: torch.dtype
     file: Path
+    start: int = 0  # where the tensor's bytes begin in the file
 
 
 @dataclass
@@ -150,7 +154,7 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
         dtype = _ST_DTYPES.get(info.get("dtype", ""))
         if dtype is None:
             raise _fail(f"{file}: tensor {name} has dtype {info.get('dtype')!r}, which plait does not read")
-        out[name] = TensorInfo(tuple(info["shape"]), dtype, file)
+        out[name] = TensorInfo(tuple(info["shape"]), dtype, file, 8 + n + int(info["data_offsets"][0]))
         end = max(end, int(info["data_offsets"][1]))
     if 8 + n + end > size:
         raise _fail(f"{file} is truncated: its header declares {8 + n + end} bytes, the file has {size}; copy it "
@@ -222,24 +226,58 @@ def match_names(groups: dict[str, list[str]], shapes: dict[str, Any], dtypes: di
     return chosen
 
 
-def _reader_dir(ckpt: Checkpoint) -> tempfile.TemporaryDirectory:
-    """A private directory holding links to exactly the checkpoint's files (torch's reader reads every
-    ``*.safetensors`` file of its directory; a single file may sit beside others)."""
-    tmp = tempfile.TemporaryDirectory(prefix="plait-weights-")
-    for f in ckpt.files:
-        os.symlink(f.resolve(), Path(tmp.name) / f.name)
-    return tmp
+def _local_part(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """(the tensor this rank fills, its offset in the whole tensor): a DTensor's local shard and the offset its
+    placements give (FSDP2's dim-0 shard, a Megatron row or column shard, both at once), else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return t.to_local(), tuple(offset)
+    return t, (0,) * t.dim()
 
 
-def load_into(state: dict[str, torch.Tensor], ckpt: Checkpoint, group: Any = None) -> None:
-    """Read ``state`` (checkpoint name -> this rank's tensor: plain or DTensor) in place from ``ckpt``.
-    Collective over ``group`` when a process group exists (DCP agrees on the read plan); every rank calls it,
-    with its own names. Only the bytes of each rank's slices are read."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
+def _read_region(f: Any, info: TensorInfo, dest: torch.Tensor, offset: tuple[int, ...]) -> None:
+    """Read the block of the file's tensor at ``offset`` of ``dest``'s shape into ``dest`` (CPU, contiguous, the
+    file's dtype) with positioned reads: one per contiguous run (the dims after the last sliced one are whole)."""
+    full, shape, item = info.shape, tuple(dest.shape), info.dtype.itemsize
+    strides = [math.prod(full[d + 1:]) for d in range(len(full))]
+    k = max((d for d in range(len(full)) if shape[d] != full[d]), default=0)
+    run = (shape[k] * strides[k] if full else 1) * item
+    buf = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    for idx in itertools.product(*(range(offset[d], offset[d] + shape[d]) for d in range(k))):
+        first = sum(i * strides[d] for d, i in enumerate(idx)) + (offset[k] * strides[k] if full else 0)
+        got = os.preadv(f, [buf[done:done + run]], info.start + first * item)
+        if got != run:
+            raise _fail(f"{info.file} ended while reading it; it may be truncated: copy it again")
+        done += run
 
-    with _reader_dir(ckpt) as d:
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(d), process_group=group)
+
+def load_into(state: dict[str, torch.Tensor], ckpt: Checkpoint) -> None:
+    """Read ``state`` (checkpoint name -> this rank's tensor: plain or DTensor) in place from ``ckpt``: only the
+    bytes of this rank's slice of each tensor, straight into its storage (a temporary of the slice's size only
+    when the dtype or device differs). No collective: every rank reads its own."""
+    fds: dict[Path, int] = {}
+    try:
+        for name, t in state.items():
+            info = ckpt.tensors[name]
+            local, offset = _local_part(t)
+            if local.numel() == 0:
+                continue
+            direct = local.is_contiguous() and local.dtype == info.dtype and local.device.type == "cpu"
+            dest = local if direct else torch.empty(tuple(local.shape), dtype=info.dtype)
+            if info.file not in fds:
+                fds[info.file] = os.open(info.file, os.O_RDONLY)
+            with torch.no_grad():
+                _read_region(fds[info.file], info, dest, offset)
+                if not direct:
+                    local.copy_(dest)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 def file_indices(sizes: dict[str, int], max_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, int]:

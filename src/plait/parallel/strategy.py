@@ -346,9 +346,9 @@ class Strategy:
 
     def prepare_weights(self, weights: str | Path | None, init_fn: InitFn | None, seed: int, group: Any) -> None:
         """Fill this rank's part of the model before the optimizer is built: from the checkpoint at ``weights``
-        (read shard by shard; collective over ``group``), else, for a model built on the meta device, by
-        ``plait.parallel.meta_init.initialise`` (``init_fn(module)`` or the modules' own init, seeded by
-        ``seed`` and module name). A model built normally keeps its weights."""
+        (each rank reads its own slices; ``group`` is the training ranks'), else, for a model built on the meta
+        device, by ``plait.parallel.meta_init.initialise`` (``init_fn(module)`` or the modules' own init, seeded
+        by ``seed`` and module name). A model built normally keeps its weights."""
         from plait.parallel.weights import load_weights
 
         if weights is not None:

@@ -4,8 +4,8 @@ default behind the strategy contract's ``prepare_weights`` and ``export_weights`
 Every strategy gives ``model_entries()``: this rank's state-dict entries under the single-process model's
 names (DTensors where sharded), the tensors the model trains. Loading maps each tied group of names to the
 one checkpoint name it is read from (checked against the whole model's ``ModelFacts`` first, identically on
-every rank, so a bad checkpoint raises before any collective), then reads through
-``plait.components.hf_checkpoint`` (DCP's Hugging Face reader). Exporting writes every entry under every name
+every rank, so a bad checkpoint raises on all of them), then reads each rank's slices through
+``plait.components.hf_checkpoint``. Exporting writes every entry under every name
 (a tied tensor under each of its names, as ``state_dict()`` has them, so ``from_pretrained`` finds no key
 missing or unexpected) through DCP's Hugging Face writer, files cut at ``max_shard_bytes`` in model order.
 """
@@ -35,8 +35,9 @@ def check_weights(model: torch.nn.Module, path: str | Path) -> None:
 
 def load_weights(facts: ModelFacts, entries: dict[str, torch.Tensor], path: str | Path, group: Any,
                  what: str) -> None:
-    """Fill ``entries`` (this rank's) from the checkpoint at ``path``; collective over ``group``. A meta-built
-    model's non-persistent buffers (rotary ``inv_freq``) are then computed as construction would."""
+    """Fill ``entries`` (this rank's) from the checkpoint at ``path``; no collective (``group`` is the one an
+    override may use). A meta-built model's non-persistent buffers (rotary ``inv_freq``) are then computed as
+    construction would."""
     ckpt = open_checkpoint(path)
     chosen = match_names(facts.groups(), facts.shapes, facts.dtypes, ckpt, prefix=facts.base_prefix,
                          ignore=facts.ignore_unexpected, what=what)
@@ -53,7 +54,7 @@ def load_weights(facts: ModelFacts, entries: dict[str, torch.Tensor], path: str 
             copies.append((t, key))
         else:
             state[key] = t
-    load_into(state, ckpt, group)
+    load_into(state, ckpt)
     with torch.no_grad():
         for t, key in copies:
             _local(t).copy_(_local(state[key]))
