@@ -341,3 +341,19 @@ def test_plait_train_from_weights_exports_a_directory(root, tmp_path) -> None:
     start = transformers.LlamaForCausalLM.from_pretrained(root / "llama").state_dict()
     moved = _max_diff(model.state_dict(), start)
     assert 1e-4 < moved < 0.1  # started from the checkpoint (not a fresh init) and took two small steps
+
+
+def test_bf16_checkpoint_loads_into_fp32_weights(tmp_path) -> None:
+    """A bf16 checkpoint (``save_pretrained`` after ``.to(torch.bfloat16)``) loads into a meta-built fp32 model in
+    one process: every weight equals the bf16 value converted to fp32, and the non-persistent rotary buffers are
+    those of a model built normally."""
+    torch.manual_seed(0)
+    build("llama").to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    ref = getattr(transformers, FAMILIES["llama"][0]).from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    p = _plait({}, GLOBAL, str(tmp_path / "run"))
+    model, _ = p.setup(build("llama", meta=True), loss_fn="causal_lm", weights=str(tmp_path / "bf16"))
+    p.close()
+    for k, v in ref.state_dict().items():
+        got = model.state_dict()[k]
+        assert got.dtype == torch.float32 and torch.equal(got, v.float()), k
+    assert torch.equal(model.model.rotary_emb.inv_freq, build("llama").model.rotary_emb.inv_freq)
