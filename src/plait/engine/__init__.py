@@ -41,7 +41,7 @@ from plait.config import Config
 from plait.data.loader import to_device
 from plait.engine.checkpointer import Checkpointer
 from plait.engine.collectives import SmallCollectives, explained
-from plait.engine.export import export_directory, export_file
+from plait.engine.export import export_weights
 from plait.engine.loaders import distributed_loader
 from plait.engine.metrics import MetricsSink
 from plait.engine.run_files import RunFiles
@@ -52,6 +52,7 @@ from plait.engine.stepper import StepperAttribute as _StepperAttr
 from plait.fault.preempt import PreemptionFlag
 from plait.nn.moe import moe_layers
 from plait.observe.log import get_logger
+from plait.observe.memory import SetupMeter
 from plait.observe.prometheus import serve_metrics
 from plait.parallel import registry
 from plait.parallel.apply import ModelSpec
@@ -200,8 +201,8 @@ class Plait(SmallCollectives):
     def setup(self, model: nn.Module, optimizer: Any = None, scheduler: Callable[[Any], Any] | None = None, *,
               tp_plan: dict[str, Any] | str | None = None, parallelize_fn: Callable | None = None,
               pp_split: list[str] | None = None, stage_fn: Callable | None = None, loss_fn: Any = None,
-              sample: Any = None, weights: str | Path | None = None,
-              init_fn: Callable[[nn.Module], None] | None = None) -> tuple[nn.Module, Any]:
+              sample: Any = None, weights: str | Path | None = None, init_fn: Callable | None = None
+              ) -> tuple[nn.Module, Any]:
         """Apply the configured layout to ``model`` and build its optimizer; returns ``(model, optimizer)``.
 
         ``optimizer``: a factory ``fn(model) -> torch.optim.Optimizer`` called with the returned model
@@ -212,11 +213,10 @@ class Plait(SmallCollectives):
         tp_mesh)`` choose tensor parallelism, ``pp_split`` / ``stage_fn(model, stage_index, num_stages)``
         the pipeline split; each overrides the config. ``loss_fn`` (a name, a ``plait.losses.Loss`` or
         ``fn(output, target)``) is what ``forward_backward`` and the pipeline's last stage compute;
-        ``sample`` is one micro-batch, used to balance pipeline stages by measured cost.
-        ``model`` may be on the meta device: each rank allocates only its part (``plait.parallel.meta_init``).
-        ``weights``: a Hugging Face checkpoint (directory or file) or a plait run directory, read shard by shard;
-        without it a meta model is initialised per module, by ``init_fn(module)`` if given.
-        """
+        ``sample`` is one micro-batch, used to balance pipeline stages by measured cost. ``model`` may be on the
+        meta device: each rank allocates only its part (``plait.parallel.meta_init``). ``weights``: a Hugging Face
+        checkpoint (directory or file) or a plait run directory, read shard by shard; without it a meta model is
+        initialised per module, by ``init_fn(module)`` if given."""
         check_setup_args(self.strategy, model, scheduler)
         self.phase("setup")
         model, compiled = unwrap_compiled(model)
@@ -227,6 +227,7 @@ class Plait(SmallCollectives):
                          pp_split=list(pp_split if pp_split is not None else p.pp_split), stage_fn=stage_fn,
                          loss=self.loss, sample=self.to_device(sample) if sample is not None else None)
         moe = moe_layers(model)  # the whole model's, the same on every rank (a pipeline stage keeps some)
+        meter = SetupMeter(self.device).start()  # this rank's peak memory of setup, reported with the prediction
         self.stepper.strategy = strategy = registry.build(self._strategy_cls, place(model, self.device),
                                                           self.topology, self.config, self.comm, spec)
         strategy.prepare_weights(weights, init_fn, self.config.train.seed, self.group)
@@ -234,6 +235,7 @@ class Plait(SmallCollectives):
             self.stepper.moe = MoeMonitor(strategy.model, self.topology, self.comm, self.config.train.log_every,
                                           bias=any(layer.balance == "bias" for layer in moe))
         opt = strategy.build_optimizer(factory)
+        strategy.setup_memory = meter.stop()
         self._start(strategy)
         if scheduler is not None:
             self.stepper.scheduler = scheduler(strategy.scheduler_target())
@@ -265,12 +267,15 @@ class Plait(SmallCollectives):
         """This rank's share of ``data`` in micro-batches of ``batch_size`` (default
         ``train.micro_batch_size``): a deterministic, resumable loader (``plait.data.loader``).
 
-        ``data`` is a map-style data set or a DataLoader (whose data set, collate function and worker
-        settings are kept). A DataLoader whose sampler is already rank-aware (``DistributedSampler``) is
-        returned as it is. Training (``shuffle=True``) yields whole global batches of ``batch_size x dp x
-        accumulation`` samples, each data-parallel rank a disjoint share; ``shuffle=False`` is for
-        evaluation: every sample once (but at most dp-1), the same number of batches on every rank.
-        A ``batch_size`` other than the config's changes the accumulation so the global batch stays.
+        ``data`` is a map-style data set (a Hugging Face ``datasets.Dataset`` too) or a DataLoader (whose
+        data set, collate function and worker settings are kept); an iterable data set (Hugging Face or
+        torch), a ``StatefulDataLoader``, plait's streamed documents or a plain iterable are read through
+        ``plait.data.resumable.loader_for`` (sharded over data-parallel ranks, per-rank state). A DataLoader
+        whose sampler is already rank-aware (``DistributedSampler``) is returned as it is. Training
+        (``shuffle=True``) yields whole global batches of ``batch_size x dp x accumulation`` samples, each
+        data-parallel rank a disjoint share; ``shuffle=False`` is for evaluation: every sample once (but at
+        most dp-1), the same number of batches on every rank. A ``batch_size`` other than the config's changes
+        the accumulation so the global batch stays.
         """
         if data is None:
             raise PlaitError("setup_dataloader() got None; pass a data set or a DataLoader")
@@ -440,14 +445,9 @@ class Plait(SmallCollectives):
         return {k: v.detach().cpu() for k, v in strategy.full_model_state(rank0_only).items()}
 
     def export(self, model: nn.Module | None, path: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-        """Write the weights under the single-process names (every rank calls it): a path ending in ``.safetensors``
-        is one file gathered to rank 0; any other is a Hugging Face directory (``from_pretrained`` loads it) written
-        shard by shard, files of at most ``max_shard_bytes`` (``plait.parallel.weights``)."""
-        if Path(path).suffix == ".safetensors":
-            return export_file(self.full_state_dict(model, rank0_only=True), Path(path), self.is_main, self.barrier)
-        strategy = self._check_objects(model, None)
-        self.phase("export")
-        return export_directory(strategy, Path(path), self.group, self.is_main, self.barrier, max_shard_bytes)
+        """Write the weights under the single-process names (every rank calls it): ``*.safetensors`` is one file on
+        rank 0; any other path a Hugging Face directory written shard by shard (``plait.parallel.weights``)."""
+        return export_weights(self, model, Path(path), max_shard_bytes)
 
     # -- metrics -----------------------------------------------------------------------------------
     def log(self, record: dict[str, Any], step: int | None = None) -> None:

@@ -14,6 +14,16 @@ from plait.components.hf_checkpoint import INDEX
 from plait.parallel.strategy import PlaitError, Strategy
 
 
+def export_weights(plait: Any, model: Any, path: Path, max_shard_bytes: int) -> Path:
+    """``Plait.export`` of ``plait`` (a ``plait.Plait``): a path ending in ``.safetensors`` is one file gathered to
+    rank 0; any other a Hugging Face directory written shard by shard (``export_directory``). Every rank calls it."""
+    if path.suffix == ".safetensors":
+        return export_file(plait.full_state_dict(model, rank0_only=True), path, plait.is_main, plait.barrier)
+    strategy = plait._check_objects(model, None)
+    plait.phase("export")
+    return export_directory(strategy, path, plait.group, plait.is_main, plait.barrier, max_shard_bytes)
+
+
 def export_directory(strategy: Strategy, path: Path, group: Any, is_main: bool, barrier: Callable[[], None],
                      max_shard_bytes: int) -> Path:
     """Write the model at directory ``path`` (``Strategy.export_weights``); an earlier export's files there are
