@@ -24,6 +24,8 @@ rank while the broadcast runs).
 
     python bench/bigmodel.py [--worlds 2 4] [--layouts zero3 tp] [--variants plait full by_hand]
                              [--hidden 2048 --layers 8 --vocab 32000] [--out FILE]
+    python bench/bigmodel.py --quick     # a 15 MB model at 2 ranks, zero=3, every variant: under a minute,
+                                         # a check that the script runs (its figures say nothing of large models)
 """
 
 from __future__ import annotations
@@ -135,8 +137,14 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--variants", nargs="+", default=["plait", "full", "by_hand"],
                     choices=["plait", "full", "by_hand"])
+    ap.add_argument("--shard-size", default="500MB", help="save_pretrained's max_shard_size of the checkpoint")
     ap.add_argument("--out", default="")
+    ap.add_argument("--quick", action="store_true",
+                    help="a small model (hidden 256, 2 layers, vocab 4096; 2 MB files) at 2 ranks, zero=3")
     args = ap.parse_args()
+    if args.quick:
+        args.hidden, args.layers, args.vocab, args.shard_size = 256, 2, 4096, "2MB"
+        args.worlds, args.layouts = [2], ["zero3"]
     import transformers
 
     root = tempfile.mkdtemp(prefix="plait-bigmodel-")
@@ -145,7 +153,7 @@ def main() -> None:
     with torch.device("meta"):
         params = sum(p.numel() for p in transformers.LlamaForCausalLM(llama_config(args)).parameters())
     model = transformers.LlamaForCausalLM(llama_config(args))
-    model.save_pretrained(ckpt, max_shard_size="500MB")
+    model.save_pretrained(ckpt, max_shard_size=args.shard_size)
     del model
     model_bytes = params * 4
     results: dict = {"machine": _common.machine_info(), "torch": torch.__version__,
