@@ -29,6 +29,7 @@ from torch import nn
 from plait.comm.collectives import Comm
 from plait.components.precision import autocast
 from plait.config import Config, ConfigError, ParallelConfig
+from plait.observe.log import get_logger
 from plait.parallel.apply import ModelSpec
 from plait.parallel.meta_init import is_meta, materialise
 from plait.parallel.model_parallel import ModelParallel
@@ -123,7 +124,12 @@ class Pipeline(ModelParallel):
         p = cfg.parallel
         loss, sample, split, stage_fn = spec.loss, spec.sample, spec.pp_split, spec.stage_fn
         costs = None
-        if p.pp_balance == "cost" and sample is not None and stage_fn is None and not split and not is_meta(model):
+        timed = p.pp_balance == "cost" and sample is not None and stage_fn is None and not split
+        if timed and is_meta(model):
+            get_logger(topo.rank).warning("parallel.pp_balance=cost times each layer on a sample, which a model on "
+                                          "the meta device cannot run: stages are split by layer count (pass "
+                                          "pp_split to choose the split)")
+        elif timed:
             args, _, target = loss.split(sample)
             mb = max(1, args[0].size(0) // p.microbatches)
             costs = measure_layer_costs(model, tuple(a[:mb] for a in args), target[:mb], loss=loss.loss, repeats=2)
