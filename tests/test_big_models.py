@@ -25,6 +25,7 @@ through ``plait train`` in one line with exit code 2.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -348,6 +349,12 @@ def test_plait_train_from_weights_exports_a_directory(root, tmp_path) -> None:
     start = transformers.LlamaForCausalLM.from_pretrained(root / "llama").state_dict()
     moved = _max_diff(model.state_dict(), start)
     assert 1e-4 < moved < 0.1  # started from the checkpoint (not a fresh init) and took two small steps
+    # the setup memory's prediction is that of a meta-built model: nothing given or broadcast, the shard allocated
+    summary = json.loads((run / "summary.json").read_text())
+    for rank in summary["memory"]["setup"]["ranks"]:
+        predicted = rank["predicted"]
+        assert predicted["given"] == predicted["broadcast"] == predicted["allocated"] == 0
+        assert predicted["peak"] == predicted["layout"] == pytest.approx(4 * summary["num_params"] / 2, abs=64)
 
 
 def test_bf16_checkpoint_loads_into_fp32_weights(tmp_path) -> None:

@@ -395,11 +395,11 @@ class Strategy:
         data_parallel_only = self.topo.degree("tp") == self.topo.degree("pp") == 1
         t, p = self.topo, self.cfg.parallel
         setup = None
-        if data_parallel_only:  # today's path: the whole model given on every rank
+        if data_parallel_only:  # the whole model given on every rank, or (meta-built) each rank allocating its part
             setup = predict_setup_bytes(sum(q.numel() * q.element_size() for q in unique),
                                         sum(b.numel() * b.element_size() for b in self.model.buffers()),
                                         world=t.world_size, zero=p.zero, dp=t.dp, shard=t.shard_degree,
-                                        bucket_mb=p.bucket_mb)
+                                        bucket_mb=p.bucket_mb, source="shards" if self.facts.meta else "whole")
         # ZeRO shards over the shard group: every data-parallel rank, or dp_shard of them under HSDP
         return {"memory": memory_report(params, p.zero, t.shard_degree, precision, measured or None, device,
                                         predict=data_parallel_only, setup=self.setup_memory, setup_predicted=setup)}
