@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from helpers import run_weights
 
 TINY = [
     "--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
@@ -41,8 +41,8 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     _ok(plait("train", *det, "--train.steps=3", f"--run.dir={tmp_path}/split", cwd=tmp_path))
     resumed = _ok(plait("train", "--resume", f"{tmp_path}/split", "--train.steps=6", cwd=tmp_path))
     assert "resumed from" in resumed.stderr
-    a = load_file(f"{tmp_path}/straight/model.safetensors")
-    b = load_file(f"{tmp_path}/split/model.safetensors")
+    a = run_weights(f"{tmp_path}/straight")
+    b = run_weights(f"{tmp_path}/split")
     for k in a:
         assert torch.equal(a[k], b[k]), k
     losses = [json.loads(x).get("loss") for x in Path(tmp_path, "split/metrics.jsonl").read_text().splitlines()]

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from helpers import run_weights
 
 STEPS = 30
 ARGS = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
@@ -88,7 +88,7 @@ class Killer(threading.Thread):
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "model.safetensors"))
+    return run_weights(run_dir)
 
 
 def _same(a: dict, b: dict) -> bool:

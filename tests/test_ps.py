@@ -522,7 +522,7 @@ def test_two_servers_one_worker_and_other_models(world4: tuple) -> None:
         steps = [m for m in metrics if "loss" in m]
         assert steps and all("ps_push_bytes" in m and "ps_pull_wait_s" in m for m in steps)
         assert "staleness_histogram" in steps[0]["ps"]
-        assert (tmp_path / name / "model.safetensors").is_file()
+        assert (tmp_path / name / "model" / "model.safetensors.index.json").is_file()
         assert ranks[3][name]["ps_server"]["version"] > 0 and ranks[0][name]["steps"] == 4
     # cnn ran backup (b = 1) through the Trainer's gathers, checkpoints and export: every push accounted for
     final = ranks[3]["cnn"]["ps_server"]
@@ -625,7 +625,7 @@ def test_ps_checkpoint_loads_into_one_process_and_plait_sample(world4: tuple, ca
     cfg = load_config(None, GPT_ARGS)
     (tmp / "gpt" / "config.toml").write_text(to_toml(cfg))  # as plait train writes it
     exported, loaded = GPT(cfg.model, cfg.moe), GPT(cfg.model, cfg.moe)
-    load_safetensors(exported, tmp / "gpt" / "model.safetensors")
+    load_safetensors(exported, tmp / "gpt")
     ckpt = latest_checkpoint(tmp / "gpt")
     assert ckpt.name == "step_0000004" and json.loads((ckpt / "meta.json").read_text())["steps"] == 4
     state = {"model": loaded.state_dict()}

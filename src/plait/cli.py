@@ -193,9 +193,8 @@ def cmd_sample(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
-    weights = run_dir / "model.safetensors"
-    if not weights.is_file():
-        raise ConfigError(f"{weights} not found; it is written when a run finishes (finish or --resume the run)")
+    if not (run_dir / "config.toml").is_file():
+        raise ConfigError(f"{run_dir} is not a plait run directory (no config.toml)")
     cfg = load_config(run_dir / "config.toml")
     if cfg.model.factory or cfg.model.name != "gpt":
         raise ConfigError(f"plait sample generates text from plait's GPT (model.name=gpt); {run_dir} trained "
@@ -205,7 +204,7 @@ def cmd_sample(argv: list[str]) -> int:
     resolve_vocab_size(cfg)  # model.vocab_size = 0: the run's tokenizer's
     tokenizer = load_tokenizer(cfg.data.tokenizer)  # the run's own (bytes when it had none)
     model = GPT(cfg.model, cfg.moe)
-    load_safetensors(model, weights)
+    load_safetensors(model, run_dir)  # RUN_DIR/model/ (or model.safetensors of older runs)
     model.eval()
     if not cfg.data.tokenizer and cfg.model.vocab_size < 256:
         raise ConfigError("this run's vocabulary is not byte-level; sampling from text needs vocab_size >= 256")

@@ -44,6 +44,10 @@ class ModelConfig:
     factory: str = ""
     # Keyword arguments for model.factory or a registered model that takes them (a TOML table).
     args: dict[str, Any] = field(default_factory=dict)
+    # Weights to start from: a Hugging Face checkpoint directory (model.safetensors or its index and shards), a
+    # .safetensors file, or a plait run directory. The model is then built on the meta device and each rank
+    # reads only the slices it holds. Empty: initialised from train.seed.
+    weights: str = ""
     # gpt: number of transformer blocks.
     n_layer: int = 4
     # gpt: width of the residual stream.

@@ -34,13 +34,14 @@ from torch import nn
 from plait.comm.auto import AutoCompress
 from plait.comm.collectives import comm_from_config
 from plait.comm.watchdog import StepWatchdog
-from plait.components.export import export_safetensors
+from plait.components.hf_checkpoint import DEFAULT_SHARD_BYTES
 from plait.components.losses import Loss, infer_loss, resolve_loss
 from plait.components.optim import optimizer_factory
 from plait.config import Config
 from plait.data.loader import to_device
 from plait.engine.checkpointer import Checkpointer
 from plait.engine.collectives import SmallCollectives, explained
+from plait.engine.export import export_weights
 from plait.engine.loaders import distributed_loader
 from plait.engine.metrics import MetricsSink
 from plait.engine.run_files import RunFiles
@@ -56,6 +57,7 @@ from plait.observe.prometheus import serve_metrics
 from plait.parallel import registry
 from plait.parallel.apply import ModelSpec
 from plait.parallel.expert import MoeMonitor
+from plait.parallel.meta_init import place
 from plait.parallel.prepare import unwrap_compiled
 from plait.parallel.strategy import PlaitError, RankDone, Strategy, check_loss
 from plait.parallel.tensor import local_value
@@ -199,7 +201,8 @@ class Plait(SmallCollectives):
     def setup(self, model: nn.Module, optimizer: Any = None, scheduler: Callable[[Any], Any] | None = None, *,
               tp_plan: dict[str, Any] | str | None = None, parallelize_fn: Callable | None = None,
               pp_split: list[str] | None = None, stage_fn: Callable | None = None, loss_fn: Any = None,
-              sample: Any = None) -> tuple[nn.Module, Any]:
+              sample: Any = None, weights: str | Path | None = None, init_fn: Callable | None = None
+              ) -> tuple[nn.Module, Any]:
         """Apply the configured layout to ``model`` and build its optimizer; returns ``(model, optimizer)``.
 
         ``optimizer``: a factory ``fn(model) -> torch.optim.Optimizer`` called with the returned model
@@ -210,8 +213,10 @@ class Plait(SmallCollectives):
         tp_mesh)`` choose tensor parallelism, ``pp_split`` / ``stage_fn(model, stage_index, num_stages)``
         the pipeline split; each overrides the config. ``loss_fn`` (a name, a ``plait.losses.Loss`` or
         ``fn(output, target)``) is what ``forward_backward`` and the pipeline's last stage compute;
-        ``sample`` is one micro-batch, used to balance pipeline stages by measured cost.
-        """
+        ``sample`` is one micro-batch, used to balance pipeline stages by measured cost. ``model`` may be on the
+        meta device: each rank allocates only its part (``plait.parallel.meta_init``). ``weights``: a Hugging Face
+        checkpoint (directory or file) or a plait run directory, read shard by shard; without it a meta model is
+        initialised per module, by ``init_fn(module)`` if given."""
         check_setup_args(self.strategy, model, scheduler)
         self.phase("setup")
         model, compiled = unwrap_compiled(model)
@@ -223,8 +228,9 @@ class Plait(SmallCollectives):
                          loss=self.loss, sample=self.to_device(sample) if sample is not None else None)
         moe = moe_layers(model)  # the whole model's, the same on every rank (a pipeline stage keeps some)
         meter = SetupMeter(self.device).start()  # this rank's peak memory of setup, reported with the prediction
-        self.stepper.strategy = strategy = registry.build(self._strategy_cls, model.to(self.device), self.topology,
-                                                          self.config, self.comm, spec)
+        self.stepper.strategy = strategy = registry.build(self._strategy_cls, place(model, self.device),
+                                                          self.topology, self.config, self.comm, spec)
+        strategy.prepare_weights(weights, init_fn, self.config.train.seed, self.group)
         if moe:
             self.stepper.moe = MoeMonitor(strategy.model, self.topology, self.comm, self.config.train.log_every,
                                           bias=any(layer.balance == "bias" for layer in moe))
@@ -438,14 +444,10 @@ class Plait(SmallCollectives):
         self.phase("export")
         return {k: v.detach().cpu() for k, v in strategy.full_model_state(rank0_only).items()}
 
-    def export(self, model: nn.Module | None, path: str | Path) -> Path:
-        """Write the full weights as safetensors at ``path`` (rank 0 writes; every rank calls it)."""
-        full = self.full_state_dict(model, rank0_only=True)
-        if self.is_main:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            export_safetensors(full, Path(path))
-        self.barrier()
-        return Path(path)
+    def export(self, model: nn.Module | None, path: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+        """Write the weights under the single-process names (every rank calls it): ``*.safetensors`` is one file on
+        rank 0; any other path a Hugging Face directory written shard by shard (``plait.parallel.weights``)."""
+        return export_weights(self, model, Path(path), max_shard_bytes)
 
     # -- metrics -----------------------------------------------------------------------------------
     def log(self, record: dict[str, Any], step: int | None = None) -> None:

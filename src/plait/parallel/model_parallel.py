@@ -182,6 +182,7 @@ class TensorFsdp(Tensor):
     name = "tensor_fsdp"
     priority = 50
     shards_gradients = True
+    shards_meta = True
 
     @classmethod
     def applies(cls, p: ParallelConfig) -> bool:

@@ -232,7 +232,8 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
                    = None, costs: LayerCosts | None = None, scale_grads: bool = True,
                    adapter: PipelineAdapter | None = None, split: list[str] | None = None,
                    stage_fn: Callable[[nn.Module, int, int], nn.Module] | None = None,
-                   prepare_stage: Callable[[nn.Module], nn.Module] | None = None) -> PipelineRunner:
+                   prepare_stage: Callable[[nn.Module], nn.Module] | None = None,
+                   device: torch.device | None = None) -> PipelineRunner:
     """Split ``model`` (tensor-parallel already, or not) into this rank's pipeline stages.
 
     Consumes ``model``: its modules move into the stage modules (the unowned ones are dropped), so do
@@ -243,9 +244,10 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
     micro-batch losses (for callers that accumulate over several steps and scale the loss themselves).
     ``virtual_stages_per_rank`` defaults to the schedule's natural value (1 for gpipe/1f1b, 2 for
     interleaved/zbv). ``prepare_stage(module)`` (FSDP2's sharding) may replace a stage module's parameters before
-    it becomes a ``PipelineStage``. Every rank must pass the same arguments. Raises ``PipelineConfigError`` for an
-    unknown schedule, more stages than layers, a bad split, a model no adapter can split, or too few
-    micro-batches for the interleaved and zbv schedules."""
+    it becomes a ``PipelineStage``. ``device``: the stages' device, for a model still on the meta device. Every
+    rank must pass the same arguments. Raises ``PipelineConfigError`` for an unknown schedule, more stages than
+    layers, a bad split, a model no adapter can split, or too few micro-batches for the interleaved and zbv
+    schedules."""
     from plait.components.losses import CausalLMLoss
 
     group = _as_group(pp)
@@ -257,7 +259,8 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
     names, ranges = _stage_ranges(model, adapter, num_stages, split, costs)
     owner = stage_ranks(num_ranks, num_stages, "v" if schedule == "zbv" else "loop")
     mine = [s for s in range(num_stages) if owner[s] == rank]
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    # the stages' device: the model's, or ``device`` for a model still on the meta device
+    device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
     loss_parallel = uses_loss_parallel(model)
     built, ties, copies = _build_stages(model, adapter, names, ranges, num_stages, mine, prepare_stage)
     tie_group = None

@@ -169,17 +169,21 @@ def cmd_plan_memory(argv: list[str]) -> int:
         row = mem.as_dict()
         lines.append(f"{rank:<6}" + "".join(f"{row[k] / mib:>14.3f}" for k in keys))
     if lay.tp == lay.pp == 1:
-        lines += ["", _setup_line(sim.work.shape.param_count(), lay)]
+        lines += ["", _setup_line(sim.work.shape.param_count(), lay, bool(cfg.model.weights))]
     print("\n".join(lines))
     return 0
 
 
-def _setup_line(params: int, lay: Any) -> str:
-    """The peak of setup per rank (``plait.plan.memory.predict_setup_bytes``) for a data-parallel layout."""
+def _setup_line(params: int, lay: Any, from_weights: bool = False) -> str:
+    """The peak of setup per rank (``plait.plan.memory.predict_setup_bytes``) for a data-parallel layout;
+    ``from_weights``: ``model.weights`` is set, so the model is built on the meta device and each rank reads its
+    part (plait's reader reads straight into the shards: no loading transient is counted)."""
     from plait.plan.memory import predict_setup_bytes
 
     setup = predict_setup_bytes(4 * params, 0, world=lay.world, zero=lay.zero, dp=lay.dp, shard=lay.shard,
-                                bucket_mb=lay.bucket_mb)
-    parts = "  ".join(f"{k} {setup[k] / 2**20:.3f}" for k in ("given", "broadcast", "loading", "layout", "peak"))
-    return ("setup peak per rank (the whole model given on every rank, rank 0's weights broadcast; fp32 parameters, "
-            f"buffers not counted; MiB):\n  {parts}")
+                                bucket_mb=lay.bucket_mb, source="shards" if from_weights else "whole")
+    keys = ("given", "allocated", "broadcast", "loading", "layout", "peak")
+    parts = "  ".join(f"{k} {setup[k] / 2**20:.3f}" for k in keys)
+    how = ("built on the meta device, each rank reading its part of model.weights" if from_weights else
+           "the whole model given on every rank, rank 0's weights broadcast")
+    return f"setup peak per rank ({how}; fp32 parameters, buffers not counted; MiB):\n  {parts}"

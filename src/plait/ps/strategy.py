@@ -285,3 +285,9 @@ class ParameterServer(Strategy):
         """The servers' current parameters (pulled fresh) under the single-process names."""
         self._install(self.client.pull())
         return self.model.state_dict()
+
+    def export_weights(self, out: Path, group: Any, coordinator: bool, max_shard_bytes: int) -> Path:
+        """The servers hold the current weights: pulled fresh into this worker's model, then written as any
+        whole model is (``Strategy.export_weights``)."""
+        self._install(self.client.pull())
+        return super().export_weights(out, group, coordinator, max_shard_bytes)

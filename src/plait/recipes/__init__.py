@@ -13,6 +13,7 @@ A data factory returns the training set, a ``(train, eval)`` pair, or a dict wit
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import sys
@@ -192,6 +193,8 @@ def check_recipe(cfg: Config, degrees: dict[str, int]) -> None:
     recipe = model_recipe(cfg)
     if recipe is not None and recipe.check is not None:
         recipe.check(cfg, degrees)
+    if cfg.model.weights:
+        check_weights(cfg)
     if not cfg.data.factory:
         name = data_name(cfg)
         if name in DATA and DATA[name].check is not None:
@@ -207,6 +210,16 @@ register_model("cnn", ModelRecipe(build=cnn.build_model, data="digits", loss="cl
 register_data("digits", DataRecipe(build=cnn.build_digits, describe="scikit-learn's 8x8 handwritten digits"))
 
 
+def check_weights(cfg: Config) -> None:
+    """``model.weights`` against the model the config names, before any worker starts: the model is built on the
+    meta device (shapes only) and the checkpoint's headers are read (``plait.parallel.weights.check_weights``)."""
+    from plait.parallel.weights import check_weights as check
+
+    with torch.device("meta"):
+        model = build_model(cfg)
+    check(model, cfg.model.weights)
+
+
 def validate_config(cfg: Config, world_size: int, *, model_checks: bool = True) -> Config:
     """``plait.validate.validate`` with the registered model's and data set's own checks (``check_recipe``);
     ``model_checks=False`` leaves them out (a model passed to ``Plait.setup`` rather than named in the config)."""
@@ -219,12 +232,14 @@ def build_trainer(cfg: Config, trainer_class: type[Trainer] = Trainer) -> Traine
     weights."""
     p = Plait(cfg)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg)
+    weights = cfg.model.weights or None
+    with torch.device("meta") if weights else contextlib.nullcontext():  # weights: each rank reads its part
+        model = build_model(cfg)
     train_data, held_out = build_data(cfg)
     if hasattr(train_data, "source"):
         p.logger.info("data: %s, %s training samples", train_data.source,
                       len(train_data) if hasattr(train_data, "__len__") else "streamed")
-    return trainer_class(model, train_data, loss_fn=default_loss(cfg), eval_data=held_out, plait=p)
+    return trainer_class(model, train_data, loss_fn=default_loss(cfg), eval_data=held_out, plait=p, weights=weights)
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:
