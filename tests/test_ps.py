@@ -439,12 +439,11 @@ def test_checkpoint_resume_and_load_into_data_parallel(world3: tuple) -> None:
 
 def _trainer(overrides: list[str], run_dir: str) -> dict:
     """``plait train``'s worker function (plait.recipes.build_trainer) in this rank; a server returns its figures."""
-    from plait.config import load_config
-    from plait.recipes import train
+    from plait.recipes import load_recipe_config, train
 
     base = ["--parallel.mode=ps", "--train.eval_every=0", "--train.eval_sequences=16", "--train.log_every=2",
             "--checkpoint.every=2", "--observe.progress=false", "--observe.trackers=[]"]
-    return train(load_config(None, base + overrides), __import__("pathlib").Path(run_dir))
+    return train(load_recipe_config(None, base + overrides), __import__("pathlib").Path(run_dir))
 
 
 def _world4(rank: int, world: int, tmp: str) -> dict:

@@ -37,6 +37,7 @@ from plait.comm.watchdog import StepWatchdog
 from plait.components.export import export_safetensors
 from plait.components.losses import Loss, infer_loss, resolve_loss
 from plait.components.optim import optimizer_factory
+from plait.components.rng import RngStream, run_forward_in
 from plait.config import Config
 from plait.data.loader import to_device
 from plait.engine.checkpointer import Checkpointer
@@ -90,6 +91,9 @@ class Plait(SmallCollectives):
         self.files = RunFiles(cfg.run.dir, self.rank, self.world_size)
         cfg.run.dir = str(self.files.run_dir)
         self.comm = comm_from_config(cfg.comm, cfg.train.seed, self.rank, self.world_size)
+        # The model's random stream (dropout): one per model replica and pipeline stage, shared by tensor-parallel
+        # ranks (tp is the innermost axis) so replicated activations get one mask; the user's own is untouched.
+        self.rng = RngStream(cfg.train.seed + 7919 * (self.rank // self.topology.degree("tp") + 1), self.device)
         self.preemption = PreemptionFlag()
         self.preemption.install()
         self.watchdog = self._build_watchdog()
@@ -101,7 +105,7 @@ class Plait(SmallCollectives):
         self.checkpointer = Checkpointer(cfg.checkpoint.async_save, self.world_size, self.group, self._saved)
         self.metrics = MetricsSink(self.files.run_dir, cfg, self.is_main)
         self.stepper = Stepper(cfg, self.rank, self.world_size, self.comm, self.watchdog, self.files,
-                               self.preemption, self.group, self.auto, self.finish_saves, self.prometheus)
+                               self.preemption, self.group, self.auto, self.finish_saves, self.prometheus, self.rng)
         self.loss: Loss | None = None
         self._closed = False
 
@@ -201,15 +205,16 @@ class Plait(SmallCollectives):
               sample: Any = None) -> tuple[nn.Module, Any]:
         """Apply the configured layout to ``model`` and build its optimizer; returns ``(model, optimizer)``.
 
-        ``optimizer``: a factory ``fn(model) -> torch.optim.Optimizer`` called with the returned model
-        (the right, possibly sharded, parameters); an optimizer instance that holds no state yet (rebuilt
-        over the same parameters, by name, with its class, groups and hyperparameters); or None for AdamW
-        from ``[optim]``. ``scheduler``: a factory ``fn(optimizer) -> LR scheduler``, stepped once per
-        optimizer step by ``step()``. ``tp_plan`` (patterns -> styles, or "auto") / ``parallelize_fn(model,
-        tp_mesh)`` choose tensor parallelism, ``pp_split`` / ``stage_fn(model, stage_index, num_stages)``
-        the pipeline split; each overrides the config. ``loss_fn`` (a name, a ``plait.losses.Loss`` or
-        ``fn(output, target)``) is what ``forward_backward`` and the pipeline's last stage compute;
-        ``sample`` is one micro-batch, used to balance pipeline stages by measured cost.
+        ``optimizer``: a factory ``fn(model) -> torch.optim.Optimizer`` called with the returned model (the
+        right, possibly sharded, parameters), or ``fn(params)`` called with its trainable parameters when the
+        factory's parameter is named ``params`` (``plait.components.optim.takes_params``); an optimizer instance
+        that holds no state yet (rebuilt over the same parameters, by name, with its class, groups and
+        hyperparameters); or None for AdamW from ``[optim]``. ``scheduler``: a factory ``fn(optimizer) -> LR
+        scheduler``, stepped once per optimizer step by ``step()``. ``tp_plan`` (patterns -> styles, or "auto")
+        / ``parallelize_fn(model, tp_mesh)`` choose tensor parallelism, ``pp_split`` / ``stage_fn(model,
+        stage_index, num_stages)`` the pipeline split; each overrides the config. ``loss_fn`` (a name, a
+        ``plait.losses.Loss`` or ``fn(output, target)``) is what ``forward_backward`` and the pipeline's last
+        stage compute; ``sample`` is one micro-batch, used to balance pipeline stages by measured cost.
         """
         check_setup_args(self.strategy, model, scheduler)
         self.phase("setup")
@@ -221,20 +226,20 @@ class Plait(SmallCollectives):
                          pp_split=list(pp_split if pp_split is not None else p.pp_split), stage_fn=stage_fn,
                          loss=self.loss, sample=self.to_device(sample) if sample is not None else None)
         moe = moe_layers(model)  # the whole model's, the same on every rank (a pipeline stage keeps some)
-        self.stepper.strategy = strategy = registry.build(self._strategy_cls, model.to(self.device), self.topology,
-                                                          self.config, self.comm, spec)
-        if moe:
-            self.stepper.moe = MoeMonitor(strategy.model, self.topology, self.comm, self.config.train.log_every,
-                                          bias=any(layer.balance == "bias" for layer in moe))
-        opt = strategy.build_optimizer(factory)
-        self._start(strategy)
+        with self.rng.active():  # what setup draws (a pipeline stage's cost measurement) is plait's, not the user's
+            self.stepper.strategy = strategy = registry.build(self._strategy_cls, model.to(self.device),
+                                                              self.topology, self.config, self.comm, spec)
+            if moe:
+                self.stepper.moe = MoeMonitor(strategy.model, self.topology, self.comm, self.config.train.log_every,
+                                              bias=any(layer.balance == "bias" for layer in moe))
+            opt = strategy.build_optimizer(factory)
+            self._start(strategy)
         if scheduler is not None:
             self.stepper.scheduler = scheduler(strategy.scheduler_target())
         strategy.wrap_forward(self.device, compiled)
+        if self.model_whole:  # the user's model(...) draws its dropout masks from plait's stream
+            run_forward_in(strategy.model, self.rng)
         strategy.set_sync(self.accumulation == 1)  # DDP arms its reducer in the next forward
-        # Dropout streams per model replica and pipeline stage; tensor-parallel ranks (tp is the innermost
-        # axis) share one, so replicated activations get one mask.
-        torch.manual_seed(self.config.train.seed + 7919 * (self.rank // self.topology.degree("tp") + 1))
         self.watchdog.kinds = strategy.describe()
         self.stepper.start_step()
         return strategy.model, opt
@@ -258,7 +263,7 @@ class Plait(SmallCollectives):
         """This rank's share of ``data`` in micro-batches of ``batch_size`` (default
         ``train.micro_batch_size``): a deterministic, resumable loader (``plait.data.loader``).
 
-        ``data`` is a map-style data set or a DataLoader (whose data set, collate function and worker
+        ``data`` is a map-style data set or a DataLoader (whose data set, batch size, collate function and worker
         settings are kept). A DataLoader whose sampler is already rank-aware (``DistributedSampler``) is
         returned as it is. Training (``shuffle=True``) yields whole global batches of ``batch_size x dp x
         accumulation`` samples, each data-parallel rank a disjoint share; ``shuffle=False`` is for
@@ -270,9 +275,7 @@ class Plait(SmallCollectives):
         loader, batch_size, accumulation = distributed_loader(
             data, batch_size, self.config, self.topology, collate_fn=collate_fn, shuffle=shuffle,
             drop_last=drop_last, seed=seed, **dataloader_kwargs)
-        if accumulation is not None and accumulation != self.accumulation:
-            self.logger.info("batch size %d per rank: %d accumulation micro-steps per optimizer step", batch_size,
-                             accumulation)
+        if accumulation is not None:  # the first micro-step logs it (plait.engine.stepper.Stepper.announce)
             self.window.accumulation = accumulation
         return loader
 
@@ -373,7 +376,8 @@ class Plait(SmallCollectives):
         shared = self.stepper.run_state(scheduler, dataloader)
         meta = {"extra": extra or {}, "world_size": self.world_size, "dp": self.dp,
                 "layout": strategy.describe() or "single process", "steps": self.steps}
-        return self.checkpointer.save(Path(path), strategy, meta, self.rank, {"comm": self.comm.state_dict()},
+        rank_state = {"comm": self.comm.state_dict(), "rng": self.rng.state_dict()}
+        return self.checkpointer.save(Path(path), strategy, meta, self.rank, rank_state,
                                       shared, self.steps, on_complete, self.is_main)
 
     def finish_saves(self) -> None:
@@ -404,8 +408,10 @@ class Plait(SmallCollectives):
                                                                       self.world_size, check)
         self.stepper.restore(shared, scheduler, dataloader, path)
         strategy.finish_load()
-        if rank_state is not None:  # compressor residuals: the resumed run continues exactly
+        if rank_state is not None:  # compressor residuals and the model's stream: the resumed run continues exactly
             self.comm.load_state_dict(rank_state["comm"])
+            if "rng" in rank_state:
+                self.rng.load_state_dict(rank_state["rng"])
         elif not same_world:
             self.logger.info("checkpoint saved at world size %s, loading at %d: per-rank RNG and compressor "
                              "residuals start fresh", meta.get("world_size"), self.world_size)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from plait import recipes
-from plait.config import ConfigError, load_config
+from plait.config import ConfigError
 from plait.runtime.args import split_args
 
 FLAGS = {"--hardware": str, "--nodes": int, "--gpus-per-node": int, "--trace": str, "--compare": str,
@@ -60,7 +60,7 @@ def cmd_simulate(argv: list[str]) -> int:
         config = str(Path(run_dir) / "config.toml")
         if not Path(config).is_file():
             raise ConfigError(f"{run_dir} holds no config.toml; --compare takes a run directory plait train wrote")
-    cfg = load_config(config, overrides)
+    cfg = recipes.load_recipe_config(config, overrides)
     nodes, per_node = flags.get("--nodes", 0), flags.get("--gpus-per-node", 0)
     if run_dir and not nodes:
         cfg.parallel.nproc = _run_world(Path(run_dir), cfg.parallel.nproc)
@@ -108,7 +108,7 @@ def cmd_plan(argv: list[str]) -> int:
 
     config, flags, overrides = parse(argv, ("--hardware", "--gpus", "--top", "--write"))
     profile = _profile(flags)
-    cfg = load_config(config, overrides)
+    cfg = recipes.load_recipe_config(config, overrides)
     gpus = flags.get("--gpus", cfg.parallel.nproc)
     if gpus < 1:
         raise ConfigError(f"--gpus must be at least 1; got {gpus}")
@@ -140,13 +140,13 @@ def cmd_plan_memory(argv: list[str]) -> int:
     from plait.plan.memory import GPTShape, format_memory_table
 
     config, flags, overrides = parse(argv, ("--hardware",))
-    cfg = load_config(config, overrides)
+    cfg = recipes.load_recipe_config(config, overrides)
     profile = load_profile(flags.get("--hardware", "a100-80gb"))
     sim = simulate_config(cfg, profile, derive_tp=False, memory_only=True, models=recipes)
     m, t, p, lay = cfg.model, cfg.train, cfg.parallel, sim.work.layout
     lines = []
     if not m.factory and m.name == "gpt" and lay.tp == lay.pp == 1:
-        shape = GPTShape(micro_batch=t.micro_batch_size, seq_len=m.seq_len, d_model=m.d_model, n_head=m.n_head,
+        shape = GPTShape(micro_batch=lay.micro_batch_size, seq_len=m.seq_len, d_model=m.d_model, n_head=m.n_head,
                          n_layer=m.n_layer, vocab_size=m.vocab_size)
         lines += [format_memory_table(sim.work.shape.param_count(), dp=lay.dp, stage=p.zero,
                                       precision="fp32" if t.precision == "fp32" else "bf16", shape=shape,

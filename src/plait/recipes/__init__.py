@@ -9,6 +9,11 @@ are called like factories.
 
 A data factory returns the training set, a ``(train, eval)`` pair, or a dict with ``"train"`` and
 ``"eval"``; each a map-style data set (or a DataLoader, used as it is when its sampler is rank-aware).
+
+A registered model may change plait's defaults for the runs that train it (``ModelRecipe.defaults``: the
+``gpt`` and ``cnn`` recipes clip the gradient norm at 1.0, where plait's own default, for a user's loop, is
+no clipping). ``load_recipe_config`` reads a config with them as a layer between plait's defaults and the
+user's file and overrides, so a key the user sets keeps the user's value; ``plait train --help`` shows them.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import importlib.metadata
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +30,7 @@ import torch
 from torch import nn
 
 from plait.components.losses import import_object
-from plait.config import Config, ConfigError
+from plait.config import Config, ConfigError, load_config
 from plait.engine import Plait
 from plait.parallel.strategy import RankDone
 from plait.recipes import cnn, gpt
@@ -43,6 +48,8 @@ class ModelRecipe:
     loss: str = "auto"
     check: Callable[[Config, dict[str, int]], None] | None = None
     describe: str = ""
+    # {section: {key: value}}: this model's defaults where they differ from plait's (see the module docstring)
+    defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -109,6 +116,28 @@ def model_recipe(cfg: Config) -> ModelRecipe | None:
     known = sorted(set(MODELS) | set(eps))
     raise ConfigError(f"unknown model.name {name!r}; registered models: {', '.join(known)}; or set model.factory "
                       "to package.module:function")
+
+
+def recipe_defaults(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The defaults of the model ``cfg`` names (none for ``model.factory`` or an entry-point model)."""
+    recipe = model_recipe(cfg)
+    return recipe.defaults if recipe is not None else {}
+
+
+def load_recipe_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """``plait.config.load_config`` with the named model's defaults under the file and the overrides: the
+    config ``plait train`` runs."""
+    return load_config(path, overrides, defaults=recipe_defaults)
+
+
+def defaults_by_key() -> dict[str, dict[str, Any]]:
+    """``{"section.key": {"recipe gpt": value, ...}}``: the registered models' own defaults, for ``--help``."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, recipe in MODELS.items():
+        for section, values in recipe.defaults.items():
+            for key, value in values.items():
+                out.setdefault(f"{section}.{key}", {})[f"recipe {name}"] = value
+    return out
 
 
 def build_model(cfg: Config) -> nn.Module:
@@ -195,12 +224,15 @@ def check_recipe(cfg: Config, degrees: dict[str, int]) -> None:
             DATA[name].check(cfg)
 
 
+# The recipes keep the gradient clipping their other defaults were tuned with (a user's own loop gets none
+# unless it asks: optim.grad_clip defaults to 0).
+CLIPPED = {"optim": {"grad_clip": 1.0}}
 register_model("gpt", ModelRecipe(build=gpt.build_model, data="text", loss="causal_lm", check=gpt.check_model,
-                                  describe="plait's GPT (pre-LayerNorm decoder, tied embeddings)"))
+                                  describe="plait's GPT (pre-LayerNorm decoder, tied embeddings)", defaults=CLIPPED))
 register_data("text", DataRecipe(build=gpt.build_text, check=gpt.check_text,
                                  describe="a token corpus in model.seq_len windows (embedded by default)"))
 register_model("cnn", ModelRecipe(build=cnn.build_model, data="digits", loss="classification",
-                                  describe="a ResNet-style CNN with BatchNorm"))
+                                  describe="a ResNet-style CNN with BatchNorm", defaults=CLIPPED))
 register_data("digits", DataRecipe(build=cnn.build_digits, describe="scikit-learn's 8x8 handwritten digits"))
 
 
