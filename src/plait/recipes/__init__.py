@@ -24,18 +24,15 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
-from plait.components.losses import import_object
 from plait.config import Config, ConfigError, load_config
-from plait.engine import Plait
-from plait.parallel.strategy import RankDone
 from plait.recipes import cnn, gpt
-from plait.train.trainer import Trainer
-from plait.validate import validate
+
+if TYPE_CHECKING:  # the registry itself is data: what trains is imported where it is used (plait --help stays light)
+    from torch import nn
+
+    from plait.train.trainer import Trainer
 
 
 @dataclass
@@ -142,6 +139,10 @@ def defaults_by_key() -> dict[str, dict[str, Any]]:
 
 def build_model(cfg: Config) -> nn.Module:
     """The model named by ``model.factory`` or ``model.name``."""
+    from torch import nn
+
+    from plait.components.losses import import_object
+
     recipe = model_recipe(cfg)
     if recipe is not None:
         model = recipe.build(cfg)
@@ -168,6 +169,8 @@ def data_name(cfg: Config) -> str:
 
 def build_data(cfg: Config) -> tuple[Any, Any]:
     """``(train, eval or None)`` from ``data.factory`` or the registered data set."""
+    from plait.components.losses import import_object
+
     if cfg.data.factory:
         _import_path()
         what = f"data.factory={cfg.data.factory}"
@@ -211,6 +214,8 @@ def check_model(cfg: Config, degrees: dict[str, int]) -> None:
 
 def check_recipe(cfg: Config, degrees: dict[str, int]) -> None:
     """The registered model's and data set's own checks (shape against layout, files), before launch."""
+    from plait.components.losses import import_object
+
     for ref, what in ((cfg.model.factory, "model.factory"), (cfg.data.factory, "data.factory")):
         if ref:  # importable now, before any worker starts (it is called in the workers)
             _import_path()
@@ -239,12 +244,19 @@ register_data("digits", DataRecipe(build=cnn.build_digits, describe="scikit-lear
 def validate_config(cfg: Config, world_size: int, *, model_checks: bool = True) -> Config:
     """``plait.validate.validate`` with the registered model's and data set's own checks (``check_recipe``);
     ``model_checks=False`` leaves them out (a model passed to ``Plait.setup`` rather than named in the config)."""
+    from plait.validate import validate
+
     return validate(cfg, world_size, check_recipe if model_checks else None)
 
 
 def build_trainer(cfg: Config) -> Trainer:
     """A ``Trainer`` on the model and data the config names (``model.name`` / ``model.factory``, ``data.*``),
     seeded by ``train.seed`` so every rank builds the same weights."""
+    import torch
+
+    from plait.engine import Plait
+    from plait.train.trainer import Trainer
+
     p = Plait(cfg)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg)
@@ -257,6 +269,8 @@ def build_trainer(cfg: Config) -> Trainer:
 def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:
     """``plait train`` on this worker: the configured model and data through ``Trainer`` (the process
     group, if any, is already initialised)."""
+    from plait.parallel.strategy import RankDone
+
     cfg.run.dir = str(run_dir)
     try:
         trainer = build_trainer(cfg)
