@@ -249,11 +249,13 @@ def _peer_gpt(overrides: list[str], device: Any, compiled: bool, quick: bool) ->
     """The hand-written loop: (seconds per step, tokens per step, FLOPs per token)."""
     import torch
 
+    from plait.data.tokenize import resolve_vocab_size
     from plait.models.gpt import GPT
     from plait.recipes import load_recipe_config
     from plait.train.mfu import formula_flops_per_token
 
     cfg = load_recipe_config(overrides=QUIET + overrides)
+    resolve_vocab_size(cfg)  # model.vocab_size = 0: the tokenizer's, as plait train resolves it
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model).to(device)
     o = cfg.optim

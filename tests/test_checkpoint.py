@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from plait.components import checkpoint as ckpt
 from plait.data.corpus import DataError, load_splits
 from plait.engine import Plait
-from plait.components import checkpoint as ckpt
 
 
 def _trained(seed: int, steps: int = 1) -> tuple[Plait, torch.nn.Module, torch.optim.Optimizer]:

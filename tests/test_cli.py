@@ -81,6 +81,9 @@ def test_failing_worker_is_named(tmp_path: Path) -> None:
     (["--parallel.zero=3", "--parallel.nproc=1"], "parallel.zero=3 shards model state across the data-parallel ranks"),
     (["--parallel.zero=2", "--parallel.offload=optimizer"], "this run trains on the CPU"),
     (["--parallel.zero=1", "--parallel.offload=params"], "parallel.offload=params needs parallel.zero=3"),
+    (["--parallel.zero=3", "--parallel.dp_shard=3"], "parallel.dp_shard=3 does not divide the 2 data-parallel ranks"),
+    (["--parallel.dp_shard=2"], "parallel.dp_shard=2 sets the shard groups of hybrid sharding, which shards "
+                                "parameters with FSDP2 (ZeRO-3); set parallel.zero=3"),
 ])
 def test_bad_input_gives_clear_message(tmp_path: Path, args: list[str], message: str) -> None:
     (tmp_path / "EMPTY").mkdir()

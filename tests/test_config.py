@@ -95,7 +95,18 @@ def test_config_sections_complete() -> None:
 @pytest.mark.parametrize(("args", "world", "message"), [
     (["--parallel.tp=2", "--parallel.zero=2"], 4, r"parallel.zero=2 .* does not take tensor-parallel .* use "
                                                   r"parallel.zero=3"),
-    (["--parallel.pp=2", "--parallel.zero=3"], 4, r"parallel.pp=2 composes with plait's data-parallel reducer only"),
+    (["--parallel.pp=2", "--parallel.zero=3", "--parallel.ep=2", "--moe.num_experts=2"], 4,
+     r"parallel.pp=2 with parallel.ep=2 composes with plait's data-parallel reducer only"),
+    (["--parallel.zero=3", "--parallel.dp_shard=3"], 4, r"parallel.dp_shard=3 does not divide the 4 data-parallel "
+                                                       r"ranks .* use dp_shard in \[1, 2, 4\]"),
+    (["--parallel.zero=2", "--parallel.dp_shard=2"], 4, r"parallel.dp_shard=2 sets the shard groups of hybrid "
+                                                       r"sharding.* set parallel.zero=3"),
+    (["--parallel.zero=3", "--parallel.dp_shard=1"], 4, r"parallel.dp_shard=1 makes shard groups of one rank"),
+    (["--parallel.zero=3", "--parallel.pp=2", "--parallel.pp_schedule=zbv"], 4,
+     r"parallel.pp_schedule=zbv does not compose with parallel.zero=3"),
+    (["--parallel.zero=3", "--parallel.dp_shard=-2"], 4, r"parallel.dp_shard must be 0"),
+    (["--parallel.zero=3", "--parallel.dp_shard=2", "--parallel.ep=2", "--moe.num_experts=2"], 8,
+     r"hybrid sharding does not compose with expert parallelism"),
     (["--parallel.tp=2", "--parallel.impl=torch"], 4, r"set parallel.impl=plait"),
     (["--parallel.tp=2", "--parallel.zero=3"], 2, r"parallel.zero=3 shards model state .* dp=1"),
 ])
@@ -107,3 +118,23 @@ def test_model_parallel_with_zero_combinations(args: list[str], world: int, mess
 def test_tensor_parallel_composes_with_zero3() -> None:
     cfg = validate(load_config(overrides=["--parallel.tp=2", "--parallel.zero=3"]), 4)
     assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.zero) == (2, 2, 3)
+
+
+@pytest.mark.parametrize(("args", "world", "degrees", "strategy"), [
+    (["--parallel.zero=3", "--parallel.dp_shard=2"], 8, (1, 4, 2, 1, 1), "fsdp"),
+    (["--parallel.zero=3", "--parallel.dp_shard=4"], 8, (1, 2, 4, 1, 1), "fsdp"),
+    (["--parallel.zero=3", "--parallel.dp_shard=2", "--parallel.tp=2"], 8, (1, 2, 2, 1, 2), "tensor_fsdp"),
+    (["--parallel.zero=3", "--parallel.dp_shard=2", "--parallel.pp=2"], 8, (2, 2, 2, 1, 1), "pipeline_fsdp"),
+    (["--parallel.zero=1", "--parallel.pp=2"], 4, (2, 2, 1, 1, 1), "pipeline_zero"),
+    (["--parallel.zero=2", "--parallel.pp=2"], 4, (2, 2, 1, 1, 1), "pipeline_zero"),
+    (["--parallel.zero=3", "--parallel.pp=2", "--parallel.tp=2"], 8, (2, 2, 1, 1, 2), "pipeline_fsdp"),
+])
+def test_hybrid_sharding_and_pipeline_zero_degrees(args: list[str], world: int, degrees: tuple, strategy: str) -> None:
+    """dp stays the total data-parallel degree; dp_replicate = dp / (ep x dp_shard) on the mesh."""
+    from plait.parallel.registry import select
+
+    cfg = validate(load_config(overrides=[*args, "--train.micro_batch_size=4"]), world)
+    got = select(cfg.parallel).resolve_degrees(cfg, world)
+    assert tuple(got[a] for a in ("pp", "dp_replicate", "dp_shard", "ep", "tp")) == degrees
+    assert cfg.parallel.dp == degrees[1] * degrees[2] * degrees[3]
+    assert select(cfg.parallel).name == strategy

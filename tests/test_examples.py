@@ -15,7 +15,7 @@ EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.toml"))
 def test_examples_exist_for_each_layout() -> None:
     names = {p.stem for p in EXAMPLES}
     assert {"tp", "tp_sp", "pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_zbv", "dp_tp", "dp_pp", "tp_pp",
-            "dp_tp_pp", "dp_tp_zero3", "zero1", "zero2", "zero3"} <= names
+            "dp_tp_pp", "dp_tp_zero3", "zero1", "zero2", "zero3", "hsdp", "pp_zero2", "pp_zero3"} <= names
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

@@ -1,6 +1,6 @@
-"""Prices of the layouts plait does not run yet (``plait.plan.layouts``): HSDP, pipeline stages with ZeRO-1/2/3,
-context parallelism (ring attention, Ulysses); the planner's ``Layout`` holds ``dp_shard`` and ``cp`` but neither
-enumerates them nor simulates them. Exact: each price is its formula over ``collective_time``."""
+"""Prices of hybrid sharding (HSDP), pipeline stages with ZeRO-1/2/3 and context parallelism (ring attention,
+Ulysses) in ``plait.plan.layouts``; the step simulator and the planner use the first two (plait runs them) and
+refuse or leave out the third. Exact: each price is its formula over ``collective_time``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from plait.plan.layouts import (
     ulysses,
 )
 from plait.plan.memory import predict_model_state_bytes
-from plait.plan.network import Group, collective_time
+from plait.plan.network import Group, collective_time, group_span
+from plait.plan.params import param_list
 from plait.plan.planner import plan
 from plait.plan.shapes import gpt_shape
 from plait.plan.simulate import simulate
@@ -102,13 +103,89 @@ def test_context_parallelism_splits_activations_and_prices_ring_and_ulysses():
     assert uly.exposed_fwd == pytest.approx(sum(collective_time(A100, "all_to_all", b, cp) for b in sizes))
 
 
-def test_layout_holds_dp_shard_and_cp_that_the_planner_neither_enumerates_nor_simulates():
+def test_context_parallelism_is_priced_but_neither_simulated_nor_planned():
     lay = Layout(dp=4, tp=2, cp=2, dp_shard=2)
     assert lay.world == 16 and "cp=2" in lay.describe() and "dp_shard=2" in lay.describe()
     shape = gpt_shape(4, 256, 4, 256, 1024)
     with pytest.raises(ConfigError, match="context parallelism"):
         simulate(Workload(shape, Layout(dp=2, cp=2, micro_batch_size=1), 2), Cluster.of(A100, 4))
-    with pytest.raises(ConfigError, match="HSDP"):
-        simulate(Workload(shape, Layout(dp=4, zero=3, dp_shard=2, micro_batch_size=1), 4), Cluster.of(A100, 4))
+    with pytest.raises(ConfigError, match="needs zero=3"):
+        simulate(Workload(shape, Layout(dp=4, zero=2, dp_shard=2, micro_batch_size=1), 4), Cluster.of(A100, 4))
     result = plan(shape, A100, 8, 16, top=40)
-    assert all(s.work.layout.cp == 1 and s.work.layout.dp_shard == 1 for s in result.ranked)
+    assert all(s.work.layout.cp == 1 for s in result.ranked)
+
+
+def test_simulator_prices_hsdp_states_and_collectives():
+    """16 nodes of 8: FSDP over all 128 ranks against HSDP with shard groups of one node (dp_shard=8)."""
+    shape = gpt_shape(24, 4096, 32, 50304, 2048)
+    cluster = Cluster.of(A100, 128, nodes=16, devices_per_node=8)
+    fsdp, hsdp = (simulate(Workload(shape, Layout(dp=128, zero=3, dp_shard=n, micro_batch_size=1), 128), cluster)
+                  for n in (1, 8))
+    psi = shape.param_count()
+    assert fsdp.memory[0].model_states == pytest.approx(16 * psi / 128, rel=0.01)
+    assert hsdp.memory[0].model_states == pytest.approx(16 * psi / 8, rel=0.01)  # 16 psi / dp_shard
+    model = StageModel(Workload(shape, Layout(dp=128, zero=3, dp_shard=8, micro_batch_size=1), 128), cluster)
+    node, replicas = model.placement.shard_group(8), model.placement.replica_group(8)
+    assert node == list(range(8)) and replicas == list(range(0, 128, 8))
+
+    def seconds(sim, name: str) -> float:
+        return next(s.end - s.start for s in sim.timelines[0].spans if s.name == name)
+    # the gathers stay on NVLink inside the node; the gradients are reduce-scattered there, then the eighth each
+    # rank holds is all-reduced across the 16 replicas (one rank per node, on its own NIC share)
+    unit = sum(p.local_numel(1) for p in param_list(shape, range(24), first=True, last=True) if p.layer == 0)
+    node_g, replica_g = group_span(node, 8), group_span(replicas, 8)
+    assert seconds(hsdp, "all-gather block 0 (backward)") == pytest.approx(
+        collective_time(A100, "all_gather", 4 * unit, node_g))
+    assert seconds(hsdp, "reduce-scatter block 0") == pytest.approx(
+        hsdp_gradient_seconds(A100, 4 * unit, node_g, replica_g))
+    assert seconds(hsdp, "all-gather block 0 (backward)") < seconds(fsdp, "all-gather block 0 (backward)")
+    assert hsdp.as_dict()["layout"]["dp_shard"] == 8
+
+
+def test_simulator_prices_pipelines_with_each_zero_stage():
+    shape = gpt_shape(8, 1024, 16, 50304, 1024)
+    cluster = Cluster.of(A100, 16, nodes=2, devices_per_node=8)
+    sims = {z: simulate(Workload(shape, Layout(dp=8, pp=2, zero=z, microbatches=4, micro_batch_size=4), 64),
+                        cluster) for z in range(4)}
+    states = [sims[z].memory[0].model_states for z in range(4)]
+    assert states[0] > states[1] > states[2] > states[3]  # each stage shards more of the stage's states
+    assert sims[3].memory[0].params == pytest.approx(sims[0].memory[0].params / 8, rel=0.02)
+    spans = {z: {s.name for s in sims[z].timelines[0].spans} for z in range(4)}
+    assert "reduce-scatter the stage's gradients" in spans[3] and "all-gather the stage's units" in spans[3]
+    assert any(name.startswith("all-gather bucket") for name in spans[1] | spans[2])
+
+
+def test_planner_enumerates_hsdp_and_pipelines_with_zero():
+    shape = gpt_shape(24, 2048, 16, 50304, 1024)
+    result = plan(shape, A100, 16, 64, top=400)
+    layouts = [s.work.layout for s in result.ranked]
+    assert any(lay.pp > 1 and lay.zero in (1, 2) for lay in layouts)
+    assert any(lay.pp > 1 and lay.zero == 3 for lay in layouts)
+    assert any(lay.hybrid for lay in layouts)
+    assert "zero=1-3 with pp>1" not in result.pruned and "zbv with zero=3" in result.pruned
+    assert not any(lay.schedule == "zbv" and lay.zero == 3 and lay.pp > 1 for lay in layouts)
+
+
+def test_a_config_with_dp_shard_or_pipeline_zero_simulates_and_plans_to_a_runnable_config(tmp_path):
+    from plait import recipes
+    from plait.config import load_config
+    from plait.plan.configured import simulate_config
+    from plait.plan.planner import write_config
+    from plait.validate import validate
+
+    base = ["--model.n_layer=4", "--model.d_model=256", "--model.n_head=4", "--train.micro_batch_size=4",
+            "--train.global_batch_size=32"]
+    hsdp = simulate_config(load_config(overrides=[*base, "--parallel.nproc=8", "--parallel.zero=3",
+                                                  "--parallel.dp_shard=2"]), A100, derive_tp=False, models=recipes)
+    fsdp = simulate_config(load_config(overrides=[*base, "--parallel.nproc=8", "--parallel.zero=3"]), A100,
+                           derive_tp=False, models=recipes)
+    assert hsdp.work.layout.dp_shard == 2 and hsdp.work.layout.hybrid
+    assert hsdp.memory[0].model_states == pytest.approx(4 * fsdp.memory[0].model_states, rel=0.01)
+    pp = simulate_config(load_config(overrides=[*base, "--parallel.nproc=4", "--parallel.pp=2", "--parallel.zero=2"]),
+                         A100, derive_tp=False, models=recipes)
+    assert (pp.work.layout.pp, pp.work.layout.zero) == (2, 2)
+    for sim in (hsdp, pp):  # what plait plan --write writes, plait train accepts as it is
+        write_config(sim, load_config(overrides=base), str(tmp_path / "best.toml"))
+        cfg = validate(load_config(tmp_path / "best.toml"), sim.work.layout.world)
+        assert (cfg.parallel.dp_shard, cfg.parallel.zero, cfg.parallel.pp) == (
+            2 if sim is hsdp else 0, sim.work.layout.zero, sim.work.layout.pp)

@@ -76,6 +76,7 @@ def _observed(url: str, job: str) -> dict:
 
 def _worker(rank: int, world: int, run_dir: str, port: int, url: str) -> dict:
     from plait.config import from_sections
+    from plait.recipes import build_trainer
     from plait.train.trainer import Trainer
 
     class Held(Trainer):
@@ -98,7 +99,7 @@ def _worker(rank: int, world: int, run_dir: str, port: int, url: str) -> dict:
                   "log_every": 1},
         "checkpoint": {"every": 3}, "fault": {"slow_rank": 1, "slow_factor": 5.0},
         "observe": {"progress": False, "trackers": [], "prometheus_port": port}})
-    trainer = Held.from_config(cfg)
+    trainer = build_trainer(cfg, Held)
     trainer.fit()
     return {"loss": trainer.own_loss, "scores": trainer.recovery.stragglers.scores, "seen": trainer.seen}
 

@@ -196,18 +196,22 @@ def cmd_sample(argv: list[str]) -> int:
     if cfg.model.factory or cfg.model.name != "gpt":
         raise ConfigError(f"plait sample generates text from plait's GPT (model.name=gpt); {run_dir} trained "
                           f"{cfg.model.factory or cfg.model.name}")
+    from plait.data.tokenize import load_tokenizer, resolve_vocab_size
+
+    resolve_vocab_size(cfg)  # model.vocab_size = 0: the run's tokenizer's
+    tokenizer = load_tokenizer(cfg.data.tokenizer)  # the run's own (bytes when it had none)
     model = GPT(cfg.model, cfg.moe)
     load_safetensors(model, weights)
     model.eval()
-    prompt = args.prompt.encode("utf-8") or b"\n"
-    if cfg.model.vocab_size < 256:
+    if not cfg.data.tokenizer and cfg.model.vocab_size < 256:
         raise ConfigError("this run's vocabulary is not byte-level; sampling from text needs vocab_size >= 256")
-    idx = torch.tensor([list(prompt)], dtype=torch.long)
+    prompt = tokenizer.encode(args.prompt or "\n") or tokenizer.encode("\n")
+    idx = torch.tensor([prompt], dtype=torch.long)
     gen = torch.Generator().manual_seed(args.seed)
     out = model.generate(idx, args.tokens, temperature=args.temperature, top_k=args.top_k, generator=gen)
     ids = out[0].tolist()
-    if max(ids) < 256:
-        print(bytes(ids).decode("utf-8", errors="replace"))
+    if cfg.data.tokenizer or max(ids) < 256:
+        print(tokenizer.decode(ids))
     else:
         print(ids)
     return 0

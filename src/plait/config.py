@@ -53,8 +53,9 @@ class ModelConfig:
     n_head: int = 4
     # gpt: context length in tokens (also the length of the text recipe's training windows).
     seq_len: int = 128
-    # gpt: vocabulary size; 256 for the byte-level corpora plait ships.
-    vocab_size: int = 256
+    # gpt: vocabulary size; 0 takes the tokenizer's (data.tokenizer; 256 for bytes). An explicit value must
+    # cover the tokenizer's.
+    vocab_size: int = 0
     # gpt: dropout probability on attention and residual branches; cnn: before the classifier.
     dropout: float = 0.0
 
@@ -70,12 +71,36 @@ class DataConfig:
     factory: str = ""
     # Keyword arguments for data.factory (a TOML table).
     args: dict[str, Any] = field(default_factory=dict)
-    # text: empty for the embedded corpus, a UTF-8 text file, or a flat uint16 token file (.bin).
+    # text: empty for the embedded corpus; a UTF-8 text file or a flat uint16 token file (.bin), read as today
+    # (bytes, one stream); or a file, directory or glob of .parquet, .jsonl/.json (JSON Lines), .arrow or .txt
+    # (one document per line) files read as documents (docs/data.md).
     path: str = ""
-    # text: fraction of the tokens held out (at the end of the corpus) for validation.
+    # text: the column (Parquet, Arrow) or key (JSON Lines) that holds each document's text.
+    text_field: str = "text"
+    # text: a local Hugging Face tokenizer: a directory with tokenizer.json, or the file; empty: bytes.
+    tokenizer: str = ""
+    # text: documents with the end-of-document token, packed into model.seq_len rows of
+    # {input_ids, labels, position_ids, doc_ids}; auto: true when data.tokenizer is set.
+    pack: bool | Literal["auto"] = "auto"
+    # text, packed: attention stays inside each document (plait's GPT masks by doc_ids; a Hugging Face model
+    # gets position ids that restart per document).
+    document_mask: bool = False
+    # text: read the documents as a stream (never held whole; files and row groups dealt to ranks) instead of
+    # tokenising them once into a memory-mapped token cache.
+    streaming: bool = False
+    # text: validation documents (same forms as data.path); empty holds out data.val_fraction instead.
+    val_path: str = ""
+    # text: fraction held out for validation: of the documents (by a seeded hash of each), or of the tokens at
+    # the end of a byte or .bin corpus.
     val_fraction: float = 0.05
-    # DataLoader worker processes per rank (0 loads in the training process).
+    # DataLoader worker processes per rank (0 loads in the training process); streaming: the readers.
     num_workers: int = 0
+    # text, streaming: documents in each reader's shuffle buffer.
+    shuffle_buffer: int = 1000
+    # text, cached: where the token cache goes; empty: a .plait-cache directory beside the data.
+    cache_dir: str = ""
+    # text, cached: processes that tokenise into the cache (0: one per CPU).
+    tokenize_processes: int = 0
 
 
 @dataclass
@@ -150,9 +175,10 @@ class ParallelConfig:
     # parameter server, the last ps.servers ranks hold the parameters and the optimizer, the others are
     # workers that push gradients and pull parameters (see [ps]).
     mode: Literal["collective", "ps"] = "collective"
-    # The training strategy: auto picks it from the settings below (ps for mode=ps, then tensor-parallel with
-    # ZeRO-3, pipeline, tensor-parallel, ZeRO-1/2, ZeRO-3, data parallel); a name picks a registered strategy,
-    # yours included (plait.parallel.strategy.register_strategy).
+    # The training strategy: auto picks it from the settings below (ps for mode=ps, then pipeline with ZeRO-3,
+    # tensor-parallel with ZeRO-3, pipeline with ZeRO-1/2, pipeline, tensor-parallel, ZeRO-1/2, ZeRO-3 or HSDP,
+    # data parallel); a name picks a registered strategy, yours included
+    # (plait.parallel.strategy.register_strategy).
     strategy: str = "auto"
     # Data-parallel degree, expert-parallel ranks included (ep divides it); 0 infers world size / (tp * pp).
     dp: int = 0
@@ -172,6 +198,10 @@ class ParallelConfig:
     zero: int = 0
     # Move state to CPU memory: optimizer (the ZeRO-1/2 optimizer shard) or params (zero=3, FSDP2).
     offload: Literal["none", "optimizer", "params"] = "none"
+    # zero=3: ranks per shard group (hybrid sharding, HSDP): parameters, gradients and optimizer states are
+    # sharded over groups of dp_shard ranks and replicated across the dp / (ep x dp_shard) groups; 0 shards
+    # over every data-parallel rank (FSDP). Must divide dp / ep; needs zero=3.
+    dp_shard: int = 0
     # zero=3: free each block's gathered parameters after forward (false keeps them until backward).
     reshard_after_forward: bool = True
     # Tensor parallel: shard LayerNorm/dropout regions along the sequence (needs tp > 1).
@@ -595,9 +625,11 @@ def check_values(cfg: Config) -> Config:
     if cfg.observe.count_torch_collectives not in ("first_step", "every_step", "off"):
         raise ConfigError(f"observe.count_torch_collectives={cfg.observe.count_torch_collectives!r}: choose "
                           "first_step, every_step or off")
-    for name in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size"):
+    for name in ("n_layer", "d_model", "n_head", "seq_len"):
         if getattr(m, name) < 1:
             raise ConfigError(f"model.{name} must be at least 1")
+    if m.vocab_size < 0:
+        raise ConfigError(f"model.vocab_size must be 0 (the tokenizer's) or more; got {m.vocab_size}")
     for name in ("steps", "global_batch_size"):
         if getattr(t, name) < 1:
             raise ConfigError(f"train.{name} must be at least 1")
@@ -608,8 +640,18 @@ def check_values(cfg: Config) -> Config:
         raise ConfigError(f"train.checkpoint_every_k must be at least 1; got {t.checkpoint_every_k}")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError("data.val_fraction must be between 0 and 1 (exclusive)")
-    if cfg.data.num_workers < 0:
-        raise ConfigError(f"data.num_workers must be 0 or more; got {cfg.data.num_workers}")
+    d = cfg.data
+    for name in ("num_workers", "tokenize_processes"):
+        if getattr(d, name) < 0:
+            raise ConfigError(f"data.{name} must be 0 or more; got {getattr(d, name)}")
+    if d.shuffle_buffer < 1:
+        raise ConfigError(f"data.shuffle_buffer must be at least 1 document; got {d.shuffle_buffer}")
+    pack = d.pack if isinstance(d.pack, bool) else bool(d.tokenizer)
+    if pack and not d.tokenizer:
+        raise ConfigError("data.pack needs data.tokenizer (bytes have no end-of-document token); set data.tokenizer "
+                          "or data.pack=false")
+    if d.document_mask and not pack:
+        raise ConfigError("data.document_mask needs packed documents: set data.tokenizer (and data.pack=true)")
     o = cfg.observe
     if len(set(o.trackers)) != len(o.trackers):
         raise ConfigError(f"observe.trackers names a tracker twice: {o.trackers}")
@@ -618,6 +660,9 @@ def check_values(cfg: Config) -> Config:
                           f"{o.prometheus_port}")
     if p.bucket_mb <= 0:
         raise ConfigError("parallel.bucket_mb must be positive")
+    if p.dp_shard < 0:
+        raise ConfigError(f"parallel.dp_shard must be 0 (shard over every data-parallel rank) or the ranks per "
+                          f"shard group; got {p.dp_shard}")
     if isinstance(p.tp_plan, str) and p.tp_plan != "auto":
         raise ConfigError(f"parallel.tp_plan must be auto or a table of module-name patterns to styles; got "
                           f"{p.tp_plan!r}")

@@ -40,7 +40,9 @@ def resolve_degrees(cfg: Config, world_size: int) -> dict[str, int]:
 
     Expert parallelism is folded into data parallelism: the data-parallel degree ``dp`` counts the
     expert-parallel ranks (each processes its own micro-batches), split on the mesh as
-    ``dp_replicate = dp / ep`` (ranks holding the same experts) times ``ep``."""
+    ``dp_replicate = dp / ep`` (ranks holding the same experts) times ``ep``. Hybrid sharding
+    (``parallel.dp_shard = N``) splits that axis again: ``dp_replicate = dp / (ep x N)`` times ``dp_shard = N``
+    (N must divide ``dp / ep``); with 0 it stays whole (``dp_shard = 1`` on the mesh)."""
     p = cfg.parallel
     for name in ("tp", "pp", "ep"):
         if getattr(p, name) < 1:
@@ -62,7 +64,15 @@ def resolve_degrees(cfg: Config, world_size: int) -> dict[str, int]:
             f"parallel.ep={p.ep} does not divide the data-parallel degree {dp} (expert-parallel ranks are "
             f"data-parallel ranks): use ep in {fits}, or a world size of a multiple of {p.ep * model_par}"
         )
-    degrees = {"pp": p.pp, "dp_replicate": dp // p.ep, "dp_shard": 1, "ep": p.ep, "tp": p.tp}
+    shard = p.dp_shard or 1
+    if (dp // p.ep) % shard:
+        fits = [n for n in range(1, dp // p.ep + 1) if (dp // p.ep) % n == 0]
+        raise ConfigError(
+            f"parallel.dp_shard={p.dp_shard} does not divide the {dp // p.ep} data-parallel ranks per expert "
+            f"group (dp={dp} / ep={p.ep}): each shard group is dp_shard ranks, replicated dp / (ep x dp_shard) "
+            f"times; use dp_shard in {fits}, or 0 to shard over every data-parallel rank"
+        )
+    degrees = {"pp": p.pp, "dp_replicate": dp // (p.ep * shard), "dp_shard": shard, "ep": p.ep, "tp": p.tp}
     product = math.prod(degrees.values())
     if product != world_size:
         raise ConfigError(
@@ -146,6 +156,25 @@ class Topology:
         assert self.mesh is not None
         axes = self.dp_axes
         return self.mesh[axes[0]] if len(axes) == 1 else self.mesh[axes]._flatten()
+
+    @property
+    def hybrid(self) -> bool:
+        """Hybrid sharding (HSDP): shard groups of ``dp_shard`` ranks replicated ``dp_replicate`` times."""
+        return self.degrees["dp_shard"] > 1 and self.degrees["dp_replicate"] > 1
+
+    @property
+    def shard_degree(self) -> int:
+        """The ranks ZeRO-3 shards a dense parameter over: ``dp_shard`` (x ep) under HSDP, else every dp rank."""
+        return self.degrees["dp_shard"] * self.degrees["ep"] if self.hybrid else self.dp
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards dense parameters over: the 1-D data-parallel mesh, or under hybrid sharding
+        the 2-D ``(dp_replicate, dp_shard)`` mesh (replicated along dim 0, sharded along dim 1: HSDP)."""
+        assert self.mesh is not None
+        if self.hybrid:
+            return self.mesh["dp_replicate", "dp_shard"]
+        return self.dp_mesh
 
     @property
     def expert_dp_group(self) -> dist.ProcessGroup | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from plait.config import Config, ConfigError, check_values
+from plait.data.tokenize import resolve_vocab_size
 from plait.observe.prometheus import check_prometheus
 from plait.observe.trackers import check_trackers
 from plait.parallel.registry import check_all, select
@@ -28,6 +29,7 @@ def validate(cfg: Config, world_size: int, model_check: Callable[[Config, dict[s
     check_values(cfg)
     check_trackers(cfg.observe.trackers)  # a missing extra is named before any worker starts
     check_prometheus(cfg.observe.prometheus_port)
+    resolve_vocab_size(cfg)  # model.vocab_size = 0: the tokenizer's
     t, p = cfg.train, cfg.parallel
     degrees = select(p).resolve_degrees(cfg, world_size)
     p.dp = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["ep"]

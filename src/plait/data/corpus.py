@@ -13,11 +13,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plait.config import ConfigError
+from plait.data.errors import DataError
 
-
-class DataError(ConfigError):
-    """The data named by the config cannot be used; the message says what to do."""
+__all__ = ["DataError", "TokenSplits", "embedded_corpus_bytes", "load_splits"]
 
 
 def embedded_corpus_bytes() -> bytes:

@@ -323,6 +323,11 @@ class DeviceLoader:
     def __init__(self, loader: Any, device: torch.device) -> None:
         self.loader, self.device = loader, device
 
+    @property
+    def per_rank_state(self) -> bool:
+        """Whether the wrapped loader's state differs by rank (``plait.data.resumable.checkpoint_state``)."""
+        return bool(getattr(self.loader, "per_rank_state", False))
+
     def __iter__(self) -> Iterator[Any]:
         for batch in self.loader:
             yield to_device(batch, self.device)

@@ -52,6 +52,7 @@ from plait.engine.stepper import StepperAttribute as _StepperAttr
 from plait.fault.preempt import PreemptionFlag
 from plait.nn.moe import moe_layers
 from plait.observe.log import get_logger
+from plait.observe.memory import SetupMeter
 from plait.observe.prometheus import serve_metrics
 from plait.parallel import registry
 from plait.parallel.apply import ModelSpec
@@ -91,8 +92,7 @@ class Plait(SmallCollectives):
         self.files = RunFiles(cfg.run.dir, self.rank, self.world_size)
         cfg.run.dir = str(self.files.run_dir)
         self.comm = comm_from_config(cfg.comm, cfg.train.seed, self.rank, self.world_size)
-        # The model's random stream (dropout): one per model replica and pipeline stage, shared by tensor-parallel
-        # ranks (tp is the innermost axis) so replicated activations get one mask; the user's own is untouched.
+        # The model's dropout stream (the user's is untouched): one per replica and pipeline stage, tp ranks share one
         self.rng = RngStream(cfg.train.seed + 7919 * (self.rank // self.topology.degree("tp") + 1), self.device)
         self.preemption = PreemptionFlag()
         self.preemption.install()
@@ -206,16 +206,15 @@ class Plait(SmallCollectives):
         """Apply the configured layout to ``model`` and build its optimizer; returns ``(model, optimizer)``.
 
         ``optimizer``: a factory ``fn(model) -> torch.optim.Optimizer`` called with the returned model (the
-        right, possibly sharded, parameters), or ``fn(params)`` called with its trainable parameters when the
-        factory's parameter is named ``params`` (``plait.components.optim.takes_params``); an optimizer instance
-        that holds no state yet (rebuilt over the same parameters, by name, with its class, groups and
-        hyperparameters); or None for AdamW from ``[optim]``. ``scheduler``: a factory ``fn(optimizer) -> LR
-        scheduler``, stepped once per optimizer step by ``step()``. ``tp_plan`` (patterns -> styles, or "auto")
-        / ``parallelize_fn(model, tp_mesh)`` choose tensor parallelism, ``pp_split`` / ``stage_fn(model,
-        stage_index, num_stages)`` the pipeline split; each overrides the config. ``loss_fn`` (a name, a
-        ``plait.losses.Loss`` or ``fn(output, target)``) is what ``forward_backward`` and the pipeline's last
-        stage compute; ``sample`` is one micro-batch, used to balance pipeline stages by measured cost.
-        """
+        right, possibly sharded, parameters), or ``fn(params)`` with its trainable parameters when the factory's
+        parameter is named ``params`` (``plait.components.optim.takes_params``); an optimizer instance holding
+        no state yet (rebuilt over the same parameters by name, with its class, groups and hyperparameters); or
+        None for AdamW from ``[optim]``. ``scheduler``: a factory ``fn(optimizer) -> LR scheduler``, stepped by
+        ``step()``. ``tp_plan`` (patterns -> styles, or "auto") / ``parallelize_fn(model, tp_mesh)`` choose
+        tensor parallelism, ``pp_split`` / ``stage_fn(model, stage_index, num_stages)`` the pipeline split;
+        each overrides the config. ``loss_fn`` (a name, a ``plait.losses.Loss`` or ``fn(output, target)``) is
+        what ``forward_backward`` and the pipeline's last stage compute; ``sample``: one micro-batch, to
+        balance pipeline stages by measured cost."""
         check_setup_args(self.strategy, model, scheduler)
         self.phase("setup")
         model, compiled = unwrap_compiled(model)
@@ -226,6 +225,7 @@ class Plait(SmallCollectives):
                          pp_split=list(pp_split if pp_split is not None else p.pp_split), stage_fn=stage_fn,
                          loss=self.loss, sample=self.to_device(sample) if sample is not None else None)
         moe = moe_layers(model)  # the whole model's, the same on every rank (a pipeline stage keeps some)
+        meter = SetupMeter(self.device).start()  # this rank's peak memory of setup, reported with the prediction
         with self.rng.active():  # what setup draws (a pipeline stage's cost measurement) is plait's, not the user's
             self.stepper.strategy = strategy = registry.build(self._strategy_cls, model.to(self.device),
                                                               self.topology, self.config, self.comm, spec)
@@ -233,7 +233,8 @@ class Plait(SmallCollectives):
                 self.stepper.moe = MoeMonitor(strategy.model, self.topology, self.comm, self.config.train.log_every,
                                               bias=any(layer.balance == "bias" for layer in moe))
             opt = strategy.build_optimizer(factory)
-            self._start(strategy)
+        strategy.setup_memory = meter.stop()
+        self._start(strategy)
         if scheduler is not None:
             self.stepper.scheduler = scheduler(strategy.scheduler_target())
         strategy.wrap_forward(self.device, compiled)
@@ -263,13 +264,15 @@ class Plait(SmallCollectives):
         """This rank's share of ``data`` in micro-batches of ``batch_size`` (default
         ``train.micro_batch_size``): a deterministic, resumable loader (``plait.data.loader``).
 
-        ``data`` is a map-style data set or a DataLoader (whose data set, batch size, collate function and worker
-        settings are kept). A DataLoader whose sampler is already rank-aware (``DistributedSampler``) is
-        returned as it is. Training (``shuffle=True``) yields whole global batches of ``batch_size x dp x
-        accumulation`` samples, each data-parallel rank a disjoint share; ``shuffle=False`` is for
-        evaluation: every sample once (but at most dp-1), the same number of batches on every rank.
-        A ``batch_size`` other than the config's changes the accumulation so the global batch stays.
-        """
+        ``data`` is a map-style data set (a Hugging Face ``datasets.Dataset`` too) or a DataLoader (whose
+        data set, batch size, collate function and worker settings are kept); an iterable data set (Hugging
+        Face or torch), a ``StatefulDataLoader``, plait's streamed documents or a plain iterable are read
+        through ``plait.data.resumable.loader_for`` (sharded over data-parallel ranks, per-rank state). A
+        DataLoader whose sampler is already rank-aware (``DistributedSampler``) is returned as it is. Training
+        (``shuffle=True``) yields whole global batches of ``batch_size x dp x accumulation`` samples, each
+        data-parallel rank a disjoint share; ``shuffle=False`` is for evaluation: every sample once (but at
+        most dp-1), the same number of batches on every rank. A ``batch_size`` other than the config's changes
+        the accumulation so the global batch stays."""
         if data is None:
             raise PlaitError("setup_dataloader() got None; pass a data set or a DataLoader")
         loader, batch_size, accumulation = distributed_loader(

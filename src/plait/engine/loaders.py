@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader
 
 from plait.config import Config
 from plait.data.loader import DeviceLoader, DistributedLoader, is_rank_aware
+from plait.data.resumable import loader_for
 from plait.observe.log import get_logger
 from plait.parallel.strategy import PlaitError
 from plait.topology import Topology
@@ -21,6 +22,13 @@ def distributed_loader(data: Any, batch_size: int | None, config: Config, topo: 
                        **kwargs: Any) -> tuple[Any, int, int | None]:
     """(this rank's loader, its batch size, the accumulation that implies; None when it does not set one). See
     ``Plait.setup_dataloader`` for the contract."""
+    t = config.train
+    special = loader_for(data, dp_rank=topo.dp_rank, dp_size=topo.dp, batch_size=batch_size or t.micro_batch_size,
+                         num_workers=kwargs.get("num_workers", config.data.num_workers), collate_fn=collate_fn,
+                         pin_memory=topo.device.type == "cuda", prefetch_factor=kwargs.get("prefetch_factor"))
+    if special is not None:  # streamed, iterable or Hugging Face data (plait.data.resumable)
+        return (special if topo.device.type == "cpu" else DeviceLoader(special, topo.device)), \
+            batch_size or t.micro_batch_size, None
     if isinstance(data, DataLoader):
         if is_rank_aware(data):
             get_logger(topo.rank).info("the DataLoader's sampler is already rank-aware: used as it is (not resumable)")
@@ -31,7 +39,6 @@ def distributed_loader(data: Any, batch_size: int | None, config: Config, topo: 
                 kwargs[key] = getattr(data, key)
         batch_size = batch_size or data.batch_size
         data = data.dataset
-    t = config.train
     batch_size = batch_size or t.micro_batch_size
     accumulation = None
     if shuffle:

@@ -20,6 +20,7 @@ from plait.components.optim import hyperparameters, set_hyperparameters
 from plait.components.precision import LossScaler
 from plait.components.rng import RngStream
 from plait.config import Config
+from plait.data.resumable import checkpoint_state
 from plait.engine.run_files import RunFiles
 from plait.engine.step_info import StepInfo
 from plait.engine.window import AccumulationWindow
@@ -243,7 +244,7 @@ class Stepper:
         position, the loss scale, the step counters, the optimizer's hyperparameters, the compression choice."""
         sched = scheduler or self.scheduler
         return {"scheduler": sched.state_dict() if sched is not None else None,
-                "dataloader": dataloader.state_dict() if dataloader is not None else None,
+                "dataloader": checkpoint_state(dataloader, self.group) if dataloader is not None else None,
                 "scaler": self.scaler.state_dict(), "steps": self.steps, "skipped_steps": self.skipped_steps,
                 "micro": self.window.micro, "param_groups": hyperparameters(self.strategy.scheduler_target()),
                 "auto": self.auto.state_dict() if self.auto is not None else None}

@@ -63,7 +63,7 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.dropout_stream = 0  # attention-dropout stream (``dropout_stream``); tensor parallel sets it
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape  # (B, T, C)
         # -1 rather than n_head: under tensor parallelism the local projection holds fewer heads.
         q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
@@ -71,7 +71,10 @@ class CausalSelfAttention(nn.Module):
         v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         p = self.dropout if self.training else 0.0
         with dropout_stream(self.dropout_stream if p > 0 else 0, x.device):
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, D)
+            if attn_mask is None:
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, D)
+            else:  # (B, 1, T, T): causal inside each packed document
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C_local)
         return self.proj(y)
 
@@ -95,8 +98,9 @@ class Block(nn.Module):
         self.mlp: nn.Module = MLP(cfg) if moe is None else _moe_layer(cfg, moe)
         self.drop = Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        attn = self.attn(self.ln1(x)) if attn_mask is None else self.attn(self.ln1(x), attn_mask=attn_mask)
+        x = x + self.drop(attn)
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -113,11 +117,18 @@ class GPT(nn.Module):
     """Token ids (B, T) -> logits (B, T, V), or the mean cross-entropy when targets are given.
 
     With ``moe`` (a ``[moe]`` section with ``num_experts`` > 0) every ``moe.every``-th block (blocks
-    ``every-1, 2 every-1, ...``) has a ``plait.nn.MoE`` feed-forward instead of the dense MLP."""
+    ``every-1, 2 every-1, ...``) has a ``plait.nn.MoE`` feed-forward instead of the dense MLP. Packed
+    documents (``plait.data.packing``) pass ``position_ids`` (B, T) and ``doc_ids`` (B, T); with
+    ``document_mask`` attention stays inside each document. ``cfg.vocab_size = 0`` means 256 (bytes)."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoeConfig | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, moe: MoeConfig | None = None, *, document_mask: bool = False) -> None:
         super().__init__()
+        if cfg.vocab_size == 0:  # "the tokenizer's", unresolved here: the byte vocabulary
+            import dataclasses
+
+            cfg = dataclasses.replace(cfg, vocab_size=256)
         self.cfg = cfg
+        self.document_mask = document_mask
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = Dropout(cfg.dropout)
@@ -142,14 +153,22 @@ class GPT(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         B, T = idx.shape  # (B, T)
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence of {T} tokens exceeds model.seq_len={self.cfg.seq_len}")
-        pos = torch.arange(T, device=idx.device)
+        pos = torch.arange(T, device=idx.device) if position_ids is None else position_ids  # (T,) or (B, T)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
+        if doc_ids is not None and self.document_mask:
+            from plait.nn.attention import document_causal_mask
+
+            mask = document_causal_mask(doc_ids)  # (B, 1, T, T)
+            for block in self.blocks:
+                x = block(x, attn_mask=mask)
+        else:
+            for block in self.blocks:
+                x = block(x)
         logits = self.head(self.ln_f(x))  # (B, T, V)
         if targets is None:
             return logits

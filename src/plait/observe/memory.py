@@ -1,6 +1,6 @@
 """Memory a rank measures of itself: the model-state bytes it holds (parameters, gradients, optimizer
-states, each storage counted once), its peak, and the summary's per-rank block next to the prediction of
-``plait.plan.memory``."""
+states, each storage counted once), its peak, the peak of setup (``SetupMeter``), and the summary's per-rank
+block next to the predictions of ``plait.plan.memory``."""
 
 from __future__ import annotations
 
@@ -67,19 +67,101 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def _host_status() -> dict[str, int]:
+    """This process's resident set now (``VmRSS``) and its high-water mark (``VmHWM``), in bytes; empty where
+    ``/proc`` does not exist."""
+    try:
+        text = open("/proc/self/status").read()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+class SetupMeter:
+    """Peak memory of a phase (``Plait.setup``), measured by this rank on itself between ``start`` and ``stop``
+    (or as a context manager): ``reading`` holds, in bytes, the host resident set before, at its peak and
+    after, and on a GPU the allocated device memory likewise.
+
+    The host peak is the kernel's high-water mark, reset when the phase starts (Linux: ``/proc/self/clear_refs``),
+    so it is the phase's own peak (``host_peak_source = "phase"``); where it cannot be reset it is the
+    process's peak since it started (``"process"``, an upper bound). The device peak is torch's
+    ``max_memory_allocated`` after resetting it. A resident set sees memory the allocator keeps after freeing
+    it too, so compare increases of one run's ranks with the prediction, not bytes across machines."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.reading: dict[str, Any] = {}
+
+    def __enter__(self) -> SetupMeter:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> SetupMeter:
+        """Note the memory now and reset the peaks."""
+        source = "process"
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current resident set
+            source = "phase"
+        except OSError:
+            pass
+        status = _host_status()
+        self.reading = {"host_before_bytes": status.get("VmRSS"), "host_peak_source": source}
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.reading["device_before_bytes"] = int(torch.cuda.memory_allocated(self.device))
+        return self
+
+    def stop(self) -> dict[str, Any]:
+        """The reading of the phase since ``start`` (also kept in ``reading``)."""
+        status = _host_status()
+        r = self.reading
+        peak = status.get("VmHWM") if r["host_peak_source"] == "phase" else peak_memory_bytes(torch.device("cpu"))
+        r.update(host_peak_bytes=peak, host_after_bytes=status.get("VmRSS"))
+        if r.get("host_before_bytes") is not None and peak is not None:
+            r["host_increase_bytes"] = peak - r["host_before_bytes"]
+        if self.device.type == "cuda":
+            r["device_peak_bytes"] = int(torch.cuda.max_memory_allocated(self.device))
+            r["device_after_bytes"] = int(torch.cuda.memory_allocated(self.device))
+            r["device_increase_bytes"] = r["device_peak_bytes"] - r["device_before_bytes"]
+        return r
+
+
 def memory_report(num_params: int, stage: int, dp: int, precision: Precision, measured: dict[str, int] | None,
-                  device: torch.device, predict: bool = True) -> dict[str, Any]:
+                  device: torch.device, predict: bool = True, setup: dict[str, Any] | None = None,
+                  setup_predicted: dict[str, int] | None = None) -> dict[str, Any]:
     """Per-rank lists (index = global rank) of predicted and measured model-state bytes and peak bytes,
-    for a run's summary. Collective: one all-gather of small objects over the world."""
+    for a run's summary; with ``setup`` (a ``SetupMeter`` reading) also the peak of setup measured, next to
+    ``setup_predicted`` (``plait.plan.memory.predict_setup_bytes``). Collective: one all-gather of small
+    objects over the world."""
     import torch.distributed as dist
 
     predicted = predict_model_state_bytes(num_params, stage=stage, dp=dp, precision=precision) if predict else None
-    mine = {"predicted": predicted, "measured": measured, "peak_bytes": peak_memory_bytes(device)}
+    mine = {"predicted": predicted, "measured": measured, "peak_bytes": peak_memory_bytes(device),
+            "setup": {"measured": setup, "predicted": setup_predicted}}
     ranks: list[Any] = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
+    setups = [r.pop("setup") for r in ranks]
+
+    def column(part: str, key: str) -> list[Any]:
+        return [(s[part] or {}).get(key) for s in setups]
     return {
         "predicted_model_state_bytes": [r["predicted"]["total"] if r["predicted"] else None for r in ranks],
         "measured_model_state_bytes": [r["measured"]["total"] if r["measured"] else None for r in ranks],
-        "peak_bytes": [r["peak_bytes"] for r in ranks], "breakdown": ranks}
+        "peak_bytes": [r["peak_bytes"] for r in ranks], "breakdown": ranks,
+        "setup": {"host_peak_bytes": column("measured", "host_peak_bytes"),
+                  "host_increase_bytes": column("measured", "host_increase_bytes"),
+                  "device_peak_bytes": column("measured", "device_peak_bytes"),
+                  "device_increase_bytes": column("measured", "device_increase_bytes"),
+                  "predicted_peak_bytes": column("predicted", "peak"),
+                  "predicted_increase_bytes": column("predicted", "increase"),
+                  "ranks": setups}}

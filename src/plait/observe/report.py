@@ -178,6 +178,13 @@ def _figures(page: _Page, runs: list[Run]) -> None:
                     "per rank (allocated CUDA memory on a GPU; on CPU the process's resident set, which also holds "
                     "the interpreter and libraries).", f"{run.name}: no memory figures (they are in summary.json when "
                     "a run finishes)")
+        setup = _setup_rows(run)
+        if setup:
+            page.html(f"<p>{_esc(run.name)}: peak memory of setup on each rank, measured against plait's prediction "
+                      "(the whole model given on every rank, rank 0's weights broadcast, the layout applied). On CPU "
+                      "the host peak is the resident set, interpreter included: compare the increase over setup. "
+                      "MiB.</p>" + _table(["rank", "host peak", "increase", "predicted increase", "predicted peak "
+                                           "(model bytes)", "device peak", "device increase"], setup, cls="setup"))
     timelines = {i: F.pipeline_figure(run) for i, run in enumerate(runs)}
     if any(timelines.values()):
         page.section("pipeline", "Pipeline")
@@ -187,6 +194,20 @@ def _figures(page: _Page, runs: list[Run]) -> None:
             page.figure(f"fig-pipeline-{i}", svg, f"{run.name}: every forward and backward of every micro-batch "
                         "on every pipeline rank in the last step (pipeline_trace.json; open it in Perfetto for "
                         "detail); idle gaps are the bubble.")
+
+
+def _setup_rows(run: Run) -> list[list[str]]:
+    """Per rank: the peak memory of setup measured (summary.json ``memory.setup``) and predicted, in MiB."""
+    setup = (run.summary.get("memory") or {}).get("setup") or {}
+    keys = ("host_peak_bytes", "host_increase_bytes", "predicted_increase_bytes", "predicted_peak_bytes",
+            "device_peak_bytes", "device_increase_bytes")
+    columns = [setup.get(k) or [] for k in keys]
+    ranks = max((len(c) for c in columns), default=0)
+    if not any(isinstance(v, int | float) for c in columns for v in c):
+        return []
+    mib = 2**20
+    return [[str(r)] + [_fmt(c[r] / mib, ",.1f") if r < len(c) and isinstance(c[r], int | float) else "-"
+                        for c in columns] for r in range(ranks)]
 
 
 def _scaling(page: _Page, runs: list[Run]) -> None:

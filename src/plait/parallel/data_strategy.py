@@ -67,8 +67,24 @@ class BatchNormAveraging:
             reduce_in_place(self._bn, self.comm, self.topo.dp_group, self.topo.dp, "batchnorm statistics")
 
 
+class ReducerSync:
+    """Mixin: gradient synchronisation by a data-parallel engine (``self.engine``: plait's reducer, DDP, or
+    one rank's ``LocalGrads``), armed per micro-step and completed after backward."""
+
+    engine: Any
+
+    def set_sync(self, enabled: bool) -> None:
+        self.engine.set_sync(enabled)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.engine.no_sync()
+
+    def finish(self) -> None:
+        self.engine.finish()
+
+
 @register_strategy
-class DataParallel(BatchNormAveraging, Strategy):
+class DataParallel(ReducerSync, BatchNormAveraging, Strategy):
     """Data parallelism (plait's bucketed reducer, or PyTorch DDP with ``parallel.impl=torch``; one rank
     needs neither) with a replicated torch optimizer. The strategy when no other applies."""
 
@@ -105,15 +121,6 @@ class DataParallel(BatchNormAveraging, Strategy):
 
     def forward_wrapper(self) -> Callable | None:
         return self.engine.module if isinstance(self.engine, TorchDDP) else None
-
-    def set_sync(self, enabled: bool) -> None:
-        self.engine.set_sync(enabled)
-
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return self.engine.no_sync()
-
-    def finish(self) -> None:
-        self.engine.finish()
 
     def _flat_grads(self) -> list[torch.Tensor] | None:
         """plait's reducer buckets when every gradient is a view into them (None otherwise): unscaling
@@ -216,7 +223,10 @@ class Zero(BatchNormAveraging, Strategy):
 
 @register_strategy
 class Fsdp(BatchNormAveraging, Strategy):
-    """ZeRO stage 3 on FSDP2: parameters, gradients and optimizer states sharded over the data-parallel ranks."""
+    """ZeRO stage 3 on FSDP2: parameters, gradients and optimizer states sharded over the data-parallel ranks,
+    or, with ``parallel.dp_shard = N`` (hybrid sharding, HSDP), over groups of N ranks and replicated across
+    the ``dp / N`` groups: the same strategy on the 2-D mesh ``Topology.fsdp_mesh`` (``plait.parallel.fsdp``).
+    Its check owns ``parallel.dp_shard`` for every layout that shards with FSDP2 (tensor and pipeline too)."""
 
     name = "fsdp"
     priority = 10
@@ -233,6 +243,7 @@ class Fsdp(BatchNormAveraging, Strategy):
         if p.zero == 3 and (c.compress != "none" or c.allreduce != "backend"):
             raise ConfigError("parallel.zero=3 reduces gradients inside FSDP2, which comm.compress and comm.allreduce "
                               "do not reach; use parallel.zero=0, 1 or 2 with them")
+        check_dp_shard(p)
 
     def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm,
                  spec: ModelSpec | None = None) -> None:
@@ -249,7 +260,7 @@ class Fsdp(BatchNormAveraging, Strategy):
 
             fsdp_shard_experts(model, topo, param_dtype=param_dtype, reshard_after_forward=p.reshard_after_forward)
             experts = set()
-        self.model = apply_fsdp(model, topo.dp_mesh, param_dtype=param_dtype, offload=p.offload,
+        self.model = apply_fsdp(model, topo.fsdp_mesh, param_dtype=param_dtype, offload=p.offload,
                                 reshard_after_forward=p.reshard_after_forward, ignored_params=experts or None)
         self._track_batchnorm(model, cfg, topo)
 
@@ -276,6 +287,24 @@ class Fsdp(BatchNormAveraging, Strategy):
     def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         # cpu_offload: torch gathers the full tensors to rank 0's CPU memory only
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
+
+
+def check_dp_shard(p: ParallelConfig) -> None:
+    """``parallel.dp_shard`` (hybrid sharding) needs ZeRO-3, more than one rank per shard group and, in this
+    build, no expert parallelism; its divisibility is the topology's (``plait.topology.resolve_degrees``)."""
+    if not p.dp_shard:
+        return
+    if p.zero != 3:
+        raise ConfigError(f"parallel.dp_shard={p.dp_shard} sets the shard groups of hybrid sharding, which shards "
+                          f"parameters with FSDP2 (ZeRO-3); set parallel.zero=3, or parallel.dp_shard=0 with "
+                          f"parallel.zero={p.zero}")
+    if p.dp_shard == 1:
+        raise ConfigError("parallel.dp_shard=1 makes shard groups of one rank, which shard nothing: use "
+                          "parallel.zero=0 to replicate, or dp_shard >= 2 (0 shards over every data-parallel rank)")
+    if p.ep > 1:
+        raise ConfigError(f"parallel.dp_shard={p.dp_shard} with parallel.ep={p.ep}: hybrid sharding does not compose "
+                          "with expert parallelism in this build; set parallel.dp_shard=0 (ZeRO-3 over every "
+                          "data-parallel rank)")
 
 
 def check_elementwise(cls: type, what: str, instead: str) -> None:

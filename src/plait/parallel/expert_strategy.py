@@ -22,7 +22,8 @@ from plait.config import Config, ParallelConfig
 from plait.parallel.compile import check_compile
 from plait.parallel.data_strategy import reduce_in_place
 from plait.parallel.expert import ExpertParallelError, check_expert_layout
-from plait.parallel.model_parallel import ModelParallel, Pipeline
+from plait.parallel.model_parallel import ModelParallel
+from plait.parallel.pipeline_strategy import Pipeline
 from plait.parallel.strategy import Strategy, register_strategy
 from plait.parallel.tensor import local_value
 from plait.parallel.units import is_expert

@@ -144,8 +144,10 @@ class PipelineRunner:
             return None
         return torch.stack([local_value(loss.detach()) for loss in losses]).mean()
 
-    def sync_tied_grads(self) -> None:
-        """Sum the gradients of every copy of each tied parameter (see the module docstring).
+    def sync_tied_grads(self, grad_of: Callable[[nn.Parameter], torch.Tensor] | None = None) -> None:
+        """Sum the gradients of every copy of each tied parameter (see the module docstring). ``grad_of(p)``
+        is where ``p``'s local gradient lives (default: ``p.grad``'s local shard; ZeRO-1/2 keeps it in its
+        bucket buffer).
 
         Communication: per tie held by more than one rank, one all-reduce of the ``(local shard)``
         gradient over the pp ranks (ranks without a copy contribute zeros; the backward has already run,
@@ -157,7 +159,7 @@ class PipelineRunner:
             local = len({self._owner[s] for s in tie.stages}) == 1
             if local and not tie.params:
                 continue
-            grads = [_local_grad(p) for p in tie.params]
+            grads = [(grad_of or _local_grad)(p) for p in tie.params]
             total = grads[0].clone() if grads else torch.zeros(tie.shape)
             for g in grads[1:]:
                 total += g
@@ -229,7 +231,8 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
                    virtual_stages_per_rank: int | None = None, loss_fn: Callable[[object, object], torch.Tensor] | None
                    = None, costs: LayerCosts | None = None, scale_grads: bool = True,
                    adapter: PipelineAdapter | None = None, split: list[str] | None = None,
-                   stage_fn: Callable[[nn.Module, int, int], nn.Module] | None = None) -> PipelineRunner:
+                   stage_fn: Callable[[nn.Module, int, int], nn.Module] | None = None,
+                   prepare_stage: Callable[[nn.Module], nn.Module] | None = None) -> PipelineRunner:
     """Split ``model`` (tensor-parallel already, or not) into this rank's pipeline stages.
 
     Consumes ``model``: its modules move into the stage modules (the unowned ones are dropped), so do
@@ -239,10 +242,10 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
     next-token cross-entropy). With ``scale_grads=False`` the gradients are those of the sum of the
     micro-batch losses (for callers that accumulate over several steps and scale the loss themselves).
     ``virtual_stages_per_rank`` defaults to the schedule's natural value (1 for gpipe/1f1b, 2 for
-    interleaved/zbv). Every rank must pass the same arguments. Raises ``PipelineConfigError`` for an
+    interleaved/zbv). ``prepare_stage(module)`` (FSDP2's sharding) may replace a stage module's parameters before
+    it becomes a ``PipelineStage``. Every rank must pass the same arguments. Raises ``PipelineConfigError`` for an
     unknown schedule, more stages than layers, a bad split, a model no adapter can split, or too few
-    micro-batches for the interleaved and zbv schedules.
-    """
+    micro-batches for the interleaved and zbv schedules."""
     from plait.components.losses import CausalLMLoss
 
     group = _as_group(pp)
@@ -256,7 +259,7 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
     mine = [s for s in range(num_stages) if owner[s] == rank]
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     loss_parallel = uses_loss_parallel(model)
-    built, ties, copies = _build_stages(model, adapter, names, ranges, num_stages, mine)
+    built, ties, copies = _build_stages(model, adapter, names, ranges, num_stages, mine, prepare_stage)
     tie_group = None
     if any(len({owner[s] for s in t.stages}) > 1 for t in ties):
         tie_group = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
@@ -286,16 +289,38 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
 
 
 def _build_stages(model: nn.Module, adapter: PipelineAdapter, names: list[str], ranges: list[range],
-                  num_stages: int, mine: list[int]) -> tuple[dict[int, nn.Module], list, dict]:
-    """(this rank's stage modules by stage index, the weights tied across stages, the names of later stages'
-    copies of them). A user's ``stage_fn`` builds only this rank's stages, and its ties are the user's."""
+                  num_stages: int, mine: list[int], prepare: Callable[[nn.Module], nn.Module] | None = None
+                  ) -> tuple[dict[int, nn.Module], list, dict]:
+    """(this rank's stage modules by stage index, each through ``prepare``, the weights tied across stages, the
+    names of later stages' copies of them). A user's ``stage_fn`` builds only this rank's stages, and its ties
+    are the user's."""
     if isinstance(adapter, FunctionPipeline):
-        return {s: adapter.build_stage(model, [str(s)], is_first=s == 0, is_last=s == num_stages - 1)
-                for s in mine}, [], {}
-    every = [adapter.build_stage(model, [names[i] for i in ranges[s]], is_first=s == 0, is_last=s == num_stages - 1)
-             for s in range(num_stages)]
-    ties, copies = untie_across_stages(model, every)
-    return {s: every[s] for s in mine}, ties, copies
+        built, ties, copies = {s: adapter.build_stage(model, [str(s)], is_first=s == 0, is_last=s == num_stages - 1)
+                               for s in mine}, [], {}
+    else:
+        every = [adapter.build_stage(model, [names[i] for i in ranges[s]], is_first=s == 0,
+                                     is_last=s == num_stages - 1) for s in range(num_stages)]
+        ties, copies = untie_across_stages(model, every)
+        built = {s: every[s] for s in mine}
+    if prepare is not None:
+        built, copies = _prepare(built, ties, copies, prepare)
+    return built, ties, copies
+
+
+def _prepare(built: dict[int, nn.Module], ties: list[Tie], copies: dict[int, str],
+             prepare: Callable[[nn.Module], nn.Module]) -> tuple[dict[int, nn.Module], dict[int, str]]:
+    """This rank's stage modules through ``prepare``. FSDP2 replaces parameters with new objects, so the ties'
+    ids and the copies' names follow each parameter to its new object (found by its module and attribute)."""
+    where: dict[int, tuple[nn.Module, str]] = {}
+    for stage in built.values():
+        for module in stage.modules():
+            for pname, p in module.named_parameters(recurse=False):
+                where.setdefault(id(p), (module, pname))
+    built = {s: prepare(m) for s, m in built.items()}
+    new_id = {old: id(getattr(module, pname)) for old, (module, pname) in where.items()}
+    for tie in ties:  # only this rank's parameters are looked up by id later (the runner's tie.params)
+        tie.ids = {new_id[i] for i in tie.ids if i in new_id}
+    return built, {new_id[i]: name for i, name in copies.items() if i in new_id}
 
 
 def _drop_unowned(model: nn.Module, modules: list[nn.Module]) -> None:

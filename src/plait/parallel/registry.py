@@ -14,7 +14,13 @@ from torch import nn
 
 from plait.comm.collectives import Comm
 from plait.config import Config, ConfigError, ParallelConfig
-from plait.parallel import data_strategy, expert_strategy, model_parallel  # noqa: F401 - they register themselves
+from plait.parallel import (  # noqa: F401 - they register themselves
+    data_strategy,
+    expert_strategy,
+    model_parallel,
+    pipeline_strategy,
+    pipeline_zero,
+)
 from plait.parallel.apply import ModelSpec
 from plait.parallel.strategy import Strategy, strategy_table
 from plait.parallel.wrapper import Wrapper

@@ -48,6 +48,7 @@ from plait.config import Config, ConfigError, ParallelConfig
 from plait.observe.memory import memory_report
 from plait.parallel.apply import ModelSpec, check_model, compose_model
 from plait.parallel.prepare import broadcast_weights, route_forward, sync_batchnorm
+from plait.plan.memory import predict_setup_bytes
 from plait.topology import Topology, build_topology, resolve_degrees
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
@@ -137,6 +138,9 @@ class Strategy:
 
     # -- the instance --------------------------------------------------------------------------------
     optimizer: Any = None
+    # what the engine measured of setup on this rank (plait.observe.memory.SetupMeter); ``report`` puts it
+    # next to the prediction
+    setup_memory: dict[str, Any] | None = None
 
     def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm,
                  spec: ModelSpec | None = None) -> None:
@@ -322,18 +326,29 @@ class Strategy:
         """The kinds of parallelism in use, for messages ("tensor-parallel/FSDP"); empty for one process."""
         t, z = self.topo, self.cfg.parallel.zero
         used = (("tensor-parallel", t.degree("tp") > 1), ("pipeline", t.degree("pp") > 1),
-                ("expert", t.degree("ep") > 1), ("FSDP", z == 3), ("ZeRO", z in (1, 2)),
+                ("expert", t.degree("ep") > 1), ("FSDP", z == 3 and not t.hybrid), ("HSDP", z == 3 and t.hybrid),
+                ("ZeRO", z in (1, 2)),
                 ("data-parallel", t.dp > 1 and z == 0))
         return "/".join(name for name, on in used if on)
 
     def report(self, run_dir: Path | None, measured: dict[str, int] | None, device: torch.device) -> dict[str, Any]:
-        """This strategy's part of the run summary: the per-rank memory prediction against ``measured``
-        (collective: an all-gather over the world); layouts add their own blocks."""
-        params = sum(p.numel() for p in {id(p): p for _, p in self.named_parameters()}.values())
+        """This strategy's part of the run summary: the per-rank memory prediction against ``measured``, and
+        the peak of setup (``setup_memory``) against its prediction (collective: an all-gather over the
+        world); layouts add their own blocks."""
+        unique = {id(p): p for _, p in self.named_parameters()}.values()
+        params = sum(p.numel() for p in unique)
         precision = "bf16" if self.precision != "fp32" else "fp32"
         data_parallel_only = self.topo.degree("tp") == self.topo.degree("pp") == 1
-        return {"memory": memory_report(params, self.cfg.parallel.zero, self.topo.dp, precision, measured or None,
-                                        device, predict=data_parallel_only)}
+        t, p = self.topo, self.cfg.parallel
+        setup = None
+        if data_parallel_only:  # today's path: the whole model given on every rank
+            setup = predict_setup_bytes(sum(q.numel() * q.element_size() for q in unique),
+                                        sum(b.numel() * b.element_size() for b in self.model.buffers()),
+                                        world=t.world_size, zero=p.zero, dp=t.dp, shard=t.shard_degree,
+                                        bucket_mb=p.bucket_mb)
+        # ZeRO shards over the shard group: every data-parallel rank, or dp_shard of them under HSDP
+        return {"memory": memory_report(params, p.zero, t.shard_degree, precision, measured or None, device,
+                                        predict=data_parallel_only, setup=self.setup_memory, setup_predicted=setup)}
 
     def close(self) -> None:
         """At the end of the run (a parameter server's worker tells the servers it is done)."""

@@ -45,6 +45,14 @@ class Wrapper(Strategy):
     def optimizers(self) -> list[Any]:
         return self.inner.optimizers
 
+    @property
+    def setup_memory(self) -> dict[str, Any] | None:  # type: ignore[override]
+        return self.inner.setup_memory
+
+    @setup_memory.setter
+    def setup_memory(self, reading: dict[str, Any] | None) -> None:
+        self.inner.setup_memory = reading  # the inner strategy's report carries the memory block
+
     def build_optimizer(self, factory: OptimizerFactory) -> Any:
         return self.inner.build_optimizer(factory)
 

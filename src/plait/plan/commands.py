@@ -60,7 +60,7 @@ def cmd_simulate(argv: list[str]) -> int:
         config = str(Path(run_dir) / "config.toml")
         if not Path(config).is_file():
             raise ConfigError(f"{run_dir} holds no config.toml; --compare takes a run directory plait train wrote")
-    cfg = recipes.load_recipe_config(config, overrides)
+    cfg = _load(config, overrides)
     nodes, per_node = flags.get("--nodes", 0), flags.get("--gpus-per-node", 0)
     if run_dir and not nodes:
         cfg.parallel.nproc = _run_world(Path(run_dir), cfg.parallel.nproc)
@@ -100,6 +100,16 @@ def cmd_calibrate(argv: list[str]) -> int:
     return 0
 
 
+def _load(config: str | None, overrides: list[str]) -> Any:
+    """The config with its recipe's defaults (``load_recipe_config``) and ``model.vocab_size = 0`` resolved (the
+    tokenizer's, 256 for bytes), for the model's shape."""
+    from plait.data.tokenize import resolve_vocab_size
+
+    cfg = recipes.load_recipe_config(config, overrides)
+    resolve_vocab_size(cfg)
+    return cfg
+
+
 def cmd_plan(argv: list[str]) -> int:
     """``plait plan CONFIG --hardware P --gpus N``: ranked layouts as JSON; ``--write`` the best as a config."""
     from plait.plan.planner import plan, summary_row, write_config
@@ -108,7 +118,7 @@ def cmd_plan(argv: list[str]) -> int:
 
     config, flags, overrides = parse(argv, ("--hardware", "--gpus", "--top", "--write"))
     profile = _profile(flags)
-    cfg = recipes.load_recipe_config(config, overrides)
+    cfg = _load(config, overrides)
     gpus = flags.get("--gpus", cfg.parallel.nproc)
     if gpus < 1:
         raise ConfigError(f"--gpus must be at least 1; got {gpus}")
@@ -140,7 +150,7 @@ def cmd_plan_memory(argv: list[str]) -> int:
     from plait.plan.memory import GPTShape, format_memory_table
 
     config, flags, overrides = parse(argv, ("--hardware",))
-    cfg = recipes.load_recipe_config(config, overrides)
+    cfg = _load(config, overrides)
     profile = load_profile(flags.get("--hardware", "a100-80gb"))
     sim = simulate_config(cfg, profile, derive_tp=False, memory_only=True, models=recipes)
     m, t, p, lay = cfg.model, cfg.train, cfg.parallel, sim.work.layout
@@ -149,6 +159,7 @@ def cmd_plan_memory(argv: list[str]) -> int:
         shape = GPTShape(micro_batch=lay.micro_batch_size, seq_len=m.seq_len, d_model=m.d_model, n_head=m.n_head,
                          n_layer=m.n_layer, vocab_size=m.vocab_size)
         lines += [format_memory_table(sim.work.shape.param_count(), dp=lay.dp, stage=p.zero,
+                                      dp_shard=lay.shard if lay.hybrid else 0,
                                       precision="fp32" if t.precision == "fp32" else "bf16", shape=shape,
                                       checkpointing=t.activation_checkpointing, k=t.checkpoint_every_k), ""]
     mib = 2**20
@@ -158,5 +169,18 @@ def cmd_plan_memory(argv: list[str]) -> int:
     for rank, mem in sorted(sim.memory.items()):
         row = mem.as_dict()
         lines.append(f"{rank:<6}" + "".join(f"{row[k] / mib:>14.3f}" for k in keys))
+    if lay.tp == lay.pp == 1:
+        lines += ["", _setup_line(sim.work.shape.param_count(), lay)]
     print("\n".join(lines))
     return 0
+
+
+def _setup_line(params: int, lay: Any) -> str:
+    """The peak of setup per rank (``plait.plan.memory.predict_setup_bytes``) for a data-parallel layout."""
+    from plait.plan.memory import predict_setup_bytes
+
+    setup = predict_setup_bytes(4 * params, 0, world=lay.world, zero=lay.zero, dp=lay.dp, shard=lay.shard,
+                                bucket_mb=lay.bucket_mb)
+    parts = "  ".join(f"{k} {setup[k] / 2**20:.3f}" for k in ("given", "broadcast", "loading", "layout", "peak"))
+    return ("setup peak per rank (the whole model given on every rank, rank 0's weights broadcast; fp32 parameters, "
+            f"buffers not counted; MiB):\n  {parts}")

@@ -1,11 +1,13 @@
-"""Prices of the layouts plait's planner does not lay out yet: pure functions of sizes, degrees and a profile.
+"""Prices of hybrid sharding, pipelines with ZeRO and context parallelism: pure functions of sizes, degrees and
+a profile.
 
 Hybrid sharding (HSDP: FSDP over groups of ``dp_shard`` ranks, replicated across the ``dp / dp_shard``
-groups), pipeline stages composed with ZeRO-1/2/3, and context parallelism (``cp``: ring attention or
-Ulysses all-to-all). The planner's ``Layout`` carries ``dp_shard`` and ``cp`` so that these prices have a
-home; the planner neither enumerates them nor writes them to a config, and the step simulator refuses them
-(``Workload.check``) until the strategies that run them exist. Each function states its formula; bytes are
-per rank, seconds from ``plait.plan.network.collective_time`` (NCCL's model where the profile has it).
+groups) and pipeline stages composed with ZeRO-1/2/3 run in plait (``parallel.dp_shard``,
+``plait.parallel.pipeline_zero``): the step simulator (``plait.plan.simulate``) prices them with these
+functions and the planner enumerates them. Context parallelism (``cp``: ring attention or Ulysses all-to-all)
+does not run yet: ``Layout`` carries ``cp`` so its price has a home, and the simulator refuses it
+(``Workload.check``). Each function states its formula; bytes are per rank, seconds from
+``plait.plan.network.collective_time`` (NCCL's model where the profile has it).
 
 * HSDP model states: ``(P + G + K) x psi / dp_shard`` (``16 psi / dp_shard`` for fp32 AdamW); gradients:
   a reduce-scatter inside the shard group, then an all-reduce of the ``1 / dp_shard`` shard across the
@@ -14,7 +16,8 @@ per rank, seconds from ``plait.plan.network.collective_time`` (NCCL's model wher
   all-reduces the stage's gradients and all-gathers the updated parameters after the optimizer; ZeRO-2
   reduce-scatters them instead; ZeRO-3 (FSDP) all-gathers the stage's units before its first action
   (and, with ``reshard_after_forward``, again before every forward and backward of every micro-batch)
-  and reduce-scatters the gradients once.
+  and reduce-scatters the gradients once per schedule step (under HSDP inside the shard group, then an
+  all-reduce of the shard across the replicas).
 * Context parallelism splits every token-sized activation ``cp`` ways (``saved / cp``). Ring attention
   passes K and V blocks around the ring: per layer forward ``(cp - 1)`` steps of ``2 b (s / cp) kv_dim / tp``
   elements, backward twice that (K, V and their gradients); each step overlaps one block of attention
@@ -84,9 +87,10 @@ class PipelineZero:
 
 
 def pipeline_zero(profile: HardwareProfile, zero: int, stage_numel: float, param_bytes: int, grad_bytes: int,
-                  dp: Group, reshard_after_forward: bool = False) -> PipelineZero:
+                  dp: Group, reshard_after_forward: bool = False, replicas: Group | None = None) -> PipelineZero:
     """The data-parallel traffic of one pipeline stage of ``stage_numel`` local parameters under ZeRO ``zero``
-    over ``dp`` (module docstring); ``param_bytes`` per gathered element, ``grad_bytes`` per gradient one."""
+    over ``dp`` (module docstring); ``param_bytes`` per gathered element, ``grad_bytes`` per gradient one.
+    ZeRO-3 under HSDP: ``dp`` is the shard group and ``replicas`` the groups' replicas."""
     grads, params = stage_numel * grad_bytes, stage_numel * param_bytes
     if zero == 0:
         return PipelineZero(after=collective_time(profile, "all_reduce", grads, dp))
@@ -96,8 +100,9 @@ def pipeline_zero(profile: HardwareProfile, zero: int, stage_numel: float, param
                             after_step=collective_time(profile, "all_gather", params, dp))
     if zero == 3:
         gather = collective_time(profile, "all_gather", params, dp)
-        return PipelineZero(before=gather, per_action=gather if reshard_after_forward else 0.0,
-                            after=collective_time(profile, "reduce_scatter", grads, dp))
+        after = (hsdp_gradient_seconds(profile, grads, dp, replicas) if replicas is not None and replicas.size > 1
+                 else collective_time(profile, "reduce_scatter", grads, dp))
+        return PipelineZero(before=gather, per_action=gather if reshard_after_forward else 0.0, after=after)
     raise ValueError(f"ZeRO stage must be 0..3; got {zero}")
 
 

@@ -19,6 +19,20 @@ bf16 is autocast: parameters, gradients and optimizer states stay fp32 and the b
 transient (they live with the activations), so the bf16 row equals the fp32 row; with FSDP2's
 bf16 ``param_dtype`` the unsharded bf16 parameters exist only around each block's compute.
 
+Setup (``predict_setup_bytes``): the peak of ``Plait.setup`` on the memory the model lives in, for the
+data-parallel layouts. Setup runs in phases, each freeing its transients before the next, on top of what the
+rank holds when it starts (``given``): the weights are made equal on every rank (``broadcast``: rank 0's
+weights sent as one flat copy per dtype, the whole model again, when the whole model is given on every rank;
+``loading``: a model built on the meta device and read from a checkpoint shard by shard instead, the
+loader's own peak), then the layout is applied (``layout``: plait's reducer and DDP allocate their
+gradient buckets, the size of the parameters; ZeRO-1 its full local gradient buffers (and, for a moment, the
+shard buffers it replaces with views of them); ZeRO-2 one flat bucket beside the parameters moving into it and
+the gradient shards (``/ dp``); ZeRO-3 and HSDP the parameter shards (``/ shard``) while the whole
+parameters are released unit by unit; the parameters moving into ZeRO's flat buffers free their own). So
+``peak = given + max(broadcast, loading, layout)``; the optimizer states appear at the first step, not in
+setup. A process's resident set measured over setup sees ``peak - given`` (``increase``) when freed
+memory is returned to the system, less when the allocator reuses it.
+
 The ZeRO paper's accounting (``accounting="paper"``) is also available: mixed-precision Adam holds
 2 Psi bf16 parameters, 2 Psi bf16 gradients and K Psi = 12 Psi of fp32 master weights plus two
 states; fp32 Adam holds 4 Psi + 4 Psi + 8 Psi. Stage 1 shards the K term, stage 2 also the
@@ -93,6 +107,39 @@ def predict_model_state_bytes(num_params: int, *, stage: int, dp: int, precision
     return out
 
 
+def predict_setup_bytes(param_bytes: int, buffer_bytes: int, *, world: int, zero: int, dp: int, shard: int,
+                        bucket_mb: float = 25.0, source: str = "whole", loading_bytes: int = 0) -> dict[str, int]:
+    """Per-rank bytes of ``Plait.setup`` for a data-parallel layout (ZeRO 0-3, HSDP; see the module docstring):
+    keys ``given``, ``broadcast``, ``loading``, ``layout``, ``peak``, ``increase`` (``peak - given``).
+
+    ``param_bytes``: the trainable parameters (fp32, whole model); ``buffer_bytes``: its buffers. ``source``:
+    ``"whole"`` (the whole model materialised on every rank, rank 0's weights broadcast: today's path) or
+    ``"shards"`` (a meta-device model, each rank loading only its part: nothing given, nothing broadcast, the
+    loader's peak ``loading_bytes``). ``shard``: the ranks ZeRO-3 shards over (dp, or dp_shard under HSDP).
+    Raises ValueError for an unknown source or ZeRO stage."""
+    if source not in ("whole", "shards"):
+        raise ValueError(f"source must be 'whole' or 'shards'; got {source!r}")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0..3; got {zero}")
+    whole = source == "whole"
+    given = param_bytes + buffer_bytes if whole else 0
+    broadcast = param_bytes + buffer_bytes if whole and world > 1 else 0
+    bucket = min(param_bytes, int(bucket_mb * 2**20))
+    if dp < 2 and zero < 3:
+        layout = 0  # one data-parallel rank: no gradient buckets, nothing to shard
+    elif zero == 0:
+        layout = param_bytes  # the reducer's (or DDP's) gradient buckets
+    elif zero == 1:  # the full local gradient buffers, and the shard buffers each bucket makes before stage 1
+        layout = param_bytes + math.ceil(param_bytes / dp)  # replaces them with views of the full ones
+    elif zero == 2:  # one flat bucket beside the parameters moving into it, the other buckets' gradient shards
+        layout = bucket + math.ceil((param_bytes - bucket) / dp)
+    else:
+        layout = math.ceil(param_bytes / max(shard, 1))  # the parameter shards
+    peak = given + max(broadcast, loading_bytes, layout)
+    return {"given": given, "broadcast": broadcast, "loading": loading_bytes, "layout": layout, "peak": peak,
+            "increase": peak - given}
+
+
 def predict_activation_bytes(shape: GPTShape, *, checkpointing: str = "none", k: int = 1,
                              precision: Precision = "fp32") -> dict[str, int]:
     """Activation bytes saved by the end of forward (``saved``) and the transient recompute peak
@@ -115,10 +162,12 @@ def predict_activation_bytes(shape: GPTShape, *, checkpointing: str = "none", k:
 
 def format_memory_table(num_params: int, *, dp: int, stage: int, precision: Precision = "fp32",
                         optimizer: str = "adamw", shape: GPTShape | None = None,
-                        checkpointing: str = "none", k: int = 1) -> str:
-    """Plain-text breakdown for ``plait plan memory``: plait's prediction and the paper's, in MiB."""
-    ours = predict_model_state_bytes(num_params, stage=stage, dp=dp, precision=precision, optimizer=optimizer)
-    paper = predict_model_state_bytes(num_params, stage=stage, dp=dp, precision=precision,
+                        checkpointing: str = "none", k: int = 1, dp_shard: int = 0) -> str:
+    """Plain-text breakdown for ``plait plan memory``: plait's prediction and the paper's, in MiB. ``dp_shard``
+    (HSDP, ZeRO-3): the states are sharded over that many ranks instead of ``dp``."""
+    n = dp_shard or dp
+    ours = predict_model_state_bytes(num_params, stage=stage, dp=n, precision=precision, optimizer=optimizer)
+    paper = predict_model_state_bytes(num_params, stage=stage, dp=n, precision=precision,
                                       optimizer=optimizer, accounting="paper")
     rows = [(name, ours[key], paper[key]) for name, key in
             (("parameters", "params"), ("gradients", "grads"), ("optimizer states", "optimizer"))]
@@ -131,7 +180,8 @@ def format_memory_table(num_params: int, *, dp: int, stage: int, precision: Prec
         total_paper += act["saved"] + act["recompute"]
     rows.append(("total", total_ours, total_paper))
     mib = 2**20
-    head = (f"per-rank memory: {num_params:,} params, zero={stage}, dp={dp}, {precision}, {optimizer}, "
+    head = (f"per-rank memory: {num_params:,} params, zero={stage}, dp={dp}"
+            f"{f', dp_shard={dp_shard}' if dp_shard else ''}, {precision}, {optimizer}, "
             f"checkpointing={checkpointing}")
     lines = [head, f"{'':<26}{'plait (MiB)':>14}{'ZeRO paper (MiB)':>18}"]
     lines += [f"{name:<26}{a / mib:>14.3f}{b / mib:>18.3f}" for name, a, b in rows]

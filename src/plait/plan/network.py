@@ -101,6 +101,15 @@ class Placement:
         """The ranks holding the same experts (their gradients are summed over it)."""
         return [self.rank(pp_i, d, tp_i, ep_i) for d in range(self.dp)]
 
+    def shard_group(self, shard: int, pp_i: int = 0, tp_i: int = 0) -> list[int]:
+        """Hybrid sharding: the ``shard`` consecutive data-parallel ranks of one shard group (the mesh's
+        ``dp_shard`` axis is inside ``dp_replicate``)."""
+        return [self.rank(pp_i, d, tp_i) for d in range(shard)]
+
+    def replica_group(self, shard: int, pp_i: int = 0, tp_i: int = 0) -> list[int]:
+        """Hybrid sharding: the ranks holding the same shard, one per shard group."""
+        return [self.rank(pp_i, d, tp_i) for d in range(0, self.dp, shard)]
+
     def pp_group(self, dp_i: int = 0, tp_i: int = 0) -> list[int]:
         return [self.rank(p, dp_i, tp_i) for p in range(self.pp)]
 

@@ -2,17 +2,19 @@
 
 Enumerated: tensor parallelism ``tp`` (within a node: a divisor of the devices per node), sequence
 parallelism with it, pipeline depth ``pp`` and schedule (gpipe, 1f1b, interleaved with 2 or 4 virtual
-stages per rank, zbv), ZeRO stage 0-3, the micro-batch (per forward without pipelining; per pipeline
+stages per rank, zbv), ZeRO stage 0-3 (with pipelining too: ZeRO-1/2 or FSDP per stage), at ZeRO-3 the
+hybrid-sharding group ``dp_shard`` (every divisor of dp between 1 and dp: HSDP, sharded inside groups of
+that many ranks and replicated across them), the micro-batch (per forward without pipelining; per pipeline
 micro-batch with it, one schedule step per optimizer step), activation checkpointing (none, full);
 ``dp`` is what remains; for a mixture of experts the expert-parallel degree ``ep`` (a divisor of dp and
 of the experts).
 
 Pruned, each family with its reason: degrees that do not divide the devices, the heads, the MLP width,
 the vocabulary or the sequence; a global batch that does not split over dp; combinations plait refuses
-(``plait.validate``: ZeRO with pipelining, ZeRO-1/2 with tp; ``plait.parallel.expert``: ZeRO-3 with ep
-whose expert weights do not split evenly over the dp / ep replicas; the planner also leaves MoE models
-with tp or pp out of its search); layouts whose predicted peak memory
-exceeds the device's usable memory (with the bytes).
+(``plait.validate``: ZeRO-1/2 with tp, hybrid sharding with ep, the zbv schedule with ZeRO-3;
+``plait.parallel.expert``: ZeRO-3 with ep whose expert weights do not split evenly over the dp / ep
+replicas; the planner also leaves MoE models with tp or pp out of its search); layouts whose predicted
+peak memory exceeds the device's usable memory (with the bytes).
 
 Ranked in two passes: a closed-form screen (``estimate``: the stages' summed costs, the pipeline bubble
 ``(p-1)/(v m)``, exposed gradient communication, the optimizer), then the full simulation
@@ -23,8 +25,8 @@ largest error there is about 10%), so a smaller predicted difference is not evid
 planner prefers the fewest pipeline stages (less activation memory on the first stage, fewer
 point-to-point hops, no bubble to lose to a straggler; Narayanan et al.'s rule: tensor parallelism up to
 a node, then pipelining), then the fastest; a ZeRO-3 layout in the band that is not itself the fastest
-comes after the band's others (``preference``). The layouts other work will add (HSDP's ``dp_shard``,
-context parallelism's ``cp``; ``plait.plan.layouts``) are not enumerated.
+comes after the band's others (``preference``). Context parallelism's ``cp`` (``plait.plan.layouts``), which
+plait does not run yet, is not enumerated.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 
 from plait.config import Config, ConfigError
 from plait.plan.hardware import HardwareProfile
+from plait.plan.layouts import hsdp_gradient_seconds
 from plait.plan.network import collective_time, group_span
 from plait.plan.params import param_list
 from plait.plan.rank_memory import model_states
@@ -59,6 +62,7 @@ class Space:
     micro_batches: tuple[int, ...] = MICRO_BATCHES
     sequence_parallel: tuple[bool, ...] = (False, True)
     even_stages: bool = False  # only pipeline depths that split the layers evenly (Megatron-LM's rule)
+    hybrid: bool = True  # at ZeRO-3, also the hybrid-sharding groups (dp_shard) between 1 and dp
 
 
 @dataclass
@@ -130,20 +134,19 @@ def _variants(shape: ModelShape, batch: int, tp: int, pp: int, dp: int, pruned: 
     per_replica = batch // dp
     sps = [sp for sp in space.sequence_parallel if not sp or (tp > 1 and shape.seq_len % tp == 0)]
     zeros = [z for z in space.zeros if z == 0 or dp > 1]
-    if pp > 1 and dp > 1:
-        pruned["zero=1-3 with pp>1"] = "plait composes pipelining with its data-parallel reducer only (zero=0)"
-        zeros = [z for z in zeros if z == 0]
     if tp > 1 and dp > 1:
         pruned["zero=1/2 with tp>1"] = "plait's flat-buffer ZeRO-1/2 does not take tensor-parallel parameters"
         zeros = [z for z in zeros if z in (0, 3)]
     eps = [e for e in _divisors(dp) if shape.num_experts and shape.num_experts % e == 0] or [1]
+    # ZeRO-3 over every data-parallel rank (dp_shard=1) or hybrid: shard groups of n ranks, dp / n replicas
+    shards = [1] + ([n for n in _divisors(dp) if 1 < n < dp] if space.hybrid and not shape.num_experts else [])
     out = []
     for sp in sps:
-        for zero in zeros:
+        for zero, dp_shard in [(z, n) for z in zeros for n in (shards if z == 3 else [1])]:
             for recompute in space.recomputes:
                 if pp == 1:
                     out += [Layout(dp=dp, tp=tp, pp=1, zero=zero, sp=sp, micro_batch_size=mb, recompute=recompute,
-                                   ep=ep)
+                                   ep=ep, dp_shard=dp_shard)
                             for mb in space.micro_batches if per_replica % mb == 0
                             for ep in eps if _experts_shard(shape, zero, dp, ep)]
                     continue
@@ -154,10 +157,15 @@ def _variants(shape: ModelShape, batch: int, tp: int, pp: int, dp: int, pruned: 
                     for schedule, v in SCHEDULE_CHOICES:
                         if schedule not in space.schedules or pp * v > shape.n_layer or (v > 1 and m < pp):
                             continue
+                        if schedule == "zbv" and zero == 3:
+                            pruned["zbv with zero=3"] = "the zero-bubble schedule's weight pass misses FSDP2's " \
+                                                        "gathered parameters (plait.parallel.pipeline_zero)"
+                            continue
                         if schedule == "interleaved" and m % max(1, m // pp):
                             continue
-                        out.append(Layout(dp=dp, tp=tp, pp=pp, zero=0, sp=sp, schedule=schedule, virtual=v,
-                                          microbatches=m, micro_batch_size=per_replica, recompute=recompute))
+                        out.append(Layout(dp=dp, tp=tp, pp=pp, zero=zero, sp=sp, schedule=schedule, virtual=v,
+                                          microbatches=m, micro_batch_size=per_replica, recompute=recompute,
+                                          dp_shard=dp_shard))
     return out
 
 
@@ -184,11 +192,14 @@ def estimate(work: Workload, cluster: Cluster, model: StageModel) -> float:
     else:
         compute = work.accumulation * (lay.microbatches * lay.virtual + lay.pp - 1) * stage
     params = s.param_count() / (lay.tp * lay.pp)
-    dp_group = group_span(model.placement.dp_group(), cluster.devices_per_node)
-    grad = collective_time(cluster.profile, "all_reduce", 4 * params, dp_group)
+    place, dpn = model.placement, cluster.devices_per_node
+    grad = collective_time(cluster.profile, "all_reduce", 4 * params, group_span(place.dp_group(), dpn))
+    if lay.hybrid:  # reduce-scatter inside the shard group, all-reduce of the shard across the replicas
+        grad = hsdp_gradient_seconds(cluster.profile, 4 * params, group_span(place.shard_group(lay.shard), dpn),
+                                     group_span(place.replica_group(lay.shard), dpn))
     backward = sum(model.block(i).bwd for i in range(s.n_layer))
     exposed = grad if lay.pp > 1 or lay.zero == 1 else max(0.0, grad - backward)
-    optimizer = 32 * params / (max(lay.dp, 1) if lay.zero else 1) / (cluster.profile.memory_bandwidth
+    optimizer = 32 * params / (max(lay.shard, 1) if lay.zero else 1) / (cluster.profile.memory_bandwidth
                                                                      * cluster.profile.memory_efficiency)
     return compute + exposed + optimizer
 
@@ -217,7 +228,7 @@ def plan(shape: ModelShape, profile: HardwareProfile, gpus: int, batch: int, *, 
     too_big: dict[str, float] = {}
     for lay in _layouts(shape, batch, gpus, per_node, pruned, space or Space()):
         work = replace(base, shape=shape, layout=lay, global_batch=batch)
-        fkey = (lay.tp, lay.pp, lay.dp, lay.zero, lay.ep)
+        fkey = (lay.tp, lay.pp, lay.dp, lay.zero, lay.ep, lay.dp_shard)
         if fkey not in floors:
             floors[fkey] = _model_state_floor(shape, lay, work)
         key = (lay.tp, lay.sp, work.pipe_micro_batch, lay.recompute, lay.dp, lay.pp, lay.ep)
@@ -227,7 +238,7 @@ def plan(shape: ModelShape, profile: HardwareProfile, gpus: int, batch: int, *, 
                     key=lambda c: c.saved)
         act = (block.saved * in_flight(lay) + block.weight_casts) * math.ceil(shape.n_layer / lay.pp) + block.transient
         if floors[fkey] + act > usable:
-            family = f"tp={lay.tp} pp={lay.pp} zero={lay.zero}"
+            family = f"tp={lay.tp} pp={lay.pp} zero={lay.zero}" + (f" dp_shard={lay.shard}" if lay.hybrid else "")
             too_big[family] = min(too_big.get(family, math.inf), floors[fkey] + act)
             continue
         screened.append((estimate(work, cluster, models[key]), work))
@@ -302,6 +313,7 @@ def write_config(sim: Simulation, base: Config, path: str) -> None:
     p, t = cfg.parallel, cfg.train
     p.nproc, p.dp, p.tp, p.pp, p.zero, p.ep = lay.world, lay.dp, lay.tp, lay.pp, lay.zero, lay.ep
     p.sequence_parallel = lay.sp
+    p.dp_shard = lay.shard if lay.hybrid else 0
     if lay.pp > 1:
         p.pp_schedule, p.microbatches = lay.schedule, lay.microbatches
         p.pp_virtual_stages = lay.virtual if lay.schedule in ("interleaved", "zbv") else 0

@@ -7,9 +7,10 @@ parameters, gradients and AdamW's two states (its bf16 is autocast, or FSDP2's b
 gradients and an fp32 master copy with the two states: ``2 + 2 + 12`` (the ZeRO paper's ``K = 12``).
 Data parallel: all of it per local parameter; ZeRO-1: parameters and gradients in flat buckets padded to a
 multiple of dp, states ``K / dp``; ZeRO-2: gradients ``G / dp`` as well; ZeRO-3 (FSDP): every parameter's
-dim 0 split in dp padded chunks, all three sharded. Local parameters are the tensor-parallel shards of the
-rank's pipeline stages (a tied head on the last stage has its own copy of the token table). Pipeline
-stages compose with every ZeRO stage the same way (over the stage's data-parallel group).
+dim 0 split in dp padded chunks, all three sharded (under HSDP in ``dp_shard`` chunks: ``16 psi / dp_shard``
+for fp32 AdamW). Local parameters are the tensor-parallel shards of the rank's pipeline stages (a tied head
+on the last stage has its own copy of the token table). Pipeline stages compose with every ZeRO stage the
+same way (over the stage's data-parallel group).
 
 Activations: the bytes saved for backward (``plait.plan.ops``) times the micro-batches alive at once:
 one accumulation micro-batch without pipelining, the schedule's peak (``plait.plan.schedule``) with it.
@@ -80,9 +81,9 @@ def model_states(params: list[Param], work: Workload, n_layer: int) -> tuple[Ran
     a flattened gradient copy for their all-reduce) without ZeRO or when ``dp = ep``."""
     lay = work.layout
     experts = [p for p in params if p.expert] if lay.ep > 1 else []
-    if not experts:
-        return _states(params, work, n_layer, lay.dp)
-    dense, dense_buf = _states([p for p in params if not p.expert], work, n_layer, lay.dp)
+    if not experts:  # sharded over the data-parallel ranks, or over the shard group under HSDP
+        return _states(params, work, n_layer, lay.shard)
+    dense, dense_buf = _states([p for p in params if not p.expert], work, n_layer, lay.shard)
     edp = lay.dp // lay.ep
     local = sum(p.local_numel(lay.tp) for p in experts)
     if lay.zero == 3 and edp > 1:

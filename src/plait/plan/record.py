@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait.components.optim import adamw
 from plait.config import Config, ConfigError
+from plait.data.tokenize import resolve_vocab_size
 from plait.models.gpt import GPT
 from plait.parallel.apply import ModelSpec, _tp_function
 from plait.parallel.checkpointing import apply_activation_checkpointing
@@ -44,6 +45,10 @@ def shape_from_config(cfg: Config, models: Any = None) -> ModelShape:
     device (``meta_model``; its config and exact parameter count)."""
     m = cfg.model
     if not m.factory and m.name == "gpt":
+        if m.vocab_size == 0:  # the tokenizer's, as the run resolves it (on a copy: cfg stays as given)
+            cfg = copy.deepcopy(cfg)
+            resolve_vocab_size(cfg)
+            m = cfg.model
         return with_moe(gpt_shape(m.n_layer, m.d_model, m.n_head, m.seq_len, m.vocab_size, m.dropout), cfg)
     return shape_from_model(meta_model(cfg, models), m.seq_len)
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from plait.plan import derive
 from plait.plan.flops import hardware_flops, model_flops, utilisation
-from plait.plan.layouts import PipelineZero, pipeline_zero
-from plait.plan.network import collective_time, group_span
+from plait.plan.layouts import PipelineZero, hsdp_gradient_seconds, pipeline_zero
+from plait.plan.network import Group, collective_time, group_span
 from plait.plan.ops import Op
 from plait.plan.params import Param, param_list
 from plait.plan.rank_memory import RankMemory, gather_bytes, model_states
@@ -122,7 +122,16 @@ def _rank_params(work: Workload, stages: list[range], owner: list[int], rank: in
     return out
 
 
-def _comm_plan(model: StageModel, params: list[Param], dp_group: Any) -> dict:
+def _shard_groups(model: StageModel, r: int) -> tuple[Group, Group | None]:
+    """ZeRO-3's groups for pipeline rank ``r``: the ranks a parameter is sharded over (every data-parallel
+    rank, or under HSDP the shard group) and, under HSDP, the replicas of a shard."""
+    lay, place, dpn = model.work.layout, model.placement, model.cluster.devices_per_node
+    if not lay.hybrid:
+        return group_span(place.dp_group(r), dpn), None
+    return group_span(place.shard_group(lay.shard, r), dpn), group_span(place.replica_group(lay.shard, r), dpn)
+
+
+def _comm_plan(model: StageModel, params: list[Param], dp_group: Any, shards: tuple[Group, Group | None]) -> dict:
     work, profile = model.work, model.profile
     lay = work.layout
     cores_free = profile.kind != "cpu" or profile.cores - min(lay.world, model.cluster.devices_per_node) \
@@ -149,11 +158,17 @@ def _comm_plan(model: StageModel, params: list[Param], dp_group: Any) -> dict:
         units = derive.fsdp_units(params, work.shape.n_layer)
         sizes = [sum(params[i].local_numel(lay.tp) for i in u) for u in units]
         keys = list(range(len(units) - 1)) + [-1]
-        # one rank (ZeRO-3 with offload=params): no collective; the host copies of offload are not timed
-        plan["unit_ag"] = {k: collective_time(profile, "all_gather", n * param_bytes, dp_group) if lay.dp > 1
+        # one rank (ZeRO-3 with offload=params): no collective; the host copies of offload are not timed.
+        # HSDP: gathers inside the shard group; gradients reduce-scattered there, then all-reduced across replicas
+        shard, replicas = shards
+
+        def reduce(nbytes: float) -> float:
+            if replicas is not None:
+                return hsdp_gradient_seconds(profile, nbytes, shard, replicas)
+            return collective_time(profile, "reduce_scatter", nbytes, shard)
+        plan["unit_ag"] = {k: collective_time(profile, "all_gather", n * param_bytes, shard) if lay.dp > 1
                            else 0.0 for k, n in zip(keys, sizes, strict=True)}
-        plan["unit_rs"] = {k: collective_time(profile, "reduce_scatter", n * grad, dp_group) if lay.dp > 1 else 0.0
-                           for k, n in zip(keys, sizes, strict=True)}
+        plan["unit_rs"] = {k: reduce(n * grad) if lay.dp > 1 else 0.0 for k, n in zip(keys, sizes, strict=True)}
         return plan
     if lay.dp == 1 or not params:
         return plan
@@ -182,7 +197,7 @@ def _optimizer(model: StageModel, tl: RankTimeline, params: list[Param], plan: d
     if lay.zero in (1, 2):
         tensors, elements = len(plan["buckets"]), elements / lay.dp
     elif lay.zero == 3:
-        elements = sum(derive.fsdp_shard_numel(p, lay.tp, lay.dp) for p in params)
+        elements = sum(derive.fsdp_shard_numel(p, lay.tp, lay.shard) for p in params)
     over = profile.kernel_overhead_s if profile.calibration is None else \
         profile.calibration.overhead["op"][min(profile.calibration.overhead["op"])] * compute.stretch
     seconds = compute.time(Op("optimizer", "optimizer", bytes=bytes_per_element * elements))
@@ -225,7 +240,7 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
     plans: dict[int, dict] = {}
     params_of = {r: _rank_params(work, stages, owner, r) for r in range(lay.pp)}
     for r in range(lay.pp):
-        plans[r] = _comm_plan(model, params_of[r], group_span(place.dp_group(r), dpn))
+        plans[r] = _comm_plan(model, params_of[r], group_span(place.dp_group(r), dpn), _shard_groups(model, r))
     if lay.pp == 1:
         ends = {0: flat_step(model, timelines[0], plans[0])}
         if plans[0].get("expert"):
@@ -239,8 +254,8 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
         ends = _pipelined(model, timelines, stages, plans, params_of)
     for r in range(lay.pp):
         groups = {"tp": model.tp_group, "pp": group_span(place.pp_group(), dpn)}
-        if lay.zero:
-            groups["dp"] = group_span(place.dp_group(r), dpn)
+        if lay.zero:  # the norm's all-reduce over the ranks a gradient is sharded over
+            groups["dp"] = _shard_groups(model, r)[0]
         ends[r] = _optimizer(model, timelines[r], params_of[r], plans[r], traffic, ends[r], groups)
         timelines[r].end = ends[r]
         states, buffers = model_states(params_of[r], work, work.shape.n_layer)
@@ -277,9 +292,10 @@ def _pipelined(model: StageModel, timelines: dict[int, RankTimeline], stages: li
     if lay.zero == 3 and lay.dp > 1:
         for r in range(lay.pp):
             numel = sum(p.local_numel(lay.tp) for p in params_of[r])
+            shard, replicas = _shard_groups(model, r)
             plans[r]["pipeline_zero"] = pipeline_zero(cluster.profile, 3, numel, gather_bytes(work),
-                                                      model.gradient_bytes, group_span(place.dp_group(r), dpn),
-                                                      lay.reshard_after_forward)
+                                                      model.gradient_bytes, shard, lay.reshard_after_forward,
+                                                      replicas)
     pz = {r: plans[r].get("pipeline_zero", PipelineZero()) for r in range(lay.pp)}
     for r, z in pz.items():
         if z.before:
@@ -307,7 +323,8 @@ def _pipeline_gradients(model: StageModel, timelines: dict[int, RankTimeline], e
             tl.spans.append(Span(f"gradient bucket {i}", "dp", t, t + seconds))
             tl.expose("dp", seconds)
             t += seconds
-        after = plans[r].get("pipeline_zero", PipelineZero()).after
+        # torch's schedules reduce FSDP2's gradients after every schedule step: once per accumulation micro-step
+        after = plans[r].get("pipeline_zero", PipelineZero()).after * work.accumulation
         if after:
             tl.spans.append(Span("reduce-scatter the stage's gradients", "fsdp", t, t + after))
             tl.expose("fsdp", after)

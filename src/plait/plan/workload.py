@@ -1,12 +1,11 @@
 """What is simulated: a model shape, a layout, a batch and a precision, from a plait config or by hand.
 
-``Layout`` also names two layouts plait does not run yet, so their prices (``plait.plan.layouts``) have a
-home: ``dp_shard`` (HSDP: FSDP over groups of ``dp_shard`` of the ``dp`` data-parallel ranks, replicated
-across the ``dp / dp_shard`` groups; 1 means unset) and ``cp`` (context parallelism: the sequence split
-over ``cp`` ranks, which multiply the world). They have no config keys (``plait.config`` knows nothing of
-them), ``layout_from_config`` never sets them, the planner does not enumerate them and ``write_config``
-does not write them; the step simulator refuses them (``Workload.check``) until the strategies that run
-them exist and tell it how.
+``Layout.dp_shard`` is hybrid sharding (``parallel.dp_shard``, HSDP: ZeRO-3 over groups of ``dp_shard`` of the
+``dp`` data-parallel ranks, replicated across the ``dp / dp_shard`` groups; 1, or ``dp``, means FSDP over
+every data-parallel rank): ``layout_from_config`` reads it, the simulator prices it
+(``plait.plan.layouts``) and the planner enumerates it. ``Layout.cp`` names a layout plait does not run yet
+(context parallelism: the sequence split over ``cp`` ranks, which multiply the world), so its price has a
+home; it has no config key and the step simulator refuses it (``Workload.check``).
 
 ``workload_from_config`` reads the same config ``plait train`` reads (file, ``--section.key=value``
 overrides, ``model.factory``), checks it for the world size with the trainer's own checks
@@ -48,8 +47,18 @@ class Layout:
     # parallel.offload: optimizer (ZeRO-1/2's optimizer shard in host memory) or params (ZeRO-3's sharded
     # parameters, gradients and optimizer states in host memory); priced for memory only (plait plan memory)
     offload: str = "none"
-    dp_shard: int = 1  # HSDP's shard group (module docstring); not run by plait yet
+    dp_shard: int = 1  # HSDP's shard group at zero=3 (module docstring); 1: every data-parallel rank
     cp: int = 1  # context-parallel degree (module docstring); not run by plait yet
+
+    @property
+    def shard(self) -> int:
+        """The ranks ZeRO shards a parameter's states over: the HSDP shard group at zero=3, else every dp rank."""
+        return self.dp_shard if self.zero == 3 and 1 < self.dp_shard < self.dp else self.dp
+
+    @property
+    def hybrid(self) -> bool:
+        """Hybrid sharding: ZeRO-3 over shard groups smaller than the data-parallel world."""
+        return self.shard < self.dp
 
     @property
     def world(self) -> int:
@@ -116,9 +125,12 @@ class Workload:
     def check(self) -> None:
         """Raise ``ConfigError`` for what the simulator cannot price (it is not a plait layout)."""
         lay, s = self.layout, self.shape
-        if lay.cp > 1 or lay.dp_shard not in (1, lay.dp):
-            raise ConfigError(f"the step simulator does not lay out {'context parallelism' if lay.cp > 1 else 'HSDP'} "
-                              "yet (plait does not run it): plait.plan.layouts prices it; set cp=1 and dp_shard=1")
+        if lay.cp > 1:
+            raise ConfigError("the step simulator does not lay out context parallelism yet (plait does not run it): "
+                              "plait.plan.layouts prices it; set cp=1")
+        if lay.dp_shard not in (1, lay.dp) and (lay.zero != 3 or lay.dp % lay.dp_shard or lay.ep > 1):
+            raise ConfigError(f"dp_shard={lay.dp_shard} (HSDP) needs zero=3, a divisor of dp={lay.dp} and no expert "
+                              "parallelism; set dp_shard=1 or change it")
         if lay.ep > 1 and (lay.dp % lay.ep or not s.num_experts or s.num_experts % lay.ep):
             raise ConfigError(f"parallel.ep={lay.ep} needs a mixture of experts whose {s.num_experts} experts and "
                               f"data-parallel degree {lay.dp} it divides; set parallel.ep among their common divisors")
@@ -149,4 +161,4 @@ def layout_from_config(cfg: Config) -> Layout:
                   micro_batch_size=t.micro_batch_size, recompute=t.activation_checkpointing,
                   every_k=t.checkpoint_every_k, reshard_after_forward=p.reshard_after_forward, bucket_mb=p.bucket_mb,
                   impl=p.impl, pp_balance=p.pp_balance, loss_parallel=p.loss_parallel, ep=p.ep,
-                  offload=p.offload)
+                  offload=p.offload, dp_shard=p.dp_shard or 1)

@@ -154,6 +154,9 @@ def build_model(cfg: Config) -> nn.Module:
         model = _call(fn, cfg.model.args, what)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{what} returned {type(model).__name__}, not a torch.nn.Module")
+    from plait.data.tokenize import check_model_vocab
+
+    check_model_vocab(model, cfg)  # a factory's model against data.tokenizer (the GPT's is model.vocab_size)
     return model
 
 
@@ -249,21 +252,24 @@ def validate_config(cfg: Config, world_size: int, *, model_checks: bool = True) 
     return validate(cfg, world_size, check_recipe if model_checks else None)
 
 
-def build_trainer(cfg: Config) -> Trainer:
-    """A ``Trainer`` on the model and data the config names (``model.name`` / ``model.factory``, ``data.*``),
-    seeded by ``train.seed`` so every rank builds the same weights."""
+def build_trainer(cfg: Config, trainer_class: type[Trainer] | None = None) -> Trainer:
+    """A ``Trainer`` (or the ``trainer_class`` subclass given) on the model and data the config names
+    (``model.name`` / ``model.factory``, ``data.*``), seeded by ``train.seed`` so every rank builds the same
+    weights."""
     import torch
 
     from plait.engine import Plait
     from plait.train.trainer import Trainer
 
+    trainer_class = trainer_class or Trainer
     p = Plait(cfg)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg)
     train_data, held_out = build_data(cfg)
     if hasattr(train_data, "source"):
-        p.logger.info("data: %s, %d training samples", train_data.source, len(train_data))
-    return Trainer(model, train_data, loss_fn=default_loss(cfg), eval_data=held_out, plait=p)
+        p.logger.info("data: %s, %s training samples", train_data.source,
+                      len(train_data) if hasattr(train_data, "__len__") else "streamed")
+    return trainer_class(model, train_data, loss_fn=default_loss(cfg), eval_data=held_out, plait=p)
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 def build_model(cfg: Config) -> GPT:
     from plait.models.gpt import GPT
 
-    return GPT(cfg.model, cfg.moe)
+    return GPT(cfg.model, cfg.moe, document_mask=cfg.data.document_mask)
 
 
 def check_model(cfg: Config, degrees: dict[str, int]) -> None:
@@ -37,6 +37,10 @@ def check_model(cfg: Config, degrees: dict[str, int]) -> None:
         raise ConfigError(f"model.d_model={m.d_model} must divide by model.n_head={m.n_head}")
     if degrees["tp"] > 1:
         check_tensor_parallel(m.n_head, m.d_model, m.vocab_size, m.seq_len, degrees["tp"], p.sequence_parallel)
+    if packed_documents(cfg) and (degrees["pp"] > 1 or p.sequence_parallel):
+        raise ConfigError("packed documents (data.pack) carry per-token position ids, which the GPT's pipeline stages "
+                          "and sequence-parallel position embedding do not take; use parallel.pp=1 and "
+                          "parallel.sequence_parallel=false, or data.pack=false")
     if degrees["pp"] > 1:
         virtual = p.pp_virtual_stages or NATURAL_VIRTUAL.get(p.pp_schedule, 1)
         if m.n_layer < degrees["pp"] * virtual:
@@ -47,11 +51,23 @@ def check_model(cfg: Config, degrees: dict[str, int]) -> None:
             )
 
 
+def packed_documents(cfg: Config) -> bool:
+    from plait.data.build import packs, reads_documents
+
+    return reads_documents(cfg.data) and packs(cfg.data)
+
+
 def build_text(cfg: Config) -> tuple[Any, Any]:
-    """``text``: training windows with a new offset every epoch, and the fixed validation windows."""
+    """``text``: training windows with a new offset every epoch, and the fixed validation windows; documents
+    (files with a tokenizer, cached or streamed) through ``plait.data.build``."""
+    from plait.data.build import build_documents, reads_documents
     from plait.data.corpus import load_splits
     from plait.data.text import TokenWindows
 
+    if reads_documents(cfg.data):
+        import torch.distributed as dist
+
+        return build_documents(cfg, show_progress=not dist.is_initialized() or dist.get_rank() == 0)
     m = cfg.model
     splits = load_splits(cfg.data.path, m.vocab_size, cfg.data.val_fraction, m.seq_len)
     train = TokenWindows(splits.train, m.seq_len, epoch_offsets=True, seed=cfg.train.seed)
@@ -61,6 +77,11 @@ def build_text(cfg: Config) -> tuple[Any, Any]:
 
 
 def check_text(cfg: Config) -> None:
+    from plait.data.build import check_documents, reads_documents
+
+    if reads_documents(cfg.data):
+        check_documents(cfg)
+        return
     if cfg.data.path and not Path(cfg.data.path).is_file():
         raise ConfigError(
             f"data file {cfg.data.path} does not exist; set data.path to a UTF-8 text file or a uint16 .bin token "
