@@ -45,6 +45,7 @@ from plait.parallel.data import GradReducer, LocalGrads, local_grad
 from plait.parallel.pipeline import build_pipeline, measure_layer_costs
 from plait.parallel.pipeline_trace import bubble_summary, write_chrome_trace
 from plait.parallel.strategy import PlaitError, Strategy, register_strategy
+from plait.parallel.strided import StridedLoadPlanner, StridedSavePlanner, is_strided, strided_entries
 from plait.parallel.tensor import full_state_dict, local_value, loss_context
 from plait.plan.schedule import NATURAL_VIRTUAL, check_pipeline_layout
 from plait.topology import Topology
@@ -151,7 +152,17 @@ class ModelParallel(Strategy):
             if name in state:  # a tied parameter's copy on the same rank as the original: saved once
                 continue
             state[name] = self.optimizer.state[p]
-        return self.model_state(), {"state": state}
+        # packed expert weights split over tp (``_StridedShard``) go to DCP as boxes: plait.parallel.strided
+        return strided_entries(self.model_state()), {"state": {k: strided_entries(st) for k, st in state.items()}}
+
+    def _strided(self) -> bool:
+        return any(is_strided(p) for _, p in self.named)
+
+    def save_planner(self) -> Any:
+        return StridedSavePlanner() if self._strided() else None
+
+    def load_planner(self) -> Any:
+        return StridedLoadPlanner() if self._strided() else None
 
     def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
         """DCP loaded in place into the tensors ``state_dicts`` handed out. Where one rank holds several
