@@ -22,6 +22,7 @@ weights saved at ep=2 load at ep=1 exactly (0.0) and training resumes on the uni
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -39,11 +40,23 @@ MOE = {"output_router_logits": True, "router_aux_loss_coef": 0.1, "num_experts_p
 MOE_KINDS = ("mixtral", "qwen2moe", "qwen3moe", "olmoe")
 
 
+def first_two(gate: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A router sending every token to experts 0 and 1 (held by ep rank 0: rank 1 receives no token), its
+    weights still the router's softmax over those two, so the router trains."""
+    logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)  # (N, E)
+    return logits, logits[:, :2].float().softmax(-1), torch.tensor([0, 1]).expand(len(logits), 2)
+
+
 def build(kind: str, seed: int, aux: bool = True) -> torch.nn.Module:
     """The model of ``kind`` with random weights from ``seed``; ``aux=False``: no auxiliary loss."""
     tf = transformers
     torch.manual_seed(seed)
     moe = {**MOE, "output_router_logits": aux}
+    if kind == "mixtral-idle":
+        model = build("mixtral", seed, aux)
+        for layer in model.model.layers:
+            layer.mlp.gate.forward = functools.partial(first_two, layer.mlp.gate)
+        return model
     if kind == "mixtral":
         return tf.MixtralForCausalLM(tf.MixtralConfig(intermediate_size=32, num_local_experts=4, **moe, **COMMON))
     if kind == "qwen2moe":
@@ -168,7 +181,7 @@ def _resharded(root: str, tag: str, kind: str, rank: int, saved_at: dict, loads:
     return out
 
 
-TWO = {**{f"ep2-{k}": (k, {"ep": 2}) for k in MOE_KINDS},
+TWO = {**{f"ep2-{k}": (k, {"ep": 2}) for k in (*MOE_KINDS, "mixtral-idle")},
        **{f"tp2-{k}": (k, {"tp": 2}) for k in ("llama", "qwen2", "mistral", "mixtral", "qwen3moe", "bert")}}
 FOUR = {f"{name}-{k}": (k, parallel) for k in ("mixtral", "qwen2moe") for name, parallel in (
     ("ep2-zero2", {"ep": 2, "zero": 2}), ("ep2-zero3", {"ep": 2, "zero": 3}), ("ep2-tp2", {"ep": 2, "tp": 2}),

@@ -209,12 +209,14 @@ class _ExpertParallelForward:
 
     def _plait_run(self, x: torch.Tensor, rows: torch.Tensor, local_experts: torch.Tensor) -> torch.Tensor:
         """Each row ``x[rows[i]]`` through local expert ``local_experts[i]`` by the model's own experts forward
-        (``(R, C)`` in row order). With no row at all, one zero row with weight 0 runs, so the experts' weights
-        are in the graph and get a zero gradient on every rank (their reduction then matches everywhere)."""
+        (``(R, C)`` in row order). With no row at all, one zero row with weight 0 runs after the (empty) rows
+        received, so the experts' weights get a zero gradient on every rank, and the received rows stay in the
+        graph: every rank's backward then runs the dispatch's all-to-all, whatever its routing (a rank leaving
+        it out would hang the others)."""
         xs = x.index_select(0, rows)  # (R, C)
         r = xs.size(0)
         if r == 0:
-            xs = x.new_zeros(1, x.size(-1))
+            xs = torch.cat([xs, xs.new_zeros(1, xs.size(-1))])
             local_experts = torch.zeros(1, dtype=torch.int64, device=x.device)
         ones = torch.full((xs.size(0), 1), 1.0 if r else 0.0, dtype=xs.dtype, device=xs.device)
         out = super().forward(xs, local_experts[:, None], ones)  # type: ignore[misc]
