@@ -78,10 +78,12 @@ def test_every_shipped_plan_is_applied_or_refused_with_its_reason() -> None:
             fn.check(model, 2)
     assert not dist.is_initialized()  # nothing above could have communicated
     assert not any(t in refused for t in END_TO_END)
-    # the refused families are a minority, each for a style transformers itself documents as special
+    # the refused families are a minority, each for a style transformers itself documents as special (or, in
+    # transformers 5.17's qwen3_omni_moe_text, a packed expert weight whose module is not moe_tp_experts)
     assert 0 < len(refused) < len(plans) / 4, refused
     styles = {b.rsplit(" -> ", 1)[1] for bad in refused.values() for b in bad}
-    assert styles <= {"mla_kv_a_proj", "local_params", "all_reduce", "moe_identity_expert", "embedding_colwise"}, styles
+    assert styles <= {"mla_kv_a_proj", "local_params", "all_reduce", "moe_identity_expert", "embedding_colwise",
+                      "packed_colwise", "packed_rowwise"}, styles
 
 
 def test_encoders_without_a_shipped_plan_get_the_inferred_one() -> None:

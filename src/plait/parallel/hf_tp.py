@@ -101,8 +101,8 @@ def plan_refusals(plan: dict[str, Any]) -> list[str]:
             if style not in PARAM_STYLES:
                 out.append(f"{pattern} -> {style}: a weight of a {EXPERTS} module takes {', '.join(PARAM_STYLES)}")
         elif style in ("packed_colwise", "packed_rowwise"):
-            out.append(f"{pattern} -> {style}: plait splits packed weights of {EXPERTS} modules only, not a fused "
-                       "linear module")
+            out.append(f"{pattern} -> {style}: plait splits packed weights only inside a module the plan makes "
+                       f"{EXPERTS} (whose partial outputs it sums over tp)")
         elif style not in STYLES and style not in ALIASES and style not in (EXPERTS, GRAD_SUM):
             out.append(f"{pattern} -> {style}: not a style plait knows")
     for pattern in experts:
