@@ -179,7 +179,7 @@ def check_pipeline_router_loss(model: nn.Module) -> None:
     Face MoE model adds from all its layers' router logits (``output_router_logits=True``) would be lost:
     refused, before any collective, rather than trained without."""
     config = getattr(model, "config", None)
-    if getattr(config, "output_router_logits", False) and find_moe_blocks(model):
+    if getattr(config, "output_router_logits", False) is True:
         raise ExpertParallelError(
             f"{type(model).__name__} has config.output_router_logits=True: its auxiliary load-balancing loss is "
             "computed by the model's forward from every layer's router logits, which no pipeline stage sees, so "
