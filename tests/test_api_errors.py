@@ -165,3 +165,31 @@ def test_command_line_errors_are_one_line(tmp_path: Path) -> None:
     # the factory's own traceback is kept where the line points
     report = (tmp_path / "r2" / "errors" / "rank0.txt").read_text()
     assert "this factory is broken on purpose" in report and "badmodel.py" in report
+
+
+def test_plait_run_error_file_is_in_the_scripts_run_dir(tmp_path: Path) -> None:
+    """Under ``plait run`` a worker's traceback goes to the script's ``RUN_DIR/errors/rank<r>.txt`` once it has
+    created ``plait.Plait`` (as under ``plait train``), and the one line printed names that file; an error before
+    ``plait.Plait`` exists goes to the launcher's own ``plait-run-*`` directory, named the same way."""
+    (tmp_path / "after.py").write_text(textwrap.dedent("""
+        import plait
+        p = plait.Plait(observe={"progress": False}, run={"dir": "myrun"})
+        raise ValueError(f"broken after setup on rank {p.rank}")
+    """))
+    (tmp_path / "before.py").write_text("raise ValueError('broken before plait')\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {name: subprocess.Popen([sys.executable, "-m", "plait.cli", "run", "--nproc", "1", f"{name}.py"],
+                                    cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in ("after", "before")}
+    errs = {name: proc.communicate(timeout=180)[1] for name, proc in procs.items()}
+    for name, proc in procs.items():
+        assert proc.returncode == 1, (name, errs[name][-2000:])
+    line = next(x for x in errs["after"].splitlines() if x.startswith("plait: error:"))
+    report = tmp_path / "myrun" / "errors" / "rank0.txt"
+    assert "rank 0 failed: ValueError: broken after setup on rank 0" in line, line
+    assert f"(details: {report.resolve()})" in line, line
+    assert "Traceback" in report.read_text() and "after.py" in report.read_text()
+    line = next(x for x in errs["before"].splitlines() if x.startswith("plait: error:"))
+    detail = Path(line.split("(details: ")[1].rstrip(")"))
+    assert "ValueError: broken before plait" in line and detail.parent.parent.name.startswith("plait-run-"), line
+    assert detail.name == "rank0.txt" and "before.py" in detail.read_text()

@@ -88,18 +88,34 @@ def test_factory_plugin_and_cnn_recipes_train(tmp_path: Path) -> None:
 
 
 def test_help_on_every_command_lists_commands_and_keys(tmp_path: Path) -> None:
+    """``plait --help`` lists every command and key; ``plait COMMAND --help`` prints that command's usage, with
+    every key for the commands that take ``--section.key=value``; ``plait run --help`` prints run's own options,
+    while ``--help`` after the script is the script's."""
     procs = {cmd: _plait(*cmd.split(), cwd=tmp_path) for cmd in ("--help", "train --help", "run --help",
-                                                                 "sample --help", "plan --help")}
+                                                                 "sample --help", "plan --help",
+                                                                 "checkpoint --help")}
+    (tmp_path / "script.py").write_text("import sys\nprint('script got', sys.argv[1:])\n")
+    script = _plait("run", "--nproc", "1", "script.py", "--help", cwd=tmp_path)
     keys = [f"{section}.{key}" for section, obj in vars(Config()).items() for key in vars(obj)]
+    texts = {}
     for cmd, proc in procs.items():
         text, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, (cmd, err)
-        for command in ("plait train", "plait run", "plait sample", "plait plan memory"):
-            assert command in text, (cmd, command)
+        texts[cmd] = text
         missing = [k for k in keys if f"  {k} = " not in text]
-        assert not missing, (cmd, missing)
+        assert (not missing) == (cmd in ("--help", "train --help", "plan --help")), (cmd, missing[:3])
+    for command in ("plait train", "plait run", "plait sample", "plait plan memory"):
+        assert command in texts["--help"], command
+    assert texts["run --help"].startswith("usage: plait run [--nproc N] [--max-restarts R] SCRIPT")
+    assert "--max-restarts R" in texts["run --help"] and "RUN_DIR/errors/rank<r>.txt" in texts["run --help"]
+    assert "plait train" not in texts["run --help"] and "plait sample" not in texts["run --help"]
+    assert texts["sample --help"].startswith("usage: plait sample RUN_DIR --prompt TEXT")
+    assert texts["checkpoint --help"].startswith("usage: plait checkpoint verify RUN_DIR")
+    assert texts["train --help"].startswith("usage: plait train [CONFIG.toml]")
+    out, err = script.communicate(timeout=120)
+    assert script.returncode == 0 and "script got ['--help']" in out, err
     # each key's documentation and default: for example
-    assert 'train.loss = "auto"   (str)' in text and "Loss of a batch: auto" in text
+    assert 'train.loss = "auto"   (str)' in texts["train --help"] and "Loss of a batch: auto" in texts["train --help"]
 
 
 def test_example_configs_name_registered_recipes() -> None:

@@ -168,7 +168,12 @@ def cmd_run(argv: list[str]) -> int:
     script = argv[i]
     if not Path(script).is_file():
         raise ConfigError(f"script {script} does not exist")
+    from plait.runtime.dist import FOLLOW_RUN_DIR_ENV
+
+    # The launcher's own files (progress, worker pids, errors raised before plait.Plait exists) go to a fresh
+    # directory; a worker's report goes to RUN_DIR/errors once the script's plait.Plait knows its run directory.
     error_dir = Path(tempfile.mkdtemp(prefix="plait-run-")) / "errors"
+    os.environ[FOLLOW_RUN_DIR_ENV] = "1"
     restarts = Restarts(max_restarts=max_restarts, state_dir=error_dir.parent)
     launch_script(script, argv[i + 1:], nproc, error_dir, restarts)
     return 0
@@ -293,14 +298,80 @@ def _run_dir_of(argv: list[str]) -> str:
         return "RUN_DIR"
 
 
-def help_text() -> str:
-    """The commands, then every config key with its type, default and documentation."""
+# What each command's --help prints: its usage and what it does; the commands that read a config
+# (KEYED) list every config key after it, since they take --section.key=value.
+USAGE = {
+    "train": ("plait train [CONFIG.toml] [--section.key=value ...] [--resume RUN_DIR]",
+              "Train a registered model (or model.factory) with the layout the config chooses; parallel.nproc "
+              "local workers, or the world of torchrun / SLURM. --resume continues a run from its newest good "
+              "checkpoint."),
+    "run": ("plait run [--nproc N] [--max-restarts R] SCRIPT [ARGS ...]",
+            "Run your own script (plait.Plait or the Trainer) in N local worker processes under PyTorch's "
+            "elastic agent, with RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT set as torchrun sets them.\n\n"
+            "  --nproc N           worker processes (default 1); also --nproc-per-node\n"
+            "  --max-restarts R    start the whole group again up to R times after a failure (default 0); "
+            "PLAIT_ATTEMPT tells the script which attempt it is\n\n"
+            "A failed worker ends the run with one line naming its rank, its error and the file holding the "
+            "traceback: RUN_DIR/errors/rank<r>.txt once the script has created plait.Plait (RUN_DIR is its "
+            "run.dir), else a plait-run-* directory under the temporary directory. Options after SCRIPT go to "
+            "the script (plait run SCRIPT --help shows the script's)."),
+    "sample": ("plait sample RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]",
+               "Generate text from the weights a plait train run of plait's GPT exported."),
+    "plan": ("plait plan memory [CONFIG.toml] [--section.key=value ...]\n"
+             "       plait plan [CONFIG.toml] --hardware PROFILE --gpus N [--top K] [--write OUT.toml] "
+             "[--section.key=value ...]",
+             "plan memory: the predicted per-rank memory of a config, without launching. plan: layouts for N "
+             "GPUs ranked by simulated step time."),
+    "simulate": ("plait simulate [CONFIG.toml] --hardware PROFILE [--nodes N --gpus-per-node G] "
+                 "[--compare RUN_DIR] [--trace PATH] [--section.key=value ...]",
+                 "Predict one training step of a config on a cluster (JSON on stdout)."),
+    "calibrate": ("plait calibrate [--out PATH] [--quick]",
+                  "Measure this machine into a hardware profile (--hardware local)."),
+    "checkpoint": ("plait checkpoint verify RUN_DIR",
+                   "Check every checkpoint of a run (or one checkpoint directory) against its SHA-256 manifest; "
+                   "exit 1 when one is damaged."),
+    "report": ("plait report RUN_DIR [RUN_DIR ...] [-o report.html]",
+               "An HTML report of one or more runs: plots and a bottleneck verdict."),
+    "launch": ("plait launch slurm CONFIG --nodes N --gpus-per-node G [--procs-per-node P] [--partition P] "
+               "[--time T]\n"
+               "       plait launch k8s CONFIG --nodes N --gpus-per-node G --image IMAGE [--pvc CLAIM] "
+               "[--namespace NS]",
+               "Write an sbatch script or a PyTorchJob manifest for a config, checked for the job's world size."),
+}
+KEYED = {"train", "plan", "simulate", "launch"}
+
+
+def keys_text() -> str:
+    """Every config key; a registered model's own default follows plait's (``plait.recipes.defaults_by_key``)."""
     from plait.recipes import defaults_by_key
 
-    return (__doc__.strip() + "\n\nConfig keys (a TOML file's [section] key = value, or --section.key=value; "
-            "tables such as [model.args] take --model.args.name=value; a registered model's own default follows "
-            "plait's, as in 'recipe gpt: 1.0', and applies where the config does not set the key):\n\n"
+    return ("Config keys (a TOML file's [section] key = value, or --section.key=value; tables such as "
+            "[model.args] take --model.args.name=value; a registered model's own default follows plait's, as in "
+            "'recipe gpt: 1.0', and applies where the config does not set the key):\n\n"
             + describe_keys(defaults_by_key()))
+
+
+def help_text(command: str | None = None) -> str:
+    """``plait --help``: the commands, then every config key with its type, default and documentation.
+    ``plait COMMAND --help``: that command's usage (and the config keys for commands that take them)."""
+    if command is None:
+        return __doc__.strip() + "\n\n" + keys_text()
+    usage, what = USAGE[command]
+    text = f"usage: {usage}\n\n{what}"
+    return text + ("\n\n" + keys_text() if command in KEYED else "")
+
+
+def _asks_help(argv: list[str]) -> bool:
+    """Whether a command line asks for its command's help: ``-h``/``--help`` anywhere for most commands; for
+    ``plait run`` only before the script (after it, the option is the script's)."""
+    if argv[0] != "run":
+        return any(a in ("-h", "--help") for a in argv[1:])
+    i = 1
+    while i < len(argv) and argv[i].startswith("-"):  # run's own options, each with a value, then SCRIPT
+        if argv[i] in ("-h", "--help"):
+            return True
+        i += 1 if "=" in argv[i] else 2
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,9 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(help_text())
         return 0
-    if any(a in ("-h", "--help") for a in argv[1:2]) or (argv[0] != "run" and any(a in ("-h", "--help")
-                                                                                   for a in argv[1:])):
-        print(help_text())
+    if _asks_help(argv):
+        print(help_text(argv[0]))
         return 0
     from plait.fault.preempt import CONFIG_EXIT, FAILED_EXIT, NO_PROGRESS_EXIT, PREEMPTED_EXIT, Preempted
 

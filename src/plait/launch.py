@@ -29,6 +29,7 @@ from plait.runtime.dist import (
     error_dir_from_env,
     error_file,
     init_distributed,
+    noted_error_dir,
     write_error,
 )
 
@@ -54,19 +55,29 @@ def run_worker(fn: Callable[..., Any], args: tuple, backend: str, timeout_s: flo
             dist.destroy_process_group()
 
 
-def failure_message(error_dir: Path, nproc: int, fallback: str) -> str:
+def _reports(error_dir: Path, nproc: int, since: float = 0.0) -> list[tuple[float, int, str, Path]]:
+    """Every rank's report of this attempt, earliest first: in the launcher's error directory, and in the run
+    directory's ``errors/`` a ``plait run`` script noted (a file there older than ``since`` is an earlier
+    run's)."""
     reports = []
-    for r in range(nproc):
-        f = error_file(error_dir, r)
-        if f.is_file():
-            reports.append((f.stat().st_mtime, r, f.read_text().strip()))
+    dirs = [Path(error_dir)] + [d for d in [noted_error_dir(Path(error_dir))] if d is not None]
+    for d in dirs:
+        for r in range(nproc):
+            f = error_file(d, r)
+            if f.is_file() and f.stat().st_mtime >= since:
+                reports.append((f.stat().st_mtime, r, f.read_text().strip(), f))
+    return sorted(reports)
+
+
+def failure_message(error_dir: Path, nproc: int, fallback: str, since: float = 0.0) -> str:
+    reports = _reports(error_dir, nproc, since)
     if not reports:
         return f"a worker failed without reporting an error ({fallback.strip()})"
-    _, rank, text = min(reports)  # the earliest report is the root cause; later ones are fallout
+    _, rank, text, path = reports[0]  # the earliest report is the root cause; later ones are fallout
     first_line = text.splitlines()[0] if text else "(empty report)"
-    others = sorted(r for _, r, _ in reports if r != rank)
+    others = sorted({r for _, r, _, _ in reports if r != rank})
     also = f"; ranks {others} failed after it" if others else ""
-    return f"rank {rank} failed: {first_line}{also} (details: {error_file(error_dir, rank)})"
+    return f"rank {rank} failed: {first_line}{also} (details: {path})"
 
 
 def _quiet_elastic_logs() -> None:
@@ -157,10 +168,9 @@ class Restarts:
     state_dir: Path | None = None
 
 
-def _first_report(error_dir: Path, nproc: int) -> str:
-    reports = sorted((f.stat().st_mtime, f.read_text().strip()) for r in range(nproc)
-                     if (f := error_file(error_dir, r)).is_file())
-    return reports[0][1].splitlines()[0] if reports and reports[0][1] else ""
+def _first_report(error_dir: Path, nproc: int, since: float = 0.0) -> str:
+    reports = _reports(error_dir, nproc, since)
+    return reports[0][2].splitlines()[0] if reports and reports[0][2] else ""
 
 
 def _preempted_message(state_dir: Path | None) -> str | None:
@@ -187,14 +197,14 @@ def _attempts(run: Callable[[int], Any], nproc: int, error_dir: Path, restarts: 
     previous: dict | None = None
     attempt, streak = 0, 0
     while True:
-        started = time.monotonic()
+        started, started_wall = time.monotonic(), time.time() - 1.0  # mtimes may round down a second
         try:
             return run(attempt)
         except SignalException as e:
             raise RunPreempted(_preempted_message(restarts.state_dir) or f"the job was stopped by {e.sigval.name}") \
                 from None
         except ChildFailedError as e:
-            message = failure_message(Path(error_dir), nproc, str(e))
+            message = failure_message(Path(error_dir), nproc, str(e), started_wall)
             preempted = _preempted_message(restarts.state_dir)
             if preempted is not None:
                 raise RunPreempted(preempted) from None
@@ -203,8 +213,8 @@ def _attempts(run: Callable[[int], Any], nproc: int, error_dir: Path, restarts: 
                 goodput.record(restarts.state_dir, "failed", attempt=attempt)
             # Backoff doubles over failures in quick succession; an attempt that ran a minute resets it.
             streak = 0 if time.monotonic() - started > 60 else streak + 1
-            d = decide(_first_report(Path(error_dir), nproc), attempt, restarts.max_restarts, progress, previous,
-                       restarts.backoff_s, streak)
+            first = _first_report(Path(error_dir), nproc, started_wall)
+            d = decide(first, attempt, restarts.max_restarts, progress, previous, restarts.backoff_s, streak)
             if not d.restart:
                 suffix = f" (not restarted: {d.reason})" if restarts.max_restarts else ""
                 raise (NoProgress if d.no_progress else WorkerFailed)(message + suffix) from None
@@ -246,6 +256,13 @@ def launch_script(script: str, script_args: list[str], nproc: int, error_dir: Pa
     _attempts(run, nproc, error_dir, restarts or Restarts(state_dir=Path(error_dir).parent))
 
 
+def _script_error_dir() -> Path | None:
+    """Where a ``plait run`` script's uncaught error goes: its run directory's ``errors/`` once plait.Plait
+    noted it, else the launcher's directory."""
+    launcher_dir = error_dir_from_env()
+    return noted_error_dir(launcher_dir) or launcher_dir
+
+
 def _script_main(argv: list[str]) -> int:
     """A worker of ``launch_script``: run the user's script as ``__main__`` and report its error."""
     script, rest = argv[0], argv[1:]
@@ -256,10 +273,10 @@ def _script_main(argv: list[str]) -> int:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if e.code not in (None, 0):
-            write_error(RuntimeError(f"the script exited with status {e.code}"), rank, error_dir_from_env())
+            write_error(RuntimeError(f"the script exited with status {e.code}"), rank, _script_error_dir())
         raise
     except BaseException as e:
-        write_error(e, rank, error_dir_from_env())
+        write_error(e, rank, _script_error_dir())
         raise SystemExit(1) from None
     return 0
 

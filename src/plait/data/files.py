@@ -48,6 +48,15 @@ class Unit:
     num_rows: int  # -1 when unknown before reading (JSON Lines, text, Arrow streams)
 
 
+def _consecutive_units(file: int, rows: list[int]) -> list[Unit]:
+    """One unit per row group / record batch of ``file``, holding ``rows[j]`` rows from the running start."""
+    units, start = [], 0
+    for j, n in enumerate(rows):
+        units.append(Unit(file, j, start, n))
+        start += n
+    return units
+
+
 def resolve_paths(spec: str) -> list[Path]:
     """The supported files ``spec`` names (a file, a directory searched recursively, or a glob), sorted."""
     p = Path(spec)
@@ -97,23 +106,13 @@ class DataFiles:
         if fmt == "parquet":
             meta = self._parquet(path).metadata
             self._check_columns(path, meta.schema.names)
-            units, row = [], 0
-            for g in range(meta.num_row_groups):
-                n = meta.row_group(g).num_rows
-                units.append(Unit(i, g, row, n))
-                row += n
-            return units
+            return _consecutive_units(i, [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
         if fmt == "arrow":
             reader, random_access = self._arrow(path)
             self._check_columns(path, reader.schema.names)
             if not random_access:
                 return [Unit(i, 0, 0, -1)]
-            units, row = [], 0
-            for b in range(reader.num_record_batches):
-                n = reader.get_batch(b).num_rows
-                units.append(Unit(i, b, row, n))
-                row += n
-            return units
+            return _consecutive_units(i, [reader.get_batch(b).num_rows for b in range(reader.num_record_batches)])
         if fmt == "jsonl":
             self._check_columns(path, self._jsonl_columns(path))
         return [Unit(i, 0, 0, -1)]

@@ -13,7 +13,27 @@ import torch
 from torch.utils.data import Dataset
 
 
-class TokenWindows(Dataset):
+class EpochWindows(Dataset):
+    """Windows whose start moves each epoch (``epoch_offsets``): ``set_epoch`` draws the offset in
+    ``[0, seq_len)`` from the seed and the epoch alone. Subclasses set ``num_windows``, ``seq_len``, ``seed``,
+    ``epoch_offsets`` and ``offset``."""
+
+    num_windows: int
+    seq_len: int
+    seed: int
+    epoch_offsets: bool
+    offset: int
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.epoch_offsets:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self.offset = int(torch.randint(self.seq_len, (1,), generator=g))
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+
+class TokenWindows(EpochWindows):
     """``(x, y)`` pairs of ``(seq_len,)`` int64 tokens cut from ``tokens``."""
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, *, epoch_offsets: bool = False, seed: int = 0,
@@ -24,13 +44,6 @@ class TokenWindows(Dataset):
         self.num_windows = min(n, limit) if limit is not None else n
         self.offset = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        if self.epoch_offsets:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self.offset = int(torch.randint(self.seq_len, (1,), generator=g))
-
-    def __len__(self) -> int:
-        return self.num_windows
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= i < self.num_windows:

@@ -11,12 +11,11 @@ and the epoch alone; packed windows (``seq_len`` tokens) come out as the packed 
 from __future__ import annotations
 
 import numpy as np
-import torch
-from torch.utils.data import Dataset
 
 from plait.data.cache import FileTokens
 from plait.data.files import ROW_BITS
 from plait.data.packing import PACKED_FIELDS, rows_to_batch
+from plait.data.text import EpochWindows
 
 
 class DocStream:
@@ -60,7 +59,7 @@ class DocStream:
         return tokens, docs
 
 
-class StreamWindows(Dataset):
+class StreamWindows(EpochWindows):
     """Windows of a ``DocStream`` (see the module docstring); ``limit`` keeps only the first ones."""
 
     def __init__(self, stream: DocStream, seq_len: int, *, pack: bool, epoch_offsets: bool = False, seed: int = 0,
@@ -73,14 +72,6 @@ class StreamWindows(Dataset):
         count = (n - self.window - stride + 1) // stride + 1 if epoch_offsets else (n - self.window) // stride + 1
         self.num_windows = max(0, min(count, limit) if limit is not None else count)
         self.offset = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        if self.epoch_offsets:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self.offset = int(torch.randint(self.seq_len, (1,), generator=g))
-
-    def __len__(self) -> int:
-        return self.num_windows
 
     def __getitem__(self, i: int) -> object:
         if not 0 <= i < self.num_windows:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from plait.fault.restart import write_pid, write_progress
-from plait.runtime.dist import error_dir_from_env, error_file
+from plait.runtime.dist import FOLLOW_RUN_DIR_ENV, RUN_DIR_NOTE, error_dir_from_env, error_file
 
 
 class RunFiles:
@@ -20,12 +20,20 @@ class RunFiles:
     def __init__(self, run_dir: str, rank: int, world_size: int) -> None:
         self.rank = rank
         self.run_dir = self._agree(run_dir, world_size)
-        self.error_dir = error_dir_from_env(self.run_dir / "errors")
+        launcher_dir = error_dir_from_env(self.run_dir / "errors")
+        # Where the launcher looks for progress and worker pids: its error directory's parent.
+        self.state_dir = launcher_dir.parent
+        self.error_dir = launcher_dir
+        if os.environ.get(FOLLOW_RUN_DIR_ENV):  # plait run: reports go to RUN_DIR/errors, the launcher told
+            self.error_dir = (self.run_dir / "errors").resolve()
+            if rank == 0:
+                note = self.state_dir / RUN_DIR_NOTE
+                note.parent.mkdir(parents=True, exist_ok=True)
+                tmp = note.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(str(self.run_dir.resolve()))
+                os.replace(tmp, note)
         error_file(self.error_dir, rank).unlink(missing_ok=True)
-        # Where the launcher looks for progress and worker pids: the error directory's parent.
-        self.state_dir = self.error_dir.parent if self.error_dir is not None else None
-        if self.state_dir is not None:
-            write_pid(self.state_dir, rank)
+        write_pid(self.state_dir, rank)
 
     @staticmethod
     def _agree(run_dir: str, world_size: int) -> Path:

@@ -21,6 +21,10 @@ import torch.distributed as dist
 from plait.config import ConfigError
 
 ERROR_DIR_ENV = "PLAIT_ERROR_DIR"
+# Set by `plait run`: a worker's errors go to its run directory's errors/ once plait.Plait knows it, and rank 0
+# notes that directory in RUN_DIR_NOTE beside the launcher's error directory, where the launcher looks too.
+FOLLOW_RUN_DIR_ENV = "PLAIT_ERRORS_IN_RUN_DIR"
+RUN_DIR_NOTE = "run_dir"
 
 
 def launched_externally() -> bool:
@@ -96,6 +100,15 @@ def error_file(error_dir: Path, rank: int) -> Path:
 def error_dir_from_env(default: Path | None = None) -> Path | None:
     value = os.environ.get(ERROR_DIR_ENV)
     return Path(value) if value else default
+
+
+def noted_error_dir(launcher_dir: Path | None) -> Path | None:
+    """The run directory's ``errors/`` that a worker of ``plait run`` noted beside the launcher's error
+    directory (None before the script created ``plait.Plait``, or under another launcher)."""
+    note = Path(launcher_dir).parent / RUN_DIR_NOTE if launcher_dir is not None else None
+    if note is None or not note.is_file():
+        return None
+    return Path(note.read_text().strip()) / "errors"
 
 
 def write_error(exc: BaseException, rank: int, error_dir: Path | None) -> None:
