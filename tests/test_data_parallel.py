@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import assert_same_training, run_ranks, run_weights
 
-from plait.config import load_config
+from plait.recipes import load_recipe_config as load_config  # plait train's config: the gpt recipe's defaults
 from plait.recipes import validate_config as validate
 
 BASE = [

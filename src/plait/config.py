@@ -18,6 +18,7 @@ import re
 import tomllib
 import types
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -112,8 +113,9 @@ class TrainConfig:
     steps: int = 300
     # Sequences per optimizer step, summed over all data-parallel ranks and accumulation micro-steps.
     global_batch_size: int = 32
-    # Sequences per forward pass on one rank.
-    micro_batch_size: int = 16
+    # Sequences per forward pass on one rank; 0: the batch size of the loader given to Plait.setup_dataloader,
+    # else global_batch_size / dp (one micro-step per optimizer step). The accumulation it implies is logged.
+    micro_batch_size: int = 0
     # Seed for weights, data order and dropout.
     seed: int = 1337
     # Compute precision: fp32, bf16 (autocast) or fp16 (autocast with a dynamic loss scaler).
@@ -157,8 +159,9 @@ class OptimConfig:
     decay_steps: int = 0
     # Decoupled weight decay on matrices (not on biases, norms or embeddings).
     weight_decay: float = 0.1
-    # Clip the global gradient norm to this value (0 disables clipping).
-    grad_clip: float = 1.0
+    # Clip the global gradient norm to this value (0 disables clipping; the gpt and cnn recipes of plait train
+    # default to 1.0).
+    grad_clip: float = 0.0
     # AdamW beta1.
     beta1: float = 0.9
     # AdamW beta2.
@@ -408,8 +411,8 @@ class Config:
     @property
     def grad_accum(self) -> int:
         """Micro-steps per optimizer step on one rank."""
-        t = self.train
-        return t.global_batch_size // (t.micro_batch_size * self.parallel.dp)
+        t, dp = self.train, max(1, self.parallel.dp)
+        return t.global_batch_size // ((t.micro_batch_size or t.global_batch_size // dp) * dp)
 
 
 def _nearest(name: str, choices: list[str]) -> str:
@@ -587,9 +590,17 @@ def from_sections(sections: dict[str, Any], base: Config | None = None) -> Confi
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the TOML file at ``path``, then overrides; values type-checked."""
-    cfg = Config()
+Defaults = Callable[[Config], Mapping[str, Mapping[str, Any]]]
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                defaults: Defaults | None = None) -> Config:
+    """Defaults, then the TOML file at ``path``, then overrides; values type-checked.
+
+    ``defaults(cfg)``, given the config the file and overrides make, returns ``{section: {key: value}}`` that
+    replaces plait's own defaults for that config (a registered model's: ``plait.recipes.recipe_defaults``):
+    a layer under the file and the overrides, so a key the user sets keeps the user's value."""
+    data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -598,9 +609,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+
+    def layered(base: Mapping[str, Mapping[str, Any]]) -> Config:
+        cfg = Config()
+        apply_mapping(cfg, {k: dict(v) for k, v in base.items()})
         apply_mapping(cfg, data)
-    apply_overrides(cfg, overrides or [])
-    return cfg
+        apply_overrides(cfg, overrides or [])
+        return cfg
+
+    cfg = layered({})
+    below = defaults(cfg) if defaults is not None else {}
+    return layered(below) if below else cfg
 
 
 def check_values(cfg: Config) -> Config:
@@ -615,9 +634,12 @@ def check_values(cfg: Config) -> Config:
             raise ConfigError(f"model.{name} must be at least 1")
     if m.vocab_size < 0:
         raise ConfigError(f"model.vocab_size must be 0 (the tokenizer's) or more; got {m.vocab_size}")
-    for name in ("steps", "global_batch_size", "micro_batch_size"):
+    for name in ("steps", "global_batch_size"):
         if getattr(t, name) < 1:
             raise ConfigError(f"train.{name} must be at least 1")
+    if t.micro_batch_size < 0:
+        raise ConfigError(f"train.micro_batch_size must be at least 1, or 0 for the loader's batch size (else "
+                          f"global_batch_size / dp); got {t.micro_batch_size}")
     if t.checkpoint_every_k < 1:
         raise ConfigError(f"train.checkpoint_every_k must be at least 1; got {t.checkpoint_every_k}")
     if not 0.0 < cfg.data.val_fraction < 1.0:
@@ -727,12 +749,15 @@ def field_docs(section_type: type) -> dict[str, str]:
     return docs
 
 
-def describe_keys() -> str:
-    """Every config key with its type, default and documentation, section by section (for --help)."""
+def describe_keys(other_defaults: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+    """Every config key with its type, default and documentation, section by section (for --help);
+    ``other_defaults`` maps a dotted key to ``{who: value}`` for defaults that differ by recipe
+    (``plait.recipes.defaults_by_key``), shown after plait's own."""
     import textwrap
 
     out: list[str] = []
     defaults = Config()
+    other_defaults = other_defaults or {}
     for name, section_type in _sections().items():
         out.append(f"[{name}]")
         docs = field_docs(section_type)
@@ -741,7 +766,9 @@ def describe_keys() -> str:
             default = getattr(getattr(defaults, name), f.name)
             typ = hints[f.name]
             kind = " | ".join(map(str, get_args(typ))) if get_origin(typ) is Literal else _type_name(typ)
-            out.append(f"  {name}.{f.name} = {_toml_value(default)}   ({kind})")
+            others = other_defaults.get(f"{name}.{f.name}", {})
+            shown = "".join(f"; {who}: {_toml_value(v)}" for who, v in others.items())
+            out.append(f"  {name}.{f.name} = {_toml_value(default)}{shown}   ({kind})")
             out.extend(textwrap.wrap(docs.get(f.name, ""), width=96, initial_indent="      ",
                                      subsequent_indent="      "))
         out.append("")

@@ -9,15 +9,12 @@
         info = p.step()                           # unscale, clip, skip non-finite, step, schedule, zero
     p.save("ckpt", model=model, optimizer=optimizer, dataloader=loader)
 
-It starts the process group itself under ``plait run``, ``torchrun`` or SLURM, and runs as a plain
-single process otherwise. ``Plait`` is a facade: the layout is a strategy chosen from the config
-(``plait.parallel.registry``: data parallelism, ZeRO, FSDP2, tensor, pipeline, expert, a parameter server,
-or one registered by the user) and the engine talks only to its contract (``plait.parallel.strategy``);
-beside it are the accumulation window (``window``), the checkpointer (``checkpointer``), the run's files
-(``run_files``) and its metrics (``metrics``). ``setup`` builds the optimizer after the layout is applied, so
-it holds the parameters the layout trains. The returned model is the user's own object (attribute access
-and ``state_dict()`` keys unchanged); under pipeline parallelism it is split over ranks and
-``forward_backward(model, batch)`` runs a step.
+It starts the process group itself under ``plait run``, ``torchrun`` or SLURM, and runs as one process
+otherwise. ``Plait`` is a facade: the layout is a strategy chosen from the config (``plait.parallel.registry``)
+and the engine talks only to its contract (``plait.parallel.strategy``); beside it are the accumulation window,
+the checkpointer, the run's files and its metrics. ``setup`` builds the optimizer after the layout is applied,
+so it holds the parameters the layout trains. The returned model is the user's own object (attributes and
+``state_dict()`` keys unchanged); under pipeline parallelism ``forward_backward(model, batch)`` runs a step.
 """
 
 from __future__ import annotations
@@ -37,6 +34,7 @@ from plait.comm.watchdog import StepWatchdog
 from plait.components.hf_checkpoint import DEFAULT_SHARD_BYTES
 from plait.components.losses import Loss, infer_loss, resolve_loss
 from plait.components.optim import optimizer_factory
+from plait.components.rng import RngStream, run_forward_in
 from plait.config import Config
 from plait.data.loader import to_device
 from plait.engine.checkpointer import Checkpointer
@@ -93,6 +91,8 @@ class Plait(SmallCollectives):
         self.files = RunFiles(cfg.run.dir, self.rank, self.world_size)
         cfg.run.dir = str(self.files.run_dir)
         self.comm = comm_from_config(cfg.comm, cfg.train.seed, self.rank, self.world_size)
+        # The model's dropout stream (the user's is untouched): one per replica and pipeline stage, tp ranks share one
+        self.rng = RngStream(cfg.train.seed + 7919 * (self.rank // self.topology.degree("tp") + 1), self.device)
         self.preemption = PreemptionFlag()
         self.preemption.install()
         self.watchdog = self._build_watchdog()
@@ -104,7 +104,7 @@ class Plait(SmallCollectives):
         self.checkpointer = Checkpointer(cfg.checkpoint.async_save, self.world_size, self.group, self._saved)
         self.metrics = MetricsSink(self.files.run_dir, cfg, self.is_main)
         self.stepper = Stepper(cfg, self.rank, self.world_size, self.comm, self.watchdog, self.files,
-                               self.preemption, self.group, self.auto, self.finish_saves, self.prometheus)
+                               self.preemption, self.group, self.auto, self.finish_saves, self.prometheus, self.rng)
         self.loss: Loss | None = None
         self._closed = False
 
@@ -205,18 +205,18 @@ class Plait(SmallCollectives):
               ) -> tuple[nn.Module, Any]:
         """Apply the configured layout to ``model`` and build its optimizer; returns ``(model, optimizer)``.
 
-        ``optimizer``: a factory ``fn(model) -> torch.optim.Optimizer`` called with the returned model
-        (the right, possibly sharded, parameters); an optimizer instance that holds no state yet (rebuilt
-        over the same parameters, by name, with its class, groups and hyperparameters); or None for AdamW
-        from ``[optim]``. ``scheduler``: a factory ``fn(optimizer) -> LR scheduler``, stepped once per
-        optimizer step by ``step()``. ``tp_plan`` (patterns -> styles, or "auto") / ``parallelize_fn(model,
-        tp_mesh)`` choose tensor parallelism, ``pp_split`` / ``stage_fn(model, stage_index, num_stages)``
-        the pipeline split; each overrides the config. ``loss_fn`` (a name, a ``plait.losses.Loss`` or
-        ``fn(output, target)``) is what ``forward_backward`` and the pipeline's last stage compute;
-        ``sample`` is one micro-batch, used to balance pipeline stages by measured cost. ``model`` may be on the
-        meta device: each rank allocates only its part (``plait.parallel.meta_init``). ``weights``: a Hugging Face
-        checkpoint (directory or file) or a plait run directory, read shard by shard; without it a meta model is
-        initialised per module, by ``init_fn(module)`` if given."""
+        ``optimizer``: a factory ``fn(model) -> torch.optim.Optimizer`` called with the returned model (the
+        right, possibly sharded, parameters), or ``fn(params)`` with its trainable parameters when the factory's
+        parameter is named ``params`` (``plait.components.optim.takes_params``); an optimizer instance holding
+        no state yet (rebuilt over the same parameters by name, with its class, groups and hyperparameters); or
+        None for AdamW from ``[optim]``. ``scheduler``: a factory ``fn(optimizer) -> LR scheduler``, stepped by
+        ``step()``. ``tp_plan`` (patterns -> styles, or "auto") / ``parallelize_fn(model, tp_mesh)`` choose
+        tensor parallelism, ``pp_split`` / ``stage_fn(model, stage_index, num_stages)`` the pipeline split;
+        each overrides the config. ``loss_fn`` (a name, a ``plait.losses.Loss`` or ``fn(output, target)``) is
+        what ``forward_backward`` and the pipeline's last stage compute; ``sample``: one micro-batch, to
+        balance pipeline stages by measured cost. ``model`` may be on the meta device: each rank allocates only
+        its part. ``weights``: a Hugging Face checkpoint (directory or file) or a plait run directory, read
+        shard by shard; without it a meta model is initialised per module, by ``init_fn(module)`` if given."""
         check_setup_args(self.strategy, model, scheduler)
         self.phase("setup")
         model, compiled = unwrap_compiled(model)
@@ -228,22 +228,22 @@ class Plait(SmallCollectives):
                          loss=self.loss, sample=self.to_device(sample) if sample is not None else None)
         moe = moe_layers(model)  # the whole model's, the same on every rank (a pipeline stage keeps some)
         meter = SetupMeter(self.device).start()  # this rank's peak memory of setup, reported with the prediction
-        self.stepper.strategy = strategy = registry.build(self._strategy_cls, place(model, self.device),
-                                                          self.topology, self.config, self.comm, spec)
-        strategy.prepare_weights(weights, init_fn, self.config.train.seed, self.group)
-        if moe:
-            self.stepper.moe = MoeMonitor(strategy.model, self.topology, self.comm, self.config.train.log_every,
-                                          bias=any(layer.balance == "bias" for layer in moe))
-        opt = strategy.build_optimizer(factory)
+        with self.rng.active():  # what setup draws (a pipeline stage's cost measurement) is plait's, not the user's
+            self.stepper.strategy = strategy = registry.build(self._strategy_cls, place(model, self.device),
+                                                              self.topology, self.config, self.comm, spec)
+            strategy.prepare_weights(weights, init_fn, self.config.train.seed, self.group)
+            if moe:
+                self.stepper.moe = MoeMonitor(strategy.model, self.topology, self.comm, self.config.train.log_every,
+                                              bias=any(layer.balance == "bias" for layer in moe))
+            opt = strategy.build_optimizer(factory)
         strategy.setup_memory = meter.stop()
         self._start(strategy)
         if scheduler is not None:
             self.stepper.scheduler = scheduler(strategy.scheduler_target())
         strategy.wrap_forward(self.device, compiled)
+        if self.model_whole:  # the user's model(...) draws its dropout masks from plait's stream
+            run_forward_in(strategy.model, self.rng)
         strategy.set_sync(self.accumulation == 1)  # DDP arms its reducer in the next forward
-        # Dropout streams per model replica and pipeline stage; tensor-parallel ranks (tp is the innermost
-        # axis) share one, so replicated activations get one mask.
-        torch.manual_seed(self.config.train.seed + 7919 * (self.rank // self.topology.degree("tp") + 1))
         self.watchdog.kinds = strategy.describe()
         self.stepper.start_step()
         return strategy.model, opt
@@ -268,23 +268,20 @@ class Plait(SmallCollectives):
         ``train.micro_batch_size``): a deterministic, resumable loader (``plait.data.loader``).
 
         ``data`` is a map-style data set (a Hugging Face ``datasets.Dataset`` too) or a DataLoader (whose
-        data set, collate function and worker settings are kept); an iterable data set (Hugging Face or
-        torch), a ``StatefulDataLoader``, plait's streamed documents or a plain iterable are read through
-        ``plait.data.resumable.loader_for`` (sharded over data-parallel ranks, per-rank state). A DataLoader
-        whose sampler is already rank-aware (``DistributedSampler``) is returned as it is. Training
+        data set, batch size, collate function and worker settings are kept); an iterable data set (Hugging
+        Face or torch), a ``StatefulDataLoader``, plait's streamed documents or a plain iterable are read
+        through ``plait.data.resumable.loader_for`` (sharded over data-parallel ranks, per-rank state). A
+        DataLoader whose sampler is already rank-aware (``DistributedSampler``) is returned as it is. Training
         (``shuffle=True``) yields whole global batches of ``batch_size x dp x accumulation`` samples, each
         data-parallel rank a disjoint share; ``shuffle=False`` is for evaluation: every sample once (but at
         most dp-1), the same number of batches on every rank. A ``batch_size`` other than the config's changes
-        the accumulation so the global batch stays.
-        """
+        the accumulation so the global batch stays."""
         if data is None:
             raise PlaitError("setup_dataloader() got None; pass a data set or a DataLoader")
         loader, batch_size, accumulation = distributed_loader(
             data, batch_size, self.config, self.topology, collate_fn=collate_fn, shuffle=shuffle,
             drop_last=drop_last, seed=seed, **dataloader_kwargs)
-        if accumulation is not None and accumulation != self.accumulation:
-            self.logger.info("batch size %d per rank: %d accumulation micro-steps per optimizer step", batch_size,
-                             accumulation)
+        if accumulation is not None:  # the first micro-step logs it (plait.engine.stepper.Stepper.announce)
             self.window.accumulation = accumulation
         return loader
 
@@ -385,7 +382,8 @@ class Plait(SmallCollectives):
         shared = self.stepper.run_state(scheduler, dataloader)
         meta = {"extra": extra or {}, "world_size": self.world_size, "dp": self.dp,
                 "layout": strategy.describe() or "single process", "steps": self.steps}
-        return self.checkpointer.save(Path(path), strategy, meta, self.rank, {"comm": self.comm.state_dict()},
+        rank_state = {"comm": self.comm.state_dict(), "rng": self.rng.state_dict()}
+        return self.checkpointer.save(Path(path), strategy, meta, self.rank, rank_state,
                                       shared, self.steps, on_complete, self.is_main)
 
     def finish_saves(self) -> None:
@@ -416,8 +414,10 @@ class Plait(SmallCollectives):
                                                                       self.world_size, check)
         self.stepper.restore(shared, scheduler, dataloader, path)
         strategy.finish_load()
-        if rank_state is not None:  # compressor residuals: the resumed run continues exactly
+        if rank_state is not None:  # compressor residuals and the model's stream: the resumed run continues exactly
             self.comm.load_state_dict(rank_state["comm"])
+            if "rng" in rank_state:
+                self.rng.load_state_dict(rank_state["rng"])
         elif not same_world:
             self.logger.info("checkpoint saved at world size %s, loading at %d: per-rank RNG and compressor "
                              "residuals start fresh", meta.get("world_size"), self.world_size)

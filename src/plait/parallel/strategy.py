@@ -273,7 +273,7 @@ class Strategy:
         return norm, finite
 
     def after_step(self) -> None:
-        """After every optimizer step, stepped or skipped (buffers averaged, a parameter server's push)."""
+        """After every optimizer step, stepped or skipped, once the LR scheduler has stepped (buffers averaged)."""
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from plait import recipes
-from plait.config import ConfigError, load_config
+from plait.config import ConfigError
 from plait.runtime.args import split_args
 
 FLAGS = {"--hardware": str, "--nodes": int, "--gpus-per-node": int, "--trace": str, "--compare": str,
@@ -101,10 +101,11 @@ def cmd_calibrate(argv: list[str]) -> int:
 
 
 def _load(config: str | None, overrides: list[str]) -> Any:
-    """The config with ``model.vocab_size = 0`` resolved (the tokenizer's, 256 for bytes), for the model's shape."""
+    """The config with its recipe's defaults (``load_recipe_config``) and ``model.vocab_size = 0`` resolved (the
+    tokenizer's, 256 for bytes), for the model's shape."""
     from plait.data.tokenize import resolve_vocab_size
 
-    cfg = load_config(config, overrides)
+    cfg = recipes.load_recipe_config(config, overrides)
     resolve_vocab_size(cfg)
     return cfg
 
@@ -155,7 +156,7 @@ def cmd_plan_memory(argv: list[str]) -> int:
     m, t, p, lay = cfg.model, cfg.train, cfg.parallel, sim.work.layout
     lines = []
     if not m.factory and m.name == "gpt" and lay.tp == lay.pp == 1:
-        shape = GPTShape(micro_batch=t.micro_batch_size, seq_len=m.seq_len, d_model=m.d_model, n_head=m.n_head,
+        shape = GPTShape(micro_batch=lay.micro_batch_size, seq_len=m.seq_len, d_model=m.d_model, n_head=m.n_head,
                          n_layer=m.n_layer, vocab_size=m.vocab_size)
         lines += [format_memory_table(sim.work.shape.param_count(), dp=lay.dp, stage=p.zero,
                                       dp_shard=lay.shard if lay.hybrid else 0,
