@@ -248,6 +248,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return layered(below) if below else cfg
 
 
+def _check_data(d: DataConfig) -> None:
+    if not 0.0 < d.val_fraction < 1.0:
+        raise ConfigError("data.val_fraction must be between 0 and 1 (exclusive)")
+    for name in ("num_workers", "tokenize_processes"):
+        if getattr(d, name) < 0:
+            raise ConfigError(f"data.{name} must be 0 or more; got {getattr(d, name)}")
+    if d.shuffle_buffer < 1:
+        raise ConfigError(f"data.shuffle_buffer must be at least 1 document; got {d.shuffle_buffer}")
+    pack = d.pack if isinstance(d.pack, bool) else bool(d.tokenizer)
+    if pack and not d.tokenizer:
+        raise ConfigError("data.pack needs data.tokenizer (bytes have no end-of-document token); set data.tokenizer "
+                          "or data.pack=false")
+    if d.document_mask and not pack:
+        raise ConfigError("data.document_mask needs packed documents: set data.tokenizer (and data.pack=true)")
+
+
 def check_values(cfg: Config) -> Config:
     """Checks of single values and of keys within one section; nothing that needs the world size, the
     layout or the model (``plait.validate.validate`` adds those)."""
@@ -268,20 +284,7 @@ def check_values(cfg: Config) -> Config:
                           f"global_batch_size / dp); got {t.micro_batch_size}")
     if t.checkpoint_every_k < 1:
         raise ConfigError(f"train.checkpoint_every_k must be at least 1; got {t.checkpoint_every_k}")
-    if not 0.0 < cfg.data.val_fraction < 1.0:
-        raise ConfigError("data.val_fraction must be between 0 and 1 (exclusive)")
-    d = cfg.data
-    for name in ("num_workers", "tokenize_processes"):
-        if getattr(d, name) < 0:
-            raise ConfigError(f"data.{name} must be 0 or more; got {getattr(d, name)}")
-    if d.shuffle_buffer < 1:
-        raise ConfigError(f"data.shuffle_buffer must be at least 1 document; got {d.shuffle_buffer}")
-    pack = d.pack if isinstance(d.pack, bool) else bool(d.tokenizer)
-    if pack and not d.tokenizer:
-        raise ConfigError("data.pack needs data.tokenizer (bytes have no end-of-document token); set data.tokenizer "
-                          "or data.pack=false")
-    if d.document_mask and not pack:
-        raise ConfigError("data.document_mask needs packed documents: set data.tokenizer (and data.pack=true)")
+    _check_data(cfg.data)
     o = cfg.observe
     if len(set(o.trackers)) != len(o.trackers):
         raise ConfigError(f"observe.trackers names a tracker twice: {o.trackers}")

@@ -227,6 +227,20 @@ def _stage_ranges(model: nn.Module, adapter: PipelineAdapter, num_stages: int, s
     return names, partition_layers(costs.blocks, num_stages, first_cost=costs.embed, last_cost=costs.head)
 
 
+def _make_schedule(schedule: str, stages: list[PipelineStage], virtual: int, microbatches: int,
+                   loss_fn: Callable[[object, object], torch.Tensor] | None, scale_grads: bool) -> object:
+    """torch's schedule object over this rank's stages (default loss: next-token cross-entropy)."""
+    from plait.components.losses import CausalLMLoss
+
+    cls = SCHEDULES[schedule]
+    loss_fn = loss_fn or CausalLMLoss().loss
+    # scale_grads=False: the loss function divides by the micro-batch count itself. The schedule's own
+    # scaling divides every accumulated gradient of the stage, including earlier accumulation steps'.
+    if virtual == 1 and schedule in ("gpipe", "1f1b"):
+        return cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+    return cls(stages, microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+
+
 def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, schedule: str, microbatches: int,
                    virtual_stages_per_rank: int | None = None, loss_fn: Callable[[object, object], torch.Tensor] | None
                    = None, costs: LayerCosts | None = None, scale_grads: bool = True,
@@ -248,8 +262,6 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
     rank must pass the same arguments. Raises ``PipelineConfigError`` for an unknown schedule, more stages than
     layers, a bad split, a model no adapter can split, or too few micro-batches for the interleaved and zbv
     schedules."""
-    from plait.components.losses import CausalLMLoss
-
     group = _as_group(pp)
     num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     virtual = virtual_stages_per_rank or NATURAL_VIRTUAL.get(schedule, 1)
@@ -276,13 +288,7 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
     for tie in ties:
         tie.params = [held[i] for i in sorted(tie.ids) if i in held]
     _drop_unowned(model, modules)
-    cls = SCHEDULES[schedule]
-    loss_fn = loss_fn or CausalLMLoss().loss
-    # scale_grads=False: the loss function divides by the micro-batch count itself. The schedule's own
-    # scaling divides every accumulated gradient of the stage, including earlier accumulation steps'.
-    sched = cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=scale_grads) \
-        if virtual == 1 and schedule in ("gpipe", "1f1b") \
-        else cls(stages, microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+    sched = _make_schedule(schedule, stages, virtual, microbatches, loss_fn, scale_grads)
     runner = PipelineRunner(modules=modules, stages=stages, stage_ids=mine, num_stages=num_stages, schedule=sched,
                             group=group, microbatches=microbatches, virtual_stages=virtual,
                             loss_parallel=loss_parallel, ties=ties, tie_group=tie_group, copy_names=copies,
