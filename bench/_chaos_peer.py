@@ -22,12 +22,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from plait.components.optim import build_optimizer, lr_at
-from plait.config import load_config
 from plait.data.corpus import load_splits
 from plait.data.sampler import WindowSampler
 from plait.fault import goodput
 from plait.fault.restart import write_pid, write_progress
 from plait.models.gpt import GPT
+from plait.recipes import load_recipe_config
 from plait.recipes import validate_config as validate
 
 
@@ -37,7 +37,7 @@ def main() -> None:
     overrides = [a for a in sys.argv[1:] if a.startswith("--")]
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    cfg0 = load_config(overrides=overrides)
+    cfg0 = load_recipe_config(overrides=overrides)
     timeout = timedelta(seconds=cfg0.comm.timeout_s)
     # torch 2.13's env:// rendezvous reuses the dead attempt's gloo addresses after a torchrun restart
     # ("connectFullMesh failed ... Connection refused"): without a store prefix per attempt the practice

@@ -30,12 +30,11 @@ COMMON = ["--train.steps=100000", "--optim.warmup_steps=1", "--observe.progress=
 
 def make_trainer(overrides: list[str], run_dir: Path, world: int) -> Any:
     """A ``Trainer`` from ``COMMON + overrides``, validated for ``world`` ranks, writing into ``run_dir``."""
-    from plait.config import load_config
-    from plait.recipes import build_trainer
+    from plait.recipes import build_trainer, load_recipe_config
     from plait.recipes import validate_config as validate
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = validate(load_config(overrides=COMMON + overrides + [f"--run.dir={run_dir}"]), world)
+    cfg = validate(load_recipe_config(overrides=COMMON + overrides + [f"--run.dir={run_dir}"]), world)
     return build_trainer(cfg)
 
 

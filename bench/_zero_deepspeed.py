@@ -113,17 +113,17 @@ def run_rank(rank: int, world: int, stage: int, overrides: list[str], warmup: in
     import deepspeed
 
     from plait.components.optim import lr_at, param_groups
-    from plait.config import load_config
     from plait.data.corpus import load_splits
     from plait.data.sampler import WindowSampler
     from plait.models.gpt import GPT
+    from plait.recipes import load_recipe_config
     from plait.recipes import validate_config as validate
 
     os.environ.update(LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     deepspeed.init_distributed(dist_backend="gloo")  # the gloo group _common started is reused
     baseline = _common.rss_bytes()
     reset = _common.reset_peak_rss()
-    cfg = validate(load_config(overrides=_common.COMMON + overrides), world)
+    cfg = validate(load_recipe_config(overrides=_common.COMMON + overrides), world)
     t, o = cfg.train, cfg.optim
     splits = load_splits(cfg.data.path, cfg.model.vocab_size, cfg.data.val_fraction, cfg.model.seq_len)
     sampler = WindowSampler(splits.train, cfg.model.seq_len, t.global_batch_size, t.micro_batch_size, rank,

@@ -157,6 +157,7 @@ def data_wait(data: Path, tok_dir: Path, root: Path, steps: int) -> dict:
         run = root / "runs" / name
         cmd = [sys.executable, "-m", "plait.cli", "train", f"--data.path={data}", f"--data.tokenizer={tok_dir}",
                f"--train.steps={steps}", "--train.log_every=1", "--train.eval_every=0", "--train.eval_sequences=16",
+               f"--train.micro_batch_size={MICRO}",  # the main job's micro-batch as measured (the default is now 0)
                "--observe.progress=false", "--observe.trackers=[]", "--checkpoint.every=0",
                f"--run.dir={run}", *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}

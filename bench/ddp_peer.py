@@ -33,10 +33,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from plait.comm.collectives import ring_allreduce_bytes
 from plait.components.optim import build_optimizer, lr_at
-from plait.config import load_config
 from plait.data.corpus import load_splits
 from plait.data.sampler import WindowSampler, validation_batches
 from plait.models.gpt import GPT
+from plait.recipes import load_recipe_config
 from plait.recipes import validate_config as validate
 
 
@@ -75,7 +75,7 @@ def main() -> None:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = validate(load_config(overrides=overrides), world)
+    cfg = validate(load_recipe_config(overrides=overrides), world)
     t, m = cfg.train, cfg.model
     splits = load_splits(cfg.data.path, m.vocab_size, cfg.data.val_fraction, m.seq_len)
     sampler = WindowSampler(splits.train, m.seq_len, t.global_batch_size, t.micro_batch_size, rank, world, t.seed)

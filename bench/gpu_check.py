@@ -157,11 +157,10 @@ def init_one_rank(device: Any) -> None:
 
 
 def make_trainer(overrides: list[str], run_dir: Path) -> Any:
-    from plait.config import load_config
-    from plait.recipes import build_trainer
+    from plait.recipes import build_trainer, load_recipe_config
     from plait.recipes import validate_config as validate
 
-    cfg = validate(load_config(overrides=QUIET + overrides + ["--parallel.nproc=1", f"--run.dir={run_dir}"]), 1)
+    cfg = validate(load_recipe_config(overrides=QUIET + overrides + ["--parallel.nproc=1", f"--run.dir={run_dir}"]), 1)
     return build_trainer(cfg)
 
 
@@ -250,12 +249,12 @@ def _peer_gpt(overrides: list[str], device: Any, compiled: bool, quick: bool) ->
     """The hand-written loop: (seconds per step, tokens per step, FLOPs per token)."""
     import torch
 
-    from plait.config import load_config
     from plait.data.tokenize import resolve_vocab_size
     from plait.models.gpt import GPT
+    from plait.recipes import load_recipe_config
     from plait.train.mfu import formula_flops_per_token
 
-    cfg = load_config(overrides=QUIET + overrides)
+    cfg = load_recipe_config(overrides=QUIET + overrides)
     resolve_vocab_size(cfg)  # model.vocab_size = 0: the tokenizer's, as plait train resolves it
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model).to(device)
@@ -380,9 +379,9 @@ def _memory_row(overrides: list[str], device: Any) -> dict[str, Any]:
 
 def section_memory(device: Any, quick: bool) -> dict[str, Any]:
     """Predicted (``plait plan memory``) against measured peak device memory per world-1 run."""
-    from plait.config import load_config
     from plait.plan.configured import simulate_config
     from plait.plan.hardware import load_profile
+    from plait.recipes import load_recipe_config
 
     init_one_rank(device)
     profile = load_profile("h100-sxm")
@@ -395,7 +394,7 @@ def section_memory(device: Any, quick: bool) -> dict[str, Any]:
             continue
         row: dict[str, Any] = {"overrides": overrides}
         try:
-            cfg = load_config(overrides=QUIET + overrides + ["--parallel.nproc=1"])
+            cfg = load_recipe_config(overrides=QUIET + overrides + ["--parallel.nproc=1"])
             sim = simulate_config(cfg, profile, derive_tp=False, memory_only=True)
             predicted = sim.memory[0].as_dict()
             row.update(params=sim.work.shape.param_count(), predicted_bytes=predicted["total"], predicted=predicted)

@@ -203,11 +203,11 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def simulate_run(name: str, overrides: list[str], profile: object, run_dir: Path) -> dict:
-    from plait.config import load_config
     from plait.plan.compare import compare_run
     from plait.plan.configured import simulate_config
+    from plait.recipes import load_recipe_config
 
-    cfg = load_config(None, MODEL + RUN + overrides)
+    cfg = load_recipe_config(None, MODEL + RUN + overrides)
     os.environ.pop("OMP_NUM_THREADS", None)
     sim = simulate_config(cfg, profile)
     return {"sim": sim, "compare": compare_run(sim, run_dir)}
@@ -297,9 +297,9 @@ def main() -> None:
 
 def predict_only(measured_json: Path, profile_path: str | None, only: str) -> dict:
     """Predictions of the current model against the measurements a previous run saved (see the docstring)."""
-    from plait.config import load_config
     from plait.plan.configured import simulate_config
     from plait.plan.hardware import load_profile
+    from plait.recipes import load_recipe_config
 
     old = json.loads(measured_json.read_text())
     profile_path = profile_path or old["profile"]
@@ -309,7 +309,7 @@ def predict_only(measured_json: Path, profile_path: str | None, only: str) -> di
     for name, was in old["layouts"].items():
         if only and name not in only.split(","):
             continue
-        sim = simulate_config(load_config(None, MODEL + RUN + LAYOUTS[name]), profile)
+        sim = simulate_config(load_recipe_config(None, MODEL + RUN + LAYOUTS[name]), profile)
         per_pp = sim.work.layout.dp * sim.work.layout.tp
         described[sim.work.layout.describe()] = was["measured_step_s"] if sim.world == 4 else None
         acts = [int(sim.memory[r // per_pp].activations) for r in range(len(was["activation_measured"]))]
@@ -328,12 +328,12 @@ def predict_only(measured_json: Path, profile_path: str | None, only: str) -> di
 
 def planner_predicted(profile: object, described: dict, old: dict) -> dict:
     """The planner's pick now, measured only when it is a layout the previous run measured."""
-    from plait.config import load_config
     from plait.plan.planner import plan
     from plait.plan.record import optimizer_traffic, shape_from_config
     from plait.plan.workload import Layout, Workload
+    from plait.recipes import load_recipe_config
 
-    cfg = load_config(None, MODEL + B32)
+    cfg = load_recipe_config(None, MODEL + B32)
     shape = shape_from_config(cfg)
     result = plan(shape, profile, 4, 32, base=Workload(shape, Layout(), 32), top=5, traffic=optimizer_traffic(cfg))
     pick = result.best.work.layout.describe()
@@ -360,12 +360,12 @@ def layout_overrides(lay: object, batch: int) -> list[str]:
 def planner_pick(profile: object, rows: dict, loads: list, steps: int, out_dir: Path, reuse: bool,
                  max_wait: float) -> dict:
     """``plait plan`` for 4 devices: its pick measured against the best measured world-4 layout."""
-    from plait.config import load_config
     from plait.plan.planner import plan
     from plait.plan.record import optimizer_traffic, shape_from_config
     from plait.plan.workload import Layout, Workload
+    from plait.recipes import load_recipe_config
 
-    cfg = load_config(None, MODEL + B32)
+    cfg = load_recipe_config(None, MODEL + B32)
     shape = shape_from_config(cfg)
     result = plan(shape, profile, 4, 32, base=Workload(shape, Layout(), 32), top=5, traffic=optimizer_traffic(cfg))
     pick = result.best.work.layout

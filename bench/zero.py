@@ -207,12 +207,12 @@ def run_impl(rank: int, world: int, impl: str, dp_overrides: list[str], root: st
     if impl in PLAIT:
         trainer = _common.make_trainer(dp_overrides + [f"--parallel.zero={impl[-1]}"], Path(root, impl), world)
     else:
-        from plait.config import load_config
         from plait.data.corpus import load_splits
         from plait.data.sampler import WindowSampler
+        from plait.recipes import load_recipe_config
         from plait.recipes import validate_config as validate
 
-        cfg = validate(load_config(overrides=_common.COMMON + dp_overrides), world)
+        cfg = validate(load_recipe_config(overrides=_common.COMMON + dp_overrides), world)
         t = cfg.train
         splits = load_splits(cfg.data.path, cfg.model.vocab_size, cfg.data.val_fraction, cfg.model.seq_len)
         sampler = WindowSampler(splits.train, cfg.model.seq_len, t.global_batch_size, t.micro_batch_size,

@@ -83,13 +83,18 @@ def logged_losses(run_dir: str) -> list[float]:
     return [r["loss"] for r in lines if "loss" in r]
 
 
+def run_weights(run_dir: Any) -> dict:
+    """The weights a run exported at its end (``RUN_DIR/model/``, a Hugging Face directory), whole."""
+    from plait.components.hf_checkpoint import read_weights
+
+    return read_weights(run_dir)
+
+
 def assert_same_training(ref_dir: str, got_dir: str, *, atol: float, loss_tol: float, steps: int) -> None:
     """Two runs ended with the same exported weights (within ``atol``) after logging the same
     ``steps`` losses (within ``loss_tol``), and training did move the weights."""
     import torch
-    from safetensors.torch import load_file
-
-    ref, got = load_file(f"{ref_dir}/model.safetensors"), load_file(f"{got_dir}/model.safetensors")
+    ref, got = run_weights(ref_dir), run_weights(got_dir)
     assert ref.keys() == got.keys()
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], atol=atol, rtol=0, msg=f"{got_dir}: {k}")

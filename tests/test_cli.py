@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_CLI, cli_argv, cli_env, plait_cli, run_all, succeeded
-from safetensors.torch import load_file
+from helpers import TINY_CLI, cli_argv, cli_env, plait_cli, run_all, run_weights, succeeded
 
 from plait.cli import main
 
@@ -38,8 +37,8 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
         succeeded(p)
     resumed = succeeded(plait_cli("train", "--resume", f"{tmp_path}/split", "--train.steps=6", cwd=tmp_path))
     assert "resumed from" in resumed.stderr
-    a = load_file(f"{tmp_path}/straight/model.safetensors")
-    b = load_file(f"{tmp_path}/split/model.safetensors")
+    a = run_weights(f"{tmp_path}/straight")
+    b = run_weights(f"{tmp_path}/split")
     for k in a:
         assert torch.equal(a[k], b[k]), k
     losses = [json.loads(x).get("loss") for x in Path(tmp_path, "split/metrics.jsonl").read_text().splitlines()]

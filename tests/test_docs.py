@@ -59,10 +59,10 @@ def blocks(path: Path) -> list[Block]:
         if not m:
             i += 1
             continue
-        start, lang, body = i, m.group(2), []
+        start, lang, body, indent = i, m.group(2), [], m.group(1)
         i += 1
         while i < len(lines) and not lines[i].strip().startswith("```"):
-            body.append(lines[i])
+            body.append(lines[i].removeprefix(indent))  # a block inside a list item is indented with it
             i += 1
         i += 1
         before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")

@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
-from helpers import run_all
-from safetensors.torch import load_file
+from helpers import run_all, run_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "custom_loop.py")
@@ -45,7 +44,7 @@ def test_script_runs_under_every_launcher(tmp_path: Path) -> None:
               for name in launches}
     assert "on 1 worker(s)" in worlds["single"]
     assert all("on 2 worker(s)" in worlds[n] for n in ("plait-run", "torchrun", "slurm")), worlds
-    weights = {name: load_file(str(tmp_path / name / "model.safetensors")) for name in launches}
+    weights = {name: run_weights(tmp_path / name) for name in launches}
     for name in ("torchrun", "slurm"):
         assert all(torch.equal(weights[name][k], v) for k, v in weights["plait-run"].items()), name
     assert max((weights["single"][k] - v).abs().max().item() for k, v in weights["plait-run"].items()) < 3e-5

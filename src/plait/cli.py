@@ -40,13 +40,14 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
     """Returns (validated config, config as written to the run dir, run dir, resume?). The written copy
     keeps inferred values unresolved (parallel.dp=0 stays 0) so a resumed run may change the world size."""
     from plait.components.checkpoint import latest_checkpoint
+    from plait.recipes import load_recipe_config
     from plait.recipes import validate_config as validate
     from plait.runtime.dist import external_world_size, launched_externally
 
     config_path, resume, overrides = _split_train_args(argv)
     if not resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         # torchrun --max-restarts started this worker again: continue the run it was training
-        cfg0 = load_config(config_path, overrides)
+        cfg0 = load_recipe_config(config_path, overrides)
         run_id = os.environ.get("TORCHELASTIC_RUN_ID")
         run_dir0 = Path(cfg0.run.dir or f"runs/plait-{run_id}")
         if (run_dir0 / "config.toml").is_file():
@@ -60,10 +61,10 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
                 f"{run_dir} holds no checkpoint to resume from (no {run_dir}/checkpoints/latest); "
                 "start a new run without --resume, or point --resume at a run directory that saved one"
             )
-        cfg = load_config(run_dir / "config.toml", overrides)
+        cfg = load_recipe_config(run_dir / "config.toml", overrides)
         cfg.run.dir = str(run_dir)
     else:
-        cfg = load_config(config_path, overrides)
+        cfg = load_recipe_config(config_path, overrides)
         run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID")
         run_dir = Path(cfg.run.dir or f"runs/plait-{run_id or time.strftime('%Y%m%d-%H%M%S')}")
         if (run_dir / "checkpoints" / "latest").exists():
@@ -193,9 +194,8 @@ def cmd_sample(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
-    weights = run_dir / "model.safetensors"
-    if not weights.is_file():
-        raise ConfigError(f"{weights} not found; it is written when a run finishes (finish or --resume the run)")
+    if not (run_dir / "config.toml").is_file():
+        raise ConfigError(f"{run_dir} is not a plait run directory (no config.toml)")
     cfg = load_config(run_dir / "config.toml")
     if cfg.model.factory or cfg.model.name != "gpt":
         raise ConfigError(f"plait sample generates text from plait's GPT (model.name=gpt); {run_dir} trained "
@@ -205,7 +205,7 @@ def cmd_sample(argv: list[str]) -> int:
     resolve_vocab_size(cfg)  # model.vocab_size = 0: the run's tokenizer's
     tokenizer = load_tokenizer(cfg.data.tokenizer)  # the run's own (bytes when it had none)
     model = GPT(cfg.model, cfg.moe)
-    load_safetensors(model, weights)
+    load_safetensors(model, run_dir)  # RUN_DIR/model/ (or model.safetensors of older runs)
     model.eval()
     if not cfg.data.tokenizer and cfg.model.vocab_size < 256:
         raise ConfigError("this run's vocabulary is not byte-level; sampling from text needs vocab_size >= 256")
@@ -245,7 +245,9 @@ def cmd_calibrate(argv: list[str]) -> int:
 
 def cfg_world(config_path: str | None, overrides: list[str]) -> int:
     """The world size a config asks for: parallel.nproc workers."""
-    return load_config(config_path, overrides).parallel.nproc
+    from plait.recipes import load_recipe_config
+
+    return load_recipe_config(config_path, overrides).parallel.nproc
 
 
 def cmd_report(argv: list[str]) -> int:
@@ -339,8 +341,13 @@ KEYED = {"train", "plan", "simulate", "launch"}
 
 
 def keys_text() -> str:
+    """Every config key; a registered model's own default follows plait's (``plait.recipes.defaults_by_key``)."""
+    from plait.recipes import defaults_by_key
+
     return ("Config keys (a TOML file's [section] key = value, or --section.key=value; tables such as "
-            "[model.args] take --model.args.name=value):\n\n" + describe_keys())
+            "[model.args] take --model.args.name=value; a registered model's own default follows plait's, as in "
+            "'recipe gpt: 1.0', and applies where the config does not set the key):\n\n"
+            + describe_keys(defaults_by_key()))
 
 
 def help_text(command: str | None = None) -> str:

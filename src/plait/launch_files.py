@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plait.config import Config, ConfigError, load_config, to_toml
+from plait.config import Config, ConfigError, to_toml
 
 K8S_PORT = 23456  # the training operator's default port for the master service
 
@@ -84,9 +84,10 @@ def job_name(config_path: str | Path) -> str:
 
 def checked_config(config_path: str | Path, overrides: list[str], world_size: int) -> Config:
     """The config with overrides, validated for the job's world size here rather than on the cluster."""
+    from plait.recipes import load_recipe_config
     from plait.recipes import validate_config as validate
 
-    cfg = load_config(config_path, overrides)
+    cfg = load_recipe_config(config_path, overrides)
     validate(copy.deepcopy(cfg), world_size)  # the file keeps inferred values open (parallel.dp=0), as a run does
     return cfg
 

@@ -18,7 +18,8 @@ from plait.parallel.registry import check_all, select
 
 def validate(cfg: Config, world_size: int, model_check: Callable[[Config, dict[str, int]], None] | None = None
              ) -> Config:
-    """Check ``cfg`` for ``world_size`` workers and fill inferred values (``parallel.dp``); returns cfg.
+    """Check ``cfg`` for ``world_size`` workers and fill inferred values (``parallel.dp``, and
+    ``train.micro_batch_size`` when 0: global batch / dp); returns cfg.
 
     The chosen strategy lays out the degrees; then every registered strategy checks the settings it owns
     (``plait.parallel.registry.check_all``), and ``model_check(cfg, degrees)`` the model's and data's own
@@ -32,6 +33,11 @@ def validate(cfg: Config, world_size: int, model_check: Callable[[Config, dict[s
     t, p = cfg.train, cfg.parallel
     degrees = select(p).resolve_degrees(cfg, world_size)
     p.dp = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["ep"]
+    if t.micro_batch_size == 0:  # one micro-step per optimizer step (a loader's own batch size may change it)
+        if t.global_batch_size % p.dp:
+            raise ConfigError(f"train.global_batch_size={t.global_batch_size} must divide over dp={p.dp} "
+                              f"data-parallel ranks; choose a multiple of {p.dp}")
+        t.micro_batch_size = t.global_batch_size // p.dp
     check_all(cfg, degrees)
     if model_check is not None:
         model_check(cfg, degrees)

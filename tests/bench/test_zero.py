@@ -18,7 +18,7 @@ import _common  # noqa: E402
 import _zero_deepspeed  # noqa: E402
 import zero  # noqa: E402
 
-from plait.config import load_config  # noqa: E402
+from plait.recipes import load_recipe_config as load_config  # noqa: E402  (the gpt recipe's defaults, as bench/zero.py)
 from plait.recipes import validate_config as validate  # noqa: E402
 
 

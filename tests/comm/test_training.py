@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import run_ranks
 
-from plait.config import load_config
+from plait.recipes import load_recipe_config as load_config  # plait train's config: the gpt recipe's defaults
 from plait.recipes import validate_config as validate
 
 SMALL = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",

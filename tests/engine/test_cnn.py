@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
     for name, parallel in CASES.items():
         p = plait.Plait(parallel=parallel, run={"dir": f"{root}/{name}"},
                         train={"global_batch_size": GLOBAL, "micro_batch_size": GLOBAL // 2, "seed": SEED},
-                        observe={"progress": False, "trackers": []})
+                        optim={"grad_clip": 1.0}, observe={"progress": False, "trackers": []})
         # other weights on rank 1: plait broadcasts rank 0's
         model, _ = p.setup(build() if rank == 0 else _other(),
                            optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR), loss_fn="classification")

@@ -73,7 +73,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
         train = {"global_batch_size": GLOBAL, "micro_batch_size": micro, "seed": 0}
         if name == "zero3-checkpointed":
             train["activation_checkpointing"] = "full"
-        p = plait.Plait(parallel=parallel, train=train, run={"dir": f"{root}/{name}"},
+        p = plait.Plait(parallel=parallel, train=train, run={"dir": f"{root}/{name}"}, optim={"grad_clip": 1.0},
                         observe={"progress": False, "trackers": []})
         model, _ = p.setup(build(), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR),
                            loss_fn="classification", **kwargs)

@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from helpers import run_weights
 
 DATA = """
     import os
@@ -80,14 +80,14 @@ def test_world_4_then_2_then_3_keeps_the_global_batch(tmp_path: Path) -> None:
                                  f"--run.dir={run}" if i == 0 else "--fault.max_restarts=0"))
             assert out.returncode == 0, out.stderr[-3000:]
             if i == 0:
-                saved_at_4 = load_file(str(run / "model.safetensors"))
+                saved_at_4 = run_weights(run)
             if i == 1:  # resumed at world 2, no step trained: exactly the state saved at world 4
-                resumed = load_file(str(run / "model.safetensors"))
+                resumed = run_weights(run)
                 assert all(torch.equal(resumed[k], v) for k, v in saved_at_4.items())
     finally:
         ref = _finish(one)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    a, b = load_file(str(run / "model.safetensors")), load_file(str(tmp_path / "one" / "model.safetensors"))
+    a, b = run_weights(run), run_weights(tmp_path / "one")
     assert max((a[k] - b[k]).abs().max().item() for k in b) < 3e-5
     reads, expected = _reads(elastic), _reads(single)
     assert sum(expected.values()) == 6 * 12 and max(expected.values()) == 1

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from helpers import run_weights
 
 from plait.cli import main
 from plait.fault.restart import read_progress, worker_pids
@@ -87,7 +87,7 @@ class Killer(threading.Thread):
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "model.safetensors"))
+    return run_weights(run_dir)
 
 
 def _same(a: dict, b: dict) -> bool:

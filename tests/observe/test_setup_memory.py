@@ -31,7 +31,8 @@ GPT = ["--model.n_layer=8", "--model.d_model=256", "--model.n_head=4", "--model.
 def test_setup_prediction_phase_by_phase() -> None:
     p, b = 100 * MIB, 4 * MIB
     one = predict_setup_bytes(p, b, world=1, zero=0, dp=1, shard=1)
-    assert one == {"given": p + b, "broadcast": 0, "loading": 0, "layout": 0, "peak": p + b, "increase": 0}
+    assert one == {"given": p + b, "allocated": 0, "broadcast": 0, "loading": 0, "layout": 0, "peak": p + b,
+                   "increase": 0}
     reducer = predict_setup_bytes(p, b, world=2, zero=0, dp=2, shard=2)
     assert reducer["broadcast"] == p + b and reducer["layout"] == p and reducer["peak"] == 2 * (p + b)
     zero1 = predict_setup_bytes(p, b, world=4, zero=1, dp=4, shard=4, bucket_mb=25)
@@ -42,7 +43,10 @@ def test_setup_prediction_phase_by_phase() -> None:
     assert (fsdp["layout"], hsdp["layout"]) == (p // 8, p // 2) and fsdp["peak"] == hsdp["peak"] == 2 * (p + b)
     # a model built on the meta device and loaded shard by shard: nothing given, nothing broadcast
     loaded = predict_setup_bytes(p, b, world=8, zero=3, dp=8, shard=8, source="shards", loading_bytes=p // 8 + MIB)
-    assert loaded["given"] == loaded["broadcast"] == 0 and loaded["peak"] == p // 8 + MIB
+    assert loaded["given"] == loaded["broadcast"] == loaded["allocated"] == 0 and loaded["peak"] == p // 8 + MIB
+    # at ZeRO-2 a meta model is allocated whole on every rank during setup, beside the layout's buckets
+    meta2 = predict_setup_bytes(p, b, world=4, zero=2, dp=4, shard=4, bucket_mb=25, source="shards")
+    assert meta2["allocated"] == p + b and meta2["increase"] == meta2["peak"] == p + b + zero2["layout"]
     with pytest.raises(ValueError, match="source"):
         predict_setup_bytes(p, b, world=1, zero=0, dp=1, shard=1, source="disk")
 
@@ -91,3 +95,10 @@ def test_plan_memory_predicts_the_setup_peak(tmp_path: Path, capsys) -> None:
     values = dict(zip(line[::2], map(float, line[1::2]), strict=True))
     assert values["peak"] == pytest.approx(values["given"] + values["broadcast"], abs=1e-3)
     assert values["layout"] == pytest.approx(values["given"] / 2, rel=1e-3)
+    # with model.weights the model is built on the meta device: nothing given or broadcast, the peak is the shard
+    cmd_plan_memory([*GPT, "--parallel.nproc=4", "--parallel.zero=3", "--parallel.dp_shard=2",
+                     "--train.global_batch_size=8", f"--model.weights={tmp_path / 'ckpt'}"])
+    line = capsys.readouterr().out.split("setup peak per rank")[1].splitlines()[1].split()
+    meta = dict(zip(line[::2], map(float, line[1::2]), strict=True))
+    assert meta["given"] == meta["broadcast"] == meta["allocated"] == 0
+    assert meta["peak"] == meta["layout"] == pytest.approx(values["layout"], rel=1e-6)

@@ -61,7 +61,7 @@ def _train_compiled(rank: int, world: int, tmp: str) -> dict:
         micro = 4 if parallel.get("tp", 1) == 1 and parallel.get("pp", 1) == 1 else GLOBAL
         p = plait.Plait(run={"dir": f"{tmp}/{name}"}, train={"compile": True, "global_batch_size": GLOBAL,
                                                               "micro_batch_size": micro},
-                        parallel={"nproc": world, **parallel}, optim={"lr": LR},
+                        parallel={"nproc": world, **parallel}, optim={"lr": LR, "grad_clip": 1.0},
                         observe={"progress": False, "trackers": []})
         model, _ = p.setup(_model(), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR),
                            loss_fn="causal_lm")

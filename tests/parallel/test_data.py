@@ -14,10 +14,9 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import assert_same_training, run_ranks
-from safetensors.torch import load_file
+from helpers import assert_same_training, run_ranks, run_weights
 
-from plait.config import load_config
+from plait.recipes import load_recipe_config as load_config  # plait train's config: the gpt recipe's defaults
 from plait.recipes import validate_config as validate
 
 BASE = [
@@ -77,7 +76,7 @@ def test_export_names_match_single_process_model(runs: dict) -> None:
     from plait.models.gpt import GPT
 
     cfg = load_config(overrides=BASE)
-    assert set(load_file(f"{runs['plait']}/model.safetensors")) == set(GPT(cfg.model).state_dict())
+    assert set(run_weights(runs['plait'])) == set(GPT(cfg.model).state_dict())
 
 
 @pytest.mark.parametrize("variant", ["plait", "zero1_accum2", "zero2_small_buckets", "zero3_accum2"])

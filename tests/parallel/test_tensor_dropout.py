@@ -15,8 +15,9 @@ import pytest
 import torch
 from helpers import run_ranks
 
-from plait.config import ModelConfig, load_config
+from plait.config import ModelConfig
 from plait.models.gpt import GPT, CausalSelfAttention
+from plait.recipes import load_recipe_config as load_config  # plait train's config: the gpt recipe's defaults
 from plait.recipes import validate_config as validate
 
 TP_DROPOUT = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=4", "--model.seq_len=16",

@@ -323,7 +323,58 @@ def _world3(rank: int, world: int, tmp: str) -> dict:
     out["dp_load"] = _load_into_dp(f"{tmp}/sync_saved/ckpt", f"{tmp}/dp")
     # and back: data parallelism's checkpoint (one chunk per tensor) read by the server into its shard
     out["from_dp"] = _train({**BASE, **ps}, f"{tmp}/from_dp", steps=3, load=f"{tmp}/dp/ckpt", load_data=False)
+    # plait train's GPT: sync with one server on 3 ranks, then (last: the group is regrouped) dp=2 on ranks 0-1
+    for name, optim in GPT_OPTIM.items():
+        out[f"gpt_ps_{name}"] = _gpt_run(GPT_SYNC + optim + ["--ps.mode=sync"], f"{tmp}/gpt_ps_{name}")
+    if _regroup(rank, 2):
+        for name, optim in GPT_OPTIM.items():
+            out[f"gpt_dp_{name}"] = _gpt_run(GPT_SYNC + optim + ["--parallel.mode=collective"], f"{tmp}/gpt_dp_{name}")
     return out
+
+
+# plait's GPT as plait train runs it (the gpt recipe's defaults: warmup and cosine schedule, weight decay, clipping
+# at 1.0), 4 layers, d=64, seq 32, global batch 8, fp32, deterministic, 5 steps; and with clipping and decay off
+GPT_SYNC = ["--model.n_layer=4", "--model.d_model=64", "--model.n_head=4", "--model.seq_len=32", "--train.steps=5",
+            "--train.global_batch_size=8", "--train.deterministic=true", "--train.eval_sequences=8",
+            "--train.log_every=1", "--checkpoint.every=0"]
+GPT_OPTIM = {"default": [], "plain": ["--optim.grad_clip=0", "--optim.weight_decay=0"]}
+
+
+def _gpt_run(overrides: list[str], run_dir: str) -> dict | None:
+    """``plait train``'s worker function; a worker returns its metrics and the exported weights (a server
+    nothing)."""
+    from plait.components.export import load_safetensors
+    from plait.config import ModelConfig, MoeConfig
+    from plait.models.gpt import GPT
+
+    summary = _trainer(overrides, run_dir)
+    if "ps_server" in summary:
+        return None
+    metrics = [json.loads(x) for x in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+
+    model = GPT(ModelConfig(n_layer=4, d_model=64, n_head=4, seq_len=32), MoeConfig())
+    load_safetensors(model, Path(run_dir, "model.safetensors"))
+    return {"steps": [(m["loss"], m["grad_norm"], m["lr"]) for m in metrics if "grad_norm" in m],
+            "sd": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def _regroup(rank: int, world: int) -> bool:
+    """Ranks ``0 .. world-1`` leave the spawn's group for a new gloo group of their own (True there); the
+    others leave it and sit out (False)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from plait.runtime.spawn import free_port
+
+    port = torch.tensor([free_port() if rank == 0 else 0])
+    dist.broadcast(port, 0)
+    dist.destroy_process_group()
+    if rank >= world:
+        return False
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(port)}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    return True
 
 
 def _load_into_dp(ckpt: str, run_dir: str) -> dict:
@@ -438,14 +489,32 @@ def test_checkpoint_resume_and_load_into_data_parallel(world3: tuple) -> None:
     _same(ranks[0]["saving"]["sd"], ranks[0]["sync"]["sd"], atol=0.0)  # saving changed nothing
 
 
+def test_sync_equals_all_reduce_on_plaits_gpt(world3: tuple) -> None:
+    """plait train's GPT, 5 steps, sync with one server on 3 ranks against all-reduce dp=2 on 2: per-step loss,
+    gradient norm (the applied update's, the mean gradient's) and learning rate, and the parameters after 5
+    steps, with the recipe's optimizer settings (warmup, weight decay, clipping at 1.0) and with clipping and
+    weight decay off. Tolerance 1e-5 (the server sums the mean in float32 in worker order and clips with a
+    float64 coefficient; observed: 2e-7)."""
+    ranks, _ = world3
+    for name in GPT_OPTIM:
+        for w in (0, 1):
+            ps, dp = ranks[w][f"gpt_ps_{name}"], ranks[w][f"gpt_dp_{name}"]
+            assert len(ps["steps"]) == len(dp["steps"]) == 5
+            for (l1, n1, lr1), (l2, n2, lr2) in zip(ps["steps"], dp["steps"], strict=True):
+                assert (l1, n1, lr1) == pytest.approx((l2, n2, lr2), rel=1e-5, abs=1e-6), name
+            _same(ps["sd"], dp["sd"], atol=1e-5)
+        assert ranks[0][f"gpt_dp_{name}"]["steps"][0][2] < ranks[0][f"gpt_dp_{name}"]["steps"][1][2]  # warming up
+    assert ranks[0]["gpt_dp_default"]["steps"][0][1] > 1.0  # the first step was clipped in the default run
+    assert ranks[2]["gpt_ps_default"] is None
+
+
 def _trainer(overrides: list[str], run_dir: str) -> dict:
     """``plait train``'s worker function (plait.recipes.build_trainer) in this rank; a server returns its figures."""
-    from plait.config import load_config
-    from plait.recipes import train
+    from plait.recipes import load_recipe_config, train
 
     base = ["--parallel.mode=ps", "--train.eval_every=0", "--train.eval_sequences=16", "--train.log_every=2",
             "--checkpoint.every=2", "--observe.progress=false", "--observe.trackers=[]"]
-    return train(load_config(None, base + overrides), __import__("pathlib").Path(run_dir))
+    return train(load_recipe_config(None, base + overrides), __import__("pathlib").Path(run_dir))
 
 
 def _world4(rank: int, world: int, tmp: str) -> dict:
@@ -484,20 +553,7 @@ GPT_ARGS = ["--model.n_layer=1", "--model.d_model=32", "--model.n_head=2", "--mo
 def _all_reduce_dp(rank: int, run_dir: str) -> dict | None:
     """Ranks 0-2 leave the spawn's 4-rank group and train plain plait data parallelism (all-reduce, dp = 3)
     on a 3-rank gloo group with ``THREE``'s global batch; rank 3 sits it out."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from plait.runtime.spawn import free_port
-
-    port = torch.tensor([free_port() if rank == 0 else 0])
-    dist.broadcast(port, 0)
-    dist.destroy_process_group()
-    if rank == 3:
-        return None
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(port)}", rank=rank, world_size=3,
-                            timeout=timedelta(seconds=60))
-    return _train(THREE, run_dir)
+    return _train(THREE, run_dir) if _regroup(rank, 3) else None
 
 
 @pytest.fixture(scope="module")
@@ -524,7 +580,7 @@ def test_two_servers_one_worker_and_other_models(world4: tuple) -> None:
         steps = [m for m in metrics if "loss" in m]
         assert steps and all("ps_push_bytes" in m and "ps_pull_wait_s" in m for m in steps)
         assert "staleness_histogram" in steps[0]["ps"]
-        assert (tmp_path / name / "model.safetensors").is_file()
+        assert (tmp_path / name / "model" / "model.safetensors.index.json").is_file()
         assert ranks[3][name]["ps_server"]["version"] > 0 and ranks[0][name]["steps"] == 4
     # cnn ran backup (b = 1) through the Trainer's gathers, checkpoints and export: every push accounted for
     final = ranks[3]["cnn"]["ps_server"]
@@ -627,7 +683,7 @@ def test_ps_checkpoint_loads_into_one_process_and_plait_sample(world4: tuple, ca
     cfg = load_config(None, GPT_ARGS)
     (tmp / "gpt" / "config.toml").write_text(to_toml(cfg))  # as plait train writes it
     exported, loaded = GPT(cfg.model, cfg.moe), GPT(cfg.model, cfg.moe)
-    load_safetensors(exported, tmp / "gpt" / "model.safetensors")
+    load_safetensors(exported, tmp / "gpt")
     ckpt = latest_checkpoint(tmp / "gpt")
     assert ckpt.name == "step_0000004" and json.loads((ckpt / "meta.json").read_text())["steps"] == 4
     state = {"model": loaded.state_dict()}

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import run_weights
 
 from plait.config import Config, load_config
 from plait.recipes import validate_config as validate
@@ -77,14 +78,13 @@ def test_factory_plugin_and_cnn_recipes_train(tmp_path: Path) -> None:
     assert summary["plugin"]["loss"] == "classification"
     assert summary["cnn"]["loss"] == "classification" and summary["cnn"]["final_val_accuracy"] > 0.8
     assert "val accuracy" in out["cnn"][0]
-    from safetensors.torch import load_file
 
     sys.path.insert(0, str(tmp_path))
     try:
         import mymodels
     finally:
         sys.path.remove(str(tmp_path))
-    mymodels.build(hidden=32).load_state_dict(load_file(str(tmp_path / "factory" / "model.safetensors")), strict=True)
+    mymodels.build(hidden=32).load_state_dict(run_weights(tmp_path / "factory"), strict=True)
 
 
 def test_help_on_every_command_lists_commands_and_keys(tmp_path: Path, capsys) -> None:

@@ -9,7 +9,8 @@ import torch
 from helpers import run_ranks
 
 from plait.components.optim import lr_at
-from plait.config import OptimConfig, load_config
+from plait.config import OptimConfig
+from plait.recipes import load_recipe_config as load_config  # plait train's config: the gpt recipe's defaults
 from plait.recipes import validate_config as validate
 
 TINY = ["--model.n_layer=1", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=16",

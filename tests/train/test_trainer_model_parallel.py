@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_training, run_ranks
-from safetensors.torch import load_file
+from helpers import assert_same_training, run_ranks, run_weights
 
 from plait.config import load_config
 from plait.recipes import validate_config as validate
@@ -87,8 +86,8 @@ def runs(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("variant", ["pp2_then_1", "tp2_then_1", "dp2_tp2_zero3_then_1"])
 def test_checkpoint_reshards_to_one_process(runs: dict, variant: str) -> None:
-    ref = load_file(f"{runs['ref6']}/model.safetensors")
-    got = load_file(f"{runs[variant + '_resumed']}/model.safetensors")
+    ref = run_weights(runs['ref6'])
+    got = run_weights(runs[variant + '_resumed'])
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], atol=5e-5, rtol=0, msg=f"{variant}: {k}")
     # The second half resumed rather than retrained: steps 1-3 were logged by the 2-rank run, 4-6 after it.

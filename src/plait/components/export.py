@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 
@@ -19,7 +19,10 @@ def export_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def load_safetensors(model: nn.Module, path: Path) -> None:
-    """Load exported weights into ``model`` (strict: every name must match)."""
-    state = load_file(str(path))
+    """Load exported weights into ``model`` (strict: every name must match): a ``.safetensors`` file, a Hugging
+    Face directory, or a plait run directory (``plait.components.hf_checkpoint.read_weights``)."""
+    from plait.components.hf_checkpoint import read_weights
+
+    state = read_weights(path)
     model.load_state_dict({k: v.to(torch.get_default_dtype()) if v.is_floating_point() else v
                            for k, v in state.items()})

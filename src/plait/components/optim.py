@@ -109,7 +109,8 @@ def optimizer_recipe(optimizer: torch.optim.Optimizer) -> tuple[type, dict[str, 
 
 def optimizer_factory(model: nn.Module, optimizer: Any, cfg: OptimConfig) -> Callable[[nn.Module], Any]:
     """What ``Plait.setup`` builds the optimizer with, once the layout is applied: the user's factory
-    ``fn(model)`` (checked), an instance without state (rebuilt by parameter name), or plait's AdamW."""
+    ``fn(model)`` or ``fn(params)`` (see ``takes_params``; checked), an instance without state (rebuilt by
+    parameter name), or plait's AdamW."""
     if optimizer is None:
         return lambda m: adamw(single_names(m), cfg)
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -120,13 +121,51 @@ def optimizer_factory(model: nn.Module, optimizer: Any, cfg: OptimConfig) -> Cal
         return _rebuild_by_name(model, optimizer)
     if callable(optimizer):
         return _checked(optimizer)
-    raise OptimizerError(f"optimizer must be a factory fn(model) -> torch.optim.Optimizer, an optimizer without "
-                         f"state, or None; got {type(optimizer).__name__}")
+    raise OptimizerError(f"optimizer must be a factory fn(model) or fn(params) -> torch.optim.Optimizer, an "
+                         f"optimizer without state, or None; got {type(optimizer).__name__}")
 
 
-def _checked(factory: Callable[[nn.Module], Any]) -> Callable[[nn.Module], Any]:
+# A factory's first parameter under one of these names gets the parameters, not the model (DeepSpeed's
+# convention: ``optimizer=lambda params: AdamW(params)``).
+PARAMS_NAMES = frozenset({"params", "parameters", "param_groups", "model_params", "model_parameters"})
+
+
+def takes_params(factory: Callable[..., Any]) -> bool:
+    """Whether ``factory`` is called with the model's trainable parameters rather than the model: its first
+    parameter is named as in ``PARAMS_NAMES``, or annotated as an iterable (not a module). Anything else,
+    and a callable without a signature, gets the model."""
+    try:
+        first = next(iter(inspect.signature(factory).parameters.values()), None)
+    except (TypeError, ValueError):
+        return False
+    if first is None:
+        return False
+    if first.annotation is not inspect.Parameter.empty:
+        note = first.annotation if isinstance(first.annotation, str) else str(first.annotation)
+        if "Module" in note:
+            return False
+        if any(word in note for word in ("Iterable", "Parameter", "Tensor")):
+            return True
+    return first.name in PARAMS_NAMES
+
+
+def _checked(factory: Callable[..., Any]) -> Callable[[nn.Module], Any]:
+    """The user's factory, called with the model, or with its trainable parameters (a list) where
+    ``takes_params`` says so; its result checked."""
+    params = takes_params(factory)
+
     def build(model: nn.Module) -> Any:
-        opt = factory(model)
+        if params:
+            opt = factory([p for p in model.parameters() if p.requires_grad])
+        else:
+            try:
+                opt = factory(model)
+            except TypeError as e:  # a factory over parameters under another name iterated the model
+                raise OptimizerError(
+                    f"the optimizer factory failed when called with the model ({type(e).__name__}: {e}); plait "
+                    f"calls fn(model), or fn(params) with the trainable parameters when the factory's parameter "
+                    f"is named params (lambda params: torch.optim.AdamW(params)) or annotated as an iterable"
+                ) from e
         if not isinstance(opt, torch.optim.Optimizer):
             raise OptimizerError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
         return opt

@@ -9,15 +9,12 @@
         info = p.step()                           # unscale, clip, skip non-finite, step, schedule, zero
     p.save("ckpt", model=model, optimizer=optimizer, dataloader=loader)
 
-It starts the process group itself under ``plait run``, ``torchrun`` or SLURM, and runs as a plain
-single process otherwise. ``Plait`` is a facade: the layout is a strategy chosen from the config
-(``plait.parallel.registry``: data parallelism, ZeRO, FSDP2, tensor, pipeline, expert, a parameter server,
-or one registered by the user) and the engine talks only to its contract (``plait.parallel.strategy``);
-beside it are the accumulation window (``window``), the checkpointer (``checkpointer``), the run's files
-(``run_files``) and its metrics (``metrics``). ``setup`` builds the optimizer after the layout is applied, so
-it holds the parameters the layout trains. The returned model is the user's own object (attribute access
-and ``state_dict()`` keys unchanged); under pipeline parallelism it is split over ranks and
-``forward_backward(model, batch)`` runs a step.
+It starts the process group itself under ``plait run``, ``torchrun`` or SLURM, and runs as one process
+otherwise. ``Plait`` is a facade: the layout is a strategy chosen from the config (``plait.parallel.registry``)
+and the engine talks only to its contract (``plait.parallel.strategy``); beside it are the accumulation window,
+the checkpointer, the run's files and its metrics. ``setup`` builds the optimizer after the layout is applied,
+so it holds the parameters the layout trains. The returned model is the user's own object (attributes and
+``state_dict()`` keys unchanged); under pipeline parallelism ``forward_backward(model, batch)`` runs a step.
 """
 
 from __future__ import annotations
@@ -34,13 +31,15 @@ from torch import nn
 from plait.comm.auto import AutoCompress
 from plait.comm.collectives import comm_from_config
 from plait.comm.watchdog import StepWatchdog
-from plait.components.export import export_safetensors
+from plait.components.hf_checkpoint import DEFAULT_SHARD_BYTES
 from plait.components.losses import Loss, infer_loss, resolve_loss
 from plait.components.optim import optimizer_factory
+from plait.components.rng import RngStream, run_forward_in
 from plait.config import Config
 from plait.data.loader import to_device
 from plait.engine.checkpointer import Checkpointer
 from plait.engine.collectives import SmallCollectives, explained
+from plait.engine.export import export_weights
 from plait.engine.loaders import distributed_loader
 from plait.engine.metrics import MetricsSink
 from plait.engine.run_files import RunFiles
@@ -56,6 +55,7 @@ from plait.observe.prometheus import serve_metrics
 from plait.parallel import registry
 from plait.parallel.apply import ModelSpec
 from plait.parallel.expert import MoeMonitor
+from plait.parallel.meta_init import place
 from plait.parallel.prepare import unwrap_compiled
 from plait.parallel.strategy import PlaitError, RankDone, Strategy, check_loss
 from plait.parallel.tensor import local_value
@@ -91,6 +91,8 @@ class Plait(SmallCollectives):
         self.files = RunFiles(cfg.run.dir, self.rank, self.world_size)
         cfg.run.dir = str(self.files.run_dir)
         self.comm = comm_from_config(cfg.comm, cfg.train.seed, self.rank, self.world_size)
+        # The model's dropout stream (the user's is untouched): one per replica and pipeline stage, tp ranks share one
+        self.rng = RngStream(cfg.train.seed + 7919 * (self.rank // self.topology.degree("tp") + 1), self.device)
         self.preemption = PreemptionFlag()
         self.preemption.install()
         self.watchdog = self._build_watchdog()
@@ -102,7 +104,7 @@ class Plait(SmallCollectives):
         self.checkpointer = Checkpointer(cfg.checkpoint.async_save, self.world_size, self.group, self._saved)
         self.metrics = MetricsSink(self.files.run_dir, cfg, self.is_main)
         self.stepper = Stepper(cfg, self.rank, self.world_size, self.comm, self.watchdog, self.files,
-                               self.preemption, self.group, self.auto, self.finish_saves, self.prometheus)
+                               self.preemption, self.group, self.auto, self.finish_saves, self.prometheus, self.rng)
         self.loss: Loss | None = None
         self._closed = False
 
@@ -199,19 +201,22 @@ class Plait(SmallCollectives):
     def setup(self, model: nn.Module, optimizer: Any = None, scheduler: Callable[[Any], Any] | None = None, *,
               tp_plan: dict[str, Any] | str | None = None, parallelize_fn: Callable | None = None,
               pp_split: list[str] | None = None, stage_fn: Callable | None = None, loss_fn: Any = None,
-              sample: Any = None) -> tuple[nn.Module, Any]:
+              sample: Any = None, weights: str | Path | None = None, init_fn: Callable | None = None
+              ) -> tuple[nn.Module, Any]:
         """Apply the configured layout to ``model`` and build its optimizer; returns ``(model, optimizer)``.
 
-        ``optimizer``: a factory ``fn(model) -> torch.optim.Optimizer`` called with the returned model
-        (the right, possibly sharded, parameters); an optimizer instance that holds no state yet (rebuilt
-        over the same parameters, by name, with its class, groups and hyperparameters); or None for AdamW
-        from ``[optim]``. ``scheduler``: a factory ``fn(optimizer) -> LR scheduler``, stepped once per
-        optimizer step by ``step()``. ``tp_plan`` (patterns -> styles, or "auto") / ``parallelize_fn(model,
-        tp_mesh)`` choose tensor parallelism, ``pp_split`` / ``stage_fn(model, stage_index, num_stages)``
-        the pipeline split; each overrides the config. ``loss_fn`` (a name, a ``plait.losses.Loss`` or
-        ``fn(output, target)``) is what ``forward_backward`` and the pipeline's last stage compute;
-        ``sample`` is one micro-batch, used to balance pipeline stages by measured cost.
-        """
+        ``optimizer``: a factory ``fn(model) -> torch.optim.Optimizer`` called with the returned model (the
+        right, possibly sharded, parameters), or ``fn(params)`` with its trainable parameters when the factory's
+        parameter is named ``params`` (``plait.components.optim.takes_params``); an optimizer instance holding
+        no state yet (rebuilt over the same parameters by name, with its class, groups and hyperparameters); or
+        None for AdamW from ``[optim]``. ``scheduler``: a factory ``fn(optimizer) -> LR scheduler``, stepped by
+        ``step()``. ``tp_plan`` (patterns -> styles, or "auto") / ``parallelize_fn(model, tp_mesh)`` choose
+        tensor parallelism, ``pp_split`` / ``stage_fn(model, stage_index, num_stages)`` the pipeline split;
+        each overrides the config. ``loss_fn`` (a name, a ``plait.losses.Loss`` or ``fn(output, target)``) is
+        what ``forward_backward`` and the pipeline's last stage compute; ``sample``: one micro-batch, to
+        balance pipeline stages by measured cost. ``model`` may be on the meta device: each rank allocates only
+        its part. ``weights``: a Hugging Face checkpoint (directory or file) or a plait run directory, read
+        shard by shard; without it a meta model is initialised per module, by ``init_fn(module)`` if given."""
         check_setup_args(self.strategy, model, scheduler)
         self.phase("setup")
         model, compiled = unwrap_compiled(model)
@@ -223,21 +228,22 @@ class Plait(SmallCollectives):
                          loss=self.loss, sample=self.to_device(sample) if sample is not None else None)
         moe = moe_layers(model)  # the whole model's, the same on every rank (a pipeline stage keeps some)
         meter = SetupMeter(self.device).start()  # this rank's peak memory of setup, reported with the prediction
-        self.stepper.strategy = strategy = registry.build(self._strategy_cls, model.to(self.device), self.topology,
-                                                          self.config, self.comm, spec)
-        if moe:
-            self.stepper.moe = MoeMonitor(strategy.model, self.topology, self.comm, self.config.train.log_every,
-                                          bias=any(layer.balance == "bias" for layer in moe))
-        opt = strategy.build_optimizer(factory)
+        with self.rng.active():  # what setup draws (a pipeline stage's cost measurement) is plait's, not the user's
+            self.stepper.strategy = strategy = registry.build(self._strategy_cls, place(model, self.device),
+                                                              self.topology, self.config, self.comm, spec)
+            strategy.prepare_weights(weights, init_fn, self.config.train.seed, self.group)
+            if moe:
+                self.stepper.moe = MoeMonitor(strategy.model, self.topology, self.comm, self.config.train.log_every,
+                                              bias=any(layer.balance == "bias" for layer in moe))
+            opt = strategy.build_optimizer(factory)
         strategy.setup_memory = meter.stop()
         self._start(strategy)
         if scheduler is not None:
             self.stepper.scheduler = scheduler(strategy.scheduler_target())
         strategy.wrap_forward(self.device, compiled)
+        if self.model_whole:  # the user's model(...) draws its dropout masks from plait's stream
+            run_forward_in(strategy.model, self.rng)
         strategy.set_sync(self.accumulation == 1)  # DDP arms its reducer in the next forward
-        # Dropout streams per model replica and pipeline stage; tensor-parallel ranks (tp is the innermost
-        # axis) share one, so replicated activations get one mask.
-        torch.manual_seed(self.config.train.seed + 7919 * (self.rank // self.topology.degree("tp") + 1))
         self.watchdog.kinds = strategy.describe()
         self.stepper.start_step()
         return strategy.model, opt
@@ -262,23 +268,20 @@ class Plait(SmallCollectives):
         ``train.micro_batch_size``): a deterministic, resumable loader (``plait.data.loader``).
 
         ``data`` is a map-style data set (a Hugging Face ``datasets.Dataset`` too) or a DataLoader (whose
-        data set, collate function and worker settings are kept); an iterable data set (Hugging Face or
-        torch), a ``StatefulDataLoader``, plait's streamed documents or a plain iterable are read through
-        ``plait.data.resumable.loader_for`` (sharded over data-parallel ranks, per-rank state). A DataLoader
-        whose sampler is already rank-aware (``DistributedSampler``) is returned as it is. Training
+        data set, batch size, collate function and worker settings are kept); an iterable data set (Hugging
+        Face or torch), a ``StatefulDataLoader``, plait's streamed documents or a plain iterable are read
+        through ``plait.data.resumable.loader_for`` (sharded over data-parallel ranks, per-rank state). A
+        DataLoader whose sampler is already rank-aware (``DistributedSampler``) is returned as it is. Training
         (``shuffle=True``) yields whole global batches of ``batch_size x dp x accumulation`` samples, each
         data-parallel rank a disjoint share; ``shuffle=False`` is for evaluation: every sample once (but at
         most dp-1), the same number of batches on every rank. A ``batch_size`` other than the config's changes
-        the accumulation so the global batch stays.
-        """
+        the accumulation so the global batch stays."""
         if data is None:
             raise PlaitError("setup_dataloader() got None; pass a data set or a DataLoader")
         loader, batch_size, accumulation = distributed_loader(
             data, batch_size, self.config, self.topology, collate_fn=collate_fn, shuffle=shuffle,
             drop_last=drop_last, seed=seed, **dataloader_kwargs)
-        if accumulation is not None and accumulation != self.accumulation:
-            self.logger.info("batch size %d per rank: %d accumulation micro-steps per optimizer step", batch_size,
-                             accumulation)
+        if accumulation is not None:  # the first micro-step logs it (plait.engine.stepper.Stepper.announce)
             self.window.accumulation = accumulation
         return loader
 
@@ -379,7 +382,8 @@ class Plait(SmallCollectives):
         shared = self.stepper.run_state(scheduler, dataloader)
         meta = {"extra": extra or {}, "world_size": self.world_size, "dp": self.dp,
                 "layout": strategy.describe() or "single process", "steps": self.steps}
-        return self.checkpointer.save(Path(path), strategy, meta, self.rank, {"comm": self.comm.state_dict()},
+        rank_state = {"comm": self.comm.state_dict(), "rng": self.rng.state_dict()}
+        return self.checkpointer.save(Path(path), strategy, meta, self.rank, rank_state,
                                       shared, self.steps, on_complete, self.is_main)
 
     def finish_saves(self) -> None:
@@ -410,8 +414,10 @@ class Plait(SmallCollectives):
                                                                       self.world_size, check)
         self.stepper.restore(shared, scheduler, dataloader, path)
         strategy.finish_load()
-        if rank_state is not None:  # compressor residuals: the resumed run continues exactly
+        if rank_state is not None:  # compressor residuals and the model's stream: the resumed run continues exactly
             self.comm.load_state_dict(rank_state["comm"])
+            if "rng" in rank_state:
+                self.rng.load_state_dict(rank_state["rng"])
         elif not same_world:
             self.logger.info("checkpoint saved at world size %s, loading at %d: per-rank RNG and compressor "
                              "residuals start fresh", meta.get("world_size"), self.world_size)
@@ -438,14 +444,10 @@ class Plait(SmallCollectives):
         self.phase("export")
         return {k: v.detach().cpu() for k, v in strategy.full_model_state(rank0_only).items()}
 
-    def export(self, model: nn.Module | None, path: str | Path) -> Path:
-        """Write the full weights as safetensors at ``path`` (rank 0 writes; every rank calls it)."""
-        full = self.full_state_dict(model, rank0_only=True)
-        if self.is_main:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            export_safetensors(full, Path(path))
-        self.barrier()
-        return Path(path)
+    def export(self, model: nn.Module | None, path: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+        """Write the weights under the single-process names (every rank calls it): ``*.safetensors`` is one file on
+        rank 0; any other path a Hugging Face directory written shard by shard (``plait.parallel.weights``)."""
+        return export_weights(self, model, Path(path), max_shard_bytes)
 
     # -- metrics -----------------------------------------------------------------------------------
     def log(self, record: dict[str, Any], step: int | None = None) -> None:

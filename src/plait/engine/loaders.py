@@ -32,7 +32,7 @@ def distributed_loader(data: Any, batch_size: int | None, config: Config, topo: 
     if isinstance(data, DataLoader):
         if is_rank_aware(data):
             get_logger(topo.rank).info("the DataLoader's sampler is already rank-aware: used as it is (not resumable)")
-            return data, data.batch_size, None
+            return data, data.batch_size, _own_accumulation(data.batch_size, config, topo) if shuffle else None
         collate_fn = collate_fn or data.collate_fn
         for key in LOADER_SETTINGS:  # the DataLoader's worker settings, where the caller did not give them
             if key not in kwargs and hasattr(data, key) and not (key == "prefetch_factor" and data.num_workers == 0):
@@ -55,3 +55,18 @@ def distributed_loader(data: Any, batch_size: int | None, config: Config, topo: 
                                seed=t.seed if seed is None else seed, shuffle=shuffle,
                                drop_last=shuffle if drop_last is None else drop_last, collate_fn=collate_fn, **kwargs)
     return (loader if topo.device.type == "cpu" else DeviceLoader(loader, topo.device)), batch_size, accumulation
+
+
+def _own_accumulation(batch_size: int | None, config: Config, topo: Topology) -> int | None:
+    """The accumulation a rank-aware loader's own batch size implies (None when it has none or it does not
+    divide the global batch: then the config's stays, and the mismatch is named)."""
+    t = config.train
+    if not batch_size:
+        return None
+    if t.global_batch_size % (batch_size * topo.dp):
+        get_logger(topo.rank).warning(
+            "the rank-aware DataLoader's batch_size=%d x dp=%d does not divide train.global_batch_size=%d: each "
+            "optimizer step still takes %d micro-steps of it", batch_size, topo.dp, t.global_batch_size,
+            config.grad_accum)
+        return None
+    return t.global_batch_size // (batch_size * topo.dp)

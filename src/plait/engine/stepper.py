@@ -5,6 +5,7 @@ the loss and on a stop request."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ from plait.comm.collectives import Comm, CommStats
 from plait.comm.watchdog import StepWatchdog
 from plait.components.optim import hyperparameters, set_hyperparameters
 from plait.components.precision import LossScaler
+from plait.components.rng import RngStream
 from plait.config import Config
 from plait.data.resumable import checkpoint_state
 from plait.engine.run_files import RunFiles
@@ -45,12 +47,13 @@ class Stepper:
 
     def __init__(self, config: Config, rank: int, world_size: int, comm: Comm, watchdog: StepWatchdog,
                  files: RunFiles, preemption: PreemptionFlag, group: Any, auto: AutoCompress | None,
-                 at_boundary: Callable[[], None], prometheus: Any = None) -> None:
+                 at_boundary: Callable[[], None], prometheus: Any = None, rng: RngStream | None = None) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.comm, self.watchdog, self.files, self.preemption, self.group, self.auto = (
             comm, watchdog, files, preemption, group, auto)
         self.at_boundary = at_boundary  # work due at every step boundary (completing an asynchronous save)
         self.prometheus = prometheus  # this rank's Prometheus exporter (None: off)
+        self.rng = rng  # the model's random stream (plait.components.rng): forward_backward draws from it
         self.logger = get_logger(rank)
         self.window = AccumulationWindow(config.grad_accum)
         self.scaler = LossScaler(enabled=config.train.precision == "fp16")
@@ -66,6 +69,7 @@ class Stepper:
         self._counter: TorchCollectiveCounter | None = None
         self._torch_bytes: int | None = None
         self.in_window = False
+        self.announced: int | None = None  # the accumulation last logged
 
     # -- micro-steps ---------------------------------------------------------------------------------
     def enter_window(self) -> None:
@@ -77,8 +81,20 @@ class Stepper:
     def begin_micro(self) -> float:
         """Bookkeeping before a micro-step's backward; returns the loss's scale (loss scale / accumulation)."""
         self.enter_window()
+        self.announce()
         self.strategy.set_sync(self.window.begin())
         return self.scaler.scale / self.window.accumulation
+
+    def announce(self) -> None:
+        """Log the accumulation the steps run with, once (again only if a new loader changes it): it comes from
+        ``train.micro_batch_size`` or the batch size of the loader ``setup_dataloader`` made, never unseen."""
+        n = self.window.accumulation
+        if self.announced == n:
+            return
+        self.announced = n
+        t, dp = self.config.train, self.strategy.topo.dp
+        self.logger.info("global batch %d = %d samples per micro-step x dp %d x %d micro-step%s per optimizer step",
+                         t.global_batch_size, t.global_batch_size // (dp * n), dp, n, "" if n == 1 else "s")
 
     def end_micro(self, loss: torch.Tensor) -> None:
         self.window.end(loss)
@@ -106,7 +122,7 @@ class Stepper:
     def forward_backward(self, model: Any, batch: Any, loss: Any, num_samples: int | None) -> torch.Tensor:
         """Forward, loss and backward of one micro-batch through the strategy; returns the loss, detached."""
         self.enter_window()
-        with self.strategy.context():
+        with self.strategy.context(), self.rng.active() if self.rng is not None else contextlib.nullcontext():
             scale = self.begin_micro() * self.weight(num_samples)
             before: Callable[[float], None] | None = self.moe.set_grad_scale if self.moe is not None else None
             value = self.strategy.forward_backward(model, batch, loss, scale, before, self.window.times)

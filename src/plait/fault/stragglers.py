@@ -4,8 +4,8 @@ In synchronous training every rank's step time is the slowest rank's (the others
 all-reduce), so the slow rank shows in its own work time: data loading + forward + backward
 (``rank_data_s``, ``rank_compute_s``, gathered by the trainer at log steps). Each rank's ratio to the
 median rank is smoothed (exponential moving average, weight ``alpha`` on the newest) into a score; a
-rank whose score exceeds ``factor`` at ``persist`` logged steps in a row is named a straggler (a rank the
-operating system delayed once is not).
+rank whose ratio exceeds ``factor`` at ``persist`` logged steps in a row, and whose score does too, is named a
+straggler (a rank the operating system delayed once is not, however long the delay).
 """
 
 from __future__ import annotations
@@ -27,5 +27,8 @@ class StragglerScore:
             self.scores, self.above = ratios, [0] * len(ratios)
         else:
             self.scores = [self.alpha * r + (1 - self.alpha) * s for r, s in zip(ratios, self.scores, strict=True)]
-        self.above = [a + 1 if s > self.factor else 0 for a, s in zip(self.above, self.scores, strict=True)]
-        return [r for r, a in enumerate(self.above) if a >= self.persist]
+        # persistence counts the raw ratios: one long delay lifts the smoothed score for several steps, but it
+        # is one step above the factor, not ``persist``
+        self.above = [a + 1 if r > self.factor else 0 for a, r in zip(self.above, ratios, strict=True)]
+        return [r for r, (a, s) in enumerate(zip(self.above, self.scores, strict=True))
+                if a >= self.persist and s > self.factor]

@@ -16,9 +16,12 @@ from typing import Any
 from torch import nn
 
 from plait.config import ParallelConfig, TrainConfig
+from plait.nn.moe import moe_layers
 from plait.parallel.checkpointing import apply_activation_checkpointing
 from plait.parallel.compile import compile_blocks
 from plait.parallel.expert import shard_experts
+from plait.parallel.hf_moe import check_hf_experts, check_pipeline_router_loss, shard_hf_experts
+from plait.parallel.hf_tp import hf_tp_function
 from plait.parallel.pipeline_split import pipeline_adapter, split_by_names
 from plait.parallel.plans import plan_for
 from plait.parallel.tensor import hf_plan, resolve_tp, validate_plan
@@ -47,6 +50,10 @@ class ModelSpec:
 def _tp_function(model: nn.Module, p: ParallelConfig, spec: ModelSpec) -> Callable[[nn.Module, Any], nn.Module]:
     plan = plan_for(model)
     registered = plan.parallelize if plan is not None else None
+    if spec.parallelize_fn is None and registered is None:  # a Hugging Face plan, as transformers means it
+        hf = hf_tp_function(model, spec.tp_plan, p.ep > 1)
+        if hf is not None:
+            return hf
     return resolve_tp(model, spec.tp_plan, spec.parallelize_fn,
                       (lambda m, mesh: registered(m, mesh, p)) if registered is not None else None)
 
@@ -57,13 +64,20 @@ def check_model(model: nn.Module, topo: Topology, p: ParallelConfig, spec: Model
     the named split points are layers, every stage gets one). Raises a ``ConfigError`` subclass; every rank
     raises the same one, before any collective."""
     tp, pp = topo.degree("tp"), topo.degree("pp")
+    if topo.ep > 1 and not moe_layers(model):  # a Hugging Face MoE model: its blocks recognised, or an error
+        check_hf_experts(model, topo.ep, p)
     if tp > 1 and spec.parallelize_fn is None:
-        _tp_function(model, p, spec)  # raises when no plan applies
+        fn = _tp_function(model, p, spec)  # raises when no plan applies
         plan = spec.tp_plan if isinstance(spec.tp_plan, dict) else None
-        if plan is None and not _registered(model):
-            plan = hf_plan(model)
-        if plan:
-            validate_plan(model, plan, tp)
+        if hasattr(fn, "check"):
+            fn.check(model, tp)
+        else:
+            if plan is None and not _registered(model):
+                plan = hf_plan(model)
+            if plan:
+                validate_plan(model, plan, tp)
+    if pp > 1:
+        check_pipeline_router_loss(model)
     if pp > 1 and spec.stage_fn is None:
         stages = pp * (p.pp_virtual_stages or NATURAL_VIRTUAL.get(p.pp_schedule, 1))
         names = pipeline_adapter(model).layer_names(model)
@@ -90,7 +104,8 @@ def compose_model(model: nn.Module, topo: Topology, p: ParallelConfig, t: TrainC
     if topo.degree("tp") > 1:
         model = _tp_function(model, p, spec)(model, topo.mesh["tp"])
     if topo.ep > 1:  # this rank's slice of the experts; the expert-parallel wrapper reduces their gradients
-        shard_experts(model, topo.ep, topo.coord("ep"), topo.ep_group, dispatcher)
+        shard = shard_experts if moe_layers(model) else shard_hf_experts  # plait's MoE, or Hugging Face blocks
+        shard(model, topo.ep, topo.coord("ep"), topo.ep_group, dispatcher)
     model = apply_activation_checkpointing(model, t.activation_checkpointing, t.checkpoint_every_k)
     if t.compile:
         compile_blocks(model, backend=t.compile_backend)

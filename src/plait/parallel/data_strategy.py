@@ -232,6 +232,7 @@ class Fsdp(BatchNormAveraging, Strategy):
     priority = 10
     torch_collectives = True
     shards_gradients = True
+    shards_meta = True
 
     @classmethod
     def applies(cls, p: ParallelConfig) -> bool:

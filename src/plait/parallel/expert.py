@@ -184,24 +184,33 @@ def shard_experts(model: nn.Module, ep: int, ep_rank: int, group: dist.ProcessGr
     return params
 
 
+def _expert_modules(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
+    """Each module holding expert-parallel parameters itself (plait's ``GroupedExperts``, a Hugging Face
+    experts module), with those parameters' names."""
+    out = []
+    for m in model.modules():
+        names = [n for n, q in m.named_parameters(recurse=False) if is_expert(q)]
+        if names:
+            out.append((m, names))
+    return out
+
+
 def fsdp_shard_experts(model: nn.Module, topo: Any, *, param_dtype: torch.dtype | None = None,
                        reshard_after_forward: bool = True) -> None:
-    """ZeRO-3 for the experts: each MoE layer's local experts become an FSDP2 unit over the
-    expert-data-parallel ranks (the ``dp / ep`` ranks holding the same experts), every weight sharded on
-    its dim 1 (``C`` of ``w1``, ``H`` of ``w2``; dim 0, the expert index, is already split over ``ep``),
-    the reduce-scatter divided by the whole data-parallel degree ``dp``. Call before the dense FSDP units
-    are built (they then leave these parameters to the nested unit)."""
+    """ZeRO-3 for the experts: each module of local experts (plait's ``GroupedExperts``, a Hugging Face
+    experts module) becomes an FSDP2 unit over the expert-data-parallel ranks (the ``dp / ep`` ranks holding
+    the same experts), every weight sharded on its dim 1 (``C`` of ``w1``, ``H`` of ``w2``; dim 0, the expert
+    index, is already split over ``ep``), the reduce-scatter divided by the whole data-parallel degree ``dp``.
+    Call before the dense FSDP units are built (they then leave these parameters to the nested unit)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
 
     mesh = topo.mesh["dp_replicate"]
     n = mesh.size()
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for layer in moe_layers(model):
-        ex = layer.experts
-        shapes = {name: getattr(getattr(ex, name), "global_shape", tuple(getattr(ex, name).shape))
-                  for name in ("w1", "w2")}
-        for name in ("w1", "w2"):
+    for ex, names in _expert_modules(model):
+        shapes = {name: getattr(getattr(ex, name), "global_shape", tuple(getattr(ex, name).shape)) for name in names}
+        for name in names:
             size = getattr(ex, name).size(1)
             if size % n:
                 raise ExpertParallelError(
@@ -214,7 +223,7 @@ def fsdp_shard_experts(model: nn.Module, topo: Any, *, param_dtype: torch.dtype 
         # where the fused PREMUL_SUM FSDP2 would otherwise pick does not exist
         ex.set_force_sum_reduction_for_comms(True)
         ex.set_gradient_divide_factor(float(topo.dp))
-        for name in ("w1", "w2"):  # FSDP made new parameters: mark them again
+        for name in names:  # FSDP made new parameters: mark them again
             q = getattr(ex, name)
             setattr(q, EXPERT_ATTR, True)
             q.global_shape = shapes[name]

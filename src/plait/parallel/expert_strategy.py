@@ -254,6 +254,15 @@ class ExpertParallel(Wrapper):
                                            for k, v in st.items()}
         return model_sd, optim_sd
 
+    def model_entries(self) -> dict[str, torch.Tensor]:
+        """The inner layout's entries with each expert weight as a DTensor of the global ``(E, ...)`` tensor
+        over this rank's storage: a checkpoint's expert tensor is read by the slice this rank holds."""
+        entries = self.inner.model_entries()
+        for name, p in self._param_names().items():
+            if name in entries:
+                entries[name] = self._to_dtensor(entries[name], p)
+        return entries
+
     def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
         names = self._param_names()
 

@@ -3,7 +3,9 @@
 Each of the model's repeated blocks (``plait.parallel.units.find_blocks``: plait's GPT's ``blocks``, a
 Hugging Face model's decoder layers) becomes its own FSDP unit (its parameters are all-gathered just
 before the block runs and freed after, so at most about one block is unsharded at a time), and the
-root unit holds the rest: embeddings, final norm and the head. A head tied to the embedding belongs to
+root unit holds the rest: embeddings, final norm and the head. A block's outputs that are views (T5's
+relative position bias) are handed on as copies (``_copy_view_outputs``), so FSDP2's pre-backward hook on
+them cannot be lost to an in-place op. A head tied to the embedding belongs to
 the root unit with it, so the one shared parameter is sharded once and its gradient gets both
 contributions before the reduce-scatter. Tying must happen before this call; FSDP2 replaces
 parameters with DTensors and the tie survives because both modules hold the same Parameter object. A
@@ -28,11 +30,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from plait.parallel.units import find_blocks
 from plait.parallel.zero import ZeroConfigError
@@ -84,6 +87,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype |
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload_policy = CPUOffloadPolicy() if offload == "params" else OffloadPolicy()
     for block in blocks if blocks is not None else [m for _, m in find_blocks(model)]:
+        block.register_forward_hook(_copy_view_outputs)  # before fully_shard's own: it runs first
         fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload_policy,
                     reshard_after_forward=reshard_after_forward, ignored_params=ignored_params)
     # The root unit's parameters are needed first in backward too (the tied head): never reshard the
@@ -91,6 +95,23 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype |
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload_policy,
                 reshard_after_forward=False, ignored_params=ignored_params)
     return model
+
+
+def _copy_view_outputs(module: nn.Module, args: Any, output: Any) -> Any:
+    """A unit's outputs that are views, as copies (None: the outputs unchanged, where there is none).
+
+    FSDP2 hooks every output of a unit that requires grad, so that the gradient flowing back into it
+    all-gathers the unit's parameters first; an in-place op on an output that is a view would drop that hook,
+    so torch warns for each view ("FSDP2-wrapped module returned a view tensor"). A T5Block returns such a
+    view beside its hidden states: the relative position bias (a permute of the bias embedding, computed by
+    the first block and passed on by the others). A copy keeps the hook whatever the caller does with it, at
+    the cost of one copy of that tensor per block."""
+    def hooked_view(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t._base is not None and t.requires_grad
+
+    if not torch.is_grad_enabled() or not any(hooked_view(t) for t in tree_leaves(output)):
+        return None
+    return tree_map_only(torch.Tensor, lambda t: t.clone() if hooked_view(t) else t, output)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:

@@ -99,13 +99,11 @@ def _causal_mask(config: Any, embeds: torch.Tensor, position_ids: torch.Tensor) 
     implementation applies causality itself)."""
     from transformers.masking_utils import create_causal_mask
 
-    params = inspect.signature(create_causal_mask).parameters
-    kwargs: dict[str, Any] = {"config": config, "attention_mask": None, "past_key_values": None,
-                              "position_ids": position_ids}
-    kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = embeds
-    if "cache_position" in params:
-        kwargs["cache_position"] = position_ids[0]
-    return create_causal_mask(**kwargs)
+    # The cache argument (None: no cache) is named past_key_values up to transformers 5.2x and cache after
+    # (where the old name is deprecated); the signature says which this one takes.
+    cache = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+    return create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=None, position_ids=position_ids,
+                              **{cache: None})
 
 
 class HFDecoderPipeline:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from plait.parallel.apply import ModelSpec
 from plait.parallel.data import GradReducer, LocalGrads, local_grad
 from plait.parallel.data_strategy import ReducerSync
 from plait.parallel.strategy import Strategy, register_strategy
+from plait.parallel.strided import StridedLoadPlanner, StridedSavePlanner, is_strided, strided_entries
 from plait.parallel.tensor import full_state_dict, loss_context
 from plait.topology import Topology
 
@@ -115,7 +117,17 @@ class ModelParallel(ReducerSync, Strategy):
             if name in state:  # a tied parameter's copy on the same rank as the original: saved once
                 continue
             state[name] = self.optimizer.state[p]
-        return self.model_state(), {"state": state}
+        # packed expert weights split over tp (``_StridedShard``) go to DCP as boxes: plait.parallel.strided
+        return strided_entries(self.model_state()), {"state": {k: strided_entries(st) for k, st in state.items()}}
+
+    def _strided(self) -> bool:
+        return any(is_strided(p) for _, p in self.named)
+
+    def save_planner(self) -> Any:
+        return StridedSavePlanner() if self._strided() else None
+
+    def load_planner(self) -> Any:
+        return StridedLoadPlanner() if self._strided() else None
 
     def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
         """DCP loaded in place into the tensors ``state_dicts`` handed out. Where one rank holds several
@@ -182,6 +194,7 @@ class TensorFsdp(Tensor):
     name = "tensor_fsdp"
     priority = 50
     shards_gradients = True
+    shards_meta = True
 
     @classmethod
     def applies(cls, p: ParallelConfig) -> bool:

@@ -227,12 +227,27 @@ def _stage_ranges(model: nn.Module, adapter: PipelineAdapter, num_stages: int, s
     return names, partition_layers(costs.blocks, num_stages, first_cost=costs.embed, last_cost=costs.head)
 
 
+def _make_schedule(schedule: str, stages: list[PipelineStage], virtual: int, microbatches: int,
+                   loss_fn: Callable[[object, object], torch.Tensor] | None, scale_grads: bool) -> object:
+    """torch's schedule object over this rank's stages (default loss: next-token cross-entropy)."""
+    from plait.components.losses import CausalLMLoss
+
+    cls = SCHEDULES[schedule]
+    loss_fn = loss_fn or CausalLMLoss().loss
+    # scale_grads=False: the loss function divides by the micro-batch count itself. The schedule's own
+    # scaling divides every accumulated gradient of the stage, including earlier accumulation steps'.
+    if virtual == 1 and schedule in ("gpipe", "1f1b"):
+        return cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+    return cls(stages, microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+
+
 def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, schedule: str, microbatches: int,
                    virtual_stages_per_rank: int | None = None, loss_fn: Callable[[object, object], torch.Tensor] | None
                    = None, costs: LayerCosts | None = None, scale_grads: bool = True,
                    adapter: PipelineAdapter | None = None, split: list[str] | None = None,
                    stage_fn: Callable[[nn.Module, int, int], nn.Module] | None = None,
-                   prepare_stage: Callable[[nn.Module], nn.Module] | None = None) -> PipelineRunner:
+                   prepare_stage: Callable[[nn.Module], nn.Module] | None = None,
+                   device: torch.device | None = None) -> PipelineRunner:
     """Split ``model`` (tensor-parallel already, or not) into this rank's pipeline stages.
 
     Consumes ``model``: its modules move into the stage modules (the unowned ones are dropped), so do
@@ -243,11 +258,10 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
     micro-batch losses (for callers that accumulate over several steps and scale the loss themselves).
     ``virtual_stages_per_rank`` defaults to the schedule's natural value (1 for gpipe/1f1b, 2 for
     interleaved/zbv). ``prepare_stage(module)`` (FSDP2's sharding) may replace a stage module's parameters before
-    it becomes a ``PipelineStage``. Every rank must pass the same arguments. Raises ``PipelineConfigError`` for an
-    unknown schedule, more stages than layers, a bad split, a model no adapter can split, or too few
-    micro-batches for the interleaved and zbv schedules."""
-    from plait.components.losses import CausalLMLoss
-
+    it becomes a ``PipelineStage``. ``device``: the stages' device, for a model still on the meta device. Every
+    rank must pass the same arguments. Raises ``PipelineConfigError`` for an unknown schedule, more stages than
+    layers, a bad split, a model no adapter can split, or too few micro-batches for the interleaved and zbv
+    schedules."""
     group = _as_group(pp)
     num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     virtual = virtual_stages_per_rank or NATURAL_VIRTUAL.get(schedule, 1)
@@ -257,7 +271,8 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
     names, ranges = _stage_ranges(model, adapter, num_stages, split, costs)
     owner = stage_ranks(num_ranks, num_stages, "v" if schedule == "zbv" else "loop")
     mine = [s for s in range(num_stages) if owner[s] == rank]
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    # the stages' device: the model's, or ``device`` for a model still on the meta device
+    device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
     loss_parallel = uses_loss_parallel(model)
     built, ties, copies = _build_stages(model, adapter, names, ranges, num_stages, mine, prepare_stage)
     tie_group = None
@@ -273,13 +288,7 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
     for tie in ties:
         tie.params = [held[i] for i in sorted(tie.ids) if i in held]
     _drop_unowned(model, modules)
-    cls = SCHEDULES[schedule]
-    loss_fn = loss_fn or CausalLMLoss().loss
-    # scale_grads=False: the loss function divides by the micro-batch count itself. The schedule's own
-    # scaling divides every accumulated gradient of the stage, including earlier accumulation steps'.
-    sched = cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=scale_grads) \
-        if virtual == 1 and schedule in ("gpipe", "1f1b") \
-        else cls(stages, microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+    sched = _make_schedule(schedule, stages, virtual, microbatches, loss_fn, scale_grads)
     runner = PipelineRunner(modules=modules, stages=stages, stage_ids=mine, num_stages=num_stages, schedule=sched,
                             group=group, microbatches=microbatches, virtual_stages=virtual,
                             loss_parallel=loss_parallel, ties=ties, tie_group=tie_group, copy_names=copies,

@@ -29,7 +29,9 @@ from torch import nn
 from plait.comm.collectives import Comm
 from plait.components.precision import autocast
 from plait.config import Config, ConfigError, ParallelConfig
+from plait.observe.log import get_logger
 from plait.parallel.apply import ModelSpec
+from plait.parallel.meta_init import is_meta, materialise
 from plait.parallel.model_parallel import ModelParallel
 from plait.parallel.pipeline import build_pipeline, measure_layer_costs
 from plait.parallel.pipeline_trace import bubble_summary, write_chrome_trace
@@ -89,6 +91,7 @@ class Pipeline(ModelParallel):
     name = "pipeline"
     priority = 40
     model_whole = False
+    shards_meta = True
 
     @classmethod
     def wants_sample(cls, cfg: Config) -> bool:
@@ -121,7 +124,12 @@ class Pipeline(ModelParallel):
         p = cfg.parallel
         loss, sample, split, stage_fn = spec.loss, spec.sample, spec.pp_split, spec.stage_fn
         costs = None
-        if p.pp_balance == "cost" and sample is not None and stage_fn is None and not split:
+        timed = p.pp_balance == "cost" and sample is not None and stage_fn is None and not split
+        if timed and is_meta(model):
+            get_logger(topo.rank).warning("parallel.pp_balance=cost times each layer on a sample, which a model on "
+                                          "the meta device cannot run: stages are split by layer count (pass "
+                                          "pp_split to choose the split)")
+        elif timed:
             args, _, target = loss.split(sample)
             mb = max(1, args[0].size(0) // p.microbatches)
             costs = measure_layer_costs(model, tuple(a[:mb] for a in args), target[:mb], loss=loss.loss, repeats=2)
@@ -131,10 +139,11 @@ class Pipeline(ModelParallel):
         self.runner = build_pipeline(model, topo.mesh["pp"], schedule=p.pp_schedule, microbatches=p.microbatches,
                                      virtual_stages_per_rank=p.pp_virtual_stages or None, loss_fn=self.loss_fn,
                                      costs=costs, scale_grads=False, split=split or None, stage_fn=stage_fn,
-                                     prepare_stage=self.stage_preparation(model))
+                                     prepare_stage=self.stage_preparation(model), device=topo.device)
         self.model = PipelineModel(self.runner)
         self.named = self.runner.named_parameters()
         self.tied_copies = set(self.runner.copy_names)
+        materialise(self.model, topo.device)  # a meta model: this rank's stages only (the reducer needs storage)
         self.init_data_parallel()
 
     # -- the data-parallel composition (plait.parallel.pipeline_zero overrides these) ---------------------

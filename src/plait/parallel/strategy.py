@@ -47,6 +47,7 @@ from plait.components.precision import LossScaler, autocast
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.observe.memory import memory_report
 from plait.parallel.apply import ModelSpec, check_model, compose_model
+from plait.parallel.meta_init import InitFn, ModelFacts, initialise, materialise
 from plait.parallel.prepare import broadcast_weights, route_forward, sync_batchnorm
 from plait.plan.memory import predict_setup_bytes
 from plait.topology import Topology, build_topology, resolve_degrees
@@ -96,6 +97,10 @@ class Strategy:
     # whether the user's model runs whole on each rank (False: it is split over ranks, like a pipeline's,
     # and ``forward_backward`` runs each micro-step; evaluation batches are then kept whole: drop_last)
     model_whole: ClassVar[bool] = True
+    # whether the class takes a model still on the meta device and shards or splits it itself (FSDP2, a
+    # pipeline): ``apply`` then allocates what is left on meta after building it, so each rank allocates only
+    # its part. Otherwise the composed model (after the tensor-parallel plan) is allocated before it.
+    shards_meta: ClassVar[bool] = False
 
     @classmethod
     def wants_sample(cls, cfg: Config) -> bool:
@@ -130,14 +135,23 @@ class Strategy:
         composition order of ``plait.parallel.apply`` (tensor parallel, experts, activation checkpointing,
         compile) and this class built around the result."""
         check_model(model, topo, cfg.parallel, spec)
-        broadcast_weights(model, comm, topo.world_size)
+        facts = ModelFacts.of(model)
+        if not facts.meta:  # a meta model has no weights yet: each rank fills its part (prepare_weights)
+            broadcast_weights(model, comm, topo.world_size)
         if cfg.parallel.sync_batchnorm and topo.dp > 1:
             model = sync_batchnorm(model, topo.dp_group, topo.device)
         model = compose_model(model, topo, cfg.parallel, cfg.train, cfg.moe.dispatcher, spec)
-        return cls(model, cfg, topo, comm, spec)
+        if facts.meta and not cls.shards_meta:
+            materialise(model, topo.device)
+        strategy = cls(model, cfg, topo, comm, spec)
+        if facts.meta:
+            materialise(strategy.model, topo.device)
+        strategy.facts = facts
+        return strategy
 
     # -- the instance --------------------------------------------------------------------------------
     optimizer: Any = None
+    _facts: ModelFacts | None = None
     # what the engine measured of setup on this rank (plait.observe.memory.SetupMeter); ``report`` puts it
     # next to the prediction
     setup_memory: dict[str, Any] | None = None
@@ -259,7 +273,7 @@ class Strategy:
         return norm, finite
 
     def after_step(self) -> None:
-        """After every optimizer step, stepped or skipped (buffers averaged, a parameter server's push)."""
+        """After every optimizer step, stepped or skipped, once the LR scheduler has stepped (buffers averaged)."""
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -316,6 +330,46 @@ class Strategy:
     def finish_load(self) -> None:
         """After a load's collective (a parameter server's workers pull the loaded weights)."""
 
+    # weights of models larger than one process (plait.parallel.weights, plait.parallel.meta_init)
+    @property
+    def facts(self) -> ModelFacts:
+        """What the whole model is (names, shapes, ties), recorded by ``apply`` before the layout."""
+        if self._facts is None:
+            self._facts = ModelFacts.of(self.model)
+        return self._facts
+
+    @facts.setter
+    def facts(self, value: ModelFacts) -> None:
+        self._facts = value
+
+    def model_entries(self) -> dict[str, torch.Tensor]:
+        """This rank's state-dict entries (parameters, persistent buffers) under the single-process model's
+        names: DTensors where sharded; the model's own tensors, so writing into them writes the model."""
+        sd = self.model.state_dict(keep_vars=True)
+        return {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+    def prepare_weights(self, weights: str | Path | None, init_fn: InitFn | None, seed: int, group: Any) -> None:
+        """Fill this rank's part of the model before the optimizer is built: from the checkpoint at ``weights``
+        (each rank reads its own slices; ``group`` is the training ranks'), else, for a model built on the meta
+        device, by ``plait.parallel.meta_init.initialise`` (``init_fn(module)`` or the modules' own init, seeded
+        by ``seed`` and module name). A model built normally keeps its weights."""
+        from plait.parallel.weights import load_weights
+
+        if weights is not None:
+            load_weights(self.facts, self.model_entries(), weights, group, self.facts.kind)
+        elif self.facts.meta:
+            initialise(self.facts, self.model_entries(), seed, init_fn)
+        elif init_fn is not None:
+            raise PlaitError("init_fn initialises a model built on the meta device (under torch.device('meta')); "
+                             "this model has its weights already: drop init_fn, or build it on the meta device")
+
+    def export_weights(self, out: Path, group: Any, coordinator: bool, max_shard_bytes: int) -> Path:
+        """Write the model as a Hugging Face directory (``model-0000k-of-0000n.safetensors``, the index and
+        ``config.json``): every rank writes its own shards; collective over ``group``."""
+        from plait.parallel.weights import export_weights
+
+        return export_weights(self.facts, self.model_entries(), out, group, coordinator, max_shard_bytes)
+
     def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights under the single-process names; every rank calls it. With
         ``rank0_only`` other ranks may get an empty dict (layouts that gather save the memory)."""
@@ -341,11 +395,11 @@ class Strategy:
         data_parallel_only = self.topo.degree("tp") == self.topo.degree("pp") == 1
         t, p = self.topo, self.cfg.parallel
         setup = None
-        if data_parallel_only:  # today's path: the whole model given on every rank
+        if data_parallel_only:  # the whole model given on every rank, or (meta-built) each rank allocating its part
             setup = predict_setup_bytes(sum(q.numel() * q.element_size() for q in unique),
                                         sum(b.numel() * b.element_size() for b in self.model.buffers()),
                                         world=t.world_size, zero=p.zero, dp=t.dp, shard=t.shard_degree,
-                                        bucket_mb=p.bucket_mb)
+                                        bucket_mb=p.bucket_mb, source="shards" if self.facts.meta else "whole")
         # ZeRO shards over the shard group: every data-parallel rank, or dp_shard of them under HSDP
         return {"memory": memory_report(params, p.zero, t.shard_degree, precision, measured or None, device,
                                         predict=data_parallel_only, setup=self.setup_memory, setup_predicted=setup)}

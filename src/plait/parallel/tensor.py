@@ -206,7 +206,30 @@ def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan) -> nn.Modul
                         f"{name}.{pname} is tied to {', '.join(others)}, which the plan does not shard alike; "
                         f"shard both or neither (drop {pattern!r} from the plan, or untie the weights)")
             parallelize_module(module, tp_mesh, style)
+    _retie(model, tied)
     return model
+
+
+def _retie(model: nn.Module, tied: dict[str, list[str]]) -> None:
+    """``parallelize_module`` gives each module its own new DTensor parameter, which unties weights the model
+    shares (a Hugging Face model's ``tie_word_embeddings``): the other names get the first name's parameter
+    again, so the one tensor keeps receiving both uses' gradients. The plan must shard them alike."""
+    done: set[str] = set()
+    for name, others in tied.items():  # in the model's parameter order: the first name of each tie first
+        if name in done:
+            continue
+        done.update([name, *others])
+        first = model.get_parameter(name)
+        for other in others:
+            current = model.get_parameter(other)
+            if current is first:
+                continue
+            if getattr(current, "placements", None) != getattr(first, "placements", None):
+                raise TensorParallelError(f"{name} is tied to {other}, but the plan shards them differently "
+                                          f"({getattr(first, 'placements', 'whole')} and "
+                                          f"{getattr(current, 'placements', 'whole')}); shard both alike or neither")
+            owner, _, attr = other.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, attr, first)
 
 
 def _tied_names(model: nn.Module) -> dict[str, list[str]]:

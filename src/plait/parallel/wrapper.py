@@ -46,6 +46,13 @@ class Wrapper(Strategy):
         return self.inner.optimizers
 
     @property
+    def facts(self) -> Any:
+        return self.inner.facts
+
+    def model_entries(self) -> dict[str, torch.Tensor]:
+        return self.inner.model_entries()
+
+    @property
     def setup_memory(self) -> dict[str, Any] | None:  # type: ignore[override]
         return self.inner.setup_memory
 

@@ -44,7 +44,8 @@ from plait.models.tiny import model_flags, tiny_config
 
 TINY = [*model_flags(tiny_config(seq_len=32)), "--parallel.nproc=2", "--train.global_batch_size=16",
         "--train.micro_batch_size=8", "--train.eval_every=0", "--checkpoint.every=0", "--observe.progress=false",
-        "--observe.trackers=[]", "--train.log_every=1", "--optim.warmup_steps=1"]
+        "--observe.trackers=[]", "--train.log_every=1", "--optim.warmup_steps=1",
+        "--optim.grad_clip=1.0"]  # clipped, as the gpt recipe trains
 WORLD1 = ["--parallel.nproc=1"]  # after TINY's world 2: the later flag wins
 PATHS = {  # constant -> the layout whose residual it carries, in the order they are derived
     "step": WORLD1,

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from plait import recipes
-from plait.config import ConfigError, load_config
+from plait.config import ConfigError
 from plait.runtime.args import split_args
 
 FLAGS = {"--hardware": str, "--nodes": int, "--gpus-per-node": int, "--trace": str, "--compare": str,
@@ -101,10 +101,11 @@ def cmd_calibrate(argv: list[str]) -> int:
 
 
 def _load(config: str | None, overrides: list[str]) -> Any:
-    """The config with ``model.vocab_size = 0`` resolved (the tokenizer's, 256 for bytes), for the model's shape."""
+    """The config with its recipe's defaults (``load_recipe_config``) and ``model.vocab_size = 0`` resolved (the
+    tokenizer's, 256 for bytes), for the model's shape."""
     from plait.data.tokenize import resolve_vocab_size
 
-    cfg = load_config(config, overrides)
+    cfg = recipes.load_recipe_config(config, overrides)
     resolve_vocab_size(cfg)
     return cfg
 
@@ -155,7 +156,7 @@ def cmd_plan_memory(argv: list[str]) -> int:
     m, t, p, lay = cfg.model, cfg.train, cfg.parallel, sim.work.layout
     lines = []
     if not m.factory and m.name == "gpt" and lay.tp == lay.pp == 1:
-        shape = GPTShape(micro_batch=t.micro_batch_size, seq_len=m.seq_len, d_model=m.d_model, n_head=m.n_head,
+        shape = GPTShape(micro_batch=lay.micro_batch_size, seq_len=m.seq_len, d_model=m.d_model, n_head=m.n_head,
                          n_layer=m.n_layer, vocab_size=m.vocab_size)
         lines += [format_memory_table(sim.work.shape.param_count(), dp=lay.dp, stage=p.zero,
                                       dp_shard=lay.shard if lay.hybrid else 0,
@@ -169,17 +170,21 @@ def cmd_plan_memory(argv: list[str]) -> int:
         row = mem.as_dict()
         lines.append(f"{rank:<6}" + "".join(f"{row[k] / mib:>14.3f}" for k in keys))
     if lay.tp == lay.pp == 1:
-        lines += ["", _setup_line(sim.work.shape.param_count(), lay)]
+        lines += ["", _setup_line(sim.work.shape.param_count(), lay, bool(cfg.model.weights))]
     print("\n".join(lines))
     return 0
 
 
-def _setup_line(params: int, lay: Any) -> str:
-    """The peak of setup per rank (``plait.plan.memory.predict_setup_bytes``) for a data-parallel layout."""
+def _setup_line(params: int, lay: Any, from_weights: bool = False) -> str:
+    """The peak of setup per rank (``plait.plan.memory.predict_setup_bytes``) for a data-parallel layout;
+    ``from_weights``: ``model.weights`` is set, so the model is built on the meta device and each rank reads its
+    part (plait's reader reads straight into the shards: no loading transient is counted)."""
     from plait.plan.memory import predict_setup_bytes
 
     setup = predict_setup_bytes(4 * params, 0, world=lay.world, zero=lay.zero, dp=lay.dp, shard=lay.shard,
-                                bucket_mb=lay.bucket_mb)
-    parts = "  ".join(f"{k} {setup[k] / 2**20:.3f}" for k in ("given", "broadcast", "loading", "layout", "peak"))
-    return ("setup peak per rank (the whole model given on every rank, rank 0's weights broadcast; fp32 parameters, "
-            f"buffers not counted; MiB):\n  {parts}")
+                                bucket_mb=lay.bucket_mb, source="shards" if from_weights else "whole")
+    keys = ("given", "allocated", "broadcast", "loading", "layout", "peak")
+    parts = "  ".join(f"{k} {setup[k] / 2**20:.3f}" for k in keys)
+    how = ("built on the meta device, each rank reading its part of model.weights" if from_weights else
+           "the whole model given on every rank, rank 0's weights broadcast")
+    return f"setup peak per rank ({how}; fp32 parameters, buffers not counted; MiB):\n  {parts}"

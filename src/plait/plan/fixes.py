@@ -15,7 +15,9 @@ from plait.config import Config, ConfigError
 from plait.plan.configured import simulate_config
 
 
-def _candidates(cfg: Config, profile: Any, world: int) -> list[tuple[str, Config, int]]:
+def _candidates(cfg: Config, profile: Any, world: int, micro: int) -> list[tuple[str, Config, int]]:
+    """The changes to try, in order; ``micro``: the simulated layout's micro-batch (``train.micro_batch_size``
+    resolved)."""
     out = []
     p, t = cfg.parallel, cfg.train
 
@@ -28,8 +30,8 @@ def _candidates(cfg: Config, profile: Any, world: int) -> list[tuple[str, Config
 
     if t.activation_checkpointing != "full":
         variant("--train.activation_checkpointing=full", train__activation_checkpointing="full")
-    if t.micro_batch_size > 1 and t.micro_batch_size % 2 == 0:
-        variant(f"--train.micro_batch_size={t.micro_batch_size // 2}", train__micro_batch_size=t.micro_batch_size // 2)
+    if micro > 1 and micro % 2 == 0:
+        variant(f"--train.micro_batch_size={micro // 2}", train__micro_batch_size=micro // 2)
     for zero in range(p.zero + 1, 4):
         variant(f"--parallel.zero={zero}", parallel__zero=zero)
     per_node = profile.devices_per_node if profile.kind == "gpu" else world
@@ -48,7 +50,7 @@ def smallest_fix(sim: Any, cfg: Config, profile: Any, models: Any = None) -> str
     head = (f"layout {lay.describe()} needs {worst.total / 2**30:.2f} GiB on its fullest rank (model states "
             f"{worst.model_states / 2**30:.2f}, activations {worst.activations / 2**30:.2f}, buffers "
             f"{worst.buffers / 2**30:.2f}) but {profile.name} has {profile.usable_memory_bytes / 2**30:.2f} GiB usable")
-    for text, candidate, world in _candidates(cfg, profile, lay.world):
+    for text, candidate, world in _candidates(cfg, profile, lay.world, lay.micro_batch_size):
         try:
             nodes = 0
             if world != lay.world and profile.kind == "gpu":

@@ -20,18 +20,19 @@ transient (they live with the activations), so the bf16 row equals the fp32 row;
 bf16 ``param_dtype`` the unsharded bf16 parameters exist only around each block's compute.
 
 Setup (``predict_setup_bytes``): the peak of ``Plait.setup`` on the memory the model lives in, for the
-data-parallel layouts. Setup runs in phases, each freeing its transients before the next, on top of what the
-rank holds when it starts (``given``): the weights are made equal on every rank (``broadcast``: rank 0's
-weights sent as one flat copy per dtype, the whole model again, when the whole model is given on every rank;
-``loading``: a model built on the meta device and read from a checkpoint shard by shard instead, the
-loader's own peak), then the layout is applied (``layout``: plait's reducer and DDP allocate their
-gradient buckets, the size of the parameters; ZeRO-1 its full local gradient buffers (and, for a moment, the
-shard buffers it replaces with views of them); ZeRO-2 one flat bucket beside the parameters moving into it and
-the gradient shards (``/ dp``); ZeRO-3 and HSDP the parameter shards (``/ shard``) while the whole
-parameters are released unit by unit; the parameters moving into ZeRO's flat buffers free their own). So
-``peak = given + max(broadcast, loading, layout)``; the optimizer states appear at the first step, not in
-setup. A process's resident set measured over setup sees ``peak - given`` (``increase``) when freed
-memory is returned to the system, less when the allocator reuses it.
+data-parallel layouts. Setup runs in phases, each freeing its transients before the next, on top of what the rank
+holds when it starts (``given``): the weights are made equal on every rank (``broadcast``: rank 0's weights sent as
+one flat copy per dtype, the whole model again, when the whole model is given on every rank; ``loading``: a model
+built on the meta device and read from a checkpoint shard by shard instead, the loader's own peak, on top of
+``allocated``: what setup allocates for that model, the whole of it on every rank at ZeRO 0-2, its shard (the
+``layout`` term) at ZeRO-3), then the layout is applied (``layout``: plait's reducer and DDP allocate their
+gradient buckets, the size of the parameters; ZeRO-1 its full local gradient buffers (and, for a moment, the shard
+buffers it replaces with views of them); ZeRO-2 one flat bucket beside the parameters moving into it and the
+gradient shards (``/ dp``); ZeRO-3 and HSDP the parameter shards (``/ shard``) while the whole parameters are
+released unit by unit; the parameters moving into ZeRO's flat buffers free their own). So ``peak = given +
+allocated + max(broadcast, loading, layout)``; the optimizer states appear at the first step, not in setup. A
+process's resident set measured over setup sees ``peak - given`` (``increase``) when freed memory is returned to
+the system, less when the allocator reuses it.
 
 The ZeRO paper's accounting (``accounting="paper"``) is also available: mixed-precision Adam holds
 2 Psi bf16 parameters, 2 Psi bf16 gradients and K Psi = 12 Psi of fp32 master weights plus two
@@ -110,7 +111,7 @@ def predict_model_state_bytes(num_params: int, *, stage: int, dp: int, precision
 def predict_setup_bytes(param_bytes: int, buffer_bytes: int, *, world: int, zero: int, dp: int, shard: int,
                         bucket_mb: float = 25.0, source: str = "whole", loading_bytes: int = 0) -> dict[str, int]:
     """Per-rank bytes of ``Plait.setup`` for a data-parallel layout (ZeRO 0-3, HSDP; see the module docstring):
-    keys ``given``, ``broadcast``, ``loading``, ``layout``, ``peak``, ``increase`` (``peak - given``).
+    keys ``given``, ``allocated``, ``broadcast``, ``loading``, ``layout``, ``peak``, ``increase`` (``peak - given``).
 
     ``param_bytes``: the trainable parameters (fp32, whole model); ``buffer_bytes``: its buffers. ``source``:
     ``"whole"`` (the whole model materialised on every rank, rank 0's weights broadcast: today's path) or
@@ -124,6 +125,7 @@ def predict_setup_bytes(param_bytes: int, buffer_bytes: int, *, world: int, zero
     whole = source == "whole"
     given = param_bytes + buffer_bytes if whole else 0
     broadcast = param_bytes + buffer_bytes if whole and world > 1 else 0
+    allocated = param_bytes + buffer_bytes if not whole and zero < 3 else 0  # a meta model, allocated whole
     bucket = min(param_bytes, int(bucket_mb * 2**20))
     if dp < 2 and zero < 3:
         layout = 0  # one data-parallel rank: no gradient buckets, nothing to shard
@@ -135,9 +137,9 @@ def predict_setup_bytes(param_bytes: int, buffer_bytes: int, *, world: int, zero
         layout = bucket + math.ceil((param_bytes - bucket) / dp)
     else:
         layout = math.ceil(param_bytes / max(shard, 1))  # the parameter shards
-    peak = given + max(broadcast, loading_bytes, layout)
-    return {"given": given, "broadcast": broadcast, "loading": loading_bytes, "layout": layout, "peak": peak,
-            "increase": peak - given}
+    peak = given + allocated + max(broadcast, loading_bytes, layout)
+    return {"given": given, "allocated": allocated, "broadcast": broadcast, "loading": loading_bytes,
+            "layout": layout, "peak": peak, "increase": peak - given}
 
 
 def predict_activation_bytes(shape: GPTShape, *, checkpointing: str = "none", k: int = 1,

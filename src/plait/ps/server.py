@@ -159,7 +159,8 @@ class Server:
             s.pull_wait_s += time.perf_counter() - t0
             s.pulled(worker)
             reply = Header(Op.REPLY, worker, self.index, s.version,
-                           clock=min([s.clocks[k] for k in s.active()] or [s.clocks[worker]]))
+                           clock=min([s.clocks[k] for k in s.active()] or [s.clocks[worker]]),
+                           norm_sq=s.applied_norm_sq)
             ch.out_slot()[:s.w.numel()].copy_(s.w)  # the shard as of this version, straight into the frame
         ch.send_framed(reply, filled=s.w.numel())
 

@@ -104,6 +104,7 @@ class ShardState:
         self.applied = self.dropped = self.rejected = self.nonfinite = self.updates = 0
         self.max_clock_gap = 0
         self.max_read_gap = 0
+        self.applied_norm_sq = 0.0  # the last update's squared gradient norm (over every shard; inf: skipped)
         self.busy_s = 0.0
         self.pull_wait_s = 0.0
 
@@ -184,7 +185,7 @@ class ShardState:
         (None) or with none at all advances without a step."""
         if not grads or any(g is None for g in grads):
             # every server takes part in the same all-reduce per version (nothing of this shard: adds 0)
-            self.norm_sum(float("inf") if grads else 0.0)
+            self.applied_norm_sq = self.norm_sum(float("inf") if grads else 0.0)
             self.nonfinite += 1 if grads else 0
             self.version += 1
             return "nonfinite" if grads else "rejected"
@@ -192,7 +193,7 @@ class ShardState:
         for g in grads[1:]:
             mean.add_(g)
         mean.div_(len(grads))
-        total = self.norm_sum(float(mean.double().square().sum()))
+        total = self.applied_norm_sq = self.norm_sum(float(mean.double().square().sum()))
         self._step(self._clip(mean, total), lrs)
         return "applied"
 
@@ -243,6 +244,7 @@ class ShardState:
             return "rejected"
         # Clipped by the norm of the gradient the worker computed (over all shards), then compensated.
         grad = self._clip(grad, norm_sq)
+        self.applied_norm_sq = norm_sq
         if cfg.mode == "dc":
             if self.mean_square is not None:
                 self.mean_square.mul_(DC_MS_MOMENTUM).addcmul_(grad, grad, value=1 - DC_MS_MOMENTUM)

@@ -3,10 +3,14 @@
 Its topology spans the workers only (``plait.ps.roles``): the engine's collectives (logging, evaluation,
 the step agreement in sync modes) run among them, while the servers serve from ``start`` (called by
 ``Plait.setup`` once the optimizer is built) until every worker has finished, then end with ``ServerDone``.
-On a worker, ``Plait.step`` runs: ``clip_grad_norm`` (measures the gradient's norm; the servers clip),
-``step`` (only when the gradient is finite: marks it for pushing), ``after_step`` (PUSH to every
-server, which answers with its parameters when a pull is due; a non-finite gradient is announced
-instead, so no server waits for it). Checkpoints keep every layout's format and are written by the
+On a worker, ``Plait.step`` runs ``clip_and_step``: ``clip_grad_norm`` (measures the gradient's norm; the
+servers clip), ``step`` (only when the gradient is finite: marks it for pushing), then the PUSH to every
+server, with the learning rates of this step (the LR scheduler steps after it), which answers with its
+parameters when a pull is due; a non-finite gradient is announced instead, so no server waits for it. Where
+the workers meet at every step (sync, ssp with staleness 0) the norm ``Plait.step`` reports is the applied
+update's (the mean gradient's, as all-reduce data parallelism reports it; inf when a worker's gradient was
+non-finite and the version advanced without a step), so every worker logs, skips and schedules alike; in the
+other modes it is the worker's own gradient's. Checkpoints keep every layout's format and are written by the
 servers: ``begin_save`` asks every server to join the save (after this worker's last push), then
 workers and servers run ``save_state`` together on a gloo group of every rank, each server writing
 only its own shard's pieces of the parameters and optimizer states, with its version and the clocks,
@@ -19,6 +23,7 @@ state. BatchNorm running statistics are not parameters: each worker keeps its ow
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -163,27 +168,42 @@ class ParameterServer(Strategy):
         return self._local_steps % self.cfg.ps.push_every == 0
 
     def step(self) -> None:
-        """The gradient is finite: it will be pushed (in ``after_step``, which runs either way)."""
+        """The gradient is finite: it will be pushed (by ``clip_and_step``, which pushes either way)."""
         self._pushed = self._push_due() and self._grad is not None
         self.optimizer._opt_called = True  # the servers step it: no LR-scheduler order warning
 
-    def after_step(self) -> None:
+    def clip_and_step(self, max_norm: float, scaler: Any, before_step: Callable[[], None]) -> tuple[float, bool]:
+        """Measure and mark the gradient (the base class's), then push it now: the learning rates sent are
+        this step's, since the engine steps the LR scheduler once this returns. Returns (norm, stepped): the
+        applied update's where the workers meet at every step (see the module docstring), else this
+        worker's own."""
+        norm, finite = super().clip_and_step(max_norm, scaler, before_step)
+        applied = self._push()
+        if applied is not None and self.agreement_group(None)[0]:
+            norm = applied ** 0.5
+            finite = math.isfinite(norm)
+        return norm, finite
+
+    def _push(self) -> float | None:
         """PUSH the gradient (every ``ps.push_every`` steps) with the groups' learning rates, or announce a
         non-finite one (no version waits for it); the servers answer with the parameters when a pull is
-        due (every ``ps.pull_every`` pushes)."""
+        due (every ``ps.pull_every`` pushes). Returns the squared norm of the update the pulled parameters
+        come from (None: nothing pulled)."""
         c = self.client
-        if self._push_due():
-            lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
-            grad = self._grad if self._pushed else None
-            pull = (c.clock + 1) % self.cfg.ps.pull_every == 0
-            norm_sq = float("inf") if grad is None else (
-                self._grad_norm_sq if self._grad_norm_sq is not None else grad_norm_sq(grad))
-            # the replies go straight into the parameters (CPU ones: others take the flat copy)
-            direct = not self.flat.params or self.flat.params[0].device.type == "cpu"
-            params = c.push(grad, norm_sq, lrs, pull=pull, install=direct)
-            if params is not None:
-                self._install(params)
-            self._acc, self._grad, self._pushed = None, None, False
+        if not self._push_due():
+            return None
+        lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        grad = self._grad if self._pushed else None
+        pull = (c.clock + 1) % self.cfg.ps.pull_every == 0
+        norm_sq = float("inf") if grad is None else (
+            self._grad_norm_sq if self._grad_norm_sq is not None else grad_norm_sq(grad))
+        # the replies go straight into the parameters (CPU ones: others take the flat copy)
+        direct = not self.flat.params or self.flat.params[0].device.type == "cpu"
+        params = c.push(grad, norm_sq, lrs, pull=pull, install=direct)
+        if params is not None:
+            self._install(params)
+        self._acc, self._grad, self._pushed = None, None, False
+        return c.applied_norm_sq if pull else None
 
     def zero_grad(self) -> None:
         for p in self.model.parameters():
@@ -285,3 +305,9 @@ class ParameterServer(Strategy):
         """The servers' current parameters (pulled fresh) under the single-process names."""
         self._install(self.client.pull())
         return self.model.state_dict()
+
+    def export_weights(self, out: Path, group: Any, coordinator: bool, max_shard_bytes: int) -> Path:
+        """The servers hold the current weights: pulled fresh into this worker's model, then written as any
+        whole model is (``Strategy.export_weights``)."""
+        self._install(self.client.pull())
+        return super().export_weights(out, group, coordinator, max_shard_bytes)

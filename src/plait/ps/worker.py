@@ -32,6 +32,9 @@ class PsClient:
         self.versions = [0] * len(server_ranks)  # the version of each shard the local parameters hold
         self.clock = 0  # pushes made
         self.reads: list[tuple[int, int, list[int]]] = []  # (clock, min clock seen by server 0, versions) per pull
+        # the squared gradient norm of the update the parameters last pulled come from (sync: the mean gradient's
+        # over every shard, before clipping; inf: that version advanced without a step)
+        self.applied_norm_sq = 0.0
         self.pull_wait_s = self.push_s = 0.0
         self.done = False
 
@@ -84,6 +87,7 @@ class PsClient:
             else:
                 out[lo:hi] = payload
             self.versions[s] = h.version
+            self.applied_norm_sq = h.norm_sq  # the same from every server (summed over them)
             min_clock = min(min_clock, h.clock) if s else h.clock
         self.reads.append((self.clock, min_clock, list(self.versions)))
         self.pull_wait_s += time.perf_counter() - t0

@@ -9,28 +9,31 @@ are called like factories.
 
 A data factory returns the training set, a ``(train, eval)`` pair, or a dict with ``"train"`` and
 ``"eval"``; each a map-style data set (or a DataLoader, used as it is when its sampler is rank-aware).
+
+A registered model may change plait's defaults for the runs that train it (``ModelRecipe.defaults``: the
+``gpt`` and ``cnn`` recipes clip the gradient norm at 1.0, where plait's own default, for a user's loop, is
+no clipping). ``load_recipe_config`` reads a config with them as a layer between plait's defaults and the
+user's file and overrides, so a key the user sets keeps the user's value; ``plait train --help`` shows them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
-from plait.components.losses import import_object
-from plait.config import Config, ConfigError
-from plait.engine import Plait
-from plait.parallel.strategy import RankDone
+from plait.config import Config, ConfigError, load_config
 from plait.recipes import cnn, gpt
-from plait.train.trainer import Trainer
-from plait.validate import validate
+
+if TYPE_CHECKING:  # the registry itself is data: what trains is imported where it is used (plait --help stays light)
+    from torch import nn
+
+    from plait.train.trainer import Trainer
 
 
 @dataclass
@@ -43,6 +46,8 @@ class ModelRecipe:
     loss: str = "auto"
     check: Callable[[Config, dict[str, int]], None] | None = None
     describe: str = ""
+    # {section: {key: value}}: this model's defaults where they differ from plait's (see the module docstring)
+    defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -111,8 +116,34 @@ def model_recipe(cfg: Config) -> ModelRecipe | None:
                       "to package.module:function")
 
 
+def recipe_defaults(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The defaults of the model ``cfg`` names (none for ``model.factory`` or an entry-point model)."""
+    recipe = model_recipe(cfg)
+    return recipe.defaults if recipe is not None else {}
+
+
+def load_recipe_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """``plait.config.load_config`` with the named model's defaults under the file and the overrides: the
+    config ``plait train`` runs."""
+    return load_config(path, overrides, defaults=recipe_defaults)
+
+
+def defaults_by_key() -> dict[str, dict[str, Any]]:
+    """``{"section.key": {"recipe gpt": value, ...}}``: the registered models' own defaults, for ``--help``."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, recipe in MODELS.items():
+        for section, values in recipe.defaults.items():
+            for key, value in values.items():
+                out.setdefault(f"{section}.{key}", {})[f"recipe {name}"] = value
+    return out
+
+
 def build_model(cfg: Config) -> nn.Module:
     """The model named by ``model.factory`` or ``model.name``."""
+    from torch import nn
+
+    from plait.components.losses import import_object
+
     recipe = model_recipe(cfg)
     if recipe is not None:
         model = recipe.build(cfg)
@@ -142,6 +173,8 @@ def data_name(cfg: Config) -> str:
 
 def build_data(cfg: Config) -> tuple[Any, Any]:
     """``(train, eval or None)`` from ``data.factory`` or the registered data set."""
+    from plait.components.losses import import_object
+
     if cfg.data.factory:
         _import_path()
         what = f"data.factory={cfg.data.factory}"
@@ -185,6 +218,8 @@ def check_model(cfg: Config, degrees: dict[str, int]) -> None:
 
 def check_recipe(cfg: Config, degrees: dict[str, int]) -> None:
     """The registered model's and data set's own checks (shape against layout, files), before launch."""
+    from plait.components.losses import import_object
+
     for ref, what in ((cfg.model.factory, "model.factory"), (cfg.data.factory, "data.factory")):
         if ref:  # importable now, before any worker starts (it is called in the workers)
             _import_path()
@@ -192,44 +227,73 @@ def check_recipe(cfg: Config, degrees: dict[str, int]) -> None:
     recipe = model_recipe(cfg)
     if recipe is not None and recipe.check is not None:
         recipe.check(cfg, degrees)
+    if cfg.model.weights:
+        check_weights(cfg)
     if not cfg.data.factory:
         name = data_name(cfg)
         if name in DATA and DATA[name].check is not None:
             DATA[name].check(cfg)
 
 
+# The recipes keep the gradient clipping their other defaults were tuned with (a user's own loop gets none
+# unless it asks: optim.grad_clip defaults to 0).
+CLIPPED = {"optim": {"grad_clip": 1.0}}
 register_model("gpt", ModelRecipe(build=gpt.build_model, data="text", loss="causal_lm", check=gpt.check_model,
-                                  describe="plait's GPT (pre-LayerNorm decoder, tied embeddings)"))
+                                  describe="plait's GPT (pre-LayerNorm decoder, tied embeddings)", defaults=CLIPPED))
 register_data("text", DataRecipe(build=gpt.build_text, check=gpt.check_text,
                                  describe="a token corpus in model.seq_len windows (embedded by default)"))
 register_model("cnn", ModelRecipe(build=cnn.build_model, data="digits", loss="classification",
-                                  describe="a ResNet-style CNN with BatchNorm"))
+                                  describe="a ResNet-style CNN with BatchNorm", defaults=CLIPPED))
 register_data("digits", DataRecipe(build=cnn.build_digits, describe="scikit-learn's 8x8 handwritten digits"))
+
+
+def check_weights(cfg: Config) -> None:
+    """``model.weights`` against the model the config names, before any worker starts: the model is built on the
+    meta device (shapes only) and the checkpoint's headers are read (``plait.parallel.weights.check_weights``)."""
+    import torch  # lazily, as every training import here: plait --help imports no torch
+
+    from plait.parallel.weights import check_weights as check
+
+    with torch.device("meta"):
+        model = build_model(cfg)
+    check(model, cfg.model.weights)
 
 
 def validate_config(cfg: Config, world_size: int, *, model_checks: bool = True) -> Config:
     """``plait.validate.validate`` with the registered model's and data set's own checks (``check_recipe``);
     ``model_checks=False`` leaves them out (a model passed to ``Plait.setup`` rather than named in the config)."""
+    from plait.validate import validate
+
     return validate(cfg, world_size, check_recipe if model_checks else None)
 
 
-def build_trainer(cfg: Config, trainer_class: type[Trainer] = Trainer) -> Trainer:
+def build_trainer(cfg: Config, trainer_class: type[Trainer] | None = None) -> Trainer:
     """A ``Trainer`` (or the ``trainer_class`` subclass given) on the model and data the config names
     (``model.name`` / ``model.factory``, ``data.*``), seeded by ``train.seed`` so every rank builds the same
     weights."""
+    import torch
+
+    from plait.engine import Plait
+    from plait.train.trainer import Trainer
+
+    trainer_class = trainer_class or Trainer
     p = Plait(cfg)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg)
+    weights = cfg.model.weights or None
+    with torch.device("meta") if weights else contextlib.nullcontext():  # weights: each rank reads its part
+        model = build_model(cfg)
     train_data, held_out = build_data(cfg)
     if hasattr(train_data, "source"):
         p.logger.info("data: %s, %s training samples", train_data.source,
                       len(train_data) if hasattr(train_data, "__len__") else "streamed")
-    return trainer_class(model, train_data, loss_fn=default_loss(cfg), eval_data=held_out, plait=p)
+    return trainer_class(model, train_data, loss_fn=default_loss(cfg), eval_data=held_out, plait=p, weights=weights)
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:
     """``plait train`` on this worker: the configured model and data through ``Trainer`` (the process
     group, if any, is already initialised)."""
+    from plait.parallel.strategy import RankDone
+
     cfg.run.dir = str(run_dir)
     try:
         trainer = build_trainer(cfg)

@@ -8,11 +8,12 @@ Model ``cnn``: ``plait.models.resnet.ResNet`` with ``[model.args]`` (``width``, 
 
 from __future__ import annotations
 
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from plait.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def build_model(cfg: Config) -> nn.Module:

@@ -12,21 +12,26 @@ The tensor-parallel plan and the pipeline stages of the GPT live in ``plait.para
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.config import Config, ConfigError
-from plait.models.gpt import GPT
-from plait.parallel.gpt_plans import check_tensor_parallel
-from plait.plan.schedule import NATURAL_VIRTUAL
+
+if TYPE_CHECKING:
+    from plait.models.gpt import GPT
 
 
 # -- recipe ----------------------------------------------------------------------------------------
 def build_model(cfg: Config) -> GPT:
+    from plait.models.gpt import GPT
+
     return GPT(cfg.model, cfg.moe, document_mask=cfg.data.document_mask)
 
 
 def check_model(cfg: Config, degrees: dict[str, int]) -> None:
     """The GPT's shape against the layout, before any worker starts."""
+    from plait.parallel.gpt_plans import check_tensor_parallel
+    from plait.plan.schedule import NATURAL_VIRTUAL
+
     m, p = cfg.model, cfg.parallel
     if m.d_model % m.n_head:
         raise ConfigError(f"model.d_model={m.d_model} must divide by model.n_head={m.n_head}")

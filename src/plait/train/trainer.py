@@ -9,8 +9,8 @@ and the progress bar): loss (mean over data-parallel ranks), learning rate, grad
 each phase; ``comm_exposed_s`` is the time spent waiting for gradient communication after backward
 finished, the part that overlap did not hide. Every ``train.eval_every`` steps the evaluation set is
 scored, every ``checkpoint.every`` steps a checkpoint is saved (``RUN_DIR/checkpoints/step_N``, the
-newest named by ``latest``), and at the end the run is evaluated, saved, exported as
-``model.safetensors`` and summarised in ``summary.json``.
+newest named by ``latest``), and at the end the run is evaluated, saved, exported as ``model/`` (a Hugging
+Face directory, written shard by shard: ``plait.parallel.weights``) and summarised in ``summary.json``.
 """
 
 from __future__ import annotations
@@ -351,7 +351,7 @@ class Trainer:
             record["val_accuracy"] = s.val_accuracy
         p.log(record)
         self.save()
-        p.export(self.model, self.run_dir / "model.safetensors")
+        p.export(self.model, self.run_dir / "model")
         summary = {
             "final_train_loss": s.last_loss, "final_val_loss": s.val_loss, "steps": s.step,
             "tokens_per_s": s.tokens_seen / s.train_seconds if s.train_seconds else 0.0,

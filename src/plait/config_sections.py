@@ -1,0 +1,400 @@
+"""The configuration's sections: one dataclass per ``[section]``, each field's docstring the comment above it,
+and ``Config`` holding them all. ``plait.config`` builds, parses and checks them (and re-exports every name
+here); this module only declares them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error; the message says what to change."""
+
+
+@dataclass
+class RunConfig:
+    # Run directory: config, checkpoints, metrics and exported weights go here.
+    # Empty means runs/plait-<timestamp>.
+    dir: str = ""
+
+
+@dataclass
+class ModelConfig:
+    # Registered model: gpt (plait's GPT, the default), cnn (a ResNet-style image classifier), or a name a
+    # package registers under the plait.models entry-point group.
+    name: str = "gpt"
+    # "package.module:function" that returns the model (an nn.Module), called with [model.args] as
+    # keyword arguments; overrides model.name. The module is imported from the working directory too.
+    factory: str = ""
+    # Keyword arguments for model.factory or a registered model that takes them (a TOML table).
+    args: dict[str, Any] = field(default_factory=dict)
+    # Weights to start from: a Hugging Face checkpoint directory (model.safetensors or its index and shards), a
+    # .safetensors file, or a plait run directory. The model is then built on the meta device and each rank
+    # reads only the slices it holds. Empty: initialised from train.seed.
+    weights: str = ""
+    # gpt: number of transformer blocks.
+    n_layer: int = 4
+    # gpt: width of the residual stream.
+    d_model: int = 128
+    # gpt: attention heads; d_model must divide by it.
+    n_head: int = 4
+    # gpt: context length in tokens (also the length of the text recipe's training windows).
+    seq_len: int = 128
+    # gpt: vocabulary size; 0 takes the tokenizer's (data.tokenizer; 256 for bytes). An explicit value must
+    # cover the tokenizer's.
+    vocab_size: int = 0
+    # gpt: dropout probability on attention and residual branches; cnn: before the classifier.
+    dropout: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    # Registered data set: empty picks the model's own (text for gpt, digits for cnn); text (a token
+    # corpus cut into model.seq_len windows), digits (scikit-learn's 8x8 handwritten digits, the vision
+    # extra), or a name a package registers under the plait.data entry-point group.
+    name: str = ""
+    # "package.module:function" that returns the training data set, a (train, eval) pair, or a dict with
+    # "train" and "eval"; called with [data.args] as keyword arguments; overrides data.name.
+    factory: str = ""
+    # Keyword arguments for data.factory (a TOML table).
+    args: dict[str, Any] = field(default_factory=dict)
+    # text: empty for the embedded corpus; a UTF-8 text file or a flat uint16 token file (.bin), read as today
+    # (bytes, one stream); or a file, directory or glob of .parquet, .jsonl/.json (JSON Lines), .arrow or .txt
+    # (one document per line) files read as documents (docs/data.md).
+    path: str = ""
+    # text: the column (Parquet, Arrow) or key (JSON Lines) that holds each document's text.
+    text_field: str = "text"
+    # text: a local Hugging Face tokenizer: a directory with tokenizer.json, or the file; empty: bytes.
+    tokenizer: str = ""
+    # text: documents with the end-of-document token, packed into model.seq_len rows of
+    # {input_ids, labels, position_ids, doc_ids}; auto: true when data.tokenizer is set.
+    pack: bool | Literal["auto"] = "auto"
+    # text, packed: attention stays inside each document (plait's GPT masks by doc_ids; a Hugging Face model
+    # gets position ids that restart per document).
+    document_mask: bool = False
+    # text: read the documents as a stream (never held whole; files and row groups dealt to ranks) instead of
+    # tokenising them once into a memory-mapped token cache.
+    streaming: bool = False
+    # text: validation documents (same forms as data.path); empty holds out data.val_fraction instead.
+    val_path: str = ""
+    # text: fraction held out for validation: of the documents (by a seeded hash of each), or of the tokens at
+    # the end of a byte or .bin corpus.
+    val_fraction: float = 0.05
+    # DataLoader worker processes per rank (0 loads in the training process); streaming: the readers.
+    num_workers: int = 0
+    # text, streaming: documents in each reader's shuffle buffer.
+    shuffle_buffer: int = 1000
+    # text, cached: where the token cache goes; empty: a .plait-cache directory beside the data.
+    cache_dir: str = ""
+    # text, cached: processes that tokenise into the cache (0: one per CPU).
+    tokenize_processes: int = 0
+
+
+@dataclass
+class TrainConfig:
+    # Optimizer steps to run in total.
+    steps: int = 300
+    # Sequences per optimizer step, summed over all data-parallel ranks and accumulation micro-steps.
+    global_batch_size: int = 32
+    # Sequences per forward pass on one rank; 0: the batch size of the loader given to Plait.setup_dataloader,
+    # else global_batch_size / dp (one micro-step per optimizer step). The accumulation it implies is logged.
+    micro_batch_size: int = 0
+    # Seed for weights, data order and dropout.
+    seed: int = 1337
+    # Compute precision: fp32, bf16 (autocast) or fp16 (autocast with a dynamic loss scaler).
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # Repeatable bit for bit on CPU: deterministic algorithms, one thread order.
+    deterministic: bool = False
+    # Validate every this many steps (0: only at the end).
+    eval_every: int = 100
+    # Validation sequences per evaluation (a fixed set, split over data-parallel ranks).
+    eval_sequences: int = 128
+    # Write a metrics line every this many steps.
+    log_every: int = 10
+    # Recompute transformer blocks in backward instead of keeping their activations: none, full (every
+    # block) or every_k (every checkpoint_every_k-th block).
+    activation_checkpointing: Literal["none", "full", "every_k"] = "none"
+    # k for activation_checkpointing=every_k.
+    checkpoint_every_k: int = 2
+    # torch.compile the model's blocks and the loss (plait.parallel.compile); composes with data parallel,
+    # DDP, ZeRO, FSDP, tensor and pipeline parallelism (not expert parallelism); on CPU needs g++.
+    compile: bool = False
+    # torch.compile backend for train.compile: inductor (generated kernels), or another registered backend
+    # such as aot_eager (traces forward and backward, runs them eagerly: no code generation, for checks).
+    compile_backend: str = "inductor"
+    # Loss of a batch: auto (the model's registered loss; for a factory model, hf when the batch holds
+    # labels and the model returns .loss, classification for (x, y) with one label per sample, causal_lm
+    # for (x, y) token batches), causal_lm, hf, classification, or "package.module:function" taking
+    # (output, target).
+    loss: str = "auto"
+
+
+@dataclass
+class OptimConfig:
+    # Peak learning rate of AdamW.
+    lr: float = 3e-3
+    # Learning rate at the end of the cosine decay, as a fraction of lr.
+    min_lr_ratio: float = 0.1
+    # Steps of linear warmup from 0 to lr.
+    warmup_steps: int = 30
+    # Steps over which the cosine decays; 0 means train.steps. Set it to stop early and resume later
+    # on the same schedule.
+    decay_steps: int = 0
+    # Decoupled weight decay on matrices (not on biases, norms or embeddings).
+    weight_decay: float = 0.1
+    # Clip the global gradient norm to this value (0 disables clipping; the gpt and cnn recipes of plait train
+    # default to 1.0).
+    grad_clip: float = 0.0
+    # AdamW beta1.
+    beta1: float = 0.9
+    # AdamW beta2.
+    beta2: float = 0.95
+    # Fused AdamW kernel (one pass over each parameter; several times faster on CPU for large models)
+    # instead of the per-parameter loop. Both are deterministic; they round differently in the last bit.
+    fused: bool = False
+
+
+@dataclass
+class ParallelConfig:
+    # Local worker processes started by `plait train` (ignored under torchrun or SLURM).
+    nproc: int = 2
+    # collective: every rank trains (data, ZeRO, tensor, pipeline, expert parallelism over collectives); ps: a
+    # parameter server, the last ps.servers ranks hold the parameters and the optimizer, the others are
+    # workers that push gradients and pull parameters (see [ps]).
+    mode: Literal["collective", "ps"] = "collective"
+    # The training strategy: auto picks it from the settings below (ps for mode=ps, then pipeline with ZeRO-3,
+    # tensor-parallel with ZeRO-3, pipeline with ZeRO-1/2, pipeline, tensor-parallel, ZeRO-1/2, ZeRO-3 or HSDP,
+    # data parallel); a name picks a registered strategy, yours included
+    # (plait.parallel.strategy.register_strategy).
+    strategy: str = "auto"
+    # Data-parallel degree, expert-parallel ranks included (ep divides it); 0 infers world size / (tp * pp).
+    dp: int = 0
+    # Tensor-parallel degree.
+    tp: int = 1
+    # Pipeline-parallel degree.
+    pp: int = 1
+    # Expert-parallel degree: MoE experts are sharded over ep ranks, which are also data-parallel ranks
+    # (each processes its own micro-batches); ep must divide the data-parallel degree.
+    ep: int = 1
+    # Data-parallel implementation: plait's bucketed reducer, or PyTorch DDP as the reference.
+    impl: Literal["plait", "torch"] = "plait"
+    # Gradient bucket size in MiB for the data-parallel all-reduce and the ZeRO reduce-scatter.
+    bucket_mb: float = 25.0
+    # ZeRO stage: 0 replicates everything; 1 shards optimizer states; 2 also gradients (plait's sharded
+    # optimizer); 3 also parameters (FSDP2).
+    zero: int = 0
+    # Move state to CPU memory: optimizer (the ZeRO-1/2 optimizer shard) or params (zero=3, FSDP2).
+    offload: Literal["none", "optimizer", "params"] = "none"
+    # zero=3: ranks per shard group (hybrid sharding, HSDP): parameters, gradients and optimizer states are
+    # sharded over groups of dp_shard ranks and replicated across the dp / (ep x dp_shard) groups; 0 shards
+    # over every data-parallel rank (FSDP). Must divide dp / ep; needs zero=3.
+    dp_shard: int = 0
+    # zero=3: free each block's gathered parameters after forward (false keeps them until backward).
+    reshard_after_forward: bool = True
+    # Tensor parallel: shard LayerNorm/dropout regions along the sequence (needs tp > 1).
+    sequence_parallel: bool = False
+    # Tensor parallel: compute the loss on vocabulary-sharded logits instead of gathering them.
+    loss_parallel: bool = True
+    # Pipeline schedule: gpipe, 1f1b, interleaved (several stages per rank) or zbv (zero-bubble V).
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved", "zbv"] = "1f1b"
+    # Pipeline micro-batches per forward/backward of one accumulation micro-batch.
+    microbatches: int = 4
+    # Pipeline stages per rank; 0 picks the schedule's natural value (1, or 2 for interleaved/zbv).
+    pp_virtual_stages: int = 0
+    # Pipeline stage split: by per-layer cost measured in a profiling step, or by layer count.
+    pp_balance: Literal["cost", "count"] = "cost"
+    # Pipeline split points: names of the layers that start stages 2, 3, ... (for example
+    # ["model.layers.4"]); empty splits by parallel.pp_balance.
+    pp_split: list[str] = field(default_factory=list)
+    # Tensor-parallel plan: auto (the plan registered for the model's class, else the one a Hugging Face
+    # model ships in its config) or a table of module-name patterns to styles: colwise, rowwise,
+    # colwise_rep, rowwise_rep, vocab, sequence_parallel, replicate.
+    tp_plan: str | dict[str, str] = "auto"
+    # BatchNorm statistics over the whole data-parallel batch (SyncBatchNorm) instead of each rank's own;
+    # without it, running statistics are averaged over the data-parallel ranks after every step.
+    sync_batchnorm: bool = False
+
+
+@dataclass
+class CommConfig:
+    # Process-group backend: auto picks nccl when CUDA is available, gloo otherwise.
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # Seconds a collective may wait for its peers before the job fails with a named error.
+    timeout_s: float = 300.0
+    # All-reduce algorithm of the data-parallel reducer: the backend's own, or plait's ring,
+    # recursive halving-doubling or hierarchical (reduce in node, all-reduce across nodes, broadcast).
+    allreduce: Literal["backend", "ring", "halving_doubling", "hierarchical"] = "backend"
+    # Ranks per node for the hierarchical all-reduce (0: LOCAL_WORLD_SIZE from the launcher).
+    ranks_per_node: int = 0
+    # Gradient compression of the data-parallel reduction; auto measures the first steps and turns it on
+    # only when communication is exposed.
+    compress: Literal["none", "auto", "fp16", "bf16", "int8", "int4", "topk", "randomk", "powersgd"] = "none"
+    # Kept fraction for topk and randomk.
+    compress_ratio: float = 0.01
+    # Rank of the PowerSGD approximation.
+    powersgd_rank: int = 4
+    # Keep the compression error per bucket and add it to the next step's gradient.
+    error_feedback: bool = True
+    # Stochastic rounding for int8/int4 quantization.
+    stochastic_rounding: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    # Save a sharded checkpoint every this many steps (0: only at the end), or auto: the interval from the
+    # measured save time and fault.mtbf_s by Young's rule, sqrt(2 x MTBF x save time).
+    every: int | Literal["auto"] = 200
+    # Number of most recent checkpoints kept on disk.
+    keep: int = 2
+    # Save asynchronously (TOML key checkpoint.async): training continues while the shards are written
+    # (DCP's async save); the checkpoint becomes the latest only once it is complete and verified.
+    async_save: bool = False
+    # Check every file of a checkpoint against its SHA-256 manifest before loading it; a damaged one is
+    # skipped for the previous good checkpoint, with a warning naming the file.
+    verify: bool = True
+
+
+@dataclass
+class FaultConfig:
+    # Restarts of the whole worker group after a failure, each resuming from the newest good checkpoint
+    # (0: none). Not for errors a restart cannot fix (configuration, data, a failure before the first step).
+    max_restarts: int = 3
+    # Seconds before a restart; doubled over failures in quick succession (at most 60), reset by an attempt
+    # that ran for a minute.
+    restart_backoff_s: float = 1.0
+    # Mean time between failures in seconds, for checkpoint.every=auto.
+    mtbf_s: float = 3600.0
+    # Loss-spike detection: a step whose loss (or gradient norm) exceeds the running median by this many
+    # running deviations rolls training back to an earlier checkpoint and skips the data that led to it
+    # (0 disables).
+    spike_threshold: float = 6.0
+    # Steps of history before the spike detector judges (and the running window it judges against).
+    spike_window: int = 50
+    # A rollback goes to a checkpoint at least this many steps before the spike.
+    rollback_steps: int = 1
+    # Rollbacks allowed in one run; one more spike stops the run with a message.
+    max_rollbacks: int = 3
+    # A rank whose smoothed step time exceeds the median rank's by this factor is named a straggler.
+    straggler_factor: float = 1.3
+    # Data parallelism: give each rank a share of every global batch proportional to its measured speed
+    # (gradients weighted so the update equals the uniform one).
+    rebalance: bool = False
+    # Testing aid: make this rank (-1: none) slower by slow_factor (it sleeps after its compute).
+    slow_rank: int = -1
+    # Testing aid: how much slower slow_rank is (3.0: three times the step time).
+    slow_factor: float = 1.0
+
+
+@dataclass
+class PsConfig:
+    # Ranks that serve parameters (the last ps.servers ranks of the world); the others are workers. Each
+    # server holds one size-balanced contiguous slice of all parameters (large tensors are split) and runs
+    # the optimizer on it.
+    servers: int = 1
+    # Consistency: sync (every worker's gradient of a version, averaged: all-reduce data parallelism's
+    # update), async (each gradient applied when it arrives), ssp (stale-synchronous, clock-aggregated: the mean
+    # of every worker's gradient of clock c is version c + 1, and a worker at clock c reads only parameters of
+    # version >= c - staleness, i.e. every update up to clock c - staleness - 1), backup (sync taking the first
+    # workers - backup_workers gradients of each version and dropping the rest), dc (async with delay
+    # compensation, DC-ASGD).
+    mode: Literal["sync", "async", "ssp", "backup", "dc"] = "sync"
+    # ssp: the staleness bound s (0 is bulk-synchronous: exactly sync).
+    staleness: int = 2
+    # backup: b, the gradients of each version not waited for (the slowest b are dropped and counted).
+    backup_workers: int = 1
+    # dc: lambda of the compensation g + lambda * g * g * (w_now - w_read) (Zheng et al. 2017).
+    dc_lambda: float = 0.04
+    # dc: adaptive lambda, lambda / sqrt(mean square of g) per element (DC-ASGD-a; mean square momentum 0.95).
+    dc_adaptive: bool = False
+    # async, ssp, dc: a gradient more than this many versions stale is rejected and counted (-1: never; ssp
+    # leaves it out of its clock's mean).
+    max_staleness: int = -1
+    # async, ssp, dc: a gradient of staleness t is applied with the learning rate / (1 + a * t), a being this
+    # value (0: no scaling; staleness-aware ASGD; ssp: a clock's by its gradients' mean staleness).
+    staleness_scaling: float = 0.0
+    # Workers push their gradient every this many steps (the mean over those steps).
+    push_every: int = 1
+    # async, dc: workers pull fresh parameters after every this many pushes (computing on their own copy
+    # in between).
+    pull_every: int = 1
+
+
+@dataclass
+class ObserveConfig:
+    # Show a progress bar on rank 0.
+    progress: bool = True
+    # Experiment trackers that receive every metrics.jsonl record and the resolved config from rank 0, any of:
+    # tensorboard (event files in RUN_DIR/tensorboard), wandb (Weights & Biases; the wandb extra; WANDB_MODE=offline
+    # writes RUN_DIR/wandb only), mlflow (the mlflow extra; see observe.mlflow_uri). [] for none. A resumed run
+    # continues the same tracker runs.
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"])
+    # W&B project and MLflow experiment of the run (empty: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else each
+    # library's default).
+    experiment: str = ""
+    # MLflow tracking URI: http(s)://server, sqlite:///path.db, file:/path... (empty: MLFLOW_TRACKING_URI, else
+    # MLflow's default).
+    mlflow_uri: str = ""
+    # Serve Prometheus metrics over HTTP (path /metrics): rank r listens on this port + its local rank (0: off).
+    prometheus_port: int = 0
+    # Address the Prometheus endpoints bind: loopback unless Prometheus scrapes from another host (0.0.0.0).
+    prometheus_host: str = "127.0.0.1"
+    # Count the collectives torch issues (DDP, FSDP2, tensor and pipeline parallelism) into comm_bytes:
+    # first_step counts them on the process's first training step and adds that figure to every later
+    # step (their pattern is fixed by the layout and batch shape; counting slowed a small tp=2 step
+    # by 33-53%), every_step counts each step, off leaves them out of comm_bytes.
+    count_torch_collectives: str = "first_step"
+    # Write RUN_DIR/report.html (plots and a bottleneck verdict, as `plait report RUN_DIR` makes it) when the
+    # run ends; needs the report extra: pip install 'plait[report]'.
+    report: bool = False
+
+
+@dataclass
+class MoeConfig:
+    # Experts per MoE layer (0: no MoE; plait's GPT then has dense MLPs only).
+    num_experts: int = 0
+    # Experts each token is routed to (softmax top-k token choice; ties go to the lower expert index).
+    top_k: int = 2
+    # Every n-th block of plait's GPT is MoE (blocks n-1, 2n-1, ...; 1: every block).
+    every: int = 1
+    # Hidden width of each expert's MLP (0: 4 x d_model / top_k, so active FLOPs equal a dense 4x MLP).
+    d_hidden: int = 0
+    # Assignments an expert takes per forward: ceil(factor x tokens x top_k / num_experts); 0 is dropless.
+    capacity_factor: float = 0.0
+    # Over capacity, keep each expert's highest-probability assignments (probs) or earliest tokens (position).
+    drop_policy: Literal["probs", "position"] = "probs"
+    # Load balancing: Switch auxiliary loss (aux), auxiliary-loss-free per-expert bias (bias), or none.
+    balance: Literal["aux", "bias", "none"] = "aux"
+    # Coefficient of the Switch load-balancing loss (balance = aux).
+    aux_loss_coef: float = 0.01
+    # Coefficient of the router z-loss, mean over tokens of logsumexp(logits)^2 (0: off).
+    z_loss_coef: float = 0.0
+    # balance = bias: how far each expert's bias moves per optimizer step (towards the mean load).
+    bias_update_rate: float = 0.001
+    # Always-on shared experts (DeepSeek style), each a dense MLP of moe.d_hidden, added to the routed output.
+    shared_experts: int = 0
+    # Expert-parallel dispatch: all-to-all with variable splits, or all-gather (the reference path).
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    ps: PsConfig = field(default_factory=PsConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-steps per optimizer step on one rank."""
+        t, dp = self.train, max(1, self.parallel.dp)
+        return t.global_batch_size // ((t.micro_batch_size or t.global_batch_size // dp) * dp)

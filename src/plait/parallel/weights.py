@@ -1,0 +1,84 @@
+"""A rank's part of the model filled from a checkpoint, by initialisation, and written out shard by shard: the
+default behind the strategy contract's ``prepare_weights`` and ``export_weights``.
+
+Every strategy gives ``model_entries()``: this rank's state-dict entries under the single-process model's
+names (DTensors where sharded), the tensors the model trains. Loading maps each tied group of names to the
+one checkpoint name it is read from (checked against the whole model's ``ModelFacts`` first, identically on
+every rank, so a bad checkpoint raises on all of them), then reads each rank's slices through
+``plait.components.hf_checkpoint``. Exporting writes every entry under every name
+(a tied tensor under each of its names, as ``state_dict()`` has them, so ``from_pretrained`` finds no key
+missing or unexpected) through DCP's Hugging Face writer, files cut at ``max_shard_bytes`` in model order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait.components.hf_checkpoint import DEFAULT_SHARD_BYTES, file_indices, load_into, match_names, open_checkpoint
+from plait.components.hf_checkpoint import save_from as _save_from
+from plait.parallel.meta_init import ModelFacts, initialise, storage_key
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def check_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Raise the ``WeightsError`` loading ``path`` into ``model`` would raise (headers only, no collective)."""
+    facts = ModelFacts.of(model)
+    match_names(facts.groups(), facts.shapes, facts.dtypes, open_checkpoint(path), prefix=facts.base_prefix,
+                ignore=facts.ignore_unexpected, what=facts.kind)
+
+
+def load_weights(facts: ModelFacts, entries: dict[str, torch.Tensor], path: str | Path, group: Any,
+                 what: str) -> None:
+    """Fill ``entries`` (this rank's) from the checkpoint at ``path``; no collective (``group`` is the one an
+    override may use). A meta-built model's non-persistent buffers (rotary ``inv_freq``) are then computed as
+    construction would."""
+    ckpt = open_checkpoint(path)
+    chosen = match_names(facts.groups(), facts.shapes, facts.dtypes, ckpt, prefix=facts.base_prefix,
+                         ignore=facts.ignore_unexpected, what=what)
+    state: dict[str, torch.Tensor] = {}
+    copies: list[tuple[torch.Tensor, str]] = []  # a second tensor of the same name on this rank (a tied copy)
+    seen: set[tuple] = set()
+    for name, t in entries.items():
+        canon = facts.canonical.get(name)
+        if canon is None or storage_key(t) in seen:
+            continue
+        seen.add(storage_key(t))
+        key = chosen[canon]
+        if key in state:
+            copies.append((t, key))
+        else:
+            state[key] = t
+    load_into(state, ckpt)
+    with torch.no_grad():
+        for t, key in copies:
+            _local(t).copy_(_local(state[key]))
+    if facts.meta:
+        initialise(facts, entries, seed=0, buffers_only=True)
+
+
+def export_weights(facts: ModelFacts, entries: dict[str, torch.Tensor], out: Path, group: Any, coordinator: bool,
+                   max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write the model as a Hugging Face directory at ``out`` (see the module docstring); collective over
+    ``group``. No rank holds more than its own shards (a tied tensor's twice) plus, on the coordinating rank, one
+    full tensor."""
+    sizes = {n: int(torch.Size(facts.shapes[n]).numel()) * facts.dtypes[n].itemsize for n in facts.shapes}
+    indices = file_indices(sizes, max_shard_bytes)
+    state: dict[str, torch.Tensor] = {}
+    seen: set[tuple] = set()
+    for n, t in entries.items():
+        if n not in indices:
+            continue
+        # safetensors refuses two names on one storage: a tied tensor's other names get a copy of this rank's part
+        state[n] = t.detach().clone() if storage_key(t) in seen else t
+        seen.add(storage_key(t))
+    _save_from(state, out, indices, group, coordinator)
+    save_config = getattr(facts.config, "save_pretrained", None)
+    if coordinator and callable(save_config):
+        save_config(str(out))
+    return out
