@@ -353,7 +353,7 @@ def _gpt_run(overrides: list[str], run_dir: str) -> dict | None:
     metrics = [json.loads(x) for x in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
 
     model = GPT(ModelConfig(n_layer=4, d_model=64, n_head=4, seq_len=32), MoeConfig())
-    load_safetensors(model, Path(run_dir, "model.safetensors"))
+    load_safetensors(model, Path(run_dir))  # the run directory: its export in RUN_DIR/model/
     return {"steps": [(m["loss"], m["grad_norm"], m["lr"]) for m in metrics if "grad_norm" in m],
             "sd": {k: v.clone() for k, v in model.state_dict().items()}}
 
