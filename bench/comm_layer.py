@@ -9,7 +9,9 @@ per call over ``--calls`` calls, slowest rank:
 - ``comm_thread_ring_guarded``: ``comm.allreduce=ring``, which runs on the comm thread, guarded;
 - ``ring_direct``: the same ring algorithm called directly (the thread's own cost is the difference).
 
-    python bench/comm_layer.py [--calls 500] [--numel 1]
+    python bench/comm_layer.py [--quick] [--calls 500] [--numel 1]
+
+``--quick`` times 20 calls of each (every variant still runs): checks that it runs, the figures are noise.
 
 Prints one JSON document.
 """
@@ -32,9 +34,11 @@ from plait.comm.collectives import Comm  # noqa: E402
 from plait.comm.guard import CollectiveGuard  # noqa: E402
 from plait.runtime.spawn import spawn_ranks  # noqa: E402
 
+QUICK_CALLS = 20
+
 
 def _time(fn, calls: int) -> float:
-    for _ in range(10):
+    for _ in range(min(10, calls)):
         fn()
     dist.barrier()
     t0 = time.perf_counter()
@@ -65,13 +69,16 @@ def _worker(rank: int, world: int, calls: int, numel: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=f"{QUICK_CALLS} calls per variant: checks that it runs")
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--numel", type=int, default=1)
+    if ap.parse_args().quick:
+        ap.set_defaults(calls=QUICK_CALLS)  # --calls given explicitly still wins
     args = ap.parse_args()
     us = spawn_ranks(_worker, 2, args.calls, args.numel, timeout_s=600, pg_timeout_s=120, name="comm layer bench")[0]
     overhead = {"comm": us["comm"] - us["bare"], "comm_guarded": us["comm_guarded"] - us["bare"],
                 "comm_thread_ring_guarded": us["comm_thread_ring_guarded"] - us["ring_direct"]}
-    report = {"world": 2, "numel": args.numel, "calls": args.calls, "mean_us_per_call": us,
+    report = {"world": 2, "numel": args.numel, "calls": args.calls, "quick": args.quick, "mean_us_per_call": us,
               "overhead_us": {k: round(v, 1) for k, v in overhead.items()}}
     print(json.dumps(report, indent=1))
 

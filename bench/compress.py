@@ -1,6 +1,6 @@
 """Time to a target validation loss with gradient compression: plait's compressors against uncompressed
 plait, plain PyTorch DDP and DDP with its ``powerSGD_hook``, on loopback and on a 1 Gbit/s link, judged
-with bench/ttq.py (smoothed curve, stays-below rule, medians and spreads over seeds, a verdict that is
+with bench/_ttq.py (smoothed curve, stays-below rule, medians and spreads over seeds, a verdict that is
 false when a compressed run ends worse than DDP).
 
 Two ranks train the small GPT with data parallelism, each under its own ``torchrun`` agent
@@ -22,13 +22,13 @@ run of this config: 2.97 at step 20, 2.58 at 60, 2.43 at 100, 2.36 at 140), so t
 by the smoothed curve near step 110 of 150, leaving slower runs room to reach it.
 
 Per run (``summarize``) the JSON reports, from rank 0's metrics.jsonl and the network counters:
-  time_to_target_s  bench/ttq.py's rule: sum of per-step ``step_s`` (data, forward, backward, exposed
+  time_to_target_s  bench/_ttq.py's rule: sum of per-step ``step_s`` (data, forward, backward, exposed
                     communication, optimizer) up to the first evaluation whose trailing mean over
                     ``--window`` evaluations is at or below the target and stays there to the end of the
                     run; evaluation, startup and checkpoint time excluded. null ("reached": false) when
                     the smoothed curve does not stay below.
   comm_bytes        sum of ``comm_bytes`` over the steps in metrics.jsonl: bytes one rank sends, as
-                    plait's communication layer counts them; for DDP computed by bench/ddp_peer.py from
+                    plait's communication layer counts them; for DDP computed by bench/_ddp_peer.py from
                     the gradient size (or the PowerSGD hook's element count), see its docstring.
   wire_bytes        bytes the network devices transmitted during the whole run, both ranks together
                     (both veth ends, or the namespace's lo), read from /sys/class/net/*/statistics:
@@ -36,7 +36,7 @@ Per run (``summarize``) the JSON reports, from rank 0's metrics.jsonl and the ne
   step_s_median     median ``step_s``: the per-step cost, free of where the curve crosses.
   final_val_loss (the last evaluation, raw), steps, wall_s (whole run including startup and evaluation).
 Per method and network (``annotate``): ``--seeds`` runs (``train.seed`` = 1..N: weights, data order),
-their median / min / max / spread (bench/ttq.py ``aggregate``), and ``ttq.compare`` against DDP (and
+their median / min / max / spread (bench/_ttq.py ``aggregate``), and ``ttq.compare`` against DDP (and
 DDP+PowerSGD): median speedups, the final-loss gap and the verdict. The issue target (a compressor 2x
 faster to target than DDP on 1 Gbit/s) is met only by a method whose verdict is true with a median
 speedup of at least 2.
@@ -60,7 +60,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ttq  # noqa: E402
+import _ttq as ttq  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 COMPRESSORS = ["fp16", "bf16", "int8", "int4", "topk", "randomk", "powersgd"]
@@ -154,7 +154,7 @@ def rank_command(method: str, net: Network, rank: int, port: int, run_dir: Path,
            "--nproc-per-node=1", f"--master-addr={master}", f"--master-port={port}"]
     if method.startswith("ddp"):
         hook = "powersgd" if method == "ddp-powersgd" else "none"
-        target = [str(REPO / "bench" / "ddp_peer.py"), f"--hook={hook}"]
+        target = [str(REPO / "bench" / "_ddp_peer.py"), f"--hook={hook}"]
     else:
         target = ["-m", "plait.cli", "train", f"--comm.compress={method.removeprefix('plait-')}"]
     return ["ip", "netns", "exec", ns, *env, *run, *target, *overrides, f"--run.dir={run_dir}"]
@@ -190,7 +190,7 @@ def launch(cmds: list[list[str]], logs: list[Path], timeout_s: float) -> None:
 
 
 def summarize(metrics: Path, target: float, window: int = ttq.DEFAULT_WINDOW) -> dict:
-    """Time to target (bench/ttq.py's smoothed, stays-below rule), bytes and final loss from one
+    """Time to target (bench/_ttq.py's smoothed, stays-below rule), bytes and final loss from one
     metrics.jsonl (rank 0's)."""
     recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     steps_recs = [r for r in recs if "step_s" in r]

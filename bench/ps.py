@@ -1,6 +1,7 @@
 """Parameter server against all-reduce data parallelism, with and without a slow worker.
 
-    python bench/ps.py [--seeds 3] [--steps 60] [--compute-ms 20] [--slow-factor 4] [--out ps.json] [--png ps.png]
+    python bench/ps.py [--quick] [--seeds 3] [--steps 60] [--compute-ms 20] [--slow-factor 4] [--out ps.json]
+                       [--png ps.png]
 
 Three workers train the same model on the same data through ``plait.Plait`` (the keep-your-loop API):
 plait's all-reduce data parallelism (3 ranks) and the parameter server (1 server + 3 workers) in
@@ -24,6 +25,9 @@ overhead); and updates per second of ``async`` against PyTorch's RPC parameter s
 the pattern of its official example) at the benchmark's compute and at none. One JSON document goes to
 stdout (and ``--out``); ``--png`` draws loss against iteration, time per iteration, cumulative time and
 each worker's step-time distribution for the straggler scenario.
+
+``--quick`` runs every mode, both scenarios and the RPC peer at width 128 once, with one seed, 8 steps and
+5 ms of stand-in compute: it checks that the benchmark runs; its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ MODES = {"dp": {}, "ps-sync": {"mode": "sync"}, "ps-async": {"mode": "async", **
          "ps-ssp": {"mode": "ssp", "staleness": 2, **STALE}, "ps-backup": {"mode": "backup", "backup_workers": 1},
          "ps-dc": {"mode": "dc", "dc_lambda": 2.0, "dc_adaptive": True, **STALE}}
 WORKERS, MICRO, SLOW_RANK, EVAL_EVERY = 3, 16, 2, 2
+# --quick: the fewest steps that leave a timed step after the first two (which the summaries skip) and a few
+# evaluations for the smoothed curve.
+QUICK = {"seeds": 1, "steps": 8, "compute_ms": 5.0, "peer_repeats": 1, "peer_widths": [128]}
 
 
 class Net(torch.nn.Module):
@@ -320,6 +327,8 @@ def peer(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="every mode and scenario once, 1 seed, 8 steps, RPC peer at width 128: checks that it runs")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--compute-ms", type=float, default=20.0)
@@ -332,6 +341,8 @@ def main() -> None:
     ap.add_argument("--peer-widths", type=int, nargs="+", default=[128, 1024],
                     help="hidden widths of the MLP for the RPC comparison (128: the benchmark's model)")
     ap.add_argument("--eval-every", type=int, default=EVAL_EVERY, help="rank 0 evaluates every this many steps")
+    if ap.parse_args().quick:
+        ap.set_defaults(**QUICK)  # the quick sizes, under any flag given explicitly
     args = ap.parse_args()
     if args.peer_only:
         print(json.dumps({"rpc_peer": peer(args), "steps_per_worker": args.steps, **machine_info()}, indent=1))
@@ -348,7 +359,7 @@ def main() -> None:
         runs[key] = [r[key] for r in ps]
     out = {"benchmark": "parameter server vs all-reduce data parallelism", **machine_info(),
            "workers": WORKERS, "servers": 1, "micro_batch": MICRO, "steps_per_worker": args.steps,
-           "seeds": args.seeds, "compute_ms": args.compute_ms, "slow_rank": SLOW_RANK,
+           "quick": args.quick, "seeds": args.seeds, "compute_ms": args.compute_ms, "slow_rank": SLOW_RANK,
            "slow_factor": args.slow_factor, **summarize(runs, seeds, args),
            "rpc_peer": None if args.no_peer else peer(args),
            "bench_wall_s": round(time.perf_counter() - t0, 1)}

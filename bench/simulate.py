@@ -49,6 +49,9 @@ RUN = ["--train.eval_every=0", "--checkpoint.every=0", "--observe.progress=false
        "--train.log_every=1", "--optim.warmup_steps=1"]
 B32 = ["--train.global_batch_size=32", "--train.micro_batch_size=8"]
 PP = ["--parallel.pp=2", "--parallel.microbatches=4"]
+# --quick: one layout per world band with the pipeline and tensor paths (activation peaks per stage), three
+# for the Spearman ranking, a world-4 one for the planner's comparison.
+QUICK_LAYOUTS = ("w1", "w2-pp2-1f1b", "w4-dp2-tp2")
 LAYOUTS = {
     "w1": ["--parallel.nproc=1", *B32],
     "w2-dp": ["--parallel.nproc=2", *B32],
@@ -216,7 +219,9 @@ def simulate_run(name: str, overrides: list[str], profile: object, run_dir: Path
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", help="a calibrated profile (default: calibrate now)")
-    ap.add_argument("--quick", action="store_true", help="coarse calibration, 12 steps per run")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"coarse calibration, 12 steps per run, layouts {','.join(QUICK_LAYOUTS)} and the planner's "
+                         "pick, no waiting for a quiet machine: checks that it runs")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--only", default="", help="comma-separated layout names")
     ap.add_argument("--max-wait", type=float, default=4 * 3600,
@@ -225,6 +230,8 @@ def main() -> None:
                     help="re-simulate the runs and activation measurements a previous invocation left")
     ap.add_argument("--predict-only", metavar="MEASURED_JSON",
                     help="measure nothing: predict again against a previous run's JSON output")
+    if ap.parse_args().quick:
+        ap.set_defaults(max_wait=0.0)  # quick figures are not timings worth waiting for; --max-wait still wins
     args = ap.parse_args()
     from plait.plan.hardware import load_profile
 
@@ -245,7 +252,8 @@ def main() -> None:
                                      log=lambda s: print(s, file=sys.stderr), build_trainer=build_trainer))
     profile = load_profile(profile_path)
     steps = 12 if args.quick else args.steps
-    names = [n for n in LAYOUTS if not args.only or n in args.only.split(",")]
+    only = args.only.split(",") if args.only else QUICK_LAYOUTS if args.quick else []
+    names = [n for n in LAYOUTS if not only or n in only]
     rows = {}
     reference = probe() if not args.reuse else None  # the machine's speed right after calibrating
     for name in names:

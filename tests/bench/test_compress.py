@@ -1,4 +1,4 @@
-"""bench/compress.py's bookkeeping: time to target (bench/ttq.py rules), byte sums, verdicts over seeds against
+"""bench/compress.py's bookkeeping: time to target (bench/_ttq.py rules), byte sums, verdicts over seeds against
 DDP, and namespace teardown."""
 
 from __future__ import annotations

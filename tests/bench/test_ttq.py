@@ -1,4 +1,4 @@
-"""bench/ttq.py on constructed curves: smoothing, the stays-below rule, and a verdict that can be false."""
+"""bench/_ttq.py on constructed curves: smoothing, the stays-below rule, and a verdict that can be false."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SPEC = importlib.util.spec_from_file_location("bench_ttq", Path(__file__).resolve().parents[2] / "bench" / "ttq.py")
+SPEC = importlib.util.spec_from_file_location("bench_ttq", Path(__file__).resolve().parents[2] / "bench" / "_ttq.py")
 ttq = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(ttq)
 

@@ -18,7 +18,7 @@ spent up to that evaluation (sum of ``step_s``: evaluation and startup excluded)
    reference's makes the verdict false.
 
 Functions take plain lists and dicts so they can be unit-tested on constructed curves
-(tests/bench/test_ttq.py) and read metrics.jsonl written by plait's trainer or by bench/ddp_peer.py.
+(tests/bench/test_ttq.py) and read metrics.jsonl written by plait's trainer or by bench/_ddp_peer.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ several buckets (its callbacks issue collectives from gloo's worker threads and 
 ranks then disagree on the collectives' order and gloo aborts or hangs after the vanilla warm-up steps).
 The cost is that DDP+PowerSGD communicates only after backward, not overlapped with it.
 
-    torchrun ... bench/ddp_peer.py --hook=none|powersgd [--start-iter=2] --run.dir=DIR [--section.key=value ...]
+    torchrun ... bench/_ddp_peer.py --hook=none|powersgd [--start-iter=2] --run.dir=DIR [--section.key=value ...]
 """
 
 from __future__ import annotations
