@@ -172,15 +172,22 @@ def shard_experts(model: nn.Module, ep: int, ep_rank: int, group: dist.ProcessGr
             raise ExpertParallelError(f"an MoE layer has {e} experts, not divisible by parallel.ep={ep}")
         n = e // ep
         off = ep_rank * n
-        ex = layer.experts
-        for name in ("w1", "w2"):
-            full = getattr(ex, name)
-            local = nn.Parameter(full.detach()[off:off + n].clone(), requires_grad=full.requires_grad)
-            setattr(local, EXPERT_ATTR, True)
-            local.global_shape = tuple(full.shape)  # type: ignore[attr-defined]
-            setattr(ex, name, local)
-            params.append(local)
+        params += keep_experts(layer.experts, ("w1", "w2"), off, n)
         layer.dispatcher = cls(group, off, n, ep, ep_rank)
+    return params
+
+
+def keep_experts(experts: nn.Module, names: tuple[str, ...] | list[str], off: int, n: int) -> list[nn.Parameter]:
+    """Replace each stacked expert weight ``names`` of ``experts`` (experts on dim 0) by its rows
+    ``[off, off + n)``, marked as expert-parallel with the global shape kept; returns the new parameters."""
+    params = []
+    for name in names:
+        full = getattr(experts, name)
+        local = nn.Parameter(full.detach()[off:off + n].clone(), requires_grad=full.requires_grad)
+        setattr(local, EXPERT_ATTR, True)
+        local.global_shape = tuple(full.shape)  # type: ignore[attr-defined]
+        setattr(experts, name, local)
+        params.append(local)
     return params
 
 

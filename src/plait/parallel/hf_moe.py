@@ -40,8 +40,7 @@ from torch import nn
 
 from plait.config import ParallelConfig
 from plait.nn.moe import Routing
-from plait.parallel.expert import AllGatherDispatcher, AllToAllDispatcher, ExpertParallelError
-from plait.parallel.units import EXPERT_ATTR
+from plait.parallel.expert import AllGatherDispatcher, AllToAllDispatcher, ExpertParallelError, keep_experts
 
 __all__ = ["MoeAdapter", "check_hf_experts", "check_pipeline_router_loss", "find_moe_blocks",
            "register_moe_adapter", "shard_hf_experts"]
@@ -249,13 +248,7 @@ def shard_hf_experts(model: nn.Module, ep: int, ep_rank: int, group: dist.Proces
         n = b.num_experts // ep
         off = ep_rank * n
         ex = b.experts
-        for name in b.adapter.weights:
-            full = getattr(ex, name)
-            local = nn.Parameter(full.detach()[off:off + n].clone(), requires_grad=full.requires_grad)
-            setattr(local, EXPERT_ATTR, True)
-            local.global_shape = tuple(full.shape)  # type: ignore[attr-defined]
-            setattr(ex, name, local)
-            params.append(local)
+        params += keep_experts(ex, b.adapter.weights, off, n)
         ex.num_experts = n  # the model's experts forward indexes this rank's experts
         ex.__class__ = _ep_class(type(ex))
         ex._plait_dispatcher = cls(group, off, n, ep, ep_rank)

@@ -31,13 +31,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dp shard of a tp shard
 
 from plait.comm.collectives import Comm
+from plait.components.dcp_pieces import PiecesLoadPlanner, PiecesSavePlanner
 from plait.components.optim import materialize_optimizer_state
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.parallel.apply import ModelSpec
 from plait.parallel.data import GradReducer, LocalGrads, local_grad
 from plait.parallel.data_strategy import ReducerSync
 from plait.parallel.strategy import Strategy, register_strategy
-from plait.parallel.strided import StridedLoadPlanner, StridedSavePlanner, is_strided, strided_entries
+from plait.parallel.strided import is_strided, strided_entries
 from plait.parallel.tensor import full_state_dict, loss_context
 from plait.topology import Topology
 
@@ -124,10 +125,10 @@ class ModelParallel(ReducerSync, Strategy):
         return any(is_strided(p) for _, p in self.named)
 
     def save_planner(self) -> Any:
-        return StridedSavePlanner() if self._strided() else None
+        return PiecesSavePlanner(lowest_rank=False) if self._strided() else None
 
     def load_planner(self) -> Any:
-        return StridedLoadPlanner() if self._strided() else None
+        return PiecesLoadPlanner() if self._strided() else None
 
     def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
         """DCP loaded in place into the tensors ``state_dicts`` handed out. Where one rank holds several

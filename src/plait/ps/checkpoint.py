@@ -24,23 +24,16 @@ saved one (in sync and ssp they are all equal at a save).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
-    TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from plait.components.dcp_pieces import Pieces, PiecesLoadPlanner, PiecesSavePlanner
 from plait.components.optim import single_names
 from plait.ps.shard import FlatLayout
 from plait.ps.state import ShardState
@@ -69,77 +62,6 @@ def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[Box]:
     if b % inner:  # the partial last row
         out += [((r1, *o), (1, *s), r1 * inner - a + st) for o, s, st in flat_boxes(shape[1:], 0, b % inner)]
     return out
-
-
-@dataclass
-class Pieces:
-    """What this rank holds of one single-process tensor of ``shape``: boxes at global ``offsets`` with
-    their local tensors (views of a server's shard). DCP writes and reads them as the chunks of a
-    sharded tensor (the ``__create_write_items__`` / ``__create_chunk_list__`` protocol DTensor uses)."""
-
-    shape: torch.Size
-    boxes: list[tuple[torch.Size, torch.Tensor]]
-
-    def size(self) -> torch.Size:
-        return self.shape
-
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        return [WriteItem(index=MetadataIndex(fqn, off), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=off, sizes=t.shape),
-                                                      properties=TensorProperties.create_from_tensor(t),
-                                                      size=self.shape))
-                for off, t in self.boxes]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=off, sizes=t.shape) for off, t in self.boxes]
-
-    def piece(self, index: MetadataIndex) -> torch.Tensor:
-        if index.index is not None and index.index < len(self.boxes) and self.boxes[index.index][0] == index.offset:
-            return self.boxes[index.index][1]
-        for off, t in self.boxes:
-            if off == index.offset:
-                return t
-        raise ValueError(f"{index.fqn}: this rank holds no chunk at {index.offset}")
-
-
-class PiecesSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, for state dicts holding ``Pieces``; ``extra`` joins the state dict
-    (a server's ``ps`` entries). Replicated tensors are written by the lowest rank holding them."""
-
-    def __init__(self, extra: dict[str, Any] | None = None) -> None:
-        super().__init__(dedup_save_to_lowest_rank=True)
-        self.extra = extra or {}
-
-    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None,
-                       is_coordinator: bool = False) -> None:
-        super().set_up_planner({**state_dict, **self.extra}, storage_meta, is_coordinator)
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        obj = self.state_dict.get(index.fqn)
-        return obj.piece(index) if isinstance(obj, Pieces) else super().lookup_object(index)
-
-
-class PiecesLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, for state dicts holding ``Pieces`` (read in place into the views);
-    ``extra(metadata)`` adds entries shaped after what the checkpoint holds (a server's ``ps``)."""
-
-    def __init__(self, extra: Callable[[Metadata], dict[str, Any]] | None = None) -> None:
-        super().__init__()
-        self.extra = extra
-
-    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
-                       is_coordinator: bool = False) -> None:
-        # The default's, without its meta-tensor initialisation (there are none), which would replace the
-        # ``Pieces`` it does not know by None.
-        if self.extra is not None and metadata is not None:
-            state_dict.update(self.extra(metadata))
-        self.original_state_dict = state_dict
-        self.state_dict, self.mappings = flatten_state_dict(state_dict)
-        self.metadata, self.is_coordinator = metadata, is_coordinator
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        obj = self.state_dict.get(index.fqn)
-        return obj.piece(index) if isinstance(obj, Pieces) else super().lookup_tensor(index)
 
 
 def param_names(model: nn.Module, flat: FlatLayout) -> list[tuple[list[str], str]]:

@@ -34,13 +34,14 @@ from torch import nn
 
 from plait.comm.collectives import Comm
 from plait.components.checkpoint import load_state, save_state
+from plait.components.dcp_pieces import PiecesSavePlanner
 from plait.components.optim import optimizer_recipe
 from plait.config import Config, ParallelConfig
 from plait.observe.log import get_logger
 from plait.parallel.apply import ModelSpec
 from plait.parallel.data_strategy import ELEMENTWISE
 from plait.parallel.strategy import LayoutError, OptimizerFactory, Strategy, register_strategy
-from plait.ps.checkpoint import PiecesSavePlanner, ServerCheckpoint, param_names, untrained_state
+from plait.ps.checkpoint import ServerCheckpoint, param_names, untrained_state
 from plait.ps.protocol import Op
 from plait.ps.roles import PsTopology, ServerDone, check_ps, make_groups, merge_stats, ps_topology
 from plait.ps.server import Server
