@@ -31,7 +31,7 @@ CONFIGS = {
 
 
 def _trainers(name: str, overrides: list[str], root: str) -> dict:
-    from plait.parallel.data import LocalGrads
+    from plait.parallel.data.reducer import LocalGrads
 
     out = {}
     for impl in ("plait", "torch", "compute_only"):

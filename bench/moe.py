@@ -119,7 +119,7 @@ def _speed_worker(rank: int, world: int, tokens: int, reps: int) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from plait.nn import MoE
-    from plait.parallel.expert import shard_experts
+    from plait.parallel.expert.dispatch import shard_experts
 
     C, H, E, K = SHAPE
     torch.manual_seed(0)

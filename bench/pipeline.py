@@ -32,7 +32,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from plait.config import ModelConfig
 from plait.models.gpt import GPT
 from plait.models.tiny import token_batches
-from plait.parallel.pipeline import LayerCosts, build_pipeline, measure_layer_costs
+from plait.parallel.pipeline.runner import LayerCosts, build_pipeline, measure_layer_costs
 from plait.runtime.spawn import spawn_ranks
 
 MICROBATCHES = (1, 2, 4, 8, 16)

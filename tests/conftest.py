@@ -1,9 +1,10 @@
 """Shared test setup: the suite's helper modules (``helpers``, ``references``, ``sysdeps``, ``plan_factories``)
 import by their plain names from every folder, and GPU tests run only where CUDA exists.
 
-Test folders mirror ``src/plait`` (``tests/parallel/test_zero.py`` tests ``plait/parallel/zero.py``) and are
-packages, so two folders may hold files of the same name; spawned ranks import a test's functions by the
-package name and find the helpers through the path set here, which they inherit.
+Test folders mirror ``src/plait`` (``tests/parallel/zero/test_optimizer.py`` tests
+``plait/parallel/zero/optimizer.py``) and are packages, so two folders may hold files of the same name;
+spawned ranks import a test's functions by the package name and find the helpers through the path set here,
+which they inherit.
 """
 
 from __future__ import annotations

@@ -71,8 +71,8 @@ def train_pipeline(cfg: ModelConfig, data, pp_group, schedule: str, microbatches
                    tp_mesh=None) -> tuple[list[float | None], Any]:
     """The tiny GPT pipelined over ``pp_group`` (tensor-parallel first over ``tp_mesh``, gradients averaged over
     ``dp_group``), trained on ``data``: the losses this rank sees (None off the last stage) and the runner."""
-    from plait.parallel.gpt_plans import apply_tensor_parallel
-    from plait.parallel.pipeline import build_pipeline
+    from plait.parallel.pipeline.runner import build_pipeline
+    from plait.parallel.tensor.gpt import apply_tensor_parallel
 
     model = seeded_gpt(cfg)
     if tp_mesh is not None:
@@ -104,7 +104,7 @@ def max_param_diff(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor])
 
 def allreduce_grads_mean(params, group) -> None:
     """Plain data parallelism for the tests: average each local gradient shard over ``group``."""
-    from plait.parallel.tensor import local_grads
+    from plait.parallel.tensor.plan import local_grads
 
     n = dist.get_world_size(group)
     for g in local_grads(list(params)):

@@ -39,7 +39,7 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def _stage_fn(model: nn.Sequential, stage: int, num_stages: int) -> nn.Module:
     """The user's own cut: the first two Linears on stage 0, the rest on stage 1 (names kept)."""
-    from plait.parallel.pipeline_split import SequentialStage
+    from plait.parallel.pipeline.split import SequentialStage
 
     names = ["0", "1", "2"] if stage == 0 else ["3", "4"]
     return SequentialStage({n: model.get_submodule(n) for n in names})

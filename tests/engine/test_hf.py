@@ -97,7 +97,7 @@ def train_plait(kind: str, parallel: dict, micro: int, run_dir: str, seed: int) 
 def _worker(rank: int, world: int, root: str) -> dict:
     out = {name: train_plait(kind, parallel, micro, f"{root}/{name}", seed=rank)
            for name, (kind, parallel, micro) in CASES.items()}
-    from plait.parallel.tensor import TensorParallelError
+    from plait.parallel.tensor.plan import TensorParallelError
 
     try:
         train_plait("gpt2", {"tp": 2}, 8, f"{root}/gpt2-tp", seed=rank)

@@ -10,8 +10,8 @@ from torch import nn
 from plait.components.losses import CausalLMLoss, ClassificationLoss, HFLoss, LossError, infer_loss, resolve_loss
 from plait.config import ConfigError, from_sections, load_config, to_toml
 from plait.models.gpt import GPT
-from plait.parallel.pipeline_split import PipelineConfigError, split_by_names
-from plait.parallel.tensor import TensorParallelError, hf_plan, validate_plan
+from plait.parallel.pipeline.split import PipelineConfigError, split_by_names
+from plait.parallel.tensor.plan import TensorParallelError, hf_plan, validate_plan
 from plait.parallel.units import find_blocks
 
 

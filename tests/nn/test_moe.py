@@ -1,4 +1,4 @@
-"""Mixture of experts and expert parallelism (``plait.nn.MoE``, ``plait.parallel.expert``).
+"""Mixture of experts and expert parallelism (``plait.nn.MoE``, ``plait.parallel.expert.dispatch``).
 
 Multi-process checks run in one spawn of 4 gloo ranks (every configuration one after another); the
 reference is one process doing what the ``dp`` ranks do together: each rank's micro-batch as one
@@ -212,7 +212,7 @@ def _gather_grads(p, grads: dict) -> dict:
     """Expert gradients are local slices: gather them over ep into global tensors."""
     import torch.distributed as dist
 
-    from plait.parallel.expert import is_expert
+    from plait.parallel.expert.dispatch import is_expert
 
     out = {}
     params = dict(p.layout.model.named_parameters())
@@ -363,7 +363,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
     # each parameter reduced over the right group: gradients 2^rank before the reduction
     p = _plait(root, "groups", {"ep": 2}, "alltoall")
     model, _ = p.setup(build(), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR))
-    from plait.parallel.expert import is_expert
+    from plait.parallel.expert.dispatch import is_expert
 
     dense = [q for q in model.parameters() if not is_expert(q)]
     (float(2 ** rank) * sum(q.sum() for q in dense)).backward()  # dense gradients exactly 2^rank

@@ -10,8 +10,8 @@ from references import DP_CFG, dp_batches, dp_model, local_micro_batches, param_
 
 from plait.observe.memory import measure_model_state_bytes
 from plait.parallel.checkpointing import apply_activation_checkpointing
-from plait.parallel.fsdp import apply_fsdp
-from plait.parallel.zero import ZeroOptimizer
+from plait.parallel.fsdp.shard import apply_fsdp
+from plait.parallel.zero.optimizer import ZeroOptimizer
 from plait.plan.memory import (
     GPTShape,
     format_memory_table,

@@ -4,7 +4,7 @@
 ``__create_chunk_list__`` protocol DTensor itself uses), so a checkpoint holds the single-process tensor under
 its name and loads into any layout; a load reads the boxes in place. The planners find a box by its offset.
 Used by the parameter server (a server's flat shard cut into boxes, ``plait.ps.checkpoint``) and by tensor
-parallelism's strided expert weights (``plait.parallel.strided``).
+parallelism's strided expert weights (``plait.parallel.tensor.strided``).
 """
 
 from __future__ import annotations

@@ -54,11 +54,11 @@ from plait.observe.memory import SetupMeter
 from plait.observe.prometheus import serve_metrics
 from plait.parallel import registry
 from plait.parallel.apply import ModelSpec
-from plait.parallel.expert import MoeMonitor
+from plait.parallel.expert.dispatch import MoeMonitor
 from plait.parallel.meta_init import place
 from plait.parallel.prepare import unwrap_compiled
 from plait.parallel.strategy import PlaitError, RankDone, Strategy, check_loss
-from plait.parallel.tensor import local_value
+from plait.parallel.tensor.plan import local_value
 from plait.runtime.dist import init_distributed, write_error
 from plait.topology import Topology
 from plait.validate import validate

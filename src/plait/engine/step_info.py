@@ -29,7 +29,7 @@ class StepInfo:
     preempted: bool = False
     # Per MoE layer (plait.nn.MoE), summed over the data-parallel ranks since the last report (every
     # train.log_every steps): tokens per expert, max_violation, dropped_fraction, aux_loss, z_loss, a2a_bytes
-    # (plait.parallel.expert.MoeMonitor); None without MoE and on the steps between reports.
+    # (plait.parallel.expert.dispatch.MoeMonitor); None without MoE and on the steps between reports.
     moe: list[dict[str, Any]] | None = None
     # The strategy's own figures of this step (a parameter server worker's clock, versions, bytes, waits).
     strategy_metrics: dict[str, Any] | None = None

@@ -27,7 +27,7 @@ from plait.engine.window import AccumulationWindow
 from plait.fault.preempt import PreemptionFlag
 from plait.observe.log import get_logger
 from plait.observe.memory import measure_model_state_bytes
-from plait.parallel.expert import MoeMonitor
+from plait.parallel.expert.dispatch import MoeMonitor
 from plait.parallel.strategy import PlaitError, Strategy
 
 

@@ -34,7 +34,7 @@ values are kept in ``last_stats`` for metrics.
 
 Experts: ``num_experts`` two-layer MLPs held as two batched weights ``w1 (E, C, H)`` and ``w2 (E, H, C)``
 (expert parallelism shards their dim 0), plus ``shared_experts`` always-on MLPs. The dispatcher moves
-tokens to experts and back: ``LocalDispatcher`` here; ``plait.parallel.expert`` swaps in the all-to-all
+tokens to experts and back: ``LocalDispatcher`` here; ``plait.parallel.expert.dispatch`` swaps in the all-to-all
 one across ranks.
 """
 

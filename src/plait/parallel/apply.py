@@ -19,12 +19,12 @@ from plait.config import ParallelConfig, TrainConfig
 from plait.nn.moe import moe_layers
 from plait.parallel.checkpointing import apply_activation_checkpointing
 from plait.parallel.compile import compile_blocks
-from plait.parallel.expert import shard_experts
-from plait.parallel.hf_moe import check_hf_experts, check_pipeline_router_loss, shard_hf_experts
-from plait.parallel.hf_tp import hf_tp_function
-from plait.parallel.pipeline_split import pipeline_adapter, split_by_names
+from plait.parallel.expert.dispatch import shard_experts
+from plait.parallel.expert.hf import check_hf_experts, check_pipeline_router_loss, shard_hf_experts
+from plait.parallel.pipeline.split import pipeline_adapter, split_by_names
 from plait.parallel.plans import plan_for
-from plait.parallel.tensor import hf_plan, resolve_tp, validate_plan
+from plait.parallel.tensor.hf import hf_tp_function
+from plait.parallel.tensor.plan import hf_plan, resolve_tp, validate_plan
 from plait.plan.schedule import NATURAL_VIRTUAL, PipelineConfigError
 from plait.topology import Topology
 

@@ -2,10 +2,10 @@
 
 A model class can register a tensor-parallel function (``parallelize(model, tp_mesh, parallel_cfg)``,
 used for ``parallel.tp_plan = "auto"``) and a pipeline adapter (how to cut it into stages). plait's
-GPT has both (``plait.parallel.gpt_plans``, registered here); a user registers their own classes the same way, or passes
-``tp_plan`` / ``parallelize_fn`` / ``stage_fn`` to ``Plait.setup`` instead. Models registered nowhere
-fall back to what plait finds on them: a Hugging Face model's shipped tensor-parallel plan and
-pipeline plan, an ``nn.Sequential``'s children.
+GPT has both (``plait.parallel.tensor.gpt`` and ``plait.parallel.pipeline.gpt``, registered here); a user
+registers their own classes the same way, or passes ``tp_plan`` / ``parallelize_fn`` / ``stage_fn`` to
+``Plait.setup`` instead. Models registered nowhere fall back to what plait finds on them: a Hugging Face
+model's shipped tensor-parallel plan and pipeline plan, an ``nn.Sequential``'s children.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Any
 from torch import nn
 
 from plait.models.gpt import GPT
-from plait.parallel.gpt_plans import GPTPipeline, parallelize
+from plait.parallel.pipeline.gpt import GPTPipeline
+from plait.parallel.tensor.gpt import parallelize
 
 
 @dataclass
@@ -25,7 +26,7 @@ class ModelPlan:
     """Hooks for one model class; each may be None."""
 
     parallelize: Callable[[nn.Module, Any, Any], nn.Module] | None = None
-    pipeline: Any = None  # a plait.parallel.pipeline.PipelineAdapter
+    pipeline: Any = None  # a plait.parallel.pipeline.runner.PipelineAdapter
 
 
 _PLANS: dict[type, ModelPlan] = {}

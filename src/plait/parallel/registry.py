@@ -14,16 +14,16 @@ from torch import nn
 
 from plait.comm.collectives import Comm
 from plait.config import Config, ConfigError, ParallelConfig
-from plait.parallel import (  # noqa: F401 - they register themselves
-    data_strategy,
-    expert_strategy,
-    model_parallel,
-    pipeline_strategy,
-    pipeline_zero,
-)
 from plait.parallel.apply import ModelSpec
+from plait.parallel.data import strategy as data_strategy  # noqa: F401 - the strategies register themselves
+from plait.parallel.expert import strategy as expert_strategy  # noqa: F401
+from plait.parallel.fsdp import strategy as fsdp_strategy  # noqa: F401
+from plait.parallel.pipeline import sharded as pipeline_sharded  # noqa: F401
+from plait.parallel.pipeline import strategy as pipeline_strategy  # noqa: F401
 from plait.parallel.strategy import Strategy, strategy_table
+from plait.parallel.tensor import strategy as tensor_strategy  # noqa: F401
 from plait.parallel.wrapper import Wrapper
+from plait.parallel.zero import strategy as zero_strategy  # noqa: F401
 from plait.ps import strategy as ps_strategy  # noqa: F401 - registers the parameter server
 from plait.topology import Topology
 

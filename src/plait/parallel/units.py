@@ -5,8 +5,8 @@ Found without knowing the model: a Hugging Face model names its block classes in
 the ``nn.ModuleList`` or ``nn.Sequential`` holding the most parameters with at least two children
 (plait's GPT and CNN ``blocks``, a Sequential model's layers). A model without either has no blocks.
 Batch normalisation: the running statistics of a model's BatchNorm layers, for averaging over ranks.
-Expert-parallel parameters: marked by ``plait.parallel.expert.shard_experts``; the data-parallel engines
-(reducer, DDP, ZeRO, FSDP) leave them to ``plait.parallel.expert_strategy.ExpertParallel``.
+Expert-parallel parameters: marked by ``plait.parallel.expert.dispatch.shard_experts``; the data-parallel engines
+(reducer, DDP, ZeRO, FSDP) leave them to ``plait.parallel.expert.strategy.ExpertParallel``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from collections.abc import Hashable, Sequence
 # starts communication early in backward even when the whole model would fit in one bucket.
 FIRST_BUCKET_BYTES = 2**20
 # ZeRO-2 frees a full gradient buffer once its reduce-scatter is done; more than this many launched buckets
-# holding one make the next launch wait (plait.parallel.zero).
+# holding one make the next launch wait (plait.parallel.zero.optimizer).
 MAX_FULL_IN_FLIGHT = 1
 
 

@@ -5,7 +5,7 @@
   at 1 MiB, reverse registration order).
 * ``zero_buckets``: ZeRO-1/2's flat buckets and their padding, by the ZeRO optimizer's own rule
   (``plait.plan.buckets.zero_groups``).
-* ``fsdp_units``: ZeRO-3's units as ``plait.parallel.fsdp.apply_fsdp`` wraps them: each block
+* ``fsdp_units``: ZeRO-3's units as ``plait.parallel.fsdp.shard.apply_fsdp`` wraps them: each block
   (``plait.parallel.units.find_blocks``) and the root with everything else.
 * ``tp_collectives``: the tensor-parallel collectives of one block and of the rest of the model, recorded
   from a forward and backward of the real model with the real tensor-parallel plan applied, built on the

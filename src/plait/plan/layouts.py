@@ -3,7 +3,7 @@ a profile.
 
 Hybrid sharding (HSDP: FSDP over groups of ``dp_shard`` ranks, replicated across the ``dp / dp_shard``
 groups) and pipeline stages composed with ZeRO-1/2/3 run in plait (``parallel.dp_shard``,
-``plait.parallel.pipeline_zero``): the step simulator (``plait.plan.simulate``) prices them with these
+``plait.parallel.pipeline.sharded``): the step simulator (``plait.plan.simulate``) prices them with these
 functions and the planner enumerates them. Context parallelism (``cp``: ring attention or Ulysses all-to-all)
 does not run yet: ``Layout`` carries ``cp`` so its price has a home, and the simulator refuses it
 (``Workload.check``). Each function states its formula; bytes are per rank, seconds from

@@ -1,6 +1,6 @@
 """The mixture-of-experts feed-forward of one block on one rank (``BlockOps(..., moe=True)``).
 
-plait's ``plait.nn.MoE`` under ``plait.parallel.expert``: an fp32 router and its softmax and top-k, the
+plait's ``plait.nn.MoE`` under ``plait.parallel.expert.dispatch``: an fp32 router and its softmax and top-k, the
 ``A = k M`` assignments gathered, each rank's ``E / ep`` experts run as one matmul pair per expert on
 ``A / E`` rows each (a balanced router), the outputs weighted and summed back; with ``ep > 1`` the
 dispatcher's all-to-alls in the compute stream: forward the per-expert counts (``E`` int64), the tokens

@@ -12,7 +12,7 @@ of the experts).
 Pruned, each family with its reason: degrees that do not divide the devices, the heads, the MLP width,
 the vocabulary or the sequence; a global batch that does not split over dp; combinations plait refuses
 (``plait.validate``: ZeRO-1/2 with tp, hybrid sharding with ep, the zbv schedule with ZeRO-3;
-``plait.parallel.expert``: ZeRO-3 with ep whose expert weights do not split evenly over the dp / ep
+``plait.parallel.expert.dispatch``: ZeRO-3 with ep whose expert weights do not split evenly over the dp / ep
 replicas; the planner also leaves MoE models with tp or pp out of its search); layouts whose predicted
 peak memory exceeds the device's usable memory (with the bytes).
 
@@ -159,7 +159,7 @@ def _variants(shape: ModelShape, batch: int, tp: int, pp: int, dp: int, pruned: 
                             continue
                         if schedule == "zbv" and zero == 3:
                             pruned["zbv with zero=3"] = "the zero-bubble schedule's weight pass misses FSDP2's " \
-                                                        "gathered parameters (plait.parallel.pipeline_zero)"
+                                                        "gathered parameters (plait.parallel.pipeline.sharded)"
                             continue
                         if schedule == "interleaved" and m % max(1, m // pp):
                             continue

@@ -76,7 +76,7 @@ def model_states(params: list[Param], work: Workload, n_layer: int) -> tuple[Ran
     """(model-state bytes of a rank holding ``params``, its communication buffers in bytes).
 
     With expert parallelism the rank's local experts (``E / ep`` of each MoE layer) are sharded apart from
-    the dense parameters, over the ``dp / ep`` ranks holding the same experts (``plait.parallel.expert``):
+    the dense parameters, over the ``dp / ep`` ranks holding the same experts (``plait.parallel.expert.dispatch``):
     their own ZeRO-1/2 buckets there, or FSDP2 units splitting each weight's dim 1 at ZeRO-3; whole (with
     a flattened gradient copy for their all-reduce) without ZeRO or when ``dp = ep``."""
     lay = work.layout

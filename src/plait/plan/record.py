@@ -23,7 +23,7 @@ from plait.data.tokenize import resolve_vocab_size
 from plait.models.gpt import GPT
 from plait.parallel.apply import ModelSpec, _tp_function
 from plait.parallel.checkpointing import apply_activation_checkpointing
-from plait.parallel.tensor import loss_context
+from plait.parallel.tensor.plan import loss_context
 from plait.plan.derive import Collective, OperatorCounts
 from plait.plan.shapes import ModelShape, gpt_shape, shape_from_model, with_moe
 

@@ -142,7 +142,7 @@ def _comm_plan(model: StageModel, params: list[Param], dp_group: Any, shards: tu
     overlap = cores_free and (work.stack != "megatron" or lay.zero == 3)
     plan: dict[str, Any] = {"overlap": overlap, "prefetch": profile.kind != "cpu", "buckets": []}
     grad = model.gradient_bytes
-    if lay.ep > 1:  # plait.parallel.expert, over the ranks holding the same experts, after backward
+    if lay.ep > 1:  # plait.parallel.expert.dispatch, over the ranks holding the same experts, after backward
         experts = 4 * sum(p.local_numel(lay.tp) for p in params if p.expert)
         group = group_span(model.placement.expert_dp_group(), model.cluster.devices_per_node)
         if lay.zero and lay.dp > lay.ep:  # sharded there: reduce-scatter the gradients, all-gather the weights

@@ -14,7 +14,7 @@ recomputation (Korthikanti et al. 2022; a what-if, plait does not run it) drops 
 ``T x T`` tensors and recomputes the core. A mixture-of-experts block's all-to-alls run over the
 expert-parallel group (``ep_fwd``/``ep_bwd``: in the compute stream, like the tensor-parallel ones).
 
-Stages are split by ``plait.parallel.pipeline.partition_layers`` (the trainer's own split) on these
+Stages are split by ``plait.parallel.pipeline.runner.partition_layers`` (the trainer's own split) on these
 predicted costs, as the trainer splits on measured ones (``pp_balance="cost"``), or by layer count.
 """
 

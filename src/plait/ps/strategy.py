@@ -39,8 +39,8 @@ from plait.components.optim import optimizer_recipe
 from plait.config import Config, ParallelConfig
 from plait.observe.log import get_logger
 from plait.parallel.apply import ModelSpec
-from plait.parallel.data_strategy import ELEMENTWISE
 from plait.parallel.strategy import LayoutError, OptimizerFactory, Strategy, register_strategy
+from plait.parallel.zero.strategy import ELEMENTWISE
 from plait.ps.checkpoint import ServerCheckpoint, param_names, untrained_state
 from plait.ps.protocol import Op
 from plait.ps.roles import PsTopology, ServerDone, check_ps, make_groups, merge_stats, ps_topology

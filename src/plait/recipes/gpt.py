@@ -6,7 +6,8 @@ into ``model.seq_len`` windows). The GPT class gets two parallelization hooks
 (``plait.parallel.plans``, which registers them): its Megatron tensor-parallel layout and its pipeline
 stages. The engine and the trainer know nothing of either; they find them through the registry.
 
-The tensor-parallel plan and the pipeline stages of the GPT live in ``plait.parallel.gpt_plans``.
+The tensor-parallel plan and the pipeline stages of the GPT live in ``plait.parallel.tensor.gpt`` and
+``plait.parallel.pipeline.gpt``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def build_model(cfg: Config) -> GPT:
 
 def check_model(cfg: Config, degrees: dict[str, int]) -> None:
     """The GPT's shape against the layout, before any worker starts."""
-    from plait.parallel.gpt_plans import check_tensor_parallel
+    from plait.parallel.tensor.gpt import check_tensor_parallel
     from plait.plan.schedule import NATURAL_VIRTUAL
 
     m, p = cfg.model, cfg.parallel

@@ -1,0 +1,2 @@
+"""Data parallelism: plait's bucketed, overlapped gradient reducer and PyTorch DDP (``reducer``), and the
+``DataParallel`` strategy that trains with either (``strategy``)."""

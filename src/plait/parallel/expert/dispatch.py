@@ -1,0 +1,292 @@
+"""Expert parallelism: MoE experts sharded over the ``ep`` mesh axis, folded into data parallelism.
+
+Layout. The data-parallel world of ``dp`` ranks (expert-parallel ranks included; ``plait.topology``) is
+split as ``dp_replicate = dp / ep`` groups of ``ep`` ranks. Every rank processes its own micro-batches.
+Dense parameters are replicated on all ``dp`` ranks; each MoE layer's ``E`` experts are sharded over the
+``ep`` ranks of a group (rank ``i`` holds the global experts ``[i E/ep, (i+1) E/ep)``) and replicated over
+the ``dp / ep`` ranks holding the same slice (the expert-data-parallel group).
+
+Dispatch (``AllToAllDispatcher``): the routed assignments are sorted by global expert index; one
+all-to-all exchanges the per-expert counts, then the tokens go out with those variable splits (each
+destination reads which local expert a row is for from the counts), the local experts run, and a second
+all-to-all brings the results back (autograd runs the two reversed in backward).
+``AllGatherDispatcher`` is the reference path: every rank gathers
+all ranks' assignments, computes those for its own experts, and one all-reduce sums the results.
+
+Gradient reduction (``plait.parallel.expert.strategy.ExpertParallel.finish``), so that every gradient
+equals one process training on the whole global batch (the mean over the ``dp`` ranks' losses):
+
+* dense parameters: averaged over the whole data-parallel world including ``ep`` (the layout's reducer,
+  DDP, unchanged), i.e. summed over ``dp`` ranks and divided by ``dp``;
+* expert parameters: their local gradient already sums the contributions of the tokens every rank of the
+  ``ep`` group sent; it is summed over the expert-data-parallel group (``dp / ep`` ranks) and divided by
+  ``dp``, not by ``dp / ep`` (dividing by the group size is the classic error by a factor of ``ep``).
+
+Every local expert runs on however many rows reached it, zero included, so its gradient is zeros rather
+than None, and every rank issues the same collectives whatever its routing: no hang when an expert or a
+whole rank gets no tokens.
+
+Checkpoints: expert weights and their optimizer states are saved as ``DTensor`` shards of the global
+``(E, ...)`` tensors on the ``ep`` mesh, keyed by the single-process names, so DCP reshards them to any
+other ``ep`` (1 included) on load. The balancing bias is a buffer, the same on every rank.
+
+Compositions (``plait.parallel.expert.strategy.ExpertParallel`` around the strategy of the dense parameters):
+plait's data-parallel reducer, PyTorch DDP, one-rank data parallelism; ZeRO 1-3 (the experts keep their own
+optimizer, and are sharded like the dense parameters over the remaining data-parallel axis, the ``dp / ep``
+ranks holding the same experts: their optimizer states and gradients by a second ``ZeroOptimizer`` at stages
+1-2, their weights too by FSDP2 at stage 3; checkpoints then hold ``(ep, dp / ep)``-sharded DTensors of the
+global ``(E, ...)`` tensors); tensor parallelism (attention and dense MLPs tensor-parallel, MoE blocks whole
+on every tp rank: experts whole, not expert-tensor-parallel; ep groups are the ranks with the same tp
+coordinate); pipeline parallelism (each stage's MoE layers dispatch within the ranks of that stage; the same
+schedule on every ep rank keeps the all-to-alls in step). MoE with sequence parallelism or with tp and ZeRO-3
+together is refused with a message naming the alternative. """
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dfn
+from torch import nn
+
+from plait.config import ConfigError, MoeConfig, ParallelConfig
+from plait.nn.moe import GroupedExperts, MoE, Routing, max_violation, moe_layers
+from plait.parallel.units import EXPERT_ATTR, is_expert
+
+__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "MoeMonitor", "check_expert_layout",
+           "is_expert", "shard_experts"]
+
+
+class ExpertParallelError(ConfigError):
+    """A model or layout expert parallelism cannot take; the message says what to do."""
+
+
+def check_expert_layout(m: MoeConfig, p: ParallelConfig) -> None:
+    """Config-only checks of ``[moe]`` against ``parallel.ep`` and the other degrees."""
+    if m.num_experts < 0 or m.top_k < 1 or m.every < 1 or m.d_hidden < 0 or m.shared_experts < 0:
+        raise ConfigError("moe.num_experts >= 0, moe.top_k >= 1, moe.every >= 1, moe.d_hidden >= 0 and "
+                          "moe.shared_experts >= 0 are required")
+    if m.capacity_factor < 0:
+        raise ConfigError(f"moe.capacity_factor={m.capacity_factor} must be 0 (dropless) or positive")
+    if m.num_experts and m.top_k > m.num_experts:
+        raise ConfigError(f"moe.top_k={m.top_k} exceeds moe.num_experts={m.num_experts}: a token cannot choose "
+                          f"more experts than exist; set moe.top_k <= {m.num_experts}")
+    if m.num_experts and m.num_experts % p.ep:
+        fits = [e for e in range(1, m.num_experts + 1) if m.num_experts % e == 0]
+        raise ConfigError(f"moe.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep}: every "
+                          f"expert-parallel rank holds the same number of experts; use ep in {fits}")
+    if m.num_experts and p.tp > 1 and (p.sequence_parallel or p.zero == 3):
+        raise ConfigError(f"MoE layers with tp={p.tp} and {'sequence_parallel' if p.sequence_parallel else 'zero=3'} "
+                          "are not available in this build: MoE blocks compose with plain tensor parallelism "
+                          "(sequence_parallel=false, zero=0) and with expert parallelism (parallel.ep)")
+
+
+# -- dispatchers ----------------------------------------------------------------------------------
+class _Dispatcher:
+    def __init__(self, group: dist.ProcessGroup | None, offset: int, local: int, ep: int, ep_rank: int) -> None:
+        self.group, self.expert_offset, self.local, self.ep, self.ep_rank = group, offset, local, ep, ep_rank
+        self.bytes_sent = 0  # forward dispatch + combine bytes to other ranks since the last reset
+
+
+class AllToAllDispatcher(_Dispatcher):
+    """Tokens to the ranks holding their experts and back: one all-to-all of the per-expert counts, then
+    the tokens with variable splits, the local experts, and the results back (two all-to-alls, reversed
+    in backward).
+
+    The assignments are sorted by global expert index, so each destination receives, from every source,
+    its rows grouped by local expert in order: the count matrix alone tells it which expert each row
+    is for (no expert ids travel)."""
+
+    def __call__(self, x: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor:
+        order = torch.argsort(routing.experts, stable=True)  # by owning rank, then local expert
+        counts = torch.bincount(routing.experts, minlength=self.ep * self.local)  # (ep x local,)
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=self.group)  # the count exchange first
+        send_splits = counts.view(self.ep, self.local).sum(1).tolist()
+        recv_counts = recv.view(self.ep, self.local)  # (source, local expert)
+        recv_splits = recv_counts.sum(1).tolist()
+        ids_recv = torch.arange(self.local, device=x.device).repeat(self.ep).repeat_interleave(recv_counts.reshape(-1))
+        x_send = x.index_select(0, routing.tokens.index_select(0, order))  # (A, C)
+        x_recv = dfn.all_to_all_single(x.new_empty(sum(recv_splits), x.size(-1)), x_send, recv_splits,
+                                       send_splits, group=self.group)
+        y = experts(x_recv, torch.arange(len(ids_recv), device=x.device), ids_recv)  # (R, C)
+        y_back = dfn.all_to_all_single(y.new_empty(len(order), y.size(-1)), y, send_splits, recv_splits,
+                                       group=self.group)
+        remote = sum(send_splits) - send_splits[self.ep_rank] + sum(recv_splits) - recv_splits[self.ep_rank]
+        if torch.is_grad_enabled():  # training forwards; backward moves the same bytes again
+            self.bytes_sent += remote * x.size(-1) * x.element_size()
+        return y_back.new_empty(y_back.shape).index_copy(0, order, y_back)  # back to assignment order
+
+
+class AllGatherDispatcher(_Dispatcher):
+    """Reference path: gather every rank's assignments, run this rank's experts on those routed to them,
+    and sum the results over the ``ep`` group (an all-reduce); each rank keeps its own rows. Simple and
+    obviously right, at ``ep`` times the all-to-all's traffic."""
+
+    def __call__(self, x: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor:
+        a = len(routing.tokens)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.ep)]
+        dist.all_gather(sizes, torch.tensor([a]), group=self.group)
+        a_max = max(int(s) for s in sizes)
+        x_pad = x.new_zeros(a_max, x.size(-1))
+        x_pad = x_pad.index_copy(0, torch.arange(a, device=x.device), x.index_select(0, routing.tokens))
+        ids = torch.full((a_max,), -1, dtype=torch.int64, device=x.device)
+        ids[:a] = routing.experts
+        # The gather as a sum of zero-padded slots: differentiable (backward: the same all-reduce of the
+        # gradient, each rank keeping its slot). torch's autograd all_gather mis-addresses a subgroup on gloo.
+        slots = [x_pad if r == self.ep_rank else torch.zeros_like(x_pad) for r in range(self.ep)]
+        xs = dfn.all_reduce(torch.stack(slots), group=self.group).unbind(0)
+        all_ids = [torch.empty_like(ids) for _ in range(self.ep)]
+        dist.all_gather(all_ids, ids, group=self.group)
+        lo, hi = self.expert_offset, self.expert_offset + self.local
+        ids_all = torch.cat(all_ids)  # (ep x a_max,): every rank's slots, one after another
+        rows = ((ids_all >= lo) & (ids_all < hi)).nonzero().squeeze(1)
+        y = experts(torch.cat(xs), rows, ids_all[rows] - lo)  # one call: FSDP2 gathers the weights once
+        outs = y.new_zeros(self.ep * a_max, y.size(-1)).index_copy(0, rows, y)
+        total = dfn.all_reduce(outs.view(self.ep, a_max, -1), group=self.group)  # (ep, a_max, C)
+        if torch.is_grad_enabled():
+            self.bytes_sent += 4 * (self.ep - 1) * a_max * x.size(-1) * x.element_size()
+        return total[self.ep_rank, :a]
+
+
+def shard_experts(model: nn.Module, ep: int, ep_rank: int, group: dist.ProcessGroup | None,
+                  dispatcher: str = "alltoall") -> list[nn.Parameter]:
+    """Keep rank ``ep_rank``'s slice of every MoE layer's experts (the weights are already equal on every
+    rank) and install the dispatcher over ``group`` (the ``ep`` ranks); returns the expert parameters."""
+    # torch 2.13 marks the autograd-aware collectives the dispatchers use deprecated in favour of the
+    # functional ones; they remain the documented differentiable c10d calls that run on gloo.
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.nn\.functional\..* is deprecated",
+                            category=FutureWarning)
+    layers = moe_layers(model)
+    if not layers:
+        raise ExpertParallelError(f"parallel.ep={ep} but the model has no plait.nn.MoE layer to shard: set "
+                                  "moe.num_experts for plait's GPT, use plait.nn.MoE in your model, or set "
+                                  "parallel.ep=1")
+    cls = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}[dispatcher]
+    params: list[nn.Parameter] = []
+    for layer in layers:
+        e = layer.num_experts
+        if e % ep:
+            raise ExpertParallelError(f"an MoE layer has {e} experts, not divisible by parallel.ep={ep}")
+        n = e // ep
+        off = ep_rank * n
+        params += keep_experts(layer.experts, ("w1", "w2"), off, n)
+        layer.dispatcher = cls(group, off, n, ep, ep_rank)
+    return params
+
+
+def keep_experts(experts: nn.Module, names: tuple[str, ...] | list[str], off: int, n: int) -> list[nn.Parameter]:
+    """Replace each stacked expert weight ``names`` of ``experts`` (experts on dim 0) by its rows
+    ``[off, off + n)``, marked as expert-parallel with the global shape kept; returns the new parameters."""
+    params = []
+    for name in names:
+        full = getattr(experts, name)
+        local = nn.Parameter(full.detach()[off:off + n].clone(), requires_grad=full.requires_grad)
+        setattr(local, EXPERT_ATTR, True)
+        local.global_shape = tuple(full.shape)  # type: ignore[attr-defined]
+        setattr(experts, name, local)
+        params.append(local)
+    return params
+
+
+def _expert_modules(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
+    """Each module holding expert-parallel parameters itself (plait's ``GroupedExperts``, a Hugging Face
+    experts module), with those parameters' names."""
+    out = []
+    for m in model.modules():
+        names = [n for n, q in m.named_parameters(recurse=False) if is_expert(q)]
+        if names:
+            out.append((m, names))
+    return out
+
+
+def fsdp_shard_experts(model: nn.Module, topo: Any, *, param_dtype: torch.dtype | None = None,
+                       reshard_after_forward: bool = True) -> None:
+    """ZeRO-3 for the experts: each module of local experts (plait's ``GroupedExperts``, a Hugging Face
+    experts module) becomes an FSDP2 unit over the expert-data-parallel ranks (the ``dp / ep`` ranks holding
+    the same experts), every weight sharded on its dim 1 (``C`` of ``w1``, ``H`` of ``w2``; dim 0, the expert
+    index, is already split over ``ep``), the reduce-scatter divided by the whole data-parallel degree ``dp``.
+    Call before the dense FSDP units are built (they then leave these parameters to the nested unit)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    mesh = topo.mesh["dp_replicate"]
+    n = mesh.size()
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for ex, names in _expert_modules(model):
+        shapes = {name: getattr(getattr(ex, name), "global_shape", tuple(getattr(ex, name).shape)) for name in names}
+        for name in names:
+            size = getattr(ex, name).size(1)
+            if size % n:
+                raise ExpertParallelError(
+                    f"parallel.zero=3 shards each expert weight's dim 1 over the {n} ranks holding the same "
+                    f"experts (dp / ep), but {name} has {size} there; choose parallel.ep so that dp / ep divides "
+                    f"both the model width and the expert width (e.g. ep = dp), or use parallel.zero=1 or 2")
+        fully_shard(ex, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=lambda _p: Shard(1))
+        # sum, then divide by dp (one process's gradient, not the group's mean); a plain SUM runs on gloo too,
+        # where the fused PREMUL_SUM FSDP2 would otherwise pick does not exist
+        ex.set_force_sum_reduction_for_comms(True)
+        ex.set_gradient_divide_factor(float(topo.dp))
+        for name in names:  # FSDP made new parameters: mark them again
+            q = getattr(ex, name)
+            setattr(q, EXPERT_ATTR, True)
+            q.global_shape = shapes[name]
+
+
+# -- the engine's per-step MoE work ---------------------------------------------------------------
+class MoeMonitor:
+    """What the engine does for MoE layers around each step: the auxiliary losses' gradient scale before a
+    backward, and after the optimizer step the assignment counts summed over the data-parallel world
+    (bias balancing and metrics: tokens per expert, MaxVio, dropped fraction, aux/z losses, all-to-all bytes).
+    """
+
+    def __init__(self, model: nn.Module, topo: Any, comm: Any, every: int = 1, bias: bool | None = None) -> None:
+        """``model``: this rank's part (a pipeline stage may hold no MoE layer); ``bias``: whether any MoE layer
+        of the whole model balances by bias (the same on every stage; default: this part's layers)."""
+        self.layers: list[MoE] = moe_layers(model)
+        self.topo, self.comm = topo, comm
+        # Counts are summed over the ranks every step under bias balancing (the biases need them), else only
+        # every ``every`` steps (the logged ones): the figures then cover the steps since the last report.
+        self.every = max(1, every)
+        self.bias = any(layer.balance == "bias" for layer in self.layers) if bias is None else bias
+        self.stages = topo.degree("pp") if topo.mesh is not None else 1  # figures gathered over the stages
+
+    def set_grad_scale(self, scale: float) -> None:
+        for layer in self.layers:
+            layer.grad_scale = scale
+
+    def after_step(self, step: int) -> list[dict[str, Any]] | None:
+        """Sum counts over the data-parallel ranks, move the balancing biases, return the per-layer metrics
+        (None on a step that neither moves biases nor is a multiple of ``every``)."""
+        if not (self.bias or step % self.every == 0 or step == 1):
+            return None
+        out = self._local_metrics() if self.layers else []
+        if self.stages > 1:  # every stage's layers, in model order, on every rank
+            parts: list = [None] * self.stages
+            dist.all_gather_object(parts, out, group=self.topo.group("pp"))
+            out = [m for part in parts for m in part]
+        return out
+
+    def _local_metrics(self) -> list[dict[str, Any]]:
+        flat = torch.cat([layer.load for layer in self.layers] + [layer.stats_acc for layer in self.layers])
+        if self.topo.dp > 1:
+            self.comm.all_reduce_sum(flat, self.topo.dp_group, name="moe statistics")
+        sizes = [layer.num_experts for layer in self.layers]
+        loads = flat[:sum(sizes)].split(sizes)
+        stats = flat[sum(sizes):].view(len(self.layers), 5).tolist()
+        out: list[dict[str, Any]] = []
+        for layer, load, (dropped, total, aux, z, forwards) in zip(self.layers, loads, stats, strict=True):
+            layer.update_bias(load.to(layer.expert_bias.device))
+            a2a = getattr(layer.dispatcher, "bytes_sent", 0)
+            out.append({"tokens_per_expert": [int(v) for v in load.tolist()], "max_violation": max_violation(load),
+                        "dropped_fraction": dropped / total if total else 0.0,
+                        "aux_loss": aux / forwards if forwards else 0.0, "z_loss": z / forwards if forwards else 0.0,
+                        "a2a_bytes": 2 * a2a})
+            layer.load.zero_()
+            layer.stats_acc.zero_()
+            if hasattr(layer.dispatcher, "bytes_sent"):
+                layer.dispatcher.bytes_sent = 0
+        return out
