@@ -43,6 +43,7 @@ from plait.parallel.pipeline.split import (
     LayerCosts,
     PipelineAdapter,
     Tie,
+    check_tied_copies,
     measure_layer_costs,
     pipeline_adapter,
     split_by_names,
@@ -301,16 +302,14 @@ def _build_stages(model: nn.Module, adapter: PipelineAdapter, names: list[str], 
                   num_stages: int, mine: list[int], prepare: Callable[[nn.Module], nn.Module] | None = None
                   ) -> tuple[dict[int, nn.Module], list, dict]:
     """(this rank's stage modules by stage index, each through ``prepare``, the weights tied across stages, the
-    names of later stages' copies of them). A user's ``stage_fn`` builds only this rank's stages, and its ties
-    are the user's."""
-    if isinstance(adapter, FunctionPipeline):
-        built, ties, copies = {s: adapter.build_stage(model, [str(s)], is_first=s == 0, is_last=s == num_stages - 1)
-                               for s in mine}, [], {}
-    else:
-        every = [adapter.build_stage(model, [names[i] for i in ranges[s]], is_first=s == 0,
-                                     is_last=s == num_stages - 1) for s in range(num_stages)]
-        ties, copies = untie_across_stages(model, every)
-        built = {s: every[s] for s in mine}
+    names of later stages' copies of them). Every stage is built on every rank, a user's ``stage_fn`` included,
+    so the parameters several stages share are found by identity whoever split the model (a rank's own stages
+    alone cannot tell it that its tied head's table lives on another rank)."""
+    every = [adapter.build_stage(model, [names[i] for i in ranges[s]], is_first=s == 0, is_last=s == num_stages - 1)
+             for s in range(num_stages)]
+    check_tied_copies(model, every)
+    ties, copies = untie_across_stages(model, every)
+    built = {s: every[s] for s in mine}
     if prepare is not None:
         built, copies = _prepare(built, ties, copies, prepare)
     return built, ties, copies

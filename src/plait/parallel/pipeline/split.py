@@ -64,7 +64,9 @@ class SequentialPipeline:
 
 
 class FunctionPipeline:
-    """A user's ``stage_fn(model, stage_index, num_stages) -> nn.Module`` (the escape hatch)."""
+    """A user's ``stage_fn(model, stage_index, num_stages) -> nn.Module`` (the escape hatch). It is called for
+    every stage on every rank (the split needs to see every stage to find the weights they share), and its stages
+    must hold the model's own modules, not copies, wherever the model ties a weight (``check_tied_copies``)."""
 
     def __init__(self, stage_fn: Callable[[nn.Module, int, int], nn.Module], num_stages: int) -> None:
         self.stage_fn, self.num_stages = stage_fn, num_stages
@@ -247,6 +249,28 @@ class Tie:
     shape: torch.Size
     ids: set[int] = field(default_factory=set)  # id() of the original and of every copy
     params: list[nn.Parameter] = field(default_factory=list)  # this rank's copies (filled by the runner)
+
+
+def check_tied_copies(model: nn.Module, stages: list[nn.Module]) -> None:
+    """A ``PipelineConfigError`` when a module that uses a weight the model ties (a tied embedding and head) is in
+    no stage: a stage built from a copy of it (``copy.deepcopy`` in a user's ``stage_fn``) would train its copy
+    apart from the tied weight, silently. Ties are found by identity, so stages must hold the model's own modules."""
+    users: dict[int, list[tuple[str, nn.Module]]] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module.named_parameters(recurse=False):
+            users.setdefault(id(p), []).append((f"{mname}.{pname}" if mname else pname, module))
+    held = {id(m) for stage in stages for m in stage.modules()}
+    for uses in users.values():
+        if len(uses) < 2:
+            continue
+        names = " and ".join(dict.fromkeys(n for n, _ in uses))
+        for name, module in uses:
+            if id(module) not in held:
+                raise PipelineConfigError(
+                    f"the model ties {names} (one weight), but no pipeline stage holds the model's own module for "
+                    f"{name}: a stage holding a copy of it would train the copy apart from the tied weight. Build "
+                    "stages from the model's own modules (stage_fn(model, ...) returning parts such as "
+                    "model.get_submodule(...), not copies); plait keeps a weight tied across stages in sync itself")
 
 
 def untie_across_stages(model: nn.Module, stages: list[nn.Module]) -> tuple[list[Tie], dict[int, str]]:
