@@ -5,7 +5,8 @@
   ``stage_fn`` (the tie spans the two stages: it must stay one weight), and the same model's stages built from
   a copy of the head, refused;
 * tensor parallel: a plain two-Linear MLP with an explicit plan (``colwise`` then ``rowwise``), and the
-  same through a user's ``parallelize_fn``;
+  same through a user's ``parallelize_fn``; the tied language model through a ``parallelize_fn`` that shards the
+  embedding and head alike (the tie kept), and one that shards the head only (refused);
 * activation checkpointing and ZeRO-3 on the Sequential's layers (found without a ``blocks`` attribute).
 
 Tolerance: float32 rounding of the reordered sums: losses 1e-5, parameters 3e-5 after 4 AdamW steps.
@@ -102,6 +103,23 @@ def tied_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
                                                                                batch[1].reshape(-1)))
 
 
+def _parallelize_tied(model: TiedLM, mesh) -> TiedLM:
+    """The user's tensor-parallel cut of the tied model: vocabulary-parallel embedding and head (both shard the one
+    table's rows), the logits gathered."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    return parallelize_module(model, mesh, {"emb": RowwiseParallel(input_layouts=Replicate()),
+                                            "lm_head": ColwiseParallel(output_layouts=Replicate())})
+
+
+def _parallelize_head_only(model: TiedLM, mesh) -> TiedLM:
+    """A user's cut that shards the head but not the embedding it is tied to: the tie cannot hold."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    return parallelize_module(model, mesh, {"lm_head": ColwiseParallel()})
+
+
 def _parallelize(model: nn.Sequential, mesh) -> nn.Sequential:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -116,8 +134,9 @@ CASES = {
     "tp-style-objects": ({"tp": 2}, 8, {"tp_plan": "objects"}),  # torch ParallelStyle objects in the plan
     "zero3-checkpointed": ({"zero": 3}, 4, {}),
     "pp-stage-fn-tied": ({"pp": 2, "microbatches": 2, "pp_schedule": "gpipe"}, 8, {"stage_fn": _tied_stage_fn}),
+    "tp-parallelize-fn-tied": ({"tp": 2}, 8, {"parallelize_fn": _parallelize_tied}),
 }
-TIED = {"pp-stage-fn-tied"}
+TIED = {"pp-stage-fn-tied", "tp-parallelize-fn-tied"}
 
 
 def _worker(rank: int, world: int, root: str) -> dict:
@@ -148,6 +167,14 @@ def _worker(rank: int, world: int, root: str) -> dict:
                 break
         out[name] = {"losses": losses, "state": p.full_state_dict(model)}
         p.close()
+    p = plait.Plait(parallel={"tp": 2}, train={"global_batch_size": GLOBAL, "micro_batch_size": 8},
+                    run={"dir": f"{root}/tp-tie-broken"}, observe={"progress": False, "trackers": []})
+    try:
+        p.setup(TiedLM(), parallelize_fn=_parallelize_head_only)
+        out["tp-tie-broken"] = "accepted"
+    except Exception as e:  # the test checks which error, and its words
+        out["tp-tie-broken"] = f"{type(e).__name__}: {e}"
+    p.close()
     return out
 
 
@@ -165,10 +192,17 @@ def test_user_model_layout_matches_one_process(results, name) -> None:
         assert max((r[name]["state"][k] - v).abs().max().item() for k, v in ref_state.items()) < PARAM_ATOL
 
 
-def test_tied_weights_stay_one_weight_across_a_users_stages(results) -> None:
+@pytest.mark.parametrize("name", sorted(TIED))
+def test_tied_weights_stay_one_weight_under_a_users_split(results, name) -> None:
     for r in results:
-        state = r["pp-stage-fn-tied"]["state"]
+        state = r[name]["state"]
         assert torch.equal(state["emb.weight"], state["lm_head.weight"])
+
+
+def test_a_users_tensor_parallel_cut_that_unties_is_refused(results) -> None:
+    for r in results:
+        assert r["tp-tie-broken"].startswith("TensorParallelError: emb.weight is tied to lm_head.weight, but the plan "
+                                             "shards them differently"), r["tp-tie-broken"]
 
 
 def test_stages_built_from_a_copy_of_a_tied_module_are_refused() -> None:

@@ -24,7 +24,7 @@ from plait.parallel.expert.hf import check_hf_experts, check_pipeline_router_los
 from plait.parallel.pipeline.split import pipeline_adapter, split_by_names
 from plait.parallel.plans import plan_for
 from plait.parallel.tensor.hf import hf_tp_function
-from plait.parallel.tensor.plan import hf_plan, resolve_tp, validate_plan
+from plait.parallel.tensor.plan import hf_plan, resolve_tp, retie, tied_names, validate_plan
 from plait.plan.schedule import NATURAL_VIRTUAL, PipelineConfigError
 from plait.topology import Topology
 
@@ -102,7 +102,9 @@ def compose_model(model: nn.Module, topo: Topology, p: ParallelConfig, t: TrainC
     Unsupported combinations were rejected by ``plait.validate``. The model's weights are already the
     same on every rank (the strategy broadcasts them first)."""
     if topo.degree("tp") > 1:
+        tied = tied_names(model)
         model = _tp_function(model, p, spec)(model, topo.mesh["tp"])
+        retie(model, tied)  # whatever sharded it (a user's parallelize_fn too), a tied weight stays one tensor
     if topo.ep > 1:  # this rank's slice of the experts; the expert-parallel wrapper reduces their gradients
         shard = shard_experts if moe_layers(model) else shard_hf_experts  # plait's MoE, or Hugging Face blocks
         shard(model, topo.ep, topo.coord("ep"), topo.ep_group, dispatcher)

@@ -193,7 +193,7 @@ def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan) -> nn.Modul
     """
     tp = tp_mesh.size()
     resolved = validate_plan(model, plan, tp)
-    tied = _tied_names(model)
+    tied = tied_names(model)
     for pattern, style in resolved.items():
         if style is None:
             continue
@@ -206,14 +206,16 @@ def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan) -> nn.Modul
                         f"{name}.{pname} is tied to {', '.join(others)}, which the plan does not shard alike; "
                         f"shard both or neither (drop {pattern!r} from the plan, or untie the weights)")
             parallelize_module(module, tp_mesh, style)
-    _retie(model, tied)
+    retie(model, tied)
     return model
 
 
-def _retie(model: nn.Module, tied: dict[str, list[str]]) -> None:
+def retie(model: nn.Module, tied: dict[str, list[str]]) -> None:
     """``parallelize_module`` gives each module its own new DTensor parameter, which unties weights the model
     shares (a Hugging Face model's ``tie_word_embeddings``): the other names get the first name's parameter
-    again, so the one tensor keeps receiving both uses' gradients. The plan must shard them alike."""
+    again, so the one tensor keeps receiving both uses' gradients. ``tied`` is ``tied_names`` of the model before
+    it was sharded. The plan must shard them alike (else a ``TensorParallelError``); every tensor-parallel path
+    ends here, a user's ``parallelize_fn`` included."""
     done: set[str] = set()
     for name, others in tied.items():  # in the model's parameter order: the first name of each tie first
         if name in done:
@@ -232,7 +234,7 @@ def _retie(model: nn.Module, tied: dict[str, list[str]]) -> None:
             setattr(model.get_submodule(owner) if owner else model, attr, first)
 
 
-def _tied_names(model: nn.Module) -> dict[str, list[str]]:
+def tied_names(model: nn.Module) -> dict[str, list[str]]:
     """Parameter name -> the other names of the same parameter (tied weights)."""
     by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
