@@ -192,3 +192,24 @@ def test_view_outputs_of_a_unit_are_copied() -> None:
     assert fsdp._copy_view_outputs(torch.nn.Identity(), (), (plain, w * 2)) is None
     with torch.no_grad():
         assert fsdp._copy_view_outputs(torch.nn.Identity(), (), (w.t(),)) is None
+
+
+def test_a_weight_tied_across_fsdp_units_is_refused() -> None:
+    """A weight shared by a module inside a block and one outside it: fully_shard of the block would give the
+    block's module a sharded tensor and leave the outside one on the old tensor, untied."""
+    from plait.parallel.zero.optimizer import ZeroConfigError
+
+    class Shared(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(8, 4)
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 8, bias=False), torch.nn.Linear(8, 4)])
+            self.head = torch.nn.Linear(4, 8, bias=False)
+            self.head.weight = self.emb.weight  # a tie within the root unit: allowed
+
+    model = Shared()
+    fsdp.check_ties_within_units(model, list(model.blocks))
+    model.blocks[0].weight = model.emb.weight  # now a block uses it too
+    with pytest.raises(ZeroConfigError, match=r"ties one weight across units: emb.weight \(root\), blocks.0.weight "
+                                              r"\(block 0\), head.weight \(root\)"):
+        fsdp.check_ties_within_units(model, list(model.blocks))

@@ -84,9 +84,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype |
             "already on the CPU (torch's CPUOffloadPolicy fails here with 'Cannot access accelerator "
             "device'). Set parallel.offload=none"
         )
+    blocks = blocks if blocks is not None else [m for _, m in find_blocks(model)]
+    check_ties_within_units(model, blocks)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload_policy = CPUOffloadPolicy() if offload == "params" else OffloadPolicy()
-    for block in blocks if blocks is not None else [m for _, m in find_blocks(model)]:
+    for block in blocks:
         block.register_forward_hook(_copy_view_outputs)  # before fully_shard's own: it runs first
         fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload_policy,
                     reshard_after_forward=reshard_after_forward, ignored_params=ignored_params)
@@ -95,6 +97,23 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype |
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload_policy,
                 reshard_after_forward=False, ignored_params=ignored_params)
     return model
+
+
+def check_ties_within_units(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """A ``ZeroConfigError`` when modules that share one weight (a tie) fall in different FSDP units: ``fully_shard``
+    of a block replaces the parameters of the block's own modules only, so a user outside the block would keep the
+    old tensor and train apart from it. A tied embedding and head, both outside the blocks, share the root unit."""
+    unit_of = {id(m): b for b, block in enumerate(blocks) for m in block.modules()}
+    users: dict[int, list[tuple[str, int]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module.named_parameters(recurse=False):
+            users.setdefault(id(p), []).append((f"{name}.{pname}" if name else pname, unit_of.get(id(module), -1)))
+    for uses in users.values():
+        if len({unit for _, unit in uses}) > 1:
+            where = ", ".join(f"{n} ({f'block {u}' if u >= 0 else 'root'})" for n, u in uses)
+            raise ZeroConfigError(f"parallel.zero=3 shards each repeated block as its own FSDP unit, but the model "
+                                  f"ties one weight across units: {where}; the tie would break. Untie the weights, "
+                                  "or use parallel.zero=0, 1 or 2")
 
 
 def _copy_view_outputs(module: nn.Module, args: Any, output: Any) -> Any:
