@@ -15,7 +15,8 @@ sums differs: largest measured 1.3e-7); parameters after 3 AdamW steps within ``
 2.13 on CPU: AdamW's first steps move each weight by about lr whatever its gradient's size, so a near-zero
 gradient summed in another order moves it differently); the exported directory, loaded by
 ``from_pretrained``, equals the trained single-process model within the same bound and has no missing or
-unexpected key. A meta-built model without weights (zero=3, tp=2) starts from exactly the weights
+unexpected key, and its files are named as ``save_pretrained`` names them (one file, or several cut at
+``max_shard_bytes`` with an index). A meta-built model without weights (zero=3, tp=2) starts from exactly the weights
 ``plait.parallel.meta_init.initialise_like`` gives the whole model in one process (bit for bit) and trains
 (its loss on a repeated batch falls). Memory: each rank's peak RSS over setup+load, less its RSS before the
 model was built, against the full model's fp32 bytes (see ``test_setup_memory_per_rank``). Bad checkpoints
@@ -42,6 +43,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (pip ins
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 PARAM_ATOL = 3e-5
+SHARD_BYTES = 60_000  # an export cut into several files: SMALL's embeddings alone are 64 KiB
 STEPS, GLOBAL, SEQ, LR, SEED = 3, 8, 16, 1e-3, 3
 SMALL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
@@ -81,7 +83,8 @@ def _plait(parallel: dict, micro: int, run_dir: str):
 def train(family: str, parallel: dict, micro: int, run_dir: str, weights: str | None, export: str | None = None,
           steps: int = STEPS, repeat: bool = False) -> dict:
     """Build on meta, set up (loading ``weights``), train ``steps`` AdamW steps (``repeat``: on the first batch
-    again and again); the whole state before and after, and the losses."""
+    again and again); the whole state before and after, and the losses. ``export``: the model is exported there
+    (one file at the default ``max_shard_bytes``) and to ``export + "-shards"`` cut at ``SHARD_BYTES``."""
     p = _plait(parallel, micro, run_dir)
     model, _ = p.setup(build(family, meta=True), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR),
                        loss_fn="causal_lm", weights=weights)
@@ -99,6 +102,7 @@ def train(family: str, parallel: dict, micro: int, run_dir: str, weights: str | 
     state = p.full_state_dict(model)
     if export:
         p.export(model, export)
+        p.export(model, export + "-shards", max_shard_bytes=SHARD_BYTES)
     p.close()
     return {"losses": losses, "state": state, "initial": initial}
 
@@ -246,14 +250,31 @@ def test_loaded_checkpoint_trains_like_from_pretrained(root, results, world, fam
     assert _max_diff(ref_state, pretrained) > 50 * PARAM_ATOL  # the steps moved the weights far more
 
 
+def _exported_files(out: Path) -> list[str]:
+    """The files of a Hugging Face export, checked against ``save_pretrained``'s names: ``model.safetensors``
+    alone when one file holds the model, else ``model-0000k-of-0000n.safetensors`` and the index naming them."""
+    files = {p.name for p in out.iterdir()}
+    if "model.safetensors" in files:
+        assert files == {"model.safetensors", "config.json"}, files
+        return ["model.safetensors"]
+    shards = sorted(set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    assert shards == [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
+    assert files == {*shards, "model.safetensors.index.json", "config.json"}, files
+    return shards
+
+
 @pytest.mark.parametrize(("family", "layout"), [("llama", "zero3"), ("llama", "pp2"), ("qwen2", "zero3"),
                                                 ("qwen2", "pp2"), ("llama", "dp2xtp2"), ("llama", "hsdp"),
                                                 ("llama", "pp2xzero3")])
-def test_exported_directory_loads_with_from_pretrained(root, results, family, layout) -> None:
+@pytest.mark.parametrize("cut", ["", "-shards"])
+def test_exported_directory_loads_with_from_pretrained(root, results, family, layout, cut) -> None:
+    """Every rank writes its part; the files are named as ``save_pretrained`` names them: the small model in
+    ``model.safetensors`` alone at the default ``max_shard_bytes``, in several files with an index at
+    ``SHARD_BYTES``."""
     _, ref_state = reference(root, family)
-    out = root / f"export-{family}-{layout}"
-    files = sorted(p.name for p in out.iterdir())
-    assert "model.safetensors.index.json" in files and "config.json" in files and "sharded" not in files
+    out = root / f"export-{family}-{layout}{cut}"
+    shards = _exported_files(out)
+    assert len(shards) >= 3 if cut else shards == ["model.safetensors"]
     model, info = getattr(transformers, FAMILIES[family][0]).from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert _max_diff(model.state_dict(), ref_state) < PARAM_ATOL
@@ -371,3 +392,49 @@ def test_bf16_checkpoint_loads_into_fp32_weights(tmp_path) -> None:
         got = model.state_dict()[k]
         assert got.dtype == torch.float32 and torch.equal(got, v.float()), k
     assert torch.equal(model.model.rotary_emb.inv_freq, build("llama").model.rotary_emb.inv_freq)
+
+
+def _export(model: torch.nn.Module, out: Path, max_shard_bytes: int) -> dict[str, torch.Tensor]:
+    """``Plait.export(model, out)`` in one process; the model's state as exported."""
+    p = _plait({}, GLOBAL, str(out) + "-run")
+    model, _ = p.setup(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    p.export(model, out, max_shard_bytes=max_shard_bytes)
+    p.close()
+    return state
+
+
+def test_export_names_its_files_as_save_pretrained_does(tmp_path) -> None:
+    """``Plait.export(model, DIR)`` in one process: a model that fits one file is ``model.safetensors`` alone (no
+    index), beside ``config.json``, as ``save_pretrained`` writes it; one cut into several (``max_shard_bytes``)
+    is ``model-0000k-of-0000n.safetensors`` named in ``model.safetensors.index.json``. Both load with
+    ``from_pretrained`` (no missing or unexpected key, the same weights) and with plait's reader. A model with a
+    tensor that is not floating point (BatchNorm's step counter, which torch's consolidation leaves out) has it
+    in those files too, not in one more."""
+    from plait.components.hf_checkpoint import read_weights
+
+    torch.manual_seed(0)
+    build("llama").save_pretrained(tmp_path / "reference")
+    assert {p.name for p in (tmp_path / "reference").glob("model*")} == {"model.safetensors"}
+    for name, max_bytes in (("one", 1 << 30), ("several", 60_000)):
+        torch.manual_seed(0)
+        state = _export(build("llama"), tmp_path / name, max_bytes)
+        shards = _exported_files(tmp_path / name)
+        assert shards == ["model.safetensors"] if name == "one" else len(shards) >= 3
+        model, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / name, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+        assert _max_diff(model.state_dict(), state) == 0 and _max_diff(read_weights(tmp_path / name), state) == 0
+
+    for name, max_bytes in (("bn-one", 1 << 30), ("bn-several", 200)):
+        torch.manual_seed(0)
+        state = _export(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)),
+                        tmp_path / name, max_bytes)
+        files = {p.name for p in (tmp_path / name).iterdir()}
+        if name == "bn-one":
+            assert files == {"model.safetensors"}, files
+        else:
+            assert "model.safetensors.index.json" in files and len(files) >= 3, files
+            assert all(re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json", f)
+                       for f in files), files
+        got = read_weights(tmp_path / name)
+        assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())

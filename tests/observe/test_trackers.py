@@ -1,7 +1,9 @@
 """Experiment trackers (``observe.trackers``) end to end, read back with each library's own reader.
 
-One run of ``plait train`` on 2 gloo ranks with TensorBoard, W&B (``WANDB_MODE=offline``) and MLflow (a local
-``file:`` store) fails at step 4 on its first attempt (a model factory that raises once), restarts by itself,
+One run of ``plait train`` on 2 gloo ranks with TensorBoard, W&B (``WANDB_MODE=offline``, as a user without an
+account runs it) and MLflow as a user meets it after ``pip install 'plait[mlflow]'`` (no tracking URI, no
+``MLFLOW_*`` variable: MLflow's own default store in the working directory, read back from there by a client given
+no URI either) fails at step 4 on its first attempt (a model factory that raises once), restarts by itself,
 resumes from the checkpoint of step 2 (as ``plait train --resume`` does), redoes step 3 and finishes at step 5.
 Checked against ``metrics.jsonl``:
 
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import TINY_CLI
 
 FLAKY = """
     import os
@@ -68,8 +71,9 @@ DETERMINISTIC = ("loss", "global_loss", "lr", "grad_norm")
 
 
 def _env(tmp: Path) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
-            "MLFLOW_TRACKING_URI": (tmp / "mlruns").as_uri(), "MLFLOW_ALLOW_FILE_STORE": "true",
+    """This environment without ``MLFLOW_*`` (no tracking URI, no opt-in to a store a fresh install lacks)."""
+    user = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    return {**user, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
             "PYTHONPATH": os.pathsep.join([str(tmp), os.environ.get("PYTHONPATH", "")])}
 
 
@@ -92,10 +96,11 @@ def _expected(run: Path) -> dict[str, dict[int, float]]:
     return out
 
 
-def _mlflow(tmp: Path) -> tuple[str, dict[str, list[tuple[int, float]]], dict[str, str]]:
+def _mlflow() -> tuple[str, dict[str, list[tuple[int, float]]], dict[str, str]]:
+    """The run in MLflow's default store, as ``MlflowClient()`` finds it from the working directory."""
     from mlflow import MlflowClient
 
-    client = MlflowClient((tmp / "mlruns").as_uri())
+    client = MlflowClient()
     runs = client.search_runs([client.get_experiment_by_name("plait-test").experiment_id])
     assert len(runs) == 1, [r.info.run_id for r in runs]  # rank 0 alone; the restart and resume reuse it
     run = runs[0]
@@ -144,7 +149,9 @@ def _check_append_only(history: dict[str, list[tuple[int, float]]], expected: di
 def test_trackers_hold_metrics_jsonl_across_a_restart_and_a_resume(tmp_path: Path, monkeypatch) -> None:
     pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
     pytest.importorskip("wandb", reason="the wandb extra is not installed")
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow's opt-in to its file store, for reading back
+    for name in [k for k in os.environ if k.startswith("MLFLOW_")]:  # read back as the run wrote: MLflow's default
+        monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)  # where the run was started, so where MLflow's default store is
     (tmp_path / "flaky.py").write_text(textwrap.dedent(FLAKY))
     run = tmp_path / "run"
     p = _plait(tmp_path, *ARGS, "--train.steps=5", f"--run.dir={run}")
@@ -153,7 +160,7 @@ def test_trackers_hold_metrics_jsonl_across_a_restart_and_a_resume(tmp_path: Pat
 
     expected = _expected(run)
     assert sorted(expected["loss"]) == [1, 2, 3, 4, 5] and sorted(expected["val_loss"]) == [5]
-    mlflow_id, mlflow_history, params = _mlflow(tmp_path)
+    mlflow_id, mlflow_history, params = _mlflow()
     assert mlflow_id == json.loads((run / "trackers.json").read_text())["mlflow"]["run_id"]
     _check_append_only(mlflow_history, expected, "mlflow")
     assert params["train.deterministic"] == "True" and params["parallel.nproc"] == "2"
@@ -179,6 +186,25 @@ def test_missing_tracker_library_is_one_line(tmp_path: Path) -> None:
     assert p.returncode == 2, p.stderr[-2000:]
     assert p.stderr.strip() == ("plait: error: observe.trackers includes wandb, but the wandb package is not "
                                 "installed: pip install 'plait[wandb]' (or leave wandb out of observe.trackers)")
+
+
+def test_mlflow_client_alone_names_the_extra(tmp_path: Path, monkeypatch) -> None:
+    """mlflow-skinny without sqlalchemy (hidden from the interpreter), as the extra once installed it: MLflow's
+    default store cannot be opened, and the one line says where and what to install."""
+    mlflow = pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
+    for name in [k for k in os.environ if k.startswith("MLFLOW_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    default = mlflow.get_tracking_uri()
+    if not default.startswith("sqlite:"):
+        pytest.skip(f"MLflow {mlflow.__version__}'s default store is {default}, which needs no sqlalchemy")
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['sqlalchemy'] = None\n")
+    p = _plait(tmp_path, *TINY_CLI, "--parallel.nproc=1", "--train.steps=1", "--observe.trackers=[mlflow]",
+               f"--run.dir={tmp_path}/r")
+    assert p.returncode == 2, p.stderr[-2000:]
+    line = p.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"plait: error: observe.trackers: MLflow at {default} could not start a run"), line
+    assert line.endswith("(MLflow's sqlite: store needs sqlalchemy and alembic: pip install 'plait[mlflow]')"), line
 
 
 def test_replaced_tensorboard_key_names_trackers(tmp_path: Path) -> None:

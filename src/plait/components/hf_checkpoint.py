@@ -1,18 +1,20 @@
 """Hugging Face safetensors checkpoints read and written shard by shard: every rank reads only the slices it
 holds and writes only its own shards.
 
-The format is the one ``save_pretrained`` writes: ``model.safetensors``, or ``model.safetensors.index.json``
-naming ``model-0000k-of-0000n.safetensors`` files, plus ``config.json``. A weights PATH is such a directory,
-one ``.safetensors`` file, or a plait run directory (its export, ``RUN_DIR/model/``, or ``model.safetensors``
-of runs before directories were written).
+The format is the one ``save_pretrained`` writes: ``model.safetensors`` when one file holds the model, else
+``model.safetensors.index.json`` naming ``model-0000k-of-0000n.safetensors`` files; plus ``config.json``. A
+weights PATH is such a directory, one ``.safetensors`` file, or a plait run directory (its export,
+``RUN_DIR/model/``, or ``model.safetensors`` of runs before directories were written).
 
 Library first, where it does the job. Writing goes through torch's ``torch.distributed.checkpoint`` (DCP) with
 its ``HuggingFaceStorageWriter``: every rank writes its shards, and ``enable_consolidation`` assembles the
 ``model-0000k-of-0000n.safetensors`` files one tensor at a time (``_consolidate_hf_safetensors``: one full
-tensor in memory at a time, on the coordinating rank). Checked on torch 2.13 with gloo here. The 2.11 sources
-could not be read on this machine; the class is public since torch 2.8, whose writer took ``save_sharded`` /
-``consolidated_output_path`` instead of ``save_distributed`` / ``enable_consolidation``: a writer without those
-arguments ends in a message naming the single-file export instead.
+tensor in memory at a time, on the coordinating rank). torch names even a lone file ``model-00001-of-00001``
+beside an index; plait renames it ``model.safetensors`` and drops the index, as ``save_pretrained`` has it.
+Checked on torch 2.13 with gloo here. The 2.11 sources could not be read on this machine; the class is public
+since torch 2.8, whose writer took ``save_sharded`` / ``consolidated_output_path`` instead of
+``save_distributed`` / ``enable_consolidation``: a writer without those arguments ends in a message naming the
+single-file export instead.
 
 Reading does not use torch's ``HuggingFaceStorageReader``, measured: it maps each file and copies each slice out
 of the mapping before copying it into the shard, so while a file is read a rank holds the file's pages it
@@ -64,7 +66,6 @@ from plait.config import ConfigError
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 RUN_EXPORT = "model"  # RUN_DIR/model/: the trainer's end-of-run export
-EXTRA = "model-extra.safetensors"  # the tensors that are not floating point (see save_from)
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool, "F8_E4M3": getattr(torch, "float8_e4m3fn", torch.uint8),
@@ -293,12 +294,12 @@ def file_indices(sizes: dict[str, int], max_bytes: int = DEFAULT_SHARD_BYTES) ->
 
 def save_from(state: dict[str, torch.Tensor], out: Path, indices: dict[str, int], group: Any = None,
               coordinator: bool = True) -> None:
-    """Write ``state`` (this rank's tensors under the names to write) as a Hugging Face directory at ``out``.
-    Every rank writes its shards in parallel (DCP), then the coordinating rank assembles the
-    ``model-0000k-of-0000n.safetensors`` files and the index from them, one tensor at a time, and removes the
-    shards. Tensors that are not floating point (never sharded, a few bytes: BatchNorm's step counters) go to
-    ``model-extra.safetensors``, named in the same index. Collective over ``group``; ``coordinator``: whether
-    this rank is group rank 0."""
+    """Write ``state`` (this rank's tensors under the names to write) as a Hugging Face directory at ``out``,
+    named as ``save_pretrained`` names it: ``model.safetensors`` when ``indices`` holds one file, else
+    ``model-0000k-of-0000n.safetensors`` and the index. Every rank writes its shards in parallel (DCP), then the
+    coordinating rank assembles the files from them, one tensor at a time, and removes the shards. Tensors that
+    are not floating point (never sharded, a few bytes: BatchNorm's step counters) are added to the last file.
+    Collective over ``group``; ``coordinator``: whether this rank is group rank 0."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
@@ -315,8 +316,7 @@ def save_from(state: dict[str, torch.Tensor], out: Path, indices: dict[str, int]
     dcp.save(floating, storage_writer=writer, process_group=group)
     if coordinator:
         shutil.rmtree(out / "sharded", ignore_errors=True)
-        if others:
-            _add_file(out, EXTRA, others)
+        _name_files(out, others)
 
 
 def _gather_small(tensors: dict[str, torch.Tensor], group: Any) -> dict[str, torch.Tensor]:
@@ -332,16 +332,48 @@ def _gather_small(tensors: dict[str, torch.Tensor], group: Any) -> dict[str, tor
     return {k: v for part in parts for k, v in part.items()}
 
 
-def _add_file(out: Path, name: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Write ``tensors`` as one more file of the checkpoint at ``out`` and name them in its index."""
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / name), metadata={"format": "pt"})
+def _name_files(out: Path, others: dict[str, torch.Tensor]) -> None:
+    """Add ``others`` to the last of torch's files at ``out``; then a lone file becomes ``model.safetensors``
+    without an index, and several keep their names and the index: the names ``save_pretrained`` gives, which
+    tools that read Hugging Face directories expect."""
     index = json.loads((out / INDEX).read_text())
-    index["weight_map"].update(dict.fromkeys(tensors, name))
-    index.setdefault("metadata", {})["total_size"] = index.get("metadata", {}).get("total_size", 0) + sum(
-        v.numel() * v.element_size() for v in tensors.values())
-    (out / INDEX).write_text(json.dumps(index, indent=2))
+    files = sorted(set(index["weight_map"].values()))
+    if others:
+        _append_tensors(out / files[-1], others)
+        index["weight_map"].update(dict.fromkeys(others, files[-1]))
+        metadata = index.setdefault("metadata", {})
+        metadata["total_size"] = metadata.get("total_size", 0) + sum(v.numel() * v.element_size()
+                                                                     for v in others.values())
+    if len(files) == 1:
+        os.replace(out / files[0], out / SINGLE)
+        (out / INDEX).unlink()
+    else:
+        (out / INDEX).write_text(json.dumps(index, indent=2))
+
+
+def _append_tensors(file: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Add ``tensors`` (a few bytes) to the safetensors ``file``: safetensors serialises them, their header
+    entries join the file's with offsets after its data, and the file's data is streamed through unread (never
+    a whole shard in memory). Replaced in one rename: a crash leaves the file as it was."""
+    from safetensors.torch import save
+
+    blob = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+    (n,) = struct.unpack("<Q", blob[:8])
+    added = json.loads(blob[8:8 + n])
+    added.pop("__metadata__", None)
+    tmp = file.with_name(file.name + ".tmp")
+    with open(file, "rb") as src, open(tmp, "wb") as dst:
+        (m,) = struct.unpack("<Q", src.read(8))
+        header = json.loads(src.read(m))
+        data_bytes = file.stat().st_size - 8 - m
+        for info in added.values():
+            info["data_offsets"] = [data_bytes + o for o in info["data_offsets"]]
+        text = json.dumps({**header, **added}, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        dst.write(struct.pack("<Q", len(text)) + text)
+        shutil.copyfileobj(src, dst, 16 << 20)
+        dst.write(blob[8 + n:])
+    os.replace(tmp, file)
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:

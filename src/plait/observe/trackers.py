@@ -193,10 +193,13 @@ class MlflowTracker:
             self.run_id = run.info.run_id
             self._log_config(config_params(config), run.data.params)
         except Exception as e:  # an unreachable server, a store MLflow refuses, a run id it does not hold
-            where = uri or os.environ.get("MLFLOW_TRACKING_URI") or "MLflow's default tracking URI"
+            where = uri or mlflow.get_tracking_uri()  # MLFLOW_TRACKING_URI, else MLflow's default, resolved
             what = f"resume run {run_id} (named in {run_dir / STATE_FILE})" if run_id else "start a run"
+            # mlflow-skinny alone cannot open MLflow 3's default store (sqlite:///mlflow.db); the extra can
+            hint = (" (MLflow's sqlite: store needs sqlalchemy and alembic: pip install 'plait[mlflow]')"
+                    if where.startswith("sqlite:") and importlib.util.find_spec("sqlalchemy") is None else "")
             raise ConfigError(f"observe.trackers: MLflow at {where} could not {what}: {type(e).__name__}: "
-                              f"{_first_line(e)}") from None
+                              f"{_first_line(e)}{hint}") from None
 
     def _experiment(self, name: str) -> str:
         name = name or os.environ.get("MLFLOW_EXPERIMENT_NAME", "")

@@ -364,8 +364,9 @@ class Strategy:
                              "this model has its weights already: drop init_fn, or build it on the meta device")
 
     def export_weights(self, out: Path, group: Any, coordinator: bool, max_shard_bytes: int) -> Path:
-        """Write the model as a Hugging Face directory (``model-0000k-of-0000n.safetensors``, the index and
-        ``config.json``): every rank writes its own shards; collective over ``group``."""
+        """Write the model as a Hugging Face directory, as ``save_pretrained`` names it (``model.safetensors``, or
+        ``model-0000k-of-0000n.safetensors`` and the index; ``config.json``): every rank writes its own shards;
+        collective over ``group``."""
         from plait.parallel.weights import export_weights
 
         return export_weights(self.facts, self.model_entries(), out, group, coordinator, max_shard_bytes)
