@@ -68,7 +68,9 @@ def materialise(module: nn.Module, device: torch.device) -> None:
     are left as they are. Every tensor keeps its identity (``torch.utils.swap_tensors``): tied parameters stay
     one object, and references a layout took (a pipeline's parameter lists, BatchNorm statistics to average)
     stay valid. DTensor parameters (tensor parallelism, FSDP2) go through ``Module._apply`` as ``to_empty``
-    does, which swaps them in place too and lets FSDP2 re-register its padded shards."""
+    does, which swaps them in place too and lets FSDP2 re-register its padded shards. The attributes a layout
+    set on a tensor (expert parallelism's mark and global shape) are kept: a swap exchanges them too."""
+    marks = {(id(m), name): dict(t.__dict__) for m, name, t in _slots(module) if t.is_meta and t.__dict__}
     done: set[int] = set()
     for m in module.modules():
         for t in list(m._parameters.values()) + list(m._buffers.values()):
@@ -79,6 +81,17 @@ def materialise(module: nn.Module, device: torch.device) -> None:
             torch.utils.swap_tensors(t, nn.Parameter(new, t.requires_grad) if type(t) is nn.Parameter else new)
     if any(p.is_meta for p in module.parameters()) or any(b is not None and b.is_meta for b in module.buffers()):
         module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    for m, name, t in _slots(module):
+        for k, v in marks.get((id(m), name), {}).items():
+            t.__dict__.setdefault(k, v)
+
+
+def _slots(module: nn.Module) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
+    """(module, attribute, tensor) for every parameter and buffer held directly by each module."""
+    for m in module.modules():
+        for name, t in list(m._parameters.items()) + list(m._buffers.items()):
+            if t is not None:
+                yield m, name, t
 
 
 def storage_key(t: torch.Tensor) -> tuple:
@@ -114,12 +127,16 @@ class ModelFacts:
     ignore_unexpected: list[str] = field(default_factory=list)
     base_prefix: str = ""
     kind: str = "the model"
+    conversions: list[Any] = field(default_factory=list)
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelFacts:
+        from plait.components.hf_convert import model_conversions
+
         facts = cls(meta=is_meta(model), config=getattr(model, "config", None),
                     ignore_unexpected=list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
-                    base_prefix=str(getattr(model, "base_model_prefix", "") or ""), kind=type(model).__name__)
+                    base_prefix=str(getattr(model, "base_model_prefix", "") or ""), kind=type(model).__name__,
+                    conversions=model_conversions(model))
         first: dict[int, str] = {}
         sd_names = set(model.state_dict(keep_vars=True))
         for mname, m in model.named_modules(remove_duplicate=False):
