@@ -242,17 +242,32 @@ def match_names(groups: dict[str, list[str]], shapes: dict[str, Any], dtypes: di
     return chosen
 
 
-def _local_part(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """(the tensor this rank fills, its offset in the whole tensor): a DTensor's local shard and the offset its
-    placements give (FSDP2's dim-0 shard, a Megatron row or column shard, both at once), else the tensor."""
+def local_boxes(t: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """What this rank holds of ``t`` as rectangular boxes of the whole tensor: (a view of the storage it fills,
+    the view's offset in the whole tensor). A DTensor's local shard at the offset its placements give (FSDP2's
+    dim-0 shard, a Megatron row or column shard, both at once); a DTensor split with ``_StridedShard`` on a 1-D
+    mesh (tensor parallelism's packed ``[gate; up]`` expert weights, ``plait.parallel.tensor.strided``) as one
+    box per packed block, which ``compute_local_shape_and_global_offset`` cannot describe (it gives one offset);
+    a plain tensor whole."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(t, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    if not isinstance(t, DTensor):
+        return [(t, (0,) * t.dim())]
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        return t.to_local(), tuple(offset)
-    return t, (0,) * t.dim()
+    if t.device_mesh.ndim == 1 and isinstance(t.placements[0], _StridedShard):
+        # of each of the split_factor blocks of the split dim, rank r holds chunk r of n, stored one after another
+        d, s = t.placements[0].dim, t.placements[0].split_factor
+        n, r = t.device_mesh.size(), t.device_mesh.get_local_rank()
+        block = t.shape[d] // s
+        chunk = block // n
+        local = t.to_local()
+        return [(local.narrow(d, b * chunk, chunk), tuple(b * block + r * chunk if i == d else 0
+                                                           for i in range(t.dim()))) for b in range(s)]
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return [(t.to_local(), tuple(offset))]
 
 
 def _read_region(f: Any, info: TensorInfo, dest: torch.Tensor, offset: tuple[int, ...]) -> None:
@@ -311,13 +326,13 @@ def load_into(state: dict[str, torch.Tensor], ckpt: Checkpoint) -> None:
     try:
         for name, t in state.items():
             info = ckpt.tensors[name]
-            local, offset = _local_part(t)
-            if local.numel() == 0:
-                continue
-            if info.blocks:
-                _read_blocks(fd_of, info, local, offset)
-            else:
-                _read_into(fd_of(info.file), info, local, offset)
+            for local, offset in local_boxes(t):
+                if local.numel() == 0:
+                    continue
+                if info.blocks:
+                    _read_blocks(fd_of, info, local, offset)
+                else:
+                    _read_into(fd_of(info.file), info, local, offset)
     finally:
         for fd in fds.values():
             os.close(fd)

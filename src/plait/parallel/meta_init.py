@@ -198,7 +198,9 @@ def _full_values(facts: ModelFacts, mname: str, seed: int, init: InitFn) -> dict
     """Every direct tensor of module ``mname`` at full size, initialised as in one process: on the CPU, whose
     random generator is the same on every machine."""
     module = facts.modules[mname]
-    full = {attr: torch.empty(tuple(t.shape), dtype=t.dtype)
+    # the whole model's shapes, recorded before the layout: expert parallelism replaced the experts' tensors by
+    # this rank's (a DTensor's shape is the whole one already)
+    full = {attr: torch.empty(tuple(facts.shapes.get(f"{mname}.{attr}" if mname else attr, t.shape)), dtype=t.dtype)
             for attr, t in list(module._parameters.items()) + list(module._buffers.items()) if t is not None}
     old = _swap(module, full)
     try:
@@ -262,17 +264,12 @@ def initialise(facts: ModelFacts, entries: dict[str, torch.Tensor], seed: int, i
 
 def write_slice(dest: torch.Tensor, full: torch.Tensor) -> None:
     """Copy this rank's part of ``full`` (the whole tensor) into ``dest``: a DTensor's local shard (its offset
-    from the placements: tp's Megatron shards, FSDP2's dim-0 shards, both at once), or a plain tensor whole."""
-    from torch.distributed.tensor import DTensor
+    from the placements: tp's Megatron shards, FSDP2's dim-0 shards, both at once; tp's packed expert weights
+    block by block: ``plait.components.hf_checkpoint.local_boxes``), or a plain tensor whole."""
+    from plait.components.hf_checkpoint import local_boxes
 
-    if isinstance(dest, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(full.shape, dest.device_mesh, dest.placements)
-        part = full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
-        dest.to_local().copy_(part)
-    else:
-        dest.copy_(full)
+    for view, offset in local_boxes(dest):
+        view.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, view.shape, strict=True))])
 
 
 def initialise_like(model: nn.Module, seed: int, init_fn: InitFn | None = None) -> nn.Module:

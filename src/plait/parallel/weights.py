@@ -23,11 +23,13 @@ from plait.components.hf_checkpoint import (
     candidates,
     file_indices,
     load_into,
+    local_boxes,
     match_names,
     open_checkpoint,
 )
 from plait.components.hf_checkpoint import save_from as _save_from
 from plait.components.hf_convert import converted
+from plait.config import ConfigError
 from plait.parallel.meta_init import ModelFacts, initialise, storage_key
 
 
@@ -85,6 +87,12 @@ def export_weights(facts: ModelFacts, entries: dict[str, torch.Tensor], out: Pat
     full tensor."""
     sizes = {n: int(torch.Size(facts.shapes[n]).numel()) * facts.dtypes[n].itemsize for n in facts.shapes}
     indices = file_indices(sizes, max_shard_bytes)
+    boxed = [n for n, t in entries.items() if n in indices and len(local_boxes(t)) > 1]
+    if boxed:  # the same on every rank: none is left in the writer's collective
+        raise ConfigError(f"exporting to a directory writes one slice of each tensor per rank, and this layout holds "
+                          f"{boxed[0]} as {len(local_boxes(entries[boxed[0]]))} separate slices (tensor parallelism's "
+                          "packed expert weights); export to a path ending in .safetensors (one file, gathered on "
+                          "rank 0)")
     state: dict[str, torch.Tensor] = {}
     seen: set[tuple] = set()
     for n, t in entries.items():
