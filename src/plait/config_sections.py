@@ -379,6 +379,34 @@ class MoeConfig:
 
 
 @dataclass
+class LaunchConfig:
+    # What `plait launch slurm|k8s` writes for a shared cluster; a run itself reads none of it.
+    # slurm: the partition (empty: the cluster's default).
+    partition: str = ""
+    # slurm: the quality of service (--qos); where the cluster preempts by QoS, a lower one may be preempted.
+    qos: str = ""
+    # slurm: the account the job is charged to (--account).
+    account: str = ""
+    # slurm: a job array, one task per entry, each entry the config changes of its task, e.g.
+    # ["--optim.lr=1e-3", "--optim.lr=3e-4 --train.seed=2"]; each task has its own run directory.
+    array: list[str] = field(default_factory=list)
+    # Seconds between the scheduler's warning and the kill (SLURM's --signal=B:USR1@<grace>, a pod's
+    # terminationGracePeriodSeconds). 0: sized from the run's own step and save times in run.dir, else 120.
+    grace_s: int = 0
+    # k8s: Kubeflow Trainer v2's TrainJob, or the training operator's PyTorchJob (v1).
+    api: Literal["trainjob", "pytorchjob"] = "trainjob"
+    # k8s trainjob: the ClusterTrainingRuntime the TrainJob runs on.
+    runtime: str = "torch-distributed"
+    # k8s: the Kueue LocalQueue (label kueue.x-k8s.io/queue-name); empty: no Kueue.
+    queue: str = ""
+    # k8s: the Kueue WorkloadPriorityClass (label kueue.x-k8s.io/priority-class); empty: the queue's default.
+    priority_class: str = ""
+    # k8s: with priority_class, also write that WorkloadPriorityClass with this value (cluster-scoped: creating
+    # it needs the right to); 0: it exists already.
+    priority: int = 0
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -392,6 +420,7 @@ class Config:
     ps: PsConfig = field(default_factory=PsConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     @property
     def grad_accum(self) -> int:

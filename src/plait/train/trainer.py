@@ -336,7 +336,10 @@ class Trainer:
         path = self.save()
         self.p.finish_saves()
         if self.rank0:
+            from plait.fault import goodput
+
             (self.run_dir / "preempted.json").write_text(json.dumps({"step": self.state.step, "checkpoint": str(path)}))
+            goodput.record(self.run_dir, "preempted", step=self.state.step)  # counted apart from failures
         self.p.barrier()
         if self.rank0:
             self.log.warning("preempted at step %d: saved %s", self.state.step, path)
@@ -370,6 +373,7 @@ class Trainer:
 
             goodput.record(self.run_dir, "end")
             summary["goodput"] = goodput.goodput(self.run_dir)
+            summary.update({k: summary["goodput"].get(k, 0) for k in ("preemptions", "failures")})
         if not math.isnan(s.val_accuracy):
             summary["final_val_accuracy"] = s.val_accuracy
         if self.last_moe is not None:
