@@ -5,7 +5,8 @@ Preemption and time limits cost the job only its time off the cluster: the scrip
 preemption where the cluster sends the job's own signal then) is passed to every task through ``srun``; a SIGTERM
 (what a cluster sends at preemption otherwise) reaches the tasks directly. Either way each task only sets a flag
 (``plait.fault.preempt``); at the next step boundary every rank saves and exits 75. The batch script then requeues
-its own job with ``scontrol requeue $SLURM_JOB_ID``: it runs on the allocation's first node, outside any container
+its own job with ``scontrol requeue $SLURM_JOB_ID`` (an array task: ``ARRAYID_INDEX``, as the array's id
+requeues every task): it runs on the allocation's first node, outside any container
 the tasks may run in (where ``scontrol`` is often missing), and a requeued job keeps its id, so it finds its run
 directory and resumes from the newest checkpoint, at whatever node count it is given next. A job cancelled with
 ``scancel`` saves the same way but is not requeued.
@@ -99,14 +100,17 @@ forward() {{
 trap 'forward USR1' USR1
 trap 'forward TERM' TERM
 
+# This job: an array task by its array id and index (the array's own id names every task of it).
+JOB="${{SLURM_ARRAY_JOB_ID:+${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}}}}"
+JOB="${{JOB:-$SLURM_JOB_ID}}"
 requeue() {{  # here, in the batch script: outside any container the tasks run in, where scontrol is
-  if scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -q "JobState=CANCELLED"; then
+  if scontrol show job "$JOB" 2>/dev/null | grep -q "JobState=CANCELLED"; then
     echo "plait: cancelled; saved in $RUN_DIR (not requeued)." \
       "Continue with: PLAIT_RUN_DIR=$RUN_DIR sbatch <this file>" >&2
     exit 75
   fi
-  echo "plait: preempted; saved in $RUN_DIR; requeueing job $SLURM_JOB_ID to resume from it" >&2
-  if ! scontrol requeue "$SLURM_JOB_ID"; then
+  echo "plait: preempted; saved in $RUN_DIR; requeueing job $JOB to resume from it" >&2
+  if ! scontrol requeue "$JOB"; then
     echo "plait: scontrol requeue failed; continue with: PLAIT_RUN_DIR=$RUN_DIR sbatch <this file>" >&2
   fi
   exit 75
@@ -119,6 +123,7 @@ while true; do
   else
     set -- {new_run}
   fi
+  rm -f "$RUN_DIR/preempted.json"  # rank 0 writes it once every rank saved after a warning
   {" ".join(srun)} "$PYTHON" -m plait.cli train "$@" &
   step=$!
   status=0
@@ -135,7 +140,9 @@ while true; do
   if [ "$status" -eq 2 ]; then  # a configuration error: running it again would fail the same way
     exit 2
   fi
-  if [ "$status" -eq 75 ]; then  # every rank saved after the warning: continue in a new allocation
+  # Every rank saved after the warning: continue in a new allocation. The marker counts when the exit status does
+  # not say so: --kill-on-bad-exit ends the last tasks while they leave, once rank 0 has exited 75.
+  if [ "$status" -eq 75 ] || [ -e "$RUN_DIR/preempted.json" ]; then
     requeue
   fi
   attempt=$((attempt + 1))
