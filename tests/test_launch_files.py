@@ -89,7 +89,7 @@ def test_k8s_manifest_field_by_field(tmp_path: Path, config: Path) -> None:
         assert env["PLAIT_RUN_DIR"] == "/runs/plait-tiny" and env["PLAIT_NPROC_PER_NODE"] == "4"
         assert env["PLAIT_ERROR_DIR"] == "$(PLAIT_RUN_DIR)/errors" and env["OMP_NUM_THREADS"] == "1"
         for res in (container["resources"]["requests"], container["resources"]["limits"]):
-            assert res == {"nvidia.com/gpu": 4, "cpu": "4", "memory": "64Gi"}
+            assert res == {"nvidia.com/gpu": "4", "cpu": "4", "memory": "64Gi"}
         script = container["command"][-1]
         # plait's launcher in every pod, meeting at the master pod's service; a restarted pod resumes from the
         # run directory's checkpoint.

@@ -58,7 +58,7 @@ def _script(c: Cluster, job: K8sJob, endpoint: str) -> str:
 def _resources(c: Cluster, job: K8sJob) -> dict[str, Any]:
     resources: dict[str, Any] = {}
     if c.gpus_per_node:
-        resources["nvidia.com/gpu"] = c.gpus_per_node
+        resources["nvidia.com/gpu"] = str(c.gpus_per_node)  # quantities are strings in the API's schema
     resources["cpu"] = job.cpus or str(c.procs_per_node)
     if job.memory:
         resources["memory"] = job.memory
