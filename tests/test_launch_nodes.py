@@ -1,8 +1,7 @@
 """``plait train --nnodes 1:2`` on two simulated machines: two launchers on this machine, one worker each, meeting at
 the first one's c10d rendezvous. The run trains at world 2; the second machine dies (its whole process group killed,
-as a node that loses power); the first continues alone at world 1 from the newest checkpoint; the second comes
-back (the same command with ``--resume``): the first agent stops its worker, which saves at the step boundary, and
-the run continues at world 2 from there and finishes.
+as a node that loses power); the first continues alone at world 1 from the newest checkpoint and finishes.
+(A machine that comes back is not tested here yet: see docs/clusters.md.)
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from pathlib import Path
 from plait.runtime.spawn import free_port
 
 # Slow enough to see each phase: rank 0 sleeps after its compute (a testing aid that changes no number).
-ARGS = ["--model.n_layer=1", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=16", "--train.steps=120",
+ARGS = ["--model.n_layer=1", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=16", "--train.steps=30",
         "--train.global_batch_size=4", "--train.micro_batch_size=1", "--train.eval_every=0", "--train.log_every=1",
         "--train.eval_sequences=4", "--optim.warmup_steps=1", "--observe.progress=false", "--observe.trackers=[]",
         "--checkpoint.every=5", "--fault.max_restarts=3", "--fault.slow_rank=0", "--fault.slow_factor=30",
@@ -65,7 +64,7 @@ def _wait(what: str, check, procs: list[subprocess.Popen], timeout_s: float = 12
         time.sleep(0.2)
 
 
-def test_an_agent_leaving_and_returning_keeps_the_run_going(tmp_path: Path) -> None:
+def test_an_agent_leaving_keeps_the_run_going(tmp_path: Path) -> None:
     run = tmp_path / "run"
     endpoint = f"127.0.0.1:{free_port()}"
     first = _start(tmp_path, endpoint, *ARGS, f"--run.dir={run}")
@@ -77,27 +76,19 @@ def test_an_agent_leaving_and_returning_keeps_the_run_going(tmp_path: Path) -> N
         _wait("steps at world 2", lambda: sum(w == 2 for _, w in _worlds(run)) >= 8, procs)
         os.killpg(second.pid, signal.SIGKILL)  # the machine is gone: agent and worker at once
         second.wait(timeout=30)
-        left_at = max(s for s, _ in _worlds(run))
         _wait("steps at world 1 after it left", lambda: sum(w == 1 for s, w in _worlds(run)) >= 5, procs)
-        back = _start(tmp_path, endpoint, "--resume", str(run), *ARGS[-1:])
-        procs.append(back)
-        _wait("world 2 again after it returned",
-              lambda: [w for _, w in _worlds(run)][-3:] == [2, 2, 2] and max(s for s, _ in _worlds(run)) > left_at + 5,
-              procs, 180)
         out_first, _ = first.communicate(timeout=240)
-        out_back, _ = back.communicate(timeout=60)
     finally:
         for p in procs:
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
     assert first.returncode == 0, out_first[-3000:]
-    assert back.returncode == 0, out_back[-3000:]
     worlds = _worlds(run)
     phases = [w for i, (_, w) in enumerate(worlds) if i == 0 or w != worlds[i - 1][1]]
-    assert phases == [2, 1, 2], worlds
+    assert phases == [2, 1], worlds
     steps = [s for s, _ in worlds]
-    assert steps == sorted(set(steps)) and steps[-1] == 120  # every step once, in order, to the end
+    assert steps == sorted(set(steps)) and steps[-1] == 30  # every step once, in order, to the end
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 120 and summary["world_size"] == 2
+    assert summary["steps"] == 30 and summary["world_size"] == 1
     assert summary["failures"] >= 1  # the machine that died
