@@ -60,7 +60,9 @@ class Simulation:
     @property
     def hfu(self) -> float:
         lay = self.work.layout
-        flops = hardware_flops(self.work.shape, self.work.tokens_per_step, lay.recompute, lay.every_k)
+        # plait's selective checkpointing keeps every matmul's and attention's output: it recomputes no FLOPs
+        recompute = "none" if lay.recompute == "selective" and self.work.stack == "plait" else lay.recompute
+        flops = hardware_flops(self.work.shape, self.work.tokens_per_step, recompute, lay.every_k)
         return utilisation(flops, self.step_s, self.world, self.peak_flops)
 
     def peak_memory(self) -> float:

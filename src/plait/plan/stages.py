@@ -9,9 +9,13 @@ dispatcher runs beyond the priced ones (views, copies, autograd's bookkeeping; c
 by ``plait.plan.record.operator_counts``) costs the measured per-operator overhead, each DTensor
 operator what DTensor adds, and each tensor-parallel collective the host work measured around one
 (``plait.plan.calibrate_paths``). Activation checkpointing keeps only a
-checkpointed block's input and adds one block's activations while it is recomputed; ``selective``
-recomputation (Korthikanti et al. 2022; a what-if, plait does not run it) drops the attention core's
-``T x T`` tensors and recomputes the core. A mixture-of-experts block's all-to-alls run over the
+checkpointed block's input and adds one block's activations while it is recomputed. ``selective`` is
+what each stack runs: plait's (``plait.parallel.checkpointing``, torch's selective checkpointing with the
+default policy) keeps the block's input and the outputs of its matmuls and attention kernel (``Op.out``) and
+recomputes every other forward operator up to the last one that saves a tensor (norms, activations, rotary,
+autocast's casts, the tensor-parallel all-gathers and reduce-scatters: their collectives run again in
+backward); Megatron-LM's and metaseq's (Korthikanti et al. 2022) drop the attention core's ``T x T`` tensors
+and recompute the core. A mixture-of-experts block's all-to-alls run over the
 expert-parallel group (``ep_fwd``/``ep_bwd``: in the compute stream, like the tensor-parallel ones).
 
 Stages are split by ``plait.parallel.pipeline.runner.partition_layers`` (the trainer's own split) on these
@@ -187,11 +191,12 @@ class StageModel:
         f_comp, f_comm, _, f_ep = self._price(fwd.ops, self._derived(False, dispatch))
         b_comp, b_comm, b_w, b_ep = self._price(bwd.ops, self._derived(True, dispatch))
         f_comm, b_comm = f_comm + f_ep, b_comm + b_ep
+        plait_selective = recompute == "selective" and self.work.stack == "plait"
         if dispatch is not None:
             n_f = sum(o.kind != "comm" for o in fwd.ops) + also_priced[0]
             n_b = sum(o.kind != "comm" for o in bwd.ops) + also_priced[1]
-            if recompute in ("full", "block"):
-                dispatch, n_b = "block_recomputed", n_b + n_f
+            if recompute in ("full", "block") or plait_selective:  # a selective recomputation dispatches every
+                dispatch, n_b = "block_recomputed", n_b + n_f  # operator again (kept ones return their output)
             f_over, b_over = self._dispatch(dispatch, (n_f, n_b))
             f_comp, b_comp = f_comp + f_over, b_comp + b_over
         saved = fwd.saved()
@@ -215,6 +220,8 @@ class StageModel:
                 cost.tp_bwd += gather
             cost.zbv_kept = 0.0  # the recomputed graph is built and consumed inside the backward
             cost.recomputed = True
+        elif plait_selective:
+            self._keep_outputs(cost, fwd)
         elif recompute == "selective":
             core = self.blocks.attention_core()
             c_comp = self._price(core)[0]
@@ -225,6 +232,26 @@ class StageModel:
             cost.zbv_kept -= sum(v for k, v in saved.items() if k in DROPPED_BY_SELECTIVE and k in ZBV_KEPT)
             cost.transient = dropped
         return cost
+
+    def _keep_outputs(self, cost: LayerCost, fwd: Pass) -> None:
+        """plait's selective checkpointing of a block (module docstring): ``cost`` keeps the block's input and
+        its matmuls' and attention kernel's outputs; the other forward operators up to the last that saves a
+        tensor run again before the block's backward, which rebuilds the block's saved tensors meanwhile."""
+        last = max((i for i, op in enumerate(fwd.ops) if op.saves), default=-1)
+        redo = [op for op in fwd.ops[:last + 1] if op.kind not in ("matmul", "attention")]
+        r_comp, _, _, r_ep = self._price(redo)
+        # the recomputed collectives, priced from the op list even where the forward's are the recorded ones
+        per = self.compute.overhead("tp_collective") if self.tp_group.size > 1 else 0.0
+        r_comm = sum(self.comm_time(op.comm, op.bytes) + per for op in redo
+                     if op.kind == "comm" and op.comm != "all_to_all")
+        cost.bwd_in += r_comp + r_comm + r_ep
+        cost.tp_bwd += r_comm
+        cost.ep_bwd += r_ep
+        cost.transient = cost.saved + cost.weight_casts
+        cost.saved = self.blocks.Mn * self.blocks.C * self.setup.residual_bytes + sum(op.out for op in fwd.ops)
+        cost.weight_casts = 0.0
+        cost.zbv_kept = 0.0  # as for full recomputation: the rebuilt graph is consumed inside the backward
+        cost.recomputed = True
 
     def block_recompute(self, index: int) -> str:
         lay = self.work.layout
@@ -243,10 +270,9 @@ class StageModel:
     def embed(self) -> LayerCost:
         if ("embed",) not in self._cache:
             f, b = embedding_ops(self.work.shape, self.setup)
-            cost = self._layer(f, b, "none", None)  # its operators are counted with the head's
-            if self.work.layout.recompute == "full":  # checkpointed blocks keep their hidden input, not rotary's
-                cost.saved -= f.saved().get("embed.rotary", 0.0)
-            self._cache[("embed",)] = cost
+            # its operators are counted with the head's. Rotary's cos and sin stay alive under checkpointing too:
+            # every checkpointed block holds them as inputs of its recomputation.
+            self._cache[("embed",)] = self._layer(f, b, "none", None)
         return self._cache[("embed",)]
 
     def head(self) -> LayerCost:
