@@ -57,6 +57,9 @@ class _Group:
     back: dict[int, torch.Tensor] = field(default_factory=dict)
     params: set[int] | None = None  # storages of the block's parameters (read at the first save: FSDP2 has
     # gathered them by then)
+    # the storages copied, held until the block's forward ends: a freed storage's address could otherwise be
+    # reused inside the same forward by a new tensor, which its key would then mistake for the copied one
+    holding: list[Any] = field(default_factory=list)
     event: Any = None  # the side stream's copy back (CUDA), waited on before the tensors are used
     prev: Any = None  # weak reference to the previous block's group of the same forward
 
@@ -89,10 +92,12 @@ class ActivationOffload:
         self._last[index] = weakref.ref(group)
         hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(group, t), self._unpack)
         hooks.__enter__()
-        self._active.append(hooks)
+        self._active.append((hooks, group))
 
     def leave(self) -> None:
-        self._active.pop().__exit__(None, None, None)
+        hooks, group = self._active.pop()
+        hooks.__exit__(None, None, None)
+        group.holding = []
 
     def _pack(self, group: _Group, t: torch.Tensor) -> Any:
         spec, local = None, t
@@ -106,6 +111,7 @@ class ActivationOffload:
             return t  # parameters (and views of them) stay where they are
         if key not in group.host:
             group.host[key] = (self._to_host(local, storage), local.device)
+            group.holding.append(storage)
             n = storage.nbytes()
             self.stats.to_host += n
             self.stats.host_live += n

@@ -21,7 +21,7 @@ from plait.plan.network import Group, collective_time, group_span
 from plait.plan.ops import Op
 from plait.plan.params import Param, param_list
 from plait.plan.rank_memory import RankMemory, gather_bytes, model_states
-from plait.plan.schedule import stage_owner, theoretical_bubble
+from plait.plan.schedule import in_flight, stage_owner, theoretical_bubble
 from plait.plan.stages import Cluster, StageModel
 from plait.plan.timeline import RankTimeline, Span, flat_step, pipeline_step
 from plait.plan.workload import Workload
@@ -267,8 +267,13 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
         casts = sum(c.weight_casts for c in costs)  # one autocast copy of the rank's weights is alive at a time
         states.activations = timelines[r].activation_peak
         states.buffers = buffers + transient + casts
-        states.detail = {"activation_saved_per_microbatch": int(sum(c.saved for c in costs)),
+        states.detail = {**states.detail, "activation_saved_per_microbatch": int(sum(c.saved for c in costs)),
                          "autocast_weight_copies": int(casts), "stages": mine}
+        host = sum(c.host for c in costs)
+        if host:  # activation offload: the micro-batches in flight wait in host memory
+            held = in_flight(lay.schedule, lay.pp, lay.microbatches, lay.virtual) if lay.pp > 1 else 1.0
+            states.detail["activation_host_bytes"] = int(host * held)
+            states.detail["offload_bytes_per_step"] = int(host * lay.microbatches * work.accumulation)
         memory[r] = states
     step = max(ends.values())
     for tl in timelines.values():

@@ -17,6 +17,8 @@ autocast's casts, the tensor-parallel all-gathers and reduce-scatters: their col
 backward); Megatron-LM's and metaseq's (Korthikanti et al. 2022) drop the attention core's ``T x T`` tensors
 and recompute the core. A mixture-of-experts block's all-to-alls run over the
 expert-parallel group (``ep_fwd``/``ep_bwd``: in the compute stream, like the tensor-parallel ones).
+Activation offload (``Layout.act_offload``) moves what an un-checkpointed block saves to host memory
+(``LayerCost.host``) and prices the copies against the block's compute (``StageModel._offload``).
 
 Stages are split by ``plait.parallel.pipeline.runner.partition_layers`` (the trainer's own split) on these
 predicted costs, as the trainer splits on measured ones (``pp_balance="cost"``), or by layer count.
@@ -25,9 +27,10 @@ predicted costs, as the trainer splits on measured ones (``pp_balance="cost"``),
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from plait.config import ConfigError
 from plait.plan.derive import Collective, OperatorCounts
 from plait.plan.hardware import HardwareProfile
 from plait.plan.kernels import ComputeModel
@@ -89,6 +92,7 @@ class LayerCost:
     ep_bwd: float = 0.0
     zbv_kept: float = 0.0  # of ``saved``, what ZBV's weight-gradient pass leaves alive (plait.plan.schedule)
     weight_casts: float = 0.0  # autocast's half-precision weight copies kept for backward (once per rank)
+    host: float = 0.0  # activation offload: bytes moved to host memory and back (each way) per micro-batch
 
     @property
     def bwd(self) -> float:
@@ -107,7 +111,8 @@ class LayerCost:
                          self.tp_fwd + other.tp_fwd, self.tp_bwd + other.tp_bwd, self.saved + other.saved,
                          max(self.transient, other.transient), self.flops + other.flops,
                          ep_fwd=self.ep_fwd + other.ep_fwd, ep_bwd=self.ep_bwd + other.ep_bwd,
-                         zbv_kept=self.zbv_kept + other.zbv_kept, weight_casts=self.weight_casts + other.weight_casts)
+                         zbv_kept=self.zbv_kept + other.zbv_kept, weight_casts=self.weight_casts + other.weight_casts,
+                         host=self.host + other.host)
 
 
 def _is_weight_grad(op: Op) -> bool:
@@ -264,8 +269,35 @@ class StageModel:
         mode, moe = self.block_recompute(index), self.work.shape.is_moe(index)
         if ("block", mode, moe) not in self._cache:
             fwd, bwd = (self._moe_fwd, self._moe_bwd) if moe else (self._fwd, self._bwd)
-            self._cache[("block", mode, moe)] = self._layer(fwd, bwd, mode, "block")
+            cost = self._layer(fwd, bwd, mode, "block")
+            if self.work.layout.act_offload and mode == "none":
+                cost = self._offload(cost)
+            self._cache[("block", mode, moe)] = cost
         return self._cache[("block", mode, moe)]
+
+    def _offload(self, cost: LayerCost) -> LayerCost:
+        """A block under activation offload (``plait.parallel.offload``): everything it saves (its activations and
+        autocast's weight copies) moves to host memory after its forward and back before its backward. On a GPU the
+        copies run on a side stream over the host link, behind the next block's forward and the previous one's
+        backward: only what outlasts the block's own compute is exposed. On a CPU the copy runs on the rank's
+        thread (the host is its own memory, so backward reads it where it is). The device keeps the block being
+        copied and the one brought back ahead of its backward (``transient``)."""
+        # rotary's cos and sin, which every block saves, move with each block (they stay on the device too)
+        rotary = embedding_ops(self.work.shape, self.setup)[0].saved().get("embed.rotary", 0.0)
+        moved = cost.saved + cost.weight_casts + rotary
+        out = replace(cost, saved=0.0, weight_casts=0.0, zbv_kept=0.0, host=moved,
+                      transient=max(cost.transient, 2 * moved))
+        if self.profile.kind == "cpu":
+            out.fwd += self.compute.time(Op("offload.copy", "copy", bytes=2 * moved))
+            return out
+        if self.profile.host_bandwidth <= 0:
+            raise ConfigError(f"hardware profile {self.profile.name!r} gives no [device] host_bandwidth, which "
+                              "prices train.activation_offload's copies; add it (bytes/s per direction to pinned "
+                              "host memory) or set train.activation_offload=false")
+        seconds = moved / self.profile.host_bandwidth
+        out.fwd += max(0.0, seconds - cost.fwd)
+        out.bwd_in += max(0.0, seconds - cost.bwd)
+        return out
 
     def embed(self) -> LayerCost:
         if ("embed",) not in self._cache:
