@@ -93,6 +93,7 @@ class LiveTensorMeter:
     def _track(self, t: Any) -> None:
         if isinstance(t, DTensor):
             t = t._local_tensor
+        t = getattr(t, "elem", t)  # a functional collective's AsyncCollectiveTensor: the tensor it wraps
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
         storage = t.untyped_storage()

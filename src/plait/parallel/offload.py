@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from plait.config import ConfigError
@@ -103,6 +104,8 @@ class ActivationOffload:
         spec, local = None, t
         if isinstance(t, DTensor):
             spec, local = (t.device_mesh, t.placements, t.shape, t.stride()), t._local_tensor
+        if isinstance(local, AsyncCollectiveTensor):  # a functional collective's result: the tensor it wraps
+            local = local.trigger_wait()
         if group.params is None:
             group.params = {_local(p).untyped_storage().data_ptr() for p in group.module.parameters()}
         storage = local.untyped_storage()
