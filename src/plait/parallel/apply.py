@@ -52,7 +52,7 @@ def _tp_function(model: nn.Module, p: ParallelConfig, spec: ModelSpec) -> Callab
     plan = plan_for(model)
     registered = plan.parallelize if plan is not None else None
     if spec.parallelize_fn is None and registered is None:  # a Hugging Face plan, as transformers means it
-        hf = hf_tp_function(model, spec.tp_plan, p.ep > 1)
+        hf = hf_tp_function(model, spec.tp_plan, p.ep > 1, p.sequence_parallel)
         if hf is not None:
             return hf
     return resolve_tp(model, spec.tp_plan, spec.parallelize_fn,

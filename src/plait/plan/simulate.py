@@ -266,7 +266,7 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
         transient = max(c.transient for c in costs)
         casts = sum(c.weight_casts for c in costs)  # one autocast copy of the rank's weights is alive at a time
         states.activations = timelines[r].activation_peak
-        states.buffers = buffers + transient + casts
+        states.buffers = buffers + transient + casts + _receive_buffers(model, mine, n_stages)
         states.detail = {**states.detail, "activation_saved_per_microbatch": int(sum(c.saved for c in costs)),
                          "autocast_weight_copies": int(casts), "stages": mine}
         host = sum(c.host for c in costs)
@@ -311,6 +311,21 @@ def _pipelined(model: StageModel, timelines: dict[int, RankTimeline], stages: li
     ends = pipeline_step(model, timelines, stages, collective_time(cluster.profile, "send", hop, pp_link),
                          t0=max(z.before for z in pz.values()), per_action={r: z.per_action for r, z in pz.items()})
     return _pipeline_gradients(model, timelines, ends, plans, place, dpn)
+
+
+def _receive_buffers(model: StageModel, stages: list[int], n_stages: int) -> float:
+    """Bytes torch's pipeline stages allocate to receive into, one buffer per micro-batch, kept across steps
+    (``torch.distributed.pipelining.stage``: ``args_recv_info``, ``grad_recv_info``): each stage after the first
+    receives its input, each before the last the gradient of its output (the residual stream's shard); under
+    ZBV a stage after the first also keeps the gradient of each micro-batch's input until the step ends.
+    Measured with the activations (``tests/plan/test_pipeline_memory.py``)."""
+    work, lay = model.work, model.work.layout
+    if lay.pp == 1:
+        return 0.0
+    tokens = work.pipe_micro_batch * work.shape.seq_len // (lay.tp if lay.sp else 1)
+    hidden = tokens * work.shape.d_model * model.setup.residual_bytes * lay.microbatches
+    per_input = 2 if lay.schedule == "zbv" else 1
+    return sum(hidden * (per_input * (s > 0) + (s < n_stages - 1)) for s in stages)
 
 
 def _all_layers(model: StageModel) -> list:

@@ -36,7 +36,7 @@ from plait.plan.hardware import HardwareProfile
 from plait.plan.kernels import ComputeModel
 from plait.plan.network import Group, Placement, collective_time, group_span
 from plait.plan.ops import BlockOps, Op, Pass, Setup, embedding_ops, head_ops
-from plait.plan.schedule import ZBV_KEPT
+from plait.plan.schedule import ZBV_KEPT_LAST, zbv_kept
 from plait.plan.workload import Workload
 
 DROPPED_BY_SELECTIVE = ("attn.probs", "attn.pmask", "attn.pdrop")
@@ -205,11 +205,12 @@ class StageModel:
             f_over, b_over = self._dispatch(dispatch, (n_f, n_b))
             f_comp, b_comp = f_comp + f_over, b_comp + b_over
         saved = fwd.saved()
+        kept = zbv_kept(self.work.shape.norm)
         casts = sum(v for k, v in saved.items() if k.startswith(WEIGHT_CASTS))
         cost = LayerCost(fwd=f_comp + f_comm, bwd_in=b_comp - b_w + b_comm, bwd_w=b_w, tp_fwd=f_comm - f_ep,
                          tp_bwd=b_comm - b_ep, saved=sum(saved.values()) - casts,
                          flops=sum(o.flops for o in fwd.ops + bwd.ops), ep_fwd=f_ep, ep_bwd=b_ep,
-                         zbv_kept=sum(v for k, v in saved.items() if k in ZBV_KEPT), weight_casts=casts)
+                         zbv_kept=sum(v for k, v in saved.items() if k in kept), weight_casts=casts)
         if recompute in ("full", "block"):
             cost.bwd_in += f_comp + f_comm
             cost.tp_bwd += f_comm - f_ep
@@ -234,7 +235,7 @@ class StageModel:
             cost.flops += sum(o.flops for o in core)
             dropped = sum(v for k, v in saved.items() if k in DROPPED_BY_SELECTIVE)
             cost.saved -= dropped
-            cost.zbv_kept -= sum(v for k, v in saved.items() if k in DROPPED_BY_SELECTIVE and k in ZBV_KEPT)
+            cost.zbv_kept -= sum(v for k, v in saved.items() if k in DROPPED_BY_SELECTIVE and k in kept)
             cost.transient = dropped
         return cost
 
@@ -339,7 +340,8 @@ class StageModel:
         return self.work.act_bytes if self.work.stack != "plait" else 4
 
     def stage(self, layers: range, first: bool, last: bool) -> LayerCost:
-        """Summed cost of a stage: its blocks, plus the embedding if ``first`` and the head if ``last``."""
+        """Summed cost of a stage: its blocks, plus the embedding if ``first`` and the head if ``last``; in a
+        pipeline also what the stage itself holds per micro-batch (``stage_held``)."""
         total = LayerCost()
         for i in layers:
             total = total + self.block(i)
@@ -347,7 +349,30 @@ class StageModel:
             total = total + self.embed()
         if last:
             total = total + self.head()
+        if self.work.layout.pp > 1:
+            total.saved += self.stage_held(first, last)
+            if first:  # ZBV: the first stage has no input gradient; its weight pass is its whole backward
+                total.zbv_kept = 0.0
+            elif "embed.rotary" in zbv_kept(self.work.shape.norm):  # this stage's own cos and sin
+                total.zbv_kept += embedding_ops(self.work.shape, self.setup)[0].saved().get("embed.rotary", 0.0)
+            if last and not first and self.work.shape.norm == "rmsnorm":  # measured, see plait.plan.schedule
+                saved = self._fwd.saved()
+                total.zbv_kept += len(layers) * sum(saved.get(k, 0.0) for k in ZBV_KEPT_LAST)
         return total
+
+    def stage_held(self, first: bool, last: bool) -> float:
+        """Bytes a pipeline stage holds per micro-batch in flight beyond its layers' saved tensors (measured on
+        plait's runs, ``tests/plan/test_pipeline_memory.py``): rotary's cos and sin, which every stage computes
+        for its own blocks (the embedding's term covers the first stage's), and the stage's output, which torch's
+        schedule keeps until the micro-batch's backward: the residual stream's shard, or on the last stage the
+        logits (whole vocabulary unless the loss runs on vocabulary shards)."""
+        s, u = self.work.shape, self.setup
+        rotary = 0.0 if first else embedding_ops(s, u)[0].saved().get("embed.rotary", 0.0)
+        M = u.micro_batch * s.seq_len
+        if last:
+            vocab = s.vocab_size // u.tp if self.work.layout.loss_parallel else s.vocab_size
+            return rotary + M * vocab * u.act_bytes
+        return rotary + (M // u.tp if u.sp else M) * s.d_model * u.residual_bytes
 
 
 @lru_cache(maxsize=256)
