@@ -24,9 +24,10 @@ Hugging Face decoder's Python RMSNorm keeps its input and statistics on that pat
 reads only the normalized tensor), and so does rotary's multiplication its cos and sin (``ZBV_KEPT_RMSNORM``;
 measured on a Llama at tp=2 with sequence parallelism, ``tests/plan/test_pipeline_memory.py``); a fused
 LayerNorm's one backward node serves its weight too, so W frees what it saved. The first stage keeps nothing:
-it has no input gradient, so torch runs its whole backward in the weight pass. The last stage of that Llama
-also keeps its SwiGLU's gate, up and SiLU outputs (``ZBV_KEPT_LAST``), which the middle stages free: measured,
-the mechanism inside torch's split backward not traced further.
+it has no input gradient, so torch runs its whole backward in the weight pass. The last stage also keeps what
+its MLP's activation saved (SwiGLU's gate, up and SiLU outputs, GELU's input: ``ZBV_KEPT_LAST``), which the
+middle stages free: measured on the Llama and on plait's GPT, the mechanism inside torch's split backward not
+traced further.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ ZBV_KEPT = ("attn.q", "attn.k", "attn.v", "attn.ctx", "attn.lse", "head.logprobs
 ZBV_KEPT_RMSNORM = ZBV_KEPT + ("ln1.in", "ln1.stats", "ln2.in", "ln2.stats", "head.norm.in", "head.norm.stats",
                                "embed.rotary")
 
-ZBV_KEPT_LAST = ("mlp.gate", "mlp.up", "mlp.silu")
+ZBV_KEPT_LAST = ("mlp.gate", "mlp.up", "mlp.silu", "mlp.fc")
 
 
 def zbv_kept(norm: str) -> tuple[str, ...]:

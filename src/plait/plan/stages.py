@@ -355,7 +355,7 @@ class StageModel:
                 total.zbv_kept = 0.0
             elif "embed.rotary" in zbv_kept(self.work.shape.norm):  # this stage's own cos and sin
                 total.zbv_kept += embedding_ops(self.work.shape, self.setup)[0].saved().get("embed.rotary", 0.0)
-            if last and not first and self.work.shape.norm == "rmsnorm":  # measured, see plait.plan.schedule
+            if last and not first:  # measured, see plait.plan.schedule
                 saved = self._fwd.saved()
                 total.zbv_kept += len(layers) * sum(saved.get(k, 0.0) for k in ZBV_KEPT_LAST)
         return total
