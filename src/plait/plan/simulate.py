@@ -320,7 +320,7 @@ def _receive_buffers(model: StageModel, stages: list[int], n_stages: int) -> flo
     ZBV a stage after the first also keeps the gradient of each micro-batch's input until the step ends.
     Measured with the activations (``tests/plan/test_pipeline_memory.py``)."""
     work, lay = model.work, model.work.layout
-    if lay.pp == 1:
+    if lay.pp == 1 or work.stack != "plait":  # Megatron-LM receives into each micro-batch's own input tensor
         return 0.0
     tokens = work.pipe_micro_batch * work.shape.seq_len // (lay.tp if lay.sp else 1)
     hidden = tokens * work.shape.d_model * model.setup.residual_bytes * lay.microbatches

@@ -349,7 +349,7 @@ class StageModel:
             total = total + self.embed()
         if last:
             total = total + self.head()
-        if self.work.layout.pp > 1:
+        if self.work.layout.pp > 1 and self.work.stack == "plait":  # torch's pipelining (Megatron-LM frees these)
             total.saved += self.stage_held(first, last)
             if first:  # ZBV: the first stage has no input gradient; its weight pass is its whole backward
                 total.zbv_kept = 0.0
