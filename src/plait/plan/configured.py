@@ -44,8 +44,8 @@ def workload_from_config(cfg: Config, world: int, *, shape: ModelShape | None = 
     layout = layout_from_config(cfg)
     if recompute is not None:
         layout = replace(layout, recompute=recompute)
-    if cfg.model.factory or cfg.model.name != "gpt":  # loss parallelism is plait's GPT's; a Hugging Face head
-        layout = replace(layout, loss_parallel=False)  # (colwise_gather_output) gathers the whole vocabulary
+    if stack == "plait" and (cfg.model.factory or cfg.model.name != "gpt"):  # plait's loss parallelism is its
+        layout = replace(layout, loss_parallel=False)  # GPT's; a Hugging Face head gathers the whole vocabulary
     work = Workload(shape=shape, layout=layout, global_batch=cfg.train.global_batch_size,
                     precision=cfg.train.precision, attention=attention, stack=stack,
                     fused_optimizer=cfg.optim.fused, grad_clip=cfg.optim.grad_clip > 0)
