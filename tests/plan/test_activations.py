@@ -10,6 +10,10 @@ be left without a term. Models: plait's GPT and a Hugging Face Llama (GQA, SwiGL
 built from small configs, in float32, under bf16 autocast (plait's bf16) and in pure bf16 (FSDP2's bf16
 parameters, Megatron-style half parameters), with and without checkpointed blocks. Shapes are chosen so
 no activation has a weight's element count (the attribution uses element counts).
+
+Selective checkpointing keeps outputs no saved-tensor hook sees (torch caches them itself), so the bytes a
+forward leaves alive are also measured whole (``plait.parallel.memory.LiveTensorMeter``) against the planner's
+layers under none, full and selective checkpointing, also under plait's tensor-parallel plan: within 5%.
 """
 
 from __future__ import annotations
