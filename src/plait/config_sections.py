@@ -114,10 +114,21 @@ class TrainConfig:
     # Write a metrics line every this many steps.
     log_every: int = 10
     # Recompute transformer blocks in backward instead of keeping their activations: none, full (every
-    # block) or every_k (every checkpoint_every_k-th block).
-    activation_checkpointing: Literal["none", "full", "every_k"] = "none"
+    # block), every_k (every checkpoint_every_k-th block) or selective (every block keeps the outputs of the
+    # operators in checkpoint_save_ops and recomputes the rest: norms, activations, casts, tensor-parallel
+    # all-gathers; torch's selective checkpointing, plait.parallel.checkpointing).
+    activation_checkpointing: Literal["none", "full", "every_k", "selective"] = "none"
     # k for activation_checkpointing=every_k.
     checkpoint_every_k: int = 2
+    # activation_checkpointing=selective: the operators whose outputs are kept. Groups matmul (mm, addmm, bmm:
+    # every Linear) and attention (scaled_dot_product_attention's kernels), or operator names as torch.ops
+    # writes them (mm, aten.addmm, _c10d_functional.reduce_scatter_tensor). An entry naming no operator is an
+    # error.
+    checkpoint_save_ops: list[str] = field(default_factory=lambda: ["matmul", "attention"])
+    # Keep the tensors each block saves for backward in host memory (pinned, copied on a side stream on a GPU)
+    # and bring them back for its backward (plait.parallel.offload). Not with activation_checkpointing=full or
+    # selective, whose blocks keep nothing to move.
+    activation_offload: bool = False
     # torch.compile the model's blocks and the loss (plait.parallel.compile); composes with data parallel,
     # DDP, ZeRO, FSDP, tensor and pipeline parallelism (not expert parallelism); on CPU needs g++.
     compile: bool = False

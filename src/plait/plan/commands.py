@@ -9,8 +9,10 @@
     plait plan --hardware PROFILE --gpus N --jobs JOBS.toml     (several jobs sharing a pool: plait.plan.pool)
 
 ``--hardware`` takes a shipped profile (a100-80gb, h100-sxm), ``local`` (this machine's calibration) or a
-TOML path. ``--stack megatron`` / ``--attention unfused`` / ``--recompute selective`` model software plait
-does not run (Megatron-LM's kernels, selective recomputation), for comparing with published numbers.
+TOML path. ``--stack megatron`` / ``--attention unfused`` model software plait does not run (Megatron-LM's
+kernels, unfused attention), for comparing with published numbers; ``--recompute`` overrides
+``train.activation_checkpointing`` (``selective`` is each stack's own: plait's keeps matmul and attention
+outputs, Megatron-LM's recomputes the attention core).
 Errors a user can cause raise ``ConfigError`` (one line, exit code 2).
 """
 
