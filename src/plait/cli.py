@@ -152,13 +152,17 @@ def cmd_train(argv: list[str]) -> int:
 
 def train_worker(cfg: Config, run_dir: Path, resume: bool) -> dict:
     """One worker of ``plait train``'s launcher: after the agents restarted the group on several machines (a node
-    left or joined: ``TORCHELASTIC_RESTART_COUNT`` > 0), continue from the newest checkpoint."""
+    left or joined), continue from the newest checkpoint.
+
+    Whether a checkpoint exists decides, not ``TORCHELASTIC_RESTART_COUNT``: torch's agent counts only failures
+    (a join restarts the group without counting), and each agent counts its own, so after a join the workers of
+    one group see different counts (0 on the machine that joined). A launch without ``--resume`` started into a
+    run directory with no checkpoint (``_prepare_run`` refuses one that has), so any checkpoint found here was
+    saved by this job: its workers stopped for a new rendezvous, every one of them, before any restarted."""
     from plait.components.checkpoint import latest_checkpoint
     from plait.recipes import train
 
-    if not resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        resume = latest_checkpoint(run_dir) is not None
-    return train(cfg, run_dir, resume)
+    return train(cfg, run_dir, resume or latest_checkpoint(run_dir) is not None)
 
 
 def cmd_run(argv: list[str]) -> int:
@@ -349,8 +353,9 @@ USAGE = {
             "  --max-restarts R    start the whole group again up to R times after a failure (default 0); "
             "PLAIT_ATTEMPT tells the script which attempt it is\n"
             "  --nnodes MIN:MAX --rdzv-endpoint HOST:PORT --rdzv-id ID   several machines, N workers each, meeting "
-            "at HOST's rendezvous; a machine leaving or joining restarts the group (TORCHELASTIC_RESTART_COUNT "
-            "counts it): the script resumes from its newest checkpoint\n\n"
+            "at HOST's rendezvous; a machine leaving or joining restarts the group: the script resumes from its "
+            "newest checkpoint whenever one exists (TORCHELASTIC_RESTART_COUNT counts only failures, and each "
+            "machine its own)\n\n"
             "A failed worker ends the run with one line naming its rank, its error and the file holding the "
             "traceback: RUN_DIR/errors/rank<r>.txt once the script has created plait.Plait (RUN_DIR is its "
             "run.dir), else a plait-run-* directory under the temporary directory. Options after SCRIPT go to "
