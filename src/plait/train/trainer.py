@@ -45,6 +45,30 @@ class RunState:
     train_seconds: float = 0.0
 
 
+class StepRecord(dict):
+    """One step's metrics record (``Trainer.train_step``): the host's figures, and the device's (``loss``,
+    ``global_loss``, ``grad_norm``) read when first looked up (``rec["loss"]``) on a step that did not log; at a
+    log step they are in it already, read with the rest in one transfer."""
+
+    DEVICE_KEYS = ("loss", "global_loss", "grad_norm")
+
+    def __init__(self, info: Any, **host: Any) -> None:
+        super().__init__(**host)
+        self.info = info
+        if info.logged:
+            for k in self.DEVICE_KEYS:
+                self[k] = getattr(info, k)
+
+    def __missing__(self, key: str) -> Any:
+        if key not in self.DEVICE_KEYS:
+            raise KeyError(key)
+        value = self[key] = getattr(self.info, key)
+        return value
+
+    def __reduce__(self) -> Any:  # pickled (to another process) as the plain dict it holds, values read
+        return dict, (dict({k: self[k] for k in self.DEVICE_KEYS}, **self),)
+
+
 def warmup_cosine(cfg: Config) -> Any:
     """The ``[optim]`` schedule as a scheduler factory: linear warmup, then cosine to ``min_lr_ratio``."""
     o, steps = cfg.optim, cfg.train.steps
@@ -199,11 +223,8 @@ class Trainer:
             self.loader.advance(skip * self.p.accumulation)
         self._it = None
         self._truncate_metrics(self.state.step)
-        if self.rank0:
-            from plait.fault import goodput
-
-            goodput.record(self.run_dir, "resume", step=self.state.step, load_s=time.perf_counter() - t0,
-                           skipped_batches=skip)
+        self.recovery.ledger.record("resume", step=self.state.step, load_s=time.perf_counter() - t0,
+                                    skipped_batches=skip)
 
     def _truncate_metrics(self, step: int) -> None:
         """Metrics of steps after ``step`` belong to a timeline that was undone (a crash, a rollback)."""
@@ -225,9 +246,19 @@ class Trainer:
         return path
 
     # -- one step ----------------------------------------------------------------------------------
-    def train_step(self) -> dict[str, Any]:
-        """One optimizer step over ``accumulation`` micro-batches; returns its metrics record."""
+    def logs_at(self, step: int) -> bool:
+        """Whether step ``step`` reads its values: it is logged (step 1, every ``train.log_every``-th, the last)
+        or a checkpoint is saved after it (the spike detector judges before any save)."""
+        cfg = self.cfg.train
+        last = step == cfg.steps
+        return step == 1 or step % cfg.log_every == 0 or last or self.recovery.should_save(step, last)
+
+    def train_step(self, log: bool | None = None) -> dict[str, Any]:
+        """One optimizer step over ``accumulation`` micro-batches; returns its metrics record (a ``StepRecord``).
+        ``log``: whether the step reads and agrees on its values (default: ``logs_at``); a step that does not
+        reads nothing from the device unless the record's ``loss``, ``global_loss`` or ``grad_norm`` is looked up."""
         p = self.p
+        log = self.logs_at(self.state.step + 1) if log is None else log
         t_start = time.perf_counter()
         data_s, tokens, samples, info = 0.0, 0, 0, None
         while info is None:
@@ -237,7 +268,7 @@ class Trainer:
             n_tok, n_smp = _items(batch, self.loss)
             tokens, samples = tokens + n_tok, samples + n_smp
             p.forward_backward(self.model, batch, self.loss)
-            info = p.step()
+            info = p.step(log)
         step_s = time.perf_counter() - t_start
         if p.finish_blocking_s:  # an asynchronous save completed in this step: its wait is blocking time
             self.recovery.save_done(p.finish_blocking_s)
@@ -249,8 +280,9 @@ class Trainer:
         s.tokens_seen += tokens
         s.samples_seen += samples
         s.train_seconds += step_s
-        rec = {"step": info.step, "loss": info.loss, "global_loss": info.global_loss, "lr": info.lr,
-               "grad_norm": info.grad_norm, "preempted": info.preempted}
+        rec = StepRecord(info, step=info.step, lr=info.lr, preempted=info.preempted)
+        if info.history is not None:  # a log step: every step since the previous one, for the spike detector
+            rec["history"] = info.history
         if tokens:
             rec["tokens_per_s"] = tokens / step_s
         rec.update({"samples_per_s": samples / step_s, "step_s": step_s, "data_s": data_s,
@@ -311,6 +343,7 @@ class Trainer:
                 if rec.pop("preempted"):
                     self._preempted()
                 last = s.step == cfg.train.steps
+                rec.pop("history", None)
                 if s.step % cfg.train.log_every == 0 or last or s.step == 1:
                     p.phase("loss logging")
                     rec["loss"] = s.last_loss = rec.pop("global_loss")
@@ -324,6 +357,7 @@ class Trainer:
                     self.save()
             return self.finish()
         except Exception as e:
+            self.recovery.ledger.flush()  # the steps' goodput events kept since the last log step
             named = p.explain(e)  # a backend timeout becomes the error naming the late ranks
             if named is e:
                 raise
@@ -365,10 +399,10 @@ class Trainer:
                            model_flops_per_item=self.flops.per_item, flops_item=self.flops.item,
                            flops_source=self.flops.source, peak_flops_per_device=self.peak.flops,
                            peak_source=self.peak.source)
+        self.recovery.ledger.record("end")
         if self.rank0:
             from plait.fault import goodput
 
-            goodput.record(self.run_dir, "end")
             summary["goodput"] = goodput.goodput(self.run_dir)
         if not math.isnan(s.val_accuracy):
             summary["final_val_accuracy"] = s.val_accuracy

@@ -268,7 +268,7 @@ class TorchDDP:
         return self.module.no_sync()
 
     def zero_grad(self) -> None:
-        self.module.zero_grad(set_to_none=False)
+        self.module.zero_grad(set_to_none=True)
 
 
 class LocalGrads:
@@ -287,7 +287,9 @@ class LocalGrads:
         return contextlib.nullcontext()
 
     def zero_grad(self) -> None:
-        self.module.zero_grad(set_to_none=False)
+        """Gradients dropped (``set_to_none``), as a hand-written loop's ``optimizer.zero_grad()``: the next
+        backward writes fresh ones instead of adding into zeroed memory."""
+        self.module.zero_grad(set_to_none=True)
 
 
 def apply_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, dp: int, impl: str,
