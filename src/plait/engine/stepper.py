@@ -270,11 +270,11 @@ class Stepper:
         if self.is_log_step(self.steps) if log is None else log:
             self._settle(info)
         else:  # the values stay on the device; reading one of them is the caller's request
-            info.loss = loss if loss is not None else float("nan")
-            info.grad_norm, info.skipped = norm, skipped
+            own = loss if loss is not None else float("nan")
+            info.loss, info.grad_norm, info.skipped = own, norm, skipped
             meet, _ = self.strategy.agreement_group(self.group)
             if self.world_size == 1 or not meet:  # nothing to agree on: this rank's own values
-                info.global_loss, info.preempted = info.loss, self.preemption.requested
+                info.global_loss, info.preempted = own, self.preemption.requested
         if info.logged or time.monotonic() - self._progress_t >= PROGRESS_EVERY_S:
             self.write_progress()
         if self.auto is not None and self.auto.observe(self.steps, exposed, step_s, stats.bytes_sent, stats.wait_s):

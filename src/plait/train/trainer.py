@@ -33,10 +33,27 @@ from plait.fault.recovery import Recovery
 from plait.observe.ranks import rank_timings
 
 
+class _EngineCount:
+    """``RunState.skipped_steps``: the engine's count (``Plait.skipped_steps``, which reads the non-finite flags
+    of the steps since the last log step when looked up), or a number where no engine is attached."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return 0
+        value = obj.__dict__.get(self.slot, 0)
+        return value() if callable(value) else value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.slot] = value
+
+
 @dataclass
 class RunState:
     step: int = 0
-    skipped_steps: int = 0
+    skipped_steps: int = _EngineCount()
     last_loss: float = float("nan")
     val_loss: float = float("nan")
     val_accuracy: float = float("nan")
@@ -125,6 +142,7 @@ class Trainer:
         self.scheduler = p.scheduler
         self.peak = self._peak()
         self.state = RunState()
+        self.state.skipped_steps = lambda: p.skipped_steps  # read from the engine only when looked up
         self._it: Any = None
         self.recovery = Recovery(self)
         if self.rank0:
@@ -215,7 +233,7 @@ class Trainer:
         extra = self.p.load(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                             dataloader=self.loader)
         for k, v in extra.items():
-            if hasattr(self.state, k):
+            if hasattr(self.state, k) and k != "skipped_steps":  # the engine restored its own count
                 setattr(self.state, k, type(getattr(self.state, k))(v))
         self.recovery.load(extra.get("recovery"))
         skip = self.recovery.resumed_at(self.state.step)
@@ -275,7 +293,6 @@ class Trainer:
             p.finish_blocking_s = 0.0
         s = self.state
         s.step = info.step
-        s.skipped_steps = p.skipped_steps
         tokens, samples = tokens * p.dp, samples * p.dp
         s.tokens_seen += tokens
         s.samples_seen += samples

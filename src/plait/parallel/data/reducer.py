@@ -268,7 +268,7 @@ class TorchDDP:
         return self.module.no_sync()
 
     def zero_grad(self) -> None:
-        self.module.zero_grad(set_to_none=True)
+        drop_grads(self)
 
 
 class LocalGrads:
@@ -287,9 +287,18 @@ class LocalGrads:
         return contextlib.nullcontext()
 
     def zero_grad(self) -> None:
-        """Gradients dropped (``set_to_none``), as a hand-written loop's ``optimizer.zero_grad()``: the next
-        backward writes fresh ones instead of adding into zeroed memory."""
-        self.module.zero_grad(set_to_none=True)
+        drop_grads(self)
+
+
+def drop_grads(engine: TorchDDP | LocalGrads) -> None:
+    """Gradients dropped (``set_to_none``), as a hand-written loop's ``optimizer.zero_grad()`` does: the next
+    backward writes fresh ones instead of adding into zeroed memory. Over the parameters listed once (a module's
+    own ``zero_grad`` walks the module tree at every call)."""
+    params = engine.__dict__.get("_params")
+    if params is None:
+        params = engine._params = [p for p in engine.module.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
 
 
 def apply_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, dp: int, impl: str,
