@@ -98,13 +98,16 @@ def run_forward_in(model: torch.nn.Module, stream: RngStream) -> None:
     region rather than inside it; else ``model.forward``, kept out of any graph a caller compiles around it
     (Dynamo skips this frame and compiles what it calls)."""
     slot = "_compiled_call_impl" if model._compiled_call_impl is not None else "forward"
-    inner = getattr(model, slot)
+    inner, own = getattr(model, slot), slot in model.__dict__  # own: an instance attribute (not the class's)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         with stream.for_model(model.training):
             out = inner(*args, **kwargs)
         if stream.draws is False and model.__dict__.get(slot) is wrapped:
-            setattr(model, slot, inner)
+            if own:
+                setattr(model, slot, inner)
+            else:
+                delattr(model, slot)
         return out
 
     wrapped = call if slot == "_compiled_call_impl" else torch.compiler.disable(call, recursive=False)

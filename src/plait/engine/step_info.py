@@ -16,8 +16,8 @@ import torch
 
 
 class _Read:
-    """A dataclass field whose value may be a 0-dim tensor on the device, read (and kept as a float, or a bool
-    for ``as_bool``) the first time it is got."""
+    """A dataclass field whose value may be a 0-dim tensor on the device, or a function computing it, read (and
+    kept as a float, or a bool for ``as_bool``) the first time it is got."""
 
     def __init__(self, default: Any, as_bool: bool = False) -> None:
         self.default, self.as_bool = default, as_bool
@@ -29,6 +29,8 @@ class _Read:
         if obj is None:  # the dataclass's default
             return self.default
         value = obj.__dict__[self.slot]
+        if callable(value) and not isinstance(value, torch.Tensor):  # global_loss off a log step: the agreement
+            value = value()
         if isinstance(value, torch.Tensor):
             value = bool(value) if self.as_bool else float(value)
             obj.__dict__[self.slot] = value
@@ -58,7 +60,8 @@ class StepInfo:
     forward_s: float = 0.0  # measured by forward_backward (a user's own forward is not seen)
     backward_s: float = 0.0
     # The step's loss averaged over the data-parallel replicas: the same number on every rank. Agreed at log
-    # steps (``logged``); NaN on other steps of a run over several ranks (one rank: the loss itself).
+    # steps (``logged``); on another step of a run over several ranks reading it runs the agreement then, one
+    # all-reduce of one number: a collective, so every rank must read it, as every rank calls ``Plait.reduce``.
     global_loss: float = _Read(float("nan"))
     # SIGTERM/SIGINT reached a rank: every rank sees it at this same step, the first log step after it arrived
     # (one rank: at once); save and stop (the Trainer does; exit with plait.fault.preempt.PREEMPTED_EXIT).

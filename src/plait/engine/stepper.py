@@ -17,6 +17,7 @@ otherwise (checked with a clock read at each step boundary): after a kill it lag
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -272,9 +273,11 @@ class Stepper:
         else:  # the values stay on the device; reading one of them is the caller's request
             own = loss if loss is not None else float("nan")
             info.loss, info.grad_norm, info.skipped = own, norm, skipped
-            meet, _ = self.strategy.agreement_group(self.group)
+            meet, group = self.strategy.agreement_group(self.group)
             if self.world_size == 1 or not meet:  # nothing to agree on: this rank's own values
                 info.global_loss, info.preempted = own, self.preemption.requested
+            else:  # agreed only if read (a collective then: every rank reads it)
+                info.global_loss = functools.partial(self._agree_loss, own, group)
         if info.logged or time.monotonic() - self._progress_t >= PROGRESS_EVERY_S:
             self.write_progress()
         if self.auto is not None and self.auto.observe(self.steps, exposed, step_s, stats.bytes_sent, stats.wait_s):
@@ -315,6 +318,13 @@ class Stepper:
         last = info.history[-1]
         info.loss, info.global_loss, info.grad_norm = last["loss"], last["global_loss"], last["grad_norm"]
         info.skipped, info.preempted, info.logged = last["skipped"], preempted, True
+
+    def _agree_loss(self, loss: torch.Tensor | float, group: Any) -> float:
+        """``StepInfo.global_loss`` read off a log step: this step's loss averaged over the replicas now (one
+        all-reduce of one number over the training ranks; every rank must read it)."""
+        t = torch.as_tensor(loss).to(dtype=torch.float64, device=self.device).reshape(1).clone()
+        self.comm.all_reduce_sum(t, group, name="global_loss read")
+        return float(t[0]) / self.world_size
 
     def stop_counting(self) -> None:
         """End the torch-collective counter of this step, if one runs, keeping its figure."""
