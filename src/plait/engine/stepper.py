@@ -270,6 +270,7 @@ class Stepper:
                         comm_exposed_s=exposed, optimizer_s=optimizer_s, step_s=step_s, **times)
         if self.is_log_step(self.steps) if log is None else log:
             self._settle(info)
+            info.comm_bytes, info.comm_wait_s = stats.bytes_sent, stats.wait_s  # the agreement's wait counts too
         else:  # the values stay on the device; reading one of them is the caller's request
             own = loss if loss is not None else float("nan")
             info.loss, info.grad_norm, info.skipped = own, norm, skipped
