@@ -12,6 +12,7 @@ error, and a non-zero exit. Workers find the error directory in ``$PLAIT_ERROR_D
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import runpy
 import sys
@@ -40,9 +41,29 @@ class WorkerFailed(RuntimeError):
     """One or more workers failed; ``str()`` names the first failing rank and its error."""
 
 
-def run_worker(fn: Callable[..., Any], args: tuple, backend: str, timeout_s: float) -> Any:
+# What the elastic agent sets in a worker's environment (torch's LocalElasticAgent): kept as the agent set them
+# when a forked worker takes the launcher's environment (``_take_environment``).
+AGENT_ENV = ("LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+             "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
+             "OMP_NUM_THREADS", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+def _take_environment(launcher_env: dict[str, str] | None) -> None:
+    """A worker forked from the fork server has the server's environment, as it was when the server started;
+    give it the launcher's as it is at this launch (``PLAIT_ATTEMPT``, the error directory...), keeping what
+    the agent set for this worker."""
+    if launcher_env is None:
+        return
+    agent = {k: v for k, v in os.environ.items() if k in AGENT_ENV or k.startswith("TORCHELASTIC_")}
+    os.environ.clear()
+    os.environ.update({**launcher_env, **agent})
+
+
+def run_worker(fn: Callable[..., Any], args: tuple, backend: str, timeout_s: float,
+               launcher_env: dict[str, str] | None = None) -> Any:
     """Entry point of one worker of ``launch_local``: join the process group, run ``fn(*args)``, report
     any error to ``$PLAIT_ERROR_DIR``."""
+    _take_environment(launcher_env)
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     try:
         init_distributed(backend, timeout_s)
@@ -169,8 +190,24 @@ def _launch_config(nproc: int, error_dir: Path) -> Any:
     return LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"plait-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-        monitor_interval=0.5, start_method="spawn",
+        monitor_interval=0.5, start_method=START_METHOD,
     )
+
+
+# Workers are forked from multiprocessing's fork server, which imports torch and plait's training code once
+# (``WORKER_IMPORTS``), instead of starting a fresh interpreter each (seconds of imports per worker, paid again at
+# every restart); where the platform has no fork server they are spawned.
+START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+WORKER_IMPORTS = ["torch", "torch.distributed", "plait.launch", "plait.cli", "plait.engine", "plait.train.trainer",
+                  "plait.recipes", "plait.parallel.registry"]
+
+
+def _start_fork_server() -> None:
+    if START_METHOD == "forkserver":
+        from multiprocessing import forkserver
+
+        multiprocessing.set_forkserver_preload(WORKER_IMPORTS)
+        forkserver.ensure_running()
 
 
 class RunPreempted(RuntimeError):
@@ -257,8 +294,9 @@ def launch_local(fn: Callable[..., Any], args: Callable[[int], tuple] | tuple, n
     def run(attempt: int) -> Any:
         lc = _launch_config(nproc, error_dir)
         os.environ["PLAIT_ATTEMPT"] = str(attempt)
+        _start_fork_server()
         call_args = args(attempt) if callable(args) else args
-        return elastic_launch(lc, run_worker)(fn, call_args, backend, timeout_s)[0]
+        return elastic_launch(lc, run_worker)(fn, call_args, backend, timeout_s, dict(os.environ))[0]
 
     return _attempts(run, nproc, error_dir, restarts or Restarts())
 

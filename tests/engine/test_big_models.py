@@ -2,26 +2,31 @@
 shard (``setup(..., weights=PATH)``), exported shard by shard (``Plait.export(model, DIR)``).
 
 Checkpoints are written by ``save_pretrained(max_shard_size=...)`` into several files: a ``LlamaForCausalLM``
-(untied head) and a ``Qwen2ForCausalLM`` with tied embeddings (``save_pretrained`` leaves the head out). Each is
-built under ``torch.device("meta")`` on every rank and loaded at zero=3 dp=2, tp=2 and pp=2 (2 ranks) and, the
-Llama, at dp=2 x tp=2 with zero=3, HSDP (zero=3, dp_shard=2), pp=2 x zero=2 and pp=2 x zero=3 (4 ranks); at
-zero=2 (which keeps the whole model on every rank) it is allocated whole. The reference is one process, plain
-PyTorch: ``from_pretrained`` of the same directory, the model's own loss, AdamW with clipping at 1.0 over the
-same global batches.
+(untied head), a ``Qwen2ForCausalLM`` with tied embeddings (``save_pretrained`` leaves the head out) and a
+``MixtralForCausalLM`` (4 experts, top-2), whose experts ``save_pretrained`` writes one tensor per expert and
+matrix while the model holds them fused. Each is built under ``torch.device("meta")`` on every rank and loaded:
+the Llama and the Qwen2 at zero=3 dp=2, tp=2 and pp=2 (2 ranks), the Llama at dp=2 x tp=2 with zero=3, HSDP
+(zero=3, dp_shard=2), pp=2 x zero=2 and pp=2 x zero=3 (4 ranks), the Mixtral at ep=2 and tp=2 (2 ranks) and
+ep=2 x zero=3 (4 ranks); at zero=2 (which keeps the whole model on every rank) it is allocated whole. The reference
+is one process, plain PyTorch: ``from_pretrained`` of the same directory, the model's own loss, AdamW with
+clipping at 1.0 over the same global batches.
 
-Tolerances: the first loss equals the reference's within 1e-6 relative (the same weights; only the order of
-sums differs: largest measured 1.3e-7); parameters after 3 AdamW steps within ``PARAM_ATOL`` (the bound of
-``test_api_hf``: 3e-5 absolute; largest measured here 2.3e-5 with tensor parallelism, 4.4e-6 without, torch
-2.13 on CPU: AdamW's first steps move each weight by about lr whatever its gradient's size, so a near-zero
-gradient summed in another order moves it differently); the exported directory, loaded by
-``from_pretrained``, equals the trained single-process model within the same bound and has no missing or
-unexpected key, and its files are named as ``save_pretrained`` names them (one file, or several cut at
-``max_shard_bytes`` with an index). A meta-built model without weights (zero=3, tp=2) starts from exactly the weights
-``plait.parallel.meta_init.initialise_like`` gives the whole model in one process (bit for bit) and trains
-(its loss on a repeated batch falls). Memory: each rank's peak RSS over setup+load, less its RSS before the
-model was built, against the full model's fp32 bytes (see ``test_setup_memory_per_rank``). Bad checkpoints
-end in one ``WeightsError`` on every rank, before any collective (the group goes on to the next case), and
-through ``plait train`` in one line with exit code 2.
+Tolerances: the first loss equals the reference's within 1e-6 relative (the same weights; only the order of sums
+differs: largest measured 1.3e-7, the Mixtral's 8.6e-8 at ep=2, 0 at tp=2 and 1.3e-7 at ep=2 x zero=3); parameters
+after 3 AdamW steps within ``PARAM_ATOL`` (the bound of ``test_api_hf``: 3e-5 absolute; largest measured here 2.3e-5
+with tensor parallelism, 4.4e-6 without, the Mixtral's 3.1e-6 at ep=2, 7.8e-6 at tp=2 and 1.9e-6 at ep=2 x zero=3,
+torch 2.13 on CPU: AdamW's first steps move each weight by about lr whatever its gradient's size, so a near-zero
+gradient summed in another order moves it differently); the exported directory, loaded by ``from_pretrained``,
+equals the trained single-process model within the same bound and has no missing or unexpected key, and its files
+are named as ``save_pretrained`` names them (one file, or several cut at ``max_shard_bytes`` with an index; at tp=2
+the Mixtral's directory export is refused in one message: each rank holds a packed expert weight as two slices). The
+Mixtral loaded at ep=2, tp=2 and ep=2 x zero=3 equals ``from_pretrained``'s bit for bit. A meta-built model without
+weights (the Llama at zero=3 and tp=2, the Mixtral at ep=2 and tp=2) starts from exactly the weights
+``plait.parallel.meta_init.initialise_like`` gives the whole model in one process (bit for bit) and the Llama trains
+(its loss on a repeated batch falls). Memory: each rank's peak RSS over setup+load, less its RSS before the model
+was built, against the full model's fp32 bytes (see ``test_setup_memory_per_rank``). Bad checkpoints end in one
+``WeightsError`` on every rank, before any collective (the group goes on to the next case), and through ``plait
+train`` in one line with exit code 2.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ import torch
 from helpers import run_ranks
 from references import reference_training
 
+from plait.config import ConfigError
+
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'plait[hf]') is not installed")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -48,7 +55,10 @@ STEPS, GLOBAL, SEQ, LR, SEED = 3, 8, 16, 1e-3, 3
 SMALL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
 FAMILIES = {"llama": ("LlamaForCausalLM", "LlamaConfig", {}),
-            "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {"tie_word_embeddings": True})}
+            "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {"tie_word_embeddings": True}),
+            # 4 experts of width 128, top-2; the auxiliary loss off (the model's loss is then plait's causal_lm)
+            "mixtral": ("MixtralForCausalLM", "MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2})}
+DENSE = ("llama", "qwen2")
 # the memory model: ~36M parameters, 144 MB in fp32, so the allocator's and DCP's own overheads are small
 BIG = {"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
        "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 64}
@@ -58,6 +68,11 @@ LAYOUTS2 = {"zero3": ({"zero": 3}, 4), "tp2": ({"tp": 2}, 8), "pp2": (PP, 8), "z
 # ZeRO-3 over the stage's 2 data-parallel ranks (PipelineZero, PipelineFsdp)
 LAYOUTS4 = {"dp2xtp2": ({"zero": 3, "tp": 2}, 4), "hsdp": ({"zero": 3, "dp_shard": 2}, 2),
             "pp2xzero2": ({**PP, "zero": 2}, 4), "pp2xzero3": ({**PP, "zero": 3}, 4)}
+# the Mixtral: ep=2 over dp=2 (each rank 2 of the 4 experts), tp=2 (each expert's packed [gate; up] weight split
+# in both blocks), and at 4 ranks ep=2 with zero=3 (the experts sharded again, on their dim 1, over the 2 ranks
+# holding the same experts; the dense weights over all 4)
+MOE2 = {"ep2": ({"ep": 2}, 4), "tp2": ({"tp": 2}, 8)}
+MOE4 = {"ep2xzero3": ({"ep": 2, "zero": 3}, 2)}
 
 
 def build(family: str, shape: dict | None = None, meta: bool = False) -> torch.nn.Module:
@@ -81,14 +96,17 @@ def _plait(parallel: dict, micro: int, run_dir: str):
 
 
 def train(family: str, parallel: dict, micro: int, run_dir: str, weights: str | None, export: str | None = None,
-          steps: int = STEPS, repeat: bool = False) -> dict:
+          steps: int = STEPS, repeat: bool = False, keep_initial: bool = False) -> dict:
     """Build on meta, set up (loading ``weights``), train ``steps`` AdamW steps (``repeat``: on the first batch
-    again and again); the whole state before and after, and the losses. ``export``: the model is exported there
-    (one file at the default ``max_shard_bytes``) and to ``export + "-shards"`` cut at ``SHARD_BYTES``."""
+    again and again); the whole state before (without weights, or with ``keep_initial``) and after, and the
+    losses. ``export``: the model is exported there (one file at the default ``max_shard_bytes``) and to
+    ``export + "-shards"`` cut at ``SHARD_BYTES``."""
     p = _plait(parallel, micro, run_dir)
     model, _ = p.setup(build(family, meta=True), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR),
                        loss_fn="causal_lm", weights=weights)
-    initial = p.full_state_dict(model) if weights is None else None
+    initial = None  # copies: without sharding the whole state is the live parameters, which training changes
+    if weights is None or keep_initial:
+        initial = {k: v.detach().clone() for k, v in p.full_state_dict(model).items()}
     loader = p.setup_dataloader(dataset())
     losses, first = [], None
     for batch in loader:
@@ -100,11 +118,15 @@ def train(family: str, parallel: dict, micro: int, run_dir: str, weights: str | 
         if p.steps == steps:
             break
     state = p.full_state_dict(model)
+    export_error = None
     if export:
-        p.export(model, export)
-        p.export(model, export + "-shards", max_shard_bytes=SHARD_BYTES)
+        try:
+            p.export(model, export)
+            p.export(model, export + "-shards", max_shard_bytes=SHARD_BYTES)
+        except ConfigError as e:  # a refused export (every rank alike): the tests read the message
+            export_error = str(e)
     p.close()
-    return {"losses": losses, "state": state, "initial": initial}
+    return {"losses": losses, "state": state, "initial": initial, "export_error": export_error}
 
 
 def bad_inputs(root: str, family: str) -> dict[str, str]:
@@ -154,11 +176,15 @@ def setup_memory(root: str, world: int, meta: bool) -> int:
 
 def _worker2(rank: int, world: int, root: str) -> dict:
     out: dict = {"memory": (setup_memory(root, world, True), setup_memory(root, world, False))}
-    for family in FAMILIES:
+    for family in DENSE:
         for name, (parallel, micro) in LAYOUTS2.items():
             export = f"{root}/export-{family}-{name}" if name in ("zero3", "pp2") else None
             out[family, name] = train(family, parallel, micro, f"{root}/{family}-{name}", f"{root}/{family}",
                                       export=export)
+    for name, (parallel, micro) in MOE2.items():
+        out["mixtral", name] = train("mixtral", parallel, micro, f"{root}/mixtral-{name}", f"{root}/mixtral",
+                                     export=f"{root}/export-mixtral-{name}", keep_initial=True)
+        out["init-mixtral", name] = train("mixtral", parallel, micro, f"{root}/init-mixtral-{name}", None, steps=1)
     for name in ("zero3", "tp2"):
         parallel, micro = LAYOUTS2[name]
         out["init", name] = train("llama", parallel, micro, f"{root}/init-{name}", None, steps=6, repeat=True)
@@ -171,6 +197,9 @@ def _worker4(rank: int, world: int, root: str) -> dict:
     for name, (parallel, micro) in LAYOUTS4.items():
         out["llama", name] = train("llama", parallel, micro, f"{root}/4-{name}", f"{root}/llama",
                                    export=f"{root}/export-llama-{name}" if name != "pp2xzero2" else None)
+    for name, (parallel, micro) in MOE4.items():
+        out["mixtral", name] = train("mixtral", parallel, micro, f"{root}/4-mixtral-{name}", f"{root}/mixtral",
+                                     export=f"{root}/export-mixtral-{name}", keep_initial=True)
     return out
 
 
@@ -232,7 +261,8 @@ def _max_diff(state: dict, ref: dict) -> float:
     return max((state[k].float() - ref[k].float()).abs().max().item() for k in ref)
 
 
-CASES = [("2", f, n) for f in FAMILIES for n in LAYOUTS2] + [("4", "llama", n) for n in LAYOUTS4]
+CASES = ([("2", f, n) for f in DENSE for n in LAYOUTS2] + [("4", "llama", n) for n in LAYOUTS4]
+         + [("2", "mixtral", n) for n in MOE2] + [("4", "mixtral", n) for n in MOE4])
 
 
 @pytest.mark.parametrize(("world", "family", "layout"), CASES)
@@ -265,19 +295,75 @@ def _exported_files(out: Path) -> list[str]:
 
 @pytest.mark.parametrize(("family", "layout"), [("llama", "zero3"), ("llama", "pp2"), ("qwen2", "zero3"),
                                                 ("qwen2", "pp2"), ("llama", "dp2xtp2"), ("llama", "hsdp"),
-                                                ("llama", "pp2xzero3")])
+                                                ("llama", "pp2xzero3"), ("mixtral", "ep2"),
+                                                ("mixtral", "ep2xzero3")])
 @pytest.mark.parametrize("cut", ["", "-shards"])
 def test_exported_directory_loads_with_from_pretrained(root, results, family, layout, cut) -> None:
     """Every rank writes its part; the files are named as ``save_pretrained`` names them: the small model in
     ``model.safetensors`` alone at the default ``max_shard_bytes``, in several files with an index at
     ``SHARD_BYTES``."""
     _, ref_state = reference(root, family)
+    world = "4" if layout in LAYOUTS4 or layout in MOE4 else "2"
+    assert all(r[family, layout]["export_error"] is None for r in results[world])
     out = root / f"export-{family}-{layout}{cut}"
     shards = _exported_files(out)
     assert len(shards) >= 3 if cut else shards == ["model.safetensors"]
     model, info = getattr(transformers, FAMILIES[family][0]).from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert _max_diff(model.state_dict(), ref_state) < PARAM_ATOL
+
+
+@pytest.mark.parametrize(("world", "layout"), [("2", "ep2"), ("2", "tp2"), ("4", "ep2xzero3")])
+def test_expert_checkpoint_loads_each_ranks_slices_exactly(root, results, world, layout) -> None:
+    """``save_pretrained`` writes a Mixtral's experts apart (``block_sparse_moe.experts.{e}.w1/w2/w3.weight``, one
+    tensor per expert and matrix) where the model holds them fused (``mlp.experts.gate_up_proj (E, 2I, C)``,
+    ``down_proj (E, C, I)``); each rank reads its slices of those tensors (its experts; under tp its rows of both
+    the gate and the up block), merged as ``from_pretrained`` merges them: the model set up from it equals
+    ``from_pretrained``'s bit for bit (a copy: exact)."""
+    index = json.loads((root / "mixtral" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in index
+    assert not any("gate_up_proj" in k or ".mlp." in k for k in index)
+    expected = transformers.MixtralForCausalLM.from_pretrained(root / "mixtral").state_dict()
+    for r in results[world]:
+        got = r["mixtral", layout]["initial"]
+        assert set(got) == set(expected)
+        for k, v in expected.items():
+            assert torch.equal(got[k], v), k
+
+
+def test_materialise_keeps_what_a_layout_marked_on_a_tensor() -> None:
+    """A layout marks tensors while the model is still on meta (expert parallelism: the expert mark and the
+    global shape); materialising swaps storage into each tensor object, which exchanges its Python attributes too.
+    They are kept: without them a meta-built model's experts were read at the wrong offset and reduced as dense
+    weights at ep=2, and at ep=2 x zero=3 setup failed (no expert parameter found)."""
+    from plait.parallel.meta_init import materialise
+    from plait.parallel.units import EXPERT_ATTR, is_expert
+
+    with torch.device("meta"):
+        m = torch.nn.Linear(4, 2)
+    w = m.weight
+    setattr(w, EXPERT_ATTR, True)
+    w.global_shape = (4, 2)
+    materialise(m, torch.device("cpu"))
+    assert m.weight is w and not w.is_meta and not m.bias.is_meta
+    assert is_expert(w) and w.global_shape == (4, 2) and not is_expert(m.bias)
+
+
+def test_checkpoint_conversion_plait_cannot_read_in_blocks_is_refused(root) -> None:
+    """A conversion other than stacking and concatenating (here a transpose after the stack) cannot be read a
+    slice at a time: one ``WeightsError`` names the model's tensor and the operation, before anything is read."""
+    from transformers.core_model_loading import MergeModulelist, Transpose, WeightConverter, WeightRenaming
+
+    from plait.components.hf_checkpoint import WeightsError, open_checkpoint
+    from plait.components.hf_convert import converted
+
+    ckpt = open_checkpoint(root / "mixtral")
+    conversions = [WeightRenaming(".block_sparse_moe.", ".mlp."),
+                   WeightConverter(".experts.*.w2.weight", ".experts.down_proj", [MergeModulelist(0), Transpose(1, 2)])]
+    names = set(build("mixtral", meta=True).state_dict())
+    with pytest.raises(WeightsError, match=r"model\.layers\.0\.mlp\.experts\.down_proj is stored as 4 tensors "
+                                           r"\(model\.layers\.0\.block_sparse_moe\.experts\.0\.w2\.weight.*Transpose"):
+        converted(ckpt, conversions, names.__contains__)
 
 
 @pytest.mark.parametrize("layout", ["zero3", "tp2"])
@@ -295,6 +381,30 @@ def test_meta_model_without_weights_starts_from_the_stated_init_and_trains(resul
     # norms), not storage left uninitialised
     assert expected["model.norm.weight"].eq(1).all()
     assert abs(expected["model.layers.0.mlp.up_proj.weight"].std().item() - 0.02) < 0.002
+
+
+@pytest.mark.parametrize("layout", ["ep2", "tp2"])
+def test_meta_moe_model_without_weights_starts_from_the_stated_init(results, layout) -> None:
+    """The Mixtral built on meta without weights: its experts (each rank's, and under tp each rank's rows of both
+    packed blocks) start from exactly the weights ``initialise_like`` gives the whole model in one process."""
+    from plait.parallel.meta_init import initialise_like
+
+    expected = initialise_like(build("mixtral", meta=True), SEED).state_dict()
+    for r in results["2"]:
+        got = r["init-mixtral", layout]["initial"]
+        assert set(got) == set(expected)
+        for k, v in expected.items():
+            assert torch.equal(got[k], v), k
+    assert abs(expected["model.layers.0.mlp.experts.gate_up_proj"].std().item() - 0.02) < 0.002  # not left empty
+
+
+def test_directory_export_of_packed_expert_weights_is_refused(results) -> None:
+    """tp=2 holds each packed ``[gate; up]`` expert weight as two slices per rank, which the directory writer
+    (one slice per rank and tensor) cannot take: every rank gets one message pointing to the single-file export
+    (instead of DCP's 'overlapping chunks' failure), and the group goes on."""
+    for r in results["2"]:
+        message = r["mixtral", "tp2"]["export_error"]
+        assert message and re.search(r"gate_up_proj as 2 separate slices.*\.safetensors", message), message
 
 
 MESSAGES = {"missing-key": r"missing: model\.norm\.weight", "extra-key": r"unexpected: model\.layers\.0\.mlp\.gate_pr",

@@ -32,9 +32,10 @@ What plait adds, and why:
 * **Names through the model's own conventions.** Tied weights are read once under whichever of their names
   the checkpoint has (``save_pretrained`` drops the tied head); a checkpoint of the base model (no
   ``base_model_prefix.``) loads into the model with a head and the other way round, as ``from_pretrained``
-  does; keys the model lists in ``_keys_to_ignore_on_load_unexpected`` are ignored. Converters that fuse or
-  split tensors (transformers 5's per-model weight converters, e.g. fused MoE experts) are not applied: such a
-  checkpoint ends in the message below.
+  does; keys the model lists in ``_keys_to_ignore_on_load_unexpected`` are ignored. transformers 5's
+  per-model renames and merges (a Mixtral's experts, one tensor per expert in the checkpoint, fused in the
+  model) are applied to the headers (``plait.components.hf_convert``): a fused tensor is read from the blocks
+  its slice overlaps. A conversion other than a stack or a concatenation ends in a ``WeightsError``.
 * **Checks before anything is read.** plait reads the headers first (a few KB per file) and rejects, on
   every rank alike (no rank is left waiting for another), a PATH that does not exist, an index naming a
   missing file, a truncated file, and missing, unexpected, wrong-shape and wrong-dtype tensors, in one
@@ -79,10 +80,25 @@ class WeightsError(ConfigError):
 
 @dataclass(frozen=True)
 class TensorInfo:
+    """One tensor of the checkpoint: a tensor of one file, or (``blocks``) a tensor the model holds fused that
+    the checkpoint stores as several (``plait.components.hf_convert``); ``file`` is then the first block's."""
+
     shape: tuple[int, ...]
     dtype: torch.dtype
     file: Path
     start: int = 0  # where the tensor's bytes begin in the file
+    blocks: tuple[Block, ...] = ()
+
+
+@dataclass(frozen=True)
+class Block:
+    """A checkpoint tensor (``key``, ``info``) as the block of a fused tensor at ``offset``, seen with ``shape``
+    (its own shape with size-1 dims inserted where tensors were stacked: the same bytes in the same order)."""
+
+    key: str
+    info: TensorInfo
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
 
 
 @dataclass
@@ -186,7 +202,7 @@ def _kind(dtype: torch.dtype) -> str:
     return "float" if dtype.is_floating_point else "bool" if dtype == torch.bool else "integer"
 
 
-def _candidates(name: str, prefix: str) -> list[str]:
+def candidates(name: str, prefix: str) -> list[str]:
     """The checkpoint names ``name`` may have: itself, without or with the base model's prefix."""
     out = [name]
     if prefix and name.startswith(prefix + "."):
@@ -204,7 +220,7 @@ def match_names(groups: dict[str, list[str]], shapes: dict[str, Any], dtypes: di
     chosen: dict[str, str] = {}
     missing, shape_err, dtype_err = [], [], []
     for canon, names in groups.items():
-        found = next((c for n in names for c in _candidates(n, prefix) if c in ckpt.tensors), None)
+        found = next((c for n in names for c in candidates(n, prefix) if c in ckpt.tensors), None)
         if found is None:
             missing.append(_near(canon, ckpt.tensors))
             continue
@@ -215,7 +231,7 @@ def match_names(groups: dict[str, list[str]], shapes: dict[str, Any], dtypes: di
             dtype_err.append(f"{found} (checkpoint {str(info.dtype)[6:]}, model {str(dtype)[6:]})")
         chosen[canon] = found
     used = set(chosen.values())
-    every = {c for names in groups.values() for n in names for c in _candidates(n, prefix)}
+    every = {c for names in groups.values() for n in names for c in candidates(n, prefix)}
     patterns = [re.compile(p) for p in ignore or []]
     unexpected = [_near(k, every) for k in ckpt.tensors
                   if k not in used and k not in every and not any(p.search(k) for p in patterns)]
@@ -227,17 +243,32 @@ def match_names(groups: dict[str, list[str]], shapes: dict[str, Any], dtypes: di
     return chosen
 
 
-def _local_part(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """(the tensor this rank fills, its offset in the whole tensor): a DTensor's local shard and the offset its
-    placements give (FSDP2's dim-0 shard, a Megatron row or column shard, both at once), else the tensor."""
+def local_boxes(t: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """What this rank holds of ``t`` as rectangular boxes of the whole tensor: (a view of the storage it fills,
+    the view's offset in the whole tensor). A DTensor's local shard at the offset its placements give (FSDP2's
+    dim-0 shard, a Megatron row or column shard, both at once); a DTensor split with ``_StridedShard`` on a 1-D
+    mesh (tensor parallelism's packed ``[gate; up]`` expert weights, ``plait.parallel.tensor.strided``) as one
+    box per packed block, which ``compute_local_shape_and_global_offset`` cannot describe (it gives one offset);
+    a plain tensor whole."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(t, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    if not isinstance(t, DTensor):
+        return [(t, (0,) * t.dim())]
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        return t.to_local(), tuple(offset)
-    return t, (0,) * t.dim()
+    if t.device_mesh.ndim == 1 and isinstance(t.placements[0], _StridedShard):
+        # of each of the split_factor blocks of the split dim, rank r holds chunk r of n, stored one after another
+        d, s = t.placements[0].dim, t.placements[0].split_factor
+        n, r = t.device_mesh.size(), t.device_mesh.get_local_rank()
+        block = t.shape[d] // s
+        chunk = block // n
+        local = t.to_local()
+        return [(local.narrow(d, b * chunk, chunk), tuple(b * block + r * chunk if i == d else 0
+                                                           for i in range(t.dim()))) for b in range(s)]
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return [(t.to_local(), tuple(offset))]
 
 
 def _read_region(f: Any, info: TensorInfo, dest: torch.Tensor, offset: tuple[int, ...]) -> None:
@@ -257,25 +288,52 @@ def _read_region(f: Any, info: TensorInfo, dest: torch.Tensor, offset: tuple[int
         done += run
 
 
+def _read_into(fd: int, info: TensorInfo, view: torch.Tensor, offset: tuple[int, ...]) -> None:
+    """The block of ``info`` at ``offset`` into ``view``: straight into its storage, or through a temporary of
+    its size when ``view`` is not contiguous CPU memory of the file's dtype."""
+    direct = view.is_contiguous() and view.dtype == info.dtype and view.device.type == "cpu"
+    dest = view if direct else torch.empty(tuple(view.shape), dtype=info.dtype)
+    with torch.no_grad():
+        _read_region(fd, info, dest, offset)
+        if not direct:
+            view.copy_(dest)
+
+
+def _read_blocks(fd_of: Any, info: TensorInfo, local: torch.Tensor, offset: tuple[int, ...]) -> None:
+    """A fused tensor's part at ``offset`` (``local``'s shape) from the blocks that overlap it, each one's
+    overlap read into its place in ``local``."""
+    for b in info.blocks:
+        lo = [max(o, bo) for o, bo in zip(offset, b.offset, strict=True)]
+        hi = [min(o + n, bo + bn) for o, n, bo, bn in zip(offset, local.shape, b.offset, b.shape, strict=True)]
+        if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)):
+            continue
+        view = local[tuple(slice(lo_ - o, h - o) for lo_, h, o in zip(lo, hi, offset, strict=True))]
+        part = TensorInfo(b.shape, b.info.dtype, b.info.file, b.info.start)
+        _read_into(fd_of(part.file), part, view, tuple(lo_ - bo for lo_, bo in zip(lo, b.offset, strict=True)))
+
+
 def load_into(state: dict[str, torch.Tensor], ckpt: Checkpoint) -> None:
     """Read ``state`` (checkpoint name -> this rank's tensor: plain or DTensor) in place from ``ckpt``: only the
     bytes of this rank's slice of each tensor, straight into its storage (a temporary of the slice's size only
-    when the dtype or device differs). No collective: every rank reads its own."""
+    when the dtype or device differs; of one block's overlap for a fused tensor whose part there is not
+    contiguous). No collective: every rank reads its own."""
     fds: dict[Path, int] = {}
+
+    def fd_of(file: Path) -> int:
+        if file not in fds:
+            fds[file] = os.open(file, os.O_RDONLY)
+        return fds[file]
+
     try:
         for name, t in state.items():
             info = ckpt.tensors[name]
-            local, offset = _local_part(t)
-            if local.numel() == 0:
-                continue
-            direct = local.is_contiguous() and local.dtype == info.dtype and local.device.type == "cpu"
-            dest = local if direct else torch.empty(tuple(local.shape), dtype=info.dtype)
-            if info.file not in fds:
-                fds[info.file] = os.open(info.file, os.O_RDONLY)
-            with torch.no_grad():
-                _read_region(fds[info.file], info, dest, offset)
-                if not direct:
-                    local.copy_(dest)
+            for local, offset in local_boxes(t):
+                if local.numel() == 0:
+                    continue
+                if info.blocks:
+                    _read_blocks(fd_of, info, local, offset)
+                else:
+                    _read_into(fd_of(info.file), info, local, offset)
     finally:
         for fd in fds.values():
             os.close(fd)

@@ -68,7 +68,9 @@ def materialise(module: nn.Module, device: torch.device) -> None:
     are left as they are. Every tensor keeps its identity (``torch.utils.swap_tensors``): tied parameters stay
     one object, and references a layout took (a pipeline's parameter lists, BatchNorm statistics to average)
     stay valid. DTensor parameters (tensor parallelism, FSDP2) go through ``Module._apply`` as ``to_empty``
-    does, which swaps them in place too and lets FSDP2 re-register its padded shards."""
+    does, which swaps them in place too and lets FSDP2 re-register its padded shards. The attributes a layout
+    set on a tensor (expert parallelism's mark and global shape) are kept: a swap exchanges them too."""
+    marks = {(id(m), name): dict(t.__dict__) for m, name, t in _slots(module) if t.is_meta and t.__dict__}
     done: set[int] = set()
     for m in module.modules():
         for t in list(m._parameters.values()) + list(m._buffers.values()):
@@ -79,6 +81,17 @@ def materialise(module: nn.Module, device: torch.device) -> None:
             torch.utils.swap_tensors(t, nn.Parameter(new, t.requires_grad) if type(t) is nn.Parameter else new)
     if any(p.is_meta for p in module.parameters()) or any(b is not None and b.is_meta for b in module.buffers()):
         module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    for m, name, t in _slots(module):
+        for k, v in marks.get((id(m), name), {}).items():
+            t.__dict__.setdefault(k, v)
+
+
+def _slots(module: nn.Module) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
+    """(module, attribute, tensor) for every parameter and buffer held directly by each module."""
+    for m in module.modules():
+        for name, t in list(m._parameters.items()) + list(m._buffers.items()):
+            if t is not None:
+                yield m, name, t
 
 
 def storage_key(t: torch.Tensor) -> tuple:
@@ -114,12 +127,16 @@ class ModelFacts:
     ignore_unexpected: list[str] = field(default_factory=list)
     base_prefix: str = ""
     kind: str = "the model"
+    conversions: list[Any] = field(default_factory=list)
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelFacts:
+        from plait.components.hf_convert import model_conversions
+
         facts = cls(meta=is_meta(model), config=getattr(model, "config", None),
                     ignore_unexpected=list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
-                    base_prefix=str(getattr(model, "base_model_prefix", "") or ""), kind=type(model).__name__)
+                    base_prefix=str(getattr(model, "base_model_prefix", "") or ""), kind=type(model).__name__,
+                    conversions=model_conversions(model))
         first: dict[int, str] = {}
         sd_names = set(model.state_dict(keep_vars=True))
         for mname, m in model.named_modules(remove_duplicate=False):
@@ -181,7 +198,9 @@ def _full_values(facts: ModelFacts, mname: str, seed: int, init: InitFn) -> dict
     """Every direct tensor of module ``mname`` at full size, initialised as in one process: on the CPU, whose
     random generator is the same on every machine."""
     module = facts.modules[mname]
-    full = {attr: torch.empty(tuple(t.shape), dtype=t.dtype)
+    # the whole model's shapes, recorded before the layout: expert parallelism replaced the experts' tensors by
+    # this rank's (a DTensor's shape is the whole one already)
+    full = {attr: torch.empty(tuple(facts.shapes.get(f"{mname}.{attr}" if mname else attr, t.shape)), dtype=t.dtype)
             for attr, t in list(module._parameters.items()) + list(module._buffers.items()) if t is not None}
     old = _swap(module, full)
     try:
@@ -245,17 +264,12 @@ def initialise(facts: ModelFacts, entries: dict[str, torch.Tensor], seed: int, i
 
 def write_slice(dest: torch.Tensor, full: torch.Tensor) -> None:
     """Copy this rank's part of ``full`` (the whole tensor) into ``dest``: a DTensor's local shard (its offset
-    from the placements: tp's Megatron shards, FSDP2's dim-0 shards, both at once), or a plain tensor whole."""
-    from torch.distributed.tensor import DTensor
+    from the placements: tp's Megatron shards, FSDP2's dim-0 shards, both at once; tp's packed expert weights
+    block by block: ``plait.components.hf_checkpoint.local_boxes``), or a plain tensor whole."""
+    from plait.components.hf_checkpoint import local_boxes
 
-    if isinstance(dest, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(full.shape, dest.device_mesh, dest.placements)
-        part = full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
-        dest.to_local().copy_(part)
-    else:
-        dest.copy_(full)
+    for view, offset in local_boxes(dest):
+        view.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, view.shape, strict=True))])
 
 
 def initialise_like(model: nn.Module, seed: int, init_fn: InitFn | None = None) -> nn.Module:

@@ -17,8 +17,19 @@ from typing import Any
 
 import torch
 
-from plait.components.hf_checkpoint import DEFAULT_SHARD_BYTES, file_indices, load_into, match_names, open_checkpoint
+from plait.components.hf_checkpoint import (
+    DEFAULT_SHARD_BYTES,
+    Checkpoint,
+    candidates,
+    file_indices,
+    load_into,
+    local_boxes,
+    match_names,
+    open_checkpoint,
+)
 from plait.components.hf_checkpoint import save_from as _save_from
+from plait.components.hf_convert import converted
+from plait.config import ConfigError
 from plait.parallel.meta_init import ModelFacts, initialise, storage_key
 
 
@@ -26,10 +37,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _open(facts: ModelFacts, path: str | Path) -> Checkpoint:
+    """The checkpoint's headers under the model's names: renamed and merged as ``from_pretrained`` would
+    (``plait.components.hf_convert``)."""
+    names = {c for n in facts.shapes for c in candidates(n, facts.base_prefix)}
+    return converted(open_checkpoint(path), facts.conversions, names.__contains__)
+
+
 def check_weights(model: torch.nn.Module, path: str | Path) -> None:
     """Raise the ``WeightsError`` loading ``path`` into ``model`` would raise (headers only, no collective)."""
     facts = ModelFacts.of(model)
-    match_names(facts.groups(), facts.shapes, facts.dtypes, open_checkpoint(path), prefix=facts.base_prefix,
+    match_names(facts.groups(), facts.shapes, facts.dtypes, _open(facts, path), prefix=facts.base_prefix,
                 ignore=facts.ignore_unexpected, what=facts.kind)
 
 
@@ -38,7 +56,7 @@ def load_weights(facts: ModelFacts, entries: dict[str, torch.Tensor], path: str 
     """Fill ``entries`` (this rank's) from the checkpoint at ``path``; no collective (``group`` is the one an
     override may use). A meta-built model's non-persistent buffers (rotary ``inv_freq``) are then computed as
     construction would."""
-    ckpt = open_checkpoint(path)
+    ckpt = _open(facts, path)
     chosen = match_names(facts.groups(), facts.shapes, facts.dtypes, ckpt, prefix=facts.base_prefix,
                          ignore=facts.ignore_unexpected, what=what)
     state: dict[str, torch.Tensor] = {}
@@ -69,6 +87,12 @@ def export_weights(facts: ModelFacts, entries: dict[str, torch.Tensor], out: Pat
     full tensor."""
     sizes = {n: int(torch.Size(facts.shapes[n]).numel()) * facts.dtypes[n].itemsize for n in facts.shapes}
     indices = file_indices(sizes, max_shard_bytes)
+    boxed = [n for n, t in entries.items() if n in indices and len(local_boxes(t)) > 1]
+    if boxed:  # the same on every rank: none is left in the writer's collective
+        raise ConfigError(f"exporting to a directory writes one slice of each tensor per rank, and this layout holds "
+                          f"{boxed[0]} as {len(local_boxes(entries[boxed[0]]))} separate slices (tensor parallelism's "
+                          "packed expert weights); export to a path ending in .safetensors (one file, gathered on "
+                          "rank 0)")
     state: dict[str, torch.Tensor] = {}
     seen: set[tuple] = set()
     for n, t in entries.items():

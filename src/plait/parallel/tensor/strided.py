@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from plait.components.dcp_pieces import Pieces
+from plait.components.hf_checkpoint import local_boxes
 
 
 def is_strided(t: Any) -> bool:
@@ -31,18 +32,7 @@ def strided_boxes(t: DTensor) -> Pieces:
     """``t``'s local shard as boxes of the global tensor (see the module docstring)."""
     if t.device_mesh.ndim != 1 or len(t.placements) != 1:
         raise ValueError("strided checkpoints take DTensors on a 1-D mesh")
-    (placement,) = t.placements
-    d, s = placement.dim, placement.split_factor
-    n, r = t.device_mesh.size(), t.device_mesh.get_local_rank()
-    block = t.shape[d] // s
-    chunk = block // n
-    local = t.to_local().detach()
-    boxes = []
-    for b in range(s):
-        offsets = [0] * t.dim()
-        offsets[d] = b * block + r * chunk
-        boxes.append((torch.Size(offsets), local.narrow(d, b * chunk, chunk)))
-    return Pieces(t.shape, boxes)
+    return Pieces(t.shape, [(torch.Size(offset), view.detach()) for view, offset in local_boxes(t)])
 
 
 def strided_entries(entries: dict[str, Any]) -> dict[str, Any]:
