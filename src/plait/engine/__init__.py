@@ -140,7 +140,8 @@ class Plait(SmallCollectives):
     scheduler = _StepperAttr("scheduler", "The LR scheduler ``setup`` built from the factory (None without one).")
     moe = _StepperAttr("moe", "The MoE monitor (None for a model without ``plait.nn.MoE`` layers).")
     steps = _StepperAttr("steps", "Optimizer steps taken (restored by ``load``).")
-    skipped_steps = _StepperAttr("skipped_steps", "Updates skipped for a non-finite gradient norm.")
+    skipped_steps = _StepperAttr("skipped_steps", "Updates skipped for a non-finite gradient norm (reads the flags of "
+                                                  "the steps since the last log step from the device).")
     saved_step = _StepperAttr("saved_step", "The step of the last completed checkpoint (None before one).")
     resumed_from = _StepperAttr("resumed_from", "The step this process's run was loaded at (0: a new run).")
     memory = _StepperAttr("memory", "This rank's measured model-state bytes (empty before the second update).")
@@ -244,6 +245,10 @@ class Plait(SmallCollectives):
                                               bias=any(layer.balance == "bias" for layer in moe))
             opt = strategy.build_optimizer(factory)
         strategy.setup_memory = meter.stop()
+        if self.device.type == "cuda" and not strategy.skips_on_device():
+            self.logger.info("the optimizer cannot skip a non-finite step on the GPU (no found_inf): each step reads "
+                             "its non-finite flag on the host, one sync; a fused optimizer (AdamW(fused=True), "
+                             "plait's default) does not")
         self._start(strategy)
         if scheduler is not None:
             self.stepper.scheduler = scheduler(strategy.scheduler_target())

@@ -330,6 +330,11 @@ class Strategy:
             out.append(o)
         return out
 
+    def skips_on_device(self) -> bool:
+        """Whether every optimizer ``step`` runs takes torch's ``found_inf`` (``step_unless``)."""
+        opts = self.torch_optimizers()
+        return bool(opts) and all(getattr(o, "_step_supports_amp_scaling", False) for o in opts)
+
     def step_unless(self, found: torch.Tensor) -> None:
         """``step``, unless ``found`` (a 0-dim float tensor on the device) is 1. Optimizers that take torch's
         ``found_inf`` (fused Adam/AdamW/SGD/Adagrad, ``_step_supports_amp_scaling``: plait's AdamW on a GPU) skip
@@ -337,7 +342,7 @@ class Strategy:
         optimizer needs the decision on the host: one read of ``found`` per step (on a GPU, a wait for the
         gradients), the only device-to-host read of a non-logging step."""
         opts = self.torch_optimizers()
-        if opts and all(getattr(o, "_step_supports_amp_scaling", False) for o in opts):
+        if self.skips_on_device():
             for o in opts:
                 o.found_inf = found
             try:
