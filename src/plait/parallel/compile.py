@@ -8,8 +8,9 @@ Two units (``train.compile = "auto" | "model" | "blocks" | false``; true is "aut
   (``nn.Module.compile``'s slot), so ``model(...)`` runs it; the layout's forward routing (autocast, DDP) is
   traced inside it, and what must stay eager (plait's random stream, ``plait.components.rng``) runs around it.
   plait's reducer and ZeRO hook the parameters' gradients (AOTAutograd's backward accumulates into ``.grad`` as
-  eager does, so the hooks fire; the buckets are reduced when the compiled backward has produced them); DDP is
-  traced by dynamo's DDP support.
+  eager does, so the hooks fire; the buckets are reduced when the compiled backward has produced them: after
+  backward, not overlapped with it, the price of one region, which "blocks" does not pay); DDP is traced by
+  dynamo's DDP support.
 * **blocks**: each repeated block (``plait.parallel.units.find_blocks``: plait's GPT's ``blocks``, a Hugging Face
   model's decoder layers) compiled in place (the blocks share one traced graph; parameter names and
   ``state_dict`` keys do not change; a model without repeated blocks is compiled whole), and the loss's
