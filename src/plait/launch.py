@@ -34,6 +34,7 @@ from plait.runtime.dist import (
     noted_error_dir,
     write_error,
 )
+from plait.runtime.forked import exit_handlers, fresh_start_method
 from plait.runtime.group import leave_process_group
 
 
@@ -64,19 +65,21 @@ def run_worker(fn: Callable[..., Any], args: tuple, backend: str, timeout_s: flo
     """Entry point of one worker of ``launch_local``: join the process group, run ``fn(*args)``, report
     any error to ``$PLAIT_ERROR_DIR``."""
     _take_environment(launcher_env)
+    fresh_start_method()
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-    try:
-        init_distributed(backend, timeout_s)
-        out = fn(*args)
-    except BaseException as e:
-        write_error(e, rank, error_dir_from_env())
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if type(e).__name__ == "Preempted":
-            raise SystemExit(75) from None  # plait.fault.preempt.PREEMPTED_EXIT
-        raise
-    leave_cleanly(rank)
-    return out
+    with exit_handlers():
+        try:
+            init_distributed(backend, timeout_s)
+            out = fn(*args)
+        except BaseException as e:
+            write_error(e, rank, error_dir_from_env())
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            if type(e).__name__ == "Preempted":
+                raise SystemExit(75) from None  # plait.fault.preempt.PREEMPTED_EXIT
+            raise
+        leave_cleanly(rank)
+        return out
 
 
 # How long a worker that ended cleanly waits for the others before it leaves its process group anyway. A peer
@@ -198,7 +201,7 @@ def _launch_config(nproc: int, error_dir: Path) -> Any:
 # (``WORKER_IMPORTS``), instead of starting a fresh interpreter each (seconds of imports per worker, paid again at
 # every restart); where the platform has no fork server they are spawned.
 START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-WORKER_IMPORTS = ["torch", "torch.distributed", "plait.launch", "plait.cli", "plait.engine", "plait.train.trainer",
+WORKER_IMPORTS = ["torch", "torch.distributed", "plait.launch", "plait.engine", "plait.train.trainer",
                   "plait.recipes", "plait.parallel.registry"]
 
 

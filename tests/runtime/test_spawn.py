@@ -83,3 +83,25 @@ def test_a_group_past_its_timeout_is_killed_and_named() -> None:
     assert [o.error for o in outcomes] == ["did not finish in 8 s"] * 2
     assert all(o.exitcode == -9 for o in outcomes)
     assert all(not p.is_alive() for p in group.procs)
+
+
+def _exit_handler_and_start_method(rank: int, world: int, marker: str) -> str:
+    """Registers an exit handler that writes ``marker``-rank; returns the default start method a rank has."""
+    import atexit
+    import multiprocessing
+    from pathlib import Path
+
+    atexit.register(lambda: Path(f"{marker}-{rank}").write_text("ran"))
+    return multiprocessing.get_start_method()
+
+
+def test_a_forked_rank_behaves_as_a_fresh_interpreter(tmp_path) -> None:
+    """Forked from the fork server, a rank still runs its exit handlers (trackers flush there) and starts its own
+    processes (a data loader's workers) with the platform's default method, as a fresh interpreter would:
+    ``plait.runtime.forked``."""
+    import multiprocessing
+
+    marker = str(tmp_path / "atexit")
+    methods = spawn_ranks(_exit_handler_and_start_method, 2, marker)
+    assert methods == [multiprocessing.get_all_start_methods()[0]] * 2
+    assert [(tmp_path / f"atexit-{r}").read_text() for r in range(2)] == ["ran", "ran"]

@@ -5,6 +5,8 @@ Found without knowing the model: a Hugging Face model names its block classes in
 the ``nn.ModuleList`` or ``nn.Sequential`` holding the most parameters with at least two children
 (plait's GPT and CNN ``blocks``, a Sequential model's layers). A model without either has no blocks.
 Batch normalisation: the running statistics of a model's BatchNorm layers, for averaging over ranks.
+Tied weights: the modules that share one parameter (``tied_uses``), found by identity, for every layout that
+rebuilds or shards the model's modules (tensor plans, pipeline stages, FSDP units) and must keep them one tensor.
 Expert-parallel parameters: marked by ``plait.parallel.expert.dispatch.shard_experts``; the data-parallel engines
 (reducer, DDP, ZeRO, FSDP) leave them to ``plait.parallel.expert.strategy.ExpertParallel``.
 """
@@ -17,6 +19,16 @@ from torch import nn
 
 def _numel(m: nn.Module) -> int:
     return sum(p.numel() for p in m.parameters())
+
+
+def tied_uses(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
+    """Every parameter the model uses under more than one name (a tied embedding and head), by identity: one list
+    per parameter of ``(qualified name, module holding it)``, in the model's order."""
+    uses: dict[int, list[tuple[str, nn.Module]]] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module.named_parameters(recurse=False):
+            uses.setdefault(id(p), []).append((f"{mname}.{pname}" if mname else pname, module))
+    return [u for u in uses.values() if len({name for name, _ in u}) > 1]
 
 
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

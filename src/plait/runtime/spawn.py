@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from plait.runtime.forked import exit_handlers, fresh_start_method
 from plait.runtime.group import meet
 
 HOST = "127.0.0.1"
@@ -160,28 +161,31 @@ class _Context:
 
 def _rank_main(fn: Callable, rank: int, world: int, port: int, args: tuple, results: Any, timeout_s: float,
                threads: int, context: _Context) -> None:
-    """A spawned rank: join the group, run ``fn``, report, wait for the others, tear down."""
+    """A spawned rank: join the group, run ``fn``, report, wait for the others, tear down (and, forked, behave
+    as a fresh interpreter: ``plait.runtime.forked``)."""
     store = None
-    try:
-        context.enter()
-        store = dist.TCPStore(HOST, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-        init_rank(rank, world, store, timeout_s, threads)
-        out = fn(rank, world, *args)
-        # Plain pickle sends tensors by value; the queue's own pickler would pass shared-memory handles that
-        # die with this process.
-        results.put((rank, True, pickle.dumps(out)))
-    except BaseException:  # report every failure to the parent, whatever it is
-        results.put((rank, False, traceback.format_exc()))
-    # Flush the report before anything that can block or abort (a peer left stuck in a collective on
-    # purpose can make ``destroy_process_group`` wait for the backend's timeout).
-    results.close()
-    results.join_thread()
-    try:
-        if store is not None:
-            meet(store, world, "plait-spawn/done")  # the store's timeout bounds the wait
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with exit_handlers():
+        try:
+            context.enter()
+            fresh_start_method()
+            store = dist.TCPStore(HOST, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+            init_rank(rank, world, store, timeout_s, threads)
+            out = fn(rank, world, *args)
+            # Plain pickle sends tensors by value; the queue's own pickler would pass shared-memory handles that
+            # die with this process.
+            results.put((rank, True, pickle.dumps(out)))
+        except BaseException:  # report every failure to the parent, whatever it is
+            results.put((rank, False, traceback.format_exc()))
+        # Flush the report before anything that can block or abort (a peer left stuck in a collective on
+        # purpose can make ``destroy_process_group`` wait for the backend's timeout).
+        results.close()
+        results.join_thread()
+        try:
+            if store is not None:
+                meet(store, world, "plait-spawn/done")  # the store's timeout bounds the wait
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def _describe_exit(code: int) -> str:

@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from plait.parallel.units import find_blocks
+from plait.parallel.units import find_blocks, tied_uses
 from plait.parallel.zero.optimizer import ZeroConfigError
 
 
@@ -105,11 +105,8 @@ def check_ties_within_units(model: nn.Module, blocks: list[nn.Module]) -> None:
     of a block replaces the parameters of the block's own modules only, so a user outside the block would keep the
     old tensor and train apart from it. A tied embedding and head, both outside the blocks, share the root unit."""
     unit_of = {id(m): b for b, block in enumerate(blocks) for m in block.modules()}
-    users: dict[int, list[tuple[str, int]]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        for pname, p in module.named_parameters(recurse=False):
-            users.setdefault(id(p), []).append((f"{name}.{pname}" if name else pname, unit_of.get(id(module), -1)))
-    for uses in users.values():
+    for tie in tied_uses(model):
+        uses = [(name, unit_of.get(id(module), -1)) for name, module in tie]
         if len({unit for _, unit in uses}) > 1:
             where = ", ".join(f"{n} ({f'block {u}' if u >= 0 else 'root'})" for n, u in uses)
             raise ZeroConfigError(f"parallel.zero=3 shards each repeated block as its own FSDP unit, but the model "

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.parallel.units import tied_uses
 from plait.plan.schedule import PipelineConfigError
 
 
@@ -255,14 +256,8 @@ def check_tied_copies(model: nn.Module, stages: list[nn.Module]) -> None:
     """A ``PipelineConfigError`` when a module that uses a weight the model ties (a tied embedding and head) is in
     no stage: a stage built from a copy of it (``copy.deepcopy`` in a user's ``stage_fn``) would train its copy
     apart from the tied weight, silently. Ties are found by identity, so stages must hold the model's own modules."""
-    users: dict[int, list[tuple[str, nn.Module]]] = {}
-    for mname, module in model.named_modules(remove_duplicate=False):
-        for pname, p in module.named_parameters(recurse=False):
-            users.setdefault(id(p), []).append((f"{mname}.{pname}" if mname else pname, module))
     held = {id(m) for stage in stages for m in stage.modules()}
-    for uses in users.values():
-        if len(uses) < 2:
-            continue
+    for uses in tied_uses(model):
         names = " and ".join(dict.fromkeys(n for n, _ in uses))
         for name, module in uses:
             if id(module) not in held:

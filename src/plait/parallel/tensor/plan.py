@@ -54,6 +54,7 @@ from torch.distributed.tensor.parallel import (
 
 from plait.config import ConfigError
 from plait.parallel.data.reducer import local_grad
+from plait.parallel.units import tied_uses
 
 _LOSS_PARALLEL_ATTR = "_plait_loss_parallel"
 
@@ -236,10 +237,8 @@ def retie(model: nn.Module, tied: dict[str, list[str]]) -> None:
 
 def tied_names(model: nn.Module) -> dict[str, list[str]]:
     """Parameter name -> the other names of the same parameter (tied weights)."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return {n: [o for o in names if o != n] for names in by_id.values() if len(names) > 1 for n in names}
+    groups = [list(dict.fromkeys(name for name, _ in uses)) for uses in tied_uses(model)]
+    return {n: [o for o in names if o != n] for names in groups for n in names}
 
 
 def resolve_tp(model: nn.Module, tp_plan: Plan | str | None, parallelize_fn: Callable | None,
