@@ -441,6 +441,7 @@ class Plait(SmallCollectives):
             self.logger.info("checkpoint saved at world size %s, loading at %d: per-rank RNG and compressor "
                              "residuals start fresh", meta.get("world_size"), self.world_size)
         self.logger.info("loaded %s (step %d)", path, self.steps)
+        self.stepper.write_progress()  # where this attempt starts, for the launcher's no-progress rule
         if self.prometheus is not None:  # training since this checkpoint is what a failure would lose
             self.prometheus.checkpoint_done()
         self.stepper.start_step()

@@ -10,8 +10,9 @@ device by optimizers that take torch's ``found_inf`` (``Strategy.step_unless``).
 ``train.log_every``-th, the last of ``train.steps``, or ``step(log=True)``) reads every value since the previous
 one in one transfer and, over several ranks, agrees on the losses and on a stop request in one all-reduce:
 a SIGTERM is seen by every rank at the first log step after it arrived. ``progress.json`` (the launcher's
-restart decision) is written at log steps, saves and errors, and at least every ``PROGRESS_EVERY_S`` seconds
-otherwise (checked with a clock read at each step boundary): after a kill it lags the step count by at most
+restart decision) is written at log steps, saves, loads, errors and the first step after a load, and at least
+every ``PROGRESS_EVERY_S`` seconds otherwise (checked with a clock read at each step boundary): after an error
+plait reports it is exact; after a kill (SIGKILL, a crash of the process) it lags the step count by at most
 ``train.log_every - 1`` steps or that interval, whichever is shorter."""
 
 from __future__ import annotations
@@ -279,7 +280,9 @@ class Stepper:
                 info.global_loss, info.preempted = own, self.preemption.requested
             else:  # agreed only if read (a collective then: every rank reads it)
                 info.global_loss = functools.partial(self._agree_loss, own, group)
-        if info.logged or time.monotonic() - self._progress_t >= PROGRESS_EVERY_S:
+        # the first step of an attempt too: the launcher's no-progress rule compares where attempts got
+        first = self.steps == self.resumed_from + 1
+        if info.logged or first or time.monotonic() - self._progress_t >= PROGRESS_EVERY_S:
             self.write_progress()
         if self.auto is not None and self.auto.observe(self.steps, exposed, step_s, stats.bytes_sent, stats.wait_s):
             decision = self.auto.decide(self.comm, self.strategy.topo.dp_group)
