@@ -89,7 +89,7 @@ def test_heads_must_divide_width() -> None:
 def test_config_sections_complete() -> None:
     names = {f for f in Config.__dataclass_fields__}
     assert names == {"run", "model", "data", "train", "optim", "parallel", "comm", "checkpoint", "fault", "observe",
-                     "ps", "moe"}
+                     "ps", "moe", "launch"}
 
 
 @pytest.mark.parametrize(("args", "world", "message"), [

@@ -17,7 +17,7 @@ import pytest
 
 from plait.cli import main
 from plait.config import ConfigError, load_config
-from plait.launch_files import cluster, k8s_manifest, to_yaml
+from plait.launch_files import K8sJob, cluster, k8s_manifest, to_yaml
 
 yaml = pytest.importorskip("yaml", reason="PyYAML parses the manifest (the dev extra)")
 
@@ -63,7 +63,8 @@ def _env(container: dict) -> dict[str, str]:
 def test_k8s_manifest_field_by_field(tmp_path: Path, config: Path) -> None:
     out = tmp_path / "job.yaml"
     p = plait("launch", "k8s", str(config), "--nodes", "2", "--gpus-per-node", "4", "--image", "registry/plait:1",
-              "--pvc", "runs", "--memory", "64Gi", "-o", str(out), "--fault.max_restarts=2", cwd=tmp_path)
+              "--pvc", "runs", "--memory", "64Gi", "-o", str(out), "--fault.max_restarts=2", "--api", "pytorchjob",
+              cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert f"wrote {out}" in p.stdout and f"kubectl apply -f {out}" in p.stdout
     config_map, job = list(yaml.safe_load_all(out.read_text()))
@@ -88,12 +89,12 @@ def test_k8s_manifest_field_by_field(tmp_path: Path, config: Path) -> None:
         assert env["PLAIT_RUN_DIR"] == "/runs/plait-tiny" and env["PLAIT_NPROC_PER_NODE"] == "4"
         assert env["PLAIT_ERROR_DIR"] == "$(PLAIT_RUN_DIR)/errors" and env["OMP_NUM_THREADS"] == "1"
         for res in (container["resources"]["requests"], container["resources"]["limits"]):
-            assert res == {"nvidia.com/gpu": 4, "cpu": "4", "memory": "64Gi"}
+            assert res == {"nvidia.com/gpu": "4", "cpu": "4", "memory": "64Gi"}
         script = container["command"][-1]
-        # torchrun turns the operator's MASTER_ADDR/MASTER_PORT and node index (RANK) into plait's RANK,
-        # WORLD_SIZE and LOCAL_RANK; a restarted pod resumes from the run directory's checkpoint.
-        for part in ("--nnodes=2", '--nproc-per-node="$PLAIT_NPROC_PER_NODE"', '--node-rank="$RANK"',
-                     '--master-addr="$MASTER_ADDR"', '--master-port="$MASTER_PORT"', "-m plait.cli train",
+        # plait's launcher in every pod, meeting at the master pod's service; a restarted pod resumes from the
+        # run directory's checkpoint.
+        for part in ("--nnodes=2", '--parallel.nproc="$PLAIT_NPROC_PER_NODE"', "--rdzv-id=plait-tiny",
+                     '--rdzv-endpoint="plait-tiny-master-0:23456"', "-m plait.cli train",
                      '--resume "$PLAIT_RUN_DIR"', "/etc/plait/config.toml"):
             assert part in script
         mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
@@ -106,7 +107,7 @@ def test_k8s_manifest_field_by_field(tmp_path: Path, config: Path) -> None:
 def test_k8s_single_node_cpu_no_restarts(config: Path) -> None:
     cfg = load_config(config)
     c = cluster(1, 0, 2)
-    job = list(yaml.safe_load_all(k8s_manifest(cfg, c, name="cpu", image="img", max_restarts=0)))[1]
+    job = list(yaml.safe_load_all(k8s_manifest(cfg, c, K8sJob("cpu", "img", api="pytorchjob"))))[1]
     specs = job["spec"]["pytorchReplicaSpecs"]
     assert list(specs) == ["Master"] and specs["Master"]["restartPolicy"] == "Never"
     assert job["spec"]["runPolicy"]["backoffLimit"] == 0
@@ -131,7 +132,8 @@ def test_sbatch_script_fields(tmp_path: Path, config: Path, monkeypatch: pytest.
     assert f"sbatch {out}" in p.stdout and "world size 32" in p.stdout
     text = out.read_text()
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gres=gpu:8",
-                 "#SBATCH --partition=gpu", "#SBATCH --time=01:00:00", "#SBATCH --signal=TERM@120",
+                 "#SBATCH --partition=gpu", "#SBATCH --time=01:00:00", "#SBATCH --signal=B:USR1@120",
+                 "#SBATCH --requeue",
                  "#SBATCH --cpus-per-task=6", 'if [ "$status" -eq 75 ]',
                  f"#SBATCH --chdir={tmp_path.resolve()}", f"CONFIG={config.resolve()}",
                  "--train.steps=9 --train.global_batch_size=64", "srun --kill-on-bad-exit=1 --cpus-per-task=6",

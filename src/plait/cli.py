@@ -1,17 +1,20 @@
 """``plait train | run | sample | plan | simulate | calibrate | report | launch``: the command line.
 
-    plait train [CONFIG.toml] [--section.key=value ...] [--resume RUN_DIR]
-    plait run [--nproc N] [--max-restarts R] SCRIPT [ARGS ...]
+    plait train [CONFIG.toml] [--section.key=value ...] [--resume RUN_DIR] [--nnodes MIN:MAX --rdzv-endpoint H:P]
+    plait run [--nproc N] [--max-restarts R] [--nnodes MIN:MAX --rdzv-endpoint H:P --rdzv-id ID] SCRIPT [ARGS ...]
     plait sample RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
     plait plan memory [CONFIG.toml] [--section.key=value ...]
     plait plan [CONFIG.toml] --hardware PROFILE --gpus N [--top K] [--write OUT.toml] [--section.key=value ...]
+    plait plan --hardware PROFILE --gpus N --jobs JOBS.toml
     plait simulate [CONFIG.toml] --hardware PROFILE [--nodes N --gpus-per-node G] [--compare RUN_DIR]
                    [--trace PATH] [--section.key=value ...]
     plait calibrate [--out PATH] [--quick]
     plait checkpoint verify RUN_DIR
     plait report RUN_DIR [RUN_DIR ...] [-o report.html]
-    plait launch slurm CONFIG --nodes N --gpus-per-node G [--procs-per-node P] [--partition P] [--time T]
-    plait launch k8s CONFIG --nodes N --gpus-per-node G --image IMAGE [--pvc CLAIM] [--namespace NS]
+    plait launch slurm CONFIG --nodes N|MIN:MAX --gpus-per-node G [--qos Q] [--account A] [--partition P] [--time T]
+                       [--array=OVERRIDES ...]
+    plait launch k8s CONFIG --nodes N|MIN:MAX --gpus-per-node G --image IMAGE [--pvc CLAIM] [--queue Q]
+                     [--priority-class C] [--api trainjob|pytorchjob]
 
 Errors a user can cause end in one line on stderr and a non-zero exit, never a traceback: 2 for a
 configuration error, 1 for a worker that failed (its traceback is in the error file the line names).
@@ -29,11 +32,23 @@ from pathlib import Path
 from plait.config import Config, ConfigError, describe_keys, load_config, to_toml
 from plait.runtime.args import split_args
 
+NODE_OPTIONS = ("--nnodes", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf")  # torchrun's names for several machines
+
 
 def _split_train_args(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
-    """Separate the optional CONFIG path, ``--resume DIR`` and ``--section.key=value`` overrides."""
-    config_path, values, overrides = split_args(argv, {"--resume": str}, metavars={"--resume": "RUN_DIR"})
+    """Separate the optional CONFIG path, ``--resume DIR`` and ``--section.key=value`` overrides (the options for
+    several machines, ``NODE_OPTIONS``, are read by ``_nodes_of``)."""
+    options = {"--resume": str, **dict.fromkeys(NODE_OPTIONS, str)}
+    config_path, values, overrides = split_args(argv, options, metavars={"--resume": "RUN_DIR"})
     return config_path, values.get("--resume"), overrides
+
+
+def _nodes_of(argv: list[str]) -> object:
+    """``plait.launch.Nodes`` of a ``plait train`` or ``plait run`` command line's ``NODE_OPTIONS``."""
+    from plait.launch import parse_nodes
+
+    _, values, _ = split_args(argv, {"--resume": str, **dict.fromkeys(NODE_OPTIONS, str)})
+    return parse_nodes(*(values.get(o) for o in NODE_OPTIONS))
 
 
 def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
@@ -77,6 +92,11 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
     if world < 1:
         raise ConfigError(f"parallel.nproc must be at least 1; got {world}")
     written = copy.deepcopy(cfg)
+    nodes = _nodes_of(argv)
+    if nodes.multi:  # every world size the nodes can make; each worker validates its own again
+        for n in range(nodes.min_nodes, nodes.max_nodes + 1):
+            validate(copy.deepcopy(cfg), n * world)
+        return copy.deepcopy(written), written, run_dir, bool(resume)
     validate(cfg, world)
     return cfg, written, run_dir, bool(resume)
 
@@ -99,13 +119,14 @@ def cmd_train(argv: list[str]) -> int:
     if external:
         os.environ.setdefault(ERROR_DIR_ENV, str((run_dir / "errors").resolve()))
         summary = run_worker(train, (cfg, run_dir, resume), cfg.comm.backend, cfg.comm.timeout_s)
-    elif cfg.parallel.nproc == 1:
+    elif cfg.parallel.nproc == 1 and not _nodes_of(argv).multi:
         summary = train(cfg, run_dir, resume)
     else:
         f = cfg.fault
         restarts = Restarts(max_restarts=f.max_restarts, backoff_s=f.restart_backoff_s, state_dir=run_dir)
-        summary = launch_local(train, lambda attempt: (cfg, run_dir, resume or attempt > 0), cfg.parallel.nproc,
-                               run_dir / "errors", cfg.comm.backend, cfg.comm.timeout_s, restarts)
+        summary = launch_local(train_worker, lambda attempt: (cfg, run_dir, resume or attempt > 0),
+                               cfg.parallel.nproc, run_dir / "errors", cfg.comm.backend, cfg.comm.timeout_s, restarts,
+                               _nodes_of(argv))
     if is_rank0:
         if "tokens_per_s" in summary and summary["tokens_per_s"]:
             speed = f"{summary['tokens_per_s']:,.0f} tokens/s"
@@ -129,6 +150,17 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
+def train_worker(cfg: Config, run_dir: Path, resume: bool) -> dict:
+    """One worker of ``plait train``'s launcher: after the agents restarted the group on several machines (a node
+    left or joined: ``TORCHELASTIC_RESTART_COUNT`` > 0), continue from the newest checkpoint."""
+    from plait.components.checkpoint import latest_checkpoint
+    from plait.recipes import train
+
+    if not resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        resume = latest_checkpoint(run_dir) is not None
+    return train(cfg, run_dir, resume)
+
+
 def cmd_run(argv: list[str]) -> int:
     """``plait run [--nproc N] [--max-restarts R] SCRIPT [ARGS ...]``: the user's script in N local workers
     under the elastic agent, with the same one-line failure report as ``plait train``; a failed group is
@@ -138,21 +170,24 @@ def cmd_run(argv: list[str]) -> int:
 
     from plait.launch import Restarts, launch_script
 
-    nproc, max_restarts, i = 1, 0, 0
+    nproc, max_restarts, i, node_args = 1, 0, 0, []
     options = {"--nproc": "nproc", "--nproc-per-node": "nproc", "--nproc_per_node": "nproc",
-               "--max-restarts": "max_restarts", "--max_restarts": "max_restarts"}
+               "--max-restarts": "max_restarts", "--max_restarts": "max_restarts", **dict.fromkeys(NODE_OPTIONS, "")}
     while i < len(argv) and argv[i].startswith("-"):
         a = argv[i]
         name = a.split("=", 1)[0]
         if name not in options:
             raise ConfigError(f"unknown option {a} for plait run; usage: plait run [--nproc N] [--max-restarts R] "
-                              "SCRIPT [ARGS ...]")
+                              "[--nnodes MIN:MAX --rdzv-endpoint HOST:PORT --rdzv-id ID] SCRIPT [ARGS ...]")
         if "=" in a:
             value, i = a.split("=", 1)[1], i + 1
         elif i + 1 < len(argv):
             value, i = argv[i + 1], i + 2
         else:
             raise ConfigError(f"{a} needs a value")
+        if not options[name]:  # several machines: read by _nodes_of
+            node_args.append(f"{name}={value}")
+            continue
         try:
             number = int(value)
         except ValueError:
@@ -175,7 +210,7 @@ def cmd_run(argv: list[str]) -> int:
     error_dir = Path(tempfile.mkdtemp(prefix="plait-run-")) / "errors"
     os.environ[FOLLOW_RUN_DIR_ENV] = "1"
     restarts = Restarts(max_restarts=max_restarts, state_dir=error_dir.parent)
-    launch_script(script, argv[i + 1:], nproc, error_dir, restarts)
+    launch_script(script, argv[i + 1:], nproc, error_dir, restarts, _nodes_of(node_args))
     return 0
 
 
@@ -300,16 +335,22 @@ def _run_dir_of(argv: list[str]) -> str:
 # What each command's --help prints: its usage and what it does; the commands that read a config
 # (KEYED) list every config key after it, since they take --section.key=value.
 USAGE = {
-    "train": ("plait train [CONFIG.toml] [--section.key=value ...] [--resume RUN_DIR]",
+    "train": ("plait train [CONFIG.toml] [--section.key=value ...] [--resume RUN_DIR] [--nnodes MIN:MAX "
+              "--rdzv-endpoint HOST:PORT --rdzv-id ID]",
               "Train a registered model (or model.factory) with the layout the config chooses; parallel.nproc "
               "local workers, or the world of torchrun / SLURM. --resume continues a run from its newest good "
-              "checkpoint."),
+              "checkpoint. On several machines, run the same command on each with --nnodes MIN:MAX and the "
+              "rendezvous of the machine HOST (parallel.nproc workers each): a machine that leaves or joins "
+              "restarts the group at the new world size from the newest checkpoint."),
     "run": ("plait run [--nproc N] [--max-restarts R] SCRIPT [ARGS ...]",
             "Run your own script (plait.Plait or the Trainer) in N local worker processes under PyTorch's "
             "elastic agent, with RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT set as torchrun sets them.\n\n"
             "  --nproc N           worker processes (default 1); also --nproc-per-node\n"
             "  --max-restarts R    start the whole group again up to R times after a failure (default 0); "
-            "PLAIT_ATTEMPT tells the script which attempt it is\n\n"
+            "PLAIT_ATTEMPT tells the script which attempt it is\n"
+            "  --nnodes MIN:MAX --rdzv-endpoint HOST:PORT --rdzv-id ID   several machines, N workers each, meeting "
+            "at HOST's rendezvous; a machine leaving or joining restarts the group (TORCHELASTIC_RESTART_COUNT "
+            "counts it): the script resumes from its newest checkpoint\n\n"
             "A failed worker ends the run with one line naming its rank, its error and the file holding the "
             "traceback: RUN_DIR/errors/rank<r>.txt once the script has created plait.Plait (RUN_DIR is its "
             "run.dir), else a plait-run-* directory under the temporary directory. Options after SCRIPT go to "
@@ -317,10 +358,12 @@ USAGE = {
     "sample": ("plait sample RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]",
                "Generate text from the weights a plait train run of plait's GPT exported."),
     "plan": ("plait plan memory [CONFIG.toml] [--section.key=value ...]\n"
-             "       plait plan [CONFIG.toml] --hardware PROFILE --gpus N [--top K] [--write OUT.toml] "
-             "[--section.key=value ...]",
+             "       plait plan [CONFIG.toml] --hardware PROFILE --gpus N [--top K] [--write OUT.toml] [--table] "
+             "[--section.key=value ...]\n"
+             "       plait plan --hardware PROFILE --gpus N --jobs JOBS.toml",
              "plan memory: the predicted per-rank memory of a config, without launching. plan: layouts for N "
-             "GPUs ranked by simulated step time."),
+             "GPUs ranked by simulated step time (--table: the layout a queue's N GPUs should run). --jobs: "
+             "several jobs with priorities sharing a pool of N GPUs: each job's GPUs and layout."),
     "simulate": ("plait simulate [CONFIG.toml] --hardware PROFILE [--nodes N --gpus-per-node G] "
                  "[--compare RUN_DIR] [--trace PATH] [--section.key=value ...]",
                  "Predict one training step of a config on a cluster (JSON on stdout)."),
@@ -331,11 +374,13 @@ USAGE = {
                    "exit 1 when one is damaged."),
     "report": ("plait report RUN_DIR [RUN_DIR ...] [-o report.html]",
                "An HTML report of one or more runs: plots and a bottleneck verdict."),
-    "launch": ("plait launch slurm CONFIG --nodes N --gpus-per-node G [--procs-per-node P] [--partition P] "
-               "[--time T]\n"
-               "       plait launch k8s CONFIG --nodes N --gpus-per-node G --image IMAGE [--pvc CLAIM] "
-               "[--namespace NS]",
-               "Write an sbatch script or a PyTorchJob manifest for a config, checked for the job's world size."),
+    "launch": ("plait launch slurm CONFIG --nodes N|MIN:MAX --gpus-per-node G [--procs-per-node P] [--qos Q] "
+               "[--account A] [--partition P] [--time T] [--array=OVERRIDES ...] [--grace-from RUN_DIR]\n"
+               "       plait launch k8s CONFIG --nodes N|MIN:MAX --gpus-per-node G --image IMAGE [--pvc CLAIM] "
+               "[--namespace NS] [--queue Q] [--priority-class C] [--api trainjob|pytorchjob]",
+               "Write an sbatch script (requeued after a preemption, SLURM's warning --signal=B:USR1@<grace>) or a "
+               "Kubeflow TrainJob / PyTorchJob manifest (Kueue's queue and priority labels) for a config, checked "
+               "for every world size the job can have."),
 }
 KEYED = {"train", "plan", "simulate", "launch"}
 

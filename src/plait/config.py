@@ -30,6 +30,7 @@ from plait.config_sections import (  # noqa: F401 (re-exported: plait.config is 
     ConfigError,
     DataConfig,
     FaultConfig,
+    LaunchConfig,
     ModelConfig,
     MoeConfig,
     ObserveConfig,

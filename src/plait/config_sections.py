@@ -114,10 +114,21 @@ class TrainConfig:
     # Write a metrics line every this many steps.
     log_every: int = 10
     # Recompute transformer blocks in backward instead of keeping their activations: none, full (every
-    # block) or every_k (every checkpoint_every_k-th block).
-    activation_checkpointing: Literal["none", "full", "every_k"] = "none"
+    # block), every_k (every checkpoint_every_k-th block) or selective (every block keeps the outputs of the
+    # operators in checkpoint_save_ops and recomputes the rest: norms, activations, casts, tensor-parallel
+    # all-gathers; torch's selective checkpointing, plait.parallel.checkpointing).
+    activation_checkpointing: Literal["none", "full", "every_k", "selective"] = "none"
     # k for activation_checkpointing=every_k.
     checkpoint_every_k: int = 2
+    # activation_checkpointing=selective: the operators whose outputs are kept. Groups matmul (mm, addmm, bmm:
+    # every Linear) and attention (scaled_dot_product_attention's kernels), or operator names as torch.ops
+    # writes them (mm, aten.addmm, _c10d_functional.reduce_scatter_tensor). An entry naming no operator is an
+    # error.
+    checkpoint_save_ops: list[str] = field(default_factory=lambda: ["matmul", "attention"])
+    # Keep the tensors each block saves for backward in host memory (pinned, copied on a side stream on a GPU)
+    # and bring them back for its backward (plait.parallel.offload). Not with activation_checkpointing=full or
+    # selective, whose blocks keep nothing to move.
+    activation_offload: bool = False
     # torch.compile (plait.parallel.compile): auto (or true) compiles the whole model, and the loss with it, as one
     # region where the layout allows (one rank, data parallel, DDP, ZeRO-1/2, a parameter server), else each block
     # and the loss (FSDP2, activation checkpointing, tensor and pipeline parallelism); model or blocks ask for one;
@@ -386,6 +397,34 @@ class MoeConfig:
 
 
 @dataclass
+class LaunchConfig:
+    # What `plait launch slurm|k8s` writes for a shared cluster; a run itself reads none of it.
+    # slurm: the partition (empty: the cluster's default).
+    partition: str = ""
+    # slurm: the quality of service (--qos); where the cluster preempts by QoS, a lower one may be preempted.
+    qos: str = ""
+    # slurm: the account the job is charged to (--account).
+    account: str = ""
+    # slurm: a job array, one task per entry, each entry the config changes of its task, e.g.
+    # ["--optim.lr=1e-3", "--optim.lr=3e-4 --train.seed=2"]; each task has its own run directory.
+    array: list[str] = field(default_factory=list)
+    # Seconds between the scheduler's warning and the kill (SLURM's --signal=B:USR1@<grace>, a pod's
+    # terminationGracePeriodSeconds). 0: sized from the run's own step and save times in run.dir, else 120.
+    grace_s: int = 0
+    # k8s: Kubeflow Trainer v2's TrainJob, or the training operator's PyTorchJob (v1).
+    api: Literal["trainjob", "pytorchjob"] = "trainjob"
+    # k8s trainjob: the ClusterTrainingRuntime the TrainJob runs on.
+    runtime: str = "torch-distributed"
+    # k8s: the Kueue LocalQueue (label kueue.x-k8s.io/queue-name); empty: no Kueue.
+    queue: str = ""
+    # k8s: the Kueue WorkloadPriorityClass (label kueue.x-k8s.io/priority-class); empty: the queue's default.
+    priority_class: str = ""
+    # k8s: with priority_class, also write that WorkloadPriorityClass with this value (cluster-scoped: creating
+    # it needs the right to); 0: it exists already.
+    priority: int = 0
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -399,6 +438,7 @@ class Config:
     ps: PsConfig = field(default_factory=PsConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     @property
     def grad_accum(self) -> int:

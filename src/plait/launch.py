@@ -4,7 +4,11 @@
 (``plait train``); ``launch_script(script, args, nproc, error_dir)`` runs a user's script in each
 (``plait run``), both with ``elastic_launch`` (the agent behind ``torchrun``). When a process was
 started by ``torchrun`` (``RANK``/``WORLD_SIZE`` set) or ``srun`` (``SLURM_PROCID`` set),
-``init_distributed`` joins that job's process group instead. A failed worker leaves
+``init_distributed`` joins that job's process group instead. On several machines (``Nodes``: ``--nnodes MIN:MAX
+--rdzv-endpoint HOST:PORT``) each machine's agent meets the others at a c10d rendezvous hosted by the agent on
+HOST; a node that leaves (its workers fail, or save after a SIGTERM) or joins (the agents see it waiting) makes
+every agent stop its workers and start them again at the new world size, up to ``fault.max_restarts`` failures
+(joins are not counted), and the workers resume from the newest checkpoint. A failed worker leaves
 ``<error_dir>/rank<r>.txt``; the launcher turns the earliest one into one line naming the rank and its
 error, and a non-zero exit. Workers find the error directory in ``$PLAIT_ERROR_DIR``.
 """
@@ -137,6 +141,8 @@ def _quiet_elastic_logs() -> None:
 # After a worker fails, the rest of the group gets this long to exit before SIGKILL (torch's agent waits 30 s,
 # which a stopped or hung worker always uses up); a preemption keeps torch's 30 s to save.
 GRACE_AFTER_FAILURE_S = 5
+# Seconds a SIGTERM'd launcher gives its workers to save before SIGKILL (torch's agent: 30), less 5 for the exit.
+GRACE_ENV = "PLAIT_GRACE_S"
 
 
 def _exit_codes(ctx: Any) -> list[int | None]:
@@ -151,7 +157,8 @@ def _shorten_grace_after_failure() -> None:
     """In plait's launcher process only: when a worker fails, the others get ``GRACE_AFTER_FAILURE_S`` to exit,
     then SIGTERM, then as long again before SIGKILL (torch.multiprocessing's join waits 30 s, which a stopped
     or hung worker always uses up); and an agent ending a failed group wakes stopped workers (SIGCONT) so
-    they can take its SIGTERM. A preemption (SIGTERM to the launcher) keeps torch's 30 s to save."""
+    they can take its SIGTERM. A preemption (SIGTERM to the launcher) keeps torch's 30 s to save, or
+    ``$PLAIT_GRACE_S`` less 5 where that is longer."""
     import contextlib
     import signal as _signal
     from importlib import import_module
@@ -166,6 +173,8 @@ def _shorten_grace_after_failure() -> None:
     def close(self: Any, death_sig: Any = None, timeout: int = 30) -> None:
         if any(code not in (None, 0) for code in _exit_codes(self)):
             timeout = min(timeout, GRACE_AFTER_FAILURE_S)
+        elif os.environ.get(GRACE_ENV):  # the scheduler's grace (a pod's terminationGracePeriodSeconds): time to save
+            timeout = max(timeout, int(float(os.environ[GRACE_ENV])) - 5)
         for pid in self.pids().values():
             with contextlib.suppress(OSError):
                 os.kill(pid, _signal.SIGCONT)
@@ -179,7 +188,50 @@ def _shorten_grace_after_failure() -> None:
     spawn.ProcessContext.join = join
 
 
-def _launch_config(nproc: int, error_dir: Path) -> Any:
+@dataclass(frozen=True)
+class Nodes:
+    """Several machines under one elastic rendezvous (``--nnodes MIN:MAX --rdzv-endpoint HOST:PORT``): the agent on
+    HOST hosts it (torch's c10d backend) and must stay; ``run_id`` names the job on every machine alike;
+    ``last_call_s`` is how long a rendezvous waits for more nodes once MIN have arrived."""
+
+    min_nodes: int = 1
+    max_nodes: int = 1
+    endpoint: str = ""
+    run_id: str = ""
+    last_call_s: float = 10.0
+
+    @property
+    def multi(self) -> bool:
+        return bool(self.endpoint)
+
+
+def parse_nodes(nnodes: str | None, endpoint: str | None, run_id: str | None, conf: str | None = None) -> Nodes:
+    """``Nodes`` from the command line's ``--nnodes N|MIN:MAX``, ``--rdzv-endpoint``, ``--rdzv-id`` and
+    ``--rdzv-conf last_call_timeout=S`` (torchrun's spellings); one clear error for what cannot work."""
+    from plait.config import ConfigError
+
+    if nnodes is None and endpoint is None:
+        return Nodes()
+    lo, _, hi = (nnodes or "1").partition(":")
+    try:
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise ConfigError(f"--nnodes takes N or MIN:MAX, e.g. 2 or 1:4; got {nnodes!r}") from None
+    if low < 1 or high < low:
+        raise ConfigError(f"--nnodes needs 1 <= MIN <= MAX; got {nnodes!r}")
+    if not endpoint or ":" not in endpoint:
+        raise ConfigError("several nodes meet at a rendezvous: give --rdzv-endpoint HOST:PORT (HOST: the machine that "
+                          "hosts it, the same on every node) and --rdzv-id NAME")
+    last_call = 10.0
+    for item in filter(None, (conf or "").split(",")):
+        key, _, value = item.partition("=")
+        if key != "last_call_timeout":
+            raise ConfigError(f"--rdzv-conf takes last_call_timeout=SECONDS; got {item!r}")
+        last_call = float(value)
+    return Nodes(low, high, endpoint, run_id or "plait", last_call)
+
+
+def _launch_config(nproc: int, error_dir: Path, nodes: Nodes | None = None, agent_restarts: int = 0) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
     from plait.runtime.spawn import free_port
@@ -190,6 +242,15 @@ def _launch_config(nproc: int, error_dir: Path) -> Any:
     os.environ[ERROR_DIR_ENV] = str(Path(error_dir).resolve())
     for stale in Path(error_dir).glob("rank*.txt"):  # reports of an earlier launch into the same directory
         stale.unlink()
+    if nodes is not None and nodes.multi:
+        # torch 2.13 shares the rendezvous store with the workers and writes its address only in the first round a
+        # node is rank 0 of: after a node joins, the new node waits for it in the new round forever (60 s, then
+        # both agents fail). Without the sharing every round writes it.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        return LaunchConfig(
+            min_nodes=nodes.min_nodes, max_nodes=nodes.max_nodes, nproc_per_node=nproc, run_id=nodes.run_id,
+            rdzv_backend="c10d", rdzv_endpoint=nodes.endpoint, max_restarts=agent_restarts, monitor_interval=0.5,
+            start_method=START_METHOD, rdzv_configs={"last_call_timeout": nodes.last_call_s, "join_timeout": 600})
     return LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"plait-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
@@ -287,36 +348,52 @@ def _attempts(run: Callable[[int], Any], nproc: int, error_dir: Path, restarts: 
 
 
 def launch_local(fn: Callable[..., Any], args: Callable[[int], tuple] | tuple, nproc: int, error_dir: Path,
-                 backend: str = "auto", timeout_s: float = 300.0, restarts: Restarts | None = None) -> Any:
-    """Run ``fn(*args)`` in ``nproc`` local workers under the elastic agent; returns rank 0's result.
+                 backend: str = "auto", timeout_s: float = 300.0, restarts: Restarts | None = None,
+                 nodes: Nodes | None = None) -> Any:
+    """Run ``fn(*args)`` in ``nproc`` local workers under the elastic agent; returns local rank 0's result.
 
     ``args`` may be a function of the attempt number (0 first, 1 after the first restart...), so a
-    restarted attempt can resume. Raises ``WorkerFailed`` (``NoProgress``) or ``RunPreempted``."""
+    restarted attempt can resume. On several nodes (``nodes``) the agent restarts the workers itself, with the
+    same ``args``: ``fn`` must resume when ``TORCHELASTIC_RESTART_COUNT`` > 0. Raises ``WorkerFailed``
+    (``NoProgress``) or ``RunPreempted``."""
     from torch.distributed.launcher.api import elastic_launch
 
+    restarts, agent_restarts = _split_restarts(restarts or Restarts(), nodes)
+
     def run(attempt: int) -> Any:
-        lc = _launch_config(nproc, error_dir)
+        lc = _launch_config(nproc, error_dir, nodes, agent_restarts)
         os.environ["PLAIT_ATTEMPT"] = str(attempt)
         _start_fork_server()
         call_args = args(attempt) if callable(args) else args
-        return elastic_launch(lc, run_worker)(fn, call_args, backend, timeout_s, dict(os.environ))[0]
+        results = elastic_launch(lc, run_worker)(fn, call_args, backend, timeout_s, dict(os.environ))
+        return results[min(results)]
 
-    return _attempts(run, nproc, error_dir, restarts or Restarts())
+    return _attempts(run, nproc, error_dir, restarts)
+
+
+def _split_restarts(restarts: Restarts, nodes: Nodes | None) -> tuple[Restarts, int]:
+    """On several nodes the agents restart the group together (one rendezvous: a launcher starting its own would
+    leave the others); on one, plait's launcher does (its restart decisions, backoff and progress checks)."""
+    if nodes is None or not nodes.multi:
+        return restarts, 0
+    return Restarts(0, restarts.backoff_s, restarts.state_dir), restarts.max_restarts
 
 
 def launch_script(script: str, script_args: list[str], nproc: int, error_dir: Path,
-                  restarts: Restarts | None = None) -> None:
+                  restarts: Restarts | None = None, nodes: Nodes | None = None) -> None:
     """Run ``python script args`` in ``nproc`` local workers (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` set
-    as torchrun sets them, ``PLAIT_ATTEMPT`` counting restarts); raises ``WorkerFailed`` naming the first
-    rank that failed, or ``RunPreempted``."""
+    as torchrun sets them, ``PLAIT_ATTEMPT`` counting restarts, ``TORCHELASTIC_RESTART_COUNT`` the agents' restarts
+    on several nodes); raises ``WorkerFailed`` naming the first rank that failed, or ``RunPreempted``."""
     from torch.distributed.launcher.api import elastic_launch
 
+    restarts, agent_restarts = _split_restarts(restarts or Restarts(state_dir=Path(error_dir).parent), nodes)
+
     def run(attempt: int) -> None:
-        lc = _launch_config(nproc, error_dir)
+        lc = _launch_config(nproc, error_dir, nodes, agent_restarts)
         os.environ["PLAIT_ATTEMPT"] = str(attempt)
         elastic_launch(lc, sys.executable)("-m", "plait.launch", script, *script_args)
 
-    _attempts(run, nproc, error_dir, restarts or Restarts(state_dir=Path(error_dir).parent))
+    _attempts(run, nproc, error_dir, restarts)
 
 
 def _script_error_dir() -> Path | None:

@@ -5,6 +5,7 @@ input ending in one clear message."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,25 @@ def test_other_bad_input(capsys):
     rc, _, err = _run(capsys, "plan", "--hardware", "a100-80gb", "--gpus", "2", "--model.n_layer=200",
                       "--model.d_model=16384", "--model.n_head=128", "--model.seq_len=2048")
     assert rc == 2 and "Smallest change" in err and "--gpus" in err
+
+
+def test_plan_chooses_selective_checkpointing_where_it_fits_and_full_recompute_does_not_pay(tmp_path):
+    """A 1.3B GPT on one H100 in bf16: at 12 sequences per step keeping every activation does not fit; selective
+    checkpointing (matmul and attention outputs kept) fits and recomputes only memory-bound operators, so it
+    beats full recomputation by more than the planner's 15% band and is chosen, and written as
+    ``train.activation_checkpointing = "selective"``. At 10 sequences everything fits and nothing is recomputed."""
+    from plait.plan.planner import Space, plan, write_config
+    from plait.plan.shapes import gpt_shape
+    from plait.plan.workload import Layout, Workload
+
+    shape = gpt_shape(24, 2048, 16, 2048, 50304)
+    space = Space(zeros=(0,), sequence_parallel=(False,), hybrid=False)
+    chosen = {batch: plan(shape, load_profile("h100-sxm"), 1, batch, space=replace(space, micro_batches=(batch,)),
+                          base=Workload(shape, Layout(), batch, precision="bf16")) for batch in (10, 12)}
+    assert chosen[10].best.work.layout.recompute == "none"
+    best = chosen[12].best
+    assert best.work.layout.recompute == "selective", [s.work.layout.describe() for s in chosen[12].ranked]
+    full = next(s for s in chosen[12].ranked if s.work.layout.recompute == "full")
+    assert full.step_s > best.step_s * 1.15 and any("recompute=none" in k for k in chosen[12].pruned)
+    write_config(best, load_config(None, []), str(tmp_path / "best.toml"))
+    assert load_config(tmp_path / "best.toml").train.activation_checkpointing == "selective"

@@ -8,7 +8,12 @@ executed after a resume or rollback to step c invalidates the executions of step
 becomes lost (recomputed after a crash, or rolled back); what remains is useful. Lost time by cause:
 ``detection`` (last event of a failed attempt to the launcher noticing), ``restart`` (the failure to
 the next attempt's workers being ready, backoff included), ``checkpoint_load``, ``recomputed_steps``,
-``rolled_back_steps``, ``blocking_save``, and ``other`` (evaluation, logging, start-up).
+``rolled_back_steps``, ``blocking_save``, ``preempted`` (a preemption's save to the next attempt's workers being
+ready: the time off the cluster, waiting to be requeued), and ``other`` (evaluation, logging, start-up).
+
+``preempted`` events (the trainer, once every rank saved after SIGTERM/SIGUSR1) are counted as ``preemptions``,
+not failures; ``failures`` counts the launcher's ``failed`` events and the attempts that ended without any word
+(a job step killed under SLURM, restarted by the batch script: its next ``ready`` follows no ``end``).
 """
 
 from __future__ import annotations
@@ -81,17 +86,30 @@ def goodput(run_dir: Path | str, end_time: float | None = None) -> dict[str, Any
     end = end_time if end_time is not None else events[-1]["t"]
     lineage: dict[int, float] = {}  # step -> seconds of its execution still in the final model's lineage
     lost = dict.fromkeys(("detection", "restart", "checkpoint_load", "recomputed_steps", "rolled_back_steps",
-                          "blocking_save"), 0.0)
+                          "blocking_save", "preempted"), 0.0)
     last_t = start
     failed_at: float | None = None
+    preempted_at: float | None = None
+    running, preemptions, failures = False, 0, 0  # running: an attempt is ready and has not ended in a word
     for e in events:
         kind = e["event"]
         if kind == "failed":
             lost["detection"] += max(0.0, e["t"] - last_t)
-            failed_at = e["t"]
-        elif kind == "ready" and failed_at is not None:
-            lost["restart"] += max(0.0, e["t"] - failed_at)
-            failed_at = None
+            failed_at, running, failures = e["t"], False, failures + 1
+        elif kind == "preempted":
+            preempted_at, running, preemptions = e["t"], False, preemptions + 1
+        elif kind == "end":
+            running = False
+        elif kind == "ready":
+            if failed_at is not None:
+                lost["restart"] += max(0.0, e["t"] - failed_at)
+            elif preempted_at is not None:
+                lost["preempted"] += max(0.0, e["t"] - preempted_at)
+            elif running:  # the last attempt ended without a word: killed, and restarted from outside
+                lost["restart"] += max(0.0, e["t"] - last_t)
+                failures += 1
+            failed_at = preempted_at = None
+            running = True
         elif kind in ("resume", "rollback"):
             to = int(e["step"] if kind == "resume" else e["to"])
             cause = "rolled_back_steps" if kind == "rollback" else "recomputed_steps"
@@ -111,4 +129,4 @@ def goodput(run_dir: Path | str, end_time: float | None = None) -> dict[str, Any
     useful = sum(lineage.values())
     lost["other"] = max(0.0, wall - useful - sum(lost.values()))
     return {"goodput": useful / wall, "wall_s": wall, "useful_s": useful, "steps": len(lineage),
-            "lost_s": {k: round(v, 3) for k, v in lost.items()}}
+            "preemptions": preemptions, "failures": failures, "lost_s": {k: round(v, 3) for k, v in lost.items()}}

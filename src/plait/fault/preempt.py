@@ -1,10 +1,12 @@
-"""Preemption: SIGTERM or SIGINT ends a run at the next step boundary, saved, with a distinct exit code.
+"""Preemption: SIGTERM, SIGINT or SIGUSR1 ends a run at the next step boundary, saved, with a distinct exit code.
 
 The first signal only sets a flag (a worker may be inside a collective that must complete). At each
 optimizer step every rank contributes its flag to one small all-reduce (``Plait.step``), so all ranks
 see the request at the same step, save together and exit with ``PREEMPTED_EXIT``. A second SIGINT
 (Ctrl-C twice) ends the process at once. The elastic agent forwards SIGTERM to its workers and gives
-them 30 s before killing them; a save of the default model takes well under a second.
+them 30 s before killing them (plait's own launcher: ``PLAIT_GRACE_S``); a save of the default model takes well
+under a second. SIGUSR1 is SLURM's warning before a time limit or a preemption (``--signal=B:USR1@<grace>``, passed
+on to the tasks by the batch script).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from types import FrameType
 FAILED_EXIT = 1  # a worker failed (restarts exhausted, or an error a restart cannot fix)
 CONFIG_EXIT = 2  # the configuration cannot work (nothing was started)
 NO_PROGRESS_EXIT = 3  # restarts failed again without progress: stopped instead of looping
-PREEMPTED_EXIT = 75  # SIGTERM/SIGINT: every rank saved at the same step; resume with --resume (EX_TEMPFAIL)
+PREEMPTED_EXIT = 75  # SIGTERM/SIGINT/SIGUSR1: every rank saved at the same step; resume with --resume (EX_TEMPFAIL)
 
 
 class Preempted(Exception):
@@ -30,7 +32,7 @@ class Preempted(Exception):
 
 
 class PreemptionFlag:
-    """SIGTERM/SIGINT handlers for a worker process (installed from the main thread only)."""
+    """SIGTERM/SIGINT/SIGUSR1 handlers for a worker process (installed from the main thread only)."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -40,7 +42,7 @@ class PreemptionFlag:
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def uninstall(self) -> None:

@@ -21,6 +21,7 @@ from plait.parallel.checkpointing import apply_activation_checkpointing
 from plait.parallel.compile import compile_blocks
 from plait.parallel.expert.dispatch import shard_experts
 from plait.parallel.expert.hf import check_hf_experts, check_pipeline_router_loss, shard_hf_experts
+from plait.parallel.offload import offload_activations
 from plait.parallel.pipeline.split import pipeline_adapter, split_by_names
 from plait.parallel.plans import plan_for
 from plait.parallel.tensor.hf import hf_tp_function
@@ -52,7 +53,7 @@ def _tp_function(model: nn.Module, p: ParallelConfig, spec: ModelSpec) -> Callab
     plan = plan_for(model)
     registered = plan.parallelize if plan is not None else None
     if spec.parallelize_fn is None and registered is None:  # a Hugging Face plan, as transformers means it
-        hf = hf_tp_function(model, spec.tp_plan, p.ep > 1)
+        hf = hf_tp_function(model, spec.tp_plan, p.ep > 1, p.sequence_parallel)
         if hf is not None:
             return hf
     return resolve_tp(model, spec.tp_plan, spec.parallelize_fn,
@@ -98,8 +99,8 @@ def compose_model(model: nn.Module, topo: Topology, p: ParallelConfig, t: TrainC
                   spec: ModelSpec) -> nn.Module:
     """The model after the composition steps that precede a strategy's own wrapping, in order: tensor
     parallel (``spec``'s plan), this rank's slice of the experts (dispatched by ``moe.dispatcher``),
-    activation checkpointing, compile (of the blocks; a whole-model plan is applied by the strategy's
-    ``wrap_forward``, around the forward routing).
+    activation checkpointing (and activation offload), compile (of the blocks; a whole-model plan is applied
+    by the strategy's ``wrap_forward``, around the forward routing).
 
     Unsupported combinations were rejected by ``plait.validate``. The model's weights are already the
     same on every rank (the strategy broadcasts them first)."""
@@ -110,7 +111,10 @@ def compose_model(model: nn.Module, topo: Topology, p: ParallelConfig, t: TrainC
     if topo.ep > 1:  # this rank's slice of the experts; the expert-parallel wrapper reduces their gradients
         shard = shard_experts if moe_layers(model) else shard_hf_experts  # plait's MoE, or Hugging Face blocks
         shard(model, topo.ep, topo.coord("ep"), topo.ep_group, dispatcher)
-    model = apply_activation_checkpointing(model, t.activation_checkpointing, t.checkpoint_every_k)
+    model = apply_activation_checkpointing(model, t.activation_checkpointing, t.checkpoint_every_k,
+                                           t.checkpoint_save_ops)
+    if t.activation_offload:
+        offload_activations(model)
     plan = spec.compile
     if plan and plan.unit == "blocks":  # the whole model is compiled later, around its forward routing
         compile_blocks(model, plan.compiler)

@@ -8,6 +8,7 @@ since the same storage is shared), which shifts every measurement by the same co
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -70,3 +71,62 @@ class SavedTensorMeter:
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
+
+
+class LiveTensorMeter:
+    """Context manager measuring the bytes of every tensor created inside it that is still alive: ``live`` now,
+    ``peak`` the most at once. Unlike ``SavedTensorMeter`` it sees what selective checkpointing keeps (the
+    outputs it caches are not saved tensors) and what a pipeline schedule holds between actions, along with
+    every temporary; ``live`` at the end of a forward is the activation memory that forward left behind.
+
+    A dispatch mode: it sees each operator's outputs (a DTensor's local shard), counts each new storage once
+    (views and in-place results share an input's storage: parameters seen through ``weight.t()`` do not
+    count) and releases it when the storage is freed. Not for compiled code (a dispatch mode would see the graph's
+    operators only where dynamo lets it)."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+        self._mode: Any = None
+
+    def _track(self, t: Any) -> None:
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        t = getattr(t, "elem", t)  # a functional collective's AsyncCollectiveTensor: the tensor it wraps
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self._seen or storage.nbytes() == 0:
+            return
+        self._seen.add(key)
+        n = storage.nbytes()
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key, n)
+
+    def _free(self, key: int, n: int) -> None:
+        self._seen.discard(key)
+        self.live -= n
+
+    def __enter__(self) -> LiveTensorMeter:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        meter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+                out = func(*args, **(kwargs or {}))
+                if not any(r.alias_info is not None for r in func._schema.returns):  # views share an input's storage
+                    for t in tree_flatten(out)[0]:
+                        meter._track(t)
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)

@@ -6,10 +6,13 @@
     plait calibrate [--out PATH] [--quick]
     plait plan [CONFIG.toml] --hardware PROFILE --gpus N [--top K] [--write OUT.toml] [--section.key=value ...]
     plait plan memory [CONFIG.toml] [--section.key=value ...]
+    plait plan --hardware PROFILE --gpus N --jobs JOBS.toml     (several jobs sharing a pool: plait.plan.pool)
 
 ``--hardware`` takes a shipped profile (a100-80gb, h100-sxm), ``local`` (this machine's calibration) or a
-TOML path. ``--stack megatron`` / ``--attention unfused`` / ``--recompute selective`` model software plait
-does not run (Megatron-LM's kernels, selective recomputation), for comparing with published numbers.
+TOML path. ``--stack megatron`` / ``--attention unfused`` model software plait does not run (Megatron-LM's
+kernels, unfused attention), for comparing with published numbers; ``--recompute`` overrides
+``train.activation_checkpointing`` (``selective`` is each stack's own: plait's keeps matmul and attention
+outputs, Megatron-LM's recomputes the attention core).
 Errors a user can cause raise ``ConfigError`` (one line, exit code 2).
 """
 
@@ -26,7 +29,7 @@ from plait.runtime.args import split_args
 
 FLAGS = {"--hardware": str, "--nodes": int, "--gpus-per-node": int, "--trace": str, "--compare": str,
          "--stack": str, "--attention": str, "--recompute": str, "--gpus": int, "--top": int, "--write": str,
-         "--out": str}
+         "--out": str, "--jobs": str}
 SWITCHES = ("--quick",)
 CHOICES = {"--stack": ("plait", "megatron", "metaseq"), "--attention": ("auto", "flash", "unfused"),
            "--recompute": ("none", "full", "every_k", "selective")}
@@ -116,8 +119,16 @@ def cmd_plan(argv: list[str]) -> int:
     from plait.plan.record import shape_from_config
     from plait.plan.workload import Layout, Workload
 
-    config, flags, overrides = parse(argv, ("--hardware", "--gpus", "--top", "--write"))
+    config, flags, overrides = parse(argv, ("--hardware", "--gpus", "--top", "--write", "--jobs"))
     profile = _profile(flags)
+    if "--jobs" in flags:  # several jobs sharing a pool (plait.plan.pool)
+        from plait.plan.pool import cmd_pool
+
+        if config or overrides or "--gpus" not in flags:
+            raise ConfigError("plait plan --jobs JOBS.toml takes --hardware and --gpus N (the pool); each job's "
+                              "config and changes are in the jobs file")
+        cmd_pool(flags["--jobs"], profile, flags["--gpus"], recipes)
+        return 0
     cfg = _load(config, overrides)
     gpus = flags.get("--gpus", cfg.parallel.nproc)
     if gpus < 1:

@@ -37,13 +37,15 @@ def workload_from_config(cfg: Config, world: int, *, shape: ModelShape | None = 
                          stack: str = "plait", recompute: str | None = None, memory_only: bool = False,
                          models: Any = None) -> Workload:
     """The workload ``plait train`` would run with ``cfg`` on ``world`` ranks. ``recompute`` overrides
-    ``train.activation_checkpointing`` (``selective`` exists only in the simulator, as a what-if); ``models``
+    ``train.activation_checkpointing`` (with another ``stack``: that stack's recomputation); ``models``
     (``plait.recipes``) builds and checks a model other than plait's GPT."""
     cfg = validated(cfg, world, memory_only, models)
     shape = shape or shape_from_config(cfg, models)
     layout = layout_from_config(cfg)
     if recompute is not None:
         layout = replace(layout, recompute=recompute)
+    if stack == "plait" and (cfg.model.factory or cfg.model.name != "gpt"):  # plait's loss parallelism is its
+        layout = replace(layout, loss_parallel=False)  # GPT's; a Hugging Face head gathers the whole vocabulary
     work = Workload(shape=shape, layout=layout, global_batch=cfg.train.global_batch_size,
                     precision=cfg.train.precision, attention=attention, stack=stack,
                     fused_optimizer=cfg.optim.fused is not False, grad_clip=cfg.optim.grad_clip > 0)

@@ -1,6 +1,7 @@
 """The smallest change that makes a layout fit, for the error ``plait simulate`` raises when it does not.
 
-Tried in order of how little they change the run: activation checkpointing, a smaller micro-batch (same
+Tried in order of how little they change the run: activation checkpointing (selective, then full), a smaller
+micro-batch (same
 global batch, more accumulation), a higher ZeRO stage, more tensor parallelism (within a node), deeper
 pipelining, twice the devices. Each candidate goes through the trainer's checks and a fresh
 simulation; the first that fits is named with its predicted peak.
@@ -28,6 +29,8 @@ def _candidates(cfg: Config, profile: Any, world: int, micro: int) -> list[tuple
             setattr(getattr(c, section), key, value)
         out.append((text, c, world_))
 
+    if t.activation_checkpointing in ("none", "every_k"):  # recompute the cheap operators before whole blocks
+        variant("--train.activation_checkpointing=selective", train__activation_checkpointing="selective")
     if t.activation_checkpointing != "full":
         variant("--train.activation_checkpointing=full", train__activation_checkpointing="full")
     if micro > 1 and micro % 2 == 0:

@@ -12,7 +12,9 @@ keys the file gives)::
 
     name, kind ("gpu" | "cpu"), description
     [device]      memory_bytes, usable_memory_fraction, memory_bandwidth (bytes/s),
-                  cores (cpu only), [device.peak_flops] fp32, bf16, fp16 (FLOP/s; tf32 optional)
+                  cores (cpu only), [device.peak_flops] fp32, bf16, fp16 (FLOP/s; tf32 optional),
+                  host_bandwidth (optional, gpu: bytes/s per direction between the device and pinned host
+                  memory that a copy sustains, for activation offload; a cpu's host is its own memory)
     [efficiency]  matmul, attention, memory (fractions of peak), kernel_overhead_s
     [network]     devices_per_node, [network.intra] and [network.inter]: bandwidth (bytes/s per
                   device per direction; across nodes each GPU's share of its node's NICs, which
@@ -97,6 +99,7 @@ class HardwareProfile:
     source: str = ""
     nccl: NcclTuning | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    host_bandwidth: float = 0.0  # bytes/s per direction to pinned host memory (0: not given)
 
     @property
     def usable_memory_bytes(self) -> float:
@@ -212,6 +215,8 @@ def parse_profile(data: dict[str, Any], src: str) -> HardwareProfile:
         intra=_link(net, "intra", src), inter=_link(net, "inter", src, int(net.get("devices_per_node", 1))),
         cores=cores, calibration=_calibration(data, src) if kind == "cpu" else None, source=src,
         nccl=_nccl(net, src),
+        host_bandwidth=_positive(float(dev["host_bandwidth"]), "[device] host_bandwidth", src)
+        if "host_bandwidth" in dev else 0.0,
     )
 
 

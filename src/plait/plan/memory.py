@@ -44,7 +44,8 @@ exactly, per block, 16 BTC + 4 BT + B H T elements (LayerNorm inputs/outputs and
 v, attention output and its log-sum-exp, the projection input, MLP hidden before/after GELU), and
 for the head 2 BTC + 2 BT + BTV elements (final norm, logits' log-softmax) plus the int64 token ids
 and targets (16 BT bytes). A checkpointed block saves only its input (BTC) and adds one block's
-activations transiently while it is recomputed in backward. Under bf16 autocast the fp32 formula
+activations transiently while it is recomputed in backward; under selective checkpointing it keeps its input
+and its matmuls' and attention's outputs, 11 BTC + B H T elements. Under bf16 autocast the fp32 formula
 is an upper bound (matmul inputs are saved in bf16); it is calibrated for fp32 only.
 """
 
@@ -156,8 +157,11 @@ def predict_activation_bytes(shape: GPTShape, *, checkpointing: str = "none", k:
         wrapped = shape.n_layer
     elif checkpointing == "every_k":
         wrapped = len(range(0, shape.n_layer, max(k, 1)))
+    elif checkpointing == "selective":  # the block's input and its matmuls' and attention's outputs (q, k, v,
+        kept = 4 * (11 * B * T * C + B * H * T)  # the attention output and log-sum-exp, proj, fc, MLP proj)
+        return {"saved": shape.n_layer * kept + head, "recompute": block}
     else:
-        raise ValueError(f"checkpointing must be none, full or every_k; got {checkpointing!r}")
+        raise ValueError(f"checkpointing must be none, full, every_k or selective; got {checkpointing!r}")
     saved = (shape.n_layer - wrapped) * block + wrapped * 4 * B * T * C + head
     return {"saved": saved, "recompute": block if wrapped else 0}
 

@@ -18,7 +18,8 @@ class Op:
     """One operator: a matmul (``m, n, k``, ``batch`` for a batched one), an attention kernel, a
     memory-bound kernel (``kind`` in ``MEMORY_KINDS``) or a collective (``kind="comm"``) in the compute
     stream. ``bytes`` is what it reads plus writes (a collective: its buffer); ``saves`` names the tensors
-    it keeps for backward with their bytes."""
+    it keeps for backward with their bytes; ``out`` is the bytes of its output (set for matmuls and attention
+    kernels, whose outputs plait's selective checkpointing keeps)."""
 
     name: str
     kind: str
@@ -32,6 +33,7 @@ class Op:
     backward: bool = False
     comm: str = ""
     saves: tuple[tuple[str, float], ...] = ()
+    out: float = 0.0  # bytes of what it returns (matmuls and attention kernels: what a selective policy keeps)
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class Pass:
 def matmul(name: str, m: int, n: int, k: int, a: int, saves: tuple = (), batch: int = 1) -> Op:
     """``(m, k) x (k, n)`` (``batch`` times): ``2 m n k`` FLOPs; reads both operands, writes the output."""
     return Op(name, "matmul", flops=2.0 * m * n * k * batch, bytes=float(batch * (m * k + k * n + m * n) * a),
-              m=m, n=n, k=k, batch=batch, saves=saves)
+              m=m, n=n, k=k, batch=batch, saves=saves, out=float(batch * m * n * a))
 
 
 def matmul_backward(name: str, m: int, n: int, k: int, a: int, bias: bool, batch: int = 1,

@@ -113,7 +113,7 @@ class BlockOps:
         if u.attention == "flash":
             flops = 4.0 * BH * T * T * D * (0.5 if u.causal else 1.0)
             return [Op("attn.sdpa", "attention", flops=flops, attn=(BH, T, D),
-                       saves=(ctx, ("attn.lse", BH * T * 4)))]
+                       saves=(ctx, ("attn.lse", BH * T * 4)), out=ctx[1] + BH * T * 4)]
         sq = BH * T * T
         ops = []
         if u.stack == "metaseq":  # q and k pre-scaled by sqrt(scaling); non-finite scores zeroed (nan_to_num)

@@ -5,7 +5,8 @@ parallelism with it, pipeline depth ``pp`` and schedule (gpipe, 1f1b, interleave
 stages per rank, zbv), ZeRO stage 0-3 (with pipelining too: ZeRO-1/2 or FSDP per stage), at ZeRO-3 the
 hybrid-sharding group ``dp_shard`` (every divisor of dp between 1 and dp: HSDP, sharded inside groups of
 that many ranks and replicated across them), the micro-batch (per forward without pipelining; per pipeline
-micro-batch with it, one schedule step per optimizer step), activation checkpointing (none, full);
+micro-batch with it, one schedule step per optimizer step), activation checkpointing (none, selective: the
+matmuls' and attention's outputs kept, the rest recomputed; full);
 ``dp`` is what remains; for a mixture of experts the expert-parallel degree ``ep`` (a divisor of dp and
 of the experts).
 
@@ -57,7 +58,7 @@ class Space:
     """What the planner may choose from (the defaults: everything plait runs)."""
 
     zeros: tuple[int, ...] = (0, 1, 2, 3)
-    recomputes: tuple[str, ...] = ("none", "full")
+    recomputes: tuple[str, ...] = ("none", "selective", "full")
     schedules: tuple[str, ...] = ("1f1b", "gpipe", "interleaved", "zbv")
     micro_batches: tuple[int, ...] = MICRO_BATCHES
     sequence_parallel: tuple[bool, ...] = (False, True)
@@ -318,7 +319,7 @@ def write_config(sim: Simulation, base: Config, path: str) -> None:
         p.pp_schedule, p.microbatches = lay.schedule, lay.microbatches
         p.pp_virtual_stages = lay.virtual if lay.schedule in ("interleaved", "zbv") else 0
     t.micro_batch_size, t.global_batch_size = lay.micro_batch_size, sim.work.global_batch
-    t.activation_checkpointing = "full" if lay.recompute == "full" else "none"
+    t.activation_checkpointing = lay.recompute if lay.recompute in ("none", "full", "selective") else "none"
     Path(path).write_text(f"# Written by plait plan: {lay.describe()} on {lay.world} x "
                           f"{sim.cluster.profile.name}, predicted step {sim.step_s:.4g} s\n" + to_toml(cfg))
 

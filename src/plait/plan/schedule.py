@@ -19,7 +19,15 @@ ZBV's split backward keeps more (measured on plait's runs with a saved-tensor ho
 input-gradient pass runs with ``retain_graph`` and the weight-gradient pass frees only what the weight
 gradients traverse, so the tensors saved by operators on the input-gradient path alone (the attention
 core's q, k, v, output and log-sum-exp; the loss's log-probabilities: ``ZBV_KEPT``) stay alive after
-``W``, for every micro-batch of every schedule step, until the optimizer step ends the accumulation.
+``W``, for every micro-batch of every schedule step, until the optimizer step ends the accumulation. A
+Hugging Face decoder's Python RMSNorm keeps its input and statistics on that path too (its weight's gradient
+reads only the normalized tensor), and so does rotary's multiplication its cos and sin (``ZBV_KEPT_RMSNORM``;
+measured on a Llama at tp=2 with sequence parallelism, ``tests/plan/test_pipeline_memory.py``); a fused
+LayerNorm's one backward node serves its weight too, so W frees what it saved. The first stage keeps nothing:
+it has no input gradient, so torch runs its whole backward in the weight pass. The last stage also keeps what
+its MLP's activation saved (SwiGLU's gate, up and SiLU outputs, GELU's input: ``ZBV_KEPT_LAST``), which the
+middle stages free: measured on the Llama and on plait's GPT, the mechanism inside torch's split backward not
+traced further.
 """
 
 from __future__ import annotations
@@ -33,6 +41,15 @@ from plait.config import ConfigError
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
 # Saved tensors (``plait.plan.ops`` names) that ZBV's weight-gradient pass leaves alive (module docstring).
 ZBV_KEPT = ("attn.q", "attn.k", "attn.v", "attn.ctx", "attn.lse", "head.logprobs")
+ZBV_KEPT_RMSNORM = ZBV_KEPT + ("ln1.in", "ln1.stats", "ln2.in", "ln2.stats", "head.norm.in", "head.norm.stats",
+                               "embed.rotary")
+
+ZBV_KEPT_LAST = ("mlp.gate", "mlp.up", "mlp.silu", "mlp.fc")
+
+
+def zbv_kept(norm: str) -> tuple[str, ...]:
+    """The saved tensors ZBV's weight pass leaves alive (module docstring) for a model with ``norm``."""
+    return ZBV_KEPT_RMSNORM if norm == "rmsnorm" else ZBV_KEPT
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from plait.plan.network import Group, collective_time, group_span
 from plait.plan.ops import Op
 from plait.plan.params import Param, param_list
 from plait.plan.rank_memory import RankMemory, gather_bytes, model_states
-from plait.plan.schedule import stage_owner, theoretical_bubble
+from plait.plan.schedule import in_flight, stage_owner, theoretical_bubble
 from plait.plan.stages import Cluster, StageModel
 from plait.plan.timeline import RankTimeline, Span, flat_step, pipeline_step
 from plait.plan.workload import Workload
@@ -60,7 +60,9 @@ class Simulation:
     @property
     def hfu(self) -> float:
         lay = self.work.layout
-        flops = hardware_flops(self.work.shape, self.work.tokens_per_step, lay.recompute, lay.every_k)
+        # plait's selective checkpointing keeps every matmul's and attention's output: it recomputes no FLOPs
+        recompute = "none" if lay.recompute == "selective" and self.work.stack == "plait" else lay.recompute
+        flops = hardware_flops(self.work.shape, self.work.tokens_per_step, recompute, lay.every_k)
         return utilisation(flops, self.step_s, self.world, self.peak_flops)
 
     def peak_memory(self) -> float:
@@ -264,9 +266,14 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
         transient = max(c.transient for c in costs)
         casts = sum(c.weight_casts for c in costs)  # one autocast copy of the rank's weights is alive at a time
         states.activations = timelines[r].activation_peak
-        states.buffers = buffers + transient + casts
-        states.detail = {"activation_saved_per_microbatch": int(sum(c.saved for c in costs)),
+        states.buffers = buffers + transient + casts + _receive_buffers(model, mine, n_stages)
+        states.detail = {**states.detail, "activation_saved_per_microbatch": int(sum(c.saved for c in costs)),
                          "autocast_weight_copies": int(casts), "stages": mine}
+        host = sum(c.host for c in costs)
+        if host:  # activation offload: the micro-batches in flight wait in host memory
+            held = in_flight(lay.schedule, lay.pp, lay.microbatches, lay.virtual) if lay.pp > 1 else 1.0
+            states.detail["activation_host_bytes"] = int(host * held)
+            states.detail["offload_bytes_per_step"] = int(host * lay.microbatches * work.accumulation)
         memory[r] = states
     step = max(ends.values())
     for tl in timelines.values():
@@ -304,6 +311,21 @@ def _pipelined(model: StageModel, timelines: dict[int, RankTimeline], stages: li
     ends = pipeline_step(model, timelines, stages, collective_time(cluster.profile, "send", hop, pp_link),
                          t0=max(z.before for z in pz.values()), per_action={r: z.per_action for r, z in pz.items()})
     return _pipeline_gradients(model, timelines, ends, plans, place, dpn)
+
+
+def _receive_buffers(model: StageModel, stages: list[int], n_stages: int) -> float:
+    """Bytes torch's pipeline stages allocate to receive into, one buffer per micro-batch, kept across steps
+    (``torch.distributed.pipelining.stage``: ``args_recv_info``, ``grad_recv_info``): each stage after the first
+    receives its input, each before the last the gradient of its output (the residual stream's shard); under
+    ZBV a stage after the first also keeps the gradient of each micro-batch's input until the step ends.
+    Measured with the activations (``tests/plan/test_pipeline_memory.py``)."""
+    work, lay = model.work, model.work.layout
+    if lay.pp == 1 or work.stack != "plait":  # Megatron-LM receives into each micro-batch's own input tensor
+        return 0.0
+    tokens = work.pipe_micro_batch * work.shape.seq_len // (lay.tp if lay.sp else 1)
+    hidden = tokens * work.shape.d_model * model.setup.residual_bytes * lay.microbatches
+    per_input = 2 if lay.schedule == "zbv" else 1
+    return sum(hidden * (per_input * (s > 0) + (s < n_stages - 1)) for s in stages)
 
 
 def _all_layers(model: StageModel) -> list:

@@ -9,10 +9,16 @@ dispatcher runs beyond the priced ones (views, copies, autograd's bookkeeping; c
 by ``plait.plan.record.operator_counts``) costs the measured per-operator overhead, each DTensor
 operator what DTensor adds, and each tensor-parallel collective the host work measured around one
 (``plait.plan.calibrate_paths``). Activation checkpointing keeps only a
-checkpointed block's input and adds one block's activations while it is recomputed; ``selective``
-recomputation (Korthikanti et al. 2022; a what-if, plait does not run it) drops the attention core's
-``T x T`` tensors and recomputes the core. A mixture-of-experts block's all-to-alls run over the
+checkpointed block's input and adds one block's activations while it is recomputed. ``selective`` is
+what each stack runs: plait's (``plait.parallel.checkpointing``, torch's selective checkpointing with the
+default policy) keeps the block's input and the outputs of its matmuls and attention kernel (``Op.out``) and
+recomputes every other forward operator up to the last one that saves a tensor (norms, activations, rotary,
+autocast's casts, the tensor-parallel all-gathers and reduce-scatters: their collectives run again in
+backward); Megatron-LM's and metaseq's (Korthikanti et al. 2022) drop the attention core's ``T x T`` tensors
+and recompute the core. A mixture-of-experts block's all-to-alls run over the
 expert-parallel group (``ep_fwd``/``ep_bwd``: in the compute stream, like the tensor-parallel ones).
+Activation offload (``Layout.act_offload``) moves what an un-checkpointed block saves to host memory
+(``LayerCost.host``) and prices the copies against the block's compute (``StageModel._offload``).
 
 Stages are split by ``plait.parallel.pipeline.runner.partition_layers`` (the trainer's own split) on these
 predicted costs, as the trainer splits on measured ones (``pp_balance="cost"``), or by layer count.
@@ -21,15 +27,16 @@ predicted costs, as the trainer splits on measured ones (``pp_balance="cost"``),
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from plait.config import ConfigError
 from plait.plan.derive import Collective, OperatorCounts
 from plait.plan.hardware import HardwareProfile
 from plait.plan.kernels import ComputeModel
 from plait.plan.network import Group, Placement, collective_time, group_span
 from plait.plan.ops import BlockOps, Op, Pass, Setup, embedding_ops, head_ops
-from plait.plan.schedule import ZBV_KEPT
+from plait.plan.schedule import ZBV_KEPT_LAST, zbv_kept
 from plait.plan.workload import Workload
 
 DROPPED_BY_SELECTIVE = ("attn.probs", "attn.pmask", "attn.pdrop")
@@ -85,6 +92,7 @@ class LayerCost:
     ep_bwd: float = 0.0
     zbv_kept: float = 0.0  # of ``saved``, what ZBV's weight-gradient pass leaves alive (plait.plan.schedule)
     weight_casts: float = 0.0  # autocast's half-precision weight copies kept for backward (once per rank)
+    host: float = 0.0  # activation offload: bytes moved to host memory and back (each way) per micro-batch
 
     @property
     def bwd(self) -> float:
@@ -103,7 +111,8 @@ class LayerCost:
                          self.tp_fwd + other.tp_fwd, self.tp_bwd + other.tp_bwd, self.saved + other.saved,
                          max(self.transient, other.transient), self.flops + other.flops,
                          ep_fwd=self.ep_fwd + other.ep_fwd, ep_bwd=self.ep_bwd + other.ep_bwd,
-                         zbv_kept=self.zbv_kept + other.zbv_kept, weight_casts=self.weight_casts + other.weight_casts)
+                         zbv_kept=self.zbv_kept + other.zbv_kept, weight_casts=self.weight_casts + other.weight_casts,
+                         host=self.host + other.host)
 
 
 def _is_weight_grad(op: Op) -> bool:
@@ -187,19 +196,21 @@ class StageModel:
         f_comp, f_comm, _, f_ep = self._price(fwd.ops, self._derived(False, dispatch))
         b_comp, b_comm, b_w, b_ep = self._price(bwd.ops, self._derived(True, dispatch))
         f_comm, b_comm = f_comm + f_ep, b_comm + b_ep
+        plait_selective = recompute == "selective" and self.work.stack == "plait"
         if dispatch is not None:
             n_f = sum(o.kind != "comm" for o in fwd.ops) + also_priced[0]
             n_b = sum(o.kind != "comm" for o in bwd.ops) + also_priced[1]
-            if recompute in ("full", "block"):
-                dispatch, n_b = "block_recomputed", n_b + n_f
+            if recompute in ("full", "block") or plait_selective:  # a selective recomputation dispatches every
+                dispatch, n_b = "block_recomputed", n_b + n_f  # operator again (kept ones return their output)
             f_over, b_over = self._dispatch(dispatch, (n_f, n_b))
             f_comp, b_comp = f_comp + f_over, b_comp + b_over
         saved = fwd.saved()
+        kept = zbv_kept(self.work.shape.norm)
         casts = sum(v for k, v in saved.items() if k.startswith(WEIGHT_CASTS))
         cost = LayerCost(fwd=f_comp + f_comm, bwd_in=b_comp - b_w + b_comm, bwd_w=b_w, tp_fwd=f_comm - f_ep,
                          tp_bwd=b_comm - b_ep, saved=sum(saved.values()) - casts,
                          flops=sum(o.flops for o in fwd.ops + bwd.ops), ep_fwd=f_ep, ep_bwd=b_ep,
-                         zbv_kept=sum(v for k, v in saved.items() if k in ZBV_KEPT), weight_casts=casts)
+                         zbv_kept=sum(v for k, v in saved.items() if k in kept), weight_casts=casts)
         if recompute in ("full", "block"):
             cost.bwd_in += f_comp + f_comm
             cost.tp_bwd += f_comm - f_ep
@@ -215,6 +226,8 @@ class StageModel:
                 cost.tp_bwd += gather
             cost.zbv_kept = 0.0  # the recomputed graph is built and consumed inside the backward
             cost.recomputed = True
+        elif plait_selective:
+            self._keep_outputs(cost, fwd)
         elif recompute == "selective":
             core = self.blocks.attention_core()
             c_comp = self._price(core)[0]
@@ -222,9 +235,29 @@ class StageModel:
             cost.flops += sum(o.flops for o in core)
             dropped = sum(v for k, v in saved.items() if k in DROPPED_BY_SELECTIVE)
             cost.saved -= dropped
-            cost.zbv_kept -= sum(v for k, v in saved.items() if k in DROPPED_BY_SELECTIVE and k in ZBV_KEPT)
+            cost.zbv_kept -= sum(v for k, v in saved.items() if k in DROPPED_BY_SELECTIVE and k in kept)
             cost.transient = dropped
         return cost
+
+    def _keep_outputs(self, cost: LayerCost, fwd: Pass) -> None:
+        """plait's selective checkpointing of a block (module docstring): ``cost`` keeps the block's input and
+        its matmuls' and attention kernel's outputs; the other forward operators up to the last that saves a
+        tensor run again before the block's backward, which rebuilds the block's saved tensors meanwhile."""
+        last = max((i for i, op in enumerate(fwd.ops) if op.saves), default=-1)
+        redo = [op for op in fwd.ops[:last + 1] if op.kind not in ("matmul", "attention")]
+        r_comp, _, _, r_ep = self._price(redo)
+        # the recomputed collectives, priced from the op list even where the forward's are the recorded ones
+        per = self.compute.overhead("tp_collective") if self.tp_group.size > 1 else 0.0
+        r_comm = sum(self.comm_time(op.comm, op.bytes) + per for op in redo
+                     if op.kind == "comm" and op.comm != "all_to_all")
+        cost.bwd_in += r_comp + r_comm + r_ep
+        cost.tp_bwd += r_comm
+        cost.ep_bwd += r_ep
+        cost.transient = cost.saved + cost.weight_casts
+        cost.saved = self.blocks.Mn * self.blocks.C * self.setup.residual_bytes + sum(op.out for op in fwd.ops)
+        cost.weight_casts = 0.0
+        cost.zbv_kept = 0.0  # as for full recomputation: the rebuilt graph is consumed inside the backward
+        cost.recomputed = True
 
     def block_recompute(self, index: int) -> str:
         lay = self.work.layout
@@ -237,16 +270,42 @@ class StageModel:
         mode, moe = self.block_recompute(index), self.work.shape.is_moe(index)
         if ("block", mode, moe) not in self._cache:
             fwd, bwd = (self._moe_fwd, self._moe_bwd) if moe else (self._fwd, self._bwd)
-            self._cache[("block", mode, moe)] = self._layer(fwd, bwd, mode, "block")
+            cost = self._layer(fwd, bwd, mode, "block")
+            if self.work.layout.act_offload and mode == "none":
+                cost = self._offload(cost)
+            self._cache[("block", mode, moe)] = cost
         return self._cache[("block", mode, moe)]
+
+    def _offload(self, cost: LayerCost) -> LayerCost:
+        """A block under activation offload (``plait.parallel.offload``): everything it saves (its activations and
+        autocast's weight copies) moves to host memory after its forward and back before its backward. On a GPU the
+        copies run on a side stream over the host link, behind the next block's forward and the previous one's
+        backward: only what outlasts the block's own compute is exposed. On a CPU the copy runs on the rank's
+        thread (the host is its own memory, so backward reads it where it is). The device keeps the block being
+        copied and the one brought back ahead of its backward (``transient``)."""
+        # rotary's cos and sin, which every block saves, move with each block (they stay on the device too)
+        rotary = embedding_ops(self.work.shape, self.setup)[0].saved().get("embed.rotary", 0.0)
+        moved = cost.saved + cost.weight_casts + rotary
+        out = replace(cost, saved=0.0, weight_casts=0.0, zbv_kept=0.0, host=moved,
+                      transient=max(cost.transient, 2 * moved))
+        if self.profile.kind == "cpu":
+            out.fwd += self.compute.time(Op("offload.copy", "copy", bytes=2 * moved))
+            return out
+        if self.profile.host_bandwidth <= 0:
+            raise ConfigError(f"hardware profile {self.profile.name!r} gives no [device] host_bandwidth, which "
+                              "prices train.activation_offload's copies; add it (bytes/s per direction to pinned "
+                              "host memory) or set train.activation_offload=false")
+        seconds = moved / self.profile.host_bandwidth
+        out.fwd += max(0.0, seconds - cost.fwd)
+        out.bwd_in += max(0.0, seconds - cost.bwd)
+        return out
 
     def embed(self) -> LayerCost:
         if ("embed",) not in self._cache:
             f, b = embedding_ops(self.work.shape, self.setup)
-            cost = self._layer(f, b, "none", None)  # its operators are counted with the head's
-            if self.work.layout.recompute == "full":  # checkpointed blocks keep their hidden input, not rotary's
-                cost.saved -= f.saved().get("embed.rotary", 0.0)
-            self._cache[("embed",)] = cost
+            # its operators are counted with the head's. Rotary's cos and sin stay alive under checkpointing too:
+            # every checkpointed block holds them as inputs of its recomputation.
+            self._cache[("embed",)] = self._layer(f, b, "none", None)
         return self._cache[("embed",)]
 
     def head(self) -> LayerCost:
@@ -281,7 +340,8 @@ class StageModel:
         return self.work.act_bytes if self.work.stack != "plait" else 4
 
     def stage(self, layers: range, first: bool, last: bool) -> LayerCost:
-        """Summed cost of a stage: its blocks, plus the embedding if ``first`` and the head if ``last``."""
+        """Summed cost of a stage: its blocks, plus the embedding if ``first`` and the head if ``last``; in a
+        pipeline also what the stage itself holds per micro-batch (``stage_held``)."""
         total = LayerCost()
         for i in layers:
             total = total + self.block(i)
@@ -289,7 +349,30 @@ class StageModel:
             total = total + self.embed()
         if last:
             total = total + self.head()
+        if self.work.layout.pp > 1 and self.work.stack == "plait":  # torch's pipelining (Megatron-LM frees these)
+            total.saved += self.stage_held(first, last)
+            if first:  # ZBV: the first stage has no input gradient; its weight pass is its whole backward
+                total.zbv_kept = 0.0
+            elif "embed.rotary" in zbv_kept(self.work.shape.norm):  # this stage's own cos and sin
+                total.zbv_kept += embedding_ops(self.work.shape, self.setup)[0].saved().get("embed.rotary", 0.0)
+            if last and not first:  # measured, see plait.plan.schedule
+                saved = self._fwd.saved()
+                total.zbv_kept += len(layers) * sum(saved.get(k, 0.0) for k in ZBV_KEPT_LAST)
         return total
+
+    def stage_held(self, first: bool, last: bool) -> float:
+        """Bytes a pipeline stage holds per micro-batch in flight beyond its layers' saved tensors (measured on
+        plait's runs, ``tests/plan/test_pipeline_memory.py``): rotary's cos and sin, which every stage computes
+        for its own blocks (the embedding's term covers the first stage's), and the stage's output, which torch's
+        schedule keeps until the micro-batch's backward: the residual stream's shard, or on the last stage the
+        logits (whole vocabulary unless the loss runs on vocabulary shards)."""
+        s, u = self.work.shape, self.setup
+        rotary = 0.0 if first else embedding_ops(s, u)[0].saved().get("embed.rotary", 0.0)
+        M = u.micro_batch * s.seq_len
+        if last:
+            vocab = s.vocab_size // u.tp if self.work.layout.loss_parallel else s.vocab_size
+            return rotary + M * vocab * u.act_bytes
+        return rotary + (M // u.tp if u.sp else M) * s.d_model * u.residual_bytes
 
 
 @lru_cache(maxsize=256)

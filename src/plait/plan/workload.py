@@ -48,6 +48,7 @@ class Layout:
     # parameters, gradients and optimizer states in host memory); priced for memory only (plait plan memory)
     offload: str = "none"
     dp_shard: int = 1  # HSDP's shard group at zero=3 (module docstring); 1: every data-parallel rank
+    act_offload: bool = False  # train.activation_offload: blocks' saved tensors in host memory (plait.plan.stages)
     cp: int = 1  # context-parallel degree (module docstring); not run by plait yet
 
     @property
@@ -77,6 +78,8 @@ class Layout:
             parts.insert(1, f"cp={self.cp}")
         if self.dp_shard > 1:
             parts.insert(1, f"dp_shard={self.dp_shard}")
+        if self.act_offload:
+            parts.append("act_offload")
         return " ".join(parts)
 
 
@@ -161,4 +164,4 @@ def layout_from_config(cfg: Config) -> Layout:
                   micro_batch_size=t.micro_batch_size, recompute=t.activation_checkpointing,
                   every_k=t.checkpoint_every_k, reshard_after_forward=p.reshard_after_forward, bucket_mb=p.bucket_mb,
                   impl=p.impl, pp_balance=p.pp_balance, loss_parallel=p.loss_parallel, ep=p.ep,
-                  offload=p.offload, dp_shard=p.dp_shard or 1)
+                  offload=p.offload, dp_shard=p.dp_shard or 1, act_offload=t.activation_offload)

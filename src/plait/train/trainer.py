@@ -388,6 +388,7 @@ class Trainer:
         self.p.finish_saves()
         if self.rank0:
             (self.run_dir / "preempted.json").write_text(json.dumps({"step": self.state.step, "checkpoint": str(path)}))
+        self.recovery.ledger.record("preempted", step=self.state.step)  # counted apart from failures
         self.p.barrier()
         if self.rank0:
             self.log.warning("preempted at step %d: saved %s", self.state.step, path)
@@ -421,6 +422,7 @@ class Trainer:
             from plait.fault import goodput
 
             summary["goodput"] = goodput.goodput(self.run_dir)
+            summary.update({k: summary["goodput"].get(k, 0) for k in ("preemptions", "failures")})
         if not math.isnan(s.val_accuracy):
             summary["final_val_accuracy"] = s.val_accuracy
         if self.last_moe is not None:

@@ -10,7 +10,8 @@ model (the rotary embedding) are shared by every stage.
 A stage's forward does what the base model's forward does for its part: token ids to embeddings
 (first stage), positions ``0..T-1``, the rotary embedding and the causal mask built as the model builds
 them (``transformers.masking_utils.create_causal_mask``, no padding mask: pipelined batches are full
-sequences), every owned layer, then norm and head (last stage: logits ``(B, T, V)``). Padding masks,
+sequences; under sequence parallelism a later stage's input holds ``T / tp`` tokens and positions run over all
+``T``), every owned layer, then norm and head (last stage: logits ``(B, T, V)``). Padding masks,
 caches and models without rotary position embeddings are not supported here; use ``stage_fn``.
 """
 
@@ -72,6 +73,8 @@ class HFDecoderStage(nn.Module):
         parts["rotary_emb"] = base.rotary_emb
         self.add_module(prefix, _Holder(parts))
         self.adapter = adapter
+        # sequence parallelism (plait.parallel.tensor.hf_sequence): later stages receive T / shards tokens
+        self.shards = int(base.__dict__.get("_plait_sequence_shards", 1))
         if is_last:
             self.lm_head = model.lm_head
 
@@ -80,10 +83,11 @@ class HFDecoderStage(nn.Module):
         if self.is_first:  # x: token ids (B, T)
             for name in self.adapter.before:
                 x = getattr(base, name)(x)  # (B, T, C)
-        T = x.size(1)
+        T = x.size(1) * (1 if self.is_first else self.shards)  # a later stage's input: this rank's T / shards
         position_ids = torch.arange(T, device=x.device).unsqueeze(0)  # (1, T)
         position_embeddings = base.rotary_emb(x, position_ids=position_ids)
-        mask = _causal_mask(self.config, x, position_ids)
+        whole = x if T == x.size(1) else x.new_empty(x.size(0), T, 1)  # the mask's shape: the whole sequence
+        mask = _causal_mask(self.config, whole, position_ids)
         for layer in getattr(base, self.adapter.layers).values():
             out = layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
             x = out[0] if isinstance(out, tuple) else out  # (B, T, C)

@@ -134,10 +134,12 @@ class PipelineRunner:
         start = time.time_ns()
         with loss_context(self.loss_parallel):
             target = targets if self.has_last else None
+            # return_outputs=False: torch's schedules otherwise keep the last stage's output of every micro-batch
+            # (the logits, B x T x V) until the step ends, to merge them; only the losses are used here
             if self.has_first:
-                self.schedule.step(*args, target=target, losses=losses)
+                self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
             else:
-                self.schedule.step(target=target, losses=losses)
+                self.schedule.step(target=target, losses=losses, return_outputs=False)
         self.span = StepSpan(rank, start, time.time_ns())
         if sync_tied:  # with gradient accumulation, sync once after the last micro-step instead
             self.sync_tied_grads()

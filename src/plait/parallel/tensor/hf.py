@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from plait.parallel.expert.hf import find_moe_blocks
+from plait.parallel.tensor.hf_sequence import check_sequence_parallel, sequence_parallel_plan
 from plait.parallel.tensor.plan import (
     ALIASES,
     STYLES,
@@ -125,35 +126,41 @@ def encoder_plan(model: nn.Module) -> dict[str, str] | None:
     return {f"{prefix}{k}": v for k, v in ENCODER_PLAN.items()}
 
 
-def hf_tp_function(model: nn.Module, tp_plan: Any, expert_parallel: bool) -> HFPlan | None:
+def hf_tp_function(model: nn.Module, tp_plan: Any, expert_parallel: bool,
+                   sequence_parallel: bool = False) -> HFPlan | None:
     """The plan plait applies to a Hugging Face model, or None where ``plait.parallel.tensor.plan`` decides: an
     explicit plan using a Hugging Face style of this module (strict: every pattern must match); with
-    ``tp_plan="auto"`` the shipped plan (patterns matching nothing skipped), else the inferred encoder plan."""
+    ``tp_plan="auto"`` the shipped plan (patterns matching nothing skipped), else the inferred encoder plan.
+    ``sequence_parallel``: the residual stream split along the sequence (``plait.parallel.tensor.hf_sequence``)."""
     if isinstance(tp_plan, dict):
         hf_only = set(REFUSED) | (set(PARAM_STYLES) - set(STYLES)) | {EXPERTS, GRAD_SUM}
         uses = any(isinstance(v, str) and v in hf_only for v in tp_plan.values())
-        return HFPlan(tp_plan, strict=True, skip_moe=expert_parallel) if uses else None
+        return HFPlan(tp_plan, strict=True, skip_moe=expert_parallel, sp=sequence_parallel) if uses else None
     if tp_plan not in (None, "auto"):
         return None
     shipped = hf_plan(model)
     if shipped:
-        return HFPlan(shipped, strict=False, skip_moe=expert_parallel)
+        return HFPlan(shipped, strict=False, skip_moe=expert_parallel, sp=sequence_parallel)
     inferred = encoder_plan(model)
-    return HFPlan(inferred, strict=True, skip_moe=False) if inferred else None
+    return HFPlan(inferred, strict=True, skip_moe=False, sp=sequence_parallel) if inferred else None
 
 
 class HFPlan:
     """A Hugging Face plan resolved against a model (``check``) and applied to it (``__call__``)."""
 
-    def __init__(self, plan: dict[str, Any], *, strict: bool, skip_moe: bool) -> None:
-        self.plan, self.strict, self.skip_moe = dict(plan), strict, skip_moe
+    def __init__(self, plan: dict[str, Any], *, strict: bool, skip_moe: bool, sp: bool = False) -> None:
+        self.plan, self.strict, self.skip_moe, self.sp = dict(plan), strict, skip_moe, sp
 
     def check(self, model: nn.Module, tp: int) -> None:
         """Every check, without communicating: refused styles, patterns, module kinds, widths and heads."""
         self._resolve(model, tp)
+        if self.sp:
+            check_sequence_parallel(model)
 
     def __call__(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         module_plan, experts, grad_sum = self._resolve(model, mesh.size())
+        if self.sp:
+            module_plan = sequence_parallel_plan(model, module_plan, mesh.size())
         if module_plan:
             apply_tp_plan(model, mesh, module_plan)
         for module, placements in experts:

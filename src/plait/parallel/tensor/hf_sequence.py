@@ -1,0 +1,92 @@
+"""Sequence parallelism for Hugging Face decoders (``parallel.sequence_parallel`` with a Llama-style model).
+
+The residual stream between the decoder layers is split along the sequence over the tp ranks (each holds
+``T / tp`` tokens), as in plait's GPT and Megatron-LM (Korthikanti et al. 2022): the norms run on the shards
+(``SequenceParallel``: their weights replicated, their gradients summed over tp by DTensor), the attention's and
+the MLP's input is all-gathered before their column-parallel projections (one all-gather each, shared by q, k
+and v, by gate and up; backward: one reduce-scatter of the summed input gradient), and the row-parallel
+``o_proj`` and ``down_proj`` reduce-scatter their outputs onto the shards (backward: an all-gather) instead of
+all-reducing them. The head all-gathers the final norm's shards.
+
+Positions stay whole: the embedding's output is the full sequence on every tp rank (the vocabulary-parallel
+embedding's all-reduce), so the model computes its positions, rotary angles and mask for all ``T`` tokens as
+it does without tensor parallelism; the first decoder layer takes its slice of the tokens (no communication;
+backward: an all-gather of the gradient). A pipeline stage after the first receives the shards and computes
+its positions for ``T = tp x`` its input's length (``sequence_shards``; ``plait.parallel.pipeline.hf``).
+
+Models: decoders with a ``base_model_pp_plan`` whose layers hold ``input_layernorm``, ``self_attn`` (called with
+``hidden_states=``), ``post_attention_layernorm`` and ``mlp`` (Llama, Mistral, Qwen2 and relatives); others are
+refused with a clear error rather than left silently unsplit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from plait.parallel.pipeline.hf import _base, decoder_pipeline
+from plait.parallel.tensor.plan import TensorParallelError
+
+SHARDS_ATTR = "_plait_sequence_shards"
+LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+ROWWISE = ("rowwise", "o_proj", "down_proj")
+
+
+def sequence_shards(base: nn.Module) -> int:
+    """Over how many ranks the residual stream of ``base`` (a decoder's base model) is split along the sequence."""
+    return int(base.__dict__.get(SHARDS_ATTR, 1))
+
+
+def check_sequence_parallel(model: nn.Module) -> tuple[str, list[str], list[str]]:
+    """(the base model's prefix, its layers' names, its modules after the layers) of a decoder sequence
+    parallelism applies to; raises ``TensorParallelError`` for any other model."""
+    adapter = decoder_pipeline(model)
+    layers = getattr(_base(model)[1], adapter.layers, None) if adapter is not None else None
+    if adapter is None or not isinstance(layers, nn.ModuleList) or not all(
+            isinstance(getattr(layer, part, None), nn.Module) for layer in layers for part in LAYER_PARTS):
+        raise TensorParallelError(
+            f"parallel.sequence_parallel splits the residual stream of plait's GPT and of Hugging Face decoders "
+            f"whose layers hold {', '.join(LAYER_PARTS)} (Llama, Mistral, Qwen2); {type(model).__name__} is "
+            "neither: set parallel.sequence_parallel=false")
+    prefix = _base(model)[0]
+    names = [f"{prefix}.{adapter.layers}.{i}" for i in range(len(layers))]
+    return prefix, names, [f"{prefix}.{n}" for n in adapter.after]
+
+
+def sequence_parallel_plan(model: nn.Module, plan: dict[str, Any], tp: int) -> dict[str, Any]:
+    """``plan`` (module name -> style, resolved against ``model``) with sequence parallelism added (module
+    docstring); marks the base model with its ``tp`` shards. Raises ``TensorParallelError`` for a model it does
+    not apply to."""
+    prefix, layers, after = check_sequence_parallel(model)
+    out = dict(plan)
+    for name, style in plan.items():  # row-parallel outputs reduce-scattered onto the sequence shards
+        if any(name.startswith(layer + ".") for layer in layers) and (
+                style in ("rowwise", "rowwise_rep") or isinstance(style, RowwiseParallel)):
+            out[name] = RowwiseParallel(output_layouts=Shard(1))
+    for layer in layers:
+        out[f"{layer}.input_layernorm"] = SequenceParallel()
+        out[f"{layer}.post_attention_layernorm"] = SequenceParallel()
+        out[f"{layer}.self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                       desired_input_kwarg_layouts={"hidden_states": Replicate()})
+        out[f"{layer}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    # the first layer takes its slice of the whole sequence the embedding gave every rank
+    out[layers[0]] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                        use_local_output=True)
+    for name in after:
+        out[name] = SequenceParallel()
+    head = next((n for n in plan if not n.startswith(prefix + ".")), None)
+    if head is not None:
+        out[head] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    elif isinstance(getattr(model, "lm_head", None), nn.Module):  # a head the plan leaves whole
+        out["lm_head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                            use_local_output=True)
+    _base(model)[1].__dict__[SHARDS_ATTR] = tp
+    return out
