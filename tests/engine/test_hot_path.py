@@ -9,7 +9,7 @@ One check per rule, each failing on the engine before issue 32:
   DDP); an optimizer that cannot take ``found_inf`` costs exactly one read (the skip decided on the host);
 - no collective beyond the gradients' own at world 2 (every ``c10d`` operator counted): the reducer's buckets;
   reading ``StepInfo.global_loss`` off a log step runs its one agreement then; a stop request reaches every rank
-  at the next log step;
+  at the next log step, or, where steps are slow, at the next stop check (every step in the test);
 - gradients set to None by ``zero_grad`` (one rank, and DDP); no ``loss * 1.0``; no gradient list for a loss
   scaler that is off; no parameter list built per step; the RNG stream swapped only for a model that draws;
 - a non-finite step still skipped on the device (fused AdamW's ``found_inf``): parameters, optimizer state and
@@ -403,6 +403,7 @@ def _world2(rank: int, world: int, root: str) -> dict:
     out["preempted"] = [info.preempted, info5.preempted]
     p.preemption.requested = False
     p.close()
+    out["slow"] = _slow_steps(f"{root}/slow", rank)
     ddp = _plait(f"{root}/ddp", parallel={"impl": "torch"}, train={"global_batch_size": 8})
     model, _ = ddp.setup(_mlp())
     _api_loop(ddp, model)()
@@ -411,6 +412,30 @@ def _world2(rank: int, world: int, root: str) -> dict:
     for name, parallel in COMPILED.items():
         out[name] = _train_compiled(f"{root}/{name}", parallel, world)
     return out
+
+
+def _slow_steps(root: str, rank: int) -> dict:
+    """Steps "slower" than STOP_CHECK_S / log_every (the limit patched down): a stop request is checked at every
+    step, one all-reduce of one flag beside the gradients', and reaches every rank at the next step."""
+    from plait.engine import stepper
+
+    kept, stepper.STOP_CHECK_S = stepper.STOP_CHECK_S, 1e-9
+    try:
+        p = _plait(root, train={"global_batch_size": 8, "log_every": 100})
+        model, _ = p.setup(_mlp())
+        step = _api_loop(p, model)
+        step(), step()  # step 1 logs and plans the checks from the agreed step time
+        with _Collectives() as c:
+            info3 = step()
+        p.preemption.requested = rank == 1
+        info4 = step()
+        p.preemption.requested = False
+        out = {"collectives": c.calls, "buckets": len(p.strategy.engine.buckets),
+               "preempted": [info3.preempted, info4.preempted]}
+        p.close()
+        return out
+    finally:
+        stepper.STOP_CHECK_S = kept
 
 
 @pytest.fixture(scope="module")
@@ -431,6 +456,12 @@ def test_world2_non_logging_step_runs_only_the_gradients_collectives(world2) -> 
 
 def test_world2_a_stop_request_reaches_every_rank_at_the_next_log_step(world2) -> None:
     assert [r["preempted"] for r in world2] == [[False, True], [False, True]]  # step 4 not, step 5 (a log step) yes
+
+
+def test_world2_slow_steps_check_a_stop_request_at_every_step(world2) -> None:
+    for r in world2:
+        assert r["slow"]["collectives"] == r["slow"]["buckets"] + 1  # the gradients' and one stop check
+        assert r["slow"]["preempted"] == [False, True]
 
 
 def test_world2_ddp_drops_gradients(world2) -> None:

@@ -9,7 +9,13 @@ the device (``StepInfo`` reads one when the caller does); the update of a non-fi
 device by optimizers that take torch's ``found_inf`` (``Strategy.step_unless``). A log step (step 1, every
 ``train.log_every``-th, the last of ``train.steps``, or ``step(log=True)``) reads every value since the previous
 one in one transfer and, over several ranks, agrees on the losses and on a stop request in one all-reduce:
-a SIGTERM is seen by every rank at the first log step after it arrived. ``progress.json`` (the launcher's
+a SIGTERM is seen by every rank at the first log step after it arrived. Where steps are slow, that could outlast
+a scheduler's grace period (30 s by default under SLURM and Kubernetes): each agreement also averages the ranks'
+step time, and every rank derives from it the same number of steps between stop checks, ``STOP_CHECK_S`` of
+them at most (one all-reduce of one flag, read back): a stop request is seen within ``train.log_every - 1`` steps
+and within ``STOP_CHECK_S`` seconds or the next step boundary, whichever comes first. With steps faster than
+``STOP_CHECK_S / train.log_every`` (0.5 s at the default 20 s and 10 steps: the benchmarks, the tests) there is no
+check between log steps. ``progress.json`` (the launcher's
 restart decision) is written at log steps, saves, loads, errors and the first step after a load, and at least
 every ``PROGRESS_EVERY_S`` seconds otherwise (checked with a clock read at each step boundary): after an error
 plait reports it is exact; after a kill (SIGKILL, a crash of the process) it lags the step count by at most
@@ -45,15 +51,16 @@ from plait.parallel.strategy import PlaitError, Strategy
 from plait.parallel.tensor.plan import local_value
 
 PROGRESS_EVERY_S = 30.0  # progress.json at least this often between log steps (a clock read per step, no I/O)
+STOP_CHECK_S = 20.0  # a stop request is seen within this (or the next step boundary), however slow the steps
 
 
 class _Pending:
     """What one step left on the device until the next log step reads it (see the module docstring)."""
 
-    __slots__ = ("step", "loss", "norm", "skipped")
+    __slots__ = ("step", "loss", "norm", "skipped", "step_s")
 
-    def __init__(self, step: int, loss: torch.Tensor | None, norm: Any, skipped: Any) -> None:
-        self.step, self.loss, self.norm, self.skipped = step, loss, norm, skipped
+    def __init__(self, step: int, loss: torch.Tensor | None, norm: Any, skipped: Any, step_s: float) -> None:
+        self.step, self.loss, self.norm, self.skipped, self.step_s = step, loss, norm, skipped, step_s
 
 
 class StepperAttribute:
@@ -93,6 +100,8 @@ class Stepper:
         self._skipped = 0  # skipped updates up to the last log step; the pending ones are read on demand
         self._pending: list[_Pending] = []  # steps since the last log step, their values still on the device
         self._progress_t = time.monotonic()
+        self._check_every = 0  # steps between stop checks off log steps (0: none), agreed at the last log step
+        self._next_check = 0
         self.saved_step: int | None = None
         self.resumed_from = 0
         self.memory: dict[str, int] = {}
@@ -266,7 +275,7 @@ class Stepper:
         loss = (losses[0] if len(losses) == 1 else torch.stack(losses).mean()) if losses else None
         if loss is not None and self.strategy.reduce_loss_every_step:  # a pipeline: the last stage's, everywhere
             loss = self.strategy.reduce_loss(loss)
-        self._pending.append(_Pending(self.steps, loss, norm, skipped))
+        self._pending.append(_Pending(self.steps, loss, norm, skipped, step_s))
         info = StepInfo(step=self.steps, lr=lr, comm_bytes=stats.bytes_sent, comm_wait_s=stats.wait_s,
                         comm_exposed_s=exposed, optimizer_s=optimizer_s, step_s=step_s, **times)
         if self.is_log_step(self.steps) if log is None else log:
@@ -280,6 +289,8 @@ class Stepper:
                 info.global_loss, info.preempted = own, self.preemption.requested
             else:  # agreed only if read (a collective then: every rank reads it)
                 info.global_loss = functools.partial(self._agree_loss, own, group)
+                if self._check_every and self.steps >= self._next_check:  # slow steps: the stop request's bound
+                    info.preempted = self._check_stop(group)
         # the first step of an attempt too: the launcher's no-progress rule compares where attempts got
         first = self.steps == self.resumed_from + 1
         if info.logged or first or time.monotonic() - self._progress_t >= PROGRESS_EVERY_S:
@@ -291,29 +302,32 @@ class Stepper:
 
     def _settle(self, info: StepInfo) -> None:
         """A log step: the values of every step since the previous one, agreed and read in one go. Over several
-        ranks the losses (brought to every pipeline stage by the strategy) are averaged over the replicas and a
-        stop request summed: one all-reduce over the training ranks, where the strategy has them meet (every
-        rank of a replica holds the replica's loss, so the sum / their number is the mean over replicas)."""
+        ranks the losses (brought to every pipeline stage by the strategy) are averaged over the replicas, a stop
+        request and the step times summed: one all-reduce over the training ranks, where the strategy has them
+        meet (every rank of a replica holds the replica's loss, so the sum / their number is the mean over
+        replicas)."""
         pending, self._pending = self._pending, []
+        n = len(pending)
         f64 = {"dtype": torch.float64, "device": self.device}
         nan = torch.full((), float("nan"), **f64)
         local = torch.stack([nan if p.loss is None else p.loss.to(**f64) for p in pending])
         if not self.strategy.reduce_loss_every_step:
             local = self.strategy.reduce_loss(local)
         meet, group = self.strategy.agreement_group(self.group)
-        parts = [local, local]
-        if self.world_size > 1 and meet:
-            t = torch.cat([local, torch.full((1,), float(self.preemption.requested), **f64)])
-            self.comm.all_reduce_sum(t, group, name="step agreement")
-            parts = [local, t[:-1] / self.world_size, t[-1:]]
-        parts += [torch.stack([torch.as_tensor(p.norm).to(**f64) for p in pending]),
-                  torch.stack([torch.as_tensor(p.skipped).to(**f64) for p in pending])]
-        values = torch.cat(parts).tolist()  # the one device-to-host read of the steps since the last log step
-        n = len(pending)
-        own, agreed = values[:n], values[n:2 * n]
-        preempted = values[2 * n] > 0 if len(parts) == 5 else self.preemption.requested
+        met = self.world_size > 1 and meet
+        mine = torch.tensor([float(self.preemption.requested), sum(p.step_s for p in pending)], **f64)
+        agreed = torch.cat([local, mine])
+        if met:
+            self.comm.all_reduce_sum(agreed, group, name="step agreement")
+            agreed /= self.world_size
+        norms = torch.stack([torch.as_tensor(p.norm).to(**f64) for p in pending])
+        flags = torch.stack([torch.as_tensor(p.skipped).to(**f64) for p in pending])
+        values = torch.cat([local, agreed, norms, flags]).tolist()  # the one device-to-host read since the last
+        own, agreed_losses, (stop, step_s) = values[:n], values[n:2 * n], values[2 * n:2 * n + 2]
         norms, flags = values[-2 * n:-n], values[-n:]
-        info.history = [{"step": p.step, "loss": own[i], "global_loss": agreed[i], "grad_norm": norms[i],
+        if met:
+            self._plan_stop_checks(step_s / n)
+        info.history = [{"step": p.step, "loss": own[i], "global_loss": agreed_losses[i], "grad_norm": norms[i],
                          "skipped": flags[i] > 0} for i, p in enumerate(pending)]
         for p, h in zip(pending, info.history, strict=True):
             if h["skipped"] and not isinstance(p.skipped, bool):  # a host decision was logged at its step
@@ -321,7 +335,22 @@ class Stepper:
         self._skipped += sum(h["skipped"] for h in info.history)
         last = info.history[-1]
         info.loss, info.global_loss, info.grad_norm = last["loss"], last["global_loss"], last["grad_norm"]
-        info.skipped, info.preempted, info.logged = last["skipped"], preempted, True
+        info.skipped, info.preempted, info.logged = last["skipped"], stop > 0, True
+
+    def _plan_stop_checks(self, step_s: float) -> None:
+        """Steps between stop checks until the next log step, from the mean step time the ranks agreed on (so
+        every rank checks at the same steps): none when ``train.log_every`` steps take under ``STOP_CHECK_S``."""
+        every = max(1, int(STOP_CHECK_S / max(step_s, 1e-9)))
+        self._check_every = every if every < self.log_every else 0
+        self._next_check = self.steps + every
+
+    def _check_stop(self, group: Any) -> bool:
+        """Whether any rank was asked to stop: one all-reduce of one flag, read back (steps too slow for the log
+        steps alone to bound how late a stop request is seen)."""
+        self._next_check = self.steps + self._check_every
+        t = torch.full((1,), float(self.preemption.requested), dtype=torch.float64, device=self.device)
+        self.comm.all_reduce_sum(t, group, name="stop check")
+        return float(t[0]) > 0
 
     def _agree_loss(self, loss: torch.Tensor | float, group: Any) -> float:
         """``StepInfo.global_loss`` read off a log step: this step's loss averaged over the replicas now (one
