@@ -152,6 +152,7 @@ def test_an_agent_joining_leaving_and_returning_keeps_the_run_going(tmp_path: Pa
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["world_size"] == 2
     assert summary["failures"] >= 1  # the machine that died
+    assert summary["preemptions"] >= 2  # the join and the return: the workers stopped and saved for each
     resumes = _resumes(run)
     # A join and the return stop the running workers, which save at the step boundary: the group goes on from there.
     assert [step for step, stopped in resumes if stopped is not None] == [

@@ -340,12 +340,16 @@ def _run_dir_of(argv: list[str]) -> str:
 # (KEYED) list every config key after it, since they take --section.key=value.
 USAGE = {
     "train": ("plait train [CONFIG.toml] [--section.key=value ...] [--resume RUN_DIR] [--nnodes MIN:MAX "
-              "--rdzv-endpoint HOST:PORT --rdzv-id ID]",
+              "--rdzv-endpoint HOST:PORT --rdzv-id ID [--rdzv-conf KEY=N,...]]",
               "Train a registered model (or model.factory) with the layout the config chooses; parallel.nproc "
               "local workers, or the world of torchrun / SLURM. --resume continues a run from its newest good "
               "checkpoint. On several machines, run the same command on each with --nnodes MIN:MAX and the "
-              "rendezvous of the machine HOST (parallel.nproc workers each): a machine that leaves or joins "
-              "restarts the group at the new world size from the newest checkpoint."),
+              "rendezvous of the machine HOST, which must stay (parallel.nproc workers each, one shared run "
+              "directory): a machine that is lost makes the others go on without it from the newest complete "
+              "checkpoint (a restart: up to fault.max_restarts); one that joins later runs the same command with "
+              "--resume RUN_DIR, and the running workers save at the step boundary before all go on at the "
+              "larger world size. --rdzv-conf last_call_timeout=N,keep_alive_interval=N,keep_alive_max_attempt=N "
+              "tunes the rendezvous (docs/clusters.md)."),
     "run": ("plait run [--nproc N] [--max-restarts R] SCRIPT [ARGS ...]",
             "Run your own script (plait.Plait or the Trainer) in N local worker processes under PyTorch's "
             "elastic agent, with RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT set as torchrun sets them.\n\n"

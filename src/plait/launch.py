@@ -369,7 +369,8 @@ def launch_local(fn: Callable[..., Any], args: Callable[[int], tuple] | tuple, n
 
     ``args`` may be a function of the attempt number (0 first, 1 after the first restart...), so a
     restarted attempt can resume. On several nodes (``nodes``) the agent restarts the workers itself, with the
-    same ``args``: ``fn`` must resume when ``TORCHELASTIC_RESTART_COUNT`` > 0. Raises ``WorkerFailed``
+    same ``args``: ``fn`` must resume whenever the run holds a checkpoint (``TORCHELASTIC_RESTART_COUNT`` counts
+    only failures, each agent its own, so a join leaves it as it was). Raises ``WorkerFailed``
     (``NoProgress``) or ``RunPreempted``."""
     from torch.distributed.launcher.api import elastic_launch
 
