@@ -4,7 +4,8 @@ The residual stream between the decoder layers is split along the sequence over 
 ``T / tp`` tokens), as in plait's GPT and Megatron-LM (Korthikanti et al. 2022): the norms run on the shards
 (``SequenceParallel``: their weights replicated, their gradients summed over tp by DTensor), the attention's and
 the MLP's input is all-gathered before their column-parallel projections (one all-gather each, shared by q, k
-and v, by gate and up; backward: one reduce-scatter of the summed input gradient), and the row-parallel
+and v, by gate and up, and kept once for their backward; under autocast gathered in half precision:
+``PrepareGatheredInput``; backward: one reduce-scatter of the summed input gradient), and the row-parallel
 ``o_proj`` and ``down_proj`` reduce-scatter their outputs onto the shards (backward: an all-gather) instead of
 all-reducing them. The head all-gathers the final norm's shards.
 
@@ -33,7 +34,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from plait.parallel.pipeline.hf import _base, decoder_pipeline
-from plait.parallel.tensor.plan import TensorParallelError
+from plait.parallel.tensor.plan import PrepareGatheredInput, TensorParallelError
 
 SHARDS_ATTR = "_plait_sequence_shards"
 LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -74,9 +75,9 @@ def sequence_parallel_plan(model: nn.Module, plan: dict[str, Any], tp: int) -> d
     for layer in layers:
         out[f"{layer}.input_layernorm"] = SequenceParallel()
         out[f"{layer}.post_attention_layernorm"] = SequenceParallel()
-        out[f"{layer}.self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                                       desired_input_kwarg_layouts={"hidden_states": Replicate()})
-        out[f"{layer}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        out[f"{layer}.self_attn"] = PrepareGatheredInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                         desired_input_kwarg_layouts={"hidden_states": Replicate()})
+        out[f"{layer}.mlp"] = PrepareGatheredInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     # the first layer takes its slice of the whole sequence the embedding gave every rank
     out[layers[0]] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                         use_local_output=True)
