@@ -260,16 +260,25 @@ def sharded_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
 def sharded_reference(kind: str, steps: int,
                       precision: str = "fp32") -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """Plain PyTorch in one process: the loss of every step and the state dict after every step; ``bf16``: the
-    forward under bf16 autocast (plait's bf16 without FSDP2)."""
+    forward under bf16 autocast (plait's bf16 without FSDP2); ``bf16-params``: forward and backward on a bf16 copy
+    of the float32 parameters, whose gradients (in float32) the optimizer applies to them (FSDP2's bf16 policy)."""
     import contextlib
+    import copy
 
     model = sharded_model(kind)
     opt = sharded_adamw(model)
     losses, states = [], []
     for batch in sharded_batches(kind, steps):
-        with torch.autocast("cpu", torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
-            loss = sharded_loss(kind, model, batch)
-        loss.backward()
+        if precision == "bf16-params":
+            compute = copy.deepcopy(model).bfloat16()
+            loss = sharded_loss(kind, compute, batch)
+            loss.backward()
+            for p, q in zip(model.parameters(), compute.parameters(), strict=True):
+                p.grad = q.grad.float()
+        else:
+            with torch.autocast("cpu", torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
+                loss = sharded_loss(kind, model, batch)
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), SHARDED_CLIP)
         opt.step()
         opt.zero_grad()

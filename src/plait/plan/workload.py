@@ -119,11 +119,10 @@ class Workload:
     @property
     def autocast(self) -> bool:
         """Whether forward runs under autocast over float32 parameters: plait's bf16 and fp16, except ZeRO-3 with
-        bf16 without pipelining, which computes in bf16 through FSDP2's mixed-precision policy (``plait.engine``);
-        other stacks hold half-precision parameters."""
+        bf16, which computes in bf16 through FSDP2's mixed-precision policy (``plait.parallel.fsdp``, and a
+        pipeline's stages: ``plait.parallel.pipeline.sharded``); other stacks hold half-precision parameters."""
         lay = self.layout
-        return (self.stack == "plait" and self.precision != "fp32"
-                and not (lay.zero == 3 and self.precision == "bf16" and lay.pp == 1))
+        return self.stack == "plait" and self.precision != "fp32" and not (lay.zero == 3 and self.precision == "bf16")
 
     def check(self) -> None:
         """Raise ``ConfigError`` for what the simulator cannot price (it is not a plait layout)."""

@@ -164,7 +164,8 @@ class Pipeline(ModelParallel):
         return self.engine.no_sync()
 
     def wrap_forward(self, device: torch.device, compiled: bool) -> None:
-        """Nothing: the stages run inside the schedule (under autocast there), never through ``model(...)``."""
+        """Nothing: the stages run inside the schedule (under autocast there where ``uses_autocast``), never through
+        ``model(...)``."""
 
     def backward(self, loss: torch.Tensor, scale: float) -> None:
         raise PlaitError("with parallel.pp > 1 forward and backward interleave over pipeline micro-batches: "
@@ -181,14 +182,14 @@ class Pipeline(ModelParallel):
         t0 = time.perf_counter()
         if before_backward is not None:  # each pipeline micro-batch's auxiliary losses, scaled like its loss
             before_backward(scale / self.runner.microbatches)
-        with autocast(self.precision, self.topo.device):
+        with autocast(self.precision, self.topo.device, self.uses_autocast()):
             value = self._schedule_step(batch, scale)
         if times is not None:
             times["backward_s"] += time.perf_counter() - t0
         return value
 
     def evaluate(self, model: nn.Module, batch: Any, loss: Any) -> torch.Tensor:
-        with autocast(self.precision, self.topo.device):
+        with autocast(self.precision, self.topo.device, self.uses_autocast()):
             return self._evaluate(batch)
 
     def _split(self, batch: Any) -> tuple[tuple, Any]:
