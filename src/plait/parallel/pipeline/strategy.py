@@ -139,7 +139,8 @@ class Pipeline(ModelParallel):
         self.runner = build_pipeline(model, topo.mesh["pp"], schedule=p.pp_schedule, microbatches=p.microbatches,
                                      virtual_stages_per_rank=p.pp_virtual_stages or None, loss_fn=self.loss_fn,
                                      costs=costs, scale_grads=False, split=split or None, stage_fn=stage_fn,
-                                     prepare_stage=self.stage_preparation(model), device=topo.device)
+                                     prepare_stage=self.stage_preparation(model), device=topo.device,
+                                     embedding_unit=p.pp_split_embedding, head_unit=p.pp_split_head)
         self.model = PipelineModel(self.runner)
         self.named = self.runner.named_parameters()
         self.tied_copies = set(self.runner.copy_names)
