@@ -166,7 +166,55 @@ def _measure(rank: int, world: int, root: str) -> dict:
         out[schedule, v, precision, split] = (meter.peak, _receive_buffers(model))
         p.step()
         p.close()
+    out["zero3"] = _measure_unsharded_gradients(world, root, ids)
     return out
+
+
+def _accumulated_gradients(stages) -> int:
+    """Bytes of the unsharded gradients FSDP2 holds on this rank's stages (accumulated in the reduce dtype, or
+    still on the unsharded parameter)."""
+    from torch.distributed.fsdp import fully_shard
+
+    total = 0
+    for stage in stages:
+        for state in fully_shard.state(stage.submod)._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                for q in group.fsdp_params:
+                    g = q.unsharded_accumulated_grad
+                    if g is None and hasattr(q, "_unsharded_param"):
+                        g = q._unsharded_param.grad
+                    total += g.numel() * g.element_size() if g is not None else 0
+    return total
+
+
+def _measure_unsharded_gradients(world: int, root: str, ids) -> dict:
+    """pp=2 x dp=2 at ZeRO-3 in bf16 (FSDP2 per stage), interleaved: the most unsharded gradient bytes this
+    rank's stages hold when a stage's reduce-scatter starts (torch's REDUCE_GRAD, after its last backward)."""
+    import transformers
+
+    import plait
+
+    p = plait.Plait(parallel={"nproc": world, "pp": 2, "zero": 3, "pp_schedule": "interleaved", "microbatches": MICRO,
+                              "pp_virtual_stages": 2, "pp_balance": "count"},
+                    train={"global_batch_size": MICRO * MB, "micro_batch_size": MICRO * MB // 2, "precision": "bf16"},
+                    run={"dir": f"{root}/zero3"}, observe={"progress": False, "trackers": []})
+    torch.manual_seed(0)
+    model, _ = p.setup(transformers.LlamaForCausalLM(_config()), loss_fn="causal_lm",
+                       optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
+    stages, seen = model._runner[0].stages, []
+    for stage in stages:
+        def reduce(*args, _orig=stage.perform_reduce_grad, **kwargs):
+            seen.append(_accumulated_gradients(stages))
+            return _orig(*args, **kwargs)
+
+        stage.perform_reduce_grad = reduce
+    half = ids[p.dp_rank * MICRO * MB // 2:(p.dp_rank + 1) * MICRO * MB // 2]
+    for _ in range(2):
+        p.forward_backward(model, half)
+        p.step()
+    after = _accumulated_gradients(stages)
+    p.close()
+    return {"peak": max(seen), "reductions": len(seen), "after": after}
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +256,22 @@ def test_pipeline_rank_activations_match_the_model(measured, schedule, v, precis
         mine = [s for s in range(2 * v) if owner[s] == pp_rank]
         model = StageModel(sim.work, sim.cluster)
         assert buffers == predicted_buffers(model, mine, 2 * v), (rank, buffers)
+
+
+def test_pipeline_zero3_keeps_whole_gradients_until_the_reduce_scatter(measured) -> None:
+    """torch's schedule turns FSDP2's gradient sync off for the micro-batches' backwards: each stage's gradients
+    stay whole (fp32, the reduce dtype) until its reduce-scatter; the model's ``unsharded_gradients``."""
+    from plait.plan.hardware import load_profile
+    from plait.plan.shapes import shape_from_hf
+    from plait.plan.simulate import simulate
+    from plait.plan.stages import Cluster
+    from plait.plan.workload import Layout, Workload
+
+    lay = Layout(dp=2, pp=2, zero=3, schedule="interleaved", virtual=2, microbatches=MICRO,
+                 micro_batch_size=MICRO * MB // 2, pp_balance="count")
+    sim = simulate(Workload(shape_from_hf(_config(), T), lay, MICRO * MB, precision="bf16"),
+                   Cluster.of(load_profile("h100-sxm"), 4))
+    for rank, got in enumerate(measured):
+        z = got["zero3"]
+        assert z["reductions"] == 2 * 2 and z["after"] == 0, z  # two stages, two steps; freed by the reduction
+        assert z["peak"] == sim.memory[rank // 2].detail["unsharded_gradients"], (rank, z)
