@@ -21,14 +21,15 @@ from helpers import run_ranks
 C, HEADS, KV, FF, V, T, LAYERS = 64, 4, 2, 176, 112, 32, 4
 MICRO, MB = 4, 2  # pipeline micro-batches per step, sequences in each
 TOLERANCE = 0.05
+ZERO3_LAYERS = 6  # three blocks per stage: more than the two units FSDP2 keeps gathered around one without a pipeline
 CASES = [(s, v, prec, False) for s, v in (("1f1b", 1), ("interleaved", 2), ("zbv", 2)) for prec in ("fp32", "bf16")]
 CASES.append(("interleaved", 3, "bf16", True))  # the embedding and the head each alone on a stage: 6 stages, 6 units
 
 
-def _config():
+def _config(layers: int = LAYERS):
     import transformers
 
-    return transformers.LlamaConfig(hidden_size=C, intermediate_size=FF, num_hidden_layers=LAYERS,
+    return transformers.LlamaConfig(hidden_size=C, intermediate_size=FF, num_hidden_layers=layers,
                                     num_attention_heads=HEADS, num_key_value_heads=KV, vocab_size=V,
                                     max_position_embeddings=T, tie_word_embeddings=False)
 
@@ -187,24 +188,41 @@ def _accumulated_gradients(stages) -> int:
     return total
 
 
+def _gathered_parameters(stages) -> int:
+    """Bytes of the parameters FSDP2 holds gathered (unsharded) on this rank's stages."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    total = 0
+    for stage in stages:
+        for state in fully_shard.state(stage.submod)._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                for q in group.fsdp_params:
+                    if q.sharded_state == ShardedState.UNSHARDED:
+                        total += q._unsharded_param.numel() * q._unsharded_param.element_size()
+    return total
+
+
 def _measure_unsharded_gradients(world: int, root: str, ids) -> dict:
-    """pp=2 x dp=2 at ZeRO-3 in bf16 (FSDP2 per stage), interleaved: the most unsharded gradient bytes this
-    rank's stages hold when a stage's reduce-scatter starts (torch's REDUCE_GRAD, after its last backward)."""
+    """pp=2 x dp=2 at ZeRO-3 in bf16 (FSDP2 per stage, resharding after forward), 1F1B over a 6-layer Llama: the
+    most unsharded gradient bytes and gathered parameter bytes this rank's stage holds when its reduce-scatter
+    starts (torch's REDUCE_GRAD, after its last backward)."""
     import transformers
 
     import plait
 
-    p = plait.Plait(parallel={"nproc": world, "pp": 2, "zero": 3, "pp_schedule": "interleaved", "microbatches": MICRO,
-                              "pp_virtual_stages": 2, "pp_balance": "count"},
+    p = plait.Plait(parallel={"nproc": world, "pp": 2, "zero": 3, "pp_schedule": "1f1b", "microbatches": MICRO,
+                              "pp_balance": "count"},
                     train={"global_batch_size": MICRO * MB, "micro_batch_size": MICRO * MB // 2, "precision": "bf16"},
                     run={"dir": f"{root}/zero3"}, observe={"progress": False, "trackers": []})
     torch.manual_seed(0)
-    model, _ = p.setup(transformers.LlamaForCausalLM(_config()), loss_fn="causal_lm",
+    model, _ = p.setup(transformers.LlamaForCausalLM(_config(ZERO3_LAYERS)), loss_fn="causal_lm",
                        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
-    stages, seen = model._runner[0].stages, []
+    stages, seen, gathered = model._runner[0].stages, [], []
     for stage in stages:
         def reduce(*args, _orig=stage.perform_reduce_grad, **kwargs):
             seen.append(_accumulated_gradients(stages))
+            gathered.append(_gathered_parameters(stages))
             return _orig(*args, **kwargs)
 
         stage.perform_reduce_grad = reduce
@@ -214,7 +232,7 @@ def _measure_unsharded_gradients(world: int, root: str, ids) -> dict:
         p.step()
     after = _accumulated_gradients(stages)
     p.close()
-    return {"peak": max(seen), "reductions": len(seen), "after": after}
+    return {"peak": max(seen), "reductions": len(seen), "after": after, "gathered": max(gathered)}
 
 
 @pytest.fixture(scope="module")
@@ -259,19 +277,22 @@ def test_pipeline_rank_activations_match_the_model(measured, schedule, v, precis
 
 
 def test_pipeline_zero3_keeps_whole_gradients_until_the_reduce_scatter(measured) -> None:
-    """torch's schedule turns FSDP2's gradient sync off for the micro-batches' backwards: each stage's gradients
-    stay whole (fp32, the reduce dtype) until its reduce-scatter; the model's ``unsharded_gradients``."""
+    """torch's schedule turns FSDP2's gradient sync and resharding after backward off for the micro-batches'
+    backwards: each stage's gradients stay whole (fp32, the reduce dtype) and its units gathered (bf16) until its
+    reduce-scatter, with ``reshard_after_forward`` too; the model's ``unsharded_gradients`` and
+    ``gathered_units``."""
     from plait.plan.hardware import load_profile
     from plait.plan.shapes import shape_from_hf
     from plait.plan.simulate import simulate
     from plait.plan.stages import Cluster
     from plait.plan.workload import Layout, Workload
 
-    lay = Layout(dp=2, pp=2, zero=3, schedule="interleaved", virtual=2, microbatches=MICRO,
-                 micro_batch_size=MICRO * MB // 2, pp_balance="count")
-    sim = simulate(Workload(shape_from_hf(_config(), T), lay, MICRO * MB, precision="bf16"),
+    lay = Layout(dp=2, pp=2, zero=3, schedule="1f1b", microbatches=MICRO, micro_batch_size=MICRO * MB // 2,
+                 pp_balance="count", reshard_after_forward=True)
+    sim = simulate(Workload(shape_from_hf(_config(ZERO3_LAYERS), T), lay, MICRO * MB, precision="bf16"),
                    Cluster.of(load_profile("h100-sxm"), 4))
     for rank, got in enumerate(measured):
-        z = got["zero3"]
-        assert z["reductions"] == 2 * 2 and z["after"] == 0, z  # two stages, two steps; freed by the reduction
-        assert z["peak"] == sim.memory[rank // 2].detail["unsharded_gradients"], (rank, z)
+        z, detail = got["zero3"], sim.memory[rank // 2].detail
+        assert z["reductions"] == 2 and z["after"] == 0, z  # one stage, two steps; freed by the reduction
+        assert z["peak"] == detail["unsharded_gradients"], (rank, z)
+        assert z["gathered"] == detail["gathered_units"], (rank, z)

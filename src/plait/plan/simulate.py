@@ -272,6 +272,7 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
                          "autocast_weight_copies": int(casts), "stages": mine}
         if unsharded:
             states.detail["unsharded_gradients"] = int(unsharded)
+            states.detail["gathered_units"] = int(buffers)  # model_states' buffers at ZeRO-3: the gathered units
         host = sum(c.host for c in costs)
         if host:  # activation offload: the micro-batches in flight wait in host memory
             held = in_flight(lay.schedule, lay.pp, lay.microbatches, lay.virtual) if lay.pp > 1 else 1.0
