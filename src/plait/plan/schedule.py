@@ -15,10 +15,10 @@ transfer; ``W(s, i)`` after ``I(s, i)``. The saved activations of ``(s, i)`` liv
 forward until its backward (``zbv``: its weight gradient) ends; their peak per rank is the schedule's
 activation memory. Torch's multi-stage schedules (``interleaved``, ``zbv``) keep every point-to-point send's
 work, and with it the tensor sent, until the schedule step ends (``PipelineScheduleMulti``'s runtime waits on
-its sends only then; gloo's and NCCL's works hold their tensors until waited): a stage's output sent to another
-rank outlives its backward, and the gradient of its input sent back outlives the action that computed it, both
-until the step's last action (``sent``, measured on plait's runs, ``tests/plan/test_pipeline_memory.py``).
-``gpipe`` and ``1f1b`` wait on each send before the next.
+its sends only then; a gloo work holds its tensor until waited, measured; NCCL's not measured here): a stage's
+output sent to another rank outlives its backward, and the gradient of its input sent back outlives the action
+that computed it, both until the step's last action (``sent``, measured on plait's runs,
+``tests/plan/test_pipeline_memory.py``). ``gpipe`` and ``1f1b`` wait on each send before the next.
 
 ZBV's split backward keeps more (measured on plait's runs with a saved-tensor hook per action): torch's
 input-gradient pass runs with ``retain_graph`` and the weight-gradient pass frees only what the weight
