@@ -22,10 +22,10 @@ dynamo's guards do not see. Compiled, it was right in a fresh process but reused
 plain logits after another layout had compiled the loss in the same process (step-1 loss 4.92 against
 5.54), so it is not compiled there.
 
-Refused (``check_compile``: a clear error before anything runs): expert parallelism. It runs, but the MoE
-dispatch is data dependent (``bincount`` of the routing, ``.item()`` of the counts): dynamo breaks the
-graph there and recompiles as the counts change; measured on the tiny GPT with 4 experts at ep=2, 29
-graphs in 4 steps and 128 s, slower than eager by far. Compile a dense model, or train MoE eagerly.
+Expert parallelism compiles: the MoE layer and its all-to-all dispatch have static shapes and no host read
+(``plait.parallel.expert.dispatch``), so each compiled block is one graph that is not recompiled as the routing
+changes. Refused (``check_compile``: a clear error before anything runs): the all-gather reference dispatcher
+(``moe.dispatcher=allgather``), which reads every rank's assignment count on the host.
 
 The torch-collective counter (``observe.count_torch_collectives``) is a dispatch mode that lets dynamo
 trace (``ignore_compile_internals``); collectives traced into a compiled block (tensor parallelism's)
@@ -51,14 +51,13 @@ class CompileError(ConfigError):
     """``train.compile`` with a layout it cannot compose with; the message says what to change."""
 
 
-def check_compile(compile_: bool, ep: int) -> None:
+def check_compile(compile_: bool | str, ep: int, dispatcher: str = "alltoall") -> None:
     """Raise ``CompileError`` for the combinations in the module docstring (before any process group):
-    ``train.compile`` with expert parallelism of degree ``ep``."""
-    if compile_ and ep > 1:
-        raise CompileError("train.compile=true is refused with expert parallelism (parallel.ep > 1): the MoE "
-                           "dispatch is data dependent (bincount, .item()), so torch.compile breaks the graph and "
-                           "recompiles as routing changes, far slower than eager; set train.compile=false or "
-                           "parallel.ep=1")
+    ``train.compile`` with expert parallelism of degree ``ep`` dispatched by the all-gather reference path."""
+    if compile_ not in (False, None, "false") and ep > 1 and dispatcher == "allgather":
+        raise CompileError("train.compile is refused with moe.dispatcher=allgather (the reference dispatch reads "
+                           "every rank's assignment count on the host, so torch.compile would break the graph "
+                           "there); use moe.dispatcher=alltoall (the default), or set train.compile=false")
 
 
 def compile_blocks(model: nn.Module, **options: Any) -> list[str]:

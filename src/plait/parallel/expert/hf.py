@@ -39,7 +39,8 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.config import ParallelConfig
-from plait.nn.moe import Routing
+from plait.nn.experts import count_ids
+from plait.nn.routing import Routing
 from plait.parallel.expert.dispatch import AllGatherDispatcher, AllToAllDispatcher, ExpertParallelError, keep_experts
 
 __all__ = ["MoeAdapter", "check_hf_experts", "check_pipeline_router_loss", "find_moe_blocks",
@@ -190,9 +191,11 @@ def check_pipeline_router_loss(model: nn.Module) -> None:
 class _ExpertParallelForward:
     """Placed before a Hugging Face experts class (``shard_hf_experts``): the same module, its forward
     dispatching over the ``ep`` ranks. ``_plait_dispatcher`` moves the rows; ``_plait_run`` runs the model's
-    own experts forward (the next class in the MRO) on the rows this rank received."""
+    own experts forward (the next class in the MRO, or transformers' grouped one where the adapter says so) on
+    the rows this rank received."""
 
     _plait_dispatcher: Any
+    _plait_forward: Any = None  # transformers' experts function for a class without the implementation switch
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -200,26 +203,42 @@ class _ExpertParallelForward:
         experts = top_k_index.reshape(-1)  # (A,) global expert of each assignment, A = N k
         tokens = torch.arange(n, device=hidden_states.device).repeat_interleave(k)  # (A,)
         weights = top_k_weights.reshape(-1)  # (A,)
-        routing = Routing(tokens, experts, weights, torch.bincount(experts))
+        # a token's k experts are distinct, so an expert gets at most n of this rank's assignments
+        routing = Routing(tokens, experts, weights, count_ids(experts, self._plait_dispatcher.ep * self.num_experts),
+                          per_expert=n)
         y = self._plait_dispatcher(hidden_states, routing, self._plait_run)  # (A, C), assignment order
         order = torch.argsort(experts, stable=True)  # a token's experts summed in index order, as the model does
         weighted = (y * weights[:, None]).to(hidden_states.dtype)
         return torch.zeros_like(hidden_states).index_add(0, tokens[order], weighted[order])  # (N, C)
 
-    def _plait_run(self, x: torch.Tensor, rows: torch.Tensor, local_experts: torch.Tensor) -> torch.Tensor:
-        """Each row ``x[rows[i]]`` through local expert ``local_experts[i]`` by the model's own experts forward
-        (``(R, C)`` in row order). With no row at all, one zero row with weight 0 runs after the (empty) rows
-        received, so the experts' weights get a zero gradient on every rank, and the received rows stay in the
-        graph: every rank's backward then runs the dispatch's all-to-all, whatever its routing (a rank leaving
-        it out would hang the others)."""
+    def _plait_run(self, x: torch.Tensor, rows: torch.Tensor, local_experts: torch.Tensor,
+                   cap: int | None = None) -> torch.Tensor:
+        """Each row ``x[rows[i]]`` through local expert ``local_experts[i]`` by the model's experts forward
+        (``(R, C)`` in row order); rows whose id is ``num_experts`` or more are padding and come back as zeros.
+
+        Experts classes with transformers' implementation switch (``_is_expert_parallel``) take padding rows as
+        sentinels (grouped_mm skips them, eager skips the sentinel expert), each real row with weight 1: no
+        host read. A class without it runs on the real rows only (one host read of how many there are)."""
         xs = x.index_select(0, rows)  # (R, C)
-        r = xs.size(0)
-        if r == 0:
-            xs = torch.cat([xs, xs.new_zeros(1, xs.size(-1))])
-            local_experts = torch.zeros(1, dtype=torch.int64, device=x.device)
-        ones = torch.full((xs.size(0), 1), 1.0 if r else 0.0, dtype=xs.dtype, device=xs.device)
-        out = super().forward(xs, local_experts[:, None], ones)  # type: ignore[misc]
-        return out[:r]
+        valid = local_experts < self.num_experts
+        if self._plait_forward is not None or hasattr(self, "_is_expert_parallel"):
+            run = self._plait_forward or super().forward  # type: ignore[misc]
+            fn = run if self._plait_forward is None else lambda *a: run(self, *a)
+            out = fn(xs, local_experts[:, None], valid.to(xs.dtype)[:, None])
+            return torch.where(valid[:, None], out, 0.0)
+        return self._compacted(xs, local_experts, valid)
+
+    def _compacted(self, xs: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The model's forward on the real rows only. With none at all, one zero row with weight 0 runs, so
+        the experts' weights get a zero gradient and the received rows stay in the graph: every rank's backward
+        then runs the dispatch's collectives, whatever its routing (a rank leaving them out would hang)."""
+        order = torch.argsort((~valid).to(torch.int8), stable=True)
+        r = int(valid.sum())  # the host read of this path
+        take = order[:max(r, 1)]
+        sub, ids = xs.index_select(0, take), ids.index_select(0, take).clamp(max=self.num_experts - 1)
+        weight = torch.full((len(take), 1), 1.0 if r else 0.0, dtype=xs.dtype, device=xs.device)
+        out = super().forward(sub, ids[:, None], weight)  # type: ignore[misc]
+        return xs.new_zeros(xs.shape).index_copy(0, take[:r], out[:r])
 
 
 _EP_CLASSES: dict[type, type] = {}
@@ -252,4 +271,6 @@ def shard_hf_experts(model: nn.Module, ep: int, ep_rank: int, group: dist.Proces
         ex.num_experts = n  # the model's experts forward indexes this rank's experts
         ex.__class__ = _ep_class(type(ex))
         ex._plait_dispatcher = cls(group, off, n, ep, ep_rank)
+        if hasattr(ex, "_is_expert_parallel"):
+            ex._is_expert_parallel = True  # transformers' implementations then skip the padding rows
     return params

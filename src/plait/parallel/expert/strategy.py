@@ -61,7 +61,7 @@ class ExpertParallel(Wrapper):
     @classmethod
     def check(cls, cfg: Config, degrees: dict[str, int]) -> None:
         check_expert_layout(cfg.moe, cfg.parallel)
-        check_compile(cfg.train.compile, degrees["ep"])
+        check_compile(cfg.train.compile, degrees["ep"], cfg.moe.dispatcher)
 
     def __init__(self, inner: Strategy) -> None:
         super().__init__(inner)
