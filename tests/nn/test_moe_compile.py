@@ -11,8 +11,8 @@ One spawn of 2 gloo ranks:
   recompilation and no graph break, whatever the routing does.
 * one ``plait.nn.MoE`` layer sharded over ep=2, forward and backward, dropless and with a capacity factor, for
   each experts implementation: no operation that makes a GPU wait for the host is dispatched (``.item()``,
-  ``.tolist()``, ``nonzero``, indexing by a boolean mask, ``bincount``...; a dispatch mode records every operator plait's
-  code issues). torch's profiler sees ``aten::_local_scalar_dense`` only inside two CPU kernels, which run on the
+  ``.tolist()``, ``nonzero``, indexing by a boolean mask, ``bincount``...; a dispatch mode records every operator
+  plait's code issues). torch's profiler sees ``aten::_local_scalar_dense`` only inside two CPU kernels, which run on the
   device on CUDA: ``_grouped_mm``'s CPU implementation reading its group offsets and ``_assert_async``'s CPU
   implementation (the ep group's shape check). The loop over experts, which sizes its matmuls by a host read,
   is the control: the same check sees its reads.
@@ -51,7 +51,8 @@ def _train(rank: int, root: str, compiled: bool) -> dict:
     from plait.config import load_config
     from plait.models.tiny import seeded_gpt
 
-    cfg = load_config(overrides=GPT + [f"--run.dir={root}/c{int(compiled)}", f"--train.compile={str(compiled).lower()}"])
+    cfg = load_config(overrides=GPT + [f"--run.dir={root}/c{int(compiled)}",
+                                       f"--train.compile={str(compiled).lower()}"])
     p = plait.Plait(cfg)
     model, _ = p.setup(seeded_gpt(cfg.model, 0, cfg.moe), loss_fn="causal_lm",
                        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR))
@@ -62,8 +63,9 @@ def _train(rank: int, root: str, compiled: bool) -> dict:
         graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
     state = {k: v.detach().clone() for k, v in p.full_state_dict(model).items()}
     p.close()
-    return {"losses": losses, "state": state, "graphs": graphs, "breaks": sum(dynamo_utils.counters["graph_break"].values()),
-            "recompiles": sum(dynamo_utils.counters["recompiles"].values())}
+    counters = dynamo_utils.counters
+    return {"losses": losses, "state": state, "graphs": graphs, "breaks": sum(counters["graph_break"].values()),
+            "recompiles": sum(counters["recompiles"].values())}
 
 
 def _syncs(rank: int) -> dict:
@@ -97,7 +99,7 @@ def _syncs(rank: int) -> dict:
             layer(x).sum().backward()  # warm-up
             tolist = torch.Tensor.tolist  # a host read the dispatcher does not see: recorded by hand
             with Record() as rec:
-                torch.Tensor.tolist = lambda t: rec.seen.append("tolist") or tolist(t)  # type: ignore[method-assign]
+                torch.Tensor.tolist = lambda t, f=tolist: rec.seen.append("tolist") or f(t)  # type: ignore
                 try:
                     layer(x).sum().backward()
                 finally:

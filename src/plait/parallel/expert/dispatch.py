@@ -54,8 +54,8 @@ from torch import nn
 
 from plait.config import ConfigError, MoeConfig, ParallelConfig
 from plait.nn.experts import count_ids
-from plait.nn.routing import RouterSpec
 from plait.nn.moe import STATS, MoE, Routing, max_violation, moe_layers
+from plait.nn.routing import RouterSpec
 from plait.parallel.units import EXPERT_ATTR, is_expert
 
 __all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "MoeMonitor", "check_expert_layout",
