@@ -12,8 +12,8 @@ One spawn of 2 gloo ranks:
 * one ``plait.nn.MoE`` layer sharded over ep=2, forward and backward, dropless and with a capacity factor, for
   each experts implementation: no operation that makes a GPU wait for the host is dispatched (``.item()``,
   ``.tolist()``, ``nonzero``, indexing by a boolean mask, ``bincount``...; a dispatch mode records every operator
-  plait's code issues). torch's profiler sees ``aten::_local_scalar_dense`` only inside two CPU kernels, which run on the
-  device on CUDA: ``_grouped_mm``'s CPU implementation reading its group offsets and ``_assert_async``'s CPU
+  plait's code issues). torch's profiler sees ``aten::_local_scalar_dense`` only inside two CPU kernels, which run
+  on the device on CUDA: ``_grouped_mm``'s CPU implementation reading its group offsets and ``_assert_async``'s CPU
   implementation (the ep group's shape check). The loop over experts, which sizes its matmuls by a host read,
   is the control: the same check sees its reads.
 """
