@@ -67,6 +67,12 @@ def build(kind: str, seed: int, aux: bool = True) -> torch.nn.Module:
                                                         head_dim=8, **moe, **COMMON))
     if kind == "olmoe":
         return tf.OlmoeForCausalLM(tf.OlmoeConfig(intermediate_size=32, num_experts=4, **moe, **COMMON))
+    if kind == "deepseekv3":
+        return deepseek_v3(seed)
+    if kind == "gptoss":
+        return tf.GptOssForCausalLM(tf.GptOssConfig(
+            num_local_experts=4, intermediate_size=32, head_dim=8, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"], **moe, **COMMON))
     if kind == "bert":
         return tf.BertForMaskedLM(tf.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
                                                 num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
@@ -74,6 +80,23 @@ def build(kind: str, seed: int, aux: bool = True) -> torch.nn.Module:
     config = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig}[kind]
     return {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "mistral": tf.MistralForCausalLM}[kind](
         config(intermediate_size=64, **COMMON))
+
+
+def deepseek_v3(seed: int) -> torch.nn.Module:
+    """DeepSeek-V3 (multi-head latent attention, sigmoid router over 2 groups choosing 1, a shared expert, scaled
+    gates) with a random balancing bias, so the bias changes which experts are chosen."""
+    tf = transformers
+    torch.manual_seed(seed)
+    common = {**COMMON, "num_key_value_heads": 4}
+    model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=0, n_group=2,
+        topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, intermediate_size=32, **common))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(std=0.3)  # transformers initialises it to zeros: every score would tie
+            layer.mlp.gate.e_score_correction_bias.normal_(std=0.1)
+    return model
 
 
 def batch(step: int) -> torch.Tensor:
@@ -181,7 +204,7 @@ def _resharded(root: str, tag: str, kind: str, rank: int, saved_at: dict, loads:
     return out
 
 
-TWO = {**{f"ep2-{k}": (k, {"ep": 2}) for k in (*MOE_KINDS, "mixtral-idle")},
+TWO = {**{f"ep2-{k}": (k, {"ep": 2}) for k in (*MOE_KINDS, "mixtral-idle", "deepseekv3", "gptoss")},
        **{f"tp2-{k}": (k, {"tp": 2}) for k in ("llama", "qwen2", "mistral", "mixtral", "qwen3moe", "bert")}}
 FOUR = {f"{name}-{k}": (k, parallel) for k in ("mixtral", "qwen2moe") for name, parallel in (
     ("ep2-zero2", {"ep": 2, "zero": 2}), ("ep2-zero3", {"ep": 2, "zero": 3}), ("ep2-tp2", {"ep": 2, "tp": 2}),

@@ -50,13 +50,17 @@ __all__ = ["MoeAdapter", "check_hf_experts", "check_pipeline_router_loss", "find
 @dataclass(frozen=True)
 class MoeAdapter:
     """How one family's sparse MoE block is laid out: the block's class name, the attribute of its experts
-    module and of its router, and the experts' fused weights (expert index first)."""
+    module and of its router, and the experts' fused weights (expert index first; biases of ``(E, width)``
+    included). ``grouped``: for an experts class without transformers' implementation switch, the attributes
+    (``has_bias``, ``is_transposed``...) under which transformers' own grouped-GEMM experts function runs it
+    (GPT-OSS: the function its ``base_model_ep_plan`` names), so its expert-parallel forward reads no host."""
 
     family: str
     block: str
     experts: str = "experts"
     router: str = "gate"
     weights: tuple[str, ...] = ("gate_up_proj", "down_proj")
+    grouped: tuple[tuple[str, Any], ...] = ()
 
     def matches(self, module: nn.Module) -> bool:
         return type(module).__name__ == self.block
@@ -72,8 +76,15 @@ def register_moe_adapter(adapter: MoeAdapter) -> None:
 
 
 for _family, _block in (("Mixtral", "MixtralSparseMoeBlock"), ("Qwen2-MoE", "Qwen2MoeSparseMoeBlock"),
-                        ("Qwen3-MoE", "Qwen3MoeSparseMoeBlock"), ("OLMoE", "OlmoeSparseMoeBlock")):
+                        ("Qwen3-MoE", "Qwen3MoeSparseMoeBlock"), ("OLMoE", "OlmoeSparseMoeBlock"),
+                        ("DeepSeek-V3", "DeepseekV3MoE")):
     register_moe_adapter(MoeAdapter(_family, _block))
+# GPT-OSS: interleaved [gate, up] columns of (E, C, 2I) weights with biases, its own clamped SwiGLU (_apply_gate)
+register_moe_adapter(MoeAdapter(
+    "GPT-OSS", "GptOssMLP", router="router",
+    weights=("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"),
+    grouped=(("has_gate", True), ("has_bias", True), ("is_transposed", True), ("is_concatenated", False),
+             ("has_post_expert_norm", False))))
 
 
 def _supported() -> str:
@@ -99,13 +110,13 @@ def _check_block(name: str, block: nn.Module, adapter: MoeAdapter) -> MoeBlock:
     experts = getattr(block, adapter.experts, None)
     router = getattr(block, adapter.router, None)
     weights = [getattr(experts, w, None) for w in adapter.weights] if isinstance(experts, nn.Module) else []
-    sizes = {int(w.shape[0]) for w in weights if isinstance(w, nn.Parameter) and w.dim() == 3}
-    if not isinstance(router, nn.Module) or len(weights) != len(adapter.weights) or len(sizes) != 1 \
-            or not all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights) \
-            or getattr(experts, "num_experts", None) not in sizes:
+    params = [w for w in weights if isinstance(w, nn.Parameter) and w.dim() >= 2]
+    sizes = {int(w.shape[0]) for w in params}
+    if not isinstance(router, nn.Module) or len(params) != len(adapter.weights) or len(sizes) != 1 \
+            or not any(w.dim() == 3 for w in params) or getattr(experts, "num_experts", None) not in sizes:
         raise ExpertParallelError(
             f"{name} ({type(block).__name__}) is not laid out as plait's {adapter.family} adapter expects (a router "
-            f"'{adapter.router}' and an experts module '{adapter.experts}' with num_experts and 3-D weights "
+            f"'{adapter.router}' and an experts module '{adapter.experts}' with num_experts and fused weights "
             f"{', '.join(adapter.weights)}, the expert index first): this transformers version changed the block; "
             "register a matching plait.parallel.expert.hf.MoeAdapter or set parallel.ep=1")
     return MoeBlock(name, block, adapter, sizes.pop())
@@ -271,6 +282,12 @@ def shard_hf_experts(model: nn.Module, ep: int, ep_rank: int, group: dist.Proces
         ex.num_experts = n  # the model's experts forward indexes this rank's experts
         ex.__class__ = _ep_class(type(ex))
         ex._plait_dispatcher = cls(group, off, n, ep, ep_rank)
-        if hasattr(ex, "_is_expert_parallel"):
+        if b.adapter.grouped:
+            from transformers.integrations.moe import grouped_mm_experts_forward
+
+            for attr, value in b.adapter.grouped:
+                setattr(ex, attr, value)
+            ex._plait_forward = grouped_mm_experts_forward
+        if b.adapter.grouped or hasattr(ex, "_is_expert_parallel"):
             ex._is_expert_parallel = True  # transformers' implementations then skip the padding rows
     return params
