@@ -73,14 +73,14 @@ def check_expert_layout(m: MoeConfig, p: ParallelConfig) -> None:
                           "moe.shared_experts >= 0 are required")
     if m.capacity_factor < 0:
         raise ConfigError(f"moe.capacity_factor={m.capacity_factor} must be 0 (dropless) or positive")
+    if m.num_experts and m.top_k > m.num_experts:
+        raise ConfigError(f"moe.top_k={m.top_k} exceeds moe.num_experts={m.num_experts}: a token cannot choose "
+                          f"more experts than exist; set moe.top_k <= {m.num_experts}")
     if m.num_experts:
         try:
             RouterSpec(m.num_experts, m.top_k, m.score, m.num_groups, m.topk_groups, m.route_scale).check()
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if m.num_experts and m.top_k > m.num_experts:
-        raise ConfigError(f"moe.top_k={m.top_k} exceeds moe.num_experts={m.num_experts}: a token cannot choose "
-                          f"more experts than exist; set moe.top_k <= {m.num_experts}")
     if m.num_experts and m.num_experts % p.ep:
         fits = [e for e in range(1, m.num_experts + 1) if m.num_experts % e == 0]
         raise ConfigError(f"moe.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep}: every "

@@ -110,9 +110,9 @@ def _mask_kind(config: Any, layer: int) -> str:
     types = getattr(config, "layer_types", None)
     if types:
         if types[layer] not in ("full_attention", "sliding_attention"):
-            raise PipelineConfigError(f"layer {layer} of {type(config).__name__} is {types[layer]!r}: plait's pipeline stages "
-                             "build causal and sliding-window masks only; pass stage_fn to setup, or use "
-                             "parallel.pp=1")
+            raise PipelineConfigError(f"layer {layer} of {type(config).__name__} is {types[layer]!r}: plait's "
+                                      "pipeline stages build causal and sliding-window masks only; pass stage_fn "
+                                      "to setup, or use parallel.pp=1")
         return types[layer]
     return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
 
