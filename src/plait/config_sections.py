@@ -396,8 +396,9 @@ class MoeConfig:
     bias_update_rate: float = 0.001
     # Always-on shared experts (DeepSeek style), each a dense MLP of moe.d_hidden, added to the routed output.
     shared_experts: int = 0
-    # Expert-parallel dispatch: all-to-all in static shapes with no host read, or all-gather (the reference path).
-    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    # Expert-parallel dispatch: all-to-all in static shapes with no host read (alltoall), all-to-all with variable
+    # splits sized by the routing, one host read per layer, eager only (alltoall_split), or all-gather (reference).
+    dispatcher: Literal["alltoall", "alltoall_split", "allgather"] = "alltoall"
     # How experts run: one grouped GEMM per weight (grouped), one padded batched matmul (padded), a loop over
     # experts (loop), or auto: grouped where the device and dtype allow, else padded compiled, loop eager.
     experts: Literal["auto", "grouped", "padded", "loop"] = "auto"

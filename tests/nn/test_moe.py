@@ -167,6 +167,8 @@ CASES = {
     "ep2-a2a-dropless": ({"ep": 2}, {}, "alltoall"),
     "ep4-a2a-dropless": ({"ep": 4}, {}, "alltoall"),
     "ep2-gather-dropless": ({"ep": 2}, {}, "allgather"),
+    "ep4-split-dropless": ({"ep": 4}, {}, "alltoall_split"),
+    "ep2-split-cap1": ({"ep": 2}, {"capacity_factor": 1.0}, "alltoall_split"),
     "ep4-a2a-cap1": ({"ep": 4}, {"capacity_factor": 1.0}, "alltoall"),
     "ep2-gather-cap1": ({"ep": 2}, {"capacity_factor": 1.0}, "allgather"),
     "ep1-dp4": ({"ep": 1}, {}, "alltoall"),

@@ -24,8 +24,8 @@ plain logits after another layout had compiled the loss in the same process (ste
 
 Expert parallelism compiles: the MoE layer and its all-to-all dispatch have static shapes and no host read
 (``plait.parallel.expert.dispatch``), so each compiled block is one graph that is not recompiled as the routing
-changes. Refused (``check_compile``: a clear error before anything runs): the all-gather reference dispatcher
-(``moe.dispatcher=allgather``), which reads every rank's assignment count on the host.
+changes. Refused (``check_compile``: a clear error before anything runs): the dispatchers that read the host,
+``moe.dispatcher=alltoall_split`` (variable splits) and ``allgather`` (the reference path).
 
 The torch-collective counter (``observe.count_torch_collectives``) is a dispatch mode that lets dynamo
 trace (``ignore_compile_internals``); collectives traced into a compiled block (tensor parallelism's)
@@ -53,11 +53,11 @@ class CompileError(ConfigError):
 
 def check_compile(compile_: bool | str, ep: int, dispatcher: str = "alltoall") -> None:
     """Raise ``CompileError`` for the combinations in the module docstring (before any process group):
-    ``train.compile`` with expert parallelism of degree ``ep`` dispatched by the all-gather reference path."""
-    if compile_ not in (False, None, "false") and ep > 1 and dispatcher == "allgather":
-        raise CompileError("train.compile is refused with moe.dispatcher=allgather (the reference dispatch reads "
-                           "every rank's assignment count on the host, so torch.compile would break the graph "
-                           "there); use moe.dispatcher=alltoall (the default), or set train.compile=false")
+    ``train.compile`` with expert parallelism of degree ``ep`` dispatched by a path that reads the host."""
+    if compile_ not in (False, None, "false") and ep > 1 and dispatcher != "alltoall":
+        raise CompileError(f"train.compile is refused with moe.dispatcher={dispatcher} (it reads the assignment "
+                           "counts on the host, so torch.compile would break the graph there); use "
+                           "moe.dispatcher=alltoall (the default: static shapes), or set train.compile=false")
 
 
 def compile_blocks(model: nn.Module, **options: Any) -> list[str]:

@@ -58,7 +58,7 @@ from plait.nn.moe import STATS, MoE, Routing, max_violation, moe_layers
 from plait.nn.routing import RouterSpec
 from plait.parallel.units import EXPERT_ATTR, is_expert
 
-__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "MoeMonitor", "check_expert_layout",
+__all__ = ["DISPATCHERS", "AllGatherDispatcher", "AllToAllDispatcher", "MoeMonitor", "SplitAllToAllDispatcher", "check_expert_layout",
            "is_expert", "shard_experts"]
 
 
@@ -147,6 +147,34 @@ class AllToAllDispatcher(_Dispatcher):
         return torch.cat([y_back, y_back.new_zeros(1, c)]).index_select(0, slot)  # (A, C), dropped: zeros
 
 
+class SplitAllToAllDispatcher(_Dispatcher):
+    """``moe.dispatcher=alltoall_split``: the all-to-all with variable splits, sized by the routing. The bytes
+    and the expert-side memory are what the routing needs (the balanced share times the busiest rank's
+    imbalance), at the price of one device-to-host read of the counts per layer (c10d takes split sizes as host
+    integers): for large ``ep`` without a capacity factor, where the static buffer's bound is ``min(ep, E/k)``
+    times the balanced share. Eager only (``train.compile`` refuses it)."""
+
+    def __call__(self, x: torch.Tensor, routing: Routing, experts: Any) -> torch.Tensor:
+        ep, local, c = self.ep, self.local, x.size(-1)
+        counts = count_ids(routing.experts, ep * local)  # (ep x local,) kept assignments per global expert
+        order = torch.argsort(routing.experts, stable=True)  # by owning rank, then local expert; dropped last
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=self.group)
+        sizes = torch.cat([counts.view(ep, local).sum(1), recv.view(ep, local).sum(1)]).tolist()  # the host read
+        send_splits, recv_splits = sizes[:ep], sizes[ep:]
+        kept = order[:sum(send_splits)]
+        ids = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(recv, output_size=sum(recv_splits))
+        x_send = x.index_select(0, routing.tokens.index_select(0, kept))  # (kept, C)
+        x_recv = dfn.all_to_all_single(x.new_empty(sum(recv_splits), c), x_send, recv_splits, send_splits,
+                                       group=self.group)
+        y = experts(x_recv, torch.arange(len(ids), device=x.device), ids)  # (R, C)
+        y_back = dfn.all_to_all_single(y.new_empty(len(kept), c), y, send_splits, recv_splits, group=self.group)
+        if torch.is_grad_enabled():
+            remote = sum(send_splits) - send_splits[self.ep_rank] + sum(recv_splits) - recv_splits[self.ep_rank]
+            self.bytes_sent.add_(remote * c * x.element_size())
+        return y_back.new_zeros(len(order), c).index_copy(0, kept, y_back)  # (A, C) assignment order, dropped 0
+
+
 class AllGatherDispatcher(_Dispatcher):
     """Reference path: gather every rank's assignments, run this rank's experts on those routed to them,
     and sum the results over the ``ep`` group (an all-reduce); each rank keeps its own rows. Simple and
@@ -178,6 +206,10 @@ class AllGatherDispatcher(_Dispatcher):
         return total[self.ep_rank, :a]
 
 
+DISPATCHERS = {"alltoall": AllToAllDispatcher, "alltoall_split": SplitAllToAllDispatcher,
+               "allgather": AllGatherDispatcher}
+
+
 def shard_experts(model: nn.Module, ep: int, ep_rank: int, group: dist.ProcessGroup | None,
                   dispatcher: str = "alltoall") -> list[nn.Parameter]:
     """Keep rank ``ep_rank``'s slice of every MoE layer's experts (the weights are already equal on every
@@ -191,7 +223,7 @@ def shard_experts(model: nn.Module, ep: int, ep_rank: int, group: dist.ProcessGr
         raise ExpertParallelError(f"parallel.ep={ep} but the model has no plait.nn.MoE layer to shard: set "
                                   "moe.num_experts for plait's GPT, use plait.nn.MoE in your model, or set "
                                   "parallel.ep=1")
-    cls = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}[dispatcher]
+    cls = DISPATCHERS[dispatcher]
     params: list[nn.Parameter] = []
     for layer in layers:
         e = layer.num_experts

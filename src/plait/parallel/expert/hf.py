@@ -41,7 +41,7 @@ from torch import nn
 from plait.config import ParallelConfig
 from plait.nn.experts import count_ids
 from plait.nn.routing import Routing
-from plait.parallel.expert.dispatch import AllGatherDispatcher, AllToAllDispatcher, ExpertParallelError, keep_experts
+from plait.parallel.expert.dispatch import DISPATCHERS, ExpertParallelError, keep_experts
 
 __all__ = ["MoeAdapter", "check_hf_experts", "check_pipeline_router_loss", "find_moe_blocks",
            "register_moe_adapter", "shard_hf_experts"]
@@ -272,7 +272,7 @@ def shard_hf_experts(model: nn.Module, ep: int, ep_rank: int, group: dist.Proces
     # functional ones; they remain the documented differentiable c10d calls that run on gloo.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.nn\.functional\..* is deprecated",
                             category=FutureWarning)
-    cls = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}[dispatcher]
+    cls = DISPATCHERS[dispatcher]
     params: list[nn.Parameter] = []
     for b in find_moe_blocks(model):
         n = b.num_experts // ep
