@@ -58,8 +58,8 @@ from plait.nn.moe import STATS, MoE, Routing, max_violation, moe_layers
 from plait.nn.routing import RouterSpec
 from plait.parallel.units import EXPERT_ATTR, is_expert
 
-__all__ = ["DISPATCHERS", "AllGatherDispatcher", "AllToAllDispatcher", "MoeMonitor", "SplitAllToAllDispatcher", "check_expert_layout",
-           "is_expert", "shard_experts"]
+__all__ = ["DISPATCHERS", "AllGatherDispatcher", "AllToAllDispatcher", "MoeMonitor", "SplitAllToAllDispatcher",
+           "check_expert_layout", "is_expert", "shard_experts"]
 
 
 class ExpertParallelError(ConfigError):
