@@ -402,6 +402,9 @@ class MoeConfig:
     # How experts run: one grouped GEMM per weight (grouped), one padded batched matmul (padded), a loop over
     # experts (loop), or auto: grouped where the device and dtype allow, else padded compiled, loop eager.
     experts: Literal["auto", "grouped", "padded", "loop"] = "auto"
+    # plait plan memory: rows the busiest expert-parallel rank's experts receive over the balanced share (1:
+    # balanced routing; plait plan memory --run-dir DIR measures it from DIR's logged tokens_per_expert).
+    imbalance: float = 1.0
 
 
 @dataclass
