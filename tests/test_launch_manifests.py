@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.config import ConfigError, load_config
+from plait.config import ConfigError, load_config, to_toml
 from plait.launch_files import K8sJob, SlurmJob, cluster, k8s_manifest, slurm_script
 from plait.launch_files.k8s import PRIORITY_LABEL, QUEUE_LABEL
 
@@ -48,8 +48,31 @@ def _manifest(**job: object) -> str:
     return k8s_manifest(cfg, cluster(nodes, 4, None), K8sJob("plait-tiny", "registry/plait:1", **job))
 
 
+def _reload(toml_text: str) -> str:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(toml_text)
+    try:
+        return to_toml(load_config(f.name, []))
+    finally:
+        os.unlink(f.name)
+
+
 def _golden(name: str, text: str) -> None:
+    """Compare ``text`` with its golden file, with the embedded config replaced by a marker.
+
+    The embedded config is plait's whole config, which grows with every new option; it is checked here to be the
+    config the manifest was written from (it reads back to the same values), so the golden file holds only what
+    ``plait launch`` itself writes.
+    """
     text = re.sub(r"on \d{4}-\d\d-\d\d \d\d:\d\d", "on DATE", text)
+    block = re.search(r"^(  config\.toml: \|\n)((?:    .*\n|\n)+)", text, flags=re.M)
+    if block is not None:
+        embedded = "".join(line[4:] for line in block.group(2).splitlines(keepends=True))
+        assert to_toml(load_config(None, [])) != embedded  # the overrides are in it
+        assert _reload(embedded) == to_toml(load_config(None, OVERRIDES)), "the embedded config is not the run's"
+        text = text[:block.start(2)] + "    <plait's config: checked to read back to the run's>\n" + text[block.end(2):]
     path = GOLDEN / name
     if os.environ.get("PLAIT_UPDATE_GOLDEN"):
         path.write_text(text)

@@ -129,12 +129,17 @@ class TrainConfig:
     # and bring them back for its backward (plait.parallel.offload). Not with activation_checkpointing=full or
     # selective, whose blocks keep nothing to move.
     activation_offload: bool = False
-    # torch.compile the model's blocks and the loss (plait.parallel.compile); composes with data parallel,
-    # DDP, ZeRO, FSDP, tensor and pipeline parallelism (not expert parallelism); on CPU needs g++.
-    compile: bool = False
+    # torch.compile (plait.parallel.compile): auto (or true) compiles the whole model, and the loss with it, as one
+    # region where the layout allows (one rank, data parallel, DDP, ZeRO-1/2, a parameter server), else each block
+    # and the loss (FSDP2, activation checkpointing, tensor and pipeline parallelism); model or blocks ask for one;
+    # false: eager. The choice is logged. Not with expert parallelism; on CPU the inductor backend needs g++.
+    compile: bool | Literal["auto", "model", "blocks"] = False
     # torch.compile backend for train.compile: inductor (generated kernels), or another registered backend
     # such as aot_eager (traces forward and backward, runs them eagerly: no code generation, for checks).
     compile_backend: str = "inductor"
+    # torch.compile mode for train.compile: default, max-autotune-no-cudagraphs (searched kernels),
+    # max-autotune, or reduce-overhead (CUDA graphs, for static shapes).
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     # Loss of a batch: auto (the model's registered loss; for a factory model, hf when the batch holds
     # labels and the model returns .loss, classification for (x, y) with one label per sample, causal_lm
     # for (x, y) token batches), causal_lm, hf, classification, or "package.module:function" taking
@@ -162,9 +167,11 @@ class OptimConfig:
     beta1: float = 0.9
     # AdamW beta2.
     beta2: float = 0.95
-    # Fused AdamW kernel (one pass over each parameter; several times faster on CPU for large models)
-    # instead of the per-parameter loop. Both are deterministic; they round differently in the last bit.
-    fused: bool = False
+    # Fused AdamW kernel (one pass over each parameter; several times faster on CPU for large models) instead of the
+    # per-parameter loop (CPU) or multi-tensor kernels (GPU); auto: fused when the parameters are on a GPU, where it
+    # also skips a non-finite step on the device (no host read). Both are deterministic; they round differently in
+    # the last bit.
+    fused: bool | Literal["auto"] = "auto"
 
 
 @dataclass

@@ -14,6 +14,7 @@ from plait.data.tokenize import resolve_vocab_size
 from plait.observe.prometheus import check_prometheus
 from plait.observe.trackers import check_trackers
 from plait.parallel.checkpointing import check_checkpointing
+from plait.parallel.compile import compile_unit
 from plait.parallel.offload import check_offload
 from plait.parallel.registry import check_all, select
 
@@ -43,6 +44,7 @@ def validate(cfg: Config, world_size: int, model_check: Callable[[Config, dict[s
     check_all(cfg, degrees)
     check_checkpointing(t.activation_checkpointing, t.checkpoint_every_k, t.checkpoint_save_ops, t.activation_offload)
     check_offload(t.activation_offload, t.compile)
+    compile_unit(cfg, select(p))  # train.compile=model where the layout needs blocks: refused here
     if model_check is not None:
         model_check(cfg, degrees)
     per_step = t.micro_batch_size * p.dp

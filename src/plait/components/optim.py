@@ -31,28 +31,39 @@ def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def adamw_options(cfg: OptimConfig) -> dict:
-    """AdamW keyword arguments from ``optim.*``: the fused kernel with ``optim.fused``, else torch's default,
-    which is the plain per-parameter loop on the CPU (bit-repeatable across layouts) and the multi-tensor
-    (foreach) kernels on a GPU (the per-parameter loop there launches ~10 kernels per parameter: on an H100
-    it took a 124M-parameter GPT's step from 40 to 69 ms, a host-bound step)."""
-    kernel = {"fused": True} if cfg.fused else {}
+def use_fused(cfg: OptimConfig, params: Iterable[torch.Tensor]) -> bool:
+    """``optim.fused``, where "auto" means: fused when the parameters are on a GPU."""
+    if isinstance(cfg.fused, bool):
+        return cfg.fused
+    return any(p.device.type == "cuda" for p in params)
+
+
+def adamw_options(cfg: OptimConfig, fused: bool | None = None) -> dict:
+    """AdamW keyword arguments from ``optim.*``: the fused kernel when ``fused`` (default: ``optim.fused`` is
+    true), else torch's default, which is the plain per-parameter loop on the CPU (bit-repeatable across layouts)
+    and the multi-tensor (foreach) kernels on a GPU (the per-parameter loop there launches ~10 kernels per
+    parameter: on an H100 it took a 124M-parameter GPT's step from 40 to 69 ms, a host-bound step). The fused
+    kernel also takes torch's ``found_inf``: a non-finite step is skipped on the device, the host reads nothing."""
+    fused = cfg.fused is True if fused is None else fused
+    kernel = {"fused": True} if fused else {}
     return {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), **kernel}
 
 
 def adamw(named_params: Iterable[tuple[str, nn.Parameter]], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW over the named parameters (``param_groups`` decides weight decay by name).
+    """AdamW over the named parameters (``param_groups`` decides weight decay by name), fused on a GPU
+    (``use_fused``).
 
     The fused kernel takes a whole group at once and cannot mix DTensors with plain tensors (tensor
-    parallelism leaves norms plain): with ``optim.fused`` each group is split by kind."""
+    parallelism leaves norms plain): fused, each group is split by kind."""
     groups = param_groups(named_params, cfg.weight_decay)
-    if cfg.fused:
+    fused = use_fused(cfg, (p for g in groups for p in g["params"]))
+    if fused:
         from torch.distributed.tensor import DTensor
 
         groups = [{**g, "params": [p for p in g["params"] if isinstance(p, DTensor) == kind]}
                   for g in groups for kind in (False, True)]
         groups = [g for g in groups if g["params"]]
-    return torch.optim.AdamW(groups, **adamw_options(cfg))
+    return torch.optim.AdamW(groups, **adamw_options(cfg, fused))
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:

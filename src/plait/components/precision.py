@@ -5,12 +5,16 @@ live in the optimizer's parameters: the ZeRO optimizer holds reduced gradient sh
 holds DTensor shards. The scaler only multiplies whatever gradient tensors the layout names, and
 the overflow decision comes from the global gradient norm, which every layout already computes
 across its shards, so all ranks skip or step together.
+
+Its scale lives on the device (a 0-dim tensor, as ``GradScaler`` keeps it): the loss is multiplied by it, the
+gradients by its inverse, and after each step ``torch._amp_update_scale_`` halves or grows it from the step's
+non-finite flag without the host reading anything. ``scale`` (a float) reads it, for the user who asks.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import torch
 
@@ -25,42 +29,50 @@ def autocast(precision: str, device: torch.device, enabled: bool = True) -> cont
 
 
 class LossScaler:
-    """Dynamic loss scaling: multiply the loss by ``scale`` before backward, divide the gradients after.
+    """Dynamic loss scaling: multiply the loss by the scale before backward, divide the gradients after.
 
     On a non-finite gradient norm the step is skipped and the scale halves; after ``growth_interval``
-    clean steps in a row it doubles. Disabled (scale 1, nothing done) for fp32 and bf16, whose
+    clean steps in a row it doubles. Disabled (scale 1, nothing done, no tensor) for fp32 and bf16, whose
     exponent range needs none.
     """
 
-    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000,
+                 device: torch.device | str = "cpu") -> None:
         self.enabled = enabled
-        self.scale = init_scale if enabled else 1.0
         self.growth_interval = growth_interval
-        self.clean_steps = 0
+        self._scale = torch.full((), init_scale if enabled else 1.0, dtype=torch.float32, device=device)
+        self._clean = torch.zeros((), dtype=torch.int32, device=device)  # clean steps in a row
+
+    @property
+    def scale(self) -> float:
+        """The current scale, read from the device (1.0 when disabled)."""
+        return float(self._scale) if self.enabled else 1.0
+
+    def loss_factor(self) -> torch.Tensor | float:
+        """What the loss is multiplied by before backward: the device scale, or 1.0 (a float) when disabled."""
+        return self._scale if self.enabled else 1.0
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scale if self.enabled else loss
+        return loss * self._scale if self.enabled else loss
 
     @torch.no_grad()
-    def unscale(self, grads: Iterable[torch.Tensor]) -> None:
-        if self.enabled:
-            for g in grads:
-                g.mul_(1.0 / self.scale)
+    def unscale(self, grads: Sequence[torch.Tensor]) -> None:
+        """Divide ``grads`` by the scale in place (a power of two: exact); nothing when disabled."""
+        if self.enabled and grads:
+            torch._foreach_mul_(list(grads), self._scale.reciprocal())
 
-    def update(self, found_nonfinite: bool) -> None:
+    def update(self, found_nonfinite: torch.Tensor | bool) -> None:
+        """After a step: halve on a non-finite one (a 0-dim float tensor on the device, 1.0 for skipped),
+        else count a clean step and double after ``growth_interval`` of them; on the device."""
         if not self.enabled:
             return
-        if found_nonfinite:
-            self.scale /= 2.0
-            self.clean_steps = 0
-            return
-        self.clean_steps += 1
-        if self.clean_steps == self.growth_interval:
-            self.scale *= 2.0
-            self.clean_steps = 0
+        flag = torch.as_tensor(float(found_nonfinite) if isinstance(found_nonfinite, bool) else found_nonfinite,
+                               dtype=torch.float32, device=self._scale.device)
+        torch._amp_update_scale_(self._scale, self._clean, flag, 2.0, 0.5, self.growth_interval)
 
     def state_dict(self) -> dict[str, float | int]:
-        return {"scale": self.scale, "clean_steps": self.clean_steps}
+        return {"scale": self.scale, "clean_steps": int(self._clean)}
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
-        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
+        self._scale.fill_(float(state["scale"]))
+        self._clean.fill_(int(state["clean_steps"]))

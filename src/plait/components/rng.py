@@ -11,6 +11,13 @@ swapped into the global generator only while plait runs the model (``active``) a
 Activation checkpointing saves the global state it finds at the forward and restores it around the
 recomputation, so a recomputed block replays the masks of the stream its forward drew from, whether the
 recomputation runs inside ``active`` or not.
+
+The swap copies the generator states (on the CPU, 5 KB each way) around every forward, so it is made only for a
+model that draws: ``for_model`` swaps around the first training-mode forward and compares the stream before and
+after; a model whose first training forward drew nothing (no dropout, no random op) runs without the swap from
+then on, and its stream stays where it was (the same checkpoints, the same numbers). A model that draws only
+later in training (after its first step) would draw from the global generator: give it its dropout from step one.
+The swap runs in eager Python around the model's call, outside any compiled region.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ class RngStream:
         self.cpu_state = torch.Generator().manual_seed(seed).get_state()
         self.cuda_state = torch.Generator(device=device).manual_seed(seed).get_state() if self.cuda else None
         self._depth = 0  # nested ``active`` (a forward inside forward_backward) swaps once
+        self.draws: bool | None = None  # whether the model draws from the stream (None: not known yet)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -46,6 +54,23 @@ class RngStream:
             self._depth -= 1
             if outer:
                 self.cpu_state, self.cuda_state = self._swap(*user)
+
+    def for_model(self, training: bool) -> contextlib.AbstractContextManager:
+        """The context a model's forward runs in: ``active`` for a model that draws random numbers, nothing for
+        one that does not; the first training-mode forward finds out which (see the module docstring)."""
+        if self.draws is False or self._depth:
+            return _NOTHING
+        if self.draws is None and training:
+            return self._probe()
+        return self.active()
+
+    @contextlib.contextmanager
+    def _probe(self) -> Iterator[None]:
+        cpu, cuda = self.cpu_state, self.cuda_state
+        with self.active():
+            yield
+        drew = not torch.equal(cpu, self.cpu_state) or (self.cuda and not torch.equal(cuda, self.cuda_state))
+        self.draws = bool(drew)
 
     def _swap(self, cpu: torch.Tensor, cuda: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Install ``(cpu, cuda)`` in the global generators; returns the states they held."""
@@ -67,12 +92,26 @@ class RngStream:
 
 
 def run_forward_in(model: torch.nn.Module, stream: RngStream) -> None:
-    """Make ``model(...)`` draw from ``stream`` (the swap is kept out of ``torch.compile``'s graphs: Dynamo
-    skips this frame and compiles the forward it calls, as before)."""
-    inner = model.forward
+    """Make ``model(...)`` draw from ``stream`` while the model draws at all (``RngStream.for_model``); once its
+    first training forward drew nothing, the model runs without this wrapper. It wraps the model's compiled call
+    where the whole model is compiled (``plait.parallel.compile``), so the swap runs eagerly around the compiled
+    region rather than inside it; else ``model.forward``, kept out of any graph a caller compiles around it
+    (Dynamo skips this frame and compiles what it calls)."""
+    slot = "_compiled_call_impl" if model._compiled_call_impl is not None else "forward"
+    inner, own = getattr(model, slot), slot in model.__dict__  # own: an instance attribute (not the class's)
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        with stream.active():
-            return inner(*args, **kwargs)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with stream.for_model(model.training):
+            out = inner(*args, **kwargs)
+        if stream.draws is False and model.__dict__.get(slot) is wrapped:
+            if own:
+                setattr(model, slot, inner)
+            else:
+                delattr(model, slot)
+        return out
 
-    model.forward = torch.compiler.disable(forward, recursive=False)
+    wrapped = call if slot == "_compiled_call_impl" else torch.compiler.disable(call, recursive=False)
+    setattr(model, slot, wrapped)
+
+
+_NOTHING = contextlib.nullcontext()

@@ -54,6 +54,7 @@ from plait.observe.memory import SetupMeter
 from plait.observe.prometheus import serve_metrics
 from plait.parallel import registry
 from plait.parallel.apply import ModelSpec
+from plait.parallel.compile import compile_plan
 from plait.parallel.expert.dispatch import MoeMonitor
 from plait.parallel.meta_init import place
 from plait.parallel.prepare import unwrap_compiled
@@ -104,7 +105,8 @@ class Plait(SmallCollectives):
         self.checkpointer = Checkpointer(cfg.checkpoint.async_save, self.world_size, self.group, self._saved)
         self.metrics = MetricsSink(self.files.run_dir, cfg, self.is_main)
         self.stepper = Stepper(cfg, self.rank, self.world_size, self.comm, self.watchdog, self.files,
-                               self.preemption, self.group, self.auto, self.finish_saves, self.prometheus, self.rng)
+                               self.preemption, self.group, self.auto, self.finish_saves, self.prometheus, self.rng,
+                               self.device)
         self.loss: Loss | None = None
         self._closed = False
 
@@ -138,7 +140,8 @@ class Plait(SmallCollectives):
     scheduler = _StepperAttr("scheduler", "The LR scheduler ``setup`` built from the factory (None without one).")
     moe = _StepperAttr("moe", "The MoE monitor (None for a model without ``plait.nn.MoE`` layers).")
     steps = _StepperAttr("steps", "Optimizer steps taken (restored by ``load``).")
-    skipped_steps = _StepperAttr("skipped_steps", "Updates skipped for a non-finite gradient norm.")
+    skipped_steps = _StepperAttr("skipped_steps", "Updates skipped for a non-finite gradient norm (reads the flags of "
+                                                  "the steps since the last log step from the device).")
     saved_step = _StepperAttr("saved_step", "The step of the last completed checkpoint (None before one).")
     resumed_from = _StepperAttr("resumed_from", "The step this process's run was loaded at (0: a new run).")
     memory = _StepperAttr("memory", "This rank's measured model-state bytes (empty before the second update).")
@@ -219,13 +222,18 @@ class Plait(SmallCollectives):
         shard by shard; without it a meta model is initialised per module, by ``init_fn(module)`` if given."""
         check_setup_args(self.strategy, model, scheduler)
         self.phase("setup")
-        model, compiled = unwrap_compiled(model)
+        model, user_compile = unwrap_compiled(model)
+        plan = compile_plan(self.config, self._strategy_cls, user_compile)
+        if plan is not None:
+            self.logger.info("compile: %s (%s)", "the whole model, with the loss in forward_backward, as one region"
+                             if plan.unit == "model" else "block by block, and the loss", plan.why)
         factory = optimizer_factory(model, optimizer, self.config.optim)
-        self.loss = setup_loss(model, loss_fn, sample, self.config, self.model_whole)
+        self.loss = setup_loss(model, loss_fn, sample, self.config, self.model_whole, plan)
         p = self.config.parallel
         spec = ModelSpec(tp_plan=tp_plan if tp_plan is not None else p.tp_plan, parallelize_fn=parallelize_fn,
                          pp_split=list(pp_split if pp_split is not None else p.pp_split), stage_fn=stage_fn,
-                         loss=self.loss, sample=self.to_device(sample) if sample is not None else None)
+                         loss=self.loss, sample=self.to_device(sample) if sample is not None else None,
+                         compile=plan if plan is not None else False)
         moe = moe_layers(model)  # the whole model's, the same on every rank (a pipeline stage keeps some)
         meter = SetupMeter(self.device).start()  # this rank's peak memory of setup, reported with the prediction
         with self.rng.active():  # what setup draws (a pipeline stage's cost measurement) is plait's, not the user's
@@ -237,10 +245,14 @@ class Plait(SmallCollectives):
                                               bias=any(layer.balance == "bias" for layer in moe))
             opt = strategy.build_optimizer(factory)
         strategy.setup_memory = meter.stop()
+        if self.device.type == "cuda" and not strategy.skips_on_device():
+            self.logger.info("the optimizer cannot skip a non-finite step on the GPU (no found_inf): each step reads "
+                             "its non-finite flag on the host, one sync; a fused optimizer (AdamW(fused=True), "
+                             "plait's default) does not")
         self._start(strategy)
         if scheduler is not None:
             self.stepper.scheduler = scheduler(strategy.scheduler_target())
-        strategy.wrap_forward(self.device, compiled)
+        strategy.wrap_forward(self.device, plan)
         if self.model_whole:  # the user's model(...) draws its dropout masks from plait's stream
             run_forward_in(strategy.model, self.rng)
         strategy.set_sync(self.accumulation == 1)  # DDP arms its reducer in the next forward
@@ -349,12 +361,19 @@ class Plait(SmallCollectives):
         return strategy.reduce_loss(local_value(value).detach().double().cpu().reshape(()))
 
     @explained
-    def step(self) -> StepInfo | None:
+    def step(self, log: bool | None = None) -> StepInfo | None:
         """At the end of an accumulation window: wait for gradient sync, unscale, clip (``optim.grad_clip``),
         skip the update if the gradients hold NaN/inf, optimizer step, scheduler step, zero grads. Returns
-        the step's ``StepInfo``; None between boundaries."""
+        the step's ``StepInfo``; None between boundaries.
+
+        Nothing is read from the device and no collective runs beyond the gradients' own unless this is a log
+        step: ``log=True``, or with None (the default) step 1, every ``train.log_every``-th and the last of
+        ``train.steps``. A log step reads the values of the steps since the previous one in one transfer and,
+        over several ranks, agrees on the losses (``StepInfo.global_loss``) and on a stop request
+        (``StepInfo.preempted``) in one all-reduce; every rank must pass the same ``log``. On other steps
+        ``StepInfo.loss``/``grad_norm``/``skipped`` are read when first used."""
         self._require_strategy()
-        return self.stepper.step()
+        return self.stepper.step(log)
 
     @property
     def preempted(self) -> bool:
@@ -422,6 +441,7 @@ class Plait(SmallCollectives):
             self.logger.info("checkpoint saved at world size %s, loading at %d: per-rank RNG and compressor "
                              "residuals start fresh", meta.get("world_size"), self.world_size)
         self.logger.info("loaded %s (step %d)", path, self.steps)
+        self.stepper.write_progress()  # where this attempt starts, for the launcher's no-progress rule
         if self.prometheus is not None:  # training since this checkpoint is what a failure would lose
             self.prometheus.checkpoint_done()
         self.stepper.start_step()
@@ -482,6 +502,7 @@ class Plait(SmallCollectives):
             return
         self.finish_saves()
         self._closed = True
+        self.stepper.write_progress()  # the exact step count for the launcher (between log steps it may lag)
         if self.strategy is not None:
             self.strategy.close()  # a parameter server's worker tells the servers it is done
         self.stepper.stop_counting()

@@ -4,6 +4,7 @@ each preceded by the strategy's ``before_collective`` (a parameter server's work
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -42,6 +43,8 @@ class SmallCollectives:
     world_size: int
 
     watchdog: Any
+    stepper: Any
+    metrics: Any
     rank: int
     files: Any
 
@@ -89,6 +92,10 @@ class SmallCollectives:
         """A backend timeout or lost peer as the error naming the ranks that did not arrive; the ranks it
         names that run on this host and are stuck (stopped, hung) are ended, so the attempt ends within
         seconds and the restart policy applies (``StepWatchdog.end_stuck_peers``)."""
+        with contextlib.suppress(Exception):  # the launcher's restart decision reads the exact step count
+            self.stepper.write_progress()
+        with contextlib.suppress(Exception):  # what the trackers buffer between flushes
+            self.metrics.flush()
         named = self.watchdog.explain(exc)
         if isinstance(named, CollectiveTimeout) and named.ranks:
             # This rank's report first: the peers ended next fail at once, and the launcher names the

@@ -42,6 +42,10 @@ class MetricsSink:
             self._writer = None
         truncate_metrics(self.run_dir, step)
 
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

@@ -53,15 +53,18 @@ def check_setup_args(strategy: Any, model: Any, scheduler: Any) -> None:
                          "in setup, so a scheduler made before cannot reference it)")
 
 
-def setup_loss(model: nn.Module, loss_fn: Any, sample: Any, config: Config, model_whole: bool) -> Loss | None:
+def setup_loss(model: nn.Module, loss_fn: Any, sample: Any, config: Config, model_whole: bool,
+               plan: Any = None) -> Loss | None:
     """The loss ``forward_backward`` computes: ``loss_fn``, or inferred from ``sample`` where the strategy
-    computes the loss itself (a model split over ranks: the pipeline's last stage); compiled with the model."""
+    computes the loss itself (a model split over ranks: the pipeline's last stage); compiled on its own when the
+    model's blocks are (``plan``, a ``plait.parallel.compile.CompilePlan``; a whole-model plan compiles it with
+    the model in ``forward_backward``)."""
     loss = resolve_loss(loss_fn)
-    if config.train.compile:
+    if plan is not None and plan.unit == "blocks":
         from plait.parallel.compile import compile_loss
 
         # in place: the caller's Loss object runs compiled too
-        compile_loss(loss, config.parallel, backend=config.train.compile_backend)
+        compile_loss(loss, config.parallel, plan.compiler)
     if not model_whole and loss is None:
         if sample is None:
             raise PlaitError("with parallel.pp > 1 the last stage computes the loss: pass loss_fn= to setup "

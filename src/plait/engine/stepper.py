@@ -1,11 +1,30 @@
 """One optimizer step's mechanics behind ``Plait.backward``, ``forward_backward`` and ``step``: micro-steps
 through the strategy inside the accumulation window, loss scaling, then at the window's end the gradient
 synchronisation, clipping and update, the schedule, the step's record and the agreement of every rank on
-the loss and on a stop request."""
+the loss and on a stop request.
+
+The hot path is sacred (DESIGN.md, rule 11): a step that does not log reads nothing from the device, writes
+no file and runs no collective beyond the gradients' own. Its loss, gradient norm and non-finite flag stay on
+the device (``StepInfo`` reads one when the caller does); the update of a non-finite step is skipped on the
+device by optimizers that take torch's ``found_inf`` (``Strategy.step_unless``). A log step (step 1, every
+``train.log_every``-th, the last of ``train.steps``, or ``step(log=True)``) reads every value since the previous
+one in one transfer and, over several ranks, agrees on the losses and on a stop request in one all-reduce:
+a SIGTERM is seen by every rank at the first log step after it arrived. Where steps are slow, that could outlast
+a scheduler's grace period (30 s by default under SLURM and Kubernetes): each agreement also averages the ranks'
+step time, and every rank derives from it the same number of steps between stop checks, ``STOP_CHECK_S`` of
+them at most (one all-reduce of one flag, read back): a stop request is seen within ``train.log_every - 1`` steps
+and within ``STOP_CHECK_S`` seconds or the next step boundary, whichever comes first. With steps faster than
+``STOP_CHECK_S / train.log_every`` (0.5 s at the default 20 s and 10 steps: the benchmarks, the tests) there is no
+check between log steps. ``progress.json`` (the launcher's
+restart decision) is written at log steps, saves, loads, errors and the first step after a load, and at least
+every ``PROGRESS_EVERY_S`` seconds otherwise (checked with a clock read at each step boundary): after an error
+plait reports it is exact; after a kill (SIGKILL, a crash of the process) it lags the step count by at most
+``train.log_every - 1`` steps or that interval, whichever is shorter."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +48,19 @@ from plait.observe.log import get_logger
 from plait.observe.memory import measure_model_state_bytes
 from plait.parallel.expert.dispatch import MoeMonitor
 from plait.parallel.strategy import PlaitError, Strategy
+from plait.parallel.tensor.plan import local_value
+
+PROGRESS_EVERY_S = 30.0  # progress.json at least this often between log steps (a clock read per step, no I/O)
+STOP_CHECK_S = 20.0  # a stop request is seen within this (or the next step boundary), however slow the steps
+
+
+class _Pending:
+    """What one step left on the device until the next log step reads it (see the module docstring)."""
+
+    __slots__ = ("step", "loss", "norm", "skipped", "step_s")
+
+    def __init__(self, step: int, loss: torch.Tensor | None, norm: Any, skipped: Any, step_s: float) -> None:
+        self.step, self.loss, self.norm, self.skipped, self.step_s = step, loss, norm, skipped, step_s
 
 
 class StepperAttribute:
@@ -47,7 +79,8 @@ class Stepper:
 
     def __init__(self, config: Config, rank: int, world_size: int, comm: Comm, watchdog: StepWatchdog,
                  files: RunFiles, preemption: PreemptionFlag, group: Any, auto: AutoCompress | None,
-                 at_boundary: Callable[[], None], prometheus: Any = None, rng: RngStream | None = None) -> None:
+                 at_boundary: Callable[[], None], prometheus: Any = None, rng: RngStream | None = None,
+                 device: torch.device | None = None) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.comm, self.watchdog, self.files, self.preemption, self.group, self.auto = (
             comm, watchdog, files, preemption, group, auto)
@@ -55,12 +88,20 @@ class Stepper:
         self.prometheus = prometheus  # this rank's Prometheus exporter (None: off)
         self.rng = rng  # the model's random stream (plait.components.rng): forward_backward draws from it
         self.logger = get_logger(rank)
+        self.device = device if device is not None else torch.device("cpu")
         self.window = AccumulationWindow(config.grad_accum)
-        self.scaler = LossScaler(enabled=config.train.precision == "fp16")
+        self.scaler = LossScaler(enabled=config.train.precision == "fp16", device=self.device)
+        self.clip = config.optim.grad_clip if config.optim.grad_clip > 0 else float("inf")
+        self.log_every = max(1, config.train.log_every)
         self.strategy: Strategy | None = None
         self.moe: MoeMonitor | None = None  # when the model has MoE layers
         self.scheduler: Any = None
-        self.steps = self.skipped_steps = 0
+        self.steps = 0
+        self._skipped = 0  # skipped updates up to the last log step; the pending ones are read on demand
+        self._pending: list[_Pending] = []  # steps since the last log step, their values still on the device
+        self._progress_t = time.monotonic()
+        self._check_every = 0  # steps between stop checks off log steps (0: none), agreed at the last log step
+        self._next_check = 0
         self.saved_step: int | None = None
         self.resumed_from = 0
         self.memory: dict[str, int] = {}
@@ -83,7 +124,7 @@ class Stepper:
         self.enter_window()
         self.announce()
         self.strategy.set_sync(self.window.begin())
-        return self.scaler.scale / self.window.accumulation
+        return self.scaler.loss_factor() / self.window.accumulation
 
     def announce(self) -> None:
         """Log the accumulation the steps run with, once (again only if a new loader changes it): it comes from
@@ -97,7 +138,7 @@ class Stepper:
                          t.global_batch_size, t.global_batch_size // (dp * n), dp, n, "" if n == 1 else "s")
 
     def end_micro(self, loss: torch.Tensor) -> None:
-        self.window.end(loss)
+        self.window.end(local_value(loss))  # tensor parallelism's loss is a (replicated) DTensor
         self.strategy.set_sync(self.window.sync_gradients)  # DDP reads it in the next forward
 
     def weight(self, num_samples: int | None) -> float:
@@ -122,7 +163,8 @@ class Stepper:
     def forward_backward(self, model: Any, batch: Any, loss: Any, num_samples: int | None) -> torch.Tensor:
         """Forward, loss and backward of one micro-batch through the strategy; returns the loss, detached."""
         self.enter_window()
-        with self.strategy.context(), self.rng.active() if self.rng is not None else contextlib.nullcontext():
+        rng = self.rng.for_model(model.training) if self.rng is not None else contextlib.nullcontext()
+        with self.strategy.context(), rng:
             scale = self.begin_micro() * self.weight(num_samples)
             before: Callable[[float], None] | None = self.moe.set_grad_scale if self.moe is not None else None
             value = self.strategy.forward_backward(model, batch, loss, scale, before, self.window.times)
@@ -142,7 +184,20 @@ class Stepper:
             self._counter = TorchCollectiveCounter(CommStats())
             self._counter.__enter__()
 
-    def step(self) -> StepInfo | None:
+    @property
+    def skipped_steps(self) -> int:
+        """Updates skipped for a non-finite gradient norm (reading it reads the steps since the last log step)."""
+        return self._skipped + sum(bool(p.skipped) for p in self._pending)
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped, self._pending = int(value), []
+
+    def is_log_step(self, step: int) -> bool:
+        """Step 1, every ``train.log_every``-th and the last of ``train.steps``: the steps whose values are read."""
+        return step == 1 or step % self.log_every == 0 or step == self.config.train.steps
+
+    def step(self, log: bool | None = None) -> StepInfo | None:
         """See ``Plait.step``."""
         strategy = self.strategy
         if not self.window.complete:
@@ -154,29 +209,44 @@ class Stepper:
         self.watchdog.enter(self.steps + 1, "optimizer")
         self.in_window = False
         t1 = time.perf_counter()
-        clip = self.config.optim.grad_clip if self.config.optim.grad_clip > 0 else float("inf")
-        target = strategy.scheduler_target()
-        lr = float(target.param_groups[0]["lr"]) if target is not None and target.param_groups else float("nan")
-        norm, stepped = strategy.clip_and_step(clip, self.scaler, self._measure_memory_once)
-        if stepped and self.scheduler is not None:
-            self.scheduler.step()
-        if not stepped:
-            self.skipped_steps += 1
+        lr = self._lr(strategy.scheduler_target())
+        norm, skipped = strategy.clip_and_step(self.clip, self.scaler, self._measure_memory_once)
+        if skipped is True:  # decided on the host: say so now (a device flag is read at the next log step)
             self.logger.warning("step %d: gradient norm is %s; update skipped", self.steps + 1, norm)
-        self.scaler.update(not stepped)
+        if self.scheduler is not None:  # every step, skipped or not: the host does not know which yet
+            self.scheduler.step()
+        self.scaler.update(skipped)
         strategy.after_step()
         moe = self.moe.after_step(self.steps + 1) if self.moe is not None else None
         strategy.zero_grad()
         self.at_boundary()
         now = time.perf_counter()
-        info = self._finish_step(norm, not stepped, lr, exposed, now - t1, now - self._boundary_t)
+        info = self._finish_step(norm, skipped, lr, exposed, now - t1, now - self._boundary_t, log)
         info.moe = moe
         info.strategy_metrics = strategy.step_metrics()
         if self.prometheus is not None:
-            self.prometheus.step_done(vars(info))
+            self.prometheus.step_done(self._exported(info))
         self._boundary_t = now
         self.start_step()
         return info
+
+    @staticmethod
+    def _lr(target: Any) -> Any:
+        """The first group's learning rate: a float, or a copy of a tensor one (the scheduler changes it in place)."""
+        if target is None or not target.param_groups:
+            return float("nan")
+        lr = target.param_groups[0]["lr"]
+        return lr.detach().clone() if isinstance(lr, torch.Tensor) else float(lr)
+
+    @staticmethod
+    def _exported(info: StepInfo) -> dict[str, Any]:
+        """What the Prometheus exporter gets: the step's host figures, and at a log step the values read."""
+        out = {k: getattr(info, k) for k in ("step", "comm_exposed_s", "optimizer_s", "step_s", "forward_s",
+                                             "backward_s")}
+        if info.logged:
+            out.update(loss=info.loss, grad_norm=info.grad_norm,
+                       skipped=sum(bool(h["skipped"]) for h in info.history or ()))
+        return out
 
     def _slow_down_for_tests(self) -> None:
         """Testing aid (``fault.slow_rank``): a slower worker, as on mixed hardware."""
@@ -194,26 +264,100 @@ class Stepper:
             opts = self.strategy.optimizers
             self.memory = measure_model_state_bytes(self.strategy.model, opts if len(opts) > 1 else opts[0])
 
-    def _finish_step(self, norm: float, skipped: bool, lr: float, exposed: float, optimizer_s: float,
-                     step_s: float) -> StepInfo:
+    def _finish_step(self, norm: Any, skipped: Any, lr: Any, exposed: float, optimizer_s: float, step_s: float,
+                     log: bool | None) -> StepInfo:
         self.steps += 1
         stats = self.comm.stats
         self.stop_counting()
         if self._torch_bytes is not None:
             stats.bytes_sent += self._torch_bytes
         losses, times = self.window.close()
-        # The pipeline's loss exists on the last stage only: the strategy brings it to every stage.
-        loss = float(self.strategy.reduce_loss(torch.stack(losses).mean())) if losses else float("nan")
-        global_loss, preempted = self._agree(loss)
-        info = StepInfo(step=self.steps, loss=loss, grad_norm=norm, skipped=skipped, lr=lr,
-                        comm_bytes=stats.bytes_sent, comm_wait_s=stats.wait_s, comm_exposed_s=exposed,
-                        optimizer_s=optimizer_s, step_s=step_s, **times, global_loss=global_loss,
-                        preempted=preempted)
-        self.write_progress()
+        loss = (losses[0] if len(losses) == 1 else torch.stack(losses).mean()) if losses else None
+        if loss is not None and self.strategy.reduce_loss_every_step:  # a pipeline: the last stage's, everywhere
+            loss = self.strategy.reduce_loss(loss)
+        self._pending.append(_Pending(self.steps, loss, norm, skipped, step_s))
+        info = StepInfo(step=self.steps, lr=lr, comm_bytes=stats.bytes_sent, comm_wait_s=stats.wait_s,
+                        comm_exposed_s=exposed, optimizer_s=optimizer_s, step_s=step_s, **times)
+        if self.is_log_step(self.steps) if log is None else log:
+            self._settle(info)
+            info.comm_bytes, info.comm_wait_s = stats.bytes_sent, stats.wait_s  # the agreement's wait counts too
+        else:  # the values stay on the device; reading one of them is the caller's request
+            own = loss if loss is not None else float("nan")
+            info.loss, info.grad_norm, info.skipped = own, norm, skipped
+            meet, group = self.strategy.agreement_group(self.group)
+            if self.world_size == 1 or not meet:  # nothing to agree on: this rank's own values
+                info.global_loss, info.preempted = own, self.preemption.requested
+            else:  # agreed only if read (a collective then: every rank reads it)
+                info.global_loss = functools.partial(self._agree_loss, own, group)
+                if self._check_every and self.steps >= self._next_check:  # slow steps: the stop request's bound
+                    info.preempted = self._check_stop(group)
+        # the first step of an attempt too: the launcher's no-progress rule compares where attempts got
+        first = self.steps == self.resumed_from + 1
+        if info.logged or first or time.monotonic() - self._progress_t >= PROGRESS_EVERY_S:
+            self.write_progress()
         if self.auto is not None and self.auto.observe(self.steps, exposed, step_s, stats.bytes_sent, stats.wait_s):
             decision = self.auto.decide(self.comm, self.strategy.topo.dp_group)
             self.logger.info("comm.compress=auto after step %d: %s", self.steps, decision["reason"])
         return info
+
+    def _settle(self, info: StepInfo) -> None:
+        """A log step: the values of every step since the previous one, agreed and read in one go. Over several
+        ranks the losses (brought to every pipeline stage by the strategy) are averaged over the replicas, a stop
+        request and the step times summed: one all-reduce over the training ranks, where the strategy has them
+        meet (every rank of a replica holds the replica's loss, so the sum / their number is the mean over
+        replicas)."""
+        pending, self._pending = self._pending, []
+        n = len(pending)
+        f64 = {"dtype": torch.float64, "device": self.device}
+        nan = torch.full((), float("nan"), **f64)
+        local = torch.stack([nan if p.loss is None else p.loss.to(**f64) for p in pending])
+        if not self.strategy.reduce_loss_every_step:
+            local = self.strategy.reduce_loss(local)
+        meet, group = self.strategy.agreement_group(self.group)
+        met = self.world_size > 1 and meet
+        mine = torch.tensor([float(self.preemption.requested), sum(p.step_s for p in pending)], **f64)
+        agreed = torch.cat([local, mine])
+        if met:
+            self.comm.all_reduce_sum(agreed, group, name="step agreement")
+            agreed /= self.world_size
+        norms = torch.stack([torch.as_tensor(p.norm).to(**f64) for p in pending])
+        flags = torch.stack([torch.as_tensor(p.skipped).to(**f64) for p in pending])
+        values = torch.cat([local, agreed, norms, flags]).tolist()  # the one device-to-host read since the last
+        own, agreed_losses, (stop, step_s) = values[:n], values[n:2 * n], values[2 * n:2 * n + 2]
+        norms, flags = values[-2 * n:-n], values[-n:]
+        if met:
+            self._plan_stop_checks(step_s / n)
+        info.history = [{"step": p.step, "loss": own[i], "global_loss": agreed_losses[i], "grad_norm": norms[i],
+                         "skipped": flags[i] > 0} for i, p in enumerate(pending)]
+        for p, h in zip(pending, info.history, strict=True):
+            if h["skipped"] and not isinstance(p.skipped, bool):  # a host decision was logged at its step
+                self.logger.warning("step %d: gradient norm is %s; update skipped", p.step, h["grad_norm"])
+        self._skipped += sum(h["skipped"] for h in info.history)
+        last = info.history[-1]
+        info.loss, info.global_loss, info.grad_norm = last["loss"], last["global_loss"], last["grad_norm"]
+        info.skipped, info.preempted, info.logged = last["skipped"], stop > 0, True
+
+    def _plan_stop_checks(self, step_s: float) -> None:
+        """Steps between stop checks until the next log step, from the mean step time the ranks agreed on (so
+        every rank checks at the same steps): none when ``train.log_every`` steps take under ``STOP_CHECK_S``."""
+        every = max(1, int(STOP_CHECK_S / max(step_s, 1e-9)))
+        self._check_every = every if every < self.log_every else 0
+        self._next_check = self.steps + every
+
+    def _check_stop(self, group: Any) -> bool:
+        """Whether any rank was asked to stop: one all-reduce of one flag, read back (steps too slow for the log
+        steps alone to bound how late a stop request is seen)."""
+        self._next_check = self.steps + self._check_every
+        t = torch.full((1,), float(self.preemption.requested), dtype=torch.float64, device=self.device)
+        self.comm.all_reduce_sum(t, group, name="stop check")
+        return float(t[0]) > 0
+
+    def _agree_loss(self, loss: torch.Tensor | float, group: Any) -> float:
+        """``StepInfo.global_loss`` read off a log step: this step's loss averaged over the replicas now (one
+        all-reduce of one number over the training ranks; every rank must read it)."""
+        t = torch.as_tensor(loss).to(dtype=torch.float64, device=self.device).reshape(1).clone()
+        self.comm.all_reduce_sum(t, group, name="global_loss read")
+        return float(t[0]) / self.world_size
 
     def stop_counting(self) -> None:
         """End the torch-collective counter of this step, if one runs, keeping its figure."""
@@ -222,20 +366,9 @@ class Stepper:
             self._torch_bytes = self._counter.stats.bytes_sent
             self._counter = None
 
-    def _agree(self, loss: float) -> tuple[float, bool]:
-        """What every rank must see alike at a step boundary: the loss averaged over the data-parallel
-        replicas and whether any rank was asked to stop. Communication: one all-reduce of two numbers
-        over the training ranks (every rank of a replica holds the replica's loss, so the sum / their
-        number is the mean over replicas), where the strategy has its ranks meet at every step."""
-        t = torch.tensor([loss, float(self.preemption.requested)], dtype=torch.float64)
-        meet, group = self.strategy.agreement_group(self.group)
-        if self.world_size > 1 and meet:
-            self.comm.all_reduce_sum(t, group, name="step agreement")
-            t[0] /= self.world_size
-        return float(t[0]), bool(t[1] > 0)
-
     def write_progress(self) -> None:
         """Rank 0 notes how far the run got, for the launcher's restart decision (``plait.fault.restart``)."""
+        self._progress_t = time.monotonic()
         self.files.write_progress(self.steps, self.saved_step, self.resumed_from)
 
     # -- checkpoints -------------------------------------------------------------------------------------
@@ -264,7 +397,7 @@ class Stepper:
                 raise PlaitError(f"{path} holds no data-loader position (it was saved without dataloader=)")
             dataloader.load_state_dict(shared["dataloader"])
         self.scaler.load_state_dict(shared["scaler"])
-        self.steps, self.skipped_steps = int(shared["steps"]), int(shared["skipped_steps"])
+        self.steps, self.skipped_steps = int(shared["steps"]), int(shared["skipped_steps"])  # pending ones dropped
         self.resumed_from = self.steps  # the launcher's no-progress rule compares where attempts started
         if self.auto is not None and shared.get("auto") is not None:
             self.auto.load_state_dict(shared["auto"])

@@ -26,13 +26,43 @@ from typing import Any
 LEDGER = "goodput.jsonl"
 
 
-def record(run_dir: Path | str, event: str, **fields: Any) -> None:
-    """Append one event (wall time added); errors writing are ignored: goodput is accounting, not state."""
+def _append(run_dir: Path | str, events: list[dict[str, Any]]) -> None:
     try:
         with open(Path(run_dir) / LEDGER, "a") as f:
-            f.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
-    except OSError:
+            f.write("".join(json.dumps(e) + "\n" for e in events))
+    except OSError:  # goodput is accounting, not state
         pass
+
+
+def record(run_dir: Path | str, event: str, **fields: Any) -> None:
+    """Append one event (wall time added); errors writing are ignored: goodput is accounting, not state."""
+    _append(run_dir, [{"event": event, "t": time.time(), **fields}])
+
+
+class Ledger:
+    """Rank 0's events of one training process: ``step`` events are kept in memory (a step writes no file) and
+    appended in one write by ``flush`` (at log steps) or before any other event, so the file keeps their order.
+    A process killed between log steps loses the step events since the last one; the replay then counts their
+    time as detection (or restart) instead of recomputed steps: the lost total is the same. Inactive off rank 0."""
+
+    def __init__(self, run_dir: Path | str, active: bool) -> None:
+        self.run_dir, self.active = run_dir, active
+        self._steps: list[dict[str, Any]] = []
+
+    def step(self, step: int, seconds: float) -> None:
+        if self.active:
+            self._steps.append({"event": "step", "t": time.time(), "step": step, "s": seconds})
+
+    def record(self, event: str, **fields: Any) -> None:
+        """The step events kept so far, then this one."""
+        if self.active:
+            events, self._steps = self._steps, []
+            _append(self.run_dir, [*events, {"event": event, "t": time.time(), **fields}])
+
+    def flush(self) -> None:
+        if self.active and self._steps:
+            events, self._steps = self._steps, []
+            _append(self.run_dir, events)
 
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:

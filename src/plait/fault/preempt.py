@@ -1,8 +1,10 @@
 """Preemption: SIGTERM, SIGINT or SIGUSR1 ends a run at the next step boundary, saved, with a distinct exit code.
 
-The first signal only sets a flag (a worker may be inside a collective that must complete). At each
-optimizer step every rank contributes its flag to one small all-reduce (``Plait.step``), so all ranks
-see the request at the same step, save together and exit with ``PREEMPTED_EXIT``. A second SIGINT
+The first signal only sets a flag (a worker may be inside a collective that must complete). At each log
+step every rank contributes its flag to one small all-reduce (``Plait.step``; where steps are slow, at stop
+checks in between too: ``plait.engine.stepper``), so all ranks see the request at the same step, at most
+``train.log_every - 1`` steps and about ``STOP_CHECK_S`` (20 s) after it arrived, save together and exit with
+``PREEMPTED_EXIT``. A second SIGINT
 (Ctrl-C twice) ends the process at once. The elastic agent forwards SIGTERM to its workers and gives
 them 30 s before killing them (plait's own launcher: ``PLAIT_GRACE_S``); a save of the default model takes well
 under a second. SIGUSR1 is SLURM's warning before a time limit or a preemption (``--signal=B:USR1@<grace>``, passed

@@ -4,7 +4,10 @@ checkpoint interval, stragglers, and the goodput ledger.
 Rollback (``fault.spike_threshold`` > 0): when ``SpikeDetector`` flags a step, or the gradients stay
 non-finite for ``NONFINITE_STREAK`` steps in a row (each already skipped by the engine), training goes
 back to the newest good checkpoint at least ``fault.rollback_steps`` before it and leaves out the data
-that led there: the global batches from that checkpoint to the spike. The spike and the skip are
+that led there: the global batches from that checkpoint to the spike. The detector judges every step's loss
+and gradient norm, read in one transfer at the next log step (``train.log_every``) or save, where the trainer
+has the engine read them: a spike is acted on at most ``log_every - 1`` steps after it happened (those steps
+are rolled back with it), and no checkpoint is ever taken between a spike and its judgement. The spike and the skip are
 appended to ``RUN_DIR/fault.jsonl`` first (a spike step's checkpoint is never taken as good, and a
 crash before the next checkpoint replays the skip on resume rather than the bad data). More than
 ``fault.max_rollbacks`` rollbacks, or non-finite gradients again right after a rollback for them,
@@ -70,8 +73,8 @@ class Recovery:
         self.auto_every: int | None = None
         self._step_times: list[float] = []
         self._export({"straggler_factor": f.straggler_factor})
-        if trainer.rank0:
-            goodput.record(trainer.run_dir, "ready", attempt=int(__import__("os").environ.get("PLAIT_ATTEMPT", "0")))
+        self.ledger = goodput.Ledger(trainer.run_dir, trainer.rank0)  # step events written at log steps
+        self.ledger.record("ready", attempt=int(__import__("os").environ.get("PLAIT_ATTEMPT", "0")))
 
     def _export(self, values: dict[str, Any]) -> None:
         """To the Prometheus endpoint, when there is one: the checkpoint interval it judges age by, and more."""
@@ -93,26 +96,35 @@ class Recovery:
 
     # -- after every step ---------------------------------------------------------------------------
     def after_step(self, rec: dict[str, Any]) -> bool:
-        """Judge the step just taken; returns True when training was rolled back (the record is void)."""
+        """Note the step just taken; at a log step (``rec["history"]``: every step since the previous one) judge
+        each of them in order. Returns True when training was rolled back (the record is void)."""
         self._step_times.append(rec["step_s"])
-        if self.t.rank0:
-            goodput.record(self.t.run_dir, "step", step=rec["step"], s=rec["step_s"])
-        verdict = self.detector.observe(rec["global_loss"], rec["grad_norm"])
+        self.ledger.step(rec["step"], rec["step_s"])
+        if not rec.get("history"):
+            return False
+        self.ledger.flush()
+        for h in rec["history"]:
+            if self._judge(h):
+                return True
+        return False
+
+    def _judge(self, h: dict[str, Any]) -> bool:
+        verdict = self.detector.observe(h["global_loss"], h["grad_norm"])
         if verdict == "nonfinite":
             self.nonfinite += 1
             if self.nonfinite < NONFINITE_STREAK:
                 return False
             if self.rolled_back_for_nonfinite:
                 raise TrainingDiverged(
-                    f"the gradients are non-finite again after rolling back for them (step {rec['step']}): the run "
+                    f"the gradients are non-finite again after rolling back for them (step {h['step']}): the run "
                     "diverges from that checkpoint too; lower optim.lr, raise optim.warmup_steps, or check the data")
             self.rolled_back_for_nonfinite = True
-            return self._rollback(rec["step"], f"non-finite gradients for {NONFINITE_STREAK} steps")
+            return self._rollback(h["step"], f"non-finite gradients for {NONFINITE_STREAK} steps")
         self.nonfinite = 0
         if verdict == "spike":
-            median = sorted(self.detector.losses)[len(self.detector.losses) // 2]
-            return self._rollback(rec["step"], f"loss {rec['global_loss']:.4f} far above the running median "
-                                               f"{median:.4f}")
+            median = self.detector._median(self.detector._sorted)
+            return self._rollback(h["step"], f"loss {h['global_loss']:.4f} far above the running median "
+                                             f"{median:.4f}")
         return False
 
     def _rollback(self, step: int, why: str) -> bool:
@@ -131,7 +143,7 @@ class Recovery:
         if t.rank0:
             log_fault(t.run_dir, "spike", step=step, reason=why)
             log_fault(t.run_dir, "skip", at_step=back_to, batches=step - back_to)
-            goodput.record(t.run_dir, "rollback", **{"from": step, "to": back_to})
+        self.ledger.record("rollback", **{"from": t.state.step, "to": back_to})
         t.p.barrier()  # the log is written before any rank acts on it
         if t.rank0:
             t.log.warning("step %d: %s; rolling back to %s and leaving out the %d global batches after it", step,
@@ -158,8 +170,7 @@ class Recovery:
 
     def saved(self, blocking_s: float) -> None:
         """After a save: the blocking time for goodput and the Young interval."""
-        if self.t.rank0:
-            goodput.record(self.t.run_dir, "save", blocking_s=blocking_s)
+        self.ledger.record("save", blocking_s=blocking_s)
         if self.every == "auto" and self._step_times:
             step_s = sum(self._step_times[-50:]) / len(self._step_times[-50:])
             interval_s = math.sqrt(2 * self.t.cfg.fault.mtbf_s * max(blocking_s, 1e-6))
@@ -171,8 +182,7 @@ class Recovery:
     def save_done(self, blocking_s: float) -> None:
         """An asynchronous save completed inside a later step: the seconds that step waited for it (the
         shard writes, manifest and rename not yet finished in the background) count as blocking too."""
-        if self.t.rank0:
-            goodput.record(self.t.run_dir, "save_done", blocking_s=blocking_s)
+        self.ledger.record("save_done", blocking_s=blocking_s)
 
     # -- stragglers ------------------------------------------------------------------------------------
     def ranks(self, rec: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Restarting a failed worker group: when to, how often, and when to stop trying.
 
-Workers note how far they got (rank 0 writes ``progress.json`` in the run's state directory at every
-optimizer step and save: steps done, newest checkpoint step) and their pids (``workers/rank<r>.pid``,
+Workers note how far they got (rank 0 writes ``progress.json`` in the run's state directory at log steps,
+saves, loads, errors, the first step after a load and at least every 30 s: steps done, newest checkpoint step,
+where the attempt started; ``plait.engine.stepper``) and their pids (``workers/rank<r>.pid``,
 for the hang watchdog and for tests). After an attempt fails, ``decide`` reads the error reports and
 the progress:
 

@@ -14,35 +14,71 @@ not added to the history.
 
 from __future__ import annotations
 
+import bisect
 import math
-import statistics
 from collections import deque
 
 
 class SpikeDetector:
-    """See the module docstring; ``observe`` returns ``None``, ``"spike"`` or ``"nonfinite"``."""
+    """See the module docstring; ``observe`` returns ``None``, ``"spike"`` or ``"nonfinite"``.
+
+    The window is also kept sorted (``bisect``), so the median is an index and the median absolute deviation a
+    merge of the two sorted halves' distances from it: no sort per judgement."""
 
     def __init__(self, threshold: float, window: int) -> None:
         self.threshold, self.window = threshold, max(4, window)
         self.losses: deque[float] = deque(maxlen=self.window)
+        self._sorted: list[float] = []
 
-    def _outlier(self, history: deque[float], value: float) -> bool:
-        if self.threshold <= 0 or len(history) < self.window // 2:
+    @staticmethod
+    def _median(xs: list[float]) -> float:
+        n = len(xs)
+        return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+    def _deviation(self, median: float) -> float:
+        """Median of ``|x - median|`` over the sorted window: the distances below the median (read downwards)
+        and above it (read upwards) are two ascending runs, merged up to the middle."""
+        xs = self._sorted
+        n = len(xs)
+        lo, hi = bisect.bisect_left(xs, median) - 1, bisect.bisect_left(xs, median)
+        merged: list[float] = []
+        while len(merged) <= n // 2:
+            below = median - xs[lo] if lo >= 0 else math.inf
+            above = xs[hi] - median if hi < n else math.inf
+            if below <= above:
+                merged.append(below)
+                lo -= 1
+            else:
+                merged.append(above)
+                hi += 1
+        return merged[n // 2] if n % 2 else (merged[n // 2 - 1] + merged[n // 2]) / 2
+
+    def _outlier(self, value: float) -> bool:
+        if self.threshold <= 0 or len(self.losses) < self.window // 2:
             return False
-        median = statistics.median(history)
-        deviation = 1.4826 * statistics.median(abs(x - median) for x in history)
+        median = self._median(self._sorted)
+        deviation = 1.4826 * self._deviation(median)
         return value > median + self.threshold * max(deviation, 0.01 * abs(median), 1e-12)
+
+    def _append(self, loss: float) -> None:
+        if len(self.losses) == self.window:
+            del self._sorted[bisect.bisect_left(self._sorted, self.losses[0])]
+        self.losses.append(loss)
+        bisect.insort(self._sorted, loss)
 
     def observe(self, loss: float, grad_norm: float) -> str | None:
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             return "nonfinite"
-        if self._outlier(self.losses, loss):
+        if self._outlier(loss):
             return "spike"
-        self.losses.append(loss)
+        self._append(loss)
         return None
 
     def state_dict(self) -> dict[str, list[float]]:
         return {"losses": list(self.losses)}
 
     def load_state_dict(self, state: dict[str, list[float]]) -> None:
-        self.losses = deque((float(x) for x in state.get("losses", [])), maxlen=self.window)
+        self.losses = deque(maxlen=self.window)
+        self._sorted = []
+        for x in state.get("losses", []):
+            self._append(float(x))

@@ -38,6 +38,11 @@ class MetricsWriter:
         if self._trackers is not None:
             self._trackers.log(record)
 
+    def flush(self) -> None:
+        """What the trackers buffer, written now (an error is ending the run)."""
+        if self._trackers is not None:
+            self._trackers.flush()
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

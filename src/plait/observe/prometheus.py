@@ -168,12 +168,14 @@ class PrometheusExporter:
             self._set("plait_straggler_score", float(scores[self.rank]))
 
     def step_done(self, values: Mapping[str, Any]) -> None:
-        """One optimizer step completed on this rank (``values``: its record, as ``set_values`` reads it)."""
+        """One optimizer step completed on this rank (``values``: its record, as ``set_values`` reads it; the
+        device's values, loss and norm, and ``skipped``, the skipped steps since the last log step, only at log
+        steps: the engine reads nothing for the exporter on other steps)."""
         self.set_values(values)
         self._set("plait_last_step_timestamp_seconds", time.time())
         self._counters["plait_steps_total"].inc()
         if values.get("skipped"):
-            self._counters["plait_skipped_steps_total"].inc()
+            self._counters["plait_skipped_steps_total"].inc(int(values["skipped"]))
         for kind, value in memory_bytes(self.device).items():
             self._memory.labels(*self.labels, kind).set(value)
 

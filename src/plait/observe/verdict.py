@@ -165,7 +165,7 @@ def _data(run: Run, shares: dict[str, float], d: dict[str, Any]) -> tuple[str, s
 
 def _optimizer(run: Run, shares: dict[str, float], d: dict[str, Any]) -> tuple[str, str]:
     why = f"the optimizer update takes {shares['optimizer']:.0%} of the step"
-    if not run.setting("optim", "fused", False):
+    if run.setting("optim", "fused", False) is not True:  # "auto" is fused on a GPU only
         return "try `optim.fused=true`", why + "; the fused AdamW makes one pass over each parameter instead of " \
             "several (several times faster on CPU for large models)"
     if int(run.setting("parallel", "zero", 0) or 0) == 0 and run.world_size > 1:

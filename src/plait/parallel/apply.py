@@ -46,6 +46,7 @@ class ModelSpec:
     stage_fn: Callable[[nn.Module, int, int], nn.Module] | None = None
     loss: Any = None
     sample: Any = None
+    compile: Any = None  # a plait.parallel.compile.CompilePlan (None: train.compile's blocks, as before one existed)
 
 
 def _tp_function(model: nn.Module, p: ParallelConfig, spec: ModelSpec) -> Callable[[nn.Module, Any], nn.Module]:
@@ -98,7 +99,8 @@ def compose_model(model: nn.Module, topo: Topology, p: ParallelConfig, t: TrainC
                   spec: ModelSpec) -> nn.Module:
     """The model after the composition steps that precede a strategy's own wrapping, in order: tensor
     parallel (``spec``'s plan), this rank's slice of the experts (dispatched by ``moe.dispatcher``),
-    activation checkpointing (and activation offload), compile.
+    activation checkpointing (and activation offload), compile (of the blocks; a whole-model plan is applied
+    by the strategy's ``wrap_forward``, around the forward routing).
 
     Unsupported combinations were rejected by ``plait.validate``. The model's weights are already the
     same on every rank (the strategy broadcasts them first)."""
@@ -113,6 +115,9 @@ def compose_model(model: nn.Module, topo: Topology, p: ParallelConfig, t: TrainC
                                            t.checkpoint_save_ops)
     if t.activation_offload:
         offload_activations(model)
-    if t.compile:
+    plan = spec.compile
+    if plan and plan.unit == "blocks":  # the whole model is compiled later, around its forward routing
+        compile_blocks(model, plan.compiler)
+    elif plan is None and t.compile:
         compile_blocks(model, backend=t.compile_backend)
     return model

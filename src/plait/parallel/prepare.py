@@ -19,11 +19,12 @@ from plait.comm.collectives import Comm
 from plait.components.precision import autocast
 
 
-def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
-    """A ``torch.compile``d model's original module (its state-dict keys carry ``_orig_mod.``), and whether
-    it was compiled (then it is compiled again in place once the layout is applied)."""
+def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, Any]:
+    """A ``torch.compile``d model's original module (its state-dict keys carry ``_orig_mod.``), and the dynamo
+    context it was compiled with (None for a model that was not): ``setup`` compiles the module again with it once
+    the layout is applied, so the user's backend, mode and options stay (``plait.parallel.compile``)."""
     inner = getattr(model, "_orig_mod", None)
-    return (inner, True) if isinstance(inner, nn.Module) else (model, False)
+    return (inner, model.dynamo_ctx) if isinstance(inner, nn.Module) else (model, None)
 
 
 @torch.no_grad()
@@ -58,9 +59,9 @@ def sync_batchnorm(model: nn.Module, group: dist.ProcessGroup | None, device: to
 
 
 def route_forward(model: nn.Module, wrapper: Callable[..., Any] | None, precision: str, amp: bool,
-                  device: torch.device, compiled: bool) -> None:
-    """Make ``model(...)`` run through ``wrapper`` (DDP) and under autocast (``amp``); recompile it in place
-    if it came compiled. The model object and its state-dict keys stay the user's."""
+                  device: torch.device) -> None:
+    """Make ``model(...)`` run through ``wrapper`` (DDP) and under autocast (``amp``). The model object and its
+    state-dict keys stay the user's."""
     if wrapper is not None or amp:
         inner = wrapper if wrapper is not None else model.forward
 
@@ -69,5 +70,3 @@ def route_forward(model: nn.Module, wrapper: Callable[..., Any] | None, precisio
                 return inner(*args, **kwargs)
 
         model.forward = forward
-    if compiled:
-        model.compile()

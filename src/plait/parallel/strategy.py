@@ -47,6 +47,7 @@ from plait.components.precision import LossScaler, autocast
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.observe.memory import memory_report
 from plait.parallel.apply import ModelSpec, check_model, compose_model
+from plait.parallel.compile import CompilePlan, compile_model, fusable, fused_loss
 from plait.parallel.meta_init import InitFn, ModelFacts, initialise, materialise
 from plait.parallel.prepare import broadcast_weights, route_forward, sync_batchnorm
 from plait.plan.memory import predict_setup_bytes
@@ -101,6 +102,12 @@ class Strategy:
     # pipeline): ``apply`` then allocates what is left on meta after building it, so each rank allocates only
     # its part. Otherwise the composed model (after the tensor-parallel plan) is allocated before it.
     shards_meta: ClassVar[bool] = False
+    # why ``train.compile`` compiles this layout's model block by block (empty: the whole model may be one
+    # compiled region, with the loss; plait.parallel.compile)
+    compile_blocks_because: ClassVar[str] = ""
+    # whether ``reduce_loss`` runs at every step, not only at log steps, so that ``StepInfo.loss`` is the
+    # replica's on every rank (a pipeline: its last stage's loss, brought to every stage by one small all-reduce)
+    reduce_loss_every_step: ClassVar[bool] = False
 
     @classmethod
     def wants_sample(cls, cfg: Config) -> bool:
@@ -152,6 +159,9 @@ class Strategy:
     # -- the instance --------------------------------------------------------------------------------
     optimizer: Any = None
     _facts: ModelFacts | None = None
+    _trainable: list[nn.Parameter] | None = None
+    _compiler: Any = None  # the whole-model compile plan's compiler (forward_backward fuses the loss with it)
+    _fused: dict[int, Any]
     # what the engine measured of setup on this rank (plait.observe.memory.SetupMeter); ``report`` puts it
     # next to the prediction
     setup_memory: dict[str, Any] | None = None
@@ -161,6 +171,7 @@ class Strategy:
         self.model = model  # what the user runs forward on: their own model object
         self.cfg, self.topo, self.comm = cfg, topo, comm
         self.precision = cfg.train.precision
+        self._fused = {}
 
     # building
     def build_optimizer(self, factory: OptimizerFactory) -> Any:
@@ -191,9 +202,14 @@ class Strategy:
         """A callable running the model's forward through the layout's wrapper (DDP), or None."""
         return None
 
-    def wrap_forward(self, device: torch.device, compiled: bool) -> None:
-        """Make the user's ``model(...)`` run through ``forward_wrapper`` and under autocast."""
-        route_forward(self.model, self.forward_wrapper(), self.precision, self.uses_autocast(), device, compiled)
+    def wrap_forward(self, device: torch.device, plan: CompilePlan | None = None) -> None:
+        """Make the user's ``model(...)`` run through ``forward_wrapper`` and under autocast; with a whole-model
+        compile plan (``plait.parallel.compile``), as one compiled region, which ``forward_backward`` extends over
+        the loss."""
+        route_forward(self.model, self.forward_wrapper(), self.precision, self.uses_autocast(), device)
+        if plan is not None and plan.unit == "model":
+            compile_model(self.model, plan.compiler)
+            self._compiler = plan.compiler
 
     # one micro-step
     def set_sync(self, enabled: bool) -> None:
@@ -207,9 +223,10 @@ class Strategy:
         """Context forward and backward run in (tensor parallelism's loss parallelism); none by default."""
         return contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor, scale: float) -> None:
-        """Backward of one micro-batch's loss computed by the user's own forward, times ``scale``."""
-        (loss * scale).backward()
+    def backward(self, loss: torch.Tensor, scale: float | torch.Tensor) -> None:
+        """Backward of one micro-batch's loss computed by the user's own forward, times ``scale`` (a float, or the
+        loss scaler's device tensor); a scale of 1 multiplies nothing (its gradient would be the same)."""
+        (loss if isinstance(scale, float) and scale == 1.0 else loss * scale).backward()
 
     def forward_backward(self, model: nn.Module, batch: Any, loss: Any, scale: float,
                          before_backward: Callable[[float], None] | None = None,
@@ -219,7 +236,7 @@ class Strategy:
         import time
 
         t0 = time.perf_counter()
-        out = loss(model, batch)
+        out = self._loss_value(model, batch, loss)
         t1 = time.perf_counter()
         check_loss(out)
         if before_backward is not None:
@@ -230,6 +247,16 @@ class Strategy:
             times["backward_s"] += time.perf_counter() - t1
         return out.detach()
 
+    def _loss_value(self, model: nn.Module, batch: Any, loss: Any) -> torch.Tensor:
+        """``loss(model, batch)``; with the whole model compiled, the model and the loss in one region
+        (``plait.parallel.compile.fused_loss``, one per loss object)."""
+        if self._compiler is None or model is not self.model or not fusable(loss):
+            return loss(model, batch)
+        run = self._fused.get(id(loss))
+        if run is None:
+            run = self._fused[id(loss)] = fused_loss(model, loss, self._compiler)
+        return run(batch)
+
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batch: Any, loss: Any) -> torch.Tensor:
         """One batch's loss without gradients, on the rank's device."""
@@ -237,40 +264,94 @@ class Strategy:
             return loss(model, batch)
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """This rank's loss as a value every rank of its model replica agrees on."""
+        """This rank's losses (any shape: one per step since the last log step) as values every rank of its model
+        replica agrees on. Called at log steps only (a collective where the layout needs one), or at every step
+        with ``reduce_loss_every_step``."""
         return loss
 
     # one optimizer step
     def finish(self) -> None:
         """Complete gradient synchronisation (the engine times the wait as exposed communication)."""
 
+    def trainable(self) -> list[nn.Parameter]:
+        """This rank's trainable parameters, listed once (the layout does not change them after setup)."""
+        if self._trainable is None:
+            self._trainable = [p for p in self.model.parameters() if p.requires_grad]
+        return self._trainable
+
     def grads(self) -> list[torch.Tensor]:
         """The gradient tensors the optimizer will read (what loss-scale unscaling divides)."""
-        return [p.grad for p in self.model.parameters() if p.grad is not None]
+        return [p.grad for p in self.trainable() if p.grad is not None]
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Clip to ``max_norm`` (inf: measure only); returns the global pre-clip norm."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if not params:
-            return 0.0
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor | float:
+        """Clip to ``max_norm`` (inf: measure only); returns the global pre-clip norm, a 0-dim tensor on the device
+        (nothing read: torch's coefficient ``max_norm / (norm + 1e-6)``, at most 1, multiplies on the device). A
+        layout may return a float it read on the host; the step's skip is then decided there."""
+        params = self.trainable()
         # foreach=None: torch's choice, the per-tensor loop on the CPU, multi-tensor kernels on a GPU
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=None))
+        if math.isinf(max_norm):  # the norm only: a coefficient of 1 would multiply every gradient for nothing
+            grads = [p.grad for p in params if p.grad is not None]
+            return torch.nn.utils.get_total_norm(grads, foreach=None) if grads else torch.zeros(())
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=None)
 
     def step(self) -> None:
         """The optimizer update (the gradients are finite and clipped)."""
         self.optimizer.step()
 
-    def clip_and_step(self, max_norm: float, scaler: LossScaler, before_step: Callable[[], None]) -> tuple[float, bool]:
-        """Unscale, clip (the global norm over every shard), and step when the norm is finite (after
-        ``before_step``); returns (pre-clip norm, whether the update ran). Every rank sees the same norm, so
-        all skip or step together."""
-        scaler.unscale(self.grads())
+    def clip_and_step(self, max_norm: float, scaler: LossScaler, before_step: Callable[[], None]
+                      ) -> tuple[torch.Tensor | float, torch.Tensor | bool]:
+        """Unscale, clip (the global norm over every shard), and step unless the norm is non-finite (after
+        ``before_step``); returns (pre-clip norm, skipped). Every rank sees the same norm, so all skip or step
+        together. On the device: the norm is a 0-dim tensor and ``skipped`` a 0-dim float tensor (1.0: the update
+        did not run), decided by ``step_unless``; a layout whose ``clip_grad_norm`` returns a float decides on
+        the host (``skipped`` a bool)."""
+        if scaler.enabled:  # no gradient list for a scaler that is off
+            scaler.unscale(self.grads())
         norm = self.clip_grad_norm(max_norm)
-        finite = math.isfinite(norm)
-        if finite:
-            before_step()
+        if not isinstance(norm, torch.Tensor):
+            skipped = not math.isfinite(norm)
+            if not skipped:
+                before_step()
+                self.step()
+            return norm, skipped
+        found = nonfinite(norm)
+        before_step()
+        self.step_unless(found)
+        return norm, found
+
+    def torch_optimizers(self) -> list[torch.optim.Optimizer] | None:
+        """The torch optimizers ``step`` runs (a ZeRO optimizer's inner one), or None where one is not a torch
+        optimizer (then the skip of a non-finite step is decided on the host)."""
+        out = []
+        for o in self.optimizers:
+            o = o if isinstance(o, torch.optim.Optimizer) else getattr(o, "optimizer", None)
+            if not isinstance(o, torch.optim.Optimizer):
+                return None
+            out.append(o)
+        return out
+
+    def skips_on_device(self) -> bool:
+        """Whether every optimizer ``step`` runs takes torch's ``found_inf`` (``step_unless``)."""
+        opts = self.torch_optimizers()
+        return bool(opts) and all(getattr(o, "_step_supports_amp_scaling", False) for o in opts)
+
+    def step_unless(self, found: torch.Tensor) -> None:
+        """``step``, unless ``found`` (a 0-dim float tensor on the device) is 1. Optimizers that take torch's
+        ``found_inf`` (fused Adam/AdamW/SGD/Adagrad, ``_step_supports_amp_scaling``: plait's AdamW on a GPU) skip
+        on the device, parameters, states and step counts untouched: the host reads nothing. Any other
+        optimizer needs the decision on the host: one read of ``found`` per step (on a GPU, a wait for the
+        gradients), the only device-to-host read of a non-logging step."""
+        opts = self.torch_optimizers()
+        if self.skips_on_device():
+            for o in opts:
+                o.found_inf = found
+            try:
+                self.step()
+            finally:
+                for o in opts:
+                    del o.found_inf
+        elif not bool(found):
             self.step()
-        return norm, finite
 
     def after_step(self) -> None:
         """After every optimizer step, stepped or skipped, once the LR scheduler has stepped (buffers averaged)."""
@@ -407,6 +488,12 @@ class Strategy:
 
     def close(self) -> None:
         """At the end of the run (a parameter server's worker tells the servers it is done)."""
+
+
+def nonfinite(norm: torch.Tensor) -> torch.Tensor:
+    """1.0 where ``norm`` is NaN or infinite, else 0.0: a 0-dim float32 tensor on the norm's device (torch's
+    ``found_inf``), computed without reading it."""
+    return torch.logical_not(torch.isfinite(norm)).to(torch.float32)
 
 
 def check_loss(loss: Any) -> None:

@@ -42,6 +42,10 @@ class Wrapper(Strategy):
         return self.inner.torch_collectives
 
     @property
+    def reduce_loss_every_step(self) -> bool:  # type: ignore[override]
+        return self.inner.reduce_loss_every_step
+
+    @property
     def optimizers(self) -> list[Any]:
         return self.inner.optimizers
 
@@ -72,8 +76,8 @@ class Wrapper(Strategy):
     def uses_autocast(self) -> bool:
         return self.inner.uses_autocast()
 
-    def wrap_forward(self, device: torch.device, compiled: bool) -> None:
-        self.inner.wrap_forward(device, compiled)
+    def wrap_forward(self, device: torch.device, plan: Any = None) -> None:
+        self.inner.wrap_forward(device, plan)
 
     def set_sync(self, enabled: bool) -> None:
         self.inner.set_sync(enabled)

@@ -137,7 +137,7 @@ def cmd_plan(argv: list[str]) -> int:
 
     shape = shape_from_config(cfg, recipes)
     base = Workload(shape, Layout(), cfg.train.global_batch_size, precision=cfg.train.precision,
-                    fused_optimizer=cfg.optim.fused, grad_clip=cfg.optim.grad_clip > 0)
+                    fused_optimizer=cfg.optim.fused is not False, grad_clip=cfg.optim.grad_clip > 0)
     result = plan(shape, profile, gpus, cfg.train.global_batch_size, base=base, top=flags.get("--top", 5),
                   traffic=optimizer_traffic(cfg))
     out = {"model": {"name": shape.name, "params": shape.param_count()}, "gpus": gpus, "hardware": profile.name,

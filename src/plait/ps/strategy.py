@@ -174,16 +174,16 @@ class ParameterServer(Strategy):
         self.optimizer._opt_called = True  # the servers step it: no LR-scheduler order warning
 
     def clip_and_step(self, max_norm: float, scaler: Any, before_step: Callable[[], None]) -> tuple[float, bool]:
-        """Measure and mark the gradient (the base class's), then push it now: the learning rates sent are
-        this step's, since the engine steps the LR scheduler once this returns. Returns (norm, stepped): the
-        applied update's where the workers meet at every step (see the module docstring), else this
-        worker's own."""
-        norm, finite = super().clip_and_step(max_norm, scaler, before_step)
+        """Measure and mark the gradient (the base class's, on the host: the push sends the norm), then push it
+        now: the learning rates sent are this step's, since the engine steps the LR scheduler once this returns.
+        Returns (norm, skipped): the applied update's where the workers meet at every step (see the module
+        docstring), else this worker's own."""
+        norm, skipped = super().clip_and_step(max_norm, scaler, before_step)
         applied = self._push()
         if applied is not None and self.agreement_group(None)[0]:
             norm = applied ** 0.5
-            finite = math.isfinite(norm)
-        return norm, finite
+            skipped = not math.isfinite(norm)
+        return norm, skipped
 
     def _push(self) -> float | None:
         """PUSH the gradient (every ``ps.push_every`` steps) with the groups' learning rates, or announce a

@@ -33,16 +33,57 @@ from plait.fault.recovery import Recovery
 from plait.observe.ranks import rank_timings
 
 
+class _EngineCount:
+    """``RunState.skipped_steps``: the engine's count (``Plait.skipped_steps``, which reads the non-finite flags
+    of the steps since the last log step when looked up), or a number where no engine is attached."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return 0
+        value = obj.__dict__.get(self.slot, 0)
+        return value() if callable(value) else value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.slot] = value
+
+
 @dataclass
 class RunState:
     step: int = 0
-    skipped_steps: int = 0
+    skipped_steps: int = _EngineCount()
     last_loss: float = float("nan")
     val_loss: float = float("nan")
     val_accuracy: float = float("nan")
     tokens_seen: int = 0
     samples_seen: int = 0
     train_seconds: float = 0.0
+
+
+class StepRecord(dict):
+    """One step's metrics record (``Trainer.train_step``): the host's figures, and the device's (``loss``,
+    ``global_loss``, ``grad_norm``) read when first looked up (``rec["loss"]``) on a step that did not log; at a
+    log step they are in it already, read with the rest in one transfer."""
+
+    DEVICE_KEYS = ("loss", "global_loss", "grad_norm")
+
+    def __init__(self, info: Any, **host: Any) -> None:
+        super().__init__(**host)
+        self.info = info
+        if info.logged:
+            for k in self.DEVICE_KEYS:
+                self[k] = getattr(info, k)
+
+    def __missing__(self, key: str) -> Any:
+        if key not in self.DEVICE_KEYS:
+            raise KeyError(key)
+        value = self[key] = getattr(self.info, key)
+        return value
+
+    def __reduce__(self) -> Any:  # pickled (to another process) as the plain dict it holds, values read
+        return dict, (dict({k: self[k] for k in self.DEVICE_KEYS}, **self),)
 
 
 def warmup_cosine(cfg: Config) -> Any:
@@ -101,6 +142,7 @@ class Trainer:
         self.scheduler = p.scheduler
         self.peak = self._peak()
         self.state = RunState()
+        self.state.skipped_steps = lambda: p.skipped_steps  # read from the engine only when looked up
         self._it: Any = None
         self.recovery = Recovery(self)
         if self.rank0:
@@ -191,7 +233,7 @@ class Trainer:
         extra = self.p.load(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                             dataloader=self.loader)
         for k, v in extra.items():
-            if hasattr(self.state, k):
+            if hasattr(self.state, k) and k != "skipped_steps":  # the engine restored its own count
                 setattr(self.state, k, type(getattr(self.state, k))(v))
         self.recovery.load(extra.get("recovery"))
         skip = self.recovery.resumed_at(self.state.step)
@@ -199,11 +241,8 @@ class Trainer:
             self.loader.advance(skip * self.p.accumulation)
         self._it = None
         self._truncate_metrics(self.state.step)
-        if self.rank0:
-            from plait.fault import goodput
-
-            goodput.record(self.run_dir, "resume", step=self.state.step, load_s=time.perf_counter() - t0,
-                           skipped_batches=skip)
+        self.recovery.ledger.record("resume", step=self.state.step, load_s=time.perf_counter() - t0,
+                                    skipped_batches=skip)
 
     def _truncate_metrics(self, step: int) -> None:
         """Metrics of steps after ``step`` belong to a timeline that was undone (a crash, a rollback)."""
@@ -225,9 +264,19 @@ class Trainer:
         return path
 
     # -- one step ----------------------------------------------------------------------------------
-    def train_step(self) -> dict[str, Any]:
-        """One optimizer step over ``accumulation`` micro-batches; returns its metrics record."""
+    def logs_at(self, step: int) -> bool:
+        """Whether step ``step`` reads its values: it is logged (step 1, every ``train.log_every``-th, the last)
+        or a checkpoint is saved after it (the spike detector judges before any save)."""
+        cfg = self.cfg.train
+        last = step == cfg.steps
+        return step == 1 or step % cfg.log_every == 0 or last or self.recovery.should_save(step, last)
+
+    def train_step(self, log: bool | None = None) -> dict[str, Any]:
+        """One optimizer step over ``accumulation`` micro-batches; returns its metrics record (a ``StepRecord``).
+        ``log``: whether the step reads and agrees on its values (default: ``logs_at``); a step that does not
+        reads nothing from the device unless the record's ``loss``, ``global_loss`` or ``grad_norm`` is looked up."""
         p = self.p
+        log = self.logs_at(self.state.step + 1) if log is None else log
         t_start = time.perf_counter()
         data_s, tokens, samples, info = 0.0, 0, 0, None
         while info is None:
@@ -237,20 +286,20 @@ class Trainer:
             n_tok, n_smp = _items(batch, self.loss)
             tokens, samples = tokens + n_tok, samples + n_smp
             p.forward_backward(self.model, batch, self.loss)
-            info = p.step()
+            info = p.step(log)
         step_s = time.perf_counter() - t_start
         if p.finish_blocking_s:  # an asynchronous save completed in this step: its wait is blocking time
             self.recovery.save_done(p.finish_blocking_s)
             p.finish_blocking_s = 0.0
         s = self.state
         s.step = info.step
-        s.skipped_steps = p.skipped_steps
         tokens, samples = tokens * p.dp, samples * p.dp
         s.tokens_seen += tokens
         s.samples_seen += samples
         s.train_seconds += step_s
-        rec = {"step": info.step, "loss": info.loss, "global_loss": info.global_loss, "lr": info.lr,
-               "grad_norm": info.grad_norm, "preempted": info.preempted}
+        rec = StepRecord(info, step=info.step, lr=info.lr, preempted=info.preempted)
+        if info.history is not None:  # a log step: every step since the previous one, for the spike detector
+            rec["history"] = info.history
         if tokens:
             rec["tokens_per_s"] = tokens / step_s
         rec.update({"samples_per_s": samples / step_s, "step_s": step_s, "data_s": data_s,
@@ -311,6 +360,7 @@ class Trainer:
                 if rec.pop("preempted"):
                     self._preempted()
                 last = s.step == cfg.train.steps
+                rec.pop("history", None)
                 if s.step % cfg.train.log_every == 0 or last or s.step == 1:
                     p.phase("loss logging")
                     rec["loss"] = s.last_loss = rec.pop("global_loss")
@@ -324,6 +374,7 @@ class Trainer:
                     self.save()
             return self.finish()
         except Exception as e:
+            self.recovery.ledger.flush()  # the steps' goodput events kept since the last log step
             named = p.explain(e)  # a backend timeout becomes the error naming the late ranks
             if named is e:
                 raise
@@ -336,10 +387,8 @@ class Trainer:
         path = self.save()
         self.p.finish_saves()
         if self.rank0:
-            from plait.fault import goodput
-
             (self.run_dir / "preempted.json").write_text(json.dumps({"step": self.state.step, "checkpoint": str(path)}))
-            goodput.record(self.run_dir, "preempted", step=self.state.step)  # counted apart from failures
+        self.recovery.ledger.record("preempted", step=self.state.step)  # counted apart from failures
         self.p.barrier()
         if self.rank0:
             self.log.warning("preempted at step %d: saved %s", self.state.step, path)
@@ -368,10 +417,10 @@ class Trainer:
                            model_flops_per_item=self.flops.per_item, flops_item=self.flops.item,
                            flops_source=self.flops.source, peak_flops_per_device=self.peak.flops,
                            peak_source=self.peak.source)
+        self.recovery.ledger.record("end")
         if self.rank0:
             from plait.fault import goodput
 
-            goodput.record(self.run_dir, "end")
             summary["goodput"] = goodput.goodput(self.run_dir)
             summary.update({k: summary["goodput"].get(k, 0) for k in ("preemptions", "failures")})
         if not math.isnan(s.val_accuracy):

@@ -19,6 +19,7 @@ the compressor keeps its error-feedback state per bucket index.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -107,14 +108,13 @@ class GradReducer:
         # Expert-parallel parameters (plait.parallel.expert.dispatch) reduce over their own group, not this one.
         params = [p for p in model.parameters() if p.requires_grad and not is_expert(p)]
         self.buckets = _make_buckets(list(reversed(params)), int(bucket_mb * 2**20))
-        self._where: dict[nn.Parameter, tuple[_Bucket, int]] = {}
         self._next = 0
         for b in self.buckets:
             for i, p in enumerate(b.params):
-                self._where[p] = (b, i)
                 if not self.copy_grads:
                     p.grad = b.views[i]
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                # the hook knows its bucket and slot: no lookup by parameter (a tensor's hash is a Python call)
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b, i))
         # Built after the buckets so every rank registers compressors in the same order.
         self.compressor: Compressor | None = comm.make_compressor()
         self._reset()
@@ -132,11 +132,11 @@ class GradReducer:
         for b in self.buckets:
             b.pending, b.ready, b.launched, b.work = len(b.params), False, False, None
 
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        bucket, i = self._where[p]
-        if self.copy_grads:
-            pass  # copied at launch
-        elif p.grad is None or p.grad.data_ptr() != bucket.views[i].data_ptr():
+    def _on_grad_ready(self, bucket: _Bucket, i: int, p: nn.Parameter) -> None:
+        grad, view = p.grad, bucket.views[i]
+        if self.copy_grads or grad is view:
+            pass  # copied at launch; or accumulated into its view (the same tensor object), the usual case
+        elif grad is None or grad.data_ptr() != view.data_ptr():
             # The optimizer dropped the views (zero_grad with set_to_none): put the gradient back.
             bucket.views[i].copy_(p.grad)
             p.grad = bucket.views[i]
@@ -273,7 +273,7 @@ class TorchDDP:
         return self.module.no_sync()
 
     def zero_grad(self) -> None:
-        self.module.zero_grad(set_to_none=False)
+        drop_grads(self)
 
 
 class LocalGrads:
@@ -292,7 +292,18 @@ class LocalGrads:
         return contextlib.nullcontext()
 
     def zero_grad(self) -> None:
-        self.module.zero_grad(set_to_none=False)
+        drop_grads(self)
+
+
+def drop_grads(engine: TorchDDP | LocalGrads) -> None:
+    """Gradients dropped (``set_to_none``), as a hand-written loop's ``optimizer.zero_grad()`` does: the next
+    backward writes fresh ones instead of adding into zeroed memory. Over the parameters listed once (a module's
+    own ``zero_grad`` walks the module tree at every call)."""
+    params = engine.__dict__.get("_params")
+    if params is None:
+        params = engine._params = [p for p in engine.module.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
 
 
 def apply_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, dp: int, impl: str,

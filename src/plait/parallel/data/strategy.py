@@ -16,6 +16,7 @@ normalises with the statistics of the whole data-parallel batch instead.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -128,18 +129,18 @@ class DataParallel(ReducerSync, BatchNormAveraging, Strategy):
         flats = self._flat_grads()
         return flats if flats is not None else super().grads()
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor | float:
         flats = self._flat_grads()
         if flats is None:
             return super().clip_grad_norm(max_norm)
-        # torch's formula (coefficient max_norm / (norm + 1e-6), at most 1) on the bucket buffers:
+        # torch's formula (coefficient max_norm / (norm + 1e-6), at most 1) on the bucket buffers, on the device:
         # a parameter without a gradient this step holds zeros there, so the norm is the same.
         total = torch.nn.utils.get_total_norm(flats, foreach=None)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if coef < 1.0:
+        if not math.isinf(max_norm):
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             for f in flats:
                 f.mul_(coef)
-        return float(total)
+        return total
 
     def zero_grad(self) -> None:
         self.engine.zero_grad()

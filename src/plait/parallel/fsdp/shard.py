@@ -28,6 +28,7 @@ available"), so ``offload="params"`` is rejected up front on CPU with a message 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -130,16 +131,21 @@ def _copy_view_outputs(module: nn.Module, args: Any, output: Any) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.clone() if hooked_view(t) else t, output)
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip the global gradient norm of an FSDP2 model; return the total norm as a plain tensor.
+def clip_grad_norm_(model: nn.Module, max_norm: float, params: list[nn.Parameter] | None = None) -> torch.Tensor:
+    """Clip the global gradient norm of an FSDP2 model; return the total norm as a plain tensor on the device
+    (nothing read on the host). ``params``: the model's trainable parameters, if the caller listed them once.
 
     Communication: torch computes each shard's norm locally and all-reduces it across the mesh (the
     DTensor reduction); no backward. The returned norm may be non-finite: the trainer should skip
-    the step then.
+    the step then. ``max_norm`` inf: the norm only.
     """
     from torch.distributed.tensor import DTensor
 
-    total = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+    params = [p for p in (params if params is not None else model.parameters()) if p.grad is not None]
+    if math.isinf(max_norm):
+        total = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+    else:
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm)
     return total.full_tensor() if isinstance(total, DTensor) else total
 
 

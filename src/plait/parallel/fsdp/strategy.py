@@ -29,6 +29,7 @@ class Fsdp(BatchNormAveraging, Strategy):
     Its check owns ``parallel.dp_shard`` for every layout that shards with FSDP2 (tensor and pipeline too)."""
 
     name = "fsdp"
+    compile_blocks_because = "FSDP2 gathers each block's parameters around that block's forward"
     priority = 10
     torch_collectives = True
     shards_gradients = True
@@ -80,10 +81,10 @@ class Fsdp(BatchNormAveraging, Strategy):
     def grads(self) -> list[torch.Tensor]:
         return [p.grad.to_local() for p in self.model.parameters() if p.grad is not None]
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         from plait.parallel.fsdp.shard import clip_grad_norm_
 
-        return float(clip_grad_norm_(self.model, max_norm))
+        return clip_grad_norm_(self.model, max_norm, self.trainable())
 
     def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         # cpu_offload: torch gathers the full tensors to rank 0's CPU memory only

@@ -30,6 +30,7 @@ and last stage are sharded alike, and the ranks summing them hold the same data-
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,7 @@ from plait.components.optim import optimizer_recipe
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.parallel.pipeline.strategy import Pipeline
 from plait.parallel.strategy import OptimizerFactory, register_strategy
+from plait.parallel.tensor.strategy import scale_down
 from plait.parallel.units import find_blocks
 from plait.parallel.zero.optimizer import ZeroOptimizer
 from plait.parallel.zero.strategy import check_elementwise
@@ -111,9 +113,9 @@ class PipelineZero(Pipeline):
     def grads(self) -> list[torch.Tensor]:
         return [b.grad_shard for b in self.optimizer.buckets]
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Global norm over the dp shards and the pp stages, each tied parameter once. Communication: one
-        all-reduce of a scalar over dp, one over pp."""
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global norm over the dp shards and the pp stages, each tied parameter once (float64, on the device).
+        Communication: one all-reduce of a scalar over dp, one over pp."""
         self.optimizer.finish_grad_sync()
         sq = torch.zeros((), dtype=torch.float64)
         for b, skip in zip(self.optimizer.buckets, self._skip, strict=True):
@@ -121,12 +123,9 @@ class PipelineZero(Pipeline):
             sq += g.pow(2).sum() - sum((g[a:e].pow(2).sum() for a, e in skip), torch.zeros((), dtype=torch.float64))
         dist.all_reduce(sq, group=self.topo.dp_group)
         dist.all_reduce(sq, group=self.topo.group("pp"))
-        norm = float(sq.sqrt())
-        if norm == norm and norm != float("inf"):
-            coef = min(1.0, max_norm / (norm + 1e-6))
-            if coef < 1.0:
-                for b in self.optimizer.buckets:
-                    b.grad_shard.mul_(coef)
+        norm = sq.sqrt()
+        if not math.isinf(max_norm):
+            scale_down([b.grad_shard for b in self.optimizer.buckets], norm, max_norm)
         return norm
 
     def step(self) -> None:

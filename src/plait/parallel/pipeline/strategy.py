@@ -89,6 +89,8 @@ class Pipeline(ModelParallel):
     """The model (tensor-parallel already, or not) split into pipeline stages over the pp axis."""
 
     name = "pipeline"
+    compile_blocks_because = "the model is split into pipeline stages"
+    reduce_loss_every_step = True  # StepInfo.loss: the last stage's, on every stage, at every step (as ever)
     priority = 40
     model_whole = False
     shards_meta = True
@@ -163,7 +165,7 @@ class Pipeline(ModelParallel):
         pipeline's backward)."""
         return self.engine.no_sync()
 
-    def wrap_forward(self, device: torch.device, compiled: bool) -> None:
+    def wrap_forward(self, device: torch.device, plan: Any = None) -> None:
         """Nothing: the stages run inside the schedule (under autocast there), never through ``model(...)``."""
 
     def backward(self, loss: torch.Tensor, scale: float) -> None:
@@ -277,10 +279,10 @@ class Pipeline(ModelParallel):
         return {"pipeline": out}
 
     def reduce_loss(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the pp group: brings the last stage's loss to every pipeline rank."""
-        t = t.detach().double().reshape(1)
+        """Sum over the pp group (any shape): brings the last stage's losses to every pipeline rank."""
+        t = t.detach().double().clone()
         dist.all_reduce(t, group=self.topo.group("pp"))
-        return t[0]
+        return t
 
     def model_state(self) -> dict:
         return self.runner.state_dict()

@@ -21,6 +21,7 @@ name that parameter has in the single-process model.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -69,6 +70,15 @@ def sum_sharded_squares(pairs: Iterable[tuple[nn.Parameter, torch.Tensor]]) -> t
     return total
 
 
+def scale_down(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Multiply ``grads`` by torch's clipping coefficient ``max_norm / (norm + 1e-6)``, at most 1, and by 1 where
+    ``norm`` is not finite (the step is skipped): on the device, computed in ``norm``'s float64 as the host did."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+    for g in grads:
+        g.mul_(coef)
+
+
 class ModelParallel(ReducerSync, Strategy):
     """Shared parts of the tensor and pipeline strategies (see the module docstring)."""
 
@@ -97,18 +107,16 @@ class ModelParallel(ReducerSync, Strategy):
         return sum_sharded_squares((p, g) for _, p in self.named if (g := local_grad(p)) is not None
                                    and id(p) not in self.tied_copies and id(p) not in skip)
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Global gradient norm over tp shards, FSDP dp shards and pp stages; scales the local gradients
-        in place. Communication: one all-reduce per (sharding pattern, mesh axis) pair, then one over pp."""
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global gradient norm over tp shards, FSDP dp shards and pp stages (float64, on the device, not read);
+        scales the local gradients in place. Communication: one all-reduce per (sharding pattern, mesh axis)
+        pair, then one over pp."""
         total = self.sharded_squares()
         if self.topo.degree("pp") > 1:
             dist.all_reduce(total, group=self.topo.group("pp"))
-        norm = float(total.sqrt())
-        if norm == norm and norm != float("inf"):
-            coef = min(1.0, max_norm / (norm + 1e-6))
-            if coef < 1.0:
-                for g in self.grads():
-                    g.mul_(coef)
+        norm = total.sqrt()
+        if not math.isinf(max_norm):
+            scale_down(self.grads(), norm, max_norm)
         return norm
 
     def state_dicts(self) -> tuple[dict, dict]:
@@ -147,6 +155,7 @@ class Tensor(ModelParallel):
     """A tensor-parallel model (already sharded by the composition's plan), data parallel over dp."""
 
     name = "tensor"
+    compile_blocks_because = "tensor parallelism compiles its DTensor blocks one by one"
     priority = 30
 
     @classmethod

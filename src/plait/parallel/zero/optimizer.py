@@ -37,6 +37,7 @@ compressors on few ranks (their all-gathers grow with ``n - 1``); fp16/bf16 do n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -255,7 +256,8 @@ class ZeroOptimizer:
         Communication: one all-reduce (sum) of a scalar, the local shard's sum of squares, over the
         group; no backward. Each element is owned by exactly one rank, so the sum over ranks is the
         full gradient's squared norm. A non-finite norm is returned unchanged and nothing is scaled,
-        so the trainer can skip the step.
+        so the trainer can skip the step. Nothing is read on the host: the coefficient stays on the device
+        (``max_norm`` inf: the norm only).
         """
         self._ensure_reduced()
         dev = self.buckets[0].grad_shard.device
@@ -267,8 +269,9 @@ class ZeroOptimizer:
         else:
             dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
         total = sq.sqrt()
-        if torch.isfinite(total):
+        if not math.isinf(max_norm):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # same formula as torch's clip
+            coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
             for b in self.buckets:
                 b.grad_shard.mul_(coef)
         return total

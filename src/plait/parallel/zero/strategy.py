@@ -85,8 +85,8 @@ class Zero(BatchNormAveraging, Strategy):
     def grads(self) -> list[torch.Tensor]:
         return [b.grad_shard for b in self.optimizer.buckets]
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        return float(self.optimizer.clip_grad_norm_(max_norm))
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return self.optimizer.clip_grad_norm_(max_norm)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
