@@ -6,11 +6,12 @@ Dense parameters are replicated on all ``dp`` ranks; each MoE layer's ``E`` expe
 ``ep`` ranks of a group (rank ``i`` holds the global experts ``[i E/ep, (i+1) E/ep)``) and replicated over
 the ``dp / ep`` ranks holding the same slice (the expert-data-parallel group).
 
-Dispatch (``AllToAllDispatcher``): the routed assignments are sorted by global expert index; one
-all-to-all exchanges the per-expert counts, then the tokens go out with those variable splits (each
-destination reads which local expert a row is for from the counts), the local experts run, and a second
-all-to-all brings the results back (autograd runs the two reversed in backward).
-``AllGatherDispatcher`` is the reference path: every rank gathers
+Dispatch (``AllToAllDispatcher``, the default): the routed assignments are sorted by global expert index; one
+all-to-all exchanges the per-expert counts, then the tokens go out in slot buffers of a static size (each
+destination reads which local expert a row is for from the counts, on the device), the local experts run, and a
+second all-to-all brings the results back (autograd runs the two reversed in backward): no host read, so
+torch.compile keeps one graph. ``SplitAllToAllDispatcher`` sends variable splits sized by the routing (one host
+read per layer). ``AllGatherDispatcher`` is the reference path: every rank gathers
 all ranks' assignments, computes those for its own experts, and one all-reduce sums the results.
 
 Gradient reduction (``plait.parallel.expert.strategy.ExpertParallel.finish``), so that every gradient

@@ -1,5 +1,5 @@
 """Expert parallelism for Hugging Face mixture-of-experts models (transformers 5): Mixtral, Qwen2-MoE,
-Qwen3-MoE, OLMoE, and any family registered with ``register_moe_adapter``.
+Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, and any family registered with ``register_moe_adapter``.
 
 What a family must look like (its adapter names the parts). A sparse MoE *block* (``MixtralSparseMoeBlock``)
 holds a router (``gate``) and an experts module (``experts``) whose weights are fused 3-D parameters with the
