@@ -138,3 +138,24 @@ def test_plan_memory_measures_the_imbalance_from_a_run_directory(tmp_path, capsy
     assert "imbalance 1.600 from measured in" in out and "(MoE layer 1)" in out, out
     assert main(["plan", "memory", "--run-dir", str(run), "--moe.imbalance=1.0"]) == 0  # the measurement wins
     assert "imbalance 1.600" in capsys.readouterr().out
+
+
+def test_imbalance_raises_the_predicted_peak_by_the_busiest_ranks_extra_expert_rows():
+    """The per-rank prediction ``plait plan memory`` prints: under variable splits the activations grow by exactly
+    the busiest rank's extra rows times what each saves (its input, fc and GELU outputs) in every MoE layer, and
+    nothing else moves; the static all-to-all is priced at its bound, which variable splits reach at an imbalance
+    of ``min(ep, E / k)`` = 2."""
+    profile = load_profile("a100-80gb")
+
+    def rank0(extra: list[str]):
+        return simulate_config(load_config(None, MOE + extra), profile, memory_only=True).memory[0]
+
+    split = ["--moe.dispatcher=alltoall_split"]
+    base, hot = rank0(split), rank0(split + ["--moe.imbalance=1.5"])
+    shape = shape_from_config(load_config(None, MOE + split))
+    balanced = 8 * shape.seq_len * shape.top_k  # assignments per rank and micro-batch
+    per_row = (shape.d_model + 2 * shape.expert_hidden) * 4  # fp32 x_recv, fc, hidden
+    assert hot.activations - base.activations == shape.moe_blocks * (int(1.5 * balanced) - balanced) * per_row
+    assert (hot.params, hot.grads, hot.optimizer) == (base.params, base.grads, base.optimizer)
+    static = {f: rank0([f"--moe.imbalance={f}"]).activations for f in (1.0, 2.0)}
+    assert static[1.0] == static[2.0] == rank0(split + ["--moe.imbalance=2.0"]).activations > hot.activations
