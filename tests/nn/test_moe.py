@@ -313,7 +313,9 @@ def _gpt_cases(rank: int, root: str) -> dict:
             info = p.step()
             losses.append(info.global_loss)
             reports.append(info.moe)
-        out[name] = {"losses": losses, "full": _full(p, model), "moe_layers": len(reports[0] or [])}
+        ep_report = p.layout.report(None, None, p.device).get("expert_parallel") or {}
+        out[name] = {"losses": losses, "full": _full(p, model), "moe_layers": len(reports[0] or []),
+                     "expert_sharding": ep_report.get("expert_sharding")}
         if "zero" in name:  # measured model states (from the second step) against the planner's prediction
             predicted = simulate_config(cfg, load_profile("a100-80gb")).memory[0]
             out[name]["memory"] = (p.memory["total"], predicted.model_states)
@@ -528,6 +530,8 @@ def test_moe_gpt_with_tensor_or_pipeline_parallelism_matches_one_process(results
         if "memory" in got:  # experts' states sharded over their 2 replicas: the planner predicts what ranks hold
             measured, predicted = got["memory"]
             assert abs(predicted / measured - 1) < 0.01, (name, r, measured, predicted)
+    if name.endswith("interleaved"):  # pp rank 0 holds stages 0 and 2 (blocks 0 and 2): no MoE layer, and trains
+        assert sorted({results[r][name]["expert_sharding"] for r in range(WORLD)}) == ["none", "replicated"]
 
 
 def test_metrics_per_layer(results) -> None:
