@@ -12,10 +12,17 @@ every MoE variant was still behind the dense model, so the comparison needs the 
 
 Speed (gloo, one thread per rank): the MoE layer's forward+backward tokens/s at ep=1 (one process, all
 experts) and ep=2 (two processes, each with its own tokens and half the experts), and the bytes the
-all-to-alls put on the wire, read from the c10d calls' own split sizes by a dispatch-mode counter, against
-the formula from the routing: per forward, dispatch and combine each move every assignment routed to a
-remote expert (``C x 4`` bytes), and the count exchange ``8 x E/ep x (ep-1)`` bytes (int64 per-expert
-counts; no expert ids travel); backward moves the dispatch and combine payloads again (not the counts).
+all-to-alls put on the wire, read from the collectives' own inputs and split sizes by a dispatch-mode counter,
+against the formula: the static all-to-all (the default) sends each other rank a buffer of
+``S = N x min(k, E/ep)`` rows of ``C x 4`` bytes for dispatch and again for combine, whatever the routing, and a
+count header of ``E/ep + 1`` int64; backward moves the two token buffers again (not the counts). The variable
+split dispatcher (``moe.dispatcher=alltoall_split``) is measured too, against its own formula: every assignment
+routed to a remote expert, once each way, twice with backward, and ``8 x E/ep x (ep-1)`` bytes of counts.
+
+Grouped experts (``--only grouped``, bench/_moe_grouped.py): step time and MoE-layer throughput of
+``moe.experts=grouped`` against ``loop`` at ep=1 and ep=2, eager and compiled, on the small MoE GPT and a
+DeepSeek-V3 toy (plait's layer with DeepSeek-V3's routing); the GPU target, grouped >= 1.5x the loop's MoE-layer
+throughput, computed from CPU figures here and labelled so.
 
 Step against DeepSpeed-MoE (``--deepspeed-python``, an interpreter with deepspeed installed; DeepSpeed is
 not a plait dependency, so it runs bench/_moe_deepspeed.py as a subprocess, as bench/zero.py does): the
@@ -37,7 +44,7 @@ model was built, and the timed and measured steps' own peak RSS above the RSS af
 imports or builds once left out). Ratios are plait over DeepSpeed; the target is step time <= 1.0 at model-state
 memory <= 1.0.
 
-    python bench/moe.py [--steps 200] [--quick] [--only quality speed deepspeed] [--rounds 3]
+    python bench/moe.py [--steps 200] [--quick] [--only quality speed grouped deepspeed] [--rounds 3]
                         [--deepspeed-python /tmp/dsvenv/bin/python]
 """
 
@@ -115,7 +122,7 @@ def quality(steps: int, seeds: list[int], root: Path) -> dict:
 
 
 # -- speed -----------------------------------------------------------------------------------------
-def _speed_worker(rank: int, world: int, tokens: int, reps: int) -> dict:
+def _speed_worker(rank: int, world: int, tokens: int, reps: int, dispatcher: str) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from plait.nn import MoE
@@ -125,7 +132,7 @@ def _speed_worker(rank: int, world: int, tokens: int, reps: int) -> dict:
     torch.manual_seed(0)
     layer = MoE(C, H, E, top_k=K)
     if world > 1:
-        shard_experts(layer, world, rank, None)
+        shard_experts(layer, world, rank, dist.group.WORLD, dispatcher)
 
     class Bytes(TorchDispatchMode):
         """Bytes sent to other ranks by every c10d all-to-all, from the call's own input and split sizes."""
@@ -135,10 +142,13 @@ def _speed_worker(rank: int, world: int, tokens: int, reps: int) -> dict:
             self.sent = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            if func._overloadpacket.__name__ == "alltoall_base_":
-                inp, send_splits = args[1], args[4]  # (output, input, group, out_splits, in_splits, ...)
+            name = func._overloadpacket.__name__
+            if name in ("alltoall_base_", "all_to_all_single"):
+                # c10d: (output, input, group, out_splits, in_splits, ...); functional: (input, out_splits,
+                # in_splits, group_name)
+                inp, send_splits = (args[1], args[4]) if name == "alltoall_base_" else (args[0], args[2])
                 row = inp[0].numel() * inp.element_size() if inp.size(0) else 0
-                splits = list(send_splits) or [inp.size(0) // world] * world
+                splits = list(send_splits or []) or [inp.size(0) // world] * world
                 self.sent += (sum(splits) - splits[rank]) * (row if inp.dim() > 1 else inp.element_size())
             return func(*args, **(kwargs or {}))
 
@@ -156,23 +166,29 @@ def _speed_worker(rank: int, world: int, tokens: int, reps: int) -> dict:
             routed, _ = layer.route(x.detach())
             remote += int((routed.experts // (E // world) != rank).sum())
     elapsed = time.perf_counter() - t0
-    formula = 0
-    if world > 1:  # dispatch + combine payloads, twice (backward); per-expert counts once per forward
-        formula = remote * 4 * C * 4 + reps * 8 * (E // world) * (world - 1)
+    formula, local = 0, E // world
+    if world > 1 and dispatcher == "alltoall":  # static buffers of S rows; counts + S once per forward
+        slots = tokens * min(K, local)
+        formula = reps * (4 * (world - 1) * slots * C * 4 + 8 * (local + 1) * (world - 1))
+    elif world > 1:  # dispatch + combine payloads, twice (backward); per-expert counts once per forward
+        formula = remote * 4 * C * 4 + reps * 8 * local * (world - 1)
     return {"tokens_per_s": tokens * reps / elapsed, "a2a_bytes_measured": counter.sent, "a2a_bytes_formula": formula}
 
 
 def speed(tokens: int, reps: int) -> dict:
     out: dict = {}
-    for world in (1, 2):
-        ranks = _common.spawn_group(_speed_worker, world, tokens, reps, name=f"moe speed ep{world}")
-        out[f"ep{world}"] = {"tokens_per_s_total": sum(r["tokens_per_s"] for r in ranks),
-                             "a2a_bytes_measured": sum(r["a2a_bytes_measured"] for r in ranks),
-                             "a2a_bytes_formula": sum(r["a2a_bytes_formula"] for r in ranks)}
-    m, f = out["ep2"]["a2a_bytes_measured"], out["ep2"]["a2a_bytes_formula"]
-    out["a2a_bytes_ratio"] = m / f if f else None
-    out["target_a2a_within_1pct"] = bool(f and abs(m / f - 1) <= 0.01)
+    for world, dispatcher in ((1, "alltoall"), (2, "alltoall"), (2, "alltoall_split")):
+        key = f"ep{world}" + ("-split" if dispatcher == "alltoall_split" else "")
+        ranks = _common.spawn_group(_speed_worker, world, tokens, reps, dispatcher, name=f"moe speed {key}")
+        out[key] = {"tokens_per_s_total": sum(r["tokens_per_s"] for r in ranks),
+                    "a2a_bytes_measured": sum(r["a2a_bytes_measured"] for r in ranks),
+                    "a2a_bytes_formula": sum(r["a2a_bytes_formula"] for r in ranks)}
+    for key in ("ep2", "ep2-split"):
+        m, f = out[key]["a2a_bytes_measured"], out[key]["a2a_bytes_formula"]
+        out[key]["a2a_bytes_ratio"] = m / f if f else None
+        out[key]["target_a2a_within_1pct"] = bool(f and abs(m / f - 1) <= 0.01)
     out["ep2_over_ep1_throughput"] = out["ep2"]["tokens_per_s_total"] / out["ep1"]["tokens_per_s_total"]
+    out["static_over_split_bytes"] = out["ep2"]["a2a_bytes_measured"] / max(out["ep2-split"]["a2a_bytes_measured"], 1)
     return out
 
 
@@ -366,8 +382,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="40 steps, one seed, fewer speed repetitions")
     ap.add_argument("--deepspeed-python", default="", help="interpreter with deepspeed (run as a subprocess)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating plait/DeepSpeed rounds of the step comparison")
-    ap.add_argument("--only", choices=("quality", "speed", "deepspeed"), nargs="+",
-                    default=["quality", "speed", "deepspeed"], help="run only these sections")
+    ap.add_argument("--only", choices=("quality", "speed", "grouped", "deepspeed"), nargs="+",
+                    default=["quality", "speed", "grouped", "deepspeed"], help="run only these sections")
     args = ap.parse_args()
     steps, seeds, reps = (40, [1], 5) if args.quick else (args.steps, args.seeds, 20)
     result: dict = {"machine": f"{os.cpu_count()} CPU cores, gloo, one thread per rank", "torch": torch.__version__,
@@ -377,6 +393,10 @@ def main() -> None:
             result["quality"] = quality(steps, seeds, Path(tmp))
         if "speed" in args.only:
             result["speed"] = speed(TOKENS, reps)
+        if "grouped" in args.only:
+            from _moe_grouped import grouped
+
+            result["grouped_experts"] = grouped(args.quick, tmp)
         if "deepspeed" in args.only:
             result["deepspeed_moe"] = versus_deepspeed(args.deepspeed_python, 3, 10 if args.quick else 50,
                                                        1 if args.quick else args.rounds)

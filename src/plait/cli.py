@@ -3,7 +3,7 @@
     plait train [CONFIG.toml] [--section.key=value ...] [--resume RUN_DIR] [--nnodes MIN:MAX --rdzv-endpoint H:P]
     plait run [--nproc N] [--max-restarts R] [--nnodes MIN:MAX --rdzv-endpoint H:P --rdzv-id ID] SCRIPT [ARGS ...]
     plait sample RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
-    plait plan memory [CONFIG.toml] [--section.key=value ...]
+    plait plan memory [CONFIG.toml] [--run-dir RUN_DIR] [--section.key=value ...]
     plait plan [CONFIG.toml] --hardware PROFILE --gpus N [--top K] [--write OUT.toml] [--section.key=value ...]
     plait plan --hardware PROFILE --gpus N --jobs JOBS.toml
     plait simulate [CONFIG.toml] --hardware PROFILE [--nodes N --gpus-per-node G] [--compare RUN_DIR]
@@ -366,11 +366,12 @@ USAGE = {
             "the script (plait run SCRIPT --help shows the script's)."),
     "sample": ("plait sample RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]",
                "Generate text from the weights a plait train run of plait's GPT exported."),
-    "plan": ("plait plan memory [CONFIG.toml] [--section.key=value ...]\n"
+    "plan": ("plait plan memory [CONFIG.toml] [--run-dir RUN_DIR] [--section.key=value ...]\n"
              "       plait plan [CONFIG.toml] --hardware PROFILE --gpus N [--top K] [--write OUT.toml] [--table] "
              "[--section.key=value ...]\n"
              "       plait plan --hardware PROFILE --gpus N --jobs JOBS.toml",
-             "plan memory: the predicted per-rank memory of a config, without launching. plan: layouts for N "
+             "plan memory: the predicted per-rank memory of a config, without launching (--run-dir: MoE experts "
+             "priced at that run's measured routing imbalance). plan: layouts for N "
              "GPUs ranked by simulated step time (--table: the layout a queue's N GPUs should run). --jobs: "
              "several jobs with priorities sharing a pool of N GPUs: each job's GPUs and layout."),
     "simulate": ("plait simulate [CONFIG.toml] --hardware PROFILE [--nodes N --gpus-per-node G] "

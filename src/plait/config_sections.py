@@ -380,8 +380,17 @@ class ObserveConfig:
 class MoeConfig:
     # Experts per MoE layer (0: no MoE; plait's GPT then has dense MLPs only).
     num_experts: int = 0
-    # Experts each token is routed to (softmax top-k token choice; ties go to the lower expert index).
+    # Experts each token is routed to (top-k token choice; ties go to the lower expert index).
     top_k: int = 2
+    # Router scores: softmax (Switch, Mixtral) or sigmoid (DeepSeek-V3); gates renormalised when top_k > 1.
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    # Group-limited routing (DeepSeek-V3): experts in num_groups equal groups, each token choosing among the
+    # topk_groups groups with the highest sum of their two best scores (1: no groups).
+    num_groups: int = 1
+    # Groups each token may choose experts from (with num_groups > 1).
+    topk_groups: int = 1
+    # Gate weights multiplied by this after normalisation (DeepSeek-V3's routed_scaling_factor).
+    route_scale: float = 1.0
     # Every n-th block of plait's GPT is MoE (blocks n-1, 2n-1, ...; 1: every block).
     every: int = 1
     # Hidden width of each expert's MLP (0: 4 x d_model / top_k, so active FLOPs equal a dense 4x MLP).
@@ -396,12 +405,21 @@ class MoeConfig:
     aux_loss_coef: float = 0.01
     # Coefficient of the router z-loss, mean over tokens of logsumexp(logits)^2 (0: off).
     z_loss_coef: float = 0.0
+    # Coefficient of DeepSeek-V3's sequence-wise balance loss, per sequence, with any balance (0: off).
+    seq_aux_loss_coef: float = 0.0
     # balance = bias: how far each expert's bias moves per optimizer step (towards the mean load).
     bias_update_rate: float = 0.001
     # Always-on shared experts (DeepSeek style), each a dense MLP of moe.d_hidden, added to the routed output.
     shared_experts: int = 0
-    # Expert-parallel dispatch: all-to-all with variable splits, or all-gather (the reference path).
-    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    # Expert-parallel dispatch: all-to-all in static shapes with no host read (alltoall), all-to-all with variable
+    # splits sized by the routing, one host read per layer, eager only (alltoall_split), or all-gather (reference).
+    dispatcher: Literal["alltoall", "alltoall_split", "allgather"] = "alltoall"
+    # How experts run: one grouped GEMM per weight (grouped), one padded batched matmul (padded), a loop over
+    # experts (loop), or auto: grouped where the device and dtype allow, else padded compiled, loop eager.
+    experts: Literal["auto", "grouped", "padded", "loop"] = "auto"
+    # plait plan memory: rows the busiest expert-parallel rank's experts receive over the balanced share (1:
+    # balanced routing; plait plan memory --run-dir DIR measures it from DIR's logged tokens_per_expert).
+    imbalance: float = 1.0
 
 
 @dataclass

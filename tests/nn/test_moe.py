@@ -6,6 +6,12 @@ accumulation micro-step (losses scaled by 1/dp, the auxiliary losses too), then 
 sums in another order (all-to-all, all-reduce): losses within 1e-5, first-step gradients within 2e-6,
 parameters within 1e-5 after 3 AdamW steps at lr 1e-2 (0.1% of one step's size: Adam divides by the root
 of tiny second moments, which magnifies last-bit gradient differences; measured up to 3.4e-6).
+
+plait's GPT with MoE blocks under tensor and pipeline parallelism is compared the same way (parameters within
+1e-4, see its test), including the interleaved and zero-bubble V schedules with 4 stages of which 2 hold no MoE
+layer, with large balancing coefficients (Switch aux 0.5; sigmoid routing with groups and DeepSeek-V3's sequence
+loss 0.5 under zbv), so that a lost or misscaled auxiliary gradient would fail them (measured: losses 2e-7,
+parameters 1.8e-5 under zbv).
 """
 
 from __future__ import annotations
@@ -161,6 +167,8 @@ CASES = {
     "ep2-a2a-dropless": ({"ep": 2}, {}, "alltoall"),
     "ep4-a2a-dropless": ({"ep": 4}, {}, "alltoall"),
     "ep2-gather-dropless": ({"ep": 2}, {}, "allgather"),
+    "ep4-split-dropless": ({"ep": 4}, {}, "alltoall_split"),
+    "ep2-split-cap1": ({"ep": 2}, {"capacity_factor": 1.0}, "alltoall_split"),
     "ep4-a2a-cap1": ({"ep": 4}, {"capacity_factor": 1.0}, "alltoall"),
     "ep2-gather-cap1": ({"ep": 2}, {"capacity_factor": 1.0}, "allgather"),
     "ep1-dp4": ({"ep": 1}, {}, "alltoall"),
@@ -228,21 +236,32 @@ def _gather_grads(p, grads: dict) -> dict:
 GPT_MODEL = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=16",
              "--model.vocab_size=64", "--model.dropout=0.0", "--moe.num_experts=4", "--moe.top_k=2",
              "--moe.z_loss_coef=0.001"]
-# name: (overrides, MoE every n-th block, reference micro-steps per replica's micro-batch). The global batch
-# is GPT_DP x B rows: two data-parallel replicas of B rows (4 ranks: tp=2 or pp=2), or four of B/2 (ZeRO).
-GPT_CASES = {"gpt-ep2-tp2": (["--parallel.ep=2", "--parallel.tp=2", "--moe.every=2"], 2, 1),
-             "gpt-tp2": (["--parallel.tp=2", "--moe.every=2"], 2, 1),
+# name: (overrides, MoE every n-th block, reference micro-steps per replica's micro-batch, model overrides). The
+# global batch is GPT_DP x B rows: two data-parallel replicas of B rows (4 ranks: tp=2 or pp=2), or four of B/2
+# (ZeRO). The interleaved and zbv cases have 4 blocks, MoE in blocks 1 and 3, as 4 stages of one block (2 per
+# rank): stages 0 and 2 hold no MoE layer; zbv's backward is split into input and weight parts.
+# Large balancing coefficients there, so a lost or misscaled auxiliary gradient moves the routers far beyond the
+# tolerance.
+FOUR_BLOCKS = ["--model.n_layer=4", "--moe.aux_loss_coef=0.5"]
+SIGMOID = ["--model.n_layer=4", "--moe.score=sigmoid", "--moe.num_groups=2", "--moe.topk_groups=1",
+           "--moe.seq_aux_loss_coef=0.5", "--moe.route_scale=2.0"]
+GPT_CASES = {"gpt-ep2-tp2": (["--parallel.ep=2", "--parallel.tp=2", "--moe.every=2"], 2, 1, []),
+             "gpt-tp2": (["--parallel.tp=2", "--moe.every=2"], 2, 1, []),
              "gpt-pp2-ep2": (["--parallel.ep=2", "--parallel.pp=2", "--parallel.microbatches=2",
-                              "--parallel.pp_schedule=1f1b", "--moe.every=1"], 1, 2),
-             "gpt-ep2-zero1": (["--parallel.ep=2", "--parallel.zero=1", "--moe.every=1"], 1, 2),
-             "gpt-ep2-zero3": (["--parallel.ep=2", "--parallel.zero=3", "--moe.every=1"], 1, 2)}
+                              "--parallel.pp_schedule=1f1b", "--moe.every=1"], 1, 2, []),
+             "gpt-pp2-ep2-interleaved": (["--parallel.ep=2", "--parallel.pp=2", "--parallel.microbatches=2",
+                                          "--parallel.pp_schedule=interleaved"], 2, 2, FOUR_BLOCKS),
+             "gpt-pp2-ep2-zbv": (["--parallel.ep=2", "--parallel.pp=2", "--parallel.microbatches=2",
+                                  "--parallel.pp_schedule=zbv"], 2, 2, SIGMOID),
+             "gpt-ep2-zero1": (["--parallel.ep=2", "--parallel.zero=1", "--moe.every=1"], 1, 2, []),
+             "gpt-ep2-zero3": (["--parallel.ep=2", "--parallel.zero=3", "--moe.every=1"], 1, 2, [])}
 GPT_DP = 2
 
 
-def gpt(every: int, seed: int = 0):
+def gpt(every: int, seed: int = 0, model: list[str] | None = None):
     from plait.models.tiny import seeded_gpt
 
-    cfg = load_config(overrides=GPT_MODEL + [f"--moe.every={every}"])
+    cfg = load_config(overrides=GPT_MODEL + (model or []) + [f"--moe.every={every}"])
     return seeded_gpt(cfg.model, seed, cfg.moe)
 
 
@@ -251,11 +270,11 @@ def gpt_batches(step: int) -> torch.Tensor:
     return torch.randint(0, 64, (GPT_DP * B, 16), generator=g)
 
 
-def gpt_reference(every: int, chunks: int) -> dict:
+def gpt_reference(every: int, chunks: int, overrides: list[str] | None = None) -> dict:
     """One process: each replica's micro-batch, cut into the pipeline's ``chunks``, as accumulation steps."""
     from plait.nn import moe_layers
 
-    model = gpt(every)
+    model = gpt(every, model=overrides)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     n = GPT_DP * chunks
     for layer in moe_layers(model):
@@ -279,22 +298,24 @@ def _gpt_cases(rank: int, root: str) -> dict:
     from plait.plan.hardware import load_profile
 
     out = {}
-    for name, (extra, every, _) in GPT_CASES.items():
-        mb = B // 2 if "zero" in name else B  # dp=4 under ZeRO (ep folded into dp), else 2
-        cfg = load_config(overrides=GPT_MODEL + extra + [
+    for name, (extra, every, _, model_extra) in GPT_CASES.items():
+        mb = B // 2 if "zero" in name and "pp" not in name else B  # dp=4 under ZeRO (ep folded into dp), else 2
+        cfg = load_config(overrides=GPT_MODEL + model_extra + extra + [f"--moe.every={every}",
             f"--run.dir={root}/{name}", f"--parallel.nproc={WORLD}", f"--train.global_batch_size={GPT_DP * B}",
             f"--train.micro_batch_size={mb}", "--optim.grad_clip=0", "--observe.progress=false",
             "--observe.trackers=[]"])
         p = plait.Plait(cfg)
-        model, _ = p.setup(gpt(every), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR),
-                           loss_fn="causal_lm")
+        model, _ = p.setup(gpt(every, model=model_extra), loss_fn="causal_lm",
+                           optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR))
         losses, reports = [], []
         for s in range(STEPS):
             p.forward_backward(model, gpt_batches(s)[p.dp_rank * mb:(p.dp_rank + 1) * mb])
             info = p.step()
             losses.append(info.global_loss)
             reports.append(info.moe)
-        out[name] = {"losses": losses, "full": _full(p, model), "moe_layers": len(reports[0])}
+        ep_report = p.layout.report(None, None, p.device).get("expert_parallel") or {}
+        out[name] = {"losses": losses, "full": _full(p, model), "moe_layers": len(reports[0] or []),
+                     "expert_sharding": ep_report.get("expert_sharding")}
         if "zero" in name:  # measured model states (from the second step) against the planner's prediction
             predicted = simulate_config(cfg, load_profile("a100-80gb")).memory[0]
             out[name]["memory"] = (p.memory["total"], predicted.model_states)
@@ -496,8 +517,8 @@ def test_moe_gpt_with_tensor_or_pipeline_parallelism_matches_one_process(results
     """plait's GPT with MoE blocks: attention and the dense MLP tensor-parallel, the MoE whole on each tp
     rank (experts sharded over ep when ep > 1); or two pipeline stages, each with an MoE block whose
     experts are sharded over ep."""
-    _, every, chunks = GPT_CASES[name]
-    ref = gpt_reference(every, chunks)
+    _, every, chunks, model_extra = GPT_CASES[name]
+    ref = gpt_reference(every, chunks, model_extra)
     for r in range(WORLD):
         got = results[r][name]
         assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_ATOL), (name, r)
@@ -505,10 +526,12 @@ def test_moe_gpt_with_tensor_or_pipeline_parallelism_matches_one_process(results
         # differently, magnified by Adam; measured 5.4e-5 at tp=2 alone and 4.8e-5 with ep=2 added
         assert _maxdiff(got["full"], ref["state"]) < 1e-4, (name, r)
         # the first step's per-layer MoE figures: every MoE block, on every rank (both stages' under pp)
-        assert got["moe_layers"] == 2 // every, (name, r)
+        assert got["moe_layers"] == (4 if model_extra else 2) // every, (name, r)
         if "memory" in got:  # experts' states sharded over their 2 replicas: the planner predicts what ranks hold
             measured, predicted = got["memory"]
             assert abs(predicted / measured - 1) < 0.01, (name, r, measured, predicted)
+    if name.endswith("interleaved"):  # pp rank 0 holds stages 0 and 2 (blocks 0 and 2): no MoE layer, and trains
+        assert sorted({results[r][name]["expert_sharding"] for r in range(WORLD)}) == ["none", "replicated"]
 
 
 def test_metrics_per_layer(results) -> None:

@@ -97,12 +97,14 @@ def test_compile_matches_eager_single_process_under_every_layout(tmp_path) -> No
         assert diff < PARAM_ATOL, (name, diff)
 
 
-def test_compile_refuses_expert_parallelism() -> None:
+def test_compile_refuses_only_the_dispatchers_that_read_the_host_with_expert_parallelism() -> None:
     from plait.config import load_config
     from plait.parallel.compile import CompileError
     from plait.recipes import validate_config as validate
 
-    cfg = load_config(overrides=["--train.compile=true", "--moe.num_experts=4", "--parallel.ep=2"])
-    with pytest.raises(CompileError, match="expert parallelism"):
-        validate(cfg, 2)
+    moe = ["--train.compile=true", "--moe.num_experts=4", "--parallel.ep=2"]
+    for dispatcher in ("allgather", "alltoall_split"):  # they read the counts on the host
+        with pytest.raises(CompileError, match=f"moe.dispatcher={dispatcher}"):
+            validate(load_config(overrides=moe + [f"--moe.dispatcher={dispatcher}"]), 2)
+    validate(load_config(overrides=moe), 2)  # the all-to-all dispatch compiles (tests/nn/test_moe_compile.py)
     validate(load_config(overrides=["--train.compile=true", "--parallel.tp=2"]), 2)  # tp composes

@@ -1,7 +1,11 @@
 """The simulator on plait's mixture-of-experts GPT (``[moe]``, ``parallel.ep``): parameters equal the real
 model's, each rank holds its ``E / ep`` experts, and every MoE layer prices the dispatcher's all-to-alls
-over the expert-parallel group: forward the per-expert counts and the two token-sized ones
-(``tokens x top_k x d_model x bytes`` each), backward the two token-sized ones again. Exact."""
+over the expert-parallel group: forward the per-expert counts and the two token-sized ones, backward the two
+token-sized ones again: ``tokens x top_k x d_model x bytes`` each with variable splits
+(``moe.dispatcher=alltoall_split``), the static buffer's bound with the default static all-to-all
+(here ``min(ep, E/k) = 2`` times that). Exact. Imbalance: the experts' activations priced at the busiest rank's
+rows, given (``moe.imbalance``) or measured from a run directory's logged loads (``plait plan memory --run-dir``).
+"""
 
 from __future__ import annotations
 
@@ -33,12 +37,13 @@ def test_moe_parameters_equal_the_real_model_and_shard_over_ep(extra):
     assert local == shape.param_count() - shape.moe_blocks * shape.expert_params() // 2
 
 
-def test_each_moe_layer_prices_two_all_to_alls_forward_and_two_backward():
-    cfg = load_config(None, MOE)
+@pytest.mark.parametrize("dispatcher, factor", [("alltoall", 2), ("alltoall_split", 1)])
+def test_each_moe_layer_prices_two_all_to_alls_forward_and_two_backward(dispatcher, factor):
+    cfg = load_config(None, MOE + [f"--moe.dispatcher={dispatcher}"])
     shape = shape_from_config(cfg)
     setup = Setup(micro_batch=8, ep=2)
     ops = BlockOps(shape, setup, moe=True)
-    tokens = 8 * shape.seq_len * shape.top_k * shape.d_model * 4
+    tokens = factor * 8 * shape.seq_len * shape.top_k * shape.d_model * 4
     fwd = [(o.name, o.bytes) for o in ops.forward().ops if o.comm == "all_to_all"]
     bwd = [(o.name, o.bytes) for o in ops.backward().ops if o.comm == "all_to_all"]
     assert [b for _, b in fwd] == [shape.num_experts * 8, tokens, tokens]
@@ -92,3 +97,65 @@ def test_experts_under_zero_are_priced_and_planned_as_sharded_over_their_replica
                  "--train.global_batch_size=64", "--top", "60"]) == 0
     ranked = [r["layout"] for r in json.loads(capsys.readouterr().out)["ranked"]]
     assert any("ep=2" in r and "zero=1" in r for r in ranked) and any("ep=2" in r and "zero=3" in r for r in ranked)
+
+
+def _saved(overrides: list[str]) -> int:
+    """Bytes one MoE layer's forward saves for backward on one rank."""
+    shape = shape_from_config(load_config(None, MOE + overrides))
+    ops = BlockOps(shape, Setup(micro_batch=8, ep=2), moe=True).forward().ops
+    return sum(b for o in ops for _, b in o.saves)
+
+
+def test_imbalance_grows_the_busiest_ranks_activations_only_where_the_buffers_follow_the_routing():
+    from plait.plan.ops_moe import expert_rows, rank_imbalance
+
+    split = ["--moe.dispatcher=alltoall_split"]
+    assert _saved(split + ["--moe.imbalance=1.5"]) > _saved(split)  # variable splits: the busiest rank's rows
+    assert _saved(["--moe.imbalance=1.5"]) == _saved([])  # static buffers: already at their bound
+    shape = shape_from_config(load_config(None, MOE + split + ["--moe.imbalance=1.5"]))
+    a = 8 * shape.seq_len * shape.top_k
+    assert expert_rows(shape, 8 * shape.seq_len, 2) == (1.5 * a, 1.5 * a)
+    # a capacity bounds every expert, so the static buffer shrinks to about capacity_factor x the balanced share
+    capped = shape_from_config(load_config(None, MOE + ["--moe.capacity_factor=1.25"]))
+    assert expert_rows(capped, 8 * capped.seq_len, 2)[0] == 2 * 2 * -(-int(1.25 * a) // 4)
+    assert rank_imbalance([30, 10, 10, 10], 2) == pytest.approx(40 / 30)  # ranks hold experts {0, 1} and {2, 3}
+
+
+def test_plan_memory_measures_the_imbalance_from_a_run_directory(tmp_path, capsys):
+    import json
+
+    from plait.cli import main
+    from plait.config import to_toml
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config(None, MOE + ["--moe.dispatcher=alltoall_split", "--model.n_layer=2"])
+    (run / "config.toml").write_text(to_toml(cfg))
+    loads = [{"tokens_per_expert": [10, 10, 10, 10]}, {"tokens_per_expert": [25, 15, 5, 5]}]  # layer 1: 40 vs 25
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "moe": loads}) + "\n" + json.dumps({"step": 2}) + "\n")
+    assert main(["plan", "memory", "--run-dir", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "imbalance 1.600 from measured in" in out and "(MoE layer 1)" in out, out
+    assert main(["plan", "memory", "--run-dir", str(run), "--moe.imbalance=1.0"]) == 0  # the measurement wins
+    assert "imbalance 1.600" in capsys.readouterr().out
+
+
+def test_imbalance_raises_the_predicted_peak_by_the_busiest_ranks_extra_expert_rows():
+    """The per-rank prediction ``plait plan memory`` prints: under variable splits the activations grow by exactly
+    the busiest rank's extra rows times what each saves (its input, fc and GELU outputs) in every MoE layer, and
+    nothing else moves; the static all-to-all is priced at its bound, which variable splits reach at an imbalance
+    of ``min(ep, E / k)`` = 2."""
+    profile = load_profile("a100-80gb")
+
+    def rank0(extra: list[str]):
+        return simulate_config(load_config(None, MOE + extra), profile, memory_only=True).memory[0]
+
+    split = ["--moe.dispatcher=alltoall_split"]
+    base, hot = rank0(split), rank0(split + ["--moe.imbalance=1.5"])
+    shape = shape_from_config(load_config(None, MOE + split))
+    balanced = 8 * shape.seq_len * shape.top_k  # assignments per rank and micro-batch
+    per_row = (shape.d_model + 2 * shape.expert_hidden) * 4  # fp32 x_recv, fc, hidden
+    assert hot.activations - base.activations == shape.moe_blocks * (int(1.5 * balanced) - balanced) * per_row
+    assert (hot.params, hot.grads, hot.optimizer) == (base.params, base.grads, base.optimizer)
+    static = {f: rank0([f"--moe.imbalance={f}"]).activations for f in (1.0, 2.0)}
+    assert static[1.0] == static[2.0] == rank0(split + ["--moe.imbalance=2.0"]).activations > hot.activations

@@ -110,7 +110,9 @@ def _moe_layer(cfg: ModelConfig, m: MoeConfig) -> nn.Module:
     hidden = m.d_hidden or max(1, 4 * cfg.d_model // m.top_k)  # top_k experts: a dense 4x MLP's active FLOPs
     return MoE(cfg.d_model, hidden, m.num_experts, top_k=m.top_k, capacity_factor=m.capacity_factor,
                drop_policy=m.drop_policy, aux_loss_coef=m.aux_loss_coef, z_loss_coef=m.z_loss_coef,
-               balance=m.balance, shared_experts=m.shared_experts, bias_update_rate=m.bias_update_rate)
+               balance=m.balance, shared_experts=m.shared_experts, bias_update_rate=m.bias_update_rate,
+               score=m.score, num_groups=m.num_groups, topk_groups=m.topk_groups, route_scale=m.route_scale,
+               seq_aux_loss_coef=m.seq_aux_loss_coef, experts=m.experts)
 
 
 class GPT(nn.Module):

@@ -36,10 +36,10 @@ vocabulary-sharded DTensor logits inside torch's ``loss_parallel()`` context, a 
 not see. Compiled, it was right in a fresh process but reused a graph traced for plain logits after another
 layout had compiled the loss in the same process (step-1 loss 4.92 against 5.54), so it is not compiled there.
 
-Refused (``check_compile``: a clear error before anything runs): expert parallelism. It runs, but the MoE
-dispatch is data dependent (``bincount`` of the routing, ``.item()`` of the counts): dynamo breaks the
-graph there and recompiles as the counts change; measured on the tiny GPT with 4 experts at ep=2, 29
-graphs in 4 steps and 128 s, slower than eager by far. Compile a dense model, or train MoE eagerly.
+Expert parallelism compiles: the MoE layer and its all-to-all dispatch have static shapes and no host read
+(``plait.parallel.expert.dispatch``), so each compiled block is one graph that is not recompiled as the routing
+changes. Refused (``check_compile``: a clear error before anything runs): the dispatchers that read the host,
+``moe.dispatcher=alltoall_split`` (variable splits) and ``allgather`` (the reference path).
 
 The torch-collective counter (``observe.count_torch_collectives``) is a dispatch mode that lets dynamo
 trace (``ignore_compile_internals``); collectives traced into a compiled region (tensor parallelism's)
@@ -70,14 +70,13 @@ class CompileError(ConfigError):
     """``train.compile`` with a layout it cannot compose with; the message says what to change."""
 
 
-def check_compile(compile_: Any, ep: int) -> None:
+def check_compile(compile_: Any, ep: int, dispatcher: str = "alltoall") -> None:
     """Raise ``CompileError`` for the combinations in the module docstring (before any process group):
-    ``train.compile`` with expert parallelism of degree ``ep``."""
-    if compile_ and ep > 1:
-        raise CompileError(f"train.compile={compile_} is refused with expert parallelism (parallel.ep > 1): the MoE "
-                           "dispatch is data dependent (bincount, .item()), so torch.compile breaks the graph and "
-                           "recompiles as routing changes, far slower than eager; set train.compile=false or "
-                           "parallel.ep=1")
+    ``train.compile`` with expert parallelism of degree ``ep`` dispatched by a path that reads the host."""
+    if compile_ and ep > 1 and dispatcher != "alltoall":
+        raise CompileError(f"train.compile={compile_} is refused with moe.dispatcher={dispatcher} (it reads the "
+                           "assignment counts on the host, so torch.compile would break the graph there); use "
+                           "moe.dispatcher=alltoall (the default: static shapes), or set train.compile=false")
 
 
 @dataclass

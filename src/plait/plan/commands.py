@@ -5,7 +5,7 @@
                    [--recompute none|full|every_k|selective] [--section.key=value ...]
     plait calibrate [--out PATH] [--quick]
     plait plan [CONFIG.toml] --hardware PROFILE --gpus N [--top K] [--write OUT.toml] [--section.key=value ...]
-    plait plan memory [CONFIG.toml] [--section.key=value ...]
+    plait plan memory [CONFIG.toml] [--run-dir RUN_DIR] [--section.key=value ...]
     plait plan --hardware PROFILE --gpus N --jobs JOBS.toml     (several jobs sharing a pool: plait.plan.pool)
 
 ``--hardware`` takes a shipped profile (a100-80gb, h100-sxm), ``local`` (this machine's calibration) or a
@@ -29,7 +29,7 @@ from plait.runtime.args import split_args
 
 FLAGS = {"--hardware": str, "--nodes": int, "--gpus-per-node": int, "--trace": str, "--compare": str,
          "--stack": str, "--attention": str, "--recompute": str, "--gpus": int, "--top": int, "--write": str,
-         "--out": str, "--jobs": str}
+         "--out": str, "--jobs": str, "--run-dir": str}
 SWITCHES = ("--quick",)
 CHOICES = {"--stack": ("plait", "megatron", "metaseq"), "--attention": ("auto", "flash", "unfused"),
            "--recompute": ("none", "full", "every_k", "selective")}
@@ -150,18 +150,27 @@ def cmd_plan(argv: list[str]) -> int:
 
 
 def cmd_plan_memory(argv: list[str]) -> int:
-    """``plait plan memory [CONFIG.toml] [--hardware P]``: predicted per-rank memory, no launch.
+    """``plait plan memory [CONFIG.toml] [--hardware P] [--run-dir DIR]``: predicted per-rank memory, no launch.
 
     The simulator's memory model (``plait.plan.rank_memory``) for every layout plait runs, per pipeline
     rank; for plait's GPT under data parallelism and ZeRO also the table next to the ZeRO paper's
     accounting (``plait.plan.memory.format_memory_table``). Activation peaks under pipelining depend on the
-    schedule's order, which is simulated with ``--hardware``'s timings (default a100-80gb)."""
+    schedule's order, which is simulated with ``--hardware``'s timings (default a100-80gb). MoE experts'
+    activations are priced at the busiest expert-parallel rank's rows (``plait.plan.ops_moe``): ``moe.imbalance``,
+    or with ``--run-dir`` the imbalance measured from that run's logged ``tokens_per_expert`` (the run's own
+    config.toml when no CONFIG is given)."""
     from plait.plan.configured import simulate_config
     from plait.plan.hardware import load_profile
     from plait.plan.memory import GPTShape, format_memory_table
 
-    config, flags, overrides = parse(argv, ("--hardware",))
+    config, flags, overrides = parse(argv, ("--hardware", "--run-dir"))
+    run_dir = flags.get("--run-dir")
+    if run_dir and config is None:
+        config = str(Path(run_dir) / "config.toml")
     cfg = _load(config, overrides)
+    measured = _measured_imbalance(Path(run_dir), cfg) if run_dir else None
+    if measured is not None:
+        cfg.moe.imbalance = measured[0]
     profile = load_profile(flags.get("--hardware", "a100-80gb"))
     sim = simulate_config(cfg, profile, derive_tp=False, memory_only=True, models=recipes)
     m, t, p, lay = cfg.model, cfg.train, cfg.parallel, sim.work.layout
@@ -182,8 +191,48 @@ def cmd_plan_memory(argv: list[str]) -> int:
         lines.append(f"{rank:<6}" + "".join(f"{row[k] / mib:>14.3f}" for k in keys))
     if lay.tp == lay.pp == 1:
         lines += ["", _setup_line(sim.work.shape.param_count(), lay, bool(cfg.model.weights))]
+    if sim.work.shape.num_experts:
+        lines += ["", _moe_line(sim.work.shape, lay, measured, run_dir, 4 if t.precision == "fp32" else 2)]
     print("\n".join(lines))
     return 0
+
+
+def _measured_imbalance(run_dir: Path, cfg: Any) -> tuple[float, int] | None:
+    """(the busiest ep rank's rows over the balanced share, its MoE layer) from the last logged
+    ``tokens_per_expert`` of ``run_dir/metrics.jsonl``, at ``cfg``'s ``parallel.ep``; None without MoE records."""
+    from plait.plan.ops_moe import rank_imbalance
+
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"--run-dir {run_dir}: no metrics.jsonl there; give the run directory of a plait run")
+    last = None
+    for line in path.read_text().splitlines():
+        rec = json.loads(line) if line.strip() else {}
+        if rec.get("moe"):
+            last = rec["moe"]
+    if last is None:
+        return None
+    ep = max(1, cfg.parallel.ep)
+    per_layer = [rank_imbalance(layer["tokens_per_expert"], ep) for layer in last]
+    worst = max(range(len(per_layer)), key=per_layer.__getitem__)
+    return per_layer[worst], worst
+
+
+def _moe_line(shape: Any, lay: Any, measured: tuple[float, int] | None, run_dir: str | None, act: int) -> str:
+    """What the MoE experts' activations were priced at, per rank and micro-batch of each MoE layer."""
+    from plait.plan.ops_moe import expert_rows
+
+    tokens = lay.micro_batch_size * shape.seq_len
+    held, computed = expert_rows(shape, tokens, lay.ep)
+    balanced = tokens * shape.top_k
+    source = (f"measured in {run_dir} (MoE layer {measured[1]})" if measured is not None else
+              "moe.imbalance" + (" (balanced routing)" if shape.moe_imbalance == 1.0 else ""))
+    how = ("the static all-to-all's buffers at their bound whatever the routing (set moe.capacity_factor to lower "
+           "it, or moe.dispatcher=alltoall_split)" if lay.ep > 1 and shape.moe_dispatch == "alltoall" else
+           "the busiest rank's rows")
+    return (f"MoE experts per rank and micro-batch: balanced {balanced} rows; imbalance {shape.moe_imbalance:.3f} "
+            f"from {source}: computes {computed} rows, holds {held} rows ({how}); their saved activations "
+            f"(input, fc, GELU) {held * (shape.d_model + 2 * shape.expert_hidden) * act / 2**20:.3f} MiB per MoE layer")
 
 
 def _setup_line(params: int, lay: Any, from_weights: bool = False) -> str:

@@ -58,6 +58,9 @@ class ModelShape:
     moe_every: int = 1  # blocks every-1, 2 every-1, ... are MoE
     expert_hidden: int = 0
     shared_experts: int = 0
+    capacity_factor: float = 0.0  # moe.capacity_factor (0: dropless)
+    moe_dispatch: str = "alltoall"  # moe.dispatcher: static buffers (alltoall) or sized by the routing
+    moe_imbalance: float = 1.0  # the busiest expert-parallel rank's rows over the balanced share
 
     @property
     def head_dim(self) -> int:
@@ -216,4 +219,5 @@ def with_moe(shape: ModelShape, cfg: Config) -> ModelShape:
         return shape
     hidden = moe.d_hidden or max(1, 4 * shape.d_model // moe.top_k)
     return replace(shape, num_experts=moe.num_experts, top_k=moe.top_k, moe_every=moe.every, expert_hidden=hidden,
-                   shared_experts=moe.shared_experts)
+                   shared_experts=moe.shared_experts, capacity_factor=moe.capacity_factor,
+                   moe_dispatch=moe.dispatcher, moe_imbalance=max(1.0, moe.imbalance))

@@ -3,21 +3,27 @@ plans (``parallel.tp_plan = "auto"``), through the keep-your-loop API against pl
 
 Models from small configs with random weights (2 layers, hidden 32, 4 heads, 2 key-value heads; 4 experts of
 width 32, top-2; the models' own auxiliary load-balancing loss on, ``output_router_logits=True`` with
-coefficient 0.1): Mixtral, Qwen2-MoE (with its shared expert), Qwen3-MoE (per-head q/k norms), OLMoE, and for
-the shipped plans Llama, Qwen2 and Mistral, and BERT (masked LM, no shipped plan: plait infers one).
+coefficient 0.1): Mixtral, Qwen2-MoE (with its shared expert), Qwen3-MoE (per-head q/k norms), OLMoE, GPT-OSS
+(experts with biases and a clamped SwiGLU, attention sinks, a sliding-window layer of window 4 < the sequence) and
+DeepSeek-V3 (multi-head latent attention, a sigmoid router choosing among 1 of 2 expert groups with a random
+balancing bias and scaled gates, a shared expert; it has no auxiliary loss), and for the shipped plans Llama,
+Qwen2 and Mistral, and BERT (masked LM, no shipped plan: plait infers one). The routers are the models' own,
+untouched: DeepSeek-V3's bias is a buffer transformers never updates in training, and stays as it is.
 
 The reference is the user's own loop in one plain PyTorch process: the model's own loss (``model(input_ids=x,
 labels=x).loss``, the auxiliary loss included), each data-parallel rank's micro-batch as one accumulation
 micro-step of 1/dp, ``clip_grad_norm_(1.0)``, AdamW at lr 1e-3, 3 steps. plait runs the same loop at world 2
-(ep=2 of dp=2 for the four MoE families; tp=2 with the shipped or inferred plan) and world 4 (ep=2 with ZeRO-2
-and ZeRO-3 at dp=4, the experts' optimizer states or weights sharded again over the 2 ranks holding them; ep=2
-with tp=2 attention; ep=2 with pp=2, plait's causal-LM loss over 2 pipeline micro-batches and the auxiliary
+(ep=2 of dp=2 for the six MoE families; tp=2 with the shipped or inferred plan) and world 4 for Mixtral, Qwen2-MoE,
+DeepSeek-V3 and GPT-OSS (ep=2 with ZeRO-2 and ZeRO-3 at dp=4, the experts' optimizer states or weights sharded
+again over the 2 ranks holding them; ep=2 with tp=2 attention, DeepSeek-V3's latent attention and GPT-OSS's sinks
+by plait's added plans; ep=2 with pp=2, plait's causal-LM loss over 2 pipeline micro-batches and the auxiliary
 loss off, as a pipeline refuses it), every rank starting from other random weights (plait broadcasts rank 0's).
 
 Tolerances: fp32, the same maths summed in another order (all-to-all, sharded matmuls, gradients averaged over
 ranks), so losses within ``LOSS_ATOL`` and parameters within ``PARAM_ATOL`` after 3 AdamW steps (about 3% of one
-step's size; largest differences measured, torch 2.13 CPU: see the test's docstring). Checkpoints: expert
-weights saved at ep=2 load at ep=1 exactly (0.0) and training resumes on the uninterrupted run's losses.
+step's size; largest measured on torch 2.13 CPU for DeepSeek-V3 and GPT-OSS: losses 4.8e-7, parameters 1.1e-6).
+Checkpoints: expert weights saved at ep=2 load at ep=1 exactly (0.0) and training resumes on the uninterrupted
+run's losses. A family plait cannot route (GLM-4-MoE) is refused by name.
 """
 
 from __future__ import annotations
@@ -67,6 +73,14 @@ def build(kind: str, seed: int, aux: bool = True) -> torch.nn.Module:
                                                         head_dim=8, **moe, **COMMON))
     if kind == "olmoe":
         return tf.OlmoeForCausalLM(tf.OlmoeConfig(intermediate_size=32, num_experts=4, **moe, **COMMON))
+    if kind == "deepseekv3":
+        return deepseek_v3(seed)
+    if kind == "gptoss":
+        return tf.GptOssForCausalLM(tf.GptOssConfig(
+            num_local_experts=4, intermediate_size=32, head_dim=8, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"], rope_parameters={"rope_type": "default",
+                                                                                  "rope_theta": 10000.0},
+            **moe, **COMMON))
     if kind == "bert":
         return tf.BertForMaskedLM(tf.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
                                                 num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
@@ -74,6 +88,23 @@ def build(kind: str, seed: int, aux: bool = True) -> torch.nn.Module:
     config = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig}[kind]
     return {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "mistral": tf.MistralForCausalLM}[kind](
         config(intermediate_size=64, **COMMON))
+
+
+def deepseek_v3(seed: int) -> torch.nn.Module:
+    """DeepSeek-V3 (multi-head latent attention, sigmoid router over 2 groups choosing 1, a shared expert, scaled
+    gates) with a random balancing bias, so the bias changes which experts are chosen."""
+    tf = transformers
+    torch.manual_seed(seed)
+    common = {**COMMON, "num_key_value_heads": 4}
+    model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=0, n_group=2,
+        topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, intermediate_size=32, **common))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(std=0.3)  # transformers initialises it to zeros: every score would tie
+            layer.mlp.gate.e_score_correction_bias.normal_(std=0.1)
+    return model
 
 
 def batch(step: int) -> torch.Tensor:
@@ -181,9 +212,9 @@ def _resharded(root: str, tag: str, kind: str, rank: int, saved_at: dict, loads:
     return out
 
 
-TWO = {**{f"ep2-{k}": (k, {"ep": 2}) for k in (*MOE_KINDS, "mixtral-idle")},
+TWO = {**{f"ep2-{k}": (k, {"ep": 2}) for k in (*MOE_KINDS, "mixtral-idle", "deepseekv3", "gptoss")},
        **{f"tp2-{k}": (k, {"tp": 2}) for k in ("llama", "qwen2", "mistral", "mixtral", "qwen3moe", "bert")}}
-FOUR = {f"{name}-{k}": (k, parallel) for k in ("mixtral", "qwen2moe") for name, parallel in (
+FOUR = {f"{name}-{k}": (k, parallel) for k in ("mixtral", "qwen2moe", "deepseekv3", "gptoss") for name, parallel in (
     ("ep2-zero2", {"ep": 2, "zero": 2}), ("ep2-zero3", {"ep": 2, "zero": 3}), ("ep2-tp2", {"ep": 2, "tp": 2}),
     ("ep2-pp2", {"ep": 2, "pp": 2, "microbatches": 2}))}
 
@@ -194,11 +225,12 @@ def _worker_two(rank: int, world: int, root: str) -> dict:
         out[f"reshard-{kind}"] = _resharded(root, kind, kind, rank, {"ep": 2}, [{"ep": 1}])
     # packed expert weights split over tp (strided boxes in the checkpoint) load at tp=1 and at ep=2
     out["reshard-tp"] = _resharded(root, "tp", "mixtral", rank, {"tp": 2}, [{"tp": 1}, {"ep": 2}], aux=False)
-    deepseek = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=0,
-        n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-        v_head_dim=8, intermediate_size=32, **COMMON))
-    out["unrecognised"] = _setup_error(root, "ds", {"ep": 2}, deepseek)
+    for kind in ("deepseekv3", "gptoss"):  # 4 expert weights for GPT-OSS: gate_up and down, each with a bias
+        out[f"reshard-{kind}"] = _resharded(root, kind, kind, rank, {"ep": 2}, [{"ep": 1}])
+    glm = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=0, n_group=1,
+        topk_group=1, intermediate_size=32, head_dim=8, **COMMON))
+    out["unrecognised"] = _setup_error(root, "glm", {"ep": 2}, glm)
     out["pp-aux"] = _setup_error(root, "ppaux", {"pp": 2, "microbatches": 2}, build("mixtral", rank),
                                  loss_fn="causal_lm")
     return out
@@ -245,15 +277,26 @@ def test_world_four_matches_one_process(four, name) -> None:
     _check(four, name, *FOUR[name])
 
 
-@pytest.mark.parametrize("kind, loads", [("mixtral", ["ep1"]), ("qwen2moe", ["ep1"]), ("tp", ["tp1", "ep2"])])
+SAVED_SHAPES = {  # the single-process expert tensors (4 experts, hidden 32): (gate_up, down) and GPT-OSS's biases
+    "mixtral": {"gate_up_proj": (4, 64, 32), "down_proj": (4, 32, 32)},
+    "qwen2moe": {"gate_up_proj": (4, 64, 32), "down_proj": (4, 32, 32)},
+    "tp": {"gate_up_proj": (4, 64, 32), "down_proj": (4, 32, 32)},
+    "deepseekv3": {"gate_up_proj": (4, 32, 32), "down_proj": (4, 32, 16)},
+    "gptoss": {"gate_up_proj": (4, 32, 64), "gate_up_proj_bias": (4, 64), "down_proj": (4, 32, 32),
+               "down_proj_bias": (4, 32)},
+}
+
+
+@pytest.mark.parametrize("kind, loads", [("mixtral", ["ep1"]), ("qwen2moe", ["ep1"]), ("tp", ["tp1", "ep2"]),
+                                         ("deepseekv3", ["ep1"]), ("gptoss", ["ep1"])])
 def test_checkpoint_reshards(two, kind, loads) -> None:
     """Expert weights saved as the single-process (E, ...) tensors, at ep=2 (whole experts split by index) or
     tp=2 (each expert's width split, packed [gate; up] as boxes), load exactly into other layouts."""
-    e, c, width = 4, 32, 32  # experts, hidden width, expert width
     for r in two:
         got = r[f"reshard-{kind}"]
-        assert got["shapes"]["model.model.layers.0.mlp.experts.gate_up_proj"] == (e, 2 * width, c)
-        assert got["shapes"]["model.model.layers.1.mlp.experts.down_proj"] == (e, c, width)
+        for layer in (0, 1):
+            for name, shape in SAVED_SHAPES[kind].items():
+                assert got["shapes"][f"model.model.layers.{layer}.mlp.experts.{name}"] == shape, (kind, name)
         for tag in loads:
             assert got[tag]["state_diff"] == 0.0, (kind, tag)
             assert got[tag]["resumed"] == pytest.approx(got["uninterrupted"], abs=LOSS_ATOL), (kind, tag)
@@ -262,7 +305,8 @@ def test_checkpoint_reshards(two, kind, loads) -> None:
 def test_unrecognised_moe_family_and_pipeline_aux_loss_are_refused(two) -> None:
     for r in two:
         msg = r["unrecognised"]
-        assert msg is not None and "model.layers.0.mlp (DeepseekV3MoE)" in msg and "does not recognise" in msg, msg
-        assert "Mixtral (MixtralSparseMoeBlock)" in msg and "parallel.ep=1" in msg
+        assert msg is not None and "model.layers.0.mlp (Glm4MoeMoE)" in msg and "does not recognise" in msg, msg
+        assert "Mixtral (MixtralSparseMoeBlock)" in msg and "DeepSeek-V3 (DeepseekV3MoE)" in msg, msg
+        assert "GPT-OSS (GptOssMLP)" in msg and "parallel.ep=1" in msg, msg
         msg = r["pp-aux"]
         assert msg is not None and "output_router_logits" in msg and "parallel.pp" in msg, msg

@@ -27,12 +27,14 @@ def _config() -> object:
 
 
 def test_causal_mask_without_deprecation_warnings() -> None:
-    from plait.parallel.pipeline.hf import _causal_mask
+    from plait.parallel.pipeline.hf import _masks
 
     embeds, positions = torch.zeros(2, 5, 16), torch.arange(5).unsqueeze(0)  # (B, T, C), (1, T)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # any FutureWarning / DeprecationWarning fails the test
-        mask = _causal_mask(_config(), embeds, positions)
+        masks = _masks(_config(), embeds, positions)
+    assert list(masks) == ["full_attention"]  # Llama: no sliding window
+    mask = masks["full_attention"]
     assert mask.shape == (2, 1, 5, 5)
     allowed = mask[0, 0] == 0  # eager masks: 0 where a query may attend, the dtype's minimum elsewhere
     assert torch.equal(allowed, torch.ones(5, 5, dtype=torch.bool).tril())
@@ -42,7 +44,7 @@ def test_causal_mask_with_the_5_17_signature(monkeypatch: pytest.MonkeyPatch) ->
     """transformers 5.17 names the cache ``past_key_values`` (and has no ``cache``): plait passes that name."""
     import transformers.masking_utils as mu
 
-    from plait.parallel.pipeline.hf import _causal_mask
+    from plait.parallel.pipeline.hf import _masks
 
     seen = {}
 
@@ -54,7 +56,7 @@ def test_causal_mask_with_the_5_17_signature(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(mu, "create_causal_mask", create_causal_mask)
     positions = torch.arange(4).unsqueeze(0)
-    assert _causal_mask(_config(), torch.zeros(1, 4, 16), positions) == "mask"
+    assert _masks(_config(), torch.zeros(1, 4, 16), positions)["full_attention"] == "mask"
     assert seen["attention_mask"] is None and seen["past_key_values"] is None and seen["position_ids"] is positions
 
 
@@ -67,3 +69,26 @@ def test_installed_transformers_is_declared() -> None:
         (req,) = [Requirement(r) for r in extras[extra] if r.startswith("transformers")]
         assert str(req.specifier) == "<6,>=5.17", extra
         assert req.specifier.contains(version("transformers")), (extra, version("transformers"))
+
+
+def test_sliding_window_layers_get_the_sliding_mask_and_other_kinds_are_refused() -> None:
+    """GPT-OSS's layer types and Mistral's config-wide window: each layer gets the mask the base model gives it
+    (a stage that gave every layer the causal mask trained a different model, silently)."""
+    from plait.parallel.pipeline.hf import _mask_kind, _masks
+    from plait.plan.schedule import PipelineConfigError
+
+    cfg = transformers.GptOssConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=1, head_dim=8, sliding_window=2,
+                                    layer_types=["sliding_attention", "full_attention"])
+    cfg._attn_implementation = "eager"
+    assert [_mask_kind(cfg, i) for i in (0, 1)] == ["sliding_attention", "full_attention"]
+    masks = _masks(cfg, torch.zeros(1, 5, 16), torch.arange(5).unsqueeze(0))
+    allowed = masks["sliding_attention"][0, 0] == 0
+    ones = torch.ones(5, 5, dtype=torch.bool)
+    assert torch.equal(allowed, ones.tril() & ~ones.tril(-2))  # itself and the one before
+    mistral = transformers.MistralConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, sliding_window=3)
+    assert _mask_kind(mistral, 0) == "sliding_attention"
+    cfg.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(PipelineConfigError, match="'chunked_attention'"):
+        _mask_kind(cfg, 0)

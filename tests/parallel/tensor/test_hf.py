@@ -5,7 +5,9 @@ end to end are in test_hf_moe.py (Llama, Qwen2, Mistral, Mixtral, Qwen3-MoE, BER
 
 The expectation is written from transformers' meaning of each style, not from plait's code: a module style
 plait has (``ACCEPTED``), or, for an entry naming a weight of a ``moe_tp_experts`` module, a weight style
-(``WEIGHT``); an experts module needs at least one weight entry (its outputs are summed over tp).
+(``WEIGHT``); an experts module needs at least one weight entry (its outputs are summed over tp). A
+``local_params`` module's own parameters (attention sinks) take ``colwise`` or ``rowwise``. Families whose plan
+leaves attention out (DeepSeek-V3, GPT-OSS) are checked with plait's added entries (``ADDED_PLANS``) too.
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ import pytest
 import torch.distributed as dist
 from torch import nn
 
-from plait.parallel.tensor.hf import HFPlan, hf_tp_function, plan_refusals
+from plait.parallel.tensor.hf import ADDED_PLANS, HFPlan, hf_tp_function, plan_refusals
 from plait.parallel.tensor.plan import TensorParallelError
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'plait[hf]') is not installed")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ACCEPTED = {"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise", "replicate",
-            "moe_tp_experts", "replicated_with_grad_allreduce"}
+            "moe_tp_experts", "replicated_with_grad_allreduce", "mla_kv_a_proj", "local_params"}
 WEIGHT = {"colwise", "rowwise", "packed_colwise", "packed_rowwise"}
 END_TO_END = ("llama", "qwen2", "mistral", "mixtral", "qwen3_moe")
 
@@ -65,6 +67,7 @@ def test_every_shipped_plan_is_applied_or_refused_with_its_reason() -> None:
     for model_type, plan in plans.items():
         model = ShippedOnly(model_type, plan)
         fn = hf_tp_function(model, "auto", expert_parallel=False)
+        plan = {**plan, **ADDED_PLANS.get(model_type, {})}
         assert isinstance(fn, HFPlan) and fn.plan == plan, model_type
         bad = offending(plan)
         reasons = plan_refusals(plan)
@@ -82,8 +85,8 @@ def test_every_shipped_plan_is_applied_or_refused_with_its_reason() -> None:
     # transformers 5.17's qwen3_omni_moe_text, a packed expert weight whose module is not moe_tp_experts)
     assert 0 < len(refused) < len(plans) / 4, refused
     styles = {b.rsplit(" -> ", 1)[1] for bad in refused.values() for b in bad}
-    assert styles <= {"mla_kv_a_proj", "local_params", "all_reduce", "moe_identity_expert", "embedding_colwise",
-                      "packed_colwise", "packed_rowwise"}, styles
+    assert styles <= {"all_reduce", "moe_identity_expert", "embedding_colwise", "packed_colwise", "packed_rowwise"}, \
+        styles
 
 
 def test_encoders_without_a_shipped_plan_get_the_inferred_one() -> None:

@@ -160,11 +160,16 @@ class GradReducer:
                 else:
                     view.copy_(g)
         elif b.pending:
-            # Some parameters got no gradient this step. Where the optimizer dropped their .grad, the
-            # bucket still holds an old gradient: send zeros instead, as the other ranks may have real ones.
+            # Some parameters got no gradient through the hook this step. Where the optimizer dropped their
+            # .grad, the bucket still holds an old gradient: send zeros instead, as the other ranks may have
+            # real ones. A .grad set by assignment, which fires no hook (the zero-bubble schedule's weight
+            # pass: torch's stage_backward_weight assigns dW when .grad is None), is this step's gradient.
             for p, view in zip(b.params, b.views, strict=True):
-                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                if p.grad is None:
                     view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                    p.grad = view
         if self.compressor is not None and self.comm.compress_active:
             name = f"gradient bucket {index} ({self.compressor.name})"
             b.work = self.comm.run_async(name, self.group, lambda: self._compressed_mean(index, b.flat))

@@ -6,11 +6,12 @@ Dense parameters are replicated on all ``dp`` ranks; each MoE layer's ``E`` expe
 ``ep`` ranks of a group (rank ``i`` holds the global experts ``[i E/ep, (i+1) E/ep)``) and replicated over
 the ``dp / ep`` ranks holding the same slice (the expert-data-parallel group).
 
-Dispatch (``AllToAllDispatcher``): the routed assignments are sorted by global expert index; one
-all-to-all exchanges the per-expert counts, then the tokens go out with those variable splits (each
-destination reads which local expert a row is for from the counts), the local experts run, and a second
-all-to-all brings the results back (autograd runs the two reversed in backward).
-``AllGatherDispatcher`` is the reference path: every rank gathers
+Dispatch (``AllToAllDispatcher``, the default): the routed assignments are sorted by global expert index; one
+all-to-all exchanges the per-expert counts, then the tokens go out in slot buffers of a static size (each
+destination reads which local expert a row is for from the counts, on the device), the local experts run, and a
+second all-to-all brings the results back (autograd runs the two reversed in backward): no host read, so
+torch.compile keeps one graph. ``SplitAllToAllDispatcher`` sends variable splits sized by the routing (one host
+read per layer). ``AllGatherDispatcher`` is the reference path: every rank gathers
 all ranks' assignments, computes those for its own experts, and one all-reduce sums the results.
 
 Gradient reduction (``plait.parallel.expert.strategy.ExpertParallel.finish``), so that every gradient
@@ -48,15 +49,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
 import torch.distributed.nn.functional as dfn
 from torch import nn
 
 from plait.config import ConfigError, MoeConfig, ParallelConfig
-from plait.nn.moe import GroupedExperts, MoE, Routing, max_violation, moe_layers
+from plait.nn.experts import count_ids
+from plait.nn.moe import STATS, MoE, Routing, max_violation, moe_layers
+from plait.nn.routing import RouterSpec
 from plait.parallel.units import EXPERT_ATTR, is_expert
 
-__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "MoeMonitor", "check_expert_layout",
-           "is_expert", "shard_experts"]
+__all__ = ["DISPATCHERS", "AllGatherDispatcher", "AllToAllDispatcher", "MoeMonitor", "SplitAllToAllDispatcher",
+           "check_expert_layout", "is_expert", "shard_experts"]
 
 
 class ExpertParallelError(ConfigError):
@@ -73,6 +77,11 @@ def check_expert_layout(m: MoeConfig, p: ParallelConfig) -> None:
     if m.num_experts and m.top_k > m.num_experts:
         raise ConfigError(f"moe.top_k={m.top_k} exceeds moe.num_experts={m.num_experts}: a token cannot choose "
                           f"more experts than exist; set moe.top_k <= {m.num_experts}")
+    if m.num_experts:
+        try:
+            RouterSpec(m.num_experts, m.top_k, m.score, m.num_groups, m.topk_groups, m.route_scale).check()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if m.num_experts and m.num_experts % p.ep:
         fits = [e for e in range(1, m.num_experts + 1) if m.num_experts % e == 0]
         raise ConfigError(f"moe.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep}: every "
@@ -87,37 +96,84 @@ def check_expert_layout(m: MoeConfig, p: ParallelConfig) -> None:
 class _Dispatcher:
     def __init__(self, group: dist.ProcessGroup | None, offset: int, local: int, ep: int, ep_rank: int) -> None:
         self.group, self.expert_offset, self.local, self.ep, self.ep_rank = group, offset, local, ep, ep_rank
-        self.bytes_sent = 0  # forward dispatch + combine bytes to other ranks since the last reset
+        # forward dispatch + combine bytes to other ranks since the last report: a host tensor added to in place,
+        # so a compiled graph neither reads the device nor guards on a growing Python integer
+        self.bytes_sent = torch.zeros((), dtype=torch.float64)
 
 
 class AllToAllDispatcher(_Dispatcher):
-    """Tokens to the ranks holding their experts and back: one all-to-all of the per-expert counts, then
-    the tokens with variable splits, the local experts, and the results back (two all-to-alls, reversed
-    in backward).
+    """Assignments to the ranks holding their experts and back, in static shapes (no host read): one
+    all-to-all of the per-expert counts, then every rank sends each destination a slot buffer of ``S`` rows
+    (its rows for that destination first, grouped by local expert, then zeros), the destination runs its
+    local experts on the rows the counts say are real, and a second all-to-all of the same shape brings the
+    results back (autograd runs the two reversed in backward).
 
-    The assignments are sorted by global expert index, so each destination receives, from every source,
-    its rows grouped by local expert in order: the count matrix alone tells it which expert each row
-    is for (no expert ids travel)."""
+    ``S`` is the most rows one rank can have for one destination, so nothing is ever dropped here:
+    ``N x min(k, E / ep)`` dropless (a token picks an expert at most once), or ``E / ep x`` the layer's
+    capacity when ``moe.capacity_factor`` caps each expert (its drops are the layer's, reported as
+    ``dropped_fraction``). The price of the static shape is bytes: ``S`` rows per destination whatever the
+    routing, up to ``min(ep, E/k)`` times what variable splits would carry when dropless (c10d's
+    ``all_to_all_single`` takes its split sizes as host integers, so variable splits need a device-to-host read
+    per layer; symmetric memory's ``all_to_all_vdev``, the exception, is CUDA/NVSHMEM only). A capacity factor
+    bounds the bytes to ``capacity_factor x`` the balanced load.
 
-    def __call__(self, x: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor:
-        order = torch.argsort(routing.experts, stable=True)  # by owning rank, then local expert
-        counts = torch.bincount(routing.experts, minlength=self.ep * self.local)  # (ep x local,)
-        recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=self.group)  # the count exchange first
-        send_splits = counts.view(self.ep, self.local).sum(1).tolist()
-        recv_counts = recv.view(self.ep, self.local)  # (source, local expert)
-        recv_splits = recv_counts.sum(1).tolist()
-        ids_recv = torch.arange(self.local, device=x.device).repeat(self.ep).repeat_interleave(recv_counts.reshape(-1))
-        x_send = x.index_select(0, routing.tokens.index_select(0, order))  # (A, C)
-        x_recv = dfn.all_to_all_single(x.new_empty(sum(recv_splits), x.size(-1)), x_send, recv_splits,
-                                       send_splits, group=self.group)
-        y = experts(x_recv, torch.arange(len(ids_recv), device=x.device), ids_recv)  # (R, C)
-        y_back = dfn.all_to_all_single(y.new_empty(len(order), y.size(-1)), y, send_splits, recv_splits,
-                                       group=self.group)
-        remote = sum(send_splits) - send_splits[self.ep_rank] + sum(recv_splits) - recv_splits[self.ep_rank]
+    Every rank of an ep group must route the same number of tokens per micro-batch (the same ``S``): the count
+    exchange carries each rank's ``S`` and a device-side assertion stops a mismatch (no silent misreading)."""
+
+    def __call__(self, x: torch.Tensor, routing: Routing, experts: Any) -> torch.Tensor:
+        ep, local, c = self.ep, self.local, x.size(-1)
+        a = len(routing.experts)
+        slots = min(a, local * routing.per_expert)  # rows per destination, a static bound
+        counts = count_ids(routing.experts, ep * local)  # (ep x local,) kept assignments per global expert
+        order = torch.argsort(routing.experts, stable=True)  # by destination, then local expert; dropped last
+        dest = (routing.experts // local).index_select(0, order)  # (A,) ep where dropped
+        per_dest = counts.view(ep, local).sum(1)
+        first = torch.cat([per_dest.cumsum(0) - per_dest, per_dest.new_zeros(1)])  # (ep + 1,)
+        pos = torch.arange(a, device=x.device) - first.index_select(0, dest)
+        slot_sorted = torch.where(dest < ep, dest * slots + pos, ep * slots)  # dropped: the spare row at the end
+        slot = torch.empty_like(slot_sorted).index_copy_(0, order, slot_sorted)  # (A,) assignment order
+        header = torch.cat([counts.view(ep, local), counts.new_full((ep, 1), slots)], 1)  # (dest, local + 1)
+        recv = fc.all_to_all_single(header.reshape(-1), None, None, self.group).view(ep, local + 1)  # by source
+        torch._assert_async((recv[:, -1] == slots).all(), "moe all-to-all: the ranks of an ep group routed "
+                            "different numbers of tokens; every rank's micro-batch must have the same shape")
+        x_send = x.new_zeros(ep * slots + 1, c).index_copy(0, slot, x.index_select(0, routing.tokens))[:-1]
+        x_recv = fc.all_to_all_single_autograd(x_send, None, None, self.group)  # (ep S, C) by source
+        ends = recv[:, :local].cumsum(1)  # (ep, local): where each local expert's rows end in a source's block
+        rows = torch.arange(slots, device=x.device).expand(ep, slots).contiguous()
+        ids = torch.searchsorted(ends, rows, right=True).reshape(-1)  # (ep S,) local expert; local: padding
+        y = experts(x_recv, torch.arange(ep * slots, device=x.device), ids, cap=ep * routing.per_expert)
+        y_back = fc.all_to_all_single_autograd(y, None, None, self.group)  # (ep S, C) in this rank's slots
         if torch.is_grad_enabled():  # training forwards; backward moves the same bytes again
-            self.bytes_sent += remote * x.size(-1) * x.element_size()
-        return y_back.new_empty(y_back.shape).index_copy(0, order, y_back)  # back to assignment order
+            self.bytes_sent.add_(2 * (ep - 1) * slots * c * x.element_size())
+        return torch.cat([y_back, y_back.new_zeros(1, c)]).index_select(0, slot)  # (A, C), dropped: zeros
+
+
+class SplitAllToAllDispatcher(_Dispatcher):
+    """``moe.dispatcher=alltoall_split``: the all-to-all with variable splits, sized by the routing. The bytes
+    and the expert-side memory are what the routing needs (the balanced share times the busiest rank's
+    imbalance), at the price of one device-to-host read of the counts per layer (c10d takes split sizes as host
+    integers): for large ``ep`` without a capacity factor, where the static buffer's bound is ``min(ep, E/k)``
+    times the balanced share. Eager only (``train.compile`` refuses it)."""
+
+    def __call__(self, x: torch.Tensor, routing: Routing, experts: Any) -> torch.Tensor:
+        ep, local, c = self.ep, self.local, x.size(-1)
+        counts = count_ids(routing.experts, ep * local)  # (ep x local,) kept assignments per global expert
+        order = torch.argsort(routing.experts, stable=True)  # by owning rank, then local expert; dropped last
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=self.group)
+        sizes = torch.cat([counts.view(ep, local).sum(1), recv.view(ep, local).sum(1)]).tolist()  # the host read
+        send_splits, recv_splits = sizes[:ep], sizes[ep:]
+        kept = order[:sum(send_splits)]
+        ids = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(recv, output_size=sum(recv_splits))
+        x_send = x.index_select(0, routing.tokens.index_select(0, kept))  # (kept, C)
+        x_recv = dfn.all_to_all_single(x.new_empty(sum(recv_splits), c), x_send, recv_splits, send_splits,
+                                       group=self.group)
+        y = experts(x_recv, torch.arange(len(ids), device=x.device), ids)  # (R, C)
+        y_back = dfn.all_to_all_single(y.new_empty(len(kept), c), y, send_splits, recv_splits, group=self.group)
+        if torch.is_grad_enabled():
+            remote = sum(send_splits) - send_splits[self.ep_rank] + sum(recv_splits) - recv_splits[self.ep_rank]
+            self.bytes_sent.add_(remote * c * x.element_size())
+        return y_back.new_zeros(len(order), c).index_copy(0, kept, y_back)  # (A, C) assignment order, dropped 0
 
 
 class AllGatherDispatcher(_Dispatcher):
@@ -125,7 +181,7 @@ class AllGatherDispatcher(_Dispatcher):
     and sum the results over the ``ep`` group (an all-reduce); each rank keeps its own rows. Simple and
     obviously right, at ``ep`` times the all-to-all's traffic."""
 
-    def __call__(self, x: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, routing: Routing, experts: Any) -> torch.Tensor:
         a = len(routing.tokens)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.ep)]
         dist.all_gather(sizes, torch.tensor([a]), group=self.group)
@@ -147,8 +203,12 @@ class AllGatherDispatcher(_Dispatcher):
         outs = y.new_zeros(self.ep * a_max, y.size(-1)).index_copy(0, rows, y)
         total = dfn.all_reduce(outs.view(self.ep, a_max, -1), group=self.group)  # (ep, a_max, C)
         if torch.is_grad_enabled():
-            self.bytes_sent += 4 * (self.ep - 1) * a_max * x.size(-1) * x.element_size()
+            self.bytes_sent.add_(4 * (self.ep - 1) * a_max * x.size(-1) * x.element_size())
         return total[self.ep_rank, :a]
+
+
+DISPATCHERS = {"alltoall": AllToAllDispatcher, "alltoall_split": SplitAllToAllDispatcher,
+               "allgather": AllGatherDispatcher}
 
 
 def shard_experts(model: nn.Module, ep: int, ep_rank: int, group: dist.ProcessGroup | None,
@@ -164,7 +224,7 @@ def shard_experts(model: nn.Module, ep: int, ep_rank: int, group: dist.ProcessGr
         raise ExpertParallelError(f"parallel.ep={ep} but the model has no plait.nn.MoE layer to shard: set "
                                   "moe.num_experts for plait's GPT, use plait.nn.MoE in your model, or set "
                                   "parallel.ep=1")
-    cls = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}[dispatcher]
+    cls = DISPATCHERS[dispatcher]
     params: list[nn.Parameter] = []
     for layer in layers:
         e = layer.num_experts
@@ -239,29 +299,33 @@ def fsdp_shard_experts(model: nn.Module, topo: Any, *, param_dtype: torch.dtype 
 # -- the engine's per-step MoE work ---------------------------------------------------------------
 class MoeMonitor:
     """What the engine does for MoE layers around each step: the auxiliary losses' gradient scale before a
-    backward, and after the optimizer step the assignment counts summed over the data-parallel world
-    (bias balancing and metrics: tokens per expert, MaxVio, dropped fraction, aux/z losses, all-to-all bytes).
-    """
+    backward, and after the optimizer step the bias balancing and the metrics (tokens per expert, MaxVio,
+    dropped fraction, aux/z/sequence losses, all-to-all bytes), summed over the data-parallel world.
+
+    Nothing is read to the host except on a reporting step (``every``: the log steps, and step 1). Under bias
+    balancing the counts are summed over the ranks every step on the device (one small all-reduce) and the
+    biases moved there; the reported figures cover the steps since the last report."""
 
     def __init__(self, model: nn.Module, topo: Any, comm: Any, every: int = 1, bias: bool | None = None) -> None:
         """``model``: this rank's part (a pipeline stage may hold no MoE layer); ``bias``: whether any MoE layer
         of the whole model balances by bias (the same on every stage; default: this part's layers)."""
         self.layers: list[MoE] = moe_layers(model)
         self.topo, self.comm = topo, comm
-        # Counts are summed over the ranks every step under bias balancing (the biases need them), else only
-        # every ``every`` steps (the logged ones): the figures then cover the steps since the last report.
         self.every = max(1, every)
         self.bias = any(layer.balance == "bias" for layer in self.layers) if bias is None else bias
         self.stages = topo.degree("pp") if topo.mesh is not None else 1  # figures gathered over the stages
+        self._loads: torch.Tensor | None = None  # under bias balancing: summed loads since the last report
 
     def set_grad_scale(self, scale: float) -> None:
         for layer in self.layers:
             layer.grad_scale = scale
 
     def after_step(self, step: int) -> list[dict[str, Any]] | None:
-        """Sum counts over the data-parallel ranks, move the balancing biases, return the per-layer metrics
-        (None on a step that neither moves biases nor is a multiple of ``every``)."""
-        if not (self.bias or step % self.every == 0 or step == 1):
+        """Move the balancing biases (under bias balancing) and, on a reporting step, return the per-layer
+        metrics of every stage's layers in model order (None on the other steps)."""
+        if self.bias and self.layers:
+            self._balance()
+        if not (step % self.every == 0 or step == 1):
             return None
         out = self._local_metrics() if self.layers else []
         if self.stages > 1:  # every stage's layers, in model order, on every rank
@@ -270,23 +334,41 @@ class MoeMonitor:
             out = [m for part in parts for m in part]
         return out
 
+    def _balance(self) -> None:
+        """The step's loads summed over the data-parallel ranks and the biases moved, on the device."""
+        flat = torch.cat([layer.load for layer in self.layers])
+        if self.topo.dp > 1:
+            self.comm.all_reduce_sum(flat, self.topo.dp_group, name="moe loads")
+        for layer, load in zip(self.layers, flat.split([layer.num_experts for layer in self.layers]), strict=True):
+            layer.update_bias(load)
+            layer.load.zero_()
+        self._loads = flat if self._loads is None else self._loads + flat
+
     def _local_metrics(self) -> list[dict[str, Any]]:
-        flat = torch.cat([layer.load for layer in self.layers] + [layer.stats_acc for layer in self.layers])
+        sizes = [layer.num_experts for layer in self.layers]
+        parts = [layer.stats_acc for layer in self.layers]
+        if not self.bias:
+            parts = [layer.load for layer in self.layers] + parts
+        flat = torch.cat(parts)
         if self.topo.dp > 1:
             self.comm.all_reduce_sum(flat, self.topo.dp_group, name="moe statistics")
-        sizes = [layer.num_experts for layer in self.layers]
-        loads = flat[:sum(sizes)].split(sizes)
-        stats = flat[sum(sizes):].view(len(self.layers), 5).tolist()
+        if self.bias:
+            loads = self._loads if self._loads is not None else torch.zeros(sum(sizes), dtype=torch.float64)
+            self._loads = None
+        else:
+            loads, flat = flat[:sum(sizes)], flat[sum(sizes):]
+        per_layer = loads.cpu().split(sizes)  # the host read, on a reporting step only
+        stats = flat.view(len(self.layers), len(STATS)).tolist()
         out: list[dict[str, Any]] = []
-        for layer, load, (dropped, total, aux, z, forwards) in zip(self.layers, loads, stats, strict=True):
-            layer.update_bias(load.to(layer.expert_bias.device))
-            a2a = getattr(layer.dispatcher, "bytes_sent", 0)
+        for layer, load, (dropped, total, aux, z, seq, forwards) in zip(self.layers, per_layer, stats, strict=True):
+            a2a = float(getattr(layer.dispatcher, "bytes_sent", 0))
+            per = 1.0 / forwards if forwards else 0.0
             out.append({"tokens_per_expert": [int(v) for v in load.tolist()], "max_violation": max_violation(load),
-                        "dropped_fraction": dropped / total if total else 0.0,
-                        "aux_loss": aux / forwards if forwards else 0.0, "z_loss": z / forwards if forwards else 0.0,
-                        "a2a_bytes": 2 * a2a})
-            layer.load.zero_()
+                        "dropped_fraction": dropped / total if total else 0.0, "aux_loss": aux * per,
+                        "z_loss": z * per, "seq_aux_loss": seq * per, "a2a_bytes": 2 * a2a})
+            if not self.bias:
+                layer.load.zero_()
             layer.stats_acc.zero_()
             if hasattr(layer.dispatcher, "bytes_sent"):
-                layer.dispatcher.bytes_sent = 0
+                layer.dispatcher.bytes_sent.zero_()
         return out

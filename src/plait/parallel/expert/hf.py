@@ -1,5 +1,5 @@
 """Expert parallelism for Hugging Face mixture-of-experts models (transformers 5): Mixtral, Qwen2-MoE,
-Qwen3-MoE, OLMoE, and any family registered with ``register_moe_adapter``.
+Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, and any family registered with ``register_moe_adapter``.
 
 What a family must look like (its adapter names the parts). A sparse MoE *block* (``MixtralSparseMoeBlock``)
 holds a router (``gate``) and an experts module (``experts``) whose weights are fused 3-D parameters with the
@@ -39,8 +39,9 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.config import ParallelConfig
-from plait.nn.moe import Routing
-from plait.parallel.expert.dispatch import AllGatherDispatcher, AllToAllDispatcher, ExpertParallelError, keep_experts
+from plait.nn.experts import count_ids
+from plait.nn.routing import Routing
+from plait.parallel.expert.dispatch import DISPATCHERS, ExpertParallelError, keep_experts
 
 __all__ = ["MoeAdapter", "check_hf_experts", "check_pipeline_router_loss", "find_moe_blocks",
            "register_moe_adapter", "shard_hf_experts"]
@@ -49,13 +50,17 @@ __all__ = ["MoeAdapter", "check_hf_experts", "check_pipeline_router_loss", "find
 @dataclass(frozen=True)
 class MoeAdapter:
     """How one family's sparse MoE block is laid out: the block's class name, the attribute of its experts
-    module and of its router, and the experts' fused weights (expert index first)."""
+    module and of its router, and the experts' fused weights (expert index first; biases of ``(E, width)``
+    included). ``grouped``: for an experts class without transformers' implementation switch, the attributes
+    (``has_bias``, ``is_transposed``...) under which transformers' own grouped-GEMM experts function runs it
+    (GPT-OSS: the function its ``base_model_ep_plan`` names), so its expert-parallel forward reads no host."""
 
     family: str
     block: str
     experts: str = "experts"
     router: str = "gate"
     weights: tuple[str, ...] = ("gate_up_proj", "down_proj")
+    grouped: tuple[tuple[str, Any], ...] = ()
 
     def matches(self, module: nn.Module) -> bool:
         return type(module).__name__ == self.block
@@ -71,8 +76,15 @@ def register_moe_adapter(adapter: MoeAdapter) -> None:
 
 
 for _family, _block in (("Mixtral", "MixtralSparseMoeBlock"), ("Qwen2-MoE", "Qwen2MoeSparseMoeBlock"),
-                        ("Qwen3-MoE", "Qwen3MoeSparseMoeBlock"), ("OLMoE", "OlmoeSparseMoeBlock")):
+                        ("Qwen3-MoE", "Qwen3MoeSparseMoeBlock"), ("OLMoE", "OlmoeSparseMoeBlock"),
+                        ("DeepSeek-V3", "DeepseekV3MoE")):
     register_moe_adapter(MoeAdapter(_family, _block))
+# GPT-OSS: interleaved [gate, up] columns of (E, C, 2I) weights with biases, its own clamped SwiGLU (_apply_gate)
+register_moe_adapter(MoeAdapter(
+    "GPT-OSS", "GptOssMLP", router="router",
+    weights=("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"),
+    grouped=(("has_gate", True), ("has_bias", True), ("is_transposed", True), ("is_concatenated", False),
+             ("has_post_expert_norm", False))))
 
 
 def _supported() -> str:
@@ -98,13 +110,13 @@ def _check_block(name: str, block: nn.Module, adapter: MoeAdapter) -> MoeBlock:
     experts = getattr(block, adapter.experts, None)
     router = getattr(block, adapter.router, None)
     weights = [getattr(experts, w, None) for w in adapter.weights] if isinstance(experts, nn.Module) else []
-    sizes = {int(w.shape[0]) for w in weights if isinstance(w, nn.Parameter) and w.dim() == 3}
-    if not isinstance(router, nn.Module) or len(weights) != len(adapter.weights) or len(sizes) != 1 \
-            or not all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights) \
-            or getattr(experts, "num_experts", None) not in sizes:
+    params = [w for w in weights if isinstance(w, nn.Parameter) and w.dim() >= 2]
+    sizes = {int(w.shape[0]) for w in params}
+    if not isinstance(router, nn.Module) or len(params) != len(adapter.weights) or len(sizes) != 1 \
+            or not any(w.dim() == 3 for w in params) or getattr(experts, "num_experts", None) not in sizes:
         raise ExpertParallelError(
             f"{name} ({type(block).__name__}) is not laid out as plait's {adapter.family} adapter expects (a router "
-            f"'{adapter.router}' and an experts module '{adapter.experts}' with num_experts and 3-D weights "
+            f"'{adapter.router}' and an experts module '{adapter.experts}' with num_experts and fused weights "
             f"{', '.join(adapter.weights)}, the expert index first): this transformers version changed the block; "
             "register a matching plait.parallel.expert.hf.MoeAdapter or set parallel.ep=1")
     return MoeBlock(name, block, adapter, sizes.pop())
@@ -190,9 +202,11 @@ def check_pipeline_router_loss(model: nn.Module) -> None:
 class _ExpertParallelForward:
     """Placed before a Hugging Face experts class (``shard_hf_experts``): the same module, its forward
     dispatching over the ``ep`` ranks. ``_plait_dispatcher`` moves the rows; ``_plait_run`` runs the model's
-    own experts forward (the next class in the MRO) on the rows this rank received."""
+    own experts forward (the next class in the MRO, or transformers' grouped one where the adapter says so) on
+    the rows this rank received."""
 
     _plait_dispatcher: Any
+    _plait_forward: Any = None  # transformers' experts function for a class without the implementation switch
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -200,26 +214,42 @@ class _ExpertParallelForward:
         experts = top_k_index.reshape(-1)  # (A,) global expert of each assignment, A = N k
         tokens = torch.arange(n, device=hidden_states.device).repeat_interleave(k)  # (A,)
         weights = top_k_weights.reshape(-1)  # (A,)
-        routing = Routing(tokens, experts, weights, torch.bincount(experts))
+        # a token's k experts are distinct, so an expert gets at most n of this rank's assignments
+        routing = Routing(tokens, experts, weights, count_ids(experts, self._plait_dispatcher.ep * self.num_experts),
+                          per_expert=n)
         y = self._plait_dispatcher(hidden_states, routing, self._plait_run)  # (A, C), assignment order
         order = torch.argsort(experts, stable=True)  # a token's experts summed in index order, as the model does
         weighted = (y * weights[:, None]).to(hidden_states.dtype)
         return torch.zeros_like(hidden_states).index_add(0, tokens[order], weighted[order])  # (N, C)
 
-    def _plait_run(self, x: torch.Tensor, rows: torch.Tensor, local_experts: torch.Tensor) -> torch.Tensor:
-        """Each row ``x[rows[i]]`` through local expert ``local_experts[i]`` by the model's own experts forward
-        (``(R, C)`` in row order). With no row at all, one zero row with weight 0 runs after the (empty) rows
-        received, so the experts' weights get a zero gradient on every rank, and the received rows stay in the
-        graph: every rank's backward then runs the dispatch's all-to-all, whatever its routing (a rank leaving
-        it out would hang the others)."""
+    def _plait_run(self, x: torch.Tensor, rows: torch.Tensor, local_experts: torch.Tensor,
+                   cap: int | None = None) -> torch.Tensor:
+        """Each row ``x[rows[i]]`` through local expert ``local_experts[i]`` by the model's experts forward
+        (``(R, C)`` in row order); rows whose id is ``num_experts`` or more are padding and come back as zeros.
+
+        Experts classes with transformers' implementation switch (``_is_expert_parallel``) take padding rows as
+        sentinels (grouped_mm skips them, eager skips the sentinel expert), each real row with weight 1: no
+        host read. A class without it runs on the real rows only (one host read of how many there are)."""
         xs = x.index_select(0, rows)  # (R, C)
-        r = xs.size(0)
-        if r == 0:
-            xs = torch.cat([xs, xs.new_zeros(1, xs.size(-1))])
-            local_experts = torch.zeros(1, dtype=torch.int64, device=x.device)
-        ones = torch.full((xs.size(0), 1), 1.0 if r else 0.0, dtype=xs.dtype, device=xs.device)
-        out = super().forward(xs, local_experts[:, None], ones)  # type: ignore[misc]
-        return out[:r]
+        valid = local_experts < self.num_experts
+        if self._plait_forward is not None or hasattr(self, "_is_expert_parallel"):
+            run = self._plait_forward or super().forward  # type: ignore[misc]
+            fn = run if self._plait_forward is None else lambda *a: run(self, *a)
+            out = fn(xs, local_experts[:, None], valid.to(xs.dtype)[:, None])
+            return torch.where(valid[:, None], out, 0.0)
+        return self._compacted(xs, local_experts, valid)
+
+    def _compacted(self, xs: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The model's forward on the real rows only. With none at all, one zero row with weight 0 runs, so
+        the experts' weights get a zero gradient and the received rows stay in the graph: every rank's backward
+        then runs the dispatch's collectives, whatever its routing (a rank leaving them out would hang)."""
+        order = torch.argsort((~valid).to(torch.int8), stable=True)
+        r = int(valid.sum())  # the host read of this path
+        take = order[:max(r, 1)]
+        sub, ids = xs.index_select(0, take), ids.index_select(0, take).clamp(max=self.num_experts - 1)
+        weight = torch.full((len(take), 1), 1.0 if r else 0.0, dtype=xs.dtype, device=xs.device)
+        out = super().forward(sub, ids[:, None], weight)  # type: ignore[misc]
+        return xs.new_zeros(xs.shape).index_copy(0, take[:r], out[:r])
 
 
 _EP_CLASSES: dict[type, type] = {}
@@ -242,7 +272,7 @@ def shard_hf_experts(model: nn.Module, ep: int, ep_rank: int, group: dist.Proces
     # functional ones; they remain the documented differentiable c10d calls that run on gloo.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.nn\.functional\..* is deprecated",
                             category=FutureWarning)
-    cls = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}[dispatcher]
+    cls = DISPATCHERS[dispatcher]
     params: list[nn.Parameter] = []
     for b in find_moe_blocks(model):
         n = b.num_experts // ep
@@ -252,4 +282,12 @@ def shard_hf_experts(model: nn.Module, ep: int, ep_rank: int, group: dist.Proces
         ex.num_experts = n  # the model's experts forward indexes this rank's experts
         ex.__class__ = _ep_class(type(ex))
         ex._plait_dispatcher = cls(group, off, n, ep, ep_rank)
+        if b.adapter.grouped:
+            from transformers.integrations.moe import grouped_mm_experts_forward
+
+            for attr, value in b.adapter.grouped:
+                setattr(ex, attr, value)
+            ex._plait_forward = grouped_mm_experts_forward
+        if b.adapter.grouped or hasattr(ex, "_is_expert_parallel"):
+            ex._is_expert_parallel = True  # transformers' implementations then skip the padding rows
     return params

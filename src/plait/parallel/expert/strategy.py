@@ -46,7 +46,8 @@ class ExpertParallel(Wrapper):
       expert-data-parallel group, gradients reduce-scattered there and divided by ``dp``;
     * ``"fsdp"`` (zero 3): the experts are FSDP2 units over that group (``fsdp_shard_experts``);
     * ``"replicated"``: no ZeRO, or ``dp = ep`` (nothing left to shard over): whole local experts, their
-      gradients summed over the expert-data-parallel group and divided by ``dp`` in ``finish``.
+      gradients summed over the expert-data-parallel group and divided by ``dp`` in ``finish``;
+    * ``"none"``: a pipeline stage holding no MoE layer (every rank of that stage alike): nothing to do.
 
     Under ZeRO the experts have their own optimizer of the same class, groups and hyperparameters (the
     learning rate copied from the scheduled dense groups before each step): a composite optimizer.
@@ -61,7 +62,7 @@ class ExpertParallel(Wrapper):
     @classmethod
     def check(cls, cfg: Config, degrees: dict[str, int]) -> None:
         check_expert_layout(cfg.moe, cfg.parallel)
-        check_compile(cfg.train.compile, degrees["ep"])
+        check_compile(cfg.train.compile, degrees["ep"], cfg.moe.dispatcher)
 
     def __init__(self, inner: Strategy) -> None:
         super().__init__(inner)
@@ -73,11 +74,13 @@ class ExpertParallel(Wrapper):
         self.fsdp = self.sharded and self.cfg.parallel.zero == 3
         edp = topo.dp // topo.ep
         self.mode = "replicated" if edp == 1 or not self.sharded else "fsdp" if self.fsdp else "zero"
+        if not self.experts:  # a pipeline stage with no MoE layer (the same on every rank of the stage)
+            self.mode = "none"
         self.expert_opt: Any = None
         self._group_of: list[int] = []  # expert group i -> the factory's group index
 
     def build_optimizer(self, factory: Any) -> Any:
-        if not self.sharded:
+        if not self.sharded or self.mode == "none":
             return self.inner.build_optimizer(factory)
         cls, defaults, groups = optimizer_recipe(factory(self.inner.model))
         dense = [(i, {**g, "params": [p for p in g["params"] if id(p) not in self._ids]}) for i, g in enumerate(groups)]
@@ -172,8 +175,9 @@ class ExpertParallel(Wrapper):
             if self.sharded:
                 self.comm.all_reduce_sum(d2, self.topo.dp_group, name="dense gradient norm")
         e2 = sum((g.double().pow(2).sum() for g in expert), torch.zeros((), dtype=torch.float64)).reshape(1)
-        group = self.topo.ep_group if self.mode == "replicated" else self.topo.dp_group
-        self.comm.all_reduce_sum(e2, group, name="expert gradient norm")
+        if self.mode != "none":  # a stage without experts: nothing to sum (its peers in the stage have none either)
+            group = self.topo.ep_group if self.mode == "replicated" else self.topo.dp_group
+            self.comm.all_reduce_sum(e2, group, name="expert gradient norm")
         stage = d2 + e2
         if self.topo.degree("pp") > 1:  # each stage's own parameters
             self.comm.all_reduce_sum(stage, self.topo.group("pp"), name="gradient norm over stages")

@@ -9,12 +9,14 @@ model (the rotary embedding) are shared by every stage.
 
 A stage's forward does what the base model's forward does for its part: token ids to embeddings
 (first stage; under sequence parallelism sliced to this rank's ``T / tp`` tokens there, so a first stage holding
-the embedding alone sends the shard), positions ``0..T-1``, the rotary embedding and the causal mask built as the
-model builds them (``transformers.masking_utils.create_causal_mask``, no padding mask: pipelined batches are full
-sequences; under sequence parallelism a stage's input holds ``T / tp`` tokens and positions run over all ``T``;
-a stage without layers computes none of them), every owned layer, then norm and head (last stage: logits
-``(B, T, V)``). The first stage may hold the embedding alone and the last the norm and head alone
-(``parallel.pp_split_embedding``, ``pp_split_head``). Padding masks,
+the embedding alone sends the shard), positions ``0..T-1``, the rotary embedding and the masks built as the model
+builds them (``transformers.masking_utils``: causal, and sliding-window causal for the layers
+``config.layer_types`` marks ``sliding_attention`` or for every layer of a model with a ``config.sliding_window``,
+as Mistral, Mixtral and GPT-OSS build theirs; a layer type with another mask is refused; no padding mask:
+pipelined batches are full sequences; under sequence parallelism a stage's input holds ``T / tp`` tokens and
+positions run over all ``T``; a stage without layers computes none of them), every owned layer, then norm and
+head (last stage: logits ``(B, T, V)``). The first stage may hold the embedding alone and the last the norm and
+head alone (``parallel.pp_split_embedding``, ``pp_split_head``). Padding masks,
 caches and models without rotary position embeddings are not supported here; use ``stage_fn``.
 """
 
@@ -25,6 +27,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from plait.plan.schedule import PipelineConfigError
 
 
 def _base(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -71,6 +75,8 @@ class HFDecoderStage(nn.Module):
             parts.update({n: getattr(base, n) for n in adapter.before})
         layers = getattr(base, adapter.layers)
         parts[adapter.layers] = nn.ModuleDict({i: layers[int(i)] for i in layer_ids})
+        for i in layer_ids:  # a layer whose mask a stage cannot build is refused here, before any step
+            _mask_kind(self.config, int(i))
         if is_last:
             parts.update({n: getattr(base, n) for n in adapter.after})
         parts["rotary_emb"] = base.rotary_emb
@@ -95,13 +101,14 @@ class HFDecoderStage(nn.Module):
 
                 x = slice_sequence(self.mesh, x)
         layers = getattr(base, self.adapter.layers)
-        if len(layers):  # positions, rotary angles and the mask of the whole sequence, for this stage's layers
+        if len(layers):  # positions, rotary angles and the masks of the whole sequence, for this stage's layers
             T = x.size(1) * self.shards  # under sequence parallelism the input holds this rank's T / shards
             position_ids = torch.arange(T, device=x.device).unsqueeze(0)  # (1, T)
             position_embeddings = base.rotary_emb(x, position_ids=position_ids)
             whole = x if T == x.size(1) else x.new_empty(x.size(0), T, 1)  # the mask's shape: the whole sequence
-            mask = _causal_mask(self.config, whole, position_ids)
-        for layer in layers.values():
+            masks = _masks(self.config, whole, position_ids)
+        for i, layer in layers.items():
+            mask = masks[_mask_kind(self.config, int(i))]
             out = layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
             x = out[0] if isinstance(out, tuple) else out  # (B, T, C)
         if self.is_last:
@@ -111,16 +118,32 @@ class HFDecoderStage(nn.Module):
         return x
 
 
-def _causal_mask(config: Any, embeds: torch.Tensor, position_ids: torch.Tensor) -> Any:
-    """The mask the base model would build for a full, unpadded batch (None when its attention
+def _mask_kind(config: Any, layer: int) -> str:
+    """Which mask layer ``layer`` attends with, as the base model chooses it."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        if types[layer] not in ("full_attention", "sliding_attention"):
+            raise PipelineConfigError(f"layer {layer} of {type(config).__name__} is {types[layer]!r}: plait's "
+                                      "pipeline stages build causal and sliding-window masks only; pass stage_fn "
+                                      "to setup, or use parallel.pp=1")
+        return types[layer]
+    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+
+def _masks(config: Any, embeds: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
+    """The masks the base model would build for a full, unpadded batch, by kind (None when its attention
     implementation applies causality itself)."""
-    from transformers.masking_utils import create_causal_mask
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     # The cache argument (None: no cache) is named past_key_values up to transformers 5.2x and cache after
     # (where the old name is deprecated); the signature says which this one takes.
     cache = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
-    return create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=None, position_ids=position_ids,
-                              **{cache: None})
+    kwargs = {"config": config, "inputs_embeds": embeds, "attention_mask": None, "position_ids": position_ids,
+              cache: None}
+    out = {"full_attention": create_causal_mask(**kwargs)}
+    if getattr(config, "sliding_window", None) is not None:
+        out["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+    return out
 
 
 class HFDecoderPipeline:

@@ -24,9 +24,20 @@ parameter entries of such a module  the weight as a DTensor: ``colwise`` ``Shard
                                     partly computes: every backward's gradient is summed over tp before it
                                     accumulates (transformers sums the accumulated gradient; the same without
                                     gradient accumulation, and still right with it)
+``mla_kv_a_proj``                   latent attention's joint key-value down-projection, whole on every rank:
+                                    the rotary key part of its output (the last ``qk_rope_head_dim`` columns,
+                                    shared by every head) has its gradient summed over tp backward, as each rank
+                                    holds some heads; the latent part's gradient is whole already (the colwise
+                                    ``kv_b_proj`` after it sums its input's gradient)
+``local_params``                    a module (GPT-OSS attention) whose own parameters have entries of their own
+                                    (its ``sinks``, one per head: ``colwise`` splits them as the heads are
+                                    split): its forward runs with those parameters' local shards
 ==================================  ==========================================================================
 
-Patterns of a shipped plan that match nothing in this model are skipped, as transformers skips them (Qwen3-MoE's
+Families whose shipped plan leaves attention out get it from ``ADDED_PLANS``, the entries transformers ships for
+the same attention in a relative (DeepSeek-V3's multi-head latent attention: DeepSeek-V2's; GPT-OSS's attention
+with sinks: Granite-SWA's). Patterns of a shipped plan that match nothing in this model are skipped, as
+transformers skips them (Qwen3-MoE's
 dense-MLP entries when every layer is sparse). Under expert parallelism (``parallel.ep > 1``) the entries inside
 recognised MoE blocks (``plait.parallel.expert.hf``) are left out: those blocks stay whole on every tp rank and
 their experts are sharded over ep. A plan with a style plait does not apply (``REFUSED``, or a packed style on a
@@ -70,9 +81,17 @@ PARAM_STYLES: dict[str, Any] = {
     "packed_colwise": lambda nd: (_StridedShard(nd - 2, split_factor=2), nd - 2, 2),
     "packed_rowwise": lambda nd: (_StridedShard(nd - 1, split_factor=2), nd - 1, 2),
 }
+MLA = "mla_kv_a_proj"
+LOCAL = "local_params"
+ADDED_PLANS: dict[str, dict[str, str]] = {
+    "deepseek_v3": {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.q_b_proj": "colwise",
+                    "layers.*.self_attn.kv_a_proj_with_mqa": MLA, "layers.*.self_attn.kv_b_proj": "colwise",
+                    "layers.*.self_attn.o_proj": "rowwise"},
+    "gpt_oss": {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+                "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+                "layers.*.self_attn.sinks": "colwise", "layers.*.self_attn": LOCAL},
+}
 REFUSED = {
-    "mla_kv_a_proj": "latent attention's rotary key part needs its gradient summed over tp, which plait does not do",
-    "local_params": "running a module on its own parameter shards (attention sinks) is not a plait style",
     "all_reduce": "summing a module's partial output over tp (shared experts on shards) is not a plait style",
     "moe_identity_expert": "identity (zero-computation) experts are not a plait style",
     "embedding_colwise": "an embedding split on its hidden dimension is not a plait style (plait splits the "
@@ -104,7 +123,7 @@ def plan_refusals(plan: dict[str, Any]) -> list[str]:
         elif style in ("packed_colwise", "packed_rowwise"):
             out.append(f"{pattern} -> {style}: plait splits packed weights only inside a module the plan makes "
                        f"{EXPERTS} (whose partial outputs it sums over tp)")
-        elif style not in STYLES and style not in ALIASES and style not in (EXPERTS, GRAD_SUM):
+        elif style not in STYLES and style not in ALIASES and style not in (EXPERTS, GRAD_SUM, MLA, LOCAL):
             out.append(f"{pattern} -> {style}: not a style plait knows")
     for pattern in experts:
         if not any(_parent(k) == pattern for k in plan):
@@ -133,12 +152,16 @@ def hf_tp_function(model: nn.Module, tp_plan: Any, expert_parallel: bool,
     ``tp_plan="auto"`` the shipped plan (patterns matching nothing skipped), else the inferred encoder plan.
     ``sequence_parallel``: the residual stream split along the sequence (``plait.parallel.tensor.hf_sequence``)."""
     if isinstance(tp_plan, dict):
-        hf_only = set(REFUSED) | (set(PARAM_STYLES) - set(STYLES)) | {EXPERTS, GRAD_SUM}
+        hf_only = set(REFUSED) | (set(PARAM_STYLES) - set(STYLES)) | {EXPERTS, GRAD_SUM, MLA, LOCAL}
         uses = any(isinstance(v, str) and v in hf_only for v in tp_plan.values())
         return HFPlan(tp_plan, strict=True, skip_moe=expert_parallel, sp=sequence_parallel) if uses else None
     if tp_plan not in (None, "auto"):
         return None
     shipped = hf_plan(model)
+    added = ADDED_PLANS.get(getattr(getattr(model, "config", None), "model_type", None), {})
+    if shipped and added:
+        prefix = _prefix(model)
+        shipped = {**shipped, **{f"{prefix}{k}": v for k, v in added.items()}}
     if shipped:
         return HFPlan(shipped, strict=False, skip_moe=expert_parallel, sp=sequence_parallel)
     inferred = encoder_plan(model)
@@ -162,12 +185,19 @@ class HFPlan:
         if self.sp:
             module_plan = sequence_parallel_plan(model, module_plan, mesh.size())
             mark_sequence_mesh(model, mesh)
+        special = {n: module_plan.pop(n) for n in [n for n, v in module_plan.items() if v in (MLA, LOCAL)]}
         if module_plan:
             apply_tp_plan(model, mesh, module_plan)
         for module, placements in experts:
             _shard_experts(module, mesh, placements)
         for module in grad_sum:
             _sum_grads_over(module, mesh.get_group())
+        modules = dict(model.named_modules())
+        for name, style in special.items():
+            if style == MLA:
+                _sum_rotary_grad(modules[name], _rope_dim(model), mesh.get_group())
+            else:
+                _shard_own_params(modules[name], mesh, self._own_placements(name, modules[name], mesh.size()))
         return model
 
     def _resolve(self, model: nn.Module, tp: int) -> tuple[dict[str, Any], list, list[nn.Module]]:
@@ -180,12 +210,14 @@ class HFPlan:
         skip = [b.name for b in find_moe_blocks(model)] if self.skip_moe else []
         modules = {n: m for n, m in model.named_modules() if n}
         experts_patterns = {k for k, v in self.plan.items() if v == EXPERTS}
+        local_patterns = {k for k, v in self.plan.items() if v == LOCAL}
         module_plan: dict[str, Any] = {}
         experts: list[tuple[nn.Module, dict[str, Placement]]] = []
         grad_sum: list[nn.Module] = []
         for pattern, style in self.plan.items():
-            if _parent(pattern) in experts_patterns:
-                continue  # a weight's entry: read with its experts module
+            if _parent(pattern) in experts_patterns or (
+                    _parent(pattern) in local_patterns and not any(_matches(pattern, n) for n in modules)):
+                continue  # a weight's entry: read with its experts or local-parameters module
             matched = [n for n in modules if _matches(pattern, n)]
             found = [n for n in matched if not any(n == s or n.startswith(s + ".") for s in skip)]
             if self.strict and not matched:
@@ -198,11 +230,44 @@ class HFPlan:
                 experts += [(modules[n], self._placements(n, modules[n], tp)) for n in found]
             elif style == GRAD_SUM:
                 grad_sum += [modules[n] for n in found]
+            elif style in (MLA, LOCAL):
+                for n in found:
+                    self._check_special(model, n, modules[n], style, tp)
+                module_plan.update({n: style for n in found})
             else:
                 module_plan.update({n: style for n in found})
-        if module_plan:
-            validate_plan(model, module_plan, tp)
+        torch_plan = {n: v for n, v in module_plan.items() if v not in (MLA, LOCAL)}
+        if torch_plan:
+            validate_plan(model, torch_plan, tp)
         return module_plan, experts, grad_sum
+
+    def _check_special(self, model: nn.Module, name: str, module: nn.Module, style: str, tp: int) -> None:
+        if style == MLA:
+            if not isinstance(module, nn.Linear) or not isinstance(_rope_dim(model), int):
+                raise TensorParallelError(f"{name} ({type(module).__name__}) is {MLA}: plait expects a Linear and "
+                                          "config.qk_rope_head_dim")
+        else:
+            self._own_placements(name, module, tp)
+
+    def _own_placements(self, name: str, module: nn.Module, tp: int) -> dict[str, Placement]:
+        """The placements of a local-parameters module's own parameters that have plan entries (checked)."""
+        out = {}
+        for pname, q in module.named_parameters(recurse=False):
+            style = next((v for k, v in self.plan.items() if _matches(k, f"{name}.{pname}")), None)
+            if style is None:
+                continue  # replicated: the same whole tensor on every rank
+            if style not in ("colwise", "rowwise"):
+                raise TensorParallelError(f"{name}.{pname} -> {style}: a parameter of a {LOCAL} module takes "
+                                          "colwise or rowwise")
+            # colwise splits the output dim (a 1-D parameter's only one, as a colwise bias), rowwise the input dim
+            dim = max(q.dim() - 2, 0) if style == "colwise" else q.dim() - 1
+            if q.shape[dim] % tp:
+                raise TensorParallelError(f"{name}.{pname} ({style}) splits its dim {dim} of size {q.shape[dim]} over "
+                                          f"parallel.tp={tp}; choose tp dividing it")
+            out[pname] = Shard(dim)
+        if not out:
+            raise TensorParallelError(f"{name} is {LOCAL} but no entry of the plan names one of its parameters")
+        return out
 
     def _placements(self, name: str, module: nn.Module, tp: int) -> dict[str, Placement]:
         """Each weight of the experts module ``name``: its placement from its plan entry, checked."""
@@ -299,6 +364,44 @@ def _shard_experts(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Pl
         setattr(module, name, nn.Parameter(shard, requires_grad=full.requires_grad))
     module.__class__ = _tp_class(type(module))
     module._plait_tp_group = mesh.get_group()
+
+
+def _rope_dim(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "qk_rope_head_dim", None)
+
+
+def _sum_rotary_grad(module: nn.Module, rope: int, group: Any) -> None:
+    """Latent attention's ``kv_a_proj_with_mqa``: the rotary key columns of its output (every head's shared key
+    part) get their gradient summed over ``group`` in backward; forward unchanged."""
+    def hook(_module: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        latent, rotary = out.split([out.size(-1) - rope, rope], dim=-1)
+        return torch.cat([latent, _SumGradOverGroup.apply(rotary, group)], dim=-1)
+
+    module.register_forward_hook(hook)
+
+
+class _LocalParams:
+    """Placed before a module's class: its forward with its own DTensor parameters as their local shards."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with _local_params(self):  # type: ignore[arg-type]
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+
+
+@functools.cache
+def _local_class(cls: type) -> type:
+    return type(f"LocalParams{cls.__name__}", (_LocalParams, cls), {})
+
+
+def _shard_own_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement]) -> None:
+    """This rank's shards of the module's own parameters named in ``placements`` (equal on every rank before)."""
+    for name, placement in placements.items():
+        full = getattr(module, name)
+        shard = distribute_tensor(full.detach(), mesh, [placement], src_data_rank=None)
+        setattr(module, name, nn.Parameter(shard, requires_grad=full.requires_grad))
+    module.__class__ = _local_class(type(module))
 
 
 def _sum_grad(grad: torch.Tensor, group: Any) -> torch.Tensor:
