@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.parallel.sequence import mark_first_layer_sliced, sequence_mesh, sequence_shards, slice_sequence
 from plait.plan.schedule import PipelineConfigError
 
 
@@ -82,11 +83,9 @@ class HFDecoderStage(nn.Module):
         parts["rotary_emb"] = base.rotary_emb
         self.add_module(prefix, _Holder(parts))
         self.adapter = adapter
-        # sequence parallelism (plait.parallel.tensor.hf_sequence): later stages receive T / shards tokens
-        self.shards = int(base.__dict__.get("_plait_sequence_shards", 1))
+        # sequence parallelism (plait.parallel.sequence): later stages receive T / shards tokens
+        self.shards = sequence_shards(base)
         if self.shards > 1 and is_first:
-            from plait.parallel.tensor.hf_sequence import sequence_mesh
-
             self.mesh = sequence_mesh(base)
         if is_last:
             self.lm_head = model.lm_head
@@ -97,8 +96,6 @@ class HFDecoderStage(nn.Module):
             for name in self.adapter.before:
                 x = getattr(base, name)(x)  # (B, T, C)
             if self.shards > 1:  # this rank's tokens (B, T / shards, C), whether or not a layer follows here
-                from plait.parallel.tensor.hf_sequence import slice_sequence
-
                 x = slice_sequence(self.mesh, x)
         layers = getattr(base, self.adapter.layers)
         if len(layers):  # positions, rotary angles and the masks of the whole sequence, for this stage's layers
@@ -163,7 +160,7 @@ class HFDecoderPipeline:
 
     def build_stage(self, model: nn.Module, layers: list[str], *, is_first: bool, is_last: bool) -> nn.Module:
         if is_first:  # the first stage slices the embedding's output itself (HFDecoderStage.forward)
-            from plait.parallel.tensor.hf_sequence import mark_sliced
-
-            mark_sliced(model)
+            found = _base(model)
+            if found:
+                mark_first_layer_sliced(found[1], getattr(found[1], self.layers, None))
         return HFDecoderStage(model, self, [n.rsplit(".", 1)[1] for n in layers], is_first=is_first, is_last=is_last)

@@ -27,10 +27,9 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -39,32 +38,19 @@ from torch.distributed.tensor.parallel import (
 )
 
 from plait.parallel.pipeline.hf import _base, decoder_pipeline
+from plait.parallel.sequence import (  # noqa: F401  (re-exported)
+    MESH_ATTR,
+    SHARDS_ATTR,
+    SLICED_ATTR,
+    mark_first_layer_sliced,
+    sequence_mesh,
+    sequence_shards,
+    slice_sequence,
+)
 from plait.parallel.tensor.plan import PrepareGatheredInput, TensorParallelError
 
-SHARDS_ATTR = "_plait_sequence_shards"
-MESH_ATTR = "_plait_sequence_mesh"
-SLICED_ATTR = "_plait_input_sliced"
 LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 ROWWISE = ("rowwise", "o_proj", "down_proj")
-
-
-def sequence_shards(base: nn.Module) -> int:
-    """Over how many ranks the residual stream of ``base`` (a decoder's base model) is split along the sequence."""
-    return int(base.__dict__.get(SHARDS_ATTR, 1))
-
-
-def sequence_mesh(base: nn.Module) -> DeviceMesh | None:
-    """The tp mesh the residual stream of ``base`` (a decoder's base model) is split over; None without sequence
-    parallelism."""
-    ref = base.__dict__.get(MESH_ATTR)
-    return ref() if ref is not None else None
-
-
-def slice_sequence(mesh: DeviceMesh, x: torch.Tensor) -> torch.Tensor:
-    """This tp rank's slice ``(B, T / tp, C)`` of the whole sequence ``x`` every rank of ``mesh`` holds (the
-    embedding's output), as the first layer takes it (forward: no communication; backward: an all-gather of the
-    gradient)."""
-    return DTensor.from_local(x, mesh, (Replicate(),), run_check=False).redistribute(mesh, (Shard(1),)).to_local()
 
 
 def mark_sliced(model: nn.Module) -> None:
@@ -73,8 +59,8 @@ def mark_sliced(model: nn.Module) -> None:
     found = _base(model)
     adapter = decoder_pipeline(model)
     layers = getattr(found[1], adapter.layers, None) if found and adapter else None
-    if layers is not None and len(layers) and sequence_shards(found[1]) > 1:
-        layers[0].__dict__[SLICED_ATTR] = True
+    if found:
+        mark_first_layer_sliced(found[1], layers)
 
 
 class _SliceSequence(PrepareModuleInput):
