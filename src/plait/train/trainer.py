@@ -29,7 +29,7 @@ from plait.components.losses import ClassificationLoss, Loss, infer_loss, resolv
 from plait.components.optim import lr_at
 from plait.config import Config
 from plait.engine import Plait
-from plait.fault.recovery import Recovery
+from plait.fault.recovery import Recovery, leave_out
 from plait.observe.ranks import rank_timings
 
 
@@ -237,8 +237,8 @@ class Trainer:
                 setattr(self.state, k, type(getattr(self.state, k))(v))
         self.recovery.load(extra.get("recovery"))
         skip = self.recovery.resumed_at(self.state.step)
-        if skip:
-            self.loader.advance(skip * self.p.accumulation)
+        if skip:  # a rollback's window: left out again on every load of this checkpoint (see Recovery)
+            self.recovery.skipped(self.state.step, leave_out(self.loader, skip, self.p.accumulation), skip)
         self._it = None
         self._truncate_metrics(self.state.step)
         self.recovery.ledger.record("resume", step=self.state.step, load_s=time.perf_counter() - t0,
