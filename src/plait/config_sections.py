@@ -312,6 +312,11 @@ class FaultConfig:
     # Consecutive steps above the spike limit that, with no rollback left to try, stop the run with
     # TrainingDiverged: a loss that does not come back. A loss that comes back is never a stop.
     spike_patience: int = 50
+    # Keep each rank's share of the newest checkpoint also in host memory, in a holder process that plait train
+    # starts on each machine beside its workers (loopback only): a restart of the workers then loads from memory
+    # instead of the disk, which stays the record and the fallback (docs/checkpoints.md). Costs one copy of the
+    # model and optimizer state in host memory per machine, and the copy's time at each save.
+    memory_checkpoint: bool = False
     # A rank whose smoothed step time exceeds the median rank's by this factor is named a straggler.
     straggler_factor: float = 1.3
     # Data parallelism: give each rank a share of every global batch proportional to its measured speed

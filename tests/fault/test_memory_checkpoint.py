@@ -1,0 +1,127 @@
+"""In-memory checkpoints (``fault.memory_checkpoint``) on the restart path of ``plait train`` (2 workers, gloo,
+deterministic):
+
+* the holder: loopback only, answers only the run's token, keeps the newest whole copy per rank and checks it;
+* a SIGKILLed worker: the launcher restarts both workers, and they load the newest checkpoint from the holder's
+  memory (the log says so, with the time) instead of the disk;
+* the holder SIGKILLed too: the restart says there is no whole copy and loads from disk;
+* either way the run ends with the weights of a run that was never interrupted, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import run_weights
+
+from plait.fault.holder import Client, start
+from plait.fault.restart import read_progress, worker_pids
+
+ARGS = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
+        "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.eval_sequences=8", "--train.steps=24",
+        "--optim.decay_steps=24", "--train.eval_every=0", "--train.log_every=5", "--train.deterministic=true",
+        "--observe.progress=false", "--observe.trackers=[]", "--checkpoint.every=4", "--parallel.nproc=2",
+        "--fault.max_restarts=3", "--fault.restart_backoff_s=0.2", "--comm.timeout_s=5"]
+
+
+def test_holder_keeps_the_newest_whole_copy_for_its_token_only(tmp_path: Path) -> None:
+    holder = start(tmp_path)
+    try:
+        host, port = holder.address.rsplit(":", 1)
+        assert host == "127.0.0.1"
+        assert int((tmp_path / "workers" / "holder.pid").read_text()) == holder.proc.pid
+        client = Client(holder.address, holder.token)
+        assert client.get(0) is None  # nothing held yet
+        assert client.put(0, 4, 2, b"step four") and client.put(1, 4, 2, b"rank one")
+        assert client.put(0, 8, 2, b"step eight")  # replaces rank 0's copy
+        header, payload = client.get(0)
+        assert (header["step"], header["world"], payload) == (8, 2, b"step eight")
+        assert client.get(1)[1] == b"rank one"
+        stranger = Client(holder.address, "0" * 32)
+        assert not stranger.put(0, 9, 2, b"forged") and stranger.get(0) is None
+        assert client.get(0)[1] == b"step eight"
+    finally:
+        holder.stop()
+    assert Client(holder.address, holder.token).get(0) is None  # gone with its process: no error, no copy
+
+
+def _outward_address() -> str | None:
+    """An IPv4 address of this machine other than loopback (None when it has none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # no packet is sent: this only picks the outward interface
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+def test_holder_listens_on_loopback_only(tmp_path: Path) -> None:
+    outward = _outward_address()
+    if outward is None:
+        pytest.skip("this machine has no address besides loopback to try the holder on")
+    holder = start(tmp_path)
+    try:
+        port = int(holder.address.rsplit(":", 1)[1])
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        with pytest.raises(OSError):
+            socket.create_connection((outward, port), timeout=2).close()
+    finally:
+        holder.stop()
+
+
+def _start(run: Path, memory: bool) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "plait.cli", "train", *ARGS, f"--fault.memory_checkpoint={memory}",
+                             f"--run.dir={run}"], cwd=run.parent, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _run(run: Path, memory: bool = True, kill_at: int = 0, kill_holder: bool = False) -> str:
+    proc = _start(run, memory)
+    if kill_at:
+        while int(read_progress(run).get("steps") or 0) < kill_at and proc.poll() is None:
+            time.sleep(0.02)
+        if kill_holder:
+            os.kill(int((run / "workers" / "holder.pid").read_text()), signal.SIGKILL)
+        os.kill(worker_pids(run)[1][0], signal.SIGKILL)
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    return err
+
+
+def _same(a: Path, b: Path) -> bool:
+    x, y = run_weights(a), run_weights(b)
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_a_killed_worker_restarts_from_memory_and_from_disk_without_the_holder(tmp_path: Path) -> None:
+    clean = tmp_path / "clean"
+    _run(clean, memory=False)
+    log = _run(tmp_path / "memory", kill_at=10)
+    assert "restart 1 of 3" in log
+    loaded = re.search(r"resumed at step (\d+) from host memory \(holder 127\.0\.0\.1:\d+\) in ([\d.]+)s", log)
+    assert loaded is not None and int(loaded.group(1)) in (8, 12), log[-3000:]
+    assert "loading from disk" not in log
+    ledger = [json.loads(x) for x in (tmp_path / "memory" / "goodput.jsonl").read_text().splitlines()]
+    assert [e["source"] for e in ledger if e.get("event") == "resume"] == ["memory"]
+    assert _same(clean, tmp_path / "memory")
+
+    log = _run(tmp_path / "disk", kill_at=10, kill_holder=True)
+    assert "from host memory" not in log and re.search(r"no whole in-memory copy of step \d+ on every rank", log)
+    assert re.search(r"resumed from \S+step_\d+ at step \d+ in [\d.]+s \(disk\)", log), log[-3000:]
+    assert _same(clean, tmp_path / "disk")
