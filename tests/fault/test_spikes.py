@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -25,10 +26,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import run_weights
 
+from plait.config import Config
 from plait.config_sections import FaultConfig
+from plait.fault.recovery import Recovery, TrainingDiverged
 from plait.fault.spikes import SpikeDetector
 
 CORRUPT = """
@@ -110,6 +114,35 @@ def test_the_reported_bump_is_no_spike_and_a_real_one_is() -> None:
     assert new.limit() == max(median * (1 + f.spike_jump), new.limit()) and new.limit() >= 1.5 * median
     assert new.observe(1.6 * median, 1.0, after + 2) == "spike"
     assert new.observe(float("nan"), 1.0, after + 3) == "nonfinite"
+
+
+def test_with_no_rollback_left_only_a_loss_that_does_not_come_back_stops(tmp_path: Path) -> None:
+    """No checkpoint to roll back to: spikes are warnings, however many, as long as the loss comes back within
+    fault.spike_patience steps; a loss that stays above the limit that long is TrainingDiverged."""
+    import types
+
+    trainer = types.SimpleNamespace(cfg=Config(), run_dir=tmp_path, rank0=True, log=logging.getLogger("spikes"),
+                                    p=types.SimpleNamespace(prometheus=None, barrier=lambda: None),
+                                    state=types.SimpleNamespace(step=0))
+    recovery, step = Recovery(trainer), 0
+    patience = trainer.cfg.fault.spike_patience
+
+    def losses(values: list[float]) -> bool:
+        nonlocal step
+        history = []
+        for x in values:
+            step += 1
+            history.append({"step": step, "global_loss": x, "grad_norm": 1.0})
+        return recovery.after_step({"step": step, "step_s": 0.1, "history": history})
+
+    healthy = [3.0 + 0.01 * (i % 7) for i in range(150)]
+    assert not losses(healthy)
+    assert not losses([6.0] * (patience - 1) + healthy[:5])  # up for patience - 1 steps, then back: no stop
+    assert not losses([6.0] * 3 + [3.0] + [6.0] * (patience - 1))  # each run of spikes shorter than the patience
+    spikes = [e for e in _events(tmp_path) if e["event"] == "spike"]
+    assert len(spikes) == 2 * patience + 1 and not any(e.get("rolled_back", True) for e in spikes)
+    with pytest.raises(TrainingDiverged, match="does not come back"):
+        losses([6.0])  # the last run of spikes reaches the patience
 
 
 def test_data_spikes_are_left_out_and_a_resume_leaves_out_the_same(tmp_path: Path) -> None:

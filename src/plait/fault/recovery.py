@@ -144,7 +144,6 @@ class Recovery:
 
     def _judge(self, h: dict[str, Any]) -> bool:
         step, loss = h["step"], h["global_loss"]
-        limit = self.detector.limit() if self.detector.judging(step) else math.nan
         verdict = self.detector.observe(loss, h["grad_norm"], step)
         if verdict == "nonfinite":
             self.nonfinite += 1
@@ -163,7 +162,9 @@ class Recovery:
         if verdict != "spike":
             self.over = 0
             return False
-        why = (f"loss {loss:.4f} above the spike limit {limit:.4f} (running median {self.detector.median():.4f}, "
+        # a spike is not added to the window, so the limit it was judged against is still the detector's
+        why = (f"loss {loss:.4f} above the spike limit {self.detector.limit():.4f} (running median "
+               f"{self.detector.median():.4f}, "
                "fault.spike_threshold and fault.spike_jump)")
         # one replay per spike (a step the replay just judged is not replayed again), and no more replays than
         # rollbacks allowed
@@ -202,8 +203,9 @@ class Recovery:
                 f"step {step}: {why}; the loss has stayed above the spike limit for {self.over} steps in a row "
                 f"(fault.spike_patience) after {self.rollbacks} rollbacks: it does not come back; lower optim.lr, "
                 "raise optim.warmup_steps, or check the data")
-        if self.over == 1 and t.rank0:
+        if t.rank0:  # every such step: its checkpoint is never taken as good
             log_fault(t.run_dir, "spike", step=step, reason=why, rolled_back=False)
+        if self.over == 1 and t.rank0:
             cause = ("the rollbacks allowed (fault.max_rollbacks) are spent" if found.path is not None else
                      f"no good checkpoint at least {f.rollback_steps} steps earlier to roll back to (save more often "
                      "with checkpoint.every)")
