@@ -54,16 +54,16 @@ def _fill(template: Any, saved: Any, where: str = "") -> Any:
     return saved
 
 
-def pack(strategy: Any, meta: dict[str, Any], rank_state: dict[str, Any] | None, shared: dict[str, Any]) -> bytes:
-    """This rank's checkpoint as bytes (see the module docstring)."""
+def pack(strategy: Any, meta: dict[str, Any], rank_state: dict[str, Any] | None, shared: dict[str, Any]) -> memoryview:
+    """This rank's checkpoint as bytes (see the module docstring; a view of the buffer: no second copy)."""
     model_sd, optim_sd = strategy.state_dicts()
     buffer = io.BytesIO()
     torch.save({"model": _local(model_sd), "optim": _local(optim_sd), "rng": rng_state(),
                 "rank_state": rank_state, "shared": shared, "meta": meta}, buffer)
-    return buffer.getvalue()
+    return buffer.getbuffer()
 
 
-def unpack(payload: bytes, strategy: Any) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+def unpack(payload: bytes | bytearray, strategy: Any) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
     """Load ``pack``'s bytes into ``strategy`` and this rank's RNG; returns (meta, rank_state, shared) as
     ``plait.components.checkpoint.load_state`` does. Raises ``ValueError`` when the copy does not fit."""
     saved = torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")

@@ -8,7 +8,9 @@ them (``start``) before the first attempt and ends it with the run. The holder b
 (127.0.0.1) only and answers only requests carrying the run's random token (``PLAIT_MEMORY_TOKEN``), so
 nothing off the machine and no other run on it can read or write it. It stores bytes and never interprets
 them: a rank's copy is the checkpoint's tensors as ``torch.save`` bytes, loaded back with
-``torch.load(weights_only=True)`` (``plait.components.memory_checkpoint``), with a SHA-256 the rank checks.
+``torch.load(weights_only=True)`` (``plait.components.memory_checkpoint``), with a CRC-32 the rank checks (the
+copy crossed loopback and sat in memory: a check against damage, not against an adversary, which the token
+keeps out).
 
 The holder keeps one copy per rank, the newest (``put`` replaces it once the new bytes have arrived whole), and
 ends when the launcher does (it watches its parent). The disk checkpoint stays the record and the fallback:
@@ -16,13 +18,12 @@ a worker loads from memory only when every rank's copy is there, whole, of the s
 complete checkpoint on disk (``plait.train.Trainer.resume``).
 
 Protocol (one request per connection): a 4-byte big-endian length, a JSON header ``{"op", "token", ...}``, then
-``size`` raw bytes for ``put``; the reply is the same shape. Ops: ``put`` (rank, step, world, sha256, size),
+``size`` raw bytes for ``put``; the reply is the same shape. Ops: ``put`` (rank, step, world, crc32, size),
 ``head`` (rank: the header of its copy, or none), ``get`` (rank: header and bytes), ``ping``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import secrets
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -41,29 +43,29 @@ TOKEN_ENV = "PLAIT_MEMORY_TOKEN"
 PID_FILE = "holder.pid"  # in the run's workers/ directory, beside the workers' pid files (tests kill it)
 
 
-def _send(sock: socket.socket, header: dict[str, Any], payload: bytes = b"") -> None:
+def _send(sock: socket.socket, header: dict[str, Any], payload: bytes | bytearray | memoryview = b"") -> None:
     head = json.dumps(header).encode()
     sock.sendall(struct.pack(">I", len(head)) + head)
     if payload:
         sock.sendall(payload)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks, got = [], 0
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buffer = bytearray(n)  # received in place: no list of chunks joined afterwards
+    view, got = memoryview(buffer), 0
     while got < n:
-        chunk = sock.recv(min(n - got, 1 << 22))
-        if not chunk:
+        k = sock.recv_into(view[got:], min(n - got, 1 << 24))
+        if not k:
             raise ConnectionError("the holder connection closed early")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+        got += k
+    return buffer
 
 
-def _recv(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+def _recv(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
     (n,) = struct.unpack(">I", _recv_exact(sock, 4))
     header = json.loads(_recv_exact(sock, n))
     size = int(header.get("size", 0)) if header.get("op", "reply") in ("put", "reply") else 0
-    return header, _recv_exact(sock, size) if size else b""
+    return header, _recv_exact(sock, size) if size else bytearray()
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -79,7 +81,7 @@ class _Handler(socketserver.BaseRequestHandler):
         op, rank = header.get("op"), header.get("rank")
         with server.lock:
             if op == "put":
-                keep = {k: header[k] for k in ("rank", "step", "world", "sha256", "size")}
+                keep = {k: header[k] for k in ("rank", "step", "world", "crc32", "size")}
                 server.copies[int(rank)] = (keep, payload)
                 _send(self.request, {"op": "reply", "ok": True})
             elif op in ("head", "get"):
@@ -159,7 +161,8 @@ class Client:
         address, token = os.environ.get(ADDRESS_ENV), os.environ.get(TOKEN_ENV)
         return cls(address, token) if address and token else None
 
-    def _call(self, header: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], bytes] | None:
+    def _call(self, header: dict[str, Any],
+              payload: bytes | memoryview = b"") -> tuple[dict[str, Any], bytearray] | None:
         try:
             with socket.create_connection((self.host, self.port), timeout=self.timeout_s) as sock:
                 _send(sock, {**header, "token": self.token}, payload)
@@ -167,19 +170,19 @@ class Client:
         except OSError:
             return None
 
-    def put(self, rank: int, step: int, world: int, payload: bytes) -> bool:
+    def put(self, rank: int, step: int, world: int, payload: bytes | memoryview) -> bool:
         header = {"op": "put", "rank": rank, "step": step, "world": world, "size": len(payload),
-                  "sha256": hashlib.sha256(payload).hexdigest()}
+                  "crc32": zlib.crc32(payload)}
         reply = self._call(header, payload)
         return reply is not None and bool(reply[0].get("ok"))
 
-    def get(self, rank: int) -> tuple[dict[str, Any], bytes] | None:
-        """(header, bytes) of this rank's copy when held and whole (its SHA-256 checked), else None."""
+    def get(self, rank: int) -> tuple[dict[str, Any], bytearray] | None:
+        """(header, bytes) of this rank's copy when held and whole (its CRC-32 checked), else None."""
         reply = self._call({"op": "get", "rank": rank})
         if reply is None or not reply[0].get("held"):
             return None
         header, payload = reply
-        if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        if zlib.crc32(payload) != header.get("crc32"):
             return None
         return header, payload
 
