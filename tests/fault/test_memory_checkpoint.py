@@ -55,6 +55,47 @@ def test_holder_keeps_the_newest_whole_copy_for_its_token_only(tmp_path: Path) -
     assert Client(holder.address, holder.token).get(0) is None  # gone with its process: no error, no copy
 
 
+def test_a_copy_loads_back_exactly_and_one_that_does_not_fit_is_refused(tmp_path: Path, monkeypatch) -> None:
+    """One process through the engine's API: a save puts the copy, ``memory_copy`` decodes it and ``load`` restores
+    the weights and optimizer state exactly; damaged bytes, or a copy of another model, are refused (None: read
+    the disk), never loaded."""
+    import plait
+
+    holder = start(tmp_path)
+    try:
+        for k, v in holder.env().items():
+            monkeypatch.setenv(k, v)
+        p = plait.Plait(run={"dir": str(tmp_path / "run")}, fault={"memory_checkpoint": True},
+                        observe={"progress": False, "trackers": []})
+        torch.manual_seed(0)
+        model, opt = p.setup(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)))
+        for _ in range(2):
+            p.backward(model(torch.randn(3, 4)).pow(2).mean())
+            p.step()
+        p.save(tmp_path / "run" / "step_2", model=model, optimizer=opt)
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        moments = [s["exp_avg"].clone() for s in opt.state.values()]
+        p.backward(model(torch.randn(3, 4)).pow(2).mean())
+        p.step()  # the live state moves on
+        step, decoded = p.memory_copy(lambda s: s == 2)
+        assert step == 2 and p.memory_copy(lambda s: s == 3) is None  # not the step asked for
+        p.load(tmp_path / "run" / "step_2", model=model, optimizer=opt, memory=decoded)
+        assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+        assert all(torch.equal(s["exp_avg"], m) for s, m in zip(opt.state.values(), moments, strict=True))
+        client = Client(holder.address, holder.token)
+        assert client.put(0, 2, 1, b"not a checkpoint")
+        assert p.memory_copy(lambda s: s == 2) is None
+        other = plait.Plait(run={"dir": str(tmp_path / "other")}, fault={"memory_checkpoint": True},
+                            observe={"progress": False, "trackers": []})
+        wide, wide_opt = other.setup(torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Linear(16, 1)))
+        other.save(tmp_path / "other" / "step_0", model=wide, optimizer=wide_opt)
+        assert p.memory_copy(lambda s: s == 0) is None  # the wider model's copy does not fit this one
+        p.close()
+        other.close()
+    finally:
+        holder.stop()
+
+
 def _outward_address() -> str | None:
     """An IPv4 address of this machine other than loopback (None when it has none)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:

@@ -2,12 +2,13 @@
 
 ``pack`` takes what this rank writes to disk at a save (its share of the model and optimizer state as the
 strategy's ``state_dicts`` gives them, with DTensors as their local shards; its RNG and per-rank state; the
-shared run state and metadata) and returns ``torch.save`` bytes. ``unpack`` reads them with
-``torch.load(weights_only=True)`` (tensors and plain values only: nothing is unpickled as code) into this
-run's strategy, through the same ``load_state_dicts`` a disk load ends with: each tensor goes into the
-template's place (a DTensor rebuilt from its local shard with the template's mesh and placements). A copy
-only fits the layout and world size it was taken at, which a restart of the same job keeps; anything else
-(another world size) loads from disk.
+shared run state and metadata) and returns ``torch.save`` bytes. ``decode`` reads them with
+``torch.load(weights_only=True)`` (tensors and plain values only: nothing is unpickled as code) and fits them
+into this run's strategy's state-dict template, so that every rank can agree before any loads; ``load`` then
+goes through the same ``load_state_dicts`` a disk load ends with. Each tensor goes into the template's place
+(a DTensor rebuilt from its local shard with the template's mesh and placements). A copy only fits the layout
+and world size it was taken at, which a restart of the same job keeps; anything else (another world size)
+loads from disk.
 """
 
 from __future__ import annotations
@@ -63,12 +64,25 @@ def pack(strategy: Any, meta: dict[str, Any], rank_state: dict[str, Any] | None,
     return buffer.getbuffer()
 
 
-def unpack(payload: bytes | bytearray, strategy: Any) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
-    """Load ``pack``'s bytes into ``strategy`` and this rank's RNG; returns (meta, rank_state, shared) as
-    ``plait.components.checkpoint.load_state`` does. Raises ``ValueError`` when the copy does not fit."""
+class Decoded:
+    """A copy read back and fitted to this run's layout (``decode``), not yet loaded (``load``)."""
+
+    def __init__(self, model_sd: dict, optim_sd: dict, saved: dict[str, Any]) -> None:
+        self.model_sd, self.optim_sd, self.saved = model_sd, optim_sd, saved
+
+
+def decode(payload: bytes | bytearray, strategy: Any) -> Decoded:
+    """Read ``pack``'s bytes (``torch.load(weights_only=True)``) and fit them into ``strategy``'s state-dict
+    template; nothing is loaded yet. Raises ``ValueError`` (or torch's ``UnpicklingError`` for bytes that are
+    not a plain copy) when the copy does not fit: the caller then reads the disk."""
     saved = torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
     model_sd, optim_sd = strategy.state_dicts()
-    model_sd, optim_sd = _fill(model_sd, saved["model"], "model"), _fill(optim_sd, saved["optim"], "optim")
-    strategy.load_state_dicts(model_sd, optim_sd)
-    set_rng_state(saved["rng"])
-    return saved["meta"], saved["rank_state"], saved["shared"]
+    return Decoded(_fill(model_sd, saved["model"], "model"), _fill(optim_sd, saved["optim"], "optim"), saved)
+
+
+def load(decoded: Decoded, strategy: Any) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+    """Load a decoded copy into ``strategy`` and this rank's RNG; returns (meta, rank_state, shared) as
+    ``plait.components.checkpoint.load_state`` does."""
+    strategy.load_state_dicts(decoded.model_sd, decoded.optim_sd)
+    set_rng_state(decoded.saved["rng"])
+    return decoded.saved["meta"], decoded.saved["rank_state"], decoded.saved["shared"]

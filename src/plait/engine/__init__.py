@@ -433,25 +433,33 @@ class Plait(SmallCollectives):
                                 "one); checkpoints go to disk only")
         return client
 
-    def memory_copy(self, accept: Callable[[int], bool]) -> tuple[int, bytes] | None:
-        """(step, this rank's bytes) of the in-memory copy every rank holds whole, of one same step that
-        ``accept(step)`` takes on every rank, at this world size; None otherwise, or with no holder. Collective
-        (one all-reduce of three numbers over every rank)."""
+    def memory_copy(self, accept: Callable[[int], bool]) -> tuple[int, Any] | None:
+        """(step, this rank's decoded copy) of the in-memory checkpoint every rank holds whole and could fit into
+        its layout, of one same step that ``accept(step)`` takes on every rank, at this world size; None otherwise,
+        or with no holder (then every rank reads the disk). Collective (one all-reduce of three numbers over every
+        rank); ``load(path, memory=...)`` then loads it."""
+        from plait.components.memory_checkpoint import decode
+
         client = self.checkpointer.host_copy
         got = client.get(self.rank) if client is not None else None
         step = int(got[0]["step"]) if got is not None and int(got[0]["world"]) == self.world_size else -1
-        ok = step >= 0 and accept(step)
-        s = float(step) if ok else -1.0
-        total = self.reduce(torch.tensor([float(ok), s, s * s]), op="sum", over="world")
+        decoded = None
+        if step >= 0 and accept(step):
+            try:
+                decoded = decode(got[1], self._require_strategy())
+            except Exception as e:  # a copy that does not fit is never loaded: the disk is read instead
+                self.logger.warning("the in-memory copy of step %d does not fit this run (%s)", step, e)
+        s = float(step) if decoded is not None else -1.0
+        total = self.reduce(torch.tensor([float(decoded is not None), s, s * s]), op="sum", over="world")
         n = self.world_size
-        if client is None or total[0] < n or n * total[2] != total[1] * total[1]:  # all held, all the same step
+        if client is None or total[0] < n or n * total[2] != total[1] * total[1]:  # all fit, all the same step
             return None
-        return step, got[1]
+        return step, decoded
 
     @explained
     def load(self, path: str | Path, *, model: nn.Module | None = None, optimizer: Any = None,
              scheduler: Any = None, dataloader: Any = None, verify: bool | None = None,
-             memory: bytes | None = None) -> dict[str, Any]:
+             memory: Any = None) -> dict[str, Any]:
         """Load a checkpoint written by ``save`` (at any world size or layout) into this run's objects;
         returns its ``extra``. Every file is first checked against the checkpoint's manifest
         (``checkpoint.verify``; ``verify`` overrides it): a damaged one raises ``CheckpointError`` naming

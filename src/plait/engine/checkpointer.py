@@ -12,7 +12,7 @@ from typing import Any
 import torch.distributed as dist
 
 from plait.components.checkpoint import PendingSave, load_state, save_state
-from plait.components.memory_checkpoint import pack, unpack
+from plait.components.memory_checkpoint import Decoded, load, pack
 from plait.observe.log import get_logger
 
 
@@ -77,12 +77,12 @@ class Checkpointer:
             on_complete(path)
 
     def load(self, path: Path, strategy: Any, rank: int, world_size: int, verify: bool,
-             memory: bytes | None = None) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any], bool]:
+             memory: Decoded | None = None) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any], bool]:
         """Read a checkpoint into ``strategy``: (meta, this rank's own state or None, the shared state,
         whether it was saved at this world size). ``memory``: this rank's in-memory copy of the same checkpoint
         (``plait.components.memory_checkpoint``), read instead of the disk."""
         if memory is not None:
-            meta, rank_state, shared = unpack(memory, strategy)
+            meta, rank_state, shared = load(memory, strategy)
             return meta, rank_state, shared, True
         meta_path = Path(path) / "meta.json"
         same_world = True

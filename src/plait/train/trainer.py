@@ -254,7 +254,7 @@ class Trainer:
                       self.state.step, self.p.checkpointer.host_copy.address, time.perf_counter() - t0)
         return True
 
-    def load_checkpoint(self, path: Path, memory: bytes | None = None) -> None:
+    def load_checkpoint(self, path: Path, memory: Any = None) -> None:
         """Every state a checkpoint holds, and the data window to leave out after it (see Recovery). ``memory``:
         this rank's in-memory copy of it, read instead of the disk."""
         t0 = time.perf_counter()
