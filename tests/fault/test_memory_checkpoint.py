@@ -2,6 +2,8 @@
 deterministic):
 
 * the holder: loopback only, answers only the run's token, keeps the newest whole copy per rank and checks it;
+* one process through the engine: the copy a save puts loads back exactly (weights, Adam moments); damaged bytes
+  or another model's copy are refused, never loaded;
 * a SIGKILLed worker: the launcher restarts both workers, and they load the newest checkpoint from the holder's
   memory (the log says so, with the time) instead of the disk;
 * the holder SIGKILLed too: the restart says there is no whole copy and loads from disk;
