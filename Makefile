@@ -19,7 +19,7 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff check src tests bench
 
 test: lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider --durations=30
 
 bench: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) bench/dp.py

@@ -257,14 +257,28 @@ def sharded_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=SHARDED_LR, weight_decay=SHARDED_WD)
 
 
-def sharded_reference(kind: str, steps: int) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    """Plain PyTorch in one process: the loss of every step and the state dict after every step."""
+def sharded_reference(kind: str, steps: int,
+                      precision: str = "fp32") -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """Plain PyTorch in one process: the loss of every step and the state dict after every step; ``bf16``: the
+    forward under bf16 autocast (plait's bf16 without FSDP2); ``bf16-params``: forward and backward on a bf16 copy
+    of the float32 parameters, whose gradients (in float32) the optimizer applies to them (FSDP2's bf16 policy)."""
+    import contextlib
+    import copy
+
     model = sharded_model(kind)
     opt = sharded_adamw(model)
     losses, states = [], []
     for batch in sharded_batches(kind, steps):
-        loss = sharded_loss(kind, model, batch)
-        loss.backward()
+        if precision == "bf16-params":
+            compute = copy.deepcopy(model).bfloat16()
+            loss = sharded_loss(kind, compute, batch)
+            loss.backward()
+            for p, q in zip(model.parameters(), compute.parameters(), strict=True):
+                p.grad = q.grad.float()
+        else:
+            with torch.autocast("cpu", torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
+                loss = sharded_loss(kind, model, batch)
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), SHARDED_CLIP)
         opt.step()
         opt.zero_grad()
@@ -288,14 +302,14 @@ def _micro(batch: Any, micro: int) -> list[Any]:
 
 def sharded_train(kind: str, parallel: dict[str, Any], run_dir: str, *, micro: int, steps: int = SHARDED_STEPS,
                   start: int = 0, load: str | None = None, save: str | None = None,
-                  inspect: Any = None) -> dict[str, Any]:
+                  inspect: Any = None, precision: str = "fp32") -> dict[str, Any]:
     """plait's keep-your-loop on global batches ``start .. start + steps - 1``, after loading ``load`` (a
     checkpoint of step ``start``); saves to ``save`` at the end. Returns the global losses, the whole state
     (gathered on every rank), the state right after loading, and ``inspect(plait, model)``'s result."""
     import plait
 
     p = plait.Plait(parallel=parallel, run={"dir": run_dir}, optim={"grad_clip": SHARDED_CLIP},
-                    train={"global_batch_size": SHARDED_GLOBAL, "micro_batch_size": micro},
+                    train={"global_batch_size": SHARDED_GLOBAL, "micro_batch_size": micro, "precision": precision},
                     observe={"progress": False, "trackers": []})
     pp = parallel.get("pp", 1) > 1
     model, opt = p.setup(sharded_model(kind, seed=p.rank), optimizer=sharded_adamw,

@@ -162,13 +162,17 @@ def cmd_train(argv: list[str]) -> int:
 
 def train_worker(cfg: Config, run_dir: Path, resume: bool) -> dict:
     """One worker of ``plait train``'s launcher: after the agents restarted the group on several machines (a node
-    left or joined: ``TORCHELASTIC_RESTART_COUNT`` > 0), continue from the newest checkpoint."""
+    left or joined), continue from the newest checkpoint.
+
+    Whether a checkpoint exists decides, not ``TORCHELASTIC_RESTART_COUNT``: torch's agent counts only failures
+    (a join restarts the group without counting), and each agent counts its own, so after a join the workers of
+    one group see different counts (0 on the machine that joined). A launch without ``--resume`` started into a
+    run directory with no checkpoint (``_prepare_run`` refuses one that has), so any checkpoint found here was
+    saved by this job: its workers stopped for a new rendezvous, every one of them, before any restarted."""
     from plait.components.checkpoint import latest_checkpoint
     from plait.recipes import train
 
-    if not resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        resume = latest_checkpoint(run_dir) is not None
-    return train(cfg, run_dir, resume)
+    return train(cfg, run_dir, resume or latest_checkpoint(run_dir) is not None)
 
 
 def cmd_run(argv: list[str]) -> int:
@@ -346,12 +350,16 @@ def _run_dir_of(argv: list[str]) -> str:
 # (KEYED) list every config key after it, since they take --section.key=value.
 USAGE = {
     "train": ("plait train [CONFIG.toml] [--section.key=value ...] [--resume RUN_DIR] [--nnodes MIN:MAX "
-              "--rdzv-endpoint HOST:PORT --rdzv-id ID]",
+              "--rdzv-endpoint HOST:PORT --rdzv-id ID [--rdzv-conf KEY=N,...]]",
               "Train a registered model (or model.factory) with the layout the config chooses; parallel.nproc "
               "local workers, or the world of torchrun / SLURM. --resume continues a run from its newest good "
               "checkpoint. On several machines, run the same command on each with --nnodes MIN:MAX and the "
-              "rendezvous of the machine HOST (parallel.nproc workers each): a machine that leaves or joins "
-              "restarts the group at the new world size from the newest checkpoint."),
+              "rendezvous of the machine HOST, which must stay (parallel.nproc workers each, one shared run "
+              "directory): a machine that is lost makes the others go on without it from the newest complete "
+              "checkpoint (a restart: up to fault.max_restarts); one that joins later runs the same command with "
+              "--resume RUN_DIR, and the running workers save at the step boundary before all go on at the "
+              "larger world size. --rdzv-conf last_call_timeout=N,keep_alive_interval=N,keep_alive_max_attempt=N "
+              "tunes the rendezvous (docs/clusters.md)."),
     "run": ("plait run [--nproc N] [--max-restarts R] SCRIPT [ARGS ...]",
             "Run your own script (plait.Plait or the Trainer) in N local worker processes under PyTorch's "
             "elastic agent, with RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT set as torchrun sets them.\n\n"
@@ -359,8 +367,9 @@ USAGE = {
             "  --max-restarts R    start the whole group again up to R times after a failure (default 0); "
             "PLAIT_ATTEMPT tells the script which attempt it is\n"
             "  --nnodes MIN:MAX --rdzv-endpoint HOST:PORT --rdzv-id ID   several machines, N workers each, meeting "
-            "at HOST's rendezvous; a machine leaving or joining restarts the group (TORCHELASTIC_RESTART_COUNT "
-            "counts it): the script resumes from its newest checkpoint\n\n"
+            "at HOST's rendezvous; a machine leaving or joining restarts the group: the script resumes from its "
+            "newest checkpoint whenever one exists (TORCHELASTIC_RESTART_COUNT counts only failures, and each "
+            "machine its own)\n\n"
             "A failed worker ends the run with one line naming its rank, its error and the file holding the "
             "traceback: RUN_DIR/errors/rank<r>.txt once the script has created plait.Plait (RUN_DIR is its "
             "run.dir), else a plait-run-* directory under the temporary directory. Options after SCRIPT go to "

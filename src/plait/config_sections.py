@@ -224,8 +224,16 @@ class ParallelConfig:
     # Pipeline stage split: by per-layer cost measured in a profiling step, or by layer count.
     pp_balance: Literal["cost", "count"] = "cost"
     # Pipeline split points: names of the layers that start stages 2, 3, ... (for example
-    # ["model.layers.4"]); empty splits by parallel.pp_balance.
+    # ["model.layers.4"]); empty splits by parallel.pp_balance. Naming the first layer gives the first stage
+    # the embedding alone; naming the final norm (model.norm, or ln_f for plait's GPT) gives the last stage the
+    # norm, head and loss alone.
     pp_split: list[str] = field(default_factory=list)
+    # Pipeline split by pp_balance: the embedding counts as a layer of its own, so the first stage may hold it
+    # alone (Megatron-LM's --account-for-embedding-in-pipeline-split; Llama 3 405B's first chunk).
+    pp_split_embedding: bool = False
+    # Pipeline split by pp_balance: the final norm, head and loss count as a layer of their own, so the last stage
+    # may hold them alone (Megatron-LM's --account-for-loss-in-pipeline-split; Llama 3 405B's last chunk).
+    pp_split_head: bool = False
     # Tensor-parallel plan: auto (the plan registered for the model's class, else the one a Hugging Face
     # model ships in its config) or a table of module-name patterns to styles: colwise, rowwise,
     # colwise_rep, rowwise_rep, vocab, sequence_parallel, replicate.

@@ -192,22 +192,30 @@ def _shorten_grace_after_failure() -> None:
 class Nodes:
     """Several machines under one elastic rendezvous (``--nnodes MIN:MAX --rdzv-endpoint HOST:PORT``): the agent on
     HOST hosts it (torch's c10d backend) and must stay; ``run_id`` names the job on every machine alike;
-    ``last_call_s`` is how long a rendezvous waits for more nodes once MIN have arrived."""
+    ``last_call_s`` is how long a rendezvous waits for more nodes once MIN have arrived; a node whose agent missed
+    ``keep_alive_attempts`` heartbeats, one every ``keep_alive_s``, is dead (the others' next round leaves it out)."""
 
     min_nodes: int = 1
     max_nodes: int = 1
     endpoint: str = ""
     run_id: str = ""
-    last_call_s: float = 10.0
+    last_call_s: int = 10
+    keep_alive_s: int = 5
+    keep_alive_attempts: int = 3
 
     @property
     def multi(self) -> bool:
         return bool(self.endpoint)
 
 
+# --rdzv-conf keys (torchrun's) and the Nodes field each sets: whole seconds or counts, as torch reads them.
+RDZV_CONF = {"last_call_timeout": "last_call_s", "keep_alive_interval": "keep_alive_s",
+             "keep_alive_max_attempt": "keep_alive_attempts"}
+
+
 def parse_nodes(nnodes: str | None, endpoint: str | None, run_id: str | None, conf: str | None = None) -> Nodes:
     """``Nodes`` from the command line's ``--nnodes N|MIN:MAX``, ``--rdzv-endpoint``, ``--rdzv-id`` and
-    ``--rdzv-conf last_call_timeout=S`` (torchrun's spellings); one clear error for what cannot work."""
+    ``--rdzv-conf KEY=N,...`` (torchrun's spellings; keys in ``RDZV_CONF``); one clear error for what cannot work."""
     from plait.config import ConfigError
 
     if nnodes is None and endpoint is None:
@@ -222,13 +230,14 @@ def parse_nodes(nnodes: str | None, endpoint: str | None, run_id: str | None, co
     if not endpoint or ":" not in endpoint:
         raise ConfigError("several nodes meet at a rendezvous: give --rdzv-endpoint HOST:PORT (HOST: the machine that "
                           "hosts it, the same on every node) and --rdzv-id NAME")
-    last_call = 10.0
+    settings = {}
     for item in filter(None, (conf or "").split(",")):
         key, _, value = item.partition("=")
-        if key != "last_call_timeout":
-            raise ConfigError(f"--rdzv-conf takes last_call_timeout=SECONDS; got {item!r}")
-        last_call = float(value)
-    return Nodes(low, high, endpoint, run_id or "plait", last_call)
+        if key not in RDZV_CONF or not value.isdigit() or (key.startswith("keep_alive") and int(value) < 1):
+            raise ConfigError(f"--rdzv-conf takes {', '.join(k + '=N' for k in RDZV_CONF)} (whole numbers, the "
+                              f"keep-alive ones at least 1); got {item!r}")
+        settings[RDZV_CONF[key]] = int(value)
+    return Nodes(low, high, endpoint, run_id or "plait", **settings)
 
 
 def _launch_config(nproc: int, error_dir: Path, nodes: Nodes | None = None, agent_restarts: int = 0) -> Any:
@@ -243,14 +252,20 @@ def _launch_config(nproc: int, error_dir: Path, nodes: Nodes | None = None, agen
     for stale in Path(error_dir).glob("rank*.txt"):  # reports of an earlier launch into the same directory
         stale.unlink()
     if nodes is not None and nodes.multi:
-        # torch 2.13 shares the rendezvous store with the workers and writes its address only in the first round a
-        # node is rank 0 of: after a node joins, the new node waits for it in the new round forever (60 s, then
-        # both agents fail). Without the sharing every round writes it.
+        # A machine that joins needs this. torch 2.13 shares a store with the workers (TORCHELASTIC_USE_AGENT_STORE),
+        # and DynamicRendezvousHandler.next_rendezvous (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py)
+        # publishes its address (RendezvousStoreInfo.build, rendezvous/api.py) only in the first round a node is
+        # rank 0 of, while the keys are the round's own: when a node joins and the old rank 0 stays rank 0, the
+        # new node waits for MASTER_ADDR of the new round (DistStoreError after 60 s, keys
+        # /torch.rendezvous.<id>.<round>/MASTER_ADDR), its peer for it, and both agents fail. Without the sharing,
+        # rank 0 publishes a fresh address every round and its worker hosts the workers' store.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         return LaunchConfig(
             min_nodes=nodes.min_nodes, max_nodes=nodes.max_nodes, nproc_per_node=nproc, run_id=nodes.run_id,
             rdzv_backend="c10d", rdzv_endpoint=nodes.endpoint, max_restarts=agent_restarts, monitor_interval=0.5,
-            start_method=START_METHOD, rdzv_configs={"last_call_timeout": nodes.last_call_s, "join_timeout": 600})
+            start_method=START_METHOD,
+            rdzv_configs={"last_call_timeout": nodes.last_call_s, "join_timeout": 600, "keep_alive_interval":
+                          nodes.keep_alive_s, "keep_alive_max_attempt": nodes.keep_alive_attempts})
     return LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"plait-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
@@ -354,7 +369,8 @@ def launch_local(fn: Callable[..., Any], args: Callable[[int], tuple] | tuple, n
 
     ``args`` may be a function of the attempt number (0 first, 1 after the first restart...), so a
     restarted attempt can resume. On several nodes (``nodes``) the agent restarts the workers itself, with the
-    same ``args``: ``fn`` must resume when ``TORCHELASTIC_RESTART_COUNT`` > 0. Raises ``WorkerFailed``
+    same ``args``: ``fn`` must resume whenever the run holds a checkpoint (``TORCHELASTIC_RESTART_COUNT`` counts
+    only failures, each agent its own, so a join leaves it as it was). Raises ``WorkerFailed``
     (``NoProgress``) or ``RunPreempted``."""
     from torch.distributed.launcher.api import elastic_launch
 

@@ -44,8 +44,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
     if isinstance(t, DTensor):
         with torch.no_grad():
-            return t.to_local()
-    return t
+            t = t.to_local()
+    return getattr(t, "elem", t)  # a functional collective's result: the tensor it wraps
 
 
 class Saved:
@@ -91,7 +91,8 @@ class Terms:
     """Names each saved tensor of one part (block 0, or the embedding and head) by the rules of the module
     docstring; counters keep the order-dependent names (the n-th consumer copy, q before the output)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, tp: int = 1) -> None:
+        self.heads, self.kv = HEADS // tp, KV // tp  # this rank's attention and key-value heads
         self.modules = dict(model.named_modules())
         self.gated = not isinstance(model, GPT)
         self.count: dict = defaultdict(int)
@@ -142,19 +143,20 @@ class Terms:
         if shape[0] == 1:
             return "embed.rotary"  # cos and sin: computed once, kept by every block (first seen in block 0)
         n = self._next(("attn", shape[1]))
-        if KV == HEADS or self.gated is False:
+        if self.kv == self.heads or self.gated is False:
             return {1: "attn.q", 2: "attn.k", 3: "attn.v", 4: "attn.ctx"}[n]
-        return ("attn.q" if n == 1 else "attn.ctx") if shape[1] == HEADS else ("attn.k" if n == 1 else "attn.v")
+        return ("attn.q" if n == 1 else "attn.ctx") if shape[1] == self.heads else ("attn.k" if n == 1 else "attn.v")
 
 
-def measure(model: nn.Module, run, regime: str, device: str = "cpu") -> dict[str, dict[str, int]]:
-    """Bytes of each term saved by one forward: ``block`` (block 0) and ``rest`` (embedding and head)."""
+def measure(model: nn.Module, run, regime: str, device: str = "cpu", tp: int = 1) -> dict[str, dict[str, int]]:
+    """Bytes of each term saved by one forward: ``block`` (block 0) and ``rest`` (embedding and head), on a rank
+    of ``tp`` tensor-parallel ranks."""
     saved = Saved(model)
     ctx = torch.autocast(device, dtype=torch.bfloat16) if regime == "autocast" else contextlib.nullcontext()
     with saved.recording(), ctx:
         run()
     parts: dict[str, dict[str, int]] = {"block": defaultdict(int), "rest": defaultdict(int)}
-    namers = {"block": Terms(model), "rest": Terms(model)}
+    namers = {"block": Terms(model, tp), "rest": Terms(model, tp)}
     for path, shape, _, nbytes in saved.rows:
         later = any(f"{k}.{i}" in f"{path}." for k in ("blocks", "layers") for i in range(1, 8))
         if later:
@@ -167,10 +169,10 @@ def measure(model: nn.Module, run, regime: str, device: str = "cpu") -> dict[str
     return {k: dict(v) for k, v in parts.items()}
 
 
-def predicted(shape, setup: Setup) -> dict[str, dict[str, float]]:
+def predicted(shape, setup: Setup, loss_parallel: bool = True) -> dict[str, dict[str, float]]:
     """The op lists' terms, named as ``measure`` names them (a norm's consumers' inputs numbered)."""
     block = BlockOps(shape, setup).forward().saved()
-    (ef, _), (hf, _) = embedding_ops(shape, setup), head_ops(shape, setup)
+    (ef, _), (hf, _) = embedding_ops(shape, setup), head_ops(shape, setup, loss_parallel)
     rest = {**ef.saved(), **hf.saved()}
 
     def rename(d: dict) -> dict:
@@ -304,27 +306,28 @@ def term_table() -> list[tuple[str, str, str, str, int, float]]:
     return rows
 
 
+@pytest.mark.parametrize("family", ["gpt", "llama"])
 @pytest.mark.parametrize("regime", ["fp32", "autocast"])
 @pytest.mark.parametrize("sp", [False, True])
-def test_tensor_and_sequence_parallel_terms_through_plait_s_plan(sp, regime):
-    """plait's GPT under its own tensor-parallel plan (tp 2, this process rank 0 of a fake process group: real
-    shapes, no peers): heads and the MLP width halve, the loss runs on the vocabulary shard; with sequence
-    parallelism the norms keep half the tokens and each column-parallel Linear the all-gathered input (under
-    autocast, its own half-precision copy of it)."""
+def test_tensor_and_sequence_parallel_terms_through_plait_s_plan(sp, regime, family):
+    """plait's GPT under its own tensor-parallel plan and the Llama under its shipped plan (tp 2, this process rank
+    0 of a fake process group: real shapes, no peers): heads and the MLP width halve, the GPT's loss runs on the
+    vocabulary shard (the Llama's head gathers the logits); with sequence parallelism the norms keep half the
+    tokens and the column-parallel Linears of a block share one all-gathered input, kept once (under autocast
+    gathered in half precision: without sequence parallelism each Linear keeps its own half-precision copy)."""
     from plait.config import load_config
     from plait.plan.record import fake_world, tensor_parallel
 
     cfg = load_config(None, ["--parallel.nproc=2", "--parallel.tp=2", f"--parallel.sequence_parallel={sp}",
                              "--model.n_layer=2", f"--model.d_model={C}", f"--model.n_head={HEADS}",
                              f"--model.seq_len={T}", f"--model.vocab_size={V}"])
-    ids, targets = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
     with fake_world(2) as mesh:
-        torch.manual_seed(0)
-        model, loss_context = tensor_parallel(cfg, GPT(cfg.model), mesh)
+        model, shape, run = _build(family, "fp32")
+        model, loss_context = tensor_parallel(cfg, model, mesh)
         with loss_context:
-            got = measure(model, lambda: model(ids, targets), regime)
-    want = predicted(gpt_shape(2, C, HEADS, T, V), _setup(regime, tp=2, sp=sp))
-    _compare(got, want, f"gpt tp=2 sp={sp} {regime}")
+            got = measure(model, run, regime, tp=2)
+    want = predicted(shape, _setup(regime, tp=2, sp=sp), loss_parallel=family == "gpt")
+    _compare(got, want, f"{family} tp=2 sp={sp} {regime}")
 
 
 @pytest.mark.parametrize("mode", ["none", "selective"])

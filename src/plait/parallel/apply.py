@@ -22,11 +22,11 @@ from plait.parallel.compile import compile_blocks
 from plait.parallel.expert.dispatch import shard_experts
 from plait.parallel.expert.hf import check_hf_experts, check_pipeline_router_loss, shard_hf_experts
 from plait.parallel.offload import offload_activations
-from plait.parallel.pipeline.split import pipeline_adapter, split_by_names
+from plait.parallel.pipeline.split import pipeline_adapter, stage_layer_ranges
 from plait.parallel.plans import plan_for
 from plait.parallel.tensor.hf import hf_tp_function
 from plait.parallel.tensor.plan import hf_plan, resolve_tp, retie, tied_names, validate_plan
-from plait.plan.schedule import NATURAL_VIRTUAL, PipelineConfigError
+from plait.plan.schedule import NATURAL_VIRTUAL
 from plait.topology import Topology
 
 
@@ -82,12 +82,8 @@ def check_model(model: nn.Module, topo: Topology, p: ParallelConfig, spec: Model
         check_pipeline_router_loss(model)
     if pp > 1 and spec.stage_fn is None:
         stages = pp * (p.pp_virtual_stages or NATURAL_VIRTUAL.get(p.pp_schedule, 1))
-        names = pipeline_adapter(model).layer_names(model)
-        if len(names) < stages:
-            raise PipelineConfigError(f"{stages} pipeline stages but {type(model).__name__} has {len(names)} layers "
-                                      f"({names[0]} ... {names[-1]}): every stage needs one; lower parallel.pp")
-        if spec.pp_split:
-            split_by_names(names, spec.pp_split, stages)
+        stage_layer_ranges(model, pipeline_adapter(model), stages, spec.pp_split, None,
+                           embedding_unit=p.pp_split_embedding, head_unit=p.pp_split_head)
 
 
 def _registered(model: nn.Module) -> bool:

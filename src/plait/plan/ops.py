@@ -10,15 +10,15 @@ Layout effects: tensor parallelism (degree ``t``, Megatron layout) shards heads,
 vocabulary; row-parallel outputs are all-reduced (sequence parallel: reduce-scattered) and the inputs
 of column-parallel layers get an all-reduce of their gradient (sequence parallel: an all-gather before
 them in forward, a reduce-scatter in backward). With sequence parallelism plait (DTensor) keeps the
-all-gathered input of each column-parallel layer for backward; ``stack="megatron"`` models Megatron-LM,
-which keeps the shard and gathers again in backward (overlapped, Korthikanti et al. 2022, section 4.2.2),
-and also its fused kernels: one QKV projection, bias-dropout-add in one pass. ``stack="metaseq"`` models
-metaseq (OPT-175B: Megatron's tensor-parallel layers and fused softmax under fairscale's FSDP; its
-``ModelParallelMultiheadAttention``): one QKV projection split into contiguous chunks (a copy), q and k
-pre-scaled, unfused dropout and residual adds, the scores passed
-through ``nan_to_num`` (which keeps them for backward), and checkpointed activations distributed over the
-tensor-parallel ranks (``--distribute-checkpointed-activations``: a block keeps ``1/t`` of its input and
-all-gathers it before recomputing). Both hold half-precision parameters (no autocast).
+all-gathered input the column-parallel layers of a block share, once, for backward; ``stack="megatron"``
+models Megatron-LM, which keeps the shard and gathers again in backward (overlapped, Korthikanti et al.
+2022, section 4.2.2), and also its fused kernels: one QKV projection, bias-dropout-add in one pass.
+``stack="metaseq"`` models metaseq (OPT-175B: Megatron's tensor-parallel layers and fused softmax under
+fairscale's FSDP; its ``ModelParallelMultiheadAttention``): one QKV projection split into contiguous chunks (a
+copy), q and k pre-scaled, unfused dropout and residual adds, the scores passed through ``nan_to_num`` (which
+keeps them for backward), and checkpointed activations distributed over the tensor-parallel ranks
+(``--distribute-checkpointed-activations``: a block keeps ``1/t`` of its input and all-gathers it before
+recomputing). Both hold half-precision parameters (no autocast).
 
 Mixture of experts (``BlockOps(..., moe=True)``): ``plait.plan.ops_moe``.
 
@@ -28,8 +28,9 @@ Saved tensors, as the code that runs them keeps them (each term checked against
 (Megatron-LM, FSDP2's bf16 policy: everything in bf16 but the norms' statistics, the attention's
 log-sum-exp and the loss's log-probabilities); and autocast over float32 parameters (plait's bf16 and
 fp16 elsewhere), where the residual stream and the norms stay float32, each Linear fed a float32 tensor
-keeps its own half-precision copy of it (q, k and v three copies of the norm's output; gate and up two)
-and every Linear keeps a half-precision copy of its weight for backward (``w.*``: once per rank, not per
+keeps its own half-precision copy of it (q, k and v three copies of the norm's output; gate and up two;
+under sequence parallelism plait gathers the shard in half precision and the Linears share it) and every
+Linear keeps a half-precision copy of its weight for backward (``w.*``: once per rank, not per
 micro-batch, since a copy lives until its backward and autocast re-casts per forward). A fused norm
 keeps its input and float32 statistics; Hugging Face's Python RMSNorm also a float32 copy of its input
 and the normalized tensor. Rotary's cos and sin are kept once for all blocks (on the embedding). Grouped
@@ -263,16 +264,18 @@ def norm_forward(shape: ModelShape, u: Setup, tag: str, Mn: int) -> list[Op]:
 
 def consumed(u: Setup, tag: str, M: int, Mn: int, C: int, consumers: int, ops: list[Op]) -> list[Op]:
     """What is kept of a norm's output for the ``consumers`` Linears reading it (``ops``: the norm, whose
-    saves may grow): the output itself, once; under sequence parallelism the all-gathered input (plait's
-    DTensor) or the shard (Megatron-LM, which gathers again in backward); under autocast one half-precision
-    copy per Linear, which autocast casts separately for each (it caches only parameters' casts)."""
+    saves may grow): the output itself, once; under sequence parallelism the all-gathered input, once for all
+    its Linears (plait's DTensor; under autocast plait casts the shard to half precision before the gather,
+    ``plait.parallel.tensor.plan.PrepareGatheredInput``) or the shard (Megatron-LM, which gathers again in
+    backward); under autocast without sequence parallelism one half-precision copy per Linear, which autocast
+    casts separately for each (it caches only parameters' casts)."""
     a, r = u.act_bytes, u.residual_bytes
     out: list[Op] = []
     if u.sp:
         full = M * C * a
         keep = ((f"{tag}.out", Mn * C * a),) if u.stack == "megatron" else ((f"{tag}.gathered", full),)
         if u.casts and u.stack != "megatron":
-            keep = tuple((f"{tag}.cast{i}", M * C * 2) for i in range(consumers))
+            out.append(mem(f"{tag}.cast", "copy", Mn * C * (r + 2)))
         out.append(Op(f"{tag}.allgather", "comm", bytes=full, comm="all_gather", saves=keep))
     elif u.casts:
         out += [mem(f"{tag}.cast{i}", "copy", M * C * (r + 2), saves=((f"{tag}.cast{i}", M * C * 2),))

@@ -108,10 +108,10 @@ def _states(params: list[Param], work: Workload, n_layer: int, dp: int) -> tuple
         shard = sum(fsdp_shard_numel(p, tp, dp) for p in params)
         units = fsdp_units(params, n_layer)
         full = [sum(params[i].local_numel(tp) for i in u) for u in units]
-        if lay.reshard_after_forward:  # the root unit stays gathered; two block units around the one computing
+        if lay.reshard_after_forward and lay.pp == 1:  # the root unit stays gathered; two block units around one
             gathered = full[-1] + 2 * max(full[:-1] or [0])
-        else:  # every unit stays gathered from its forward to its backward
-            gathered = sum(full)
+        else:  # every unit stays gathered from its forward to its backward; in a pipeline, from the stage's first
+            gathered = sum(full)  # backward to its reduce-scatter (torch's schedule turns resharding off there)
         if lay.offload == "params":  # FSDP2's CPUOffloadPolicy: the shards and the optimizer live in host memory
             return (RankMemory(0.0, 0.0, 0.0, detail={"host_bytes": int((p_b + g_b + k_b) * shard)}),
                     gather_bytes(work) * gathered)

@@ -13,7 +13,12 @@ free and its inputs have arrived: ``F(s, i)`` after ``F(s-1, i)`` plus the point
 the stages sit on different ranks; ``B``/``I(s, i)`` after ``F(s, i)`` and ``B``/``I(s+1, i)`` plus the
 transfer; ``W(s, i)`` after ``I(s, i)``. The saved activations of ``(s, i)`` live from the start of its
 forward until its backward (``zbv``: its weight gradient) ends; their peak per rank is the schedule's
-activation memory.
+activation memory. Torch's multi-stage schedules (``interleaved``, ``zbv``) keep every point-to-point send's
+work, and with it the tensor sent, until the schedule step ends (``PipelineScheduleMulti``'s runtime waits on
+its sends only then; a gloo work holds its tensor until waited, measured; NCCL's not measured here): a stage's
+output sent to another rank outlives its backward, and the gradient of its input sent back outlives the action
+that computed it, both until the step's last action (``sent``, measured on plait's runs,
+``tests/plan/test_pipeline_memory.py``). ``gpipe`` and ``1f1b`` wait on each send before the next.
 
 ZBV's split backward keeps more (measured on plait's runs with a saved-tensor hook per action): torch's
 input-gradient pass runs with ``retain_graph`` and the weight-gradient pass frees only what the weight
@@ -143,14 +148,17 @@ def pipeline_orders(schedule: str, p: int, m: int, v: int = 1) -> dict[int, list
 def run_pipeline(orders: dict[int, list[Action]], owner: list[int], duration: Callable[[Action], float],
                  transfer: Callable[[int, int, str], float], saved: Callable[[int], float],
                  start: float = 0.0, kept: Callable[[int], float] | None = None,
+                 sent: Callable[[Action], float] | None = None,
                  ) -> tuple[list[Event], dict[int, float], dict[int, float]]:
     """Place every action on time (see the module docstring).
 
     ``duration(action)`` is its compute time on its rank, ``transfer(from_stage, to_stage, "F"|"B")`` the
     point-to-point time between two stages (0 on the same rank), ``saved(stage)`` the activation bytes one
     micro-batch keeps on that stage, ``kept(stage)`` the part of it the releasing action leaves alive (split
-    backward, see ``zbv_kept``). Returns the events, each rank's end time and each rank's peak of live
-    saved activation bytes. Raises ``RuntimeError`` if the orders deadlock (a schedule bug, not a user's).
+    backward, see ``zbv_kept``), ``sent(action)`` the bytes the action leaves alive until the schedule step
+    ends (sends in flight: ``send_retention``). Returns the events, each rank's end time and each rank's peak
+    of live saved activation bytes. Raises ``RuntimeError`` if the orders deadlock (a schedule bug, not a
+    user's).
     """
     n = len(owner)
     done: dict[tuple[str, int, int], float] = {}
@@ -197,13 +205,33 @@ def run_pipeline(orders: dict[int, list[Action]], owner: list[int], duration: Ca
         if not progressed:
             stuck = {r: acts[cursor[r]] for r, acts in orders.items() if cursor[r] < len(acts)}
             raise RuntimeError(f"pipeline schedule deadlocked at {stuck}")
-    return events, clock, _activation_peaks(events, saved, "W" if has_w else "B", kept)
+    return events, clock, _activation_peaks(events, saved, "W" if has_w else "B", kept, sent)
+
+
+def send_retention(schedule: str, owner: list[int], nbytes: float) -> Callable[[Action], float] | None:
+    """``run_pipeline``'s ``sent`` for ``schedule`` (module docstring): under the multi-stage schedules the
+    releasing action of a stage whose output went to another rank leaves that output (``nbytes``, the residual
+    stream's shard of one micro-batch) alive, and the backward (ZBV: input-gradient) action of a stage whose
+    input came from another rank adds the gradient it sends back; None for ``gpipe`` and ``1f1b``."""
+    if schedule not in ("interleaved", "zbv"):
+        return None
+    n = len(owner)
+    release = "W" if schedule == "zbv" else "B"
+    grad = "I" if schedule == "zbv" else "B"
+
+    def sent(a: Action) -> float:
+        out = nbytes if a.kind == release and a.stage < n - 1 and owner[a.stage + 1] != owner[a.stage] else 0.0
+        back = nbytes if a.kind == grad and a.stage > 0 and owner[a.stage - 1] != owner[a.stage] else 0.0
+        return out + back
+
+    return sent
 
 
 def _activation_peaks(events: list[Event], saved: Callable[[int], float], release: str,
-                      kept: Callable[[int], float] | None = None) -> dict[int, float]:
+                      kept: Callable[[int], float] | None = None,
+                      sent: Callable[[Action], float] | None = None) -> dict[int, float]:
     """Per rank, the most saved-activation bytes alive at once (live from F start to the releasing action's
-    end, less what it leaves ``kept``)."""
+    end, less what it leaves ``kept``; what an action leaves ``sent`` stays to the end)."""
     changes: dict[int, list[tuple[float, int, float]]] = {}
     for e in events:
         a = e.action
@@ -212,6 +240,8 @@ def _activation_peaks(events: list[Event], saved: Callable[[int], float], releas
         elif a.kind == release:
             left = kept(a.stage) if kept else 0.0
             changes.setdefault(e.rank, []).append((e.end, 0, left - saved(a.stage)))
+        if a.kind != "F" and sent is not None and sent(a):
+            changes.setdefault(e.rank, []).append((e.end, 0, sent(a)))
     peaks = {}
     for rank, items in changes.items():
         live = peak = 0.0
@@ -276,6 +306,29 @@ def partition_layers(costs: list[float], num_stages: int, *, first_cost: float =
         j = i
     bounds.append(range(0, j))
     return bounds[::-1]
+
+
+def partition_units(costs: list[float], num_stages: int, *, first_cost: float = 0.0, last_cost: float = 0.0,
+                    embedding_unit: bool = False, head_unit: bool = False) -> list[range]:
+    """``partition_layers`` where the embedding (``embedding_unit``) and the head with the loss (``head_unit``) are
+    units of the split of their own, costing ``first_cost`` and ``last_cost`` (Megatron-LM's
+    ``--account-for-embedding-in-pipeline-split`` and ``--account-for-loss-in-pipeline-split``; Llama 3's first and
+    last chunks): the first stage may then hold the embedding alone and the last the head alone, an empty range of
+    layers. Every other stage holds at least one layer. Returns each stage's range of layers."""
+    units = [first_cost] * embedding_unit + list(costs) + [last_cost] * head_unit
+    try:
+        ranges = partition_layers(units, num_stages, first_cost=0.0 if embedding_unit else first_cost,
+                                  last_cost=0.0 if head_unit else last_cost)
+    except PipelineConfigError:
+        if num_stages <= len(units):
+            raise
+        parts = " (the embedding and the head count as one each)" if embedding_unit or head_unit else ""
+        raise PipelineConfigError(
+            f"{num_stages} pipeline stages but the model has only {len(costs)} layers{parts}: every stage needs at "
+            "least one block, or the embedding or the head alone (parallel.pp_split_embedding, pp_split_head); "
+            "lower parallel.pp (or the virtual stages per rank)") from None
+    n, off = len(costs), int(embedding_unit)
+    return [range(min(max(r.start - off, 0), n), min(max(r.stop - off, 0), n)) for r in ranges]
 
 
 def stage_ranks(num_ranks: int, num_stages: int, style: str) -> list[int]:

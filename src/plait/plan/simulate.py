@@ -266,9 +266,13 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
         transient = max(c.transient for c in costs)
         casts = sum(c.weight_casts for c in costs)  # one autocast copy of the rank's weights is alive at a time
         states.activations = timelines[r].activation_peak
-        states.buffers = buffers + transient + casts + _receive_buffers(model, mine, n_stages)
+        unsharded = _unsharded_gradients(model, params_of[r])
+        states.buffers = buffers + transient + casts + _receive_buffers(model, mine, n_stages) + unsharded
         states.detail = {**states.detail, "activation_saved_per_microbatch": int(sum(c.saved for c in costs)),
                          "autocast_weight_copies": int(casts), "stages": mine}
+        if unsharded:
+            states.detail["unsharded_gradients"] = int(unsharded)
+            states.detail["gathered_units"] = int(buffers)  # model_states' buffers at ZeRO-3: the gathered units
         host = sum(c.host for c in costs)
         if host:  # activation offload: the micro-batches in flight wait in host memory
             held = in_flight(lay.schedule, lay.pp, lay.microbatches, lay.virtual) if lay.pp > 1 else 1.0
@@ -326,6 +330,17 @@ def _receive_buffers(model: StageModel, stages: list[int], n_stages: int) -> flo
     hidden = tokens * work.shape.d_model * model.setup.residual_bytes * lay.microbatches
     per_input = 2 if lay.schedule == "zbv" else 1
     return sum(hidden * (per_input * (s > 0) + (s < n_stages - 1)) for s in stages)
+
+
+def _unsharded_gradients(model: StageModel, params: list[Param]) -> float:
+    """Bytes of the whole (unsharded) gradients a pipeline rank accumulates at ZeRO-3: torch's schedules turn
+    FSDP2's gradient sync off for the micro-batches' backwards, so FSDP2 keeps each stage's gradients unsharded,
+    in its reduce dtype (fp32), from the stage's first backward until the reduce-scatter after its last, which
+    is most of the step (``FSDPParamGroup.post_backward``; measured, ``tests/plan/test_pipeline_memory.py``)."""
+    work, lay = model.work, model.work.layout
+    if lay.pp == 1 or lay.zero != 3 or lay.dp == 1 or work.stack != "plait":
+        return 0.0
+    return float(model.gradient_bytes * sum(p.local_numel(lay.tp) for p in params))
 
 
 def _all_layers(model: StageModel) -> list:

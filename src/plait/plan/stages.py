@@ -322,14 +322,16 @@ class StageModel:
 
     # -- stages -------------------------------------------------------------------------------------
     def partition(self, num_stages: int) -> list[range]:
-        """Blocks of each stage, split by the trainer's ``partition_layers``."""
-        n = self.work.shape.n_layer
+        """Blocks of each stage, split by the trainer's ``partition_units`` (the first / last stage may hold the
+        embedding / the head alone under ``Layout.split_embedding`` / ``split_head``)."""
+        lay, n = self.work.layout, self.work.shape.n_layer
         if num_stages == 1:
             return [range(n)]
-        if self.work.layout.pp_balance == "count":
-            return _partition((1.0,) * n, num_stages, 0.0, 0.0)
+        units = (lay.split_embedding, lay.split_head)
+        if lay.pp_balance == "count":  # the embedding and the head count as one layer each where they are units
+            return _partition((1.0,) * n, num_stages, float(units[0]), float(units[1]), units)
         costs = tuple(self.block(i).total for i in range(n))
-        return _partition(costs, num_stages, self.embed().total, self.head().total)
+        return _partition(costs, num_stages, self.embed().total, self.head().total, units)
 
     @property
     def gradient_bytes(self) -> int:
@@ -345,39 +347,55 @@ class StageModel:
         total = LayerCost()
         for i in layers:
             total = total + self.block(i)
+        rotary = self._rotary() if len(layers) else 0.0  # cos and sin: computed where there are layers to use them
         if first:
             total = total + self.embed()
+            total.saved -= self._rotary() - rotary  # an embedding alone computes none
         if last:
             total = total + self.head()
         if self.work.layout.pp > 1 and self.work.stack == "plait":  # torch's pipelining (Megatron-LM frees these)
-            total.saved += self.stage_held(first, last)
+            total.saved += self.stage_held(first, last, len(layers))
             if first:  # ZBV: the first stage has no input gradient; its weight pass is its whole backward
                 total.zbv_kept = 0.0
             elif "embed.rotary" in zbv_kept(self.work.shape.norm):  # this stage's own cos and sin
-                total.zbv_kept += embedding_ops(self.work.shape, self.setup)[0].saved().get("embed.rotary", 0.0)
+                total.zbv_kept += rotary
             if last and not first:  # measured, see plait.plan.schedule
                 saved = self._fwd.saved()
                 total.zbv_kept += len(layers) * sum(saved.get(k, 0.0) for k in ZBV_KEPT_LAST)
         return total
 
-    def stage_held(self, first: bool, last: bool) -> float:
+    def _rotary(self) -> float:
+        """Bytes of rotary's cos and sin for one micro-batch (0 for a model without rotary positions)."""
+        return embedding_ops(self.work.shape, self.setup)[0].saved().get("embed.rotary", 0.0)
+
+    def stage_held(self, first: bool, last: bool, layers: int = 1) -> float:
         """Bytes a pipeline stage holds per micro-batch in flight beyond its layers' saved tensors (measured on
-        plait's runs, ``tests/plan/test_pipeline_memory.py``): rotary's cos and sin, which every stage computes
-        for its own blocks (the embedding's term covers the first stage's), and the stage's output, which torch's
-        schedule keeps until the micro-batch's backward: the residual stream's shard, or on the last stage the
-        logits (whole vocabulary unless the loss runs on vocabulary shards)."""
+        plait's runs, ``tests/plan/test_pipeline_memory.py``): rotary's cos and sin, which every stage with
+        ``layers`` computes for them (the embedding's term covers the first stage's), and the stage's output,
+        which torch's schedule keeps until the micro-batch's backward: the residual stream's shard, or on the last
+        stage the logits (whole vocabulary unless the loss runs on vocabulary shards)."""
         s, u = self.work.shape, self.setup
-        rotary = 0.0 if first else embedding_ops(s, u)[0].saved().get("embed.rotary", 0.0)
+        rotary = 0.0 if first or not layers else self._rotary()
         M = u.micro_batch * s.seq_len
         if last:
             vocab = s.vocab_size // u.tp if self.work.layout.loss_parallel else s.vocab_size
             return rotary + M * vocab * u.act_bytes
-        return rotary + (M // u.tp if u.sp else M) * s.d_model * u.residual_bytes
+        return rotary + self.hop_bytes
+
+    @property
+    def hop_bytes(self) -> float:
+        """Bytes of what a pipeline stage sends on per micro-batch, and of the gradient that comes back: the
+        residual stream, this rank's shard of it under sequence parallelism."""
+        s, u = self.work.shape, self.setup
+        M = u.micro_batch * s.seq_len
+        return float((M // u.tp if u.sp else M) * s.d_model * u.residual_bytes)
 
 
 @lru_cache(maxsize=256)
-def _partition(costs: tuple[float, ...], num_stages: int, first: float, last: float) -> list[range]:
-    """``partition_layers`` memoised: the planner prices many layouts with the same per-layer costs."""
-    from plait.plan.schedule import partition_layers
+def _partition(costs: tuple[float, ...], num_stages: int, first: float, last: float,
+               units: tuple[bool, bool] = (False, False)) -> list[range]:
+    """``partition_units`` memoised: the planner prices many layouts with the same per-layer costs."""
+    from plait.plan.schedule import partition_units
 
-    return partition_layers(list(costs), num_stages, first_cost=first, last_cost=last)
+    return partition_units(list(costs), num_stages, first_cost=first, last_cost=last, embedding_unit=units[0],
+                           head_unit=units[1])

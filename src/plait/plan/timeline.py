@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from plait.plan.buckets import MAX_FULL_IN_FLIGHT
-from plait.plan.schedule import Action, pipeline_orders, run_pipeline, stage_owner
+from plait.plan.schedule import Action, pipeline_orders, run_pipeline, send_retention, stage_owner
 from plait.plan.stages import LayerCost, StageModel
 
 
@@ -248,10 +248,12 @@ def pipeline_step(model: StageModel, timelines: dict[int, RankTimeline], ranges:
 
     ends = {r: t0 for r in range(lay.pp)}
     kept = (lambda s: costs[s].zbv_kept) if lay.schedule == "zbv" else None
+    sent = send_retention(lay.schedule, owner, model.hop_bytes) if work.stack == "plait" else None
     left = {r: 0.0 for r in range(lay.pp)}  # what earlier schedule steps of this accumulation left alive
     for micro in range(work.accumulation):
         start = max(ends.values())
-        events, ends, peaks = run_pipeline(orders, owner, duration, transfer, lambda s: costs[s].saved, start, kept)
+        events, ends, peaks = run_pipeline(orders, owner, duration, transfer, lambda s: costs[s].saved, start, kept,
+                                           sent)
         for e in events:
             tl = timelines[e.rank]
             a = e.action

@@ -50,6 +50,10 @@ class Layout:
     dp_shard: int = 1  # HSDP's shard group at zero=3 (module docstring); 1: every data-parallel rank
     act_offload: bool = False  # train.activation_offload: blocks' saved tensors in host memory (plait.plan.stages)
     cp: int = 1  # context-parallel degree (module docstring); not run by plait yet
+    # parallel.pp_split_embedding / pp_split_head: the embedding / the head a unit of the split, so the first / last
+    # stage may hold it alone (plait.plan.schedule.partition_units)
+    split_embedding: bool = False
+    split_head: bool = False
 
     @property
     def shard(self) -> int:
@@ -78,6 +82,9 @@ class Layout:
             parts.insert(1, f"cp={self.cp}")
         if self.dp_shard > 1:
             parts.insert(1, f"dp_shard={self.dp_shard}")
+        if self.pp > 1 and (self.split_embedding or self.split_head):
+            parts.insert(parts.index(f"zero={self.zero}"), "split=" + "+".join(
+                n for n, on in (("embedding", self.split_embedding), ("head", self.split_head)) if on))
         if self.act_offload:
             parts.append("act_offload")
         return " ".join(parts)
@@ -119,11 +126,10 @@ class Workload:
     @property
     def autocast(self) -> bool:
         """Whether forward runs under autocast over float32 parameters: plait's bf16 and fp16, except ZeRO-3 with
-        bf16 without pipelining, which computes in bf16 through FSDP2's mixed-precision policy (``plait.engine``);
-        other stacks hold half-precision parameters."""
+        bf16, which computes in bf16 through FSDP2's mixed-precision policy (``plait.parallel.fsdp``, and a
+        pipeline's stages: ``plait.parallel.pipeline.sharded``); other stacks hold half-precision parameters."""
         lay = self.layout
-        return (self.stack == "plait" and self.precision != "fp32"
-                and not (lay.zero == 3 and self.precision == "bf16" and lay.pp == 1))
+        return self.stack == "plait" and self.precision != "fp32" and not (lay.zero == 3 and self.precision == "bf16")
 
     def check(self) -> None:
         """Raise ``ConfigError`` for what the simulator cannot price (it is not a plait layout)."""
@@ -142,9 +148,12 @@ class Workload:
         if s.n_head % lay.tp or s.n_kv_head % lay.tp or s.d_ff % lay.tp:
             raise ConfigError(f"tp={lay.tp} must divide the heads ({s.n_head}), key-value heads ({s.n_kv_head}) "
                               f"and MLP width ({s.d_ff}); choose tp among their common divisors")
-        if lay.pp * lay.virtual > s.n_layer:
-            raise ConfigError(f"{lay.pp * lay.virtual} pipeline stages but {s.n_layer} layers: every stage needs "
-                              "a layer; lower parallel.pp or the virtual stages")
+        units = s.n_layer + (lay.split_embedding + lay.split_head if lay.pp > 1 else 0)
+        if lay.pp * lay.virtual > units:
+            parts = " (the embedding and the head count as one each)" if units > s.n_layer else ""
+            raise ConfigError(f"{lay.pp * lay.virtual} pipeline stages but {s.n_layer} layers{parts}: every stage "
+                              "needs a layer, or the embedding or the head alone (parallel.pp_split_embedding, "
+                              "pp_split_head); lower parallel.pp or the virtual stages")
         if self.global_batch % (lay.micro_batch_size * lay.dp):
             raise ConfigError(f"global batch {self.global_batch} must be a multiple of micro_batch_size "
                               f"{lay.micro_batch_size} x dp {lay.dp}")
@@ -164,4 +173,5 @@ def layout_from_config(cfg: Config) -> Layout:
                   micro_batch_size=t.micro_batch_size, recompute=t.activation_checkpointing,
                   every_k=t.checkpoint_every_k, reshard_after_forward=p.reshard_after_forward, bucket_mb=p.bucket_mb,
                   impl=p.impl, pp_balance=p.pp_balance, loss_parallel=p.loss_parallel, ep=p.ep,
-                  offload=p.offload, dp_shard=p.dp_shard or 1, act_offload=t.activation_offload)
+                  offload=p.offload, dp_shard=p.dp_shard or 1, act_offload=t.activation_offload,
+                  split_embedding=p.pp_split_embedding, split_head=p.pp_split_head)

@@ -75,16 +75,16 @@ def init_distributed(backend: str, timeout_s: float) -> bool:
     if not launched_externally():
         return False
     timeout = timedelta(seconds=timeout_s)
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is not None and "MASTER_ADDR" in os.environ:
+    env = os.environ
+    restart = env.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None and "MASTER_ADDR" in env and env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True":
         # After torchrun restarts a worker group, env:// rendezvous finds the dead attempt's gloo addresses
-        # in the agent's store (torch 2.13: "connectFullMesh failed ... Connection refused"); a prefix per
-        # attempt keeps each attempt's keys apart.
-        env = os.environ
+        # in the agent's store, which outlives the attempt (torch 2.13: "connectFullMesh failed ... Connection
+        # refused"); a prefix per attempt keeps each attempt's keys apart. Only there: without the agent's store
+        # rank 0 hosts a new one each attempt, and the restart count, which each agent keeps for itself, differs
+        # between an agent that restarted and one that just joined, so ranks would wait under different prefixes.
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        agent_hosts = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world,
-                              is_master=rank == 0 and not agent_hosts, timeout=timeout)
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False, timeout=timeout)
         dist.init_process_group(pick_backend(backend), store=dist.PrefixStore(f"plait/attempt_{restart}", store),
                                 rank=rank, world_size=world, timeout=timeout)
         return True

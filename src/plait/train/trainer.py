@@ -385,8 +385,7 @@ class Trainer:
                 rec = self.train_step()
                 if self.recovery.after_step(rec):
                     continue  # rolled back: this step and the ones since the checkpoint are undone
-                if rec.pop("preempted"):
-                    self._preempted()
+                preempted = rec.pop("preempted")
                 last = s.step == cfg.train.steps
                 rec.pop("history", None)
                 if s.step % cfg.train.log_every == 0 or last or s.step == 1:
@@ -394,10 +393,13 @@ class Trainer:
                     rec["loss"] = s.last_loss = rec.pop("global_loss")
                     rec.update(rank_timings(p, rec))  # every rank's step parts: a slow rank stands out
                     rec.update(self.recovery.ranks(rec))
-                    if cfg.train.eval_every and s.step % cfg.train.eval_every == 0 and not last:
+                    # A preempted rank's grace is for saving (an evaluation could outlast it).
+                    if cfg.train.eval_every and s.step % cfg.train.eval_every == 0 and not last and not preempted:
                         rec["val_loss"] = s.val_loss = self.evaluate()
                         self.log.info("step %d: train loss %.4f, val loss %.4f", s.step, rec["loss"], s.val_loss)
                     p.log(rec)
+                if preempted:  # after logging: the step is done and saved, and the resumed run starts after it
+                    self._preempted()
                 if self.recovery.should_save(s.step, last):
                     self.save()
             return self.finish()

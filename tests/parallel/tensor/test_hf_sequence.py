@@ -15,6 +15,7 @@ from references import MP_LOSS_ATOL, MP_PARAM_ATOL, SHARDED_SEQ, sharded_referen
 pytest.importorskip("transformers")
 
 CASES = {"dp2-tp2-sp": ({"tp": 2, "sequence_parallel": True}, 4),
+         "dp2-tp2-sp-bf16": ({"tp": 2, "sequence_parallel": True}, 4),
          "pp2-tp2-sp": ({"tp": 2, "pp": 2, "sequence_parallel": True, "microbatches": 2, "pp_schedule": "1f1b",
                          "pp_balance": "count"}, 8)}
 
@@ -29,9 +30,17 @@ def _norm_tokens(p, model) -> int:
     return seen[0]
 
 
+BF16_LOSS_ATOL = 3e-4  # bf16 autocast alone moves the one-process losses by 8e-5 from float32's (observed: 1.3e-4)
+
+
+def _precision(name: str) -> str:
+    return "bf16" if name.endswith("-bf16") else "fp32"
+
+
 def _worker(rank: int, world: int, root: str) -> dict:
     return {name: sharded_train("llama", {"nproc": world, **parallel}, f"{root}/{name}", micro=micro,
-                                inspect=_norm_tokens) for name, (parallel, micro) in CASES.items()}
+                                inspect=_norm_tokens, precision=_precision(name))
+            for name, (parallel, micro) in CASES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +50,17 @@ def results(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_sequence_parallel_llama_matches_one_process(results, name) -> None:
-    ref_losses, ref_states = sharded_reference("llama", 3)
+    """float32: losses and parameters within the model-parallel tolerances. bf16 autocast (the attention's and the
+    MLP's input gathered in bf16 and shared by their Linears, their input gradients summed and reduce-scattered in
+    bf16): the losses within ``BF16_LOSS_ATOL`` of one process under autocast; parameters are not compared there, as
+    bf16 rounding alone moves them further (4e-3 after 3 AdamW steps) than training does (3e-3)."""
+    ref_losses, ref_states = sharded_reference("llama", 3, _precision(name))
     for r in results:
-        assert r[name]["losses"] == pytest.approx(ref_losses, abs=MP_LOSS_ATOL), name
-        assert state_diff(r[name]["state"], ref_states[-1]) < MP_PARAM_ATOL, name
+        if _precision(name) == "bf16":
+            assert r[name]["losses"] == pytest.approx(ref_losses, abs=BF16_LOSS_ATOL), name
+        else:
+            assert r[name]["losses"] == pytest.approx(ref_losses, abs=MP_LOSS_ATOL), name
+            assert state_diff(r[name]["state"], ref_states[-1]) < MP_PARAM_ATOL, name
         assert r[name]["inspect"] == SHARDED_SEQ // 2, name  # half the sequence on each tp rank
 
 

@@ -1,5 +1,6 @@
 """plait's GPT cut into pipeline stages: the adapter ``plait.parallel.plans`` registers for the GPT class. The
-blocks are the split units; the embeddings go with the first stage, the final norm and the head with the last.
+blocks are the split units; the embeddings go with the first stage, the final norm and the head with the last
+(either may be alone on its stage: ``parallel.pp_split_embedding``, ``pp_split_head``).
 A tied head gets its own copy on the last stage from the pipeline's split (``plait.parallel.pipeline.split``).
 """
 
@@ -44,6 +45,10 @@ class GPTPipeline:
 
     def layer_names(self, model: GPT) -> list[str]:
         return [f"blocks.{i}" for i in range(len(model.blocks))]
+
+    def head_name(self, model: GPT) -> str:
+        """The split point that starts a stage holding only the final norm and the head (``parallel.pp_split``)."""
+        return "ln_f"
 
     def build_stage(self, model: GPT, layers: list[str], *, is_first: bool, is_last: bool) -> nn.Module:
         return GPTStage(model, [int(n.rsplit(".", 1)[1]) for n in layers], is_first=is_first, is_last=is_last)

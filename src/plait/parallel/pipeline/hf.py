@@ -8,10 +8,13 @@ layers, and the parts after them and the head on the last stage; parameter-free 
 model (the rotary embedding) are shared by every stage.
 
 A stage's forward does what the base model's forward does for its part: token ids to embeddings
-(first stage), positions ``0..T-1``, the rotary embedding and the causal mask built as the model builds
-them (``transformers.masking_utils.create_causal_mask``, no padding mask: pipelined batches are full
-sequences; under sequence parallelism a later stage's input holds ``T / tp`` tokens and positions run over all
-``T``), every owned layer, then norm and head (last stage: logits ``(B, T, V)``). Padding masks,
+(first stage; under sequence parallelism sliced to this rank's ``T / tp`` tokens there, so a first stage holding
+the embedding alone sends the shard), positions ``0..T-1``, the rotary embedding and the causal mask built as the
+model builds them (``transformers.masking_utils.create_causal_mask``, no padding mask: pipelined batches are full
+sequences; under sequence parallelism a stage's input holds ``T / tp`` tokens and positions run over all ``T``;
+a stage without layers computes none of them), every owned layer, then norm and head (last stage: logits
+``(B, T, V)``). The first stage may hold the embedding alone and the last the norm and head alone
+(``parallel.pp_split_embedding``, ``pp_split_head``). Padding masks,
 caches and models without rotary position embeddings are not supported here; use ``stage_fn``.
 """
 
@@ -75,6 +78,10 @@ class HFDecoderStage(nn.Module):
         self.adapter = adapter
         # sequence parallelism (plait.parallel.tensor.hf_sequence): later stages receive T / shards tokens
         self.shards = int(base.__dict__.get("_plait_sequence_shards", 1))
+        if self.shards > 1 and is_first:
+            from plait.parallel.tensor.hf_sequence import sequence_mesh
+
+            self.mesh = sequence_mesh(base)
         if is_last:
             self.lm_head = model.lm_head
 
@@ -83,12 +90,18 @@ class HFDecoderStage(nn.Module):
         if self.is_first:  # x: token ids (B, T)
             for name in self.adapter.before:
                 x = getattr(base, name)(x)  # (B, T, C)
-        T = x.size(1) * (1 if self.is_first else self.shards)  # a later stage's input: this rank's T / shards
-        position_ids = torch.arange(T, device=x.device).unsqueeze(0)  # (1, T)
-        position_embeddings = base.rotary_emb(x, position_ids=position_ids)
-        whole = x if T == x.size(1) else x.new_empty(x.size(0), T, 1)  # the mask's shape: the whole sequence
-        mask = _causal_mask(self.config, whole, position_ids)
-        for layer in getattr(base, self.adapter.layers).values():
+            if self.shards > 1:  # this rank's tokens (B, T / shards, C), whether or not a layer follows here
+                from plait.parallel.tensor.hf_sequence import slice_sequence
+
+                x = slice_sequence(self.mesh, x)
+        layers = getattr(base, self.adapter.layers)
+        if len(layers):  # positions, rotary angles and the mask of the whole sequence, for this stage's layers
+            T = x.size(1) * self.shards  # under sequence parallelism the input holds this rank's T / shards
+            position_ids = torch.arange(T, device=x.device).unsqueeze(0)  # (1, T)
+            position_embeddings = base.rotary_emb(x, position_ids=position_ids)
+            whole = x if T == x.size(1) else x.new_empty(x.size(0), T, 1)  # the mask's shape: the whole sequence
+            mask = _causal_mask(self.config, whole, position_ids)
+        for layer in layers.values():
             out = layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
             x = out[0] if isinstance(out, tuple) else out  # (B, T, C)
         if self.is_last:
@@ -120,5 +133,14 @@ class HFDecoderPipeline:
         prefix, base = _base(model)
         return [f"{prefix}.{self.layers}.{i}" for i in range(len(getattr(base, self.layers)))]
 
+    def head_name(self, model: nn.Module) -> str:
+        """The split point that starts a stage holding only the final norm and the head (``parallel.pp_split``)."""
+        prefix, _ = _base(model)
+        return f"{prefix}.{self.after[0]}" if self.after else "lm_head"
+
     def build_stage(self, model: nn.Module, layers: list[str], *, is_first: bool, is_last: bool) -> nn.Module:
+        if is_first:  # the first stage slices the embedding's output itself (HFDecoderStage.forward)
+            from plait.parallel.tensor.hf_sequence import mark_sliced
+
+            mark_sliced(model)
         return HFDecoderStage(model, self, [n.rsplit(".", 1)[1] for n in layers], is_first=is_first, is_last=is_last)

@@ -46,7 +46,7 @@ from plait.parallel.pipeline.split import (
     check_tied_copies,
     measure_layer_costs,
     pipeline_adapter,
-    split_by_names,
+    stage_layer_ranges,
     untie_across_stages,
 )
 from plait.parallel.pipeline.trace import PipeEvent, StepSpan, bubble_summary, instrument_stage
@@ -218,18 +218,6 @@ def _as_group(pp: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
     return pp.get_group() if isinstance(pp, DeviceMesh) else pp
 
 
-def _stage_ranges(model: nn.Module, adapter: PipelineAdapter, num_stages: int, split: list[str] | None,
-                  costs: LayerCosts | None) -> tuple[list[str], list[range]]:
-    names = adapter.layer_names(model)
-    if isinstance(adapter, FunctionPipeline):
-        return names, [range(s, s + 1) for s in range(num_stages)]
-    if split:
-        return names, split_by_names(names, split, num_stages)
-    if costs is None:
-        costs = LayerCosts(embed=0.0, blocks=[1.0] * len(names), head=0.0)
-    return names, partition_layers(costs.blocks, num_stages, first_cost=costs.embed, last_cost=costs.head)
-
-
 def _make_schedule(schedule: str, stages: list[PipelineStage], virtual: int, microbatches: int,
                    loss_fn: Callable[[object, object], torch.Tensor] | None, scale_grads: bool) -> object:
     """torch's schedule object over this rank's stages (default loss: next-token cross-entropy)."""
@@ -250,7 +238,8 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
                    adapter: PipelineAdapter | None = None, split: list[str] | None = None,
                    stage_fn: Callable[[nn.Module, int, int], nn.Module] | None = None,
                    prepare_stage: Callable[[nn.Module], nn.Module] | None = None,
-                   device: torch.device | None = None) -> PipelineRunner:
+                   device: torch.device | None = None, embedding_unit: bool = False,
+                   head_unit: bool = False) -> PipelineRunner:
     """Split ``model`` (tensor-parallel already, or not) into this rank's pipeline stages.
 
     Consumes ``model``: its modules move into the stage modules (the unowned ones are dropped), so do
@@ -261,17 +250,19 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
     micro-batch losses (for callers that accumulate over several steps and scale the loss themselves).
     ``virtual_stages_per_rank`` defaults to the schedule's natural value (1 for gpipe/1f1b, 2 for
     interleaved/zbv). ``prepare_stage(module)`` (FSDP2's sharding) may replace a stage module's parameters before
-    it becomes a ``PipelineStage``. ``device``: the stages' device, for a model still on the meta device. Every
-    rank must pass the same arguments. Raises ``PipelineConfigError`` for an unknown schedule, more stages than
-    layers, a bad split, a model no adapter can split, or too few micro-batches for the interleaved and zbv
-    schedules."""
+    it becomes a ``PipelineStage``. ``device``: the stages' device, for a model still on the meta device.
+    ``embedding_unit`` / ``head_unit``: the embedding / the head count as a layer of the split, so the first / last
+    stage may hold it alone (``plait.plan.schedule.partition_units``). Every rank must pass the same arguments.
+    Raises ``PipelineConfigError`` for an unknown schedule, more stages than layers, a bad split, a model no
+    adapter can split, or too few micro-batches for the interleaved and zbv schedules."""
     group = _as_group(pp)
     num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     virtual = virtual_stages_per_rank or NATURAL_VIRTUAL.get(schedule, 1)
     check_pipeline_layout(schedule, num_ranks, microbatches, virtual)
     num_stages = num_ranks * virtual
     adapter = FunctionPipeline(stage_fn, num_stages) if stage_fn is not None else adapter or pipeline_adapter(model)
-    names, ranges = _stage_ranges(model, adapter, num_stages, split, costs)
+    names, ranges = stage_layer_ranges(model, adapter, num_stages, split, costs, embedding_unit=embedding_unit,
+                                       head_unit=head_unit)
     owner = stage_ranks(num_ranks, num_stages, "v" if schedule == "zbv" else "loop")
     mine = [s for s in range(num_stages) if owner[s] == rank]
     # the stages' device: the model's, or ``device`` for a model still on the meta device

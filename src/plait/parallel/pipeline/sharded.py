@@ -22,9 +22,13 @@ model's blocks it holds are one unit each, the rest is the stage's root unit. to
 themselves: no reduction during the micro-batches' backwards, one reduce-scatter (and, under HSDP, the
 all-reduce across replicas) after a step's last backward, so gradients are reduced once per schedule step,
 that is once per accumulation micro-step (FSDP2 adds each to the sharded gradient already there).
-Parameters stay fp32 and the stages run under autocast, as the pipeline's do without sharding (no FSDP2
-mixed-precision policy). Tied copies are summed shard by shard after the reduction: the copies on the first
-and last stage are sharded alike, and the ranks summing them hold the same data-parallel coordinates.
+``train.precision = "bf16"`` computes through FSDP2's mixed-precision policy, as ZeRO-3 does without a pipeline:
+the sharded parameters (and the optimizer) stay fp32, each unit is gathered in bf16 and the stages run in bf16
+without autocast, so the residual stream, what the stages send and receive and what they save for backward are
+bf16 and no Linear keeps a cast of its weight or input (Llama 3's layout: bf16 compute over fp32 master weights,
+gradients reduced in fp32); fp16 stays autocast over fp32 parameters. Tied copies are summed shard by shard
+after the reduction: the copies on the first and last stage are sharded alike, and the ranks summing them hold
+the same data-parallel coordinates.
 """
 
 from __future__ import annotations
@@ -191,11 +195,16 @@ class PipelineFsdp(Pipeline):
         blocks = {id(m) for _, m in find_blocks(model)}  # found on the whole model: a stage holds some
         mesh, p = self.topo.fsdp_mesh, self.cfg.parallel
 
+        param_dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else None
+
         def prepare(stage: nn.Module) -> nn.Module:
             units = [m for m in stage.modules() if id(m) in blocks]
-            return apply_fsdp(stage, mesh, offload=p.offload, reshard_after_forward=p.reshard_after_forward,
-                              blocks=units)
+            return apply_fsdp(stage, mesh, param_dtype=param_dtype, offload=p.offload,
+                              reshard_after_forward=p.reshard_after_forward, blocks=units)
         return prepare
+
+    def uses_autocast(self) -> bool:
+        return self.precision not in ("fp32", "bf16")  # FSDP2's mixed-precision policy casts to bf16
 
     def init_data_parallel(self) -> None:
         self.engine = None  # FSDP2, driven by torch's schedule, reduces the gradients

@@ -102,25 +102,63 @@ def pipeline_adapter(model: nn.Module) -> PipelineAdapter:
         "stage_fn=fn(model, stage_index, num_stages) -> nn.Module to setup, or use parallel.pp=1")
 
 
-def split_by_names(layer_names: list[str], split: list[str], num_stages: int) -> list[range]:
-    """Stage ranges from the names of the layers that start stages 2..n (``parallel.pp_split``)."""
+def split_by_names(layer_names: list[str], split: list[str], num_stages: int, head: str | None = None) -> list[range]:
+    """Stage ranges from the names of the layers that start stages 2..n (``parallel.pp_split``). ``head``: the name
+    of the part after the layers (the final norm) of an adapter whose stages may hold no layer (``has_parts``); then
+    the first layer may start stage 2 (the first stage holds the embedding alone) and ``head`` the last stage (it
+    holds the norm, head and loss alone)."""
     if len(split) != num_stages - 1:
         raise PipelineConfigError(f"parallel.pp_split names {len(split)} split points for {num_stages} stages; give "
                                   f"{num_stages - 1} layer names (each starts a stage after the first)")
+    points = layer_names + ([head] if head else [])
     starts = []
     for name in split:
-        if name not in layer_names:
+        if name not in points:
             import difflib
 
-            near = difflib.get_close_matches(name, layer_names, n=3, cutoff=0.0)
+            near = difflib.get_close_matches(name, points, n=3, cutoff=0.0)
             raise PipelineConfigError(f"parallel.pp_split: {name!r} is not a split point of this model; its layers "
                                       f"are {layer_names[0]} ... {layer_names[-1]} (nearest: {', '.join(near)})")
-        starts.append(layer_names.index(name))
-    if starts != sorted(set(starts)) or starts[0] == 0:
-        raise PipelineConfigError(f"parallel.pp_split {split} must name layers in increasing order, after the first "
-                                  f"layer ({layer_names[0]})")
+        starts.append(points.index(name))
+    if starts != sorted(set(starts)) or (starts[0] == 0 and head is None):
+        after = f", after the first layer ({layer_names[0]})" if head is None else ""
+        raise PipelineConfigError(f"parallel.pp_split {split} must name layers in increasing order{after}")
     bounds = [0, *starts, len(layer_names)]
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def has_parts(adapter: PipelineAdapter) -> bool:
+    """Whether the adapter's first and last stages hold an input part (the embedding) and an output part (norm,
+    head) apart from the layers, so they may hold those alone: adapters with a ``head_name``."""
+    return callable(getattr(adapter, "head_name", None))
+
+
+def stage_layer_ranges(model: nn.Module, adapter: PipelineAdapter, num_stages: int, split: list[str] | None,
+                       costs: LayerCosts | None, *, embedding_unit: bool = False,
+                       head_unit: bool = False) -> tuple[list[str], list[range]]:
+    """(the layer names, each stage's range of them): a user's ``stage_fn`` one unit per stage; named split points
+    (``split_by_names``); else ``partition_units`` on ``costs`` (every layer the same without), the embedding and
+    the head units of their own where asked (``parallel.pp_split_embedding`` / ``pp_split_head``). Raises
+    ``PipelineConfigError`` for a split the model cannot take."""
+    from plait.plan.schedule import partition_units
+
+    names = adapter.layer_names(model)
+    if isinstance(adapter, FunctionPipeline):
+        return names, [range(s, s + 1) for s in range(num_stages)]
+    if (embedding_unit or head_unit) and not has_parts(adapter):
+        raise PipelineConfigError(
+            f"parallel.pp_split_embedding and pp_split_head give the embedding or the head a stage of its own, which "
+            f"needs a model whose pipeline holds them apart from its layers (plait's GPT, Hugging Face decoders); "
+            f"{type(model).__name__} is split by {type(adapter).__name__}: set them false")
+    if split:
+        head = adapter.head_name(model) if has_parts(adapter) else None
+        return names, split_by_names(names, split, num_stages, head)
+    if costs is None:
+        costs = LayerCosts(embed=0.0, blocks=[1.0] * len(names), head=0.0)
+        if embedding_unit or head_unit:  # by count, the embedding and the head count as one layer each
+            costs = LayerCosts(embed=1.0, blocks=costs.blocks, head=1.0)
+    return names, partition_units(costs.blocks, num_stages, first_cost=costs.embed, last_cost=costs.head,
+                                  embedding_unit=embedding_unit, head_unit=head_unit)
 
 
 @dataclass

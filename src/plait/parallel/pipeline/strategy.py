@@ -141,7 +141,8 @@ class Pipeline(ModelParallel):
         self.runner = build_pipeline(model, topo.mesh["pp"], schedule=p.pp_schedule, microbatches=p.microbatches,
                                      virtual_stages_per_rank=p.pp_virtual_stages or None, loss_fn=self.loss_fn,
                                      costs=costs, scale_grads=False, split=split or None, stage_fn=stage_fn,
-                                     prepare_stage=self.stage_preparation(model), device=topo.device)
+                                     prepare_stage=self.stage_preparation(model), device=topo.device,
+                                     embedding_unit=p.pp_split_embedding, head_unit=p.pp_split_head)
         self.model = PipelineModel(self.runner)
         self.named = self.runner.named_parameters()
         self.tied_copies = set(self.runner.copy_names)
@@ -166,7 +167,8 @@ class Pipeline(ModelParallel):
         return self.engine.no_sync()
 
     def wrap_forward(self, device: torch.device, plan: Any = None) -> None:
-        """Nothing: the stages run inside the schedule (under autocast there), never through ``model(...)``."""
+        """Nothing: the stages run inside the schedule (under autocast there where ``uses_autocast``), never through
+        ``model(...)``."""
 
     def backward(self, loss: torch.Tensor, scale: float) -> None:
         raise PlaitError("with parallel.pp > 1 forward and backward interleave over pipeline micro-batches: "
@@ -183,14 +185,14 @@ class Pipeline(ModelParallel):
         t0 = time.perf_counter()
         if before_backward is not None:  # each pipeline micro-batch's auxiliary losses, scaled like its loss
             before_backward(scale / self.runner.microbatches)
-        with autocast(self.precision, self.topo.device):
+        with autocast(self.precision, self.topo.device, self.uses_autocast()):
             value = self._schedule_step(batch, scale)
         if times is not None:
             times["backward_s"] += time.perf_counter() - t0
         return value
 
     def evaluate(self, model: nn.Module, batch: Any, loss: Any) -> torch.Tensor:
-        with autocast(self.precision, self.topo.device):
+        with autocast(self.precision, self.topo.device, self.uses_autocast()):
             return self._evaluate(batch)
 
     def _split(self, batch: Any) -> tuple[tuple, Any]:

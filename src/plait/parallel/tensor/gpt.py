@@ -44,7 +44,7 @@ from torch.distributed.tensor.parallel import (
 from plait.config import ParallelConfig
 from plait.models.gpt import GPT
 from plait.nn.moe import MoE
-from plait.parallel.tensor.plan import TensorParallelError, mark_loss_parallel
+from plait.parallel.tensor.plan import PrepareGatheredInput, TensorParallelError, mark_loss_parallel
 
 
 def check_tensor_parallel(n_head: int, d_model: int, vocab_size: int, seq_len: int, tp: int,
@@ -88,11 +88,11 @@ def _block_plan(sp: bool, moe: bool = False) -> dict[str, object]:
     # share: backward sums their three partial input gradients as DTensors and all-reduces them once
     # at this boundary (with sp: one reduce-scatter). Left to q, k and v, each would convert the plain
     # input itself and all-reduce its own gradient: three all-reduces per block instead of one.
-    plan["attn"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+    # With sp it is gathered once, in the autocast dtype under autocast (PrepareGatheredInput).
+    plan["attn"] = PrepareGatheredInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
     if sp:
         plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel(),
-                     "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),))})
+                     "mlp": PrepareGatheredInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
     return plan
 
 

@@ -50,7 +50,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from plait.parallel.expert.hf import find_moe_blocks
-from plait.parallel.tensor.hf_sequence import check_sequence_parallel, sequence_parallel_plan
+from plait.parallel.tensor.hf_sequence import check_sequence_parallel, mark_sequence_mesh, sequence_parallel_plan
 from plait.parallel.tensor.plan import (
     ALIASES,
     STYLES,
@@ -161,6 +161,7 @@ class HFPlan:
         module_plan, experts, grad_sum = self._resolve(model, mesh.size())
         if self.sp:
             module_plan = sequence_parallel_plan(model, module_plan, mesh.size())
+            mark_sequence_mesh(model, mesh)
         if module_plan:
             apply_tp_plan(model, mesh, module_plan)
         for module, placements in experts:

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -77,6 +78,24 @@ Plan = dict[str, "str | ParallelStyle"]
 
 class TensorParallelError(ConfigError):
     """The model cannot be split over the requested tensor-parallel degree; the message says why."""
+
+
+class PrepareGatheredInput(PrepareModuleInput):
+    """``PrepareModuleInput`` for the input several column-parallel Linears share (attention's q, k and v; an MLP's
+    gate and up), all-gathered from sequence shards. Under autocast each Linear would cast the float32 gather to
+    half precision itself and keep its own copy for backward (autocast caches the casts of parameters only); the
+    shard is cast first instead, so the Linears share one gathered half-precision tensor, kept once, and the
+    all-gather moves half the bytes. A cast commutes with a gather: forward computes what autocast computes.
+    Forward: one all-gather of the shard (in the autocast dtype under autocast); backward: the Linears' input
+    gradients summed in that dtype and reduce-scattered once (as Megatron-LM and FSDP2's bf16 policy do), then
+    cast back to float32."""
+
+    def _prepare_input_arg(self, input: Any, mesh: DeviceMesh, input_layout: Any, desired_layout: Any) -> Any:
+        if (input_layout is not None and input_layout != desired_layout and isinstance(input, torch.Tensor)
+                and input.dtype == torch.float32 and input.device.type in ("cpu", "cuda", "xpu")
+                and torch.is_autocast_enabled(input.device.type)):
+            input = input.to(torch.get_autocast_dtype(input.device.type))
+        return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
 
 
 def _matches(pattern: str, name: str) -> bool:
