@@ -6,7 +6,8 @@ step 12 worker 1 is SIGKILLed and the launcher restarts both. Three runs: ``memo
 off: today's restart). Reported per run: the restart's load time as the log states it, the time from the kill
 to the first step past the kill point (the workers' start, the load, the steps lost), and the mean blocking
 time of a save (from the goodput ledger: the memory copy is paid there). Target: the memory load at least 2x
-faster than the disk load. Prints JSON.
+faster than the disk load (on a machine whose checkpoint sits in the page cache it can come out false: the
+disk is then memory too). Prints JSON.
 
     python bench/memory_checkpoint.py [--quick] [--d-model 384] [--layers 8]
 """
