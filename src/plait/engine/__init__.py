@@ -430,7 +430,7 @@ class Plait(SmallCollectives):
         client = Client.from_env()
         if client is None and self.is_main:
             self.logger.warning("fault.memory_checkpoint: no holder runs beside this worker (plait train starts "
-                                "one); checkpoints go to disk only")
+                                "one for 2 or more workers, whose restarts use it); checkpoints go to disk only")
         return client
 
     def memory_copy(self, accept: Callable[[int], bool]) -> tuple[int, Any] | None:
