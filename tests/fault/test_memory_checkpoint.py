@@ -130,14 +130,21 @@ def _start(run: Path, memory: bool) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def _run(run: Path, memory: bool = True, kill_at: int = 0, kill_holder: bool = False) -> str:
+def _run(run: Path, memory: bool = True, kills: tuple[tuple[int, bool], ...] = ()) -> str:
+    """Train; for each (step, holder_too) SIGKILL worker 1 of a new attempt once the run passed that step (and the
+    holder with it when holder_too)."""
     proc = _start(run, memory)
-    if kill_at:
-        while int(read_progress(run).get("steps") or 0) < kill_at and proc.poll() is None:
+    killed: set[int] = set()
+    for step, holder_too in kills:
+        while proc.poll() is None:
+            pid = worker_pids(run).get(1, (None, ""))[0]
+            if pid is not None and pid not in killed and int(read_progress(run).get("steps") or 0) >= step:
+                break
             time.sleep(0.02)
-        if kill_holder:
+        if holder_too:
             os.kill(int((run / "workers" / "holder.pid").read_text()), signal.SIGKILL)
-        os.kill(worker_pids(run)[1][0], signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
+        killed.add(pid)
     try:
         _, err = proc.communicate(timeout=300)
     finally:
@@ -155,16 +162,15 @@ def _same(a: Path, b: Path) -> bool:
 def test_a_killed_worker_restarts_from_memory_and_from_disk_without_the_holder(tmp_path: Path) -> None:
     clean = tmp_path / "clean"
     _run(clean, memory=False)
-    log = _run(tmp_path / "memory", kill_at=10)
-    assert "restart 1 of 3" in log
-    loaded = re.search(r"resumed at step (\d+) from host memory \(holder 127\.0\.0\.1:\d+\) in ([\d.]+)s", log)
-    assert loaded is not None and int(loaded.group(1)) in (8, 12), log[-3000:]
-    assert "loading from disk" not in log
-    ledger = [json.loads(x) for x in (tmp_path / "memory" / "goodput.jsonl").read_text().splitlines()]
-    assert [e["source"] for e in ledger if e.get("event") == "resume"] == ["memory"]
-    assert _same(clean, tmp_path / "memory")
-
-    log = _run(tmp_path / "disk", kill_at=10, kill_holder=True)
-    assert "from host memory" not in log and re.search(r"no whole in-memory copy of step \d+ on every rank", log)
-    assert re.search(r"resumed from \S+step_\d+ at step \d+ in [\d.]+s \(disk\)", log), log[-3000:]
-    assert _same(clean, tmp_path / "disk")
+    # first kill: the holder has the copies; second kill, of the restarted attempt, with the holder: disk
+    log = _run(tmp_path / "killed", kills=((10, False), (18, True)))
+    assert "restart 1 of 3" in log and "restart 2 of 3" in log
+    first, second = log.split("restart 2 of 3")
+    loaded = re.search(r"resumed at step (\d+) from host memory \(holder 127\.0\.0\.1:\d+\) in ([\d.]+)s", first)
+    assert loaded is not None and int(loaded.group(1)) in (8, 12), first[-3000:]
+    assert "loading from disk" not in first
+    assert "from host memory" not in second and re.search(r"no whole in-memory copy of step \d+ on every rank", second)
+    assert re.search(r"resumed from \S+step_\d+ at step \d+ in [\d.]+s \(disk\)", second), second[-3000:]
+    ledger = [json.loads(x) for x in (tmp_path / "killed" / "goodput.jsonl").read_text().splitlines()]
+    assert [e["source"] for e in ledger if e.get("event") == "resume"] == ["memory", "disk"]
+    assert _same(clean, tmp_path / "killed")
