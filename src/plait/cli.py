@@ -124,9 +124,19 @@ def cmd_train(argv: list[str]) -> int:
     else:
         f = cfg.fault
         restarts = Restarts(max_restarts=f.max_restarts, backoff_s=f.restart_backoff_s, state_dir=run_dir)
-        summary = launch_local(train_worker, lambda attempt: (cfg, run_dir, resume or attempt > 0),
-                               cfg.parallel.nproc, run_dir / "errors", cfg.comm.backend, cfg.comm.timeout_s, restarts,
-                               _nodes_of(argv))
+        holder = None
+        if f.memory_checkpoint:  # outlives every attempt's workers: a restart reloads from it (plait.fault.holder)
+            from plait.fault.holder import start
+
+            holder = start(run_dir)
+            os.environ.update(holder.env())
+        try:
+            summary = launch_local(train_worker, lambda attempt: (cfg, run_dir, resume or attempt > 0),
+                                   cfg.parallel.nproc, run_dir / "errors", cfg.comm.backend, cfg.comm.timeout_s,
+                                   restarts, _nodes_of(argv))
+        finally:
+            if holder is not None:
+                holder.stop()
     if is_rank0:
         if "tokens_per_s" in summary and summary["tokens_per_s"]:
             speed = f"{summary['tokens_per_s']:,.0f} tokens/s"

@@ -311,6 +311,14 @@ def check_values(cfg: Config) -> Config:
         raise ConfigError(f"comm.compress_ratio is the kept fraction, in (0, 1]; got {c.compress_ratio}")
     if c.compress in ("powersgd", "auto") and c.powersgd_rank < 1:
         raise ConfigError(f"comm.powersgd_rank must be at least 1; got {c.powersgd_rank}")
+    f = cfg.fault
+    for name in ("spike_jump", "skip_batches", "max_rollbacks"):
+        if getattr(f, name) < 0:
+            raise ConfigError(f"fault.{name} must be 0 or more; got {getattr(f, name)}")
+    if f.spike_patience < 1 or f.spike_window < 4 or f.spike_warmup_steps < -1:
+        raise ConfigError(f"fault.spike_patience must be at least 1 (got {f.spike_patience}), fault.spike_window at "
+                          f"least 4 (got {f.spike_window}), fault.spike_warmup_steps -1 (auto) or more (got "
+                          f"{f.spike_warmup_steps})")
     if c.stochastic_rounding and c.compress not in ("int8", "int4"):
         raise ConfigError(f"comm.stochastic_rounding applies to comm.compress=int8 or int4, not {c.compress}; "
                           "set comm.stochastic_rounding=false")

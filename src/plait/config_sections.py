@@ -292,16 +292,39 @@ class FaultConfig:
     restart_backoff_s: float = 1.0
     # Mean time between failures in seconds, for checkpoint.every=auto.
     mtbf_s: float = 3600.0
-    # Loss-spike detection: a step whose loss (or gradient norm) exceeds the running median by this many
-    # running deviations rolls training back to an earlier checkpoint and skips the data that led to it
-    # (0 disables).
+    # Loss-spike detection (docs/troubleshooting.md states the rule and the figures behind its defaults): a loss
+    # is a spike when, past fault.spike_warmup_steps, it exceeds the running median both by more than this many
+    # robust deviations (1.4826 x the median absolute deviation) and by more than fault.spike_jump of the
+    # median. A spike rolls training back to an earlier checkpoint and leaves out the data of the spike's
+    # window (0 disables detection).
     spike_threshold: float = 6.0
-    # Steps of history before the spike detector judges (and the running window it judges against).
+    # The relative part of the rule: a spike exceeds the running median by more than this fraction of it.
+    spike_jump: float = 0.5
+    # Steps before the detector judges at all (-1: the larger of optim.warmup_steps and 2 x fault.spike_window):
+    # early training's loss falls fast and bumps often, and a plain loop rides through those bumps.
+    spike_warmup_steps: int = -1
+    # Losses in the running window the detector judges against (it judges once it holds half of them).
     spike_window: int = 50
     # A rollback goes to a checkpoint at least this many steps before the spike.
     rollback_steps: int = 1
-    # Rollbacks allowed in one run; one more spike stops the run with a message.
+    # Global batches a rollback leaves out, counted from the checkpoint it returns to (as PaLM did: restart
+    # before the spike, skip the batches that follow). At least the window up to the spike step is left out;
+    # a larger value leaves out more.
+    skip_batches: int = 0
+    # Rollbacks allowed in one run; a spike after them is a warning and training goes on.
     max_rollbacks: int = 3
+    # With train.deterministic, the first rollback for a spike replays the same batches: a spike that comes
+    # back bit for bit is the data (then rolled back again, its window left out); one that does not was the
+    # hardware or a transient fault, and training goes on with the replayed steps.
+    spike_replay: bool = True
+    # Consecutive steps above the spike limit that, with no rollback left to try, stop the run with
+    # TrainingDiverged: a loss that does not come back. A loss that comes back is never a stop.
+    spike_patience: int = 50
+    # Keep each rank's share of the newest checkpoint also in host memory, in a holder process that plait train
+    # starts on each machine beside its workers (loopback only): a restart of the workers then loads from memory
+    # instead of the disk, which stays the record and the fallback (docs/checkpoints.md). Costs one copy of the
+    # model and optimizer state in host memory per machine, and the copy's time at each save.
+    memory_checkpoint: bool = False
     # A rank whose smoothed step time exceeds the median rank's by this factor is named a straggler.
     straggler_factor: float = 1.3
     # Data parallelism: give each rank a share of every global batch proportional to its measured speed

@@ -110,6 +110,26 @@ def _loader(dataset: _Indices | None = None, dp: int = 2, rank: int = 0, batch_s
                              accumulation=accumulation, seed=3, **kw)
 
 
+def test_skip_leaves_out_whole_global_batches_and_names_their_samples() -> None:
+    """skip(n) on every rank leaves out the same n global batches (across an epoch's end), returns every rank's
+    samples of them in data order, and keeps the windows in the state, which loads back; training continues with
+    the batch after them."""
+    loaders = [_loader(rank=r) for r in range(2)]  # global batch 16 = 4 x dp 2 x accumulation 2
+    per_epoch = len(loaders[0]) // 2
+    for loader in loaders:
+        loader.advance(2 * (per_epoch - 1))  # one global batch before the epoch's end
+    ids = [loader.skip(3) for loader in loaders]
+    order0, order1 = loaders[0].sampler._order(0), loaders[0].sampler._order(1)
+    assert ids[0] == ids[1] == order0[(per_epoch - 1) * 16:per_epoch * 16].tolist() + order1[:32].tolist()
+    state = loaders[0].state_dict()
+    assert state["skipped"] == [0, per_epoch - 1, 1, 1, 0, 2] and (state["epoch"], state["position"]) == (1, 4)
+    again = _loader(rank=1)
+    again.load_state_dict(state)
+    assert again.skipped_samples() == ids[0]
+    first = next(iter(again)).tolist()  # rank 1's first micro-batch of global batch 2 of epoch 1
+    assert first == order1[2 * 16 + 8:2 * 16 + 12].tolist()
+
+
 def test_loader_iterates_epochs_and_calls_set_epoch() -> None:
     dataset = _Indices()
     loader = _loader(dataset)
@@ -133,7 +153,7 @@ def test_resume_mid_epoch_continues_the_uninterrupted_run(num_workers: int, stop
     seen = [next(it).tolist() for _ in range(stop)]
     state = first.state_dict()  # workers have prefetched beyond `stop`; the state must not count those
     del it
-    assert state["position"] == stop and all(type(v) is int for v in state.values())
+    assert state["position"] == stop and state.pop("skipped") == [] and all(type(v) is int for v in state.values())
     resumed = _loader(accumulation=1, num_workers=num_workers)
     resumed.load_state_dict(state)
     rest = []

@@ -289,14 +289,19 @@ def test_spike_detector_window_equals_the_medians() -> None:
 
     rng = random.Random(0)
     for window in (4, 5, 10, 50):
-        d = SpikeDetector(3.0, window)
-        for _ in range(150):
+        d = SpikeDetector(3.0, window, jump=0.2, after_steps=10)
+        for step in range(1, 151):
             x = rng.choice([rng.gauss(5, 1), round(rng.gauss(5, 1), 1), 5.0])
-            if len(d.losses) >= d.window // 2:
+            judged = step > 10 and len(d.losses) >= d.window // 2
+            assert d.judging(step) == judged
+            if judged:
                 m = statistics.median(d.losses)
                 dev = 1.4826 * statistics.median(abs(y - m) for y in d.losses)
-                assert d._outlier(x) == (x > m + 3.0 * max(dev, 0.01 * abs(m), 1e-12))
-            d.observe(x, 1.0)
+                limit = d.limit()
+                assert abs(limit - max(m + 3.0 * max(dev, 0.01 * abs(m), 1e-12), 1.2 * m)) < 1e-9
+                assert (d.observe(x, 1.0, step) == "spike") == (x > limit)
+            else:
+                assert d.observe(x, 1.0, step) is None
         assert d._sorted == sorted(d.losses)
 
 

@@ -92,7 +92,7 @@ def spike_steps(run_dir: Path) -> set[int]:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if rec.get("event") == "spike":
+            if rec.get("event") == "spike" and not rec.get("replay"):  # a replay's checkpoint of the step may be good
                 steps.add(int(rec["step"]))
     return steps
 

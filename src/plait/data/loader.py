@@ -206,6 +206,7 @@ class DistributedLoader:
         self.dataloader_kwargs = dataloader_kwargs
         self.epoch = 0
         self.position = 0
+        self.skipped: list[list[int]] = []  # [epoch, first global batch, count] per window skip() left out
 
     def __len__(self) -> int:
         """Micro-batches per epoch on this rank."""
@@ -245,13 +246,40 @@ class DistributedLoader:
             self.position += step
             micro_batches -= step
 
-    def state_dict(self) -> dict[str, int]:
-        """The position and the settings that define the data order, as plain ints (safe for
-        ``torch.load(weights_only=True)``). Identical on every rank, so saving one rank's suffices."""
+    def skip(self, global_batches: int) -> list[int]:
+        """Leave out the next ``global_batches`` global batches (a loss spike's window) and return the data set
+        indices of their samples, every rank's share, in order. Recorded in ``skipped`` (``[epoch, first global
+        batch, count]`` per window, in the loader's state and so in checkpoints). Train style only."""
+        if not self.sampler.drop_last:
+            raise ValueError("skip() leaves out whole global batches; an eval-style loader has none")
+        acc, per_epoch = self.sampler.accumulation, len(self.sampler) // self.sampler.accumulation
+        g, ids = self.sampler.global_batch_size, []
+        while global_batches > 0:
+            if self.position >= len(self.sampler):
+                self.epoch, self.position = self.epoch + 1, 0
+            first = self.position // acc
+            count = min(global_batches, per_epoch - first)
+            ids += self.sampler._order(self.epoch)[first * g:(first + count) * g].tolist()
+            self.skipped.append([self.epoch, first, count])
+            self.position += count * acc
+            global_batches -= count
+        return ids
+
+    def skipped_samples(self) -> list[int]:
+        """The data set indices of every sample ``skip`` left out so far (from the recorded windows)."""
+        g = self.sampler.global_batch_size
+        return [i for epoch, first, count in self.skipped
+                for i in self.sampler._order(epoch)[first * g:(first + count) * g].tolist()]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position and the settings that define the data order, as plain ints, and the windows ``skip``
+        left out as a list of ints (safe for ``torch.load(weights_only=True)``). Identical on every rank, so
+        saving one rank's suffices."""
         s = self.sampler
         return {"epoch": self.epoch, "position": self.position, "seed": s.seed, "num_samples": s.num_samples,
                 "global_batch_size": s.global_batch_size, "batch_size": s.batch_size, "dp_size": s.dp_size,
-                "accumulation": s.accumulation, "shuffle": int(s.shuffle), "drop_last": int(s.drop_last)}
+                "accumulation": s.accumulation, "shuffle": int(s.shuffle), "drop_last": int(s.drop_last),
+                "skipped": [x for window in self.skipped for x in window]}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue where ``state`` left off: the next micro-batches are those an uninterrupted run would
@@ -273,6 +301,8 @@ class DistributedLoader:
             )
         self.epoch = int(state["epoch"])
         self.position = self._convert_position(state)
+        flat = [int(x) for x in state.get("skipped", [])]
+        self.skipped = [flat[i:i + 3] for i in range(0, len(flat), 3)]
 
     def _convert_position(self, state: dict[str, int]) -> int:
         position = int(state["position"])
@@ -343,6 +373,7 @@ class DeviceLoader:
 
     def advance(self, micro_batches: int) -> None:
         self.loader.advance(micro_batches)
+
 
     def set_shares(self, shares: list[int] | None) -> None:
         self.loader.set_shares(shares)

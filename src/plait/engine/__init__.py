@@ -102,7 +102,8 @@ class Plait(SmallCollectives):
                                         rank=self.rank, device=self.device, status=self.watchdog.status,
                                         timeout_s=cfg.comm.timeout_s)
         self.auto = AutoCompress() if cfg.comm.compress == "auto" and self.topology.dp > 1 else None
-        self.checkpointer = Checkpointer(cfg.checkpoint.async_save, self.world_size, self.group, self._saved)
+        self.checkpointer = Checkpointer(cfg.checkpoint.async_save, self.world_size, self.group, self._saved,
+                                         self._host_copy(cfg))
         self.metrics = MetricsSink(self.files.run_dir, cfg, self.is_main)
         self.stepper = Stepper(cfg, self.rank, self.world_size, self.comm, self.watchdog, self.files,
                                self.preemption, self.group, self.auto, self.finish_saves, self.prometheus, self.rng,
@@ -418,19 +419,58 @@ class Plait(SmallCollectives):
         if self.prometheus is not None:
             self.prometheus.checkpoint_done()
 
+    def _host_copy(self, cfg: Config) -> Any:
+        """``fault.memory_checkpoint``: the client of this machine's holder (``plait.fault.holder``), which the
+        launcher started; None when off, under a parameter server, or where no holder runs (a worker not
+        started by ``plait train``: said once)."""
+        if not cfg.fault.memory_checkpoint or cfg.parallel.mode != "collective":
+            return None
+        from plait.fault.holder import Client
+
+        client = Client.from_env()
+        if client is None and self.is_main:
+            self.logger.warning("fault.memory_checkpoint: no holder runs beside this worker (plait train starts "
+                                "one for 2 or more workers, whose restarts use it); checkpoints go to disk only")
+        return client
+
+    def memory_copy(self, accept: Callable[[int], bool]) -> tuple[int, Any] | None:
+        """(step, this rank's decoded copy) of the in-memory checkpoint every rank holds whole and could fit into
+        its layout, of one same step that ``accept(step)`` takes on every rank, at this world size; None otherwise,
+        or with no holder (then every rank reads the disk). Collective (one all-reduce of three numbers over every
+        rank); ``load(path, memory=...)`` then loads it."""
+        from plait.components.memory_checkpoint import decode
+
+        client = self.checkpointer.host_copy
+        got = client.get(self.rank) if client is not None else None
+        step = int(got[0]["step"]) if got is not None and int(got[0]["world"]) == self.world_size else -1
+        decoded = None
+        if step >= 0 and accept(step):
+            try:
+                decoded = decode(got[1], self._require_strategy())
+            except Exception as e:  # a copy that does not fit is never loaded: the disk is read instead
+                self.logger.warning("the in-memory copy of step %d does not fit this run (%s)", step, e)
+        s = float(step) if decoded is not None else -1.0
+        total = self.reduce(torch.tensor([float(decoded is not None), s, s * s]), op="sum", over="world")
+        n = self.world_size
+        if client is None or total[0] < n or n * total[2] != total[1] * total[1]:  # all fit, all the same step
+            return None
+        return step, decoded
+
     @explained
     def load(self, path: str | Path, *, model: nn.Module | None = None, optimizer: Any = None,
-             scheduler: Any = None, dataloader: Any = None, verify: bool | None = None) -> dict[str, Any]:
+             scheduler: Any = None, dataloader: Any = None, verify: bool | None = None,
+             memory: Any = None) -> dict[str, Any]:
         """Load a checkpoint written by ``save`` (at any world size or layout) into this run's objects;
         returns its ``extra``. Every file is first checked against the checkpoint's manifest
         (``checkpoint.verify``; ``verify`` overrides it): a damaged one raises ``CheckpointError`` naming
-        the file. Collective: every rank calls it."""
+        the file. ``memory``: this rank's in-memory copy of the same checkpoint (``memory_copy``), read instead
+        of the disk. Collective: every rank calls it."""
         strategy = self._check_objects(model, optimizer)
         self.phase("checkpoint load")
         self._meet()
         check = self.config.checkpoint.verify if verify is None else verify
         meta, rank_state, shared, same_world = self.checkpointer.load(Path(path), strategy, self.rank,
-                                                                      self.world_size, check)
+                                                                      self.world_size, check, memory)
         self.stepper.restore(shared, scheduler, dataloader, path)
         strategy.finish_load()
         if rank_state is not None:  # compressor residuals and the model's stream: the resumed run continues exactly
@@ -440,7 +480,7 @@ class Plait(SmallCollectives):
         elif not same_world:
             self.logger.info("checkpoint saved at world size %s, loading at %d: per-rank RNG and compressor "
                              "residuals start fresh", meta.get("world_size"), self.world_size)
-        self.logger.info("loaded %s (step %d)", path, self.steps)
+        self.logger.info("loaded %s (step %d)%s", path, self.steps, " from host memory" if memory is not None else "")
         self.stepper.write_progress()  # where this attempt starts, for the launcher's no-progress rule
         if self.prometheus is not None:  # training since this checkpoint is what a failure would lose
             self.prometheus.checkpoint_done()

@@ -12,6 +12,8 @@ from typing import Any
 import torch.distributed as dist
 
 from plait.components.checkpoint import PendingSave, load_state, save_state
+from plait.components.memory_checkpoint import Decoded, load, pack
+from plait.observe.log import get_logger
 
 
 class Checkpointer:
@@ -20,8 +22,11 @@ class Checkpointer:
     channels; it completes at the next ``finish`` (the next optimizer step, save or close)."""
 
     def __init__(self, async_save: bool, world_size: int, train_group: Any,
-                 on_saved: Callable[[Path, int], None]) -> None:
+                 on_saved: Callable[[Path, int], None], host_copy: Any = None) -> None:
         self.async_save = async_save
+        self.host_copy = host_copy  # plait.fault.holder.Client: the in-memory copy at each save (None: off)
+        self.last_copy_s: float | None = None  # seconds the last save's in-memory copy took (None: none made)
+        self._copy_failed = False
         self.train_group = train_group
         self.own_group = dist.new_group(backend="gloo") if world_size > 1 and async_save else None
         self.on_saved = on_saved  # (path, step): the engine logs it and notes the saved step
@@ -37,6 +42,14 @@ class Checkpointer:
         default = self.own_group if self.own_group is not None else self.train_group
         pending = save_state(path, strategy, meta, rank, rank_state, shared, async_=self.async_save,
                              group=strategy.checkpoint_group(default))
+        if self.host_copy is not None:  # only a save pays for it: serialise and send this rank's copy
+            t1 = time.perf_counter()
+            ok = self.host_copy.put(rank, step, int(meta["world_size"]), pack(strategy, meta, rank_state, shared))
+            self.last_copy_s = time.perf_counter() - t1 if ok else None
+            if not ok and not self._copy_failed:  # said once; the disk checkpoint is complete either way
+                get_logger(rank).warning("the in-memory copy of %s failed (holder %s unreachable): a restart loads "
+                                         "from disk", path.name, self.host_copy.address)
+            self._copy_failed = not ok
         self.last_blocking_s = time.perf_counter() - t0
         if self.async_save:
             self._pending = (pending, on_complete, step)
@@ -63,10 +76,14 @@ class Checkpointer:
         if on_complete is not None and is_main:
             on_complete(path)
 
-    def load(self, path: Path, strategy: Any, rank: int, world_size: int,
-             verify: bool) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any], bool]:
+    def load(self, path: Path, strategy: Any, rank: int, world_size: int, verify: bool,
+             memory: Decoded | None = None) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any], bool]:
         """Read a checkpoint into ``strategy``: (meta, this rank's own state or None, the shared state,
-        whether it was saved at this world size)."""
+        whether it was saved at this world size). ``memory``: this rank's in-memory copy of the same checkpoint
+        (``plait.components.memory_checkpoint``), read instead of the disk."""
+        if memory is not None:
+            meta, rank_state, shared = load(memory, strategy)
+            return meta, rank_state, shared, True
         meta_path = Path(path) / "meta.json"
         same_world = True
         if meta_path.is_file():

@@ -29,7 +29,7 @@ from plait.components.losses import ClassificationLoss, Loss, infer_loss, resolv
 from plait.components.optim import lr_at
 from plait.config import Config
 from plait.engine import Plait
-from plait.fault.recovery import Recovery
+from plait.fault.recovery import Recovery, leave_out
 from plait.observe.ranks import rank_timings
 
 
@@ -217,6 +217,9 @@ class Trainer:
         steps, are skipped with a warning naming the problem); False when it has none."""
         from plait.components.integrity import newest_good
 
+        if self._resume_from_memory():
+            return True
+        t0 = time.perf_counter()
         found = newest_good(self.run_dir, check=self.cfg.checkpoint.verify)
         for path, problems in found.skipped.items():
             self.log.warning("checkpoint %s skipped: %s", path, "; ".join(problems))
@@ -224,25 +227,50 @@ class Trainer:
             self._truncate_metrics(0)
             return False
         self.load_checkpoint(found.path)
-        self.log.info("resumed from %s at step %d", found.path, self.state.step)
+        self.log.info("resumed from %s at step %d in %.2fs (disk)", found.path, self.state.step,
+                      time.perf_counter() - t0)
         return True
 
-    def load_checkpoint(self, path: Path) -> None:
-        """Every state a checkpoint holds, and the data window to leave out after it (see Recovery)."""
+    def _resume_from_memory(self) -> bool:
+        """``fault.memory_checkpoint``: load the newest checkpoint from the holder's copies when every rank has its
+        copy of it, whole (the disk's newest complete checkpoint, not a loss spike's); else say why not."""
+        from plait.components.checkpoint import step_dir
+        from plait.components.integrity import checkpoints_newest_first, spike_steps
+
+        if self.p.checkpointer.host_copy is None:
+            return False
+        newest = next((int(q.name.split("_")[1]) for q in checkpoints_newest_first(self.run_dir)
+                       if (q / "meta.json").is_file() and int(q.name.split("_")[1]) not in spike_steps(self.run_dir)),
+                      None)
+        t0 = time.perf_counter()
+        held = self.p.memory_copy(lambda step: step == newest)
+        if held is None:
+            if newest is not None and self.rank0:
+                self.log.warning("no whole in-memory copy of step %d on every rank (holder %s): loading from disk",
+                                 newest, self.p.checkpointer.host_copy.address)
+            return False
+        self.load_checkpoint(step_dir(self.run_dir, held[0]), memory=held[1])
+        self.log.info("resumed at step %d from host memory (holder %s) in %.2fs; the disk copy was not read",
+                      self.state.step, self.p.checkpointer.host_copy.address, time.perf_counter() - t0)
+        return True
+
+    def load_checkpoint(self, path: Path, memory: Any = None) -> None:
+        """Every state a checkpoint holds, and the data window to leave out after it (see Recovery). ``memory``:
+        this rank's in-memory copy of it, read instead of the disk."""
         t0 = time.perf_counter()
         extra = self.p.load(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                            dataloader=self.loader)
+                            dataloader=self.loader, memory=memory)
         for k, v in extra.items():
             if hasattr(self.state, k) and k != "skipped_steps":  # the engine restored its own count
                 setattr(self.state, k, type(getattr(self.state, k))(v))
         self.recovery.load(extra.get("recovery"))
         skip = self.recovery.resumed_at(self.state.step)
-        if skip:
-            self.loader.advance(skip * self.p.accumulation)
+        if skip:  # a rollback's window: left out again on every load of this checkpoint (see Recovery)
+            self.recovery.skipped(self.state.step, leave_out(self.loader, skip, self.p.accumulation), skip)
         self._it = None
         self._truncate_metrics(self.state.step)
         self.recovery.ledger.record("resume", step=self.state.step, load_s=time.perf_counter() - t0,
-                                    skipped_batches=skip)
+                                    skipped_batches=skip, source="memory" if memory is not None else "disk")
 
     def _truncate_metrics(self, step: int) -> None:
         """Metrics of steps after ``step`` belong to a timeline that was undone (a crash, a rollback)."""

@@ -1,0 +1,176 @@
+"""In-memory checkpoints (``fault.memory_checkpoint``) on the restart path of ``plait train`` (2 workers, gloo,
+deterministic):
+
+* the holder: loopback only, answers only the run's token, keeps the newest whole copy per rank and checks it;
+* one process through the engine: the copy a save puts loads back exactly (weights, Adam moments); damaged bytes
+  or another model's copy are refused, never loaded;
+* a SIGKILLed worker: the launcher restarts both workers, and they load the newest checkpoint from the holder's
+  memory (the log says so, with the time) instead of the disk;
+* the holder SIGKILLed too: the restart says there is no whole copy and loads from disk;
+* either way the run ends with the weights of a run that was never interrupted, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import run_weights
+
+from plait.fault.holder import Client, start
+from plait.fault.restart import read_progress, worker_pids
+
+ARGS = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
+        "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.eval_sequences=8", "--train.steps=24",
+        "--optim.decay_steps=24", "--train.eval_every=0", "--train.log_every=5", "--train.deterministic=true",
+        "--observe.progress=false", "--observe.trackers=[]", "--checkpoint.every=4", "--parallel.nproc=2",
+        "--fault.max_restarts=3", "--fault.restart_backoff_s=0.2", "--comm.timeout_s=5"]
+
+
+def test_holder_keeps_the_newest_whole_copy_for_its_token_only(tmp_path: Path) -> None:
+    holder = start(tmp_path)
+    try:
+        host, port = holder.address.rsplit(":", 1)
+        assert host == "127.0.0.1"
+        assert int((tmp_path / "workers" / "holder.pid").read_text()) == holder.proc.pid
+        client = Client(holder.address, holder.token)
+        assert client.get(0) is None  # nothing held yet
+        assert client.put(0, 4, 2, b"step four") and client.put(1, 4, 2, b"rank one")
+        assert client.put(0, 8, 2, b"step eight")  # replaces rank 0's copy
+        header, payload = client.get(0)
+        assert (header["step"], header["world"], payload) == (8, 2, b"step eight")
+        assert client.get(1)[1] == b"rank one"
+        stranger = Client(holder.address, "0" * 32)
+        assert not stranger.put(0, 9, 2, b"forged") and stranger.get(0) is None
+        assert client.get(0)[1] == b"step eight"
+    finally:
+        holder.stop()
+    assert Client(holder.address, holder.token).get(0) is None  # gone with its process: no error, no copy
+
+
+def test_a_copy_loads_back_exactly_and_one_that_does_not_fit_is_refused(tmp_path: Path, monkeypatch) -> None:
+    """One process through the engine's API: a save puts the copy, ``memory_copy`` decodes it and ``load`` restores
+    the weights and optimizer state exactly; damaged bytes, or a copy of another model, are refused (None: read
+    the disk), never loaded."""
+    import plait
+
+    holder = start(tmp_path)
+    try:
+        for k, v in holder.env().items():
+            monkeypatch.setenv(k, v)
+        p = plait.Plait(run={"dir": str(tmp_path / "run")}, fault={"memory_checkpoint": True},
+                        observe={"progress": False, "trackers": []})
+        torch.manual_seed(0)
+        model, opt = p.setup(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)))
+        for _ in range(2):
+            p.backward(model(torch.randn(3, 4)).pow(2).mean())
+            p.step()
+        p.save(tmp_path / "run" / "step_2", model=model, optimizer=opt)
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        moments = [s["exp_avg"].clone() for s in opt.state.values()]
+        p.backward(model(torch.randn(3, 4)).pow(2).mean())
+        p.step()  # the live state moves on
+        step, decoded = p.memory_copy(lambda s: s == 2)
+        assert step == 2 and p.memory_copy(lambda s: s == 3) is None  # not the step asked for
+        p.load(tmp_path / "run" / "step_2", model=model, optimizer=opt, memory=decoded)
+        assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+        assert all(torch.equal(s["exp_avg"], m) for s, m in zip(opt.state.values(), moments, strict=True))
+        client = Client(holder.address, holder.token)
+        assert client.put(0, 2, 1, b"not a checkpoint")
+        assert p.memory_copy(lambda s: s == 2) is None
+        other = plait.Plait(run={"dir": str(tmp_path / "other")}, fault={"memory_checkpoint": True},
+                            observe={"progress": False, "trackers": []})
+        wide, wide_opt = other.setup(torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Linear(16, 1)))
+        other.save(tmp_path / "other" / "step_0", model=wide, optimizer=wide_opt)
+        assert p.memory_copy(lambda s: s == 0) is None  # the wider model's copy does not fit this one
+        p.close()
+        other.close()
+    finally:
+        holder.stop()
+
+
+def _outward_address() -> str | None:
+    """An IPv4 address of this machine other than loopback (None when it has none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # no packet is sent: this only picks the outward interface
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+def test_holder_listens_on_loopback_only(tmp_path: Path) -> None:
+    outward = _outward_address()
+    if outward is None:
+        pytest.skip("this machine has no address besides loopback to try the holder on")
+    holder = start(tmp_path)
+    try:
+        port = int(holder.address.rsplit(":", 1)[1])
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        with pytest.raises(OSError):
+            socket.create_connection((outward, port), timeout=2).close()
+    finally:
+        holder.stop()
+
+
+def _start(run: Path, memory: bool) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "plait.cli", "train", *ARGS, f"--fault.memory_checkpoint={memory}",
+                             f"--run.dir={run}"], cwd=run.parent, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _run(run: Path, memory: bool = True, kills: tuple[tuple[int, bool], ...] = ()) -> str:
+    """Train; for each (step, holder_too) SIGKILL worker 1 of a new attempt once the run passed that step (and the
+    holder with it when holder_too)."""
+    proc = _start(run, memory)
+    killed: set[int] = set()
+    for step, holder_too in kills:
+        while proc.poll() is None:
+            pid = worker_pids(run).get(1, (None, ""))[0]
+            if pid is not None and pid not in killed and int(read_progress(run).get("steps") or 0) >= step:
+                break
+            time.sleep(0.02)
+        if holder_too:
+            os.kill(int((run / "workers" / "holder.pid").read_text()), signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
+        killed.add(pid)
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    return err
+
+
+def _same(a: Path, b: Path) -> bool:
+    x, y = run_weights(a), run_weights(b)
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_a_killed_worker_restarts_from_memory_and_from_disk_without_the_holder(tmp_path: Path) -> None:
+    clean = tmp_path / "clean"
+    _run(clean, memory=False)
+    # first kill: the holder has the copies; second kill, of the restarted attempt, with the holder: disk
+    log = _run(tmp_path / "killed", kills=((10, False), (18, True)))
+    assert "restart 1 of 3" in log and "restart 2 of 3" in log
+    first, second = log.split("restart 2 of 3")
+    loaded = re.search(r"resumed at step (\d+) from host memory \(holder 127\.0\.0\.1:\d+\) in ([\d.]+)s", first)
+    assert loaded is not None and int(loaded.group(1)) in (8, 12), first[-3000:]
+    assert "loading from disk" not in first
+    assert "from host memory" not in second and re.search(r"no whole in-memory copy of step \d+ on every rank", second)
+    assert re.search(r"resumed from \S+step_\d+ at step \d+ in [\d.]+s \(disk\)", second), second[-3000:]
+    ledger = [json.loads(x) for x in (tmp_path / "killed" / "goodput.jsonl").read_text().splitlines()]
+    assert [e["source"] for e in ledger if e.get("event") == "resume"] == ["memory", "disk"]
+    assert _same(clean, tmp_path / "killed")
