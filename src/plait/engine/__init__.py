@@ -365,6 +365,9 @@ class Plait(SmallCollectives):
         if not self.model_whole:
             raise PlaitError("num_items_in_batch: under pipeline parallelism the last stage computes the loss per "
                              "pipeline micro-batch; use the mean loss given to setup (loss_fn)")
+        if not self.weighs_tokens:
+            raise PlaitError("num_items_in_batch: the data-parallel ranks of this layout run at their own pace (an "
+                             "asynchronous parameter server), so no step's token count is shared; use a mean loss")
         items = list(batches) if isinstance(batches, list | tuple) else [batches]
         if not items:
             raise PlaitError("num_items_in_batch() got no labels: pass every micro-batch's labels of the step")
@@ -381,6 +384,13 @@ class Plait(SmallCollectives):
             self.comm.all_reduce_sum(total, self.topology.dp_group, name="num_items_in_batch")
         ranks = strategy.topo.dp  # the ranks backward averages gradients over (dp, x cp where the layout folds it)
         return (total[0] / (ranks * self.window.accumulation)).float()
+
+    @property
+    def weighs_tokens(self) -> bool:
+        """Whether ``num_items_in_batch`` applies: the model runs whole on each rank (not a pipeline) and the
+        data-parallel ranks meet at every step (not an asynchronous parameter server)."""
+        strategy = self._require_strategy()
+        return self.model_whole and (self.dp == 1 or strategy.agreement_group(self.group)[0])
 
     def _count_items(self, batch: Any, loss_fn: Any, shift: bool) -> torch.Tensor:
         """One micro-batch's items: labels counted (HF convention), or what the loss counts in a batch."""

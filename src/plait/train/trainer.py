@@ -141,8 +141,9 @@ class Trainer:
                                              warmup_cosine(cfg), loss_fn=self.loss, sample=sample, **setup_kwargs)
         self.scheduler = p.scheduler
         # a loss that counts its items (causal LM) weighs every real token of the optimizer step the same; a
-        # pipeline's last stage computes it per pipeline micro-batch, so there it stays a mean per micro-batch
-        self.token_weighted = self.loss.counts_items and p.model_whole
+        # pipeline's last stage computes it per pipeline micro-batch, and an asynchronous parameter server's workers
+        # share no step, so there it stays a mean per micro-batch (Plait.weighs_tokens)
+        self.token_weighted = self.loss.counts_items and p.weighs_tokens
         self.peak = self._peak()
         self.state = RunState()
         self.state.skipped_steps = lambda: p.skipped_steps  # read from the engine only when looked up
