@@ -4,7 +4,9 @@ micro-batches, training equals one process on the whole batch.
 * plait's trainer (``plait.Trainer``, the loop ``plait train`` runs) on plait's GPT over packed documents with the
   document mask: some rows hold one long document (every label counts), others many short ones (a ``-100`` label
   where each starts), so a mean per micro-batch would weigh their tokens differently.
-* the keep-your-loop API on a small Hugging Face Llama: the user's loop passes ``p.num_items_in_batch(labels)`` to
+* plait's trainer on a small Hugging Face Llama with its own loss (``train.loss=hf``): the trainer passes the count
+  to the model as ``num_items_in_batch`` (transformers' convention);
+* the keep-your-loop API on the same Llama: the user's loop passes ``p.num_items_in_batch(labels)`` to
   the model's own loss (``num_items_in_batch``, transformers' convention) and calls ``p.backward``.
 
 The reference is plain PyTorch in one process: the mean cross-entropy over every real token of the global batch,
@@ -60,6 +62,11 @@ def llama_batches() -> list[dict[str, torch.Tensor]]:
             labels[r, :prompt if r % 2 else 0] = -100
         out.append({"input_ids": ids, "labels": labels})
     return out
+
+
+def llama_rows() -> list[dict[str, torch.Tensor]]:
+    """The Llama's batches as rows of a data set (what plait's trainer reads and shares over the ranks)."""
+    return [{k: v[r] for k, v in batch.items()} for batch in llama_batches() for r in range(GLOBAL)]
 
 
 def gpt_model():
@@ -128,6 +135,19 @@ def _ranks(rank: int, world: int, run_dir: str) -> dict:
     out["gpt_batches"], out["gpt_grads"] = consumed, grads
     out["gpt_state"] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     trainer.p.close()
+    # plait's trainer on the Llama with its own loss (train.loss=hf): the model gets num_items_in_batch
+    cfg = from_sections({**sections, "run": {"dir": f"{run_dir}/trainer-hf"}}, Config())
+    trainer = plait.Trainer(llama_model(), train_data=llama_rows(), loss_fn="hf", optimizer=adamw,
+                            scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), config=cfg)
+    consumed = []
+    read_hf = trainer._next_batch
+    trainer._next_batch = lambda: consumed.append(read_hf()) or consumed[-1]
+    grads = _grads_at_first_step(trainer.optimizer, {id(q): n for n, q in trainer.model.named_parameters()})
+    out["hf_losses"] = [trainer.train_step(log=True)["global_loss"] for _ in range(STEPS)]
+    out["hf_batches"], out["hf_grads"] = consumed, grads
+    out["hf_state"] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    out["hf_weighted"] = trainer.token_weighted
+    trainer.p.close()
     # the keep-your-loop API on a Hugging Face Llama, with the helper
     p = plait.Plait(from_sections({**sections, "run": {"dir": f"{run_dir}/api"}}, Config()))
     model, opt = p.setup(llama_model(), optimizer=adamw)
@@ -192,6 +212,14 @@ def test_dp2_accumulation2_weighs_every_real_token_like_one_process(tmp_path: Pa
     assert max(abs(a - b) for a, b in zip(r0["gpt_losses"], ref_losses, strict=True)) < MP_LOSS_ATOL
     assert _max_diff(r0["gpt_grads"], ref_grads) < GRAD_ATOL
     assert _max_diff(r0["gpt_state"], ref_state) < MP_PARAM_ATOL
+
+    # the Llama through plait's trainer with its own loss (train.loss=hf)
+    assert r0["hf_weighted"]
+    per_step = [stack([*r0["hf_batches"][2 * s:2 * s + 2], *r1["hf_batches"][2 * s:2 * s + 2]]) for s in range(STEPS)]
+    ref_losses, ref_grads, ref_state = _reference(llama_model(), per_step, lambda m, b: m(**b).loss)
+    assert max(abs(a - b) for a, b in zip(r0["hf_losses"], ref_losses, strict=True)) < MP_LOSS_ATOL
+    assert _max_diff(r0["hf_grads"], ref_grads) < GRAD_ATOL
+    assert _max_diff(r0["hf_state"], ref_state) < MP_PARAM_ATOL
 
     # the Llama through the API: the model's own loss over the whole global batch
     ref_losses, ref_grads, ref_state = _reference(llama_model(), llama_batches(), lambda m, b: m(**b).loss)

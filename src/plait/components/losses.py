@@ -12,7 +12,9 @@ Built in:
   dicts ``{"input_ids", "labels"?, "attention_mask"?}`` whose labels are the inputs themselves: they are
   shifted here, with ``-100`` (ignored) where no next token exists, as Hugging Face models shift inside.
   The output is logits ``(B, T, V)`` or an object with ``.logits``.
-* ``hf``: the model computes its own loss: ``model(**batch).loss`` (labels in the batch).
+* ``hf``: the model computes its own loss: ``model(**batch).loss`` (labels in the batch); inside ``per_items(n)``
+  the model gets ``num_items_in_batch=n`` (transformers' convention: it sums its token losses and divides by
+  ``n``), for a model that takes it (``counts_items_for``).
 * ``classification``: ``(x, y)`` with one class index per sample; cross-entropy of ``(B, K)`` logits.
 
 Token weighting. With labels of ``-100`` (packed documents, padding, prompt masking) a mean per micro-batch lets a
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -85,6 +88,10 @@ class Loss:
         """The items this loss sums over in ``batch`` (a 0-dim integer tensor on the batch's device, counted
         without reading it), or None for a loss that is a mean per micro-batch whatever ``per_items`` says."""
         return None
+
+    def counts_items_for(self, model: nn.Module) -> bool:
+        """Whether this loss counts items (``count_items``) with ``model``: ``counts_items`` by default."""
+        return self.counts_items
 
     @contextlib.contextmanager
     def per_items(self, items: torch.Tensor | None) -> Iterator[None]:
@@ -154,7 +161,24 @@ class HFLoss(Loss):
     def split(self, batch: Any) -> tuple[tuple, dict, Any]:
         if not isinstance(batch, Mapping) or "labels" not in batch:
             raise LossError("loss 'hf' calls model(**batch).loss: the batch must be a dict holding 'labels'")
-        return (), dict(batch), None
+        kwargs = dict(batch)
+        if self.items is not None:  # the model sums its token losses and divides by it (transformers' convention)
+            kwargs["num_items_in_batch"] = self.items
+        return (), kwargs, None
+
+    def counts_items_for(self, model: nn.Module) -> bool:
+        """Whether ``model`` takes ``num_items_in_batch`` (transformers' rule: its ``accepts_loss_kwargs``, else a
+        ``**kwargs`` in its ``forward``)."""
+        if hasattr(model, "accepts_loss_kwargs"):
+            return bool(model.accepts_loss_kwargs)
+        params = inspect.signature(type(model).forward).parameters.values()
+        return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+
+    def count_items(self, batch: Any) -> torch.Tensor:
+        """The labels that count after the model's own shift (``labels[..., 1:]``, or ``shift_labels`` as given)."""
+        if isinstance(batch, Mapping) and "shift_labels" in batch:
+            return (batch["shift_labels"] != IGNORE_INDEX).sum()
+        return (self.split(batch)[1]["labels"][..., 1:] != IGNORE_INDEX).sum()
 
     def loss(self, output: Any, target: Any) -> torch.Tensor:
         loss = getattr(output, "loss", None)

@@ -143,7 +143,7 @@ class Trainer:
         # a loss that counts its items (causal LM) weighs every real token of the optimizer step the same; a
         # pipeline's last stage computes it per pipeline micro-batch, and an asynchronous parameter server's workers
         # share no step, so there it stays a mean per micro-batch (Plait.weighs_tokens)
-        self.token_weighted = self.loss.counts_items and p.weighs_tokens
+        self.token_weighted = self.loss.counts_items_for(model) and p.weighs_tokens
         self.peak = self._peak()
         self.state = RunState()
         self.state.skipped_steps = lambda: p.skipped_steps  # read from the engine only when looked up
