@@ -1,0 +1,171 @@
+"""Context parallelism on plait's GPT at sequence 256 equals one process on the whole sequence.
+
+Layouts: cp=2 and cp=4 with ``ring`` and ``allgather``, and cp=2 x dp=2 with each (two spawned groups, several
+layouts each). Every run trains 3 AdamW steps (clip 1.0) from the same weights through
+``plait.Plait.forward_backward``, on dict batches whose labels hold ``-100`` over uneven prompt lengths, so the
+shards hold different numbers of real tokens: the losses must be combined over the real tokens of the whole
+sequence, never as a mean of the shards' means. The cp-only runs take the global batch in one micro-step without
+the helper (the strategy counts the micro-batch's real tokens itself); cp x dp takes two micro-steps per step with
+``p.num_items_in_batch`` (one loss over the optimizer step's tokens). The reference is the mean over every real
+token of the global batch.
+
+Compared with plain PyTorch in one process (F.cross_entropy over the whole global batch): the logged loss of
+every step, every parameter's gradient at step 1 and every parameter after 3 steps. float32; ring attention
+merges blocks by their log-sum-exp and the gradients of dp x cp ranks are summed in another order, so results
+differ by rounding only: losses within 2e-5, gradients within 2e-6 (entries up to ~1e-1), parameters within 3e-5
+(the model-parallel tests' tolerances; one update moves them ~1e-3).
+
+Bad input: a sequence length that 2 x cp does not divide, in the config and in a batch, gives one message
+naming both remedies; calling the model outside ``forward_backward`` under cp is refused with the remedy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import run_ranks
+from references import MP_LOSS_ATOL, MP_PARAM_ATOL
+
+SEQ, GLOBAL, STEPS, LR, CLIP = 256, 4, 3, 1e-3, 1.0
+GRAD_ATOL = 2e-6
+
+
+def gpt():
+    from plait.models.gpt import GPT
+    from plait.models.tiny import tiny_config
+
+    torch.manual_seed(0)
+    return GPT(tiny_config(n_layer=2, d_model=32, n_head=2, seq_len=SEQ, vocab_size=256))
+
+
+def batches() -> list[dict[str, torch.Tensor]]:
+    """``STEPS`` global batches of token ids; in every other row a prompt of up to 200 tokens does not count."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 256, (GLOBAL, SEQ), generator=g)
+        labels = ids.clone()
+        for r, prompt in enumerate(torch.randint(0, 200, (GLOBAL,), generator=g).tolist()):
+            labels[r, :prompt if r % 2 else 0] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False)
+
+
+def reference() -> tuple[list[float], dict, dict]:
+    model, losses, first = gpt(), [], {}
+    opt = adamw(model)
+    for batch in batches():
+        target = torch.full_like(batch["labels"], -100)
+        target[:, :-1] = batch["labels"][:, 1:]
+        logits = model(batch["input_ids"])
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1), ignore_index=-100)
+        loss.backward()
+        first = first or {n: q.grad.detach().clone() for n, q in model.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, first, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train(run_dir: str, cp: int, impl: str, dp: int) -> dict:
+    import plait
+
+    micro = GLOBAL if dp == 1 else GLOBAL // dp // 2  # cp x dp: two micro-steps per optimizer step
+    p = plait.Plait(parallel={"cp": cp, "cp_impl": impl, "dp": dp}, optim={"grad_clip": CLIP},
+                    train={"global_batch_size": GLOBAL, "micro_batch_size": micro},
+                    run={"dir": f"{run_dir}/{impl}-cp{cp}-dp{dp}"}, observe={"progress": False, "trackers": []})
+    model, opt = p.setup(gpt(), optimizer=adamw, loss_fn="causal_lm")
+    names = {id(q): n for n, q in model.named_parameters()}
+    grads: dict = {}
+
+    def first_grads(o, args, kwargs) -> None:
+        if not grads:
+            grads.update({names[id(q)]: q.grad.detach().clone() for g in o.param_groups for q in g["params"]})
+    opt.register_step_pre_hook(first_grads)
+    losses = []
+    for batch in batches():
+        share = GLOBAL // dp
+        mine = {k: v[p.dp_rank * share:(p.dp_rank + 1) * share] for k, v in batch.items()}
+        micro_batches = [{k: v[i:i + micro] for k, v in mine.items()} for i in range(0, share, micro)]
+        n = p.num_items_in_batch(micro_batches) if dp > 1 else None
+        for mb in micro_batches:
+            p.forward_backward(model, mb, num_items_in_batch=n)
+            info = p.step(log=True)
+        losses.append(info.global_loss)
+    out = {"losses": losses, "grads": grads, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+           "layout": p.strategy.describe()}
+    if dp == 1 and impl == "ring":
+        out["errors"] = _bad_input(p, model)
+    p.close()
+    return out
+
+
+def _bad_input(p, model) -> list[str]:
+    """The messages of a batch 2 x cp does not divide, and of the model called on a whole sequence."""
+    from plait.config import ConfigError
+
+    errors = []
+    for call in (lambda: p.forward_backward(model, {"input_ids": torch.zeros(1, SEQ - 6, dtype=torch.long)}),
+                 lambda: model(torch.zeros(1, SEQ, dtype=torch.long))):
+        try:
+            call()
+        except ConfigError as e:
+            errors.append(str(e))
+    return errors
+
+
+def _group(rank: int, world: int, run_dir: str, layouts: list[tuple[int, str, int]]) -> list[dict]:
+    return [_train(run_dir, cp, impl, dp) for cp, impl, dp in layouts]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+LAYOUTS = {2: [(2, "ring", 1), (2, "allgather", 1)],
+           4: [(4, "ring", 1), (4, "allgather", 1), (2, "ring", 2), (2, "allgather", 2)]}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_gpt_equals_one_process(tmp_path: Path, world: int) -> None:
+    ranks = run_ranks(_group, world, str(tmp_path), LAYOUTS[world], timeout=600)
+    ref_losses, ref_grads, ref_state = reference()
+    for i, (cp, impl, dp) in enumerate(LAYOUTS[world]):
+        runs = [r[i] for r in ranks]
+        what = f"cp={cp} {impl} dp={dp}"
+        assert "context-parallel" in runs[0]["layout"], what
+        for run in runs:
+            assert max(abs(a - b) for a, b in zip(run["losses"], ref_losses, strict=True)) < MP_LOSS_ATOL, what
+            assert _max_diff(run["grads"], ref_grads) < GRAD_ATOL, what
+            assert _max_diff(run["state"], ref_state) < MP_PARAM_ATOL, what
+    if world == 2:
+        batch_error, call_error = ranks[0][0]["errors"]
+        assert "2 x cp = 4 equal chunks" in batch_error and "250" in batch_error, batch_error
+        assert "p.forward_backward(model, batch)" in call_error, call_error
+
+
+def test_bad_config_is_one_message() -> None:
+    from plait.config import Config, ConfigError
+    from plait.recipes import validate_config
+
+    cfg = Config()
+    cfg.parallel.cp, cfg.model.seq_len = 4, 100
+    with pytest.raises(ConfigError, match=r"2 x cp = 8 equal chunks .* model.seq_len is 100"):
+        validate_config(cfg, 4)
+    cfg = Config()
+    cfg.parallel.cp, cfg.parallel.tp = 2, 2
+    with pytest.raises(ConfigError, match="parallel.tp=2 with context parallelism is not supported yet"):
+        validate_config(cfg, 4)
+    cfg = Config()
+    cfg.parallel.cp = 3
+    with pytest.raises(ConfigError, match="does not divide by tp x pp x cp = 3"):
+        validate_config(cfg, 4)
