@@ -57,7 +57,7 @@ def resolve_degrees(cfg: Config, world_size: int) -> dict[str, int]:
     if dp == 0:
         if world_size % model_par:
             raise ConfigError(
-                f"world size {world_size} does not divide by tp x pp x cp = {model_par}; "
+                f"world size {world_size} does not divide by tp x pp{' x cp' if p.cp > 1 else ''} = {model_par}; "
                 f"use a world size that is a multiple of {model_par} (parallel.nproc) or change the degrees"
             )
         dp = world_size // model_par
@@ -80,7 +80,8 @@ def resolve_degrees(cfg: Config, world_size: int) -> dict[str, int]:
     product = math.prod(degrees.values())
     if product != world_size:
         raise ConfigError(
-            f"parallel degrees dp={dp} x tp={p.tp} x pp={p.pp} x cp={p.cp} = {product} do not match "
+            f"parallel degrees dp={dp} x tp={p.tp} x pp={p.pp}{f' x cp={p.cp}' if p.cp > 1 else ''} = {product} "
+            "do not match "
             f"the world size {world_size}; set parallel.nproc={product}, or set parallel.dp=0 to infer "
             f"dp from the world size"
         )
