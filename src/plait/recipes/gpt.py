@@ -47,6 +47,10 @@ def check_model(cfg: Config, degrees: dict[str, int]) -> None:
         from plait.parallel.context.sharding import check_length
 
         check_length(m.seq_len, cp, "model.seq_len")
+        if p.cp_impl == "alltoall":
+            from plait.parallel.context.alltoall import check_heads
+
+            check_heads(m.n_head, cp, "heads (model.n_head)")
         if m.dropout > 0:
             raise ConfigError(f"parallel.cp={cp} computes attention without dropout, but model.dropout={m.dropout}; "
                               "set model.dropout=0 or parallel.cp=1")

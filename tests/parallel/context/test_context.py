@@ -1,6 +1,6 @@
 """Context parallelism on plait's GPT at sequence 256 equals one process on the whole sequence.
 
-Layouts: cp=2 and cp=4 with ``ring`` and ``allgather``, and cp=2 x dp=2 with each (two spawned groups, several
+Layouts: cp=2 and cp=4 with ``ring``, ``alltoall`` and ``allgather``, and cp=2 x dp=2 with each (two spawned groups, several
 layouts each). Every run trains 3 AdamW steps (clip 1.0) from the same weights through
 ``plait.Plait.forward_backward``, on dict batches whose labels hold ``-100`` over uneven prompt lengths, so the
 shards hold different numbers of real tokens: the losses must be combined over the real tokens of the whole
@@ -16,7 +16,8 @@ differ by rounding only: losses within 2e-5, gradients within 2e-6 (entries up t
 (the model-parallel tests' tolerances; one update moves them ~1e-3).
 
 Bad input: a sequence length that 2 x cp does not divide, in the config and in a batch, gives one message
-naming both remedies; calling the model outside ``forward_backward`` under cp is refused with the remedy.
+naming both remedies; heads that cp does not divide under ``alltoall`` one naming ``ring``; calling the model
+outside ``forward_backward`` under cp is refused with the remedy.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def gpt():
     from plait.models.tiny import tiny_config
 
     torch.manual_seed(0)
-    return GPT(tiny_config(n_layer=2, d_model=32, n_head=2, seq_len=SEQ, vocab_size=256))
+    return GPT(tiny_config(n_layer=2, d_model=32, n_head=4, seq_len=SEQ, vocab_size=256))
 
 
 def batches() -> list[dict[str, torch.Tensor]]:
@@ -131,8 +132,9 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-LAYOUTS = {2: [(2, "ring", 1), (2, "allgather", 1)],
-           4: [(4, "ring", 1), (4, "allgather", 1), (2, "ring", 2), (2, "allgather", 2)]}
+LAYOUTS = {2: [(2, "ring", 1), (2, "alltoall", 1), (2, "allgather", 1)],
+           4: [(4, "ring", 1), (4, "alltoall", 1), (4, "allgather", 1), (2, "ring", 2), (2, "alltoall", 2),
+               (2, "allgather", 2)]}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -165,6 +167,15 @@ def test_bad_config_is_one_message() -> None:
     cfg.parallel.cp, cfg.parallel.tp = 2, 2
     with pytest.raises(ConfigError, match="parallel.tp=2 with context parallelism is not supported yet"):
         validate_config(cfg, 4)
+    cfg = Config()
+    cfg.parallel.cp, cfg.parallel.cp_impl, cfg.model.n_head, cfg.model.d_model = 4, "alltoall", 6, 48
+    with pytest.raises(ConfigError, match=r"6 heads \(model.n_head\), which do not divide by 4; use "
+                                          "parallel.cp_impl=ring"):
+        validate_config(cfg, 4)
+    cfg = Config()
+    cfg.parallel.cp, cfg.parallel.dp = 2, 2
+    with pytest.raises(ConfigError, match=r"dp=2 x tp=1 x pp=1 x cp=2 = 4 do not match the world size 2"):
+        validate_config(cfg, 2)
     cfg = Config()
     cfg.parallel.cp = 3
     with pytest.raises(ConfigError, match="does not divide by tp x pp x cp = 3"):

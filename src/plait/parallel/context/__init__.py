@@ -18,6 +18,9 @@ What is plait's and what is PyTorch's:
   (``torch.distributed.tensor.experimental``) dispatches only the flash, memory-efficient and cuDNN SDPA
   kernels, none of which runs on the CPU, and takes over ``F.scaled_dot_product_attention`` globally; plait's
   ring runs wherever c10d does (gloo on CPU, NCCL on GPU), is exact in float32 and is what the tests prove.
+* ``alltoall`` (DeepSpeed Ulysses): one all-to-all turns sequence shards into head shards, attention runs on
+  ``H / cp`` heads over the whole sequence, a second all-to-all turns them back (its own adjoint in backward);
+  heads must divide by cp (the error names ``ring``, which takes any head count).
 * ``allgather``: keys and values all-gathered (Megatron's simplest form), the reference; backward reduces
   their gradients back to their owners.
 * ``strategy``: the ``ContextParallel`` wrapper (registered behind the strategy contract) around the

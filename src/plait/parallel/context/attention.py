@@ -1,6 +1,6 @@
 """The context-parallel attention a model's attention layers are routed through, and the routing for plait's GPT.
 
-``ContextAttention`` holds the group, the implementation (``ring`` or ``allgather``) and this step's shard
+``ContextAttention`` holds the group, the implementation (``ring``, ``alltoall`` or ``allgather``) and this step's shard
 positions; ``route_gpt`` makes every ``CausalSelfAttention`` of plait's GPT call it instead of
 ``scaled_dot_product_attention`` (its projections and head split unchanged: the model's code stays as it is).
 Outside a step the strategy runs (``active``), calling the routed model raises: a whole sequence given to a
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from plait.parallel.context.allgather import allgather_attention
+from plait.parallel.context.alltoall import alltoall_attention, check_heads
 from plait.parallel.context.ring import Ring, ring_attention
 from plait.parallel.context.sharding import ContextError
 
@@ -49,6 +50,8 @@ class ContextAttention:
         scale = 1.0 / math.sqrt(q.size(-1))
         if self.impl == "ring":
             return ring_attention(q, k, v, self.ring, scale)
+        if self.impl == "alltoall":
+            return alltoall_attention(q, k, v, self.group, scale)
         return allgather_attention(q, k, v, self.group, self.positions, scale)
 
 
@@ -75,5 +78,7 @@ def route_gpt(model: nn.Module, attention: ContextAttention) -> int:
         if layer.dropout > 0:
             raise ContextError(f"parallel.cp > 1 computes attention without dropout, but the model's attention "
                                f"dropout is {layer.dropout}; set model.dropout=0")
+        if attention.impl == "alltoall":
+            check_heads(layer.n_head, attention.ring.size)
         layer.forward = types.MethodType(_gpt_attention_forward(attention), layer)
     return len(layers)

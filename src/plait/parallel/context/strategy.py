@@ -82,9 +82,6 @@ class ContextParallel(Wrapper):
             raise ConfigError(f"parallel.cp={p.cp} composes with data parallelism only so far; "
                               f"{', '.join(unsupported)} with context parallelism is not supported yet: set "
                               "parallel.cp=1, or leave those at their defaults")
-        if p.cp_impl == "alltoall":
-            raise ConfigError("parallel.cp_impl=alltoall (Ulysses) is not available yet; use parallel.cp_impl=ring "
-                              "(or allgather)")
         if cfg.train.compile:
             raise ConfigError(f"train.compile={cfg.train.compile!r} with parallel.cp > 1 is not supported yet; set "
                               "train.compile=false")
