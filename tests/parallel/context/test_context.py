@@ -1,7 +1,7 @@
 """Context parallelism on plait's GPT at sequence 256 equals one process on the whole sequence.
 
-Layouts: cp=2 and cp=4 with ``ring``, ``alltoall`` and ``allgather``, and cp=2 x dp=2 with each (two spawned groups, several
-layouts each). Every run trains 3 AdamW steps (clip 1.0) from the same weights through
+Layouts: cp=2 and cp=4 with ``ring``, ``alltoall`` and ``allgather``, and cp=2 x dp=2 with each (two spawned
+groups, several layouts each). Every run trains 3 AdamW steps (clip 1.0) from the same weights through
 ``plait.Plait.forward_backward``, on dict batches whose labels hold ``-100`` over uneven prompt lengths, so the
 shards hold different numbers of real tokens: the losses must be combined over the real tokens of the whole
 sequence, never as a mean of the shards' means. The cp-only runs take the global batch in one micro-step without
