@@ -12,10 +12,10 @@ micro-batches, training equals one process on the whole batch.
 The reference is plain PyTorch in one process: the mean cross-entropy over every real token of the global batch,
 one backward, gradient clipping at 1.0, AdamW. Compared: the logged loss of every step, every parameter's
 gradient at step 1 and every parameter after 3 steps. float32; only the summation order differs (two ranks, two
-micro-steps, per-token sums instead of one mean), so the tolerances are those of the model-parallel tests
-(``references.MP_*``: losses 2e-5, parameters 3e-5) and 1e-6 on gradients (their entries are ~1e-2 or less). The
-test also checks that the data is uneven enough to matter: the gradient of the old mean of micro-batch means is
-farther from the reference's than 20x the tolerance.
+micro-steps, per-token sums instead of one mean). Observed: losses 2.4e-7, gradients 1.9e-8 (entries up to
+0.12), parameters 1.2e-6. Allowed: the model-parallel tests' bounds (``references.MP_*``: losses 2e-5,
+parameters 3e-5) and 1e-7 on gradients. The test also checks that the data is uneven enough to matter: the
+gradient of the old mean of micro-batch means is 9e-3 from the reference's (required: over 20x the tolerance).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from helpers import run_ranks
 from references import MP_LOSS_ATOL, MP_PARAM_ATOL
 
 STEPS, GLOBAL, MICRO, SEQ, LR, CLIP = 3, 8, 2, 32, 1e-3, 1.0
-GRAD_ATOL = 1e-6
+GRAD_ATOL = 1e-7
 LLAMA = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
 

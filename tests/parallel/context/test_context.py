@@ -12,8 +12,10 @@ token of the global batch.
 Compared with plain PyTorch in one process (F.cross_entropy over the whole global batch): the logged loss of
 every step, every parameter's gradient at step 1 and every parameter after 3 steps. float32; ring attention
 merges blocks by their log-sum-exp and the gradients of dp x cp ranks are summed in another order, so results
-differ by rounding only: losses within 2e-5, gradients within 2e-6 (entries up to ~1e-1), parameters within 3e-5
-(the model-parallel tests' tolerances; one update moves them ~1e-3).
+differ by rounding only. Observed: losses 1.2e-6, gradients 1.5e-8 (entries up to 5.6e-2), parameters 2.0e-5
+(AdamW turns rounding in gradient entries near zero into update differences up to ~lr x their relative error).
+Allowed: losses 2e-5, gradients 1e-7, parameters 3e-5 (the model-parallel tests' bounds; one update moves a
+parameter ~1e-3).
 
 Bad input: a sequence length that 2 x cp does not divide, in the config and in a batch, gives one message
 naming both remedies; heads that cp does not divide under ``alltoall`` one naming ``ring``; calling the model
@@ -31,7 +33,7 @@ from helpers import run_ranks
 from references import MP_LOSS_ATOL, MP_PARAM_ATOL
 
 SEQ, GLOBAL, STEPS, LR, CLIP = 256, 4, 3, 1e-3, 1.0
-GRAD_ATOL = 2e-6
+GRAD_ATOL = 1e-7
 
 
 def gpt():
