@@ -10,7 +10,8 @@ the helper (the strategy counts the micro-batch's real tokens itself); cp x dp t
 token of the global batch.
 
 Compared with plain PyTorch in one process (F.cross_entropy over the whole global batch): the logged loss of
-every step, every parameter's gradient at step 1 and every parameter after 3 steps. float32; ring attention
+every step, every parameter's gradient at step 1, every parameter after 3 steps, and then ``p.evaluate`` of the
+first batch (the shards' sums over the real tokens added over cp). float32; ring attention
 merges blocks by their log-sum-exp and the gradients of dp x cp ranks are summed in another order, so results
 differ by rounding only. Observed: losses 1.2e-6, gradients 1.5e-8 (entries up to 5.6e-2), parameters 2.0e-5
 (AdamW turns rounding in gradient entries near zero into update differences up to ~lr x their relative error).
@@ -61,21 +62,27 @@ def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False)
 
 
-def reference() -> tuple[list[float], dict, dict]:
+def causal_loss(model, batch: dict) -> torch.Tensor:
+    target = torch.full_like(batch["labels"], -100)
+    target[:, :-1] = batch["labels"][:, 1:]
+    logits = model(batch["input_ids"])
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1), ignore_index=-100)
+
+
+def reference() -> tuple[list[float], dict, dict, float]:
     model, losses, first = gpt(), [], {}
     opt = adamw(model)
     for batch in batches():
-        target = torch.full_like(batch["labels"], -100)
-        target[:, :-1] = batch["labels"][:, 1:]
-        logits = model(batch["input_ids"])
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1), ignore_index=-100)
+        loss = causal_loss(model, batch)
         loss.backward()
         first = first or {n: q.grad.detach().clone() for n, q in model.named_parameters()}
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, first, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        evaluated = causal_loss(model, batches()[0]).item()
+    return losses, first, {k: v.detach().clone() for k, v in model.state_dict().items()}, evaluated
 
 
 def _train(run_dir: str, cp: int, impl: str, dp: int) -> dict:
@@ -104,7 +111,7 @@ def _train(run_dir: str, cp: int, impl: str, dp: int) -> dict:
             info = p.step(log=True)
         losses.append(info.global_loss)
     out = {"losses": losses, "grads": grads, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-           "layout": p.strategy.describe()}
+           "layout": p.strategy.describe(), "eval": float(p.evaluate(model, batches()[0]))}
     if dp == 1 and impl == "ring":
         out["errors"] = _bad_input(p, model)
     p.close()
@@ -142,7 +149,7 @@ LAYOUTS = {2: [(2, "ring", 1), (2, "alltoall", 1), (2, "allgather", 1)],
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_gpt_equals_one_process(tmp_path: Path, world: int) -> None:
     ranks = run_ranks(_group, world, str(tmp_path), LAYOUTS[world], timeout=600)
-    ref_losses, ref_grads, ref_state = reference()
+    ref_losses, ref_grads, ref_state, ref_eval = reference()
     for i, (cp, impl, dp) in enumerate(LAYOUTS[world]):
         runs = [r[i] for r in ranks]
         what = f"cp={cp} {impl} dp={dp}"
@@ -151,6 +158,7 @@ def test_context_parallel_gpt_equals_one_process(tmp_path: Path, world: int) -> 
             assert max(abs(a - b) for a, b in zip(run["losses"], ref_losses, strict=True)) < MP_LOSS_ATOL, what
             assert _max_diff(run["grads"], ref_grads) < GRAD_ATOL, what
             assert _max_diff(run["state"], ref_state) < MP_PARAM_ATOL, what
+            assert abs(run["eval"] - ref_eval) < MP_LOSS_ATOL, what  # p.evaluate: the whole sequence's mean
     if world == 2:
         batch_error, call_error = ranks[0][0]["errors"]
         assert "2 x cp = 4 equal chunks" in batch_error and "250" in batch_error, batch_error
