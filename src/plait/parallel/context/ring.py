@@ -13,12 +13,12 @@ merged into the running one by their log-sum-exps (``merge``). The next block's 
 send/recv of keys and values stacked) is issued before the block's compute and waited after it, so it overlaps.
 
 Backward (flash-attention's, block by block, from the final output and log-sum-exp) passes keys, values and
-their gradient accumulators round the same ring: after ``N`` hops each accumulator is back with its owner. A
-block's accumulator must hold this rank's part before it moves on, so backward's hops follow each block's compute
-(no overlap there).
+their gradient accumulators round the same ring: after ``N`` hops each accumulator is back with its owner. The next
+block's keys and values move while the current block computes; its accumulator must hold this rank's part before
+it moves on, so that hop follows the block's compute.
 
 Communication, per attention layer and micro-batch: forward ``N - 1`` sends and receives of ``2 B H c D`` x2
-elements (keys and values); backward ``N - 1`` of keys and values plus ``N`` of their gradients.
+elements (keys and values); backward ``N - 1`` of keys and values and ``N`` of their gradients.
 """
 
 from __future__ import annotations
@@ -70,11 +70,13 @@ class Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def shift(self, t: torch.Tensor) -> tuple[list, torch.Tensor]:
+    def shift(self, t: torch.Tensor, tag: int = 0) -> tuple[list, torch.Tensor]:
         """Start sending ``t`` to the next rank and receiving the previous rank's into a new tensor; returns
-        the requests to wait on and that tensor."""
+        the requests to wait on and that tensor. ``tag`` keeps two shifts in flight apart (gloo matches by it;
+        NCCL keeps them in order on its stream)."""
         recv = torch.empty_like(t)
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group), dist.P2POp(dist.irecv, recv, self.prev, self.group)]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag),
+               dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
         return dist.batch_isend_irecv(ops), recv
 
 
@@ -120,32 +122,35 @@ class RingAttention(torch.autograd.Function):
         qf, dout = q.float(), dout.float()
         delta = (dout * out).sum(-1)  # (B, H, S)
         dq = torch.zeros_like(qf)
-        # keys, values and their gradient accumulators travel together: (4, B, H, S, D)
-        travel = torch.cat([torch.stack([k, v]).float(), torch.zeros(2, *k.shape, dtype=torch.float32,
-                                                                       device=k.device)])
+        kv = torch.stack([k, v]).float().contiguous()  # (2, B, H, S, D): the block this rank holds now
+        dkv = torch.zeros_like(kv)  # that block's gradient accumulator, travelling with it
         for s in range(n):
+            if s < n - 1:  # the next block's keys and values move while this one computes
+                reqs, incoming = ring.shift(kv)
             src = (r - s) % n
-            kk, vv, dkv = travel[0], travel[1], travel[2:]
             if s == 0:
-                gq, gk, gv = block_backward(qf, kk, vv, dout, lse, delta, scale, causal=True)
+                gq, gk, gv = block_backward(qf, kv[0], kv[1], dout, lse, delta, scale, causal=True)
                 dq += gq
                 dkv[0] += gk
                 dkv[1] += gv
             elif src < r:
-                gq, gk, gv = block_backward(qf, kk[:, :, :c], vv[:, :, :c], dout, lse, delta, scale, causal=False)
+                gq, gk, gv = block_backward(qf, kv[0, :, :, :c], kv[1, :, :, :c], dout, lse, delta, scale,
+                                            causal=False)
                 dq += gq
                 dkv[0, :, :, :c] += gk
                 dkv[1, :, :, :c] += gv
             else:
-                gq, gk, gv = block_backward(qf[:, :, c:], kk, vv, dout[:, :, c:], lse[:, :, c:],
+                gq, gk, gv = block_backward(qf[:, :, c:], kv[0], kv[1], dout[:, :, c:], lse[:, :, c:],
                                             delta[:, :, c:], scale, causal=False)
                 dq[:, :, c:] += gq
                 dkv[0] += gk
                 dkv[1] += gv
-            if n > 1:  # the last hop carries only the gradients home; before it, keys and values too
-                reqs, travel = ring.shift(travel if s < n - 1 else travel[2:].contiguous())
+            if n > 1:  # the accumulator follows its block once this rank's part is in (the last hop: home)
+                grad_reqs, dkv = ring.shift(dkv, tag=1)
+                _wait(grad_reqs)
+            if s < n - 1:
                 _wait(reqs)
-        dkv = travel[-2:]
+                kv = incoming
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
