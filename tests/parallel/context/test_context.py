@@ -5,9 +5,10 @@ groups, several layouts each). Every run trains 3 AdamW steps (clip 1.0) from th
 ``plait.Plait.forward_backward``, on dict batches whose labels hold ``-100`` over uneven prompt lengths, so the
 shards hold different numbers of real tokens: the losses must be combined over the real tokens of the whole
 sequence, never as a mean of the shards' means. The cp-only runs take the global batch in one micro-step without
-the helper (the strategy counts the micro-batch's real tokens itself); cp x dp takes two micro-steps per step with
-``p.num_items_in_batch`` (one loss over the optimizer step's tokens). The reference is the mean over every real
-token of the global batch.
+the helper (the strategy counts the micro-batch's real tokens itself); cp x dp, and cp=2 ring once more, take two
+micro-steps per step with ``p.num_items_in_batch`` (one loss over the optimizer step's tokens, what plait's
+trainer uses; its divisor counts the cp ranks among those gradients are averaged over). The reference is the
+mean over every real token of the global batch.
 
 Compared with plain PyTorch in one process (F.cross_entropy over the whole global batch): the logged loss of
 every step, every parameter's gradient at step 1, every parameter after 3 steps, and then ``p.evaluate`` of the
@@ -85,13 +86,14 @@ def reference() -> tuple[list[float], dict, dict, float]:
     return losses, first, {k: v.detach().clone() for k, v in model.state_dict().items()}, evaluated
 
 
-def _train(run_dir: str, cp: int, impl: str, dp: int) -> dict:
+def _train(run_dir: str, cp: int, impl: str, dp: int, helper: bool) -> dict:
     import plait
 
-    micro = GLOBAL if dp == 1 else GLOBAL // dp // 2  # cp x dp: two micro-steps per optimizer step
+    micro = GLOBAL // dp // 2 if helper else GLOBAL  # with the helper: two micro-steps per optimizer step
     p = plait.Plait(parallel={"cp": cp, "cp_impl": impl, "dp": dp}, optim={"grad_clip": CLIP},
                     train={"global_batch_size": GLOBAL, "micro_batch_size": micro},
-                    run={"dir": f"{run_dir}/{impl}-cp{cp}-dp{dp}"}, observe={"progress": False, "trackers": []})
+                    run={"dir": f"{run_dir}/{impl}-cp{cp}-dp{dp}-{helper}"},
+                    observe={"progress": False, "trackers": []})
     model, opt = p.setup(gpt(), optimizer=adamw, loss_fn="causal_lm")
     names = {id(q): n for n, q in model.named_parameters()}
     grads: dict = {}
@@ -105,14 +107,14 @@ def _train(run_dir: str, cp: int, impl: str, dp: int) -> dict:
         share = GLOBAL // dp
         mine = {k: v[p.dp_rank * share:(p.dp_rank + 1) * share] for k, v in batch.items()}
         micro_batches = [{k: v[i:i + micro] for k, v in mine.items()} for i in range(0, share, micro)]
-        n = p.num_items_in_batch(micro_batches) if dp > 1 else None
+        n = p.num_items_in_batch(micro_batches) if helper else None
         for mb in micro_batches:
             p.forward_backward(model, mb, num_items_in_batch=n)
             info = p.step(log=True)
         losses.append(info.global_loss)
     out = {"losses": losses, "grads": grads, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
            "layout": p.strategy.describe(), "eval": float(p.evaluate(model, batches()[0]))}
-    if dp == 1 and impl == "ring":
+    if dp == 1 and impl == "ring" and not helper:
         out["errors"] = _bad_input(p, model)
     p.close()
     return out
@@ -132,8 +134,8 @@ def _bad_input(p, model) -> list[str]:
     return errors
 
 
-def _group(rank: int, world: int, run_dir: str, layouts: list[tuple[int, str, int]]) -> list[dict]:
-    return [_train(run_dir, cp, impl, dp) for cp, impl, dp in layouts]
+def _group(rank: int, world: int, run_dir: str, layouts: list[tuple[int, str, int, bool]]) -> list[dict]:
+    return [_train(run_dir, *layout) for layout in layouts]
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -141,18 +143,19 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-LAYOUTS = {2: [(2, "ring", 1), (2, "alltoall", 1), (2, "allgather", 1)],
-           4: [(4, "ring", 1), (4, "alltoall", 1), (4, "allgather", 1), (2, "ring", 2), (2, "alltoall", 2),
-               (2, "allgather", 2)]}
+# (cp, cp_impl, dp, with p.num_items_in_batch over two micro-steps)
+LAYOUTS = {2: [(2, "ring", 1, False), (2, "alltoall", 1, False), (2, "allgather", 1, False), (2, "ring", 1, True)],
+           4: [(4, "ring", 1, False), (4, "alltoall", 1, False), (4, "allgather", 1, False), (2, "ring", 2, True),
+               (2, "alltoall", 2, True), (2, "allgather", 2, True)]}
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_gpt_equals_one_process(tmp_path: Path, world: int) -> None:
     ranks = run_ranks(_group, world, str(tmp_path), LAYOUTS[world], timeout=600)
     ref_losses, ref_grads, ref_state, ref_eval = reference()
-    for i, (cp, impl, dp) in enumerate(LAYOUTS[world]):
+    for i, (cp, impl, dp, helper) in enumerate(LAYOUTS[world]):
         runs = [r[i] for r in ranks]
-        what = f"cp={cp} {impl} dp={dp}"
+        what = f"cp={cp} {impl} dp={dp} helper={helper}"
         assert "context-parallel" in runs[0]["layout"], what
         for run in runs:
             assert max(abs(a - b) for a, b in zip(run["losses"], ref_losses, strict=True)) < MP_LOSS_ATOL, what
