@@ -187,7 +187,7 @@ class ParallelConfig:
     # data parallel); a name picks a registered strategy, yours included
     # (plait.parallel.strategy.register_strategy).
     strategy: str = "auto"
-    # Data-parallel degree, expert-parallel ranks included (ep divides it); 0 infers world size / (tp * pp).
+    # Data-parallel degree, expert-parallel ranks included (ep divides it); 0 infers world size / (tp * pp * cp).
     dp: int = 0
     # Tensor-parallel degree.
     tp: int = 1
@@ -196,6 +196,12 @@ class ParallelConfig:
     # Expert-parallel degree: MoE experts are sharded over ep ranks, which are also data-parallel ranks
     # (each processes its own micro-batches); ep must divide the data-parallel degree.
     ep: int = 1
+    # Context-parallel degree: each sequence is split over cp ranks along time (load-balanced causal shards);
+    # the cp ranks of a group share the same sequences, and gradients are averaged over dp x cp.
+    cp: int = 1
+    # Context-parallel attention: ring (key/value blocks travel round the ring, partial outputs merged by their
+    # log-sum-exp), alltoall (Ulysses: heads for sequence) or allgather (keys and values gathered; the reference).
+    cp_impl: Literal["ring", "alltoall", "allgather"] = "ring"
     # Data-parallel implementation: plait's bucketed reducer, or PyTorch DDP as the reference.
     impl: Literal["plait", "torch"] = "plait"
     # Gradient bucket size in MiB for the data-parallel all-reduce and the ZeRO reduce-scatter.

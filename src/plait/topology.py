@@ -1,13 +1,15 @@
 """The one object that knows the device mesh.
 
-Axis order is fixed, outermost first: ``pp, dp_replicate, dp_shard, ep, tp`` (tensor parallel
-innermost, so its groups are the closest ranks, which share a node whenever they can). The
+Axis order is fixed, outermost first: ``pp, dp_replicate, dp_shard, ep, cp, tp`` (tensor parallel
+innermost, so its groups are the closest ranks, which share a node whenever they can; context parallel next,
+its ring or all-to-all the next busiest traffic). The
 topology is built once from the config, validated against the world size, and passed down
 explicitly; nothing reads a global process group deep inside a layer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ class MeshAxis(enum.StrEnum):
     DP_REPLICATE = "dp_replicate"
     DP_SHARD = "dp_shard"
     EP = "ep"
+    CP = "cp"
     TP = "tp"
 
 
@@ -44,17 +47,17 @@ def resolve_degrees(cfg: Config, world_size: int) -> dict[str, int]:
     (``parallel.dp_shard = N``) splits that axis again: ``dp_replicate = dp / (ep x N)`` times ``dp_shard = N``
     (N must divide ``dp / ep``); with 0 it stays whole (``dp_shard = 1`` on the mesh)."""
     p = cfg.parallel
-    for name in ("tp", "pp", "ep"):
+    for name in ("tp", "pp", "ep", "cp"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name} must be at least 1; got {getattr(p, name)}")
     if p.dp < 0:
         raise ConfigError(f"parallel.dp must be at least 1 (or 0 to infer it); got {p.dp}")
-    model_par = p.tp * p.pp
+    model_par = p.tp * p.pp * p.cp
     dp = p.dp
     if dp == 0:
         if world_size % model_par:
             raise ConfigError(
-                f"world size {world_size} does not divide by tp x pp = {model_par}; "
+                f"world size {world_size} does not divide by tp x pp{' x cp' if p.cp > 1 else ''} = {model_par}; "
                 f"use a world size that is a multiple of {model_par} (parallel.nproc) or change the degrees"
             )
         dp = world_size // model_par
@@ -72,11 +75,13 @@ def resolve_degrees(cfg: Config, world_size: int) -> dict[str, int]:
             f"group (dp={dp} / ep={p.ep}): each shard group is dp_shard ranks, replicated dp / (ep x dp_shard) "
             f"times; use dp_shard in {fits}, or 0 to shard over every data-parallel rank"
         )
-    degrees = {"pp": p.pp, "dp_replicate": dp // (p.ep * shard), "dp_shard": shard, "ep": p.ep, "tp": p.tp}
+    degrees = {"pp": p.pp, "dp_replicate": dp // (p.ep * shard), "dp_shard": shard, "ep": p.ep, "cp": p.cp,
+               "tp": p.tp}
     product = math.prod(degrees.values())
     if product != world_size:
         raise ConfigError(
-            f"parallel degrees dp={dp} x tp={p.tp} x pp={p.pp} = {product} do not match "
+            f"parallel degrees dp={dp} x tp={p.tp} x pp={p.pp}{f' x cp={p.cp}' if p.cp > 1 else ''} = {product} "
+            "do not match "
             f"the world size {world_size}; set parallel.nproc={product}, or set parallel.dp=0 to infer "
             f"dp from the world size"
         )
@@ -93,27 +98,41 @@ class Topology:
     device: torch.device
     mesh: DeviceMesh | None = None
     _groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
+    # The strategies' view (``strategy_view``): the context-parallel axis folded into the data-parallel axes, so
+    # gradients are averaged (and ZeRO/FSDP shards) over dp x cp. The engine's own topology leaves it out: the
+    # cp ranks of a group read the same batches.
+    fold_cp: bool = False
 
     @property
     def dp(self) -> int:
-        """Data-parallel degree: the ranks that process different micro-batches (expert-parallel included)."""
-        return self.degrees["dp_replicate"] * self.degrees["dp_shard"] * self.degrees["ep"]
+        """Data-parallel degree: the ranks that process different micro-batches (expert-parallel included); in
+        the strategies' view (``fold_cp``) the ranks gradients are averaged over, dp x cp."""
+        n = self.degree("dp_replicate") * self.degree("dp_shard") * self.degree("ep")
+        return n * self.degree("cp") if self.fold_cp else n
 
     @property
     def ep(self) -> int:
         return self.degrees["ep"]
 
     def degree(self, axis: MeshAxis | str) -> int:
-        return self.degrees[str(axis)]
+        return self.degrees.get(str(axis), 1)  # an axis a topology does not name (a parameter server's cp) is 1
 
     def coord(self, axis: MeshAxis | str) -> int:
         """This rank's index along ``axis`` (row-major over AXIS_ORDER)."""
         stride = 1
         for a in reversed(AXIS_ORDER):
             if a == axis:
-                return (self.rank // stride) % self.degrees[a]
-            stride *= self.degrees[a]
+                return (self.rank // stride) % self.degree(a)
+            stride *= self.degree(a)
         raise KeyError(axis)
+
+    def strategy_view(self) -> Topology:
+        """The topology the strategies get: this one, or with context parallelism the context-parallel axis folded
+        into the data-parallel axes (``fold_cp``; torchtitan's ``dp_shard_cp``): the cp ranks hold different
+        tokens of the same sequences, so their gradients are summed like those of different micro-batches."""
+        if self.degree("cp") == 1 or self.fold_cp:
+            return self
+        return dataclasses.replace(self, fold_cp=True, _groups={})
 
     @property
     def train_group(self) -> dist.ProcessGroup | None:
@@ -124,8 +143,9 @@ class Topology:
     @property
     def dp_rank(self) -> int:
         d = self.degrees
-        return ((self.coord(MeshAxis.DP_REPLICATE) * d["dp_shard"] + self.coord(MeshAxis.DP_SHARD)) * d["ep"]
+        rank = ((self.coord(MeshAxis.DP_REPLICATE) * d["dp_shard"] + self.coord(MeshAxis.DP_SHARD)) * d["ep"]
                 + self.coord(MeshAxis.EP))
+        return rank * self.degree("cp") + self.coord(MeshAxis.CP) if self.fold_cp else rank
 
     def group(self, *axes: MeshAxis | str) -> dist.ProcessGroup | None:
         """Process group spanning ``axes`` (None when there is no process group: one process)."""
@@ -143,7 +163,8 @@ class Topology:
     @property
     def dp_axes(self) -> tuple[str, ...]:
         """The mesh axes of the data-parallel world (dense parameters reduce over them)."""
-        axes = [a for a in ("dp_replicate", "dp_shard", "ep") if self.degrees[a] > 1]
+        axes = [a for a in ("dp_replicate", "dp_shard", "ep", "cp") if self.degree(a) > 1
+                and (a != "cp" or self.fold_cp)]
         return tuple(axes) or ("dp_replicate",)
 
     @property

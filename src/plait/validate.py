@@ -52,7 +52,7 @@ def validate(cfg: Config, world_size: int, model_check: Callable[[Config, dict[s
         lo = max(per_step, t.global_batch_size // per_step * per_step)
         options = sorted({lo, lo + per_step})
         divisors = [d for d in range(1, t.global_batch_size + 1) if t.global_batch_size % (d * p.dp) == 0]
-        model_parallel = p.tp * p.pp
+        model_parallel = p.tp * p.pp * p.cp
         worlds = [d * model_parallel for d in range(1, t.global_batch_size // t.micro_batch_size + 1)
                   if t.global_batch_size % (t.micro_batch_size * d) == 0]
         raise ConfigError(

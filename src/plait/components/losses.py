@@ -6,13 +6,23 @@ inputs, the last stage the target): ``split(batch) -> (args, kwargs, target)`` a
 
 Built in:
 
-* ``causal_lm``: next-token cross-entropy, mean over the tokens that count. Batches are plait's
+* ``causal_lm``: next-token cross-entropy, mean over the tokens that count (or, inside ``per_items(n)``, their
+  sum divided by ``n``: the whole optimizer step's real tokens weigh the same, see below). Batches are plait's
   ``(x, y)`` pairs whose ``y`` is already the next token of ``x`` (the text recipe), or Hugging Face
   dicts ``{"input_ids", "labels"?, "attention_mask"?}`` whose labels are the inputs themselves: they are
   shifted here, with ``-100`` (ignored) where no next token exists, as Hugging Face models shift inside.
   The output is logits ``(B, T, V)`` or an object with ``.logits``.
-* ``hf``: the model computes its own loss: ``model(**batch).loss`` (labels in the batch).
+* ``hf``: the model computes its own loss: ``model(**batch).loss`` (labels in the batch); inside ``per_items(n)``
+  the model gets ``num_items_in_batch=n`` (transformers' convention: it sums its token losses and divides by
+  ``n``), for a model that takes it (``counts_items_for``).
 * ``classification``: ``(x, y)`` with one class index per sample; cross-entropy of ``(B, K)`` logits.
+
+Token weighting. With labels of ``-100`` (packed documents, padding, prompt masking) a mean per micro-batch lets a
+micro-batch with few real tokens weigh as much as a full one. A loss that can count its items (``count_items``:
+the causal-LM loss counts the targets that are not ``-100``) is computed, inside ``per_items(n)``, as the sum of its
+token losses divided by ``n``: plait passes ``n`` = the real tokens of the whole optimizer step (every micro-step,
+every data-parallel rank) divided by the micro-steps and ranks its backward averages over, so after that average
+every real token weighs ``1 / N`` (``plait.Plait.num_items_in_batch``). Without ``per_items`` it is the mean.
 
 A plain callable ``fn(output, target)`` is wrapped with the default split: ``(x, y, ...)`` calls
 ``model(x)`` with target ``y``; a dict calls ``model(**batch)`` without its ``labels``, which become the
@@ -21,8 +31,10 @@ target; a tensor calls ``model(batch)`` with no target.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable, Mapping
+import inspect
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -62,11 +74,34 @@ class Loss:
     """A loss over ``loss(output, target)`` with the default batch ``split`` (see the module docstring)."""
 
     name = "custom"
+    # inside ``per_items``: the divisor of the summed item losses (a 0-dim tensor); None: a mean per micro-batch
+    items: torch.Tensor | None = None
+    # whether ``count_items`` counts (the loss is then a sum over items inside ``per_items``)
+    counts_items: bool = False
 
     def __init__(self, fn: Callable[[Any, Any], torch.Tensor] | None = None, name: str | None = None) -> None:
         self._fn = fn
         if name:
             self.name = name
+
+    def count_items(self, batch: Any) -> torch.Tensor | None:
+        """The items this loss sums over in ``batch`` (a 0-dim integer tensor on the batch's device, counted
+        without reading it), or None for a loss that is a mean per micro-batch whatever ``per_items`` says."""
+        return None
+
+    def counts_items_for(self, model: nn.Module) -> bool:
+        """Whether this loss counts items (``count_items``) with ``model``: ``counts_items`` by default."""
+        return self.counts_items
+
+    @contextlib.contextmanager
+    def per_items(self, items: torch.Tensor | None) -> Iterator[None]:
+        """Inside, a loss that counts items (``count_items``) returns the sum of its item losses divided by
+        ``items`` instead of their mean (None: the mean)."""
+        before, self.items = self.items, items
+        try:
+            yield
+        finally:
+            self.items = before
 
     def split(self, batch: Any) -> tuple[tuple, dict, Any]:
         return default_split(batch)
@@ -82,9 +117,15 @@ class Loss:
 
 
 class CausalLMLoss(Loss):
-    """Next-token cross-entropy (float32), mean over tokens whose target is not ``-100``."""
+    """Next-token cross-entropy (float32), mean over tokens whose target is not ``-100`` (inside ``per_items(n)``
+    their sum / ``n``)."""
 
     name = "causal_lm"
+    counts_items = True
+
+    def count_items(self, batch: Any) -> torch.Tensor:
+        """The targets that are not ``-100`` (after the shift ``split`` applies)."""
+        return (self.split(batch)[2] != IGNORE_INDEX).sum()
 
     def split(self, batch: Any) -> tuple[tuple, dict, Any]:
         if isinstance(batch, Mapping):
@@ -105,8 +146,11 @@ class CausalLMLoss(Loss):
 
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         logits = _logits(output)  # (B, T, V)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), target.reshape(-1),
-                               ignore_index=IGNORE_INDEX)
+        flat = logits.float().view(-1, logits.size(-1))
+        if self.items is None:
+            return F.cross_entropy(flat, target.reshape(-1), ignore_index=IGNORE_INDEX)
+        total = F.cross_entropy(flat, target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+        return total / self.items
 
 
 class HFLoss(Loss):
@@ -117,7 +161,24 @@ class HFLoss(Loss):
     def split(self, batch: Any) -> tuple[tuple, dict, Any]:
         if not isinstance(batch, Mapping) or "labels" not in batch:
             raise LossError("loss 'hf' calls model(**batch).loss: the batch must be a dict holding 'labels'")
-        return (), dict(batch), None
+        kwargs = dict(batch)
+        if self.items is not None:  # the model sums its token losses and divides by it (transformers' convention)
+            kwargs["num_items_in_batch"] = self.items
+        return (), kwargs, None
+
+    def counts_items_for(self, model: nn.Module) -> bool:
+        """Whether ``model`` takes ``num_items_in_batch`` (transformers' rule: its ``accepts_loss_kwargs``, else a
+        ``**kwargs`` in its ``forward``)."""
+        if hasattr(model, "accepts_loss_kwargs"):
+            return bool(model.accepts_loss_kwargs)
+        params = inspect.signature(type(model).forward).parameters.values()
+        return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+
+    def count_items(self, batch: Any) -> torch.Tensor:
+        """The labels that count after the model's own shift (``labels[..., 1:]``, or ``shift_labels`` as given)."""
+        if isinstance(batch, Mapping) and "shift_labels" in batch:
+            return (batch["shift_labels"] != IGNORE_INDEX).sum()
+        return (self.split(batch)[1]["labels"][..., 1:] != IGNORE_INDEX).sum()
 
     def loss(self, output: Any, target: Any) -> torch.Tensor:
         loss = getattr(output, "loss", None)

@@ -20,7 +20,7 @@ so it holds the parameters the layout trains. The returned model is the user's o
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from plait.comm.auto import AutoCompress
 from plait.comm.collectives import comm_from_config
 from plait.comm.watchdog import StepWatchdog
 from plait.components.hf_checkpoint import DEFAULT_SHARD_BYTES
-from plait.components.losses import Loss, infer_loss, resolve_loss
+from plait.components.losses import IGNORE_INDEX, Loss, infer_loss, resolve_loss
 from plait.components.optim import optimizer_factory
 from plait.components.rng import RngStream, run_forward_in
 from plait.config import Config
@@ -107,7 +107,7 @@ class Plait(SmallCollectives):
         self.metrics = MetricsSink(self.files.run_dir, cfg, self.is_main)
         self.stepper = Stepper(cfg, self.rank, self.world_size, self.comm, self.watchdog, self.files,
                                self.preemption, self.group, self.auto, self.finish_saves, self.prometheus, self.rng,
-                               self.device)
+                               self.device, self.topology)
         self.loss: Loss | None = None
         self._closed = False
 
@@ -335,14 +335,80 @@ class Plait(SmallCollectives):
         check_loss(loss)
 
     @explained
-    def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Any = None) -> torch.Tensor:
+    def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Any = None,
+                         num_items_in_batch: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of one micro-batch with ``loss_fn`` (default: the one given to setup,
         else inferred from the batch); returns this micro-batch's loss, detached. Works for every layout,
-        pipeline parallelism included (where it returns 0 on ranks without the last stage)."""
+        pipeline parallelism included (where it returns 0 on ranks without the last stage).
+        ``num_items_in_batch`` (from ``num_items_in_batch``): a loss that counts its items (the causal-LM loss)
+        is their sum divided by it, so every real token of the optimizer step weighs the same."""
         self._require_strategy()
         loss = self._loss_for(model, batch, loss_fn)
-        samples = batch_size(batch, loss) if self.shares is not None else None
-        return self.stepper.forward_backward(model, self.to_device(batch), loss, samples)
+        samples = batch_size(batch, loss) if self.shares is not None and num_items_in_batch is None else None
+        with loss.per_items(num_items_in_batch):
+            return self.stepper.forward_backward(model, self.to_device(batch), loss, samples)
+
+    @explained
+    def num_items_in_batch(self, batches: Any, loss_fn: Any = None, *, shift: bool = True) -> torch.Tensor:
+        """The divisor that makes a summed loss one mean over the real tokens of the whole optimizer step.
+
+        ``batches``: this rank's labels of every micro-batch of the optimizer step (a tensor or a list of them:
+        Hugging Face labels, ``-100`` where a token does not count), or its micro-batches (dicts with
+        ``labels``, or any batch ``loss_fn`` counts; ``loss_fn`` defaults to the one given to setup). Labels are
+        counted after the causal-LM shift (``labels[..., 1:]``; ``shift=False`` counts them as they are), as
+        transformers counts ``num_items_in_batch``. The counts are summed over the data-parallel ranks (one
+        all-reduce of one number when dp > 1; the only collective, on the device, nothing read back) and divided
+        by the micro-steps and ranks ``backward`` averages over (accumulation x the ranks gradients are averaged
+        over), so that ``loss = token_losses.sum() / n`` per micro-step, or a Hugging Face model's
+        ``model(**batch, num_items_in_batch=n).loss``, through ``backward`` weighs every real token of the step
+        ``1 / N``. Returns a 0-dim float32 tensor on this rank's device; every data-parallel rank must call it."""
+        strategy = self._require_strategy()
+        if not self.model_whole:
+            raise PlaitError("num_items_in_batch: under pipeline parallelism the last stage computes the loss per "
+                             "pipeline micro-batch; use the mean loss given to setup (loss_fn)")
+        if not self.weighs_tokens:
+            raise PlaitError("num_items_in_batch: the data-parallel ranks of this layout run at their own pace (an "
+                             "asynchronous parameter server), so no step's token count is shared; use a mean loss")
+        items = list(batches) if isinstance(batches, list | tuple) else [batches]
+        if not items:
+            raise PlaitError("num_items_in_batch() got no labels: pass every micro-batch's labels of the step")
+        counts = [self._count_items(b, loss_fn, shift) for b in items]
+        divisor = strategy.topo.dp * self.window.accumulation  # backward averages over these (dp, x cp if folded)
+        # Host counts are added on the host and filled in on the device (a kernel, not a copy that waits for the
+        # stream); counts of labels already on the device stay there: nothing is read back.
+        host = sum(int(c.numpy()) for c in counts if c.device.type == "cpu")  # numpy: no tensor read is dispatched
+        on_device = [c for c in counts if c.device.type != "cpu"]
+        if self.dp == 1 and not on_device:  # one fill, the step's only op here
+            return torch.full((), host / divisor, dtype=torch.float32, device=self.device)
+        total = torch.full((1,), float(host), dtype=torch.float64, device=self.device)
+        for c in on_device:
+            total += c.to(device=self.device, dtype=torch.float64)
+        if self.dp > 1:
+            self._meet()
+            self.comm.all_reduce_sum(total, self.topology.dp_group, name="num_items_in_batch")
+        return (total[0] / divisor).float()
+
+    @property
+    def weighs_tokens(self) -> bool:
+        """Whether ``num_items_in_batch`` applies: the model runs whole on each rank (not a pipeline) and the
+        data-parallel ranks meet at every step (not an asynchronous parameter server)."""
+        strategy = self._require_strategy()
+        return self.model_whole and (self.dp == 1 or strategy.agreement_group(self.group)[0])
+
+    def _count_items(self, batch: Any, loss_fn: Any, shift: bool) -> torch.Tensor:
+        """One micro-batch's items: labels counted (HF convention), or what the loss counts in a batch."""
+        if isinstance(batch, torch.Tensor):
+            return ((batch[..., 1:] if shift else batch) != IGNORE_INDEX).sum()
+        loss = resolve_loss(loss_fn) if loss_fn is not None else self.loss
+        count = loss.count_items(batch) if loss is not None else None
+        if count is None and isinstance(batch, Mapping) and "shift_labels" in batch:
+            return self._count_items(batch["shift_labels"], None, False)
+        if count is None and isinstance(batch, Mapping) and "labels" in batch:
+            return self._count_items(batch["labels"], None, shift)
+        if count is None:
+            raise PlaitError("num_items_in_batch: cannot count the items of a batch of type "
+                             f"{type(batch).__name__}; pass the labels tensors (-100 where a token does not count)")
+        return count
 
     def _loss_for(self, model: nn.Module, batch: Any, loss_fn: Any) -> Loss:
         loss = resolve_loss(loss_fn) if loss_fn is not None else self.loss

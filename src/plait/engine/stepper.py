@@ -80,7 +80,7 @@ class Stepper:
     def __init__(self, config: Config, rank: int, world_size: int, comm: Comm, watchdog: StepWatchdog,
                  files: RunFiles, preemption: PreemptionFlag, group: Any, auto: AutoCompress | None,
                  at_boundary: Callable[[], None], prometheus: Any = None, rng: RngStream | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, topology: Any = None) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.comm, self.watchdog, self.files, self.preemption, self.group, self.auto = (
             comm, watchdog, files, preemption, group, auto)
@@ -89,6 +89,7 @@ class Stepper:
         self.rng = rng  # the model's random stream (plait.components.rng): forward_backward draws from it
         self.logger = get_logger(rank)
         self.device = device if device is not None else torch.device("cpu")
+        self.topology = topology  # the engine's: its dp counts the ranks that read different batches
         self.window = AccumulationWindow(config.grad_accum)
         self.scaler = LossScaler(enabled=config.train.precision == "fp16", device=self.device)
         self.clip = config.optim.grad_clip if config.optim.grad_clip > 0 else float("inf")
@@ -133,7 +134,7 @@ class Stepper:
         if self.announced == n:
             return
         self.announced = n
-        t, dp = self.config.train, self.strategy.topo.dp
+        t, dp = self.config.train, self._data_ranks()
         self.logger.info("global batch %d = %d samples per micro-step x dp %d x %d micro-step%s per optimizer step",
                          t.global_batch_size, t.global_batch_size // (dp * n), dp, n, "" if n == 1 else "s")
 
@@ -146,8 +147,12 @@ class Stepper:
         samples: ``num_samples`` / the even micro-batch, so the averaged gradient is the global batch's mean."""
         if self.shares is None or num_samples is None:
             return 1.0
-        dp = self.strategy.topo.dp
+        dp = self._data_ranks()
         return num_samples * dp * self.window.accumulation / self.config.train.global_batch_size
+
+    def _data_ranks(self) -> int:
+        """The ranks that read different batches (the strategy's dp also counts context-parallel ranks)."""
+        return (self.topology or self.strategy.topo).dp
 
     def backward(self, loss: torch.Tensor, num_samples: int | None) -> None:
         """Backward of a loss the user's own forward computed."""

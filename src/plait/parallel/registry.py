@@ -15,6 +15,7 @@ from torch import nn
 from plait.comm.collectives import Comm
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.parallel.apply import ModelSpec
+from plait.parallel.context import strategy as context_strategy  # noqa: F401
 from plait.parallel.data import strategy as data_strategy  # noqa: F401 - the strategies register themselves
 from plait.parallel.expert import strategy as expert_strategy  # noqa: F401
 from plait.parallel.fsdp import strategy as fsdp_strategy  # noqa: F401
@@ -61,8 +62,9 @@ def check_all(cfg: Config, degrees: dict[str, int]) -> None:
 
 
 def build(cls: type[Strategy], model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec: ModelSpec) -> Any:
-    """``cls`` applied to ``model`` (``Strategy.apply``), then the wrappers the config asks for around it."""
-    strategy = cls.apply(model, topo, cfg, comm, spec)
+    """``cls`` applied to ``model`` (``Strategy.apply``) over the strategies' view of the topology
+    (``Topology.strategy_view``), then the wrappers the config asks for around it."""
+    strategy = cls.apply(model, topo.strategy_view(), cfg, comm, spec)
     for wrapper in wrappers_for(cfg.parallel):
         strategy = wrapper(strategy)
     return strategy

@@ -42,6 +42,21 @@ def check_model(cfg: Config, degrees: dict[str, int]) -> None:
         raise ConfigError("packed documents (data.pack) carry per-token position ids, which the GPT's pipeline stages "
                           "and sequence-parallel position embedding do not take; use parallel.pp=1 and "
                           "parallel.sequence_parallel=false, or data.pack=false")
+    cp = degrees.get("cp", 1)
+    if cp > 1:
+        from plait.parallel.context.sharding import check_length
+
+        check_length(m.seq_len, cp, "model.seq_len")
+        if p.cp_impl == "alltoall":
+            from plait.parallel.context.alltoall import check_heads
+
+            check_heads(m.n_head, cp, "heads (model.n_head)")
+        if m.dropout > 0:
+            raise ConfigError(f"parallel.cp={cp} computes attention without dropout, but model.dropout={m.dropout}; "
+                              "set model.dropout=0 or parallel.cp=1")
+        if cfg.data.document_mask:
+            raise ConfigError(f"parallel.cp={cp} does not take the document mask yet; set data.document_mask=false "
+                              "or parallel.cp=1")
     if degrees["pp"] > 1:
         virtual = p.pp_virtual_stages or NATURAL_VIRTUAL.get(p.pp_schedule, 1)
         if m.n_layer < degrees["pp"] * virtual:

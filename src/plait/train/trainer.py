@@ -140,6 +140,10 @@ class Trainer:
         self.model, self.optimizer = p.setup(model, optimizer, scheduler if scheduler is not None else
                                              warmup_cosine(cfg), loss_fn=self.loss, sample=sample, **setup_kwargs)
         self.scheduler = p.scheduler
+        # a loss that counts its items (causal LM) weighs every real token of the optimizer step the same; a
+        # pipeline's last stage computes it per pipeline micro-batch, and an asynchronous parameter server's workers
+        # share no step, so there it stays a mean per micro-batch (Plait.weighs_tokens)
+        self.token_weighted = self.loss.counts_items_for(model) and p.weighs_tokens
         self.peak = self._peak()
         self.state = RunState()
         self.state.skipped_steps = lambda: p.skipped_steps  # read from the engine only when looked up
@@ -306,15 +310,18 @@ class Trainer:
         p = self.p
         log = self.logs_at(self.state.step + 1) if log is None else log
         t_start = time.perf_counter()
-        data_s, tokens, samples, info = 0.0, 0, 0, None
-        while info is None:
-            t0 = time.perf_counter()
-            batch = self._next_batch()
-            data_s += time.perf_counter() - t0
+        tokens, samples, info = 0, 0, None
+        # The step's micro-batches are read first: the loss divides by the real tokens of all of them (over every
+        # data-parallel rank), known before the first backward (plait.components.losses: token weighting)
+        batches = [self._next_batch() for _ in range(p.accumulation - p.window.micro)]
+        data_s = time.perf_counter() - t_start
+        items = p.num_items_in_batch(batches, self.loss) if self.token_weighted else None
+        for batch in batches:
             n_tok, n_smp = _items(batch, self.loss)
             tokens, samples = tokens + n_tok, samples + n_smp
-            p.forward_backward(self.model, batch, self.loss)
+            p.forward_backward(self.model, batch, self.loss, items)
             info = p.step(log)
+        assert info is not None, "the accumulation window did not close"
         step_s = time.perf_counter() - t_start
         if p.finish_blocking_s:  # an asynchronous save completed in this step: its wait is blocking time
             self.recovery.save_done(p.finish_blocking_s)

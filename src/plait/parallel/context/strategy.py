@@ -1,0 +1,152 @@
+"""``ContextParallel``: the wrapper that splits each micro-batch's sequence over the context-parallel ranks.
+
+Composed (``plait.parallel.registry``) around the data-parallel strategy when ``parallel.cp > 1``. The engine
+gives it whole micro-batches (the cp ranks of a group read the same ones) and it:
+
+1. splits the batch with the loss's own ``split``, so the causal-LM labels are shifted *before* the sequence is
+   cut (no target crosses a shard);
+2. keeps this rank's load-balanced shard of every (B, T, ...) tensor (``sharding``) and gives the model the
+   global ``position_ids`` of its tokens (a batch's own, packed ones are sharded the same way);
+3. runs the inner strategy's micro-step with the model's attention routed through the cp attention
+   (``attention``), and the loss divided by real-token counts of the whole sequence: the engine's
+   ``num_items_in_batch`` (over the optimizer step) or, without it, this micro-batch's count / cp, never a mean
+   of the shards' means;
+4. gradients: the inner strategy averages them over dp x cp (its topology has cp folded in), which with the
+   counts above is the gradient of one process on the whole sequence.
+
+Evaluation runs the same shards and sums the shards' (sum / count) over the cp group: one all-reduce of one number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.components.losses import IGNORE_INDEX, Loss
+from plait.config import Config, ConfigError, ParallelConfig
+from plait.parallel.context.attention import ContextAttention, route_gpt
+from plait.parallel.context.sharding import ContextError, check_length, shard, shard_index
+from plait.parallel.strategy import register_strategy
+from plait.parallel.tensor.plan import local_value
+from plait.parallel.wrapper import Wrapper
+from plait.topology import MeshAxis
+
+
+class Shard(NamedTuple):
+    """One rank's part of a micro-batch, already split into the model's inputs and the target."""
+
+    args: tuple
+    kwargs: dict
+    target: torch.Tensor
+
+
+class ShardLoss(Loss):
+    """The user's loss over a ``Shard``: its ``split`` is done (before the cut), its ``loss`` is the user's."""
+
+    def __init__(self, base: Loss) -> None:
+        super().__init__(name=base.name)
+        self.base = base
+
+    def split(self, batch: Any) -> tuple[tuple, dict, Any]:
+        return batch.args, batch.kwargs, batch.target
+
+    def loss(self, output: Any, target: Any) -> torch.Tensor:
+        return self.base.loss(output, target)
+
+
+@register_strategy
+class ContextParallel(Wrapper):
+    """Context parallelism around the chosen data-parallel strategy (see the module docstring)."""
+
+    name = "context"
+    kind = "context-parallel"
+
+    @classmethod
+    def wraps(cls, p: ParallelConfig) -> bool:
+        return p.cp > 1
+
+    @classmethod
+    def check(cls, cfg: Config, degrees: dict[str, int]) -> None:
+        p = cfg.parallel
+        if p.cp <= 1:
+            return
+        unsupported = [f"parallel.{k}={v}" for k, v, off in (("tp", p.tp, 1), ("pp", p.pp, 1), ("ep", p.ep, 1),
+                                                               ("zero", p.zero, 0), ("mode", p.mode, "collective"))
+                       if v != off]
+        if unsupported:
+            raise ConfigError(f"parallel.cp={p.cp} composes with data parallelism only so far; "
+                              f"{', '.join(unsupported)} with context parallelism is not supported yet: set "
+                              "parallel.cp=1, or leave those at their defaults")
+        if cfg.train.compile:
+            raise ConfigError(f"train.compile={cfg.train.compile!r} with parallel.cp > 1 is not supported yet; set "
+                              "train.compile=false")
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.cp, self.cp_rank = self.topo.degree(MeshAxis.CP), self.topo.coord(MeshAxis.CP)
+        self.group = self.topo.group(MeshAxis.CP)
+        self.attention = ContextAttention(self.group, self.cfg.parallel.cp_impl)
+        if not route_gpt(self.model, self.attention):
+            raise ContextError(f"parallel.cp > 1 routes the attention of plait's GPT; {type(self.model).__name__} has "
+                               "no plait.models.gpt.CausalSelfAttention layer to route: use plait's GPT or "
+                               "parallel.cp=1")
+        self._losses: dict[int, ShardLoss] = {}
+
+    def _shard_loss(self, loss: Loss) -> ShardLoss:
+        if id(loss) not in self._losses:
+            self._losses[id(loss)] = ShardLoss(loss)
+        return self._losses[id(loss)]
+
+    def _split(self, batch: Any, loss: Any, divide: int) -> tuple[Shard, torch.Tensor, torch.Tensor]:
+        """This rank's shard of ``batch``, its global positions, and the divisor of its summed loss: the engine's
+        (``num_items_in_batch``) or the whole sequence's real tokens / ``divide``."""
+        if not isinstance(loss, Loss) or not loss.counts_items:
+            raise ContextError(f"parallel.cp > 1 needs a loss that counts its tokens, so the shards' losses add up to "
+                               f"the whole sequence's: use loss causal_lm (got {getattr(loss, 'name', loss)!r})")
+        args, kwargs, target = loss.split(batch)  # the causal-LM shift happens here, before the cut
+        if "attention_mask" in kwargs:
+            raise ContextError("parallel.cp > 1 does not take an attention_mask yet; leave it out of the batch")
+        B, T = target.shape[:2]
+        check_length(T, self.cp, "the batch's sequence length")
+        index = shard_index(T, self.cp, self.cp_rank, device=target.device)  # (T / cp,)
+        items = loss.items
+        if items is None:
+            items = (target != IGNORE_INDEX).sum().float() / divide
+        kwargs = {k: shard(v, index, T) for k, v in kwargs.items()}
+        kwargs.setdefault("position_ids", index.expand(B, -1))  # the global positions of this rank's tokens
+        part = Shard(tuple(shard(a, index, T) for a in args), kwargs, shard(target, index, T))
+        return part, index, items
+
+    def forward_backward(self, model: nn.Module, batch: Any, loss: Any, scale: float,
+                         before_backward: Callable[[float], None] | None = None,
+                         times: dict[str, float] | None = None) -> torch.Tensor:
+        part, index, items = self._split(batch, loss, divide=self.cp)
+        with self.attention.active(index), loss.per_items(items):
+            return self.inner.forward_backward(model, part, self._shard_loss(loss), scale, before_backward, times)
+
+    def backward(self, loss: torch.Tensor, scale: float) -> None:
+        raise ContextError("under parallel.cp > 1 plait splits each sequence itself: run each micro-step with "
+                           "p.forward_backward(model, batch), not model(...) and p.backward(loss)")
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, batch: Any, loss: Any) -> torch.Tensor:
+        """The whole sequence's mean loss on every cp rank: each shard's sum / the whole count, summed over cp."""
+        part, index, items = self._split(batch, loss, divide=1)
+        with self.attention.active(index), loss.per_items(items):
+            value = local_value(self.inner.evaluate(model, part, self._shard_loss(loss))).float().reshape(1)
+        dist.all_reduce(value, group=self.group)
+        return value[0]
+
+    def describe(self) -> str:
+        inner = self.inner.describe()
+        return f"{inner}/context-parallel" if inner else "context-parallel"
+
+    def report(self, run_dir: Path | None, measured: dict[str, int] | None, device: torch.device) -> dict[str, Any]:
+        out = dict(self.inner.report(run_dir, measured, device))
+        out["context_parallel"] = {"cp": self.cp, "impl": self.cfg.parallel.cp_impl}
+        return out
