@@ -233,6 +233,20 @@ class ParallelConfig:
     # BatchNorm statistics over the whole data-parallel batch (SyncBatchNorm) instead of each rank's own;
     # without it, running statistics are averaged over the data-parallel ranks after every step.
     sync_batchnorm: bool = False
+    # How data-parallel replicas synchronise: every_step all-reduces the gradients of every step; diloco
+    # (DiLoCo, local SGD) lets each replica take diloco_inner_steps steps with its own optimizer and no
+    # communication, then averages the replicas' weight changes (the pseudo-gradient) in one all-reduce and
+    # applies it with an outer Nesterov SGD: about 1/diloco_inner_steps of the bytes on the wire.
+    sync: Literal["every_step", "diloco"] = "every_step"
+    # sync=diloco: optimizer steps each replica takes alone between two synchronisations (H).
+    diloco_inner_steps: int = 100
+    # sync=diloco: the outer optimizer's learning rate (DiLoCo's 0.7; 1.0 with momentum 0 averages the replicas'
+    # weights, as local SGD does).
+    diloco_outer_lr: float = 0.7
+    # sync=diloco: the outer optimizer's momentum (DiLoCo's 0.9; 0 for plain averaging).
+    diloco_outer_momentum: float = 0.9
+    # sync=diloco: Nesterov momentum for the outer optimizer (DiLoCo's choice; needs a momentum above 0).
+    diloco_nesterov: bool = True
 
 
 @dataclass

@@ -15,7 +15,8 @@ from torch import nn
 from plait.comm.collectives import Comm
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.parallel.apply import ModelSpec
-from plait.parallel.data import strategy as data_strategy  # noqa: F401 - the strategies register themselves
+from plait.parallel.data import diloco  # noqa: F401 - the strategies register themselves
+from plait.parallel.data import strategy as data_strategy  # noqa: F401
 from plait.parallel.expert import strategy as expert_strategy  # noqa: F401
 from plait.parallel.fsdp import strategy as fsdp_strategy  # noqa: F401
 from plait.parallel.pipeline import sharded as pipeline_sharded  # noqa: F401
