@@ -170,15 +170,17 @@ def cmd_run(argv: list[str]) -> int:
 
     from plait.launch import Restarts, launch_script
 
-    nproc, max_restarts, i, node_args = 1, 0, 0, []
+    nproc, max_restarts, replicas, i, node_args, lighthouse = 1, 0, 0, 0, [], ""
     options = {"--nproc": "nproc", "--nproc-per-node": "nproc", "--nproc_per_node": "nproc",
-               "--max-restarts": "max_restarts", "--max_restarts": "max_restarts", **dict.fromkeys(NODE_OPTIONS, "")}
+               "--max-restarts": "max_restarts", "--max_restarts": "max_restarts", "--replicas": "replicas",
+               "--lighthouse": "lighthouse", **dict.fromkeys(NODE_OPTIONS, "")}
     while i < len(argv) and argv[i].startswith("-"):
         a = argv[i]
         name = a.split("=", 1)[0]
         if name not in options:
             raise ConfigError(f"unknown option {a} for plait run; usage: plait run [--nproc N] [--max-restarts R] "
-                              "[--nnodes MIN:MAX --rdzv-endpoint HOST:PORT --rdzv-id ID] SCRIPT [ARGS ...]")
+                              "[--replicas G [--lighthouse URL]] [--nnodes MIN:MAX --rdzv-endpoint HOST:PORT "
+                              "--rdzv-id ID] SCRIPT [ARGS ...]")
         if "=" in a:
             value, i = a.split("=", 1)[1], i + 1
         elif i + 1 < len(argv):
@@ -188,12 +190,17 @@ def cmd_run(argv: list[str]) -> int:
         if not options[name]:  # several machines: read by _nodes_of
             node_args.append(f"{name}={value}")
             continue
+        if options[name] == "lighthouse":
+            lighthouse = value
+            continue
         try:
             number = int(value)
         except ValueError:
             raise ConfigError(f"{name} needs a whole number; got {value!r}") from None
         if options[name] == "nproc":
             nproc = number
+        elif options[name] == "replicas":
+            replicas = number
         else:
             max_restarts = number
     if nproc < 1:
@@ -203,6 +210,8 @@ def cmd_run(argv: list[str]) -> int:
     script = argv[i]
     if not Path(script).is_file():
         raise ConfigError(f"script {script} does not exist")
+    if replicas or lighthouse:
+        return _run_replicas(script, argv[i + 1:], replicas, nproc, max_restarts, lighthouse)
     from plait.runtime.dist import FOLLOW_RUN_DIR_ENV
 
     # The launcher's own files (progress, worker pids, errors raised before plait.Plait exists) go to a fresh
@@ -212,6 +221,23 @@ def cmd_run(argv: list[str]) -> int:
     restarts = Restarts(max_restarts=max_restarts, state_dir=error_dir.parent)
     launch_script(script, argv[i + 1:], nproc, error_dir, restarts, _nodes_of(node_args))
     return 0
+
+
+def _run_replicas(script: str, args: list[str], replicas: int, nproc: int, max_restarts: int, lighthouse: str) -> int:
+    """``plait run --replicas G``: the script as G torchft replica groups of one worker each (fault.mode=replicas),
+    each under its own elastic agent restarting it up to ``max_restarts`` times; a loopback Lighthouse unless
+    ``--lighthouse`` names one."""
+    from plait.fault.replicas import launch_replica_groups, require_torchft
+
+    if replicas < 1:
+        raise ConfigError(f"--replicas must be at least 1 (replica groups); got {replicas}")
+    if nproc != 1:
+        raise ConfigError(f"--replicas runs one worker per replica group; drop --nproc {nproc}")
+    require_torchft()
+    rc = launch_replica_groups(lambda g: ["-m", "plait.launch", script, *args], replicas, max_restarts, lighthouse)
+    if rc:
+        print(f"plait: a replica group failed (exit status {rc}) after {max_restarts} restart(s)", file=sys.stderr)
+    return rc
 
 
 def cmd_sample(argv: list[str]) -> int:

@@ -290,6 +290,16 @@ class CheckpointConfig:
 
 @dataclass
 class FaultConfig:
+    # How a failed worker is survived: restart every worker from the newest checkpoint (restart), or per step on
+    # torchft (replicas): each data-parallel replica group is a torchft replica group; when one dies the others
+    # finish the step with the live replicas' gradients and go on, and its replacement heals from a live peer.
+    # Needs torchft (pip install 'plait[ft]') and the launcher's replica groups (plait run --replicas N, plait train).
+    mode: Literal["restart", "replicas"] = "restart"
+    # fault.mode=replicas: the torchft Lighthouse's address (http://HOST:PORT); empty: plait run and plait train
+    # start one on this machine's loopback.
+    lighthouse: str = ""
+    # fault.mode=replicas: fewest live replica groups a step may commit with.
+    min_replicas: int = 1
     # Restarts of the whole worker group after a failure, each resuming from the newest good checkpoint
     # (0: none). Not for errors a restart cannot fix (configuration, data, a failure before the first step).
     max_restarts: int = 3

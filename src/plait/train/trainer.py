@@ -141,7 +141,7 @@ class Trainer:
                                              warmup_cosine(cfg), loss_fn=self.loss, sample=sample, **setup_kwargs)
         self.scheduler = p.scheduler
         self.peak = self._peak()
-        self.state = RunState()
+        self.state = RunState(step=p.steps)  # above 0 where setup joined live replicas at a later step
         self.state.skipped_steps = lambda: p.skipped_steps  # read from the engine only when looked up
         self._it: Any = None
         self.recovery = Recovery(self)
@@ -217,6 +217,10 @@ class Trainer:
         steps, are skipped with a warning naming the problem); False when it has none."""
         from plait.components.integrity import newest_good
 
+        if self.p.steps > 0:  # setup joined live replicas (fault.mode=replicas): their state is newer than any save
+            self.log.info("joined the live replicas at step %d: their state, not a checkpoint, is continued",
+                          self.p.steps)
+            return True
         found = newest_good(self.run_dir, check=self.cfg.checkpoint.verify)
         for path, problems in found.skipped.items():
             self.log.warning("checkpoint %s skipped: %s", path, "; ".join(problems))
