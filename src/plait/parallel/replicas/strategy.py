@@ -26,16 +26,20 @@ ring model's ``2 (n - 1) / n`` of the buffer over ``n`` live groups), the quorum
 Limits (refused with a message in ``Replicas.check``): a replica group is one rank with the whole model (no
 ZeRO, FSDP, HSDP, tensor, pipeline or expert parallelism inside a group yet), plait's reducer settings that
 act on a per-step collective of their own (``comm.compress``, ``comm.allreduce``, ``parallel.impl=torch``,
-``sync_batchnorm``, ``fault.rebalance``) and DiLoCo. Checkpoints are each group's own (in its run directory);
-torchft's manager serves its state on all interfaces of the machine (torchft binds ``[::]``).
+``sync_batchnorm``, ``fault.rebalance``) and DiLoCo. Checkpoints are each group's own (in its run directory).
+A heal's state is read with ``torch.load(weights_only=True)`` (torchft's own transport would unpickle it with code
+execution). torchft's manager and its checkpoint server listen on every interface of the machine (torchft binds
+``[::]`` and ``""``; only the Lighthouse plait starts is on loopback): run replica groups on a trusted network.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -50,6 +54,24 @@ from plait.parallel.data.reducer import LocalGrads
 from plait.parallel.data.strategy import DataParallel
 from plait.parallel.strategy import PlaitError, Strategy, register_strategy
 from plait.topology import Topology
+
+
+def _weights_only_transport(timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport, reading a peer's state with ``torch.load(weights_only=True)``: torchft's
+    own reads it with pickle's code execution (``weights_only=False``), which plait never does. What a heal sends
+    (tensors, numbers, strings, lists, tuples, dicts) needs nothing more."""
+    import urllib.request
+
+    from torchft.checkpointing._serialization import _streaming_load
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class WeightsOnlyHTTPTransport(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return _streaming_load(f, weights_only=True)
+
+    return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
 
 
 class ReplicaTopology(Topology):
@@ -151,14 +173,18 @@ class Replicas(DataParallel):
         if not lighthouse:
             raise PlaitError("fault.mode=replicas needs a torchft Lighthouse: set fault.lighthouse=http://HOST:PORT, "
                              "or start the run with plait run --replicas N / plait train, which start one")
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this group's own
+        # what the other groups reach this one at: loopback when the Lighthouse is local, else this machine's name
+        local = urlparse(lighthouse).hostname in ("127.0.0.1", "localhost", "::1")
+        host = "127.0.0.1" if local else socket.gethostname()
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)  # this group's own
         connect = timedelta(seconds=min(30.0, self.cfg.comm.timeout_s))
         try:
             self.manager = Manager(
                 pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._heal, state_dict=self._heal_state,
                 min_replica_size=f.min_replicas, use_async_quorum=False, timeout=timeout, quorum_timeout=timeout,
-                connect_timeout=connect, rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
-                lighthouse_addr=lighthouse, replica_id=f"plait_replica_{self.topo.dp_rank}", hostname="127.0.0.1")
+                connect_timeout=connect, rank=0, world_size=1, store_addr=host, store_port=store.port,
+                lighthouse_addr=lighthouse, replica_id=f"plait_replica_{self.topo.dp_rank}", hostname=host,
+                checkpoint_transport=_weights_only_transport(timeout))
             self._store = store
             self._first_quorum()
         except Exception as e:  # torchft's errors name a gRPC status; the user needs the address and the fix
