@@ -60,7 +60,9 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
     from plait.runtime.dist import external_world_size, launched_externally
 
     config_path, resume, overrides = _split_train_args(argv)
-    if not resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    replacement = restarted and "PLAIT_REPLICA_GROUP" in os.environ  # heals from a live replica, not from disk
+    if not resume and restarted and not replacement:
         # torchrun --max-restarts started this worker again: continue the run it was training
         cfg0 = load_recipe_config(config_path, overrides)
         run_id = os.environ.get("TORCHELASTIC_RUN_ID")
@@ -82,7 +84,7 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
         cfg = load_recipe_config(config_path, overrides)
         run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID")
         run_dir = Path(cfg.run.dir or f"runs/plait-{run_id or time.strftime('%Y%m%d-%H%M%S')}")
-        if (run_dir / "checkpoints" / "latest").exists():
+        if (run_dir / "checkpoints" / "latest").exists() and not replacement:
             raise ConfigError(
                 f"{run_dir} already holds a run with checkpoints; continue it with --resume {run_dir}, "
                 "or choose another run.dir"
@@ -112,12 +114,19 @@ def cmd_train(argv: list[str]) -> int:
 
         require_plotting()
     external = launched_externally()
+    if cfg.fault.mode == "replicas" and not external:
+        return _train_replicas(argv, cfg, written, run_dir)
     is_rank0 = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
     if is_rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(written))
     if external:
         os.environ.setdefault(ERROR_DIR_ENV, str((run_dir / "errors").resolve()))
+        if "PLAIT_REPLICA_GROUP" in os.environ and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            # a replica group's replacement heals from a live group; with none live, its own newest checkpoint
+            from plait.components.checkpoint import latest_checkpoint
+
+            resume = latest_checkpoint(run_dir) is not None
         summary = run_worker(train, (cfg, run_dir, resume), cfg.comm.backend, cfg.comm.timeout_s)
     elif cfg.parallel.nproc == 1 and not _nodes_of(argv).multi:
         summary = train(cfg, run_dir, resume)
@@ -147,6 +156,24 @@ def cmd_train(argv: list[str]) -> int:
         made = cfg.observe.report and report.is_file()
         lines.append(f"  report:        {report}" if made else f"  report:        plait report {run_dir}")
         print("\n".join(lines))
+    return 0
+
+
+def _train_replicas(argv: list[str], cfg: Config, written: Config, run_dir: Path) -> int:
+    """``plait train`` with fault.mode=replicas: parallel.nproc torchft replica groups of one worker each, group g
+    training in RUN_DIR/replica<g> under its own elastic agent (restarting it up to fault.max_restarts times)."""
+    from plait.fault.replicas import launch_replica_groups
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(written))
+    f, groups = cfg.fault, cfg.parallel.nproc
+    rc = launch_replica_groups(lambda g: ["-m", "plait.cli", "train", *argv, f"--run.dir={run_dir / f'replica{g}'}"],
+                               groups, f.max_restarts, f.lighthouse, f.min_replicas)
+    if rc:
+        print(f"plait: a replica group failed (exit status {rc}); see {run_dir}/replica*/errors", file=sys.stderr)
+        return rc
+    print(f"\nplait: trained {cfg.train.steps} steps in {groups} torchft replica groups: {run_dir}/replica0 .. "
+          f"replica{groups - 1} (each its own metrics, summary and checkpoints)")
     return 0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -150,3 +151,49 @@ def test_unreachable_lighthouse_is_one_clear_error(tmp_path: Path, monkeypatch: 
     with pytest.raises(PlaitError, match=f"Lighthouse at {address} did not answer within 3 s"):
         p.setup(nn.Linear(2, 1))
     p.close()
+
+
+@pytest.mark.slow
+def test_plait_train_replica_group_killed_and_healed(tmp_path: Path) -> None:
+    """``plait train`` with fault.mode=replicas: its own launcher (one agent per group, a loopback Lighthouse),
+    group 1's worker SIGKILLed at step 5 (steps slowed to ~0.3 s by fault.slow_factor, so that the survivor is
+    still training when the replacement has started), the replacement healed through the trainer; both export the
+    same model."""
+    from helpers import TINY_CLI
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    args = [a for a in TINY_CLI if not a.startswith("--parallel.nproc")] + [
+        "--parallel.nproc=2", "--fault.mode=replicas", "--fault.max_restarts=1", "--train.steps=200",
+        "--checkpoint.every=50", "--fault.slow_rank=0", "--fault.slow_factor=40", f"--run.dir={run}"]
+    log = open(tmp_path / "train.log", "w")
+    proc = subprocess.Popen(cli_argv("train", *args), env=cli_env(), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+                            start_new_session=True)
+    survivor_pid = killed = None
+    try:
+        deadline = time.monotonic() + 500
+        while proc.poll() is None and time.monotonic() < deadline:
+            progress = run / "replica1" / "progress.json"
+            if killed is None and progress.is_file() and json.loads(progress.read_text() or "{}").get("steps", 0) >= 5:
+                survivor_pid = (run / "replica0" / "workers" / "rank0.pid").read_text().split()[0]
+                killed = int((run / "replica1" / "workers" / "rank0.pid").read_text().split()[0])
+                os.kill(killed, signal.SIGKILL)
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    text = (tmp_path / "train.log").read_text()
+    assert proc.returncode == 0 and killed is not None, text[-3000:]
+    assert (run / "replica0" / "workers" / "rank0.pid").read_text().split()[0] == survivor_pid
+    assert int((run / "replica1" / "workers" / "rank0.pid").read_text().split()[0]) != killed
+    steps = [json.loads(line)["step"] for line in (run / "replica0" / "metrics.jsonl").read_text().splitlines()
+             if '"loss"' in line and '"lr"' in line]
+    assert steps == list(range(1, 201))
+    joins = [int(n) for n in re.findall(r"replica group 1 healed from a live replica: joins at step (\d+)", text)]
+    assert len(joins) == 2 and joins[0] == 0 and joins[1] > 5  # the first quorum, then the replacement's heal
+    ones = [json.loads(line)["step"] for line in (run / "replica1" / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line and '"lr"' in line]
+    assert ones[-1] == 200 and joins[1] + 1 in ones and ones == sorted(ones)  # went on from the survivor's step
+    a, b = (load_file(run / f"replica{g}" / "model" / "model.safetensors") for g in (0, 1))
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -28,6 +28,9 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
 def require_torchft() -> Any:
     """The torchft module, or one clear error saying how to install it."""
+    # torchft's Rust side logs every quorum at INFO from its first import on; warnings and errors stay (a RUST_LOG
+    # of the user's wins)
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         import torchft
     except ImportError:
@@ -73,9 +76,7 @@ def launch_replica_groups(command: Callable[[int], list[str]], groups: int, max_
     procs = []
     try:
         for i in range(groups):
-            # torchft's Rust side logs every quorum at INFO; warnings and errors stay (RUST_LOG overrides)
-            env = {"RUST_LOG": "warn", **os.environ, GROUP_ENV: str(i), GROUPS_ENV: str(groups),
-                   LIGHTHOUSE_ENV: lighthouse}
+            env = {**os.environ, GROUP_ENV: str(i), GROUPS_ENV: str(groups), LIGHTHOUSE_ENV: lighthouse}
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
                     f"--max-restarts={max_restarts}", *command(i)]
             procs.append(subprocess.Popen(argv, env=env, start_new_session=True))

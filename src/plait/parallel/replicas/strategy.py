@@ -165,6 +165,7 @@ class Replicas(DataParallel):
     def begin(self, run: Any) -> None:
         """The torchft manager, then the first quorum: a replacement heals from a live peer here, before its
         first step; at the start of a run every group takes the first group's weights (torchft's init_sync)."""
+        require_torchft()
         from torchft import Manager, ProcessGroupGloo
 
         self._run = run
