@@ -197,3 +197,27 @@ def test_plait_train_replica_group_killed_and_healed(tmp_path: Path) -> None:
     assert ones[-1] == 200 and joins[1] + 1 in ones and ones == sorted(ones)  # went on from the survivor's step
     a, b = (load_file(run / f"replica{g}" / "model" / "model.safetensors") for g in (0, 1))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"parallel": {"zero": 2}}, "does not compose with parallel.zero=2"),
+    ({"parallel": {"sync": "diloco"}}, "does not compose with parallel.sync=diloco"),
+    ({"comm": {"compress": "int8"}}, "does not compose with comm.compress=int8"),
+    ({"fault": {"min_replicas": 3}}, r"fault.min_replicas must lie in 1..2"),
+])
+def test_layouts_it_cannot_train_are_refused(sections: dict, message: str) -> None:
+    from plait.config import ConfigError, from_sections
+    from plait.validate import validate
+
+    cfg = from_sections({"train": {"global_batch_size": 8}, **sections})
+    cfg.fault.mode = "replicas"
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, 2)
+
+
+def test_without_the_launcher_it_says_how_to_start(tmp_path: Path) -> None:
+    import plait
+    from plait.config import ConfigError
+
+    with pytest.raises(ConfigError, match="plait run --replicas N SCRIPT"):
+        plait.Plait(fault={"mode": "replicas"}, run={"dir": str(tmp_path)}, observe={"progress": False})
