@@ -11,8 +11,10 @@ BatchNorm running statistics are averaged at the same step (one more all-reduce 
 
 Communication: one all-reduce of every trainable parameter, in float32, every H steps, through plait's
 ``Comm`` (so ``comm.allreduce`` chooses its algorithm and ``StepInfo.comm_bytes`` counts it at the step it
-happens); nothing on the other steps. Per-step data parallelism all-reduces the same number of gradient values
-at every step: DiLoCo puts 1/H of its bytes on the wire.
+happens); nothing on the other steps. Per-step data parallelism all-reduces the same number of gradient values at
+every step: DiLoCo puts 1/H of its bytes on the wire. With ``comm.compress`` (a named compressor, not ``auto``) the
+pseudo-gradient's mean goes through that compressor instead, with its error feedback (kept in checkpoints as for
+gradient buckets).
 
 With H = 1, an outer learning rate of 1 and no outer momentum, a synchronisation averages the replicas' weights
 after one step. For an inner update that is linear in the gradient (SGD, with or without momentum or weight
@@ -78,9 +80,9 @@ def _check_layout(cfg: Config, degrees: dict[str, int]) -> None:
     if p.sync_batchnorm:
         raise ConfigError("parallel.sync_batchnorm communicates at every forward; with parallel.sync=diloco "
                           "BatchNorm statistics are averaged at each synchronisation: set it false")
-    if c.compress != "none":
-        raise ConfigError(f"comm.compress={c.compress} compresses per-step gradient all-reduces; parallel.sync="
-                          "diloco's pseudo-gradient is sent uncompressed: set comm.compress=none")
+    if c.compress == "auto":
+        raise ConfigError("comm.compress=auto decides from the exposed communication of per-step all-reduces; with "
+                          "parallel.sync=diloco name a compressor for the pseudo-gradient (int8, powersgd...) or none")
     if cfg.fault.rebalance:
         raise ConfigError("fault.rebalance weights the gradients of a per-step all-reduce; with parallel.sync="
                           "diloco each replica steps on its own gradients: set fault.rebalance=false")
@@ -116,6 +118,9 @@ class DiLoCo(DataParallel):
         self.since_sync = 0  # inner steps taken since the last synchronisation
         self.syncs = 0
         self._synced = False
+        # comm.compress: the pseudo-gradient's all-reduce through plait's compressor (error feedback kept in the
+        # checkpoint's per-rank state, as for gradient buckets)
+        self.compressor = comm.make_compressor() if topo.dp > 1 else None
         self._anchor: torch.Tensor | None = None  # (P,) float32: the weights at the start of the period
         self._momentum: torch.Tensor | None = None  # (P,) float32: the outer optimizer's momentum buffer
 
@@ -157,7 +162,10 @@ class DiLoCo(DataParallel):
         params = self.trainable()
         delta = torch.cat([q.detach().reshape(-1) for q in params]).float()  # (P,) the weights now
         torch.sub(self._anchor, delta, out=delta)  # the pseudo-gradient: start minus now
-        if self.topo.dp > 1:
+        if self.compressor is not None:  # the compressed mean, identical on every replica
+            name = f"diloco pseudo-gradient ({self.compressor.name})"
+            self.comm.wait(self.comm.run_async(name, self.topo.dp_group, lambda: self._compressed_mean(delta)))
+        elif self.topo.dp > 1:
             self.comm.all_reduce_sum(delta, self.topo.dp_group, name="diloco pseudo-gradient")
             delta /= self.topo.dp
         update = delta
@@ -171,6 +179,13 @@ class DiLoCo(DataParallel):
             reduce_in_place(self._bn, self.comm, self.topo.dp_group, self.topo.dp, "batchnorm statistics")
         self.since_sync = 0
         self.syncs += 1
+
+    def _compressed_mean(self, delta: torch.Tensor) -> int:
+        """On the comm thread: ``delta`` replaced by its compressed mean over the replicas; returns wire bytes."""
+        before = self.compressor.wire_bytes
+        shapes = [q.shape for q in self.trainable()]  # PowerSGD approximates each matrix on its own
+        delta.copy_(self.compressor.allreduce_mean(0, delta, self.topo.dp_group, shapes=shapes))
+        return self.compressor.wire_bytes - before
 
     def step_metrics(self) -> dict[str, Any]:
         return {"diloco_synced": self._synced}
