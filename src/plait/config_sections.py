@@ -247,6 +247,10 @@ class ParallelConfig:
     diloco_outer_momentum: float = 0.9
     # sync=diloco: Nesterov momentum for the outer optimizer (DiLoCo's choice; needs a momentum above 0).
     diloco_nesterov: bool = True
+    # sync=diloco: streaming DiLoCo's fragments: the trainable parameters split into this many consecutive parts
+    # of about equal size, each synchronised every diloco_inner_steps steps at its own step of the period (part f
+    # at (f + 1) x H / fragments), so each synchronisation sends 1/fragments of the weights. 1: all at once.
+    diloco_fragments: int = 1
 
 
 @dataclass

@@ -109,19 +109,26 @@ def _runs(rank: int, world: int, root: str) -> dict:
                             save_at=10),
         "dp_16": _train(rank, root, "dp_16", 16, _adamw, {}),
         "diloco_h8": _train(rank, root, "diloco_h8", 16, _adamw, {"sync": "diloco", "diloco_inner_steps": 8}),
+        "diloco_h4_f2": _train(rank, root, "diloco_h4_f2", 8, _adamw, {"sync": "diloco", "diloco_inner_steps": 4,
+                                                                      "diloco_fragments": 2}),
         "diloco_h4_int8": _train(rank, root, "diloco_h4_int8", 8, _adamw, {"sync": "diloco", "diloco_inner_steps": 4},
                                  comm={"compress": "int8"}),
         "trainer": _plait_train(root),
     }
 
 
-def _reference(steps: int, inner_steps: int) -> dict[int, dict[str, torch.Tensor]]:
-    """DiLoCo in one process: two replicas with their own AdamW, torch's Nesterov SGD (0.7, 0.9) outside."""
+def _reference(steps: int, inner_steps: int, fragments: tuple[list[str], ...] | None = None
+               ) -> dict[int, list[dict[str, torch.Tensor]]]:
+    """DiLoCo in one process: two replicas with their own AdamW, torch's Nesterov SGD (0.7, 0.9) outside. With
+    ``fragments`` (parameter names per fragment, streaming DiLoCo), fragment f synchronises at step (f + 1) x H / F of
+    each period, with its own outer SGD."""
     base = _toy()
     replicas = [copy.deepcopy(base) for _ in range(WORLD)]
     inner = [_adamw(m) for m in replicas]
     outer_model = copy.deepcopy(base)
-    outer = torch.optim.SGD(outer_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    names = fragments or ([n for n, _ in base.named_parameters()],)
+    params = dict(outer_model.named_parameters())
+    outers = [torch.optim.SGD([params[n] for n in group], lr=0.7, momentum=0.9, nesterov=True) for group in names]
     weights = {}
     for step in range(steps):
         for r, (m, opt) in enumerate(zip(replicas, inner, strict=True)):
@@ -129,13 +136,17 @@ def _reference(steps: int, inner_steps: int) -> dict[int, dict[str, torch.Tensor
             opt.zero_grad()
             nn.functional.mse_loss(m(x), y).backward()
             opt.step()
-        if (step + 1) % inner_steps == 0:
+        for f, (group, outer) in enumerate(zip(names, outers, strict=True)):
+            if (step + 1) % inner_steps != (f + 1) * inner_steps // len(names) % inner_steps:
+                continue
             with torch.no_grad():
-                for q, *reps in zip(outer_model.parameters(), *(m.parameters() for m in replicas), strict=True):
-                    q.grad = q - torch.stack(reps).mean(0)
+                for n in group:
+                    q = params[n]
+                    q.grad = q - torch.stack([dict(m.named_parameters())[n] for m in replicas]).mean(0)
                 outer.step()
                 for m in replicas:
-                    m.load_state_dict(outer_model.state_dict())
+                    for n in group:
+                        dict(m.named_parameters())[n].copy_(params[n])
         weights[step + 1] = [{k: v.clone() for k, v in m.state_dict().items()} for m in replicas]
     return weights
 
@@ -193,6 +204,7 @@ def test_h8_trains_and_sends_an_eighth_of_data_parallel_bytes(runs: list[dict]) 
     ({"parallel": {"diloco_outer_lr": 0.0}}, "diloco_outer_lr must be above 0"),
     ({"parallel": {"diloco_outer_momentum": 1.0}}, "diloco_outer_momentum must be in [0, 1)"),
     ({"parallel": {"diloco_outer_momentum": 0.0}}, "diloco_nesterov needs a momentum"),
+    ({"parallel": {"diloco_fragments": 3, "diloco_inner_steps": 2}}, "diloco_fragments must lie in 1..diloco_inner"),
     ({"parallel": {"zero": 2}}, "does not compose with parallel.zero=2"),
     ({"parallel": {"impl": "torch"}}, "set parallel.impl=plait"),
     ({"comm": {"compress": "auto"}}, "name a compressor for the pseudo-gradient"),
@@ -227,3 +239,19 @@ def test_compressed_pseudo_gradient(runs: list[dict]) -> None:
     # close to the uncompressed run (int8 rounding of the pseudo-gradient, error feedback), not equal to it
     ref = runs[0]["diloco_h4"]["weights"][8]
     assert _close(a[8], ref, 5e-3) and not _close(a[8], ref, 1e-7)
+
+
+def test_streaming_fragments_match_single_process_and_split_the_bytes(runs: list[dict]) -> None:
+    from plait.parallel.data.diloco import split_fragments
+
+    # the toy's 161 values: 0.weight (128) alone, then the other three (33); fragment 0 syncs at step 2 of 4, 1 at 4
+    assert split_fragments([128, 16, 16, 1], 2) == [(0, 1, 0, 128), (1, 4, 128, 161)]
+    ref = _reference(8, 4, (["0.weight"], ["0.bias", "2.weight", "2.bias"]))
+    for rank in range(WORLD):
+        got = runs[rank]["diloco_h4_f2"]["weights"]
+        for step in range(1, 9):
+            assert _close(got[step], ref[step][rank], 1e-5), (rank, step)
+    assert runs[0]["diloco_h4_f2"]["bytes"] == [0, 128 * 4, 0, 33 * 4] * 2  # world 2: one buffer's size per sync
+    a, b = runs[0]["diloco_h4_f2"]["weights"], runs[1]["diloco_h4_f2"]["weights"]
+    assert torch.equal(a[2]["0.weight"], b[2]["0.weight"]) and not torch.equal(a[2]["2.weight"], b[2]["2.weight"])
+    assert all(torch.equal(a[4][k], b[4][k]) for k in ("0.bias", "2.weight", "2.bias"))

@@ -9,6 +9,11 @@ optimizer, Nesterov SGD with DiLoCo's settings (learning rate ``diloco_outer_lr`
 every replica continues from the result: after a synchronisation all replicas hold bit-identical weights.
 BatchNorm running statistics are averaged at the same step (one more all-reduce of them).
 
+Streaming DiLoCo (``parallel.diloco_fragments`` = F > 1): the trainable parameters are split into F consecutive
+fragments of about equal size (``split_fragments``); fragment f synchronises at step (f + 1) x H / F of every period,
+as above but on its own values (its start weights, its outer momentum): each synchronisation sends 1/F of the
+weights, the bytes per period stay the same. The all-reduce is not overlapped with the following inner steps.
+
 Communication: one all-reduce of every trainable parameter, in float32, every H steps, through plait's
 ``Comm`` (so ``comm.allreduce`` chooses its algorithm and ``StepInfo.comm_bytes`` counts it at the step it
 happens); nothing on the other steps. Per-step data parallelism all-reduces the same number of gradient values at
@@ -57,6 +62,9 @@ def _check_settings(p: ParallelConfig) -> None:
     if not 0 <= p.diloco_outer_momentum < 1:
         raise ConfigError(f"parallel.diloco_outer_momentum must be in [0, 1) (DiLoCo's is 0.9); got "
                           f"{p.diloco_outer_momentum}")
+    if not 1 <= p.diloco_fragments <= p.diloco_inner_steps:
+        raise ConfigError(f"parallel.diloco_fragments must lie in 1..diloco_inner_steps ({p.diloco_inner_steps}): each "
+                          f"fragment synchronises at its own step of the period; got {p.diloco_fragments}")
     if p.diloco_nesterov and p.diloco_outer_momentum == 0:
         raise ConfigError("parallel.diloco_nesterov needs a momentum: set parallel.diloco_outer_momentum above 0 "
                           "(DiLoCo's 0.9), or parallel.diloco_nesterov=false for plain averaging")
@@ -88,6 +96,26 @@ def _check_layout(cfg: Config, degrees: dict[str, int]) -> None:
                           "diloco each replica steps on its own gradients: set fault.rebalance=false")
 
 
+def split_fragments(sizes: list[int], num: int) -> list[tuple[int, int, int, int]]:
+    """Parameters of ``sizes`` (in order) split into ``num`` consecutive fragments of about equal size: parameter i
+    goes to fragment ``min(num - 1, num x (values before it) // total)``. Returns per fragment (first parameter, end
+    parameter, first value, end value); a fragment may be empty when one parameter outweighs the others."""
+    total = sum(sizes)
+    owner, before = [], 0
+    for n in sizes:
+        owner.append(min(num - 1, num * before // max(total, 1)))
+        before += n
+    out, offsets = [], [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n)
+    for f in range(num):
+        members = [i for i, o in enumerate(owner) if o == f]
+        first = members[0] if members else (out[-1][1] if out else 0)
+        end = members[-1] + 1 if members else first
+        out.append((first, end, offsets[first], offsets[end]))
+    return out
+
+
 @register_strategy
 class DiLoCo(DataParallel):
     """DiLoCo over whole-model replicas, one per rank (see the module docstring)."""
@@ -115,9 +143,11 @@ class DiLoCo(DataParallel):
         self._track_batchnorm(model, cfg, topo)  # averaged at each synchronisation, not at each step
         self.inner_steps, self.outer_lr = p.diloco_inner_steps, p.diloco_outer_lr
         self.momentum, self.nesterov = p.diloco_outer_momentum, p.diloco_nesterov
-        self.since_sync = 0  # inner steps taken since the last synchronisation
+        self.num_fragments = p.diloco_fragments
+        self.since_start = 0  # inner steps since the run (or the last load) began
         self.syncs = 0
-        self._synced = False
+        self._synced: list[int] = []  # the fragments synchronised at the step just taken
+        self._fragments: list[tuple[int, int, int, int]] = []  # (first param, end param, first value, end value)
         # comm.compress: the pseudo-gradient's all-reduce through plait's compressor (error feedback kept in the
         # checkpoint's per-rank state, as for gradient buckets)
         self.compressor = comm.make_compressor() if topo.dp > 1 else None
@@ -137,6 +167,7 @@ class DiLoCo(DataParallel):
         optimizer = super().build_optimizer(factory)
         self._anchor = torch.cat([q.detach().reshape(-1) for q in params]).float()
         self._momentum = torch.zeros_like(self._anchor)  # torch's first SGD step (buffer = gradient) is 0 * m + g
+        self._fragments = split_fragments([q.numel() for q in params], self.num_fragments)
         return optimizer
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -149,46 +180,53 @@ class DiLoCo(DataParallel):
 
     # -- the step ------------------------------------------------------------------------------------
     def after_step(self) -> None:
-        """Every H-th step: the synchronisation. Communication: one all-reduce of the pseudo-gradient (every
-        trainable parameter, float32) and, with BatchNorm, one of its running statistics; none otherwise."""
-        self.since_sync += 1
-        self._synced = self.since_sync >= self.inner_steps
-        if self._synced:
-            self.synchronise()
+        """At fragment f's step of each period of H steps, (f + 1) x H / fragments (every H-th step with one
+        fragment): its synchronisation. Communication: one all-reduce of that fragment's pseudo-gradient (float32)
+        and, with BatchNorm, one of its running statistics; none on other steps."""
+        self.since_start += 1
+        h, n = self.inner_steps, self.num_fragments
+        self._synced = [f for f in range(n) if self.since_start % h == (f + 1) * h // n % h
+                        and self._fragments[f][2] < self._fragments[f][3]]  # an empty fragment has nothing to send
+        for f in self._synced:
+            self.synchronise(f)
 
     @torch.no_grad()
-    def synchronise(self) -> None:
-        """The outer step (see the module docstring): every replica's weights become the updated start weights."""
-        params = self.trainable()
-        delta = torch.cat([q.detach().reshape(-1) for q in params]).float()  # (P,) the weights now
-        torch.sub(self._anchor, delta, out=delta)  # the pseudo-gradient: start minus now
+    def synchronise(self, fragment: int = 0) -> None:
+        """The outer step of one fragment (see the module docstring): every replica's weights of that fragment
+        become its updated start weights."""
+        first, end, lo, hi = self._fragments[fragment]
+        params = self.trainable()[first:end]
+        anchor, momentum = self._anchor[lo:hi], self._momentum[lo:hi]
+        delta = torch.cat([q.detach().reshape(-1) for q in params]).float()  # (P_f,) the weights now
+        torch.sub(anchor, delta, out=delta)  # the pseudo-gradient: start minus now
         if self.compressor is not None:  # the compressed mean, identical on every replica
             name = f"diloco pseudo-gradient ({self.compressor.name})"
-            self.comm.wait(self.comm.run_async(name, self.topo.dp_group, lambda: self._compressed_mean(delta)))
+            work = self.comm.run_async(name, self.topo.dp_group, lambda: self._compressed_mean(delta, fragment))
+            self.comm.wait(work)
         elif self.topo.dp > 1:
             self.comm.all_reduce_sum(delta, self.topo.dp_group, name="diloco pseudo-gradient")
             delta /= self.topo.dp
         update = delta
         if self.momentum > 0:  # torch.optim.SGD with dampening 0
-            self._momentum.mul_(self.momentum).add_(delta)
-            update = delta.add_(self._momentum, alpha=self.momentum) if self.nesterov else self._momentum
-        self._anchor.add_(update, alpha=-self.outer_lr)
-        for q, start in zip(params, self._views(self._anchor), strict=True):
+            momentum.mul_(self.momentum).add_(delta)
+            update = delta.add_(momentum, alpha=self.momentum) if self.nesterov else momentum
+        anchor.add_(update, alpha=-self.outer_lr)
+        for q, start in zip(params, self._views(self._anchor)[first:end], strict=True):
             q.copy_(start)
-        if self._bn:
+        if self._bn and fragment == self.num_fragments - 1:  # once per period
             reduce_in_place(self._bn, self.comm, self.topo.dp_group, self.topo.dp, "batchnorm statistics")
-        self.since_sync = 0
         self.syncs += 1
 
-    def _compressed_mean(self, delta: torch.Tensor) -> int:
+    def _compressed_mean(self, delta: torch.Tensor, fragment: int) -> int:
         """On the comm thread: ``delta`` replaced by its compressed mean over the replicas; returns wire bytes."""
         before = self.compressor.wire_bytes
-        shapes = [q.shape for q in self.trainable()]  # PowerSGD approximates each matrix on its own
-        delta.copy_(self.compressor.allreduce_mean(0, delta, self.topo.dp_group, shapes=shapes))
+        first, end, _, _ = self._fragments[fragment]
+        shapes = [q.shape for q in self.trainable()[first:end]]  # PowerSGD approximates each matrix on its own
+        delta.copy_(self.compressor.allreduce_mean(fragment, delta, self.topo.dp_group, shapes=shapes))
         return self.compressor.wire_bytes - before
 
     def step_metrics(self) -> dict[str, Any]:
-        return {"diloco_synced": self._synced}
+        return {"diloco_synced": bool(self._synced), "diloco_fragments_synced": len(self._synced)}
 
     def describe(self) -> str:
         return f"DiLoCo (H={self.inner_steps})" if self.topo.dp > 1 else ""
@@ -215,7 +253,7 @@ class DiLoCo(DataParallel):
         with torch.no_grad():
             for q, start in zip(self.trainable(), self._views(self._anchor), strict=True):
                 q.copy_(start)
-        self.since_sync = 0
+        self.since_start = 0
 
     def model_entries(self) -> dict[str, torch.Tensor]:
         return self._synchronised(super().model_entries())
