@@ -12,7 +12,8 @@ offsets from each run's start (exponential gaps, mean ``--mean-gap`` s, default 
   from it.
 
 Reported per system: ``goodput_steps_per_s`` (the step count the run ends at, i.e. the steps in the final model's
-lineage, over the wall time; for replicas the most advanced group's), and per kill the recovery time (from the
+lineage, over the whole window, also where the run gave up before its end: ``ended_at_s``, ``alive_at_end``; for
+replicas the most advanced group's), and per kill the recovery time (from the
 kill until the step count passes its value at the kill). While a replica group is away the survivor's steps use
 its half of each global batch: ``half_batch_steps`` counts them (from ``replicas_live`` at the log steps, every 10th
 step) so the comparison can be read in samples as well. Verdict: replicas' goodput at least 1.5x restart's. JSON.
@@ -101,8 +102,9 @@ def run_system(name: str, replicas: bool, run: Path, faults: list, duration: flo
         after = [t for t, s in samples if t > f["at_s"] and s > f["steps"]]
         f["recovery_s"] = round(after[0] - f["at_s"], 2) if after else None
     steps = _steps(run, replicas)
-    out = {"steps": steps, "wall_s": round(end - start, 1), "goodput_steps_per_s": steps / (end - start),
-           "faults": applied, "alive_at_end": proc.returncode is None}
+    # over the whole window: a run that gave up (its restarts stopped) earns nothing for the rest of it
+    out = {"steps": steps, "wall_s": round(duration, 1), "ended_at_s": round(end - start, 1),
+           "goodput_steps_per_s": steps / duration, "faults": applied, "alive_at_end": proc.returncode is None}
     if replicas:
         out["half_batch_steps"] = _half_batch_steps(run)
     return out

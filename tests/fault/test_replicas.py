@@ -148,7 +148,8 @@ def test_unreachable_lighthouse_is_one_clear_error(tmp_path: Path, monkeypatch: 
                     train={"global_batch_size": 4})
     from plait.parallel.strategy import PlaitError
 
-    with pytest.raises(PlaitError, match=f"Lighthouse at {address} did not answer within 3 s"):
+    expected = f"no quorum through the torchft Lighthouse at {address} \\(it did not answer within 3 s"
+    with pytest.raises(PlaitError, match=expected):
         p.setup(nn.Linear(2, 1))
     p.close()
 

@@ -158,7 +158,6 @@ class Replicas(DataParallel):
         self._participants = 0  # the groups in the current quorum
         self._step_live = 0  # the groups whose gradients the last step averaged
         self._healed = 0  # heals this process received
-        self._committed = True
         self._in_step = False  # inside after_step: the engine counts the step just taken after it returns
 
     # -- joining -------------------------------------------------------------------------------------
@@ -192,9 +191,11 @@ class Replicas(DataParallel):
             if self.manager is not None:
                 self.manager.shutdown(wait=False)
                 self.manager = None
-            raise PlaitError(f"fault.mode=replicas: the torchft Lighthouse at {lighthouse} did not answer within "
-                             f"{connect.total_seconds():g} s ({str(e).splitlines()[0][:200]}); start one there, or "
-                             "leave fault.lighthouse empty for plait run / plait train to start one") from None
+            raise PlaitError(f"fault.mode=replicas: no quorum through the torchft Lighthouse at {lighthouse} (it did "
+                             f"not answer within {connect.total_seconds():g} s, or the groups did not meet within "
+                             f"comm.timeout_s={self.cfg.comm.timeout_s:g}: {str(e).splitlines()[0][:200]}); start "
+                             "a Lighthouse there, or leave fault.lighthouse empty for plait run / plait train to "
+                             "start one") from None
 
     def _first_quorum(self) -> None:
         """At the start of a run every group takes part in the first step (a group still starting would otherwise
@@ -257,8 +258,7 @@ class Replicas(DataParallel):
     def step_unless(self, found: torch.Tensor) -> None:
         """torchft's commit first (every group asks at every step): a step whose collectives failed skips its update
         like a non-finite one (``found`` set), and the next quorum heals whoever is behind."""
-        self._committed = self.manager.should_commit()
-        if not self._committed:
+        if not self.manager.should_commit():
             self.logger.warning("replica group %d: step not committed (a replica was lost during it); update "
                                 "skipped", self.topo.dp_rank)
             found.fill_(1.0)
