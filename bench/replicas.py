@@ -95,8 +95,12 @@ def run_system(name: str, replicas: bool, run: Path, faults: list, duration: flo
         time.sleep(0.1)
     end = time.time()
     stop.set()
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    os.killpg(proc.pid, signal.SIGTERM)  # the launcher stops its agents (replicas: each in its own session)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     log.close()
     for f in applied:
         after = [t for t, s in samples if t > f["at_s"] and s > f["steps"]]

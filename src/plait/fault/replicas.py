@@ -68,7 +68,9 @@ def launch_replica_groups(command: Callable[[int], list[str]], groups: int, max_
                           min_replicas: int = 1) -> int:
     """Run ``command(i)`` (a worker's argument list after ``python``) as replica group ``i`` of ``groups``, each under
     its own elastic agent; with no ``lighthouse`` address a loopback Lighthouse is started for the run. Returns 0 when
-    every group ended well, else the first failing group's exit status (after the others were stopped)."""
+    every group ended well, else the first failing group's exit status (after the others were stopped). Ending the
+    launcher with SIGTERM or Ctrl-C stops every group; a launcher killed with SIGKILL leaves the groups' agents
+    running (each in its own session) until their workers fail to reach the Lighthouse and their restarts run out."""
     server = None
     if not lighthouse:
         server, lighthouse = start_lighthouse(min_replicas)
