@@ -64,18 +64,26 @@ def start_lighthouse(min_replicas: int = 1, join_timeout_ms: int = 1000) -> tupl
     return server, f"http://127.0.0.1:{port}"
 
 
+def _raise_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def launch_replica_groups(command: Callable[[int], list[str]], groups: int, max_restarts: int, lighthouse: str,
                           min_replicas: int = 1) -> int:
     """Run ``command(i)`` (a worker's argument list after ``python``) as replica group ``i`` of ``groups``, each under
     its own elastic agent; with no ``lighthouse`` address a loopback Lighthouse is started for the run. Returns 0 when
     every group ended well, else the first failing group's exit status (after the others were stopped). Ending the
     launcher with SIGTERM or Ctrl-C stops every group; a launcher killed with SIGKILL leaves the groups' agents
-    running (each in its own session) until their workers fail to reach the Lighthouse and their restarts run out."""
+    running (each in its own session) until their workers fail to reach the Lighthouse and their restarts run out.
+    Call it from the main thread (it handles SIGTERM while it waits)."""
     server = None
     if not lighthouse:
         server, lighthouse = start_lighthouse(min_replicas)
         print(f"plait: torchft Lighthouse at {lighthouse} for {groups} replica groups", flush=True)
     procs = []
+    # SIGTERM (a scheduler, a timeout) ends the launcher through the finally below, which stops every group: by
+    # default it would end only this process, leaving the agents, each in its own session, running
+    previous = signal.signal(signal.SIGTERM, _raise_exit)
     try:
         for i in range(groups):
             env = {**os.environ, GROUP_ENV: str(i), GROUPS_ENV: str(groups), LIGHTHOUSE_ENV: lighthouse}
@@ -100,5 +108,6 @@ def launch_replica_groups(command: Callable[[int], list[str]], groups: int, max_
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        signal.signal(signal.SIGTERM, previous)
         if server is not None:
             server.shutdown()
