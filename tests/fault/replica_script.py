@@ -28,6 +28,10 @@ def build() -> nn.Module:
 if __name__ == "__main__":
     out, min_steps = sys.argv[1], int(sys.argv[2])
     group, groups = int(os.environ["PLAIT_REPLICA_GROUP"]), int(os.environ["PLAIT_REPLICA_GROUPS"])
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        # a replacement that takes a while to arrive (a new machine would): on a quiet machine the agent restarts
+        # the process faster than the Lighthouse's 5 s heartbeat timeout, and the survivor would never step alone
+        time.sleep(10)
     p = plait.Plait(fault={"mode": "replicas"}, run={"dir": f"{out}/replica{group}"}, comm={"timeout_s": 60},
                     train={"global_batch_size": 16, "micro_batch_size": 8, "steps": 400},
                     observe={"progress": False, "trackers": []})
