@@ -60,7 +60,9 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
     from plait.runtime.dist import external_world_size, launched_externally
 
     config_path, resume, overrides = _split_train_args(argv)
-    if not resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    replacement = restarted and "PLAIT_REPLICA_GROUP" in os.environ  # heals from a live replica, not from disk
+    if not resume and restarted and not replacement:
         # torchrun --max-restarts started this worker again: continue the run it was training
         cfg0 = load_recipe_config(config_path, overrides)
         run_id = os.environ.get("TORCHELASTIC_RUN_ID")
@@ -82,7 +84,7 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
         cfg = load_recipe_config(config_path, overrides)
         run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID")
         run_dir = Path(cfg.run.dir or f"runs/plait-{run_id or time.strftime('%Y%m%d-%H%M%S')}")
-        if (run_dir / "checkpoints" / "latest").exists():
+        if (run_dir / "checkpoints" / "latest").exists() and not replacement:
             raise ConfigError(
                 f"{run_dir} already holds a run with checkpoints; continue it with --resume {run_dir}, "
                 "or choose another run.dir"
@@ -112,12 +114,19 @@ def cmd_train(argv: list[str]) -> int:
 
         require_plotting()
     external = launched_externally()
+    if cfg.fault.mode == "replicas" and not external:
+        return _train_replicas(argv, cfg, written, run_dir)
     is_rank0 = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
     if is_rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(written))
     if external:
         os.environ.setdefault(ERROR_DIR_ENV, str((run_dir / "errors").resolve()))
+        if "PLAIT_REPLICA_GROUP" in os.environ and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            # a replica group's replacement heals from a live group; with none live, its own newest checkpoint
+            from plait.components.checkpoint import latest_checkpoint
+
+            resume = latest_checkpoint(run_dir) is not None
         summary = run_worker(train, (cfg, run_dir, resume), cfg.comm.backend, cfg.comm.timeout_s)
     elif cfg.parallel.nproc == 1 and not _nodes_of(argv).multi:
         summary = train(cfg, run_dir, resume)
@@ -160,6 +169,24 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
+def _train_replicas(argv: list[str], cfg: Config, written: Config, run_dir: Path) -> int:
+    """``plait train`` with fault.mode=replicas: parallel.nproc torchft replica groups of one worker each, group g
+    training in RUN_DIR/replica<g> under its own elastic agent (restarting it up to fault.max_restarts times)."""
+    from plait.fault.replicas import launch_replica_groups
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(written))
+    f, groups = cfg.fault, cfg.parallel.nproc
+    rc = launch_replica_groups(lambda g: ["-m", "plait.cli", "train", *argv, f"--run.dir={run_dir / f'replica{g}'}"],
+                               groups, f.max_restarts, f.lighthouse, f.min_replicas)
+    if rc:
+        print(f"plait: a replica group failed (exit status {rc}); see {run_dir}/replica*/errors", file=sys.stderr)
+        return rc
+    print(f"\nplait: trained {cfg.train.steps} steps in {groups} torchft replica groups: {run_dir}/replica0 .. "
+          f"replica{groups - 1} (each its own metrics, summary and checkpoints)")
+    return 0
+
+
 def train_worker(cfg: Config, run_dir: Path, resume: bool) -> dict:
     """One worker of ``plait train``'s launcher: after the agents restarted the group on several machines (a node
     left or joined), continue from the newest checkpoint.
@@ -184,15 +211,17 @@ def cmd_run(argv: list[str]) -> int:
 
     from plait.launch import Restarts, launch_script
 
-    nproc, max_restarts, i, node_args = 1, 0, 0, []
+    nproc, max_restarts, replicas, i, node_args, lighthouse = 1, 0, 0, 0, [], ""
     options = {"--nproc": "nproc", "--nproc-per-node": "nproc", "--nproc_per_node": "nproc",
-               "--max-restarts": "max_restarts", "--max_restarts": "max_restarts", **dict.fromkeys(NODE_OPTIONS, "")}
+               "--max-restarts": "max_restarts", "--max_restarts": "max_restarts", "--replicas": "replicas",
+               "--lighthouse": "lighthouse", **dict.fromkeys(NODE_OPTIONS, "")}
     while i < len(argv) and argv[i].startswith("-"):
         a = argv[i]
         name = a.split("=", 1)[0]
         if name not in options:
             raise ConfigError(f"unknown option {a} for plait run; usage: plait run [--nproc N] [--max-restarts R] "
-                              "[--nnodes MIN:MAX --rdzv-endpoint HOST:PORT --rdzv-id ID] SCRIPT [ARGS ...]")
+                              "[--replicas G [--lighthouse URL]] [--nnodes MIN:MAX --rdzv-endpoint HOST:PORT "
+                              "--rdzv-id ID] SCRIPT [ARGS ...]")
         if "=" in a:
             value, i = a.split("=", 1)[1], i + 1
         elif i + 1 < len(argv):
@@ -202,12 +231,17 @@ def cmd_run(argv: list[str]) -> int:
         if not options[name]:  # several machines: read by _nodes_of
             node_args.append(f"{name}={value}")
             continue
+        if options[name] == "lighthouse":
+            lighthouse = value
+            continue
         try:
             number = int(value)
         except ValueError:
             raise ConfigError(f"{name} needs a whole number; got {value!r}") from None
         if options[name] == "nproc":
             nproc = number
+        elif options[name] == "replicas":
+            replicas = number
         else:
             max_restarts = number
     if nproc < 1:
@@ -217,6 +251,8 @@ def cmd_run(argv: list[str]) -> int:
     script = argv[i]
     if not Path(script).is_file():
         raise ConfigError(f"script {script} does not exist")
+    if replicas or lighthouse:
+        return _run_replicas(script, argv[i + 1:], replicas, nproc, max_restarts, lighthouse)
     from plait.runtime.dist import FOLLOW_RUN_DIR_ENV
 
     # The launcher's own files (progress, worker pids, errors raised before plait.Plait exists) go to a fresh
@@ -226,6 +262,23 @@ def cmd_run(argv: list[str]) -> int:
     restarts = Restarts(max_restarts=max_restarts, state_dir=error_dir.parent)
     launch_script(script, argv[i + 1:], nproc, error_dir, restarts, _nodes_of(node_args))
     return 0
+
+
+def _run_replicas(script: str, args: list[str], replicas: int, nproc: int, max_restarts: int, lighthouse: str) -> int:
+    """``plait run --replicas G``: the script as G torchft replica groups of one worker each (fault.mode=replicas),
+    each under its own elastic agent restarting it up to ``max_restarts`` times; a loopback Lighthouse unless
+    ``--lighthouse`` names one."""
+    from plait.fault.replicas import launch_replica_groups, require_torchft
+
+    if replicas < 1:
+        raise ConfigError(f"--replicas must be at least 1 (replica groups); got {replicas}")
+    if nproc != 1:
+        raise ConfigError(f"--replicas runs one worker per replica group; drop --nproc {nproc}")
+    require_torchft()
+    rc = launch_replica_groups(lambda g: ["-m", "plait.launch", script, *args], replicas, max_restarts, lighthouse)
+    if rc:
+        print(f"plait: a replica group failed (exit status {rc}) after {max_restarts} restart(s)", file=sys.stderr)
+    return rc
 
 
 def cmd_sample(argv: list[str]) -> int:

@@ -247,6 +247,24 @@ class ParallelConfig:
     # BatchNorm statistics over the whole data-parallel batch (SyncBatchNorm) instead of each rank's own;
     # without it, running statistics are averaged over the data-parallel ranks after every step.
     sync_batchnorm: bool = False
+    # How data-parallel replicas synchronise: every_step all-reduces the gradients of every step; diloco
+    # (DiLoCo, local SGD) lets each replica take diloco_inner_steps steps with its own optimizer and no
+    # communication, then averages the replicas' weight changes (the pseudo-gradient) in one all-reduce and
+    # applies it with an outer Nesterov SGD: about 1/diloco_inner_steps of the bytes on the wire.
+    sync: Literal["every_step", "diloco"] = "every_step"
+    # sync=diloco: optimizer steps each replica takes alone between two synchronisations (H).
+    diloco_inner_steps: int = 100
+    # sync=diloco: the outer optimizer's learning rate (DiLoCo's 0.7; 1.0 with momentum 0 averages the replicas'
+    # weights, as local SGD does).
+    diloco_outer_lr: float = 0.7
+    # sync=diloco: the outer optimizer's momentum (DiLoCo's 0.9; 0 for plain averaging).
+    diloco_outer_momentum: float = 0.9
+    # sync=diloco: Nesterov momentum for the outer optimizer (DiLoCo's choice; needs a momentum above 0).
+    diloco_nesterov: bool = True
+    # sync=diloco: streaming DiLoCo's fragments: the trainable parameters split into this many consecutive parts
+    # of about equal size, each synchronised every diloco_inner_steps steps at its own step of the period (part f
+    # at (f + 1) x H / fragments), so each synchronisation sends 1/fragments of the weights. 1: all at once.
+    diloco_fragments: int = 1
 
 
 @dataclass
@@ -290,6 +308,16 @@ class CheckpointConfig:
 
 @dataclass
 class FaultConfig:
+    # How a failed worker is survived: restart every worker from the newest checkpoint (restart), or per step on
+    # torchft (replicas): each data-parallel replica group is a torchft replica group; when one dies the others
+    # finish the step with the live replicas' gradients and go on, and its replacement heals from a live peer.
+    # Needs torchft (pip install 'plait[ft]') and the launcher's replica groups (plait run --replicas N, plait train).
+    mode: Literal["restart", "replicas"] = "restart"
+    # fault.mode=replicas: the torchft Lighthouse's address (http://HOST:PORT); empty: plait run and plait train
+    # start one on this machine's loopback.
+    lighthouse: str = ""
+    # fault.mode=replicas: fewest live replica groups a step may commit with.
+    min_replicas: int = 1
     # Restarts of the whole worker group after a failure, each resuming from the newest good checkpoint
     # (0: none). Not for errors a restart cannot fix (configuration, data, a failure before the first step).
     max_restarts: int = 3

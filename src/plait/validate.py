@@ -34,7 +34,7 @@ def validate(cfg: Config, world_size: int, model_check: Callable[[Config, dict[s
     check_prometheus(cfg.observe.prometheus_port)
     resolve_vocab_size(cfg)  # model.vocab_size = 0: the tokenizer's
     t, p = cfg.train, cfg.parallel
-    degrees = select(p).resolve_degrees(cfg, world_size)
+    degrees = select(cfg).resolve_degrees(cfg, world_size)
     p.dp = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["ep"]
     if t.micro_batch_size == 0:  # one micro-step per optimizer step (a loader's own batch size may change it)
         if t.global_batch_size % p.dp:
@@ -44,7 +44,7 @@ def validate(cfg: Config, world_size: int, model_check: Callable[[Config, dict[s
     check_all(cfg, degrees)
     check_checkpointing(t.activation_checkpointing, t.checkpoint_every_k, t.checkpoint_save_ops, t.activation_offload)
     check_offload(t.activation_offload, t.compile)
-    compile_unit(cfg, select(p))  # train.compile=model where the layout needs blocks: refused here
+    compile_unit(cfg, select(cfg))  # train.compile=model where the layout needs blocks: refused here
     if model_check is not None:
         model_check(cfg, degrees)
     per_step = t.micro_batch_size * p.dp

@@ -42,6 +42,7 @@ from plait.engine.collectives import SmallCollectives, explained
 from plait.engine.export import export_weights
 from plait.engine.loaders import distributed_loader
 from plait.engine.metrics import MetricsSink
+from plait.engine.run_access import RunAccess
 from plait.engine.run_files import RunFiles
 from plait.engine.setup import batch_size, check_setup_args, coerce_config, select_device, setup_loss
 from plait.engine.step_info import StepInfo
@@ -84,7 +85,7 @@ class Plait(SmallCollectives):
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.benchmark = False
-        self._strategy_cls = registry.select(cfg.parallel)
+        self._strategy_cls = registry.select(cfg)
         self.topology: Topology = self._strategy_cls.build_topology(cfg, self.device)
         self.group = self.topology.train_group  # the engine's own collectives run among the training ranks
         self.rank, self.world_size = self.topology.rank, self.topology.world_size
@@ -109,6 +110,8 @@ class Plait(SmallCollectives):
                                self.preemption, self.group, self.auto, self.finish_saves, self.prometheus, self.rng,
                                self.device, self.topology)
         self.loss: Loss | None = None
+        self.train_loader: Any = None  # the training loader setup_dataloader made last (a healed replica moves it)
+        self.pending_loader_state: Any = None  # a healed position for the training loader made next
         self._closed = False
 
     # -- where things go ---------------------------------------------------------------------------
@@ -258,6 +261,7 @@ class Plait(SmallCollectives):
             run_forward_in(strategy.model, self.rng)
         strategy.set_sync(self.accumulation == 1)  # DDP arms its reducer in the next forward
         self.watchdog.kinds = strategy.describe()
+        strategy.begin(RunAccess(self))
         self.stepper.start_step()
         return strategy.model, opt
 
@@ -296,6 +300,11 @@ class Plait(SmallCollectives):
             drop_last=drop_last, seed=seed, **dataloader_kwargs)
         if accumulation is not None:  # the first micro-step logs it (plait.engine.stepper.Stepper.announce)
             self.window.accumulation = accumulation
+        if shuffle:
+            self.train_loader = loader
+            if self.pending_loader_state is not None:  # this replica healed before its loader existed
+                loader.load_state_dict(self.pending_loader_state)
+                self.pending_loader_state = None
         return loader
 
     def to_device(self, batch: Any) -> Any:

@@ -16,11 +16,13 @@ from plait.comm.collectives import Comm
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.parallel.apply import ModelSpec
 from plait.parallel.context import strategy as context_strategy  # noqa: F401
-from plait.parallel.data import strategy as data_strategy  # noqa: F401 - the strategies register themselves
+from plait.parallel.data import diloco  # noqa: F401 - the strategies register themselves
+from plait.parallel.data import strategy as data_strategy  # noqa: F401
 from plait.parallel.expert import strategy as expert_strategy  # noqa: F401
 from plait.parallel.fsdp import strategy as fsdp_strategy  # noqa: F401
 from plait.parallel.pipeline import sharded as pipeline_sharded  # noqa: F401
 from plait.parallel.pipeline import strategy as pipeline_strategy  # noqa: F401
+from plait.parallel.replicas import strategy as replicas_strategy  # noqa: F401
 from plait.parallel.strategy import Strategy, strategy_table
 from plait.parallel.tensor import strategy as tensor_strategy  # noqa: F401
 from plait.parallel.wrapper import Wrapper
@@ -35,8 +37,10 @@ def registered() -> list[type[Strategy]]:
     return sorted(strategies.values(), key=lambda c: -c.priority) + list(wrappers.values())
 
 
-def select(p: ParallelConfig) -> type[Strategy]:
-    """The strategy class for ``p``: ``parallel.strategy`` by name, or the highest-priority one that applies."""
+def select(cfg: Config | ParallelConfig) -> type[Strategy]:
+    """The strategy class for ``cfg``: ``parallel.strategy`` by name, or the highest-priority one that applies
+    (``Strategy.chosen_for``: given the whole config, a strategy may be chosen by a setting outside [parallel])."""
+    p = cfg.parallel if isinstance(cfg, Config) else cfg
     strategies, _ = strategy_table()
     if p.strategy != "auto":
         if p.strategy not in strategies:
@@ -44,7 +48,7 @@ def select(p: ParallelConfig) -> type[Strategy]:
                               f"{', '.join(sorted(strategies))}")
         return strategies[p.strategy]
     for cls in sorted(strategies.values(), key=lambda c: -c.priority):
-        if cls.applies(p):
+        if cls.chosen_for(cfg):
             return cls
     raise ConfigError("no registered strategy applies to this [parallel] section; set parallel.strategy")
 

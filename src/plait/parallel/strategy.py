@@ -121,6 +121,12 @@ class Strategy:
         return False
 
     @classmethod
+    def chosen_for(cls, cfg: Config | ParallelConfig) -> bool:
+        """Whether ``parallel.strategy = "auto"`` picks this strategy for the config (or its [parallel] section
+        alone): ``applies`` on the [parallel] section, unless a strategy is chosen by a setting outside it."""
+        return cls.applies(cfg.parallel if isinstance(cfg, Config) else cfg)
+
+    @classmethod
     def check(cls, cfg: Config, degrees: dict[str, int]) -> None:
         """Reject the settings this strategy owns that cannot work with these degrees (a ``ConfigError``
         naming the fix). Every registered strategy's check runs for every config: each checks its own keys."""
@@ -192,6 +198,11 @@ class Strategy:
         """After the optimizer is built. A rank that does not run the user's loop (a parameter server's
         server) calls ``leaving()`` (the engine stops bounding its phases), does its part here and ends by
         raising ``RankDone``."""
+
+    def begin(self, run: Any) -> None:
+        """At the end of setup, once the optimizer and the LR scheduler exist. ``run`` (``plait.engine.run_access
+        .RunAccess``) reads and restores the engine's run state (step count, schedule, loss scale, the training
+        loader's position): a strategy whose replicas heal from live peers (``fault.mode=replicas``) joins here."""
 
     def uses_autocast(self) -> bool:
         """Whether the model's forward runs under autocast (False where the layout casts, e.g. FSDP2's

@@ -73,6 +73,9 @@ class Wrapper(Strategy):
     def start(self, leaving: Callable[[], None]) -> None:
         self.inner.start(leaving)
 
+    def begin(self, run: Any) -> None:
+        self.inner.begin(run)
+
     def uses_autocast(self) -> bool:
         return self.inner.uses_autocast()
 

@@ -145,7 +145,7 @@ class Trainer:
         # share no step, so there it stays a mean per micro-batch (Plait.weighs_tokens)
         self.token_weighted = self.loss.counts_items_for(model) and p.weighs_tokens
         self.peak = self._peak()
-        self.state = RunState()
+        self.state = RunState(step=p.steps)  # above 0 where setup joined live replicas at a later step
         self.state.skipped_steps = lambda: p.skipped_steps  # read from the engine only when looked up
         self._it: Any = None
         self.recovery = Recovery(self)
@@ -221,6 +221,10 @@ class Trainer:
         steps, are skipped with a warning naming the problem); False when it has none."""
         from plait.components.integrity import newest_good
 
+        if self.p.steps > 0:  # setup joined live replicas (fault.mode=replicas): their state is newer than any save
+            self.log.info("joined the live replicas at step %d: their state, not a checkpoint, is continued",
+                          self.p.steps)
+            return True
         if self._resume_from_memory():
             return True
         t0 = time.perf_counter()
