@@ -91,6 +91,11 @@ def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     if scaling is not None and abs(scaling - query.size(-1) ** -0.5) > 1e-12:
         raise ContextError(f"parallel.cp > 1 scales attention scores by 1/sqrt(head_dim), but "
                            f"{type(module).__name__} uses {scaling}; use parallel.cp=1 for this model")
+    window, length = kwargs.get("sliding_window"), query.size(2) * module._plait_context.ring.size
+    if window is not None and window < length:
+        raise ContextError(f"parallel.cp > 1 computes full causal attention, but {type(module).__name__} attends "
+                           f"within a sliding window of {window} tokens, shorter than the sequence ({length}); use "
+                           "parallel.cp=1 for this model, or sequences no longer than its window")
     repeat = query.size(1) // key.size(1)
     if repeat > 1:  # grouped-query attention: every query head gets its key/value head
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
@@ -119,9 +124,6 @@ def route_hf(model: nn.Module, attention: ContextAttention) -> int:
         if getattr(layer, "attention_dropout", 0.0):
             raise ContextError(f"parallel.cp > 1 computes attention without dropout, but {type(layer).__name__} has "
                                f"attention dropout {layer.attention_dropout}; set the config's attention_dropout=0")
-        if getattr(layer.config, "sliding_window", None) and getattr(layer, "sliding_window", None):
-            raise ContextError(f"parallel.cp > 1 computes full causal attention, but {type(layer).__name__} uses a "
-                               f"sliding window of {layer.sliding_window}; use parallel.cp=1 for this model")
         if attention.impl == "alltoall":
             check_heads(layer.config.num_attention_heads, attention.ring.size)
         config = copy.copy(layer.config)
