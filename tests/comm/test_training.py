@@ -239,16 +239,24 @@ def _hang(rank: int, world: int, root: str, extra: list[str]) -> dict:
 
     t = _trainer(root, "hang", extra + [f"--comm.timeout_s={HANG_TIMEOUT_S}", "--train.steps=4"])
     t.train_step()
-    if rank == 1:  # this rank skips its gradient collectives in step 2 and stays stuck
-        def skip(*args, **kwargs):
+    if rank == 1:  # this rank skips its gradient collectives in step 2 and stays stuck (the step's others run)
+        all_reduce_async, run_async = t.comm.all_reduce_async, t.comm.run_async
+
+        def stuck() -> None:
             time.sleep(HANG_TIMEOUT_S + 6)
             raise _Skipped
+
+        def skip_all_reduce(tensor, group, name="all_reduce"):
+            return stuck() if name.startswith("gradient") else all_reduce_async(tensor, group, name)
+
+        def skip_run(name, group, fn):
+            return stuck() if name.startswith("gradient") else run_async(name, group, fn)
 
         def ended(signum, frame):  # rank 0, having named this rank, ends it (hang escalation)
             raise _Ended
 
         signal.signal(signal.SIGTERM, ended)
-        t.comm.all_reduce_async = t.comm.run_async = skip
+        t.comm.all_reduce_async, t.comm.run_async = skip_all_reduce, skip_run
     start = time.monotonic()
     try:
         t.train_step()
