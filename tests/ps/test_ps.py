@@ -367,6 +367,12 @@ def _regroup(rank: int, world: int) -> bool:
 
     from plait.runtime.spawn import free_port
 
+    # Wait for every rank on the spawn's store first, with a bound of its own: a rank may still be finishing the
+    # previous run (its evaluation and export) long after rank 0, longer than the group's collective timeout
+    # on a loaded machine. The broadcast then starts on all ranks together.
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"regroup/{world}/{rank}", "1")
+    store.wait([f"regroup/{world}/{r}" for r in range(dist.get_world_size())], timedelta(seconds=600))
     port = torch.tensor([free_port() if rank == 0 else 0])
     dist.broadcast(port, 0)
     dist.destroy_process_group()
