@@ -400,6 +400,14 @@ class Plait(SmallCollectives):
             self.comm.all_reduce_sum(total, self.topology.dp_group, name="num_items_in_batch")
         return (total[0] / divisor).float()
 
+    def num_items_known(self, total: float) -> torch.Tensor:
+        """``num_items_in_batch`` for a step whose count is known without counting: ``total`` items summed over
+        the micro-steps and data-parallel ranks of the optimizer step (e.g. whole batches of a data set whose
+        every target counts). Nothing is counted or communicated: one fill on this rank's device."""
+        strategy = self._require_strategy()
+        return torch.full((), total / (strategy.topo.dp * self.window.accumulation), dtype=torch.float32,
+                          device=self.device)
+
     @property
     def weighs_tokens(self) -> bool:
         """Whether ``num_items_in_batch`` applies: the model runs whole on each rank (not a pipeline) and the
