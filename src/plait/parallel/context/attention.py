@@ -2,7 +2,10 @@
 
 ``ContextAttention`` holds the group, the implementation (``ring``, ``alltoall`` or ``allgather``) and this step's shard
 positions; ``route_gpt`` makes every ``CausalSelfAttention`` of plait's GPT call it instead of
-``scaled_dot_product_attention`` (its projections and head split unchanged: the model's code stays as it is).
+``scaled_dot_product_attention`` (its projections and head split unchanged: the model's code stays as it is);
+when the GPT masks by document (``document_mask``) its layers ask for the document mask and the cp attention
+builds it from the whole sequence's ``doc_ids`` the strategy gives ``active`` (the mask the GPT builds for the
+shard alone is not used).
 ``route_hf`` does the same for Hugging Face decoders (Llama, Qwen2, Mistral): their attention layers pick their
 attention function by name from ``config._attn_implementation``, so each recognised layer gets its own copy of the
 config naming plait's (``plait_context``, registered with transformers' ``AttentionInterface``), which calls this
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.data.packing import document_causal_mask
 from plait.parallel.context.allgather import allgather_attention
 from plait.parallel.context.alltoall import alltoall_attention, check_heads
 from plait.parallel.context.ring import Ring, ring_attention
@@ -39,40 +43,50 @@ class ContextAttention:
         self.group, self.impl = group, impl
         self.ring = Ring(group)
         self.positions: torch.Tensor | None = None  # this step's shard positions (S,), set by ``active``
+        self.docs: torch.Tensor | None = None  # this step's whole-sequence document ids (B, T), when the batch has them
+        self._mask: torch.Tensor | None = None  # alltoall's (B, 1, T, T) document mask, built once per step
 
     @contextlib.contextmanager
-    def active(self, positions: torch.Tensor) -> Iterator[None]:
-        """Inside: the routed layers attend over the shard at ``positions`` (global, (S,))."""
-        self.positions = positions
+    def active(self, positions: torch.Tensor, docs: torch.Tensor | None = None) -> Iterator[None]:
+        """Inside: the routed layers attend over the shard at ``positions`` (global, (S,)); ``docs``: the whole
+        sequence's document ids (B, T) of packed documents, for the layers that mask by document."""
+        self.positions, self.docs = positions, docs
         try:
             yield
         finally:
-            self.positions = None
+            self.positions = self.docs = self._mask = None
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q, k, v: (B, H, S, D) of this rank's shard -> (B, H, S, D)."""
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: bool = False) -> torch.Tensor:
+        """q, k, v: (B, H, S, D) of this rank's shard -> (B, H, S, D); ``documents``: attend inside each packed
+        document only (by the document ids given to ``active``)."""
         if self.positions is None:
             raise ContextError("under parallel.cp > 1 the model runs on sequence shards that plait makes: run each "
                                "micro-step with p.forward_backward(model, batch) and evaluate with p.evaluate(model, "
                                "batch), not model(...) on a whole sequence")
+        docs = None
+        if documents:
+            if self.docs is None:
+                raise ContextError("the model masks attention by document, but the batch has no doc_ids; give "
+                                   "plait's GPT packed batches with doc_ids (data.pack) or build it with "
+                                   "document_mask=False")
+            docs = self.docs.to(q.device)
         scale = 1.0 / math.sqrt(q.size(-1))
         if self.impl == "ring":
-            return ring_attention(q, k, v, self.ring, scale)
+            return ring_attention(q, k, v, self.ring, scale, docs)
         if self.impl == "alltoall":
-            return alltoall_attention(q, k, v, self.group, scale)
-        return allgather_attention(q, k, v, self.group, self.positions, scale)
+            if docs is not None and self._mask is None:  # one mask for every layer of the step
+                self._mask = document_causal_mask(docs)
+            return alltoall_attention(q, k, v, self.group, scale, None if docs is None else self._mask)
+        return allgather_attention(q, k, v, self.group, scale, docs)
 
 
 def _gpt_attention_forward(attention: ContextAttention) -> Any:
     def forward(self: nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if attn_mask is not None:
-            raise ContextError("parallel.cp > 1 does not take the document mask yet (data.document_mask); set "
-                               "data.document_mask=false or parallel.cp=1")
         B, S, _ = x.shape  # (B, S, C): this rank's shard
         q = self.q(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, H, S, D)
         k = self.k(x).view(B, S, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(B, S, -1, self.head_dim).transpose(1, 2)
-        y = attention(q, k, v).transpose(1, 2).reshape(B, S, -1)  # (B, S, C)
+        y = attention(q, k, v, documents=attn_mask is not None).transpose(1, 2).reshape(B, S, -1)  # (B, S, C)
         return self.proj(y)
     return forward
 
