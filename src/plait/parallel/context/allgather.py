@@ -2,14 +2,18 @@
 
 Every rank gathers the whole sequence's keys and values (its queries stay its own shard). Each of its two chunks
 (global chunk ``j``) attends to the keys of chunks ``0..j-1`` without a mask and to its own chunk's causally, the
-two merged by their log-sum-exps (the ring's block kernels): no (S, T) mask is built or saved. With packed
+two merged by their log-sum-exps (the ring's block kernels): no (S, T) mask is built or saved. Backward gathers
+the keys and values again instead of keeping the whole sequence's from forward, so activation memory per rank is
+the shard's, as the ring's (at 4096 tokens, cp=2: 1.10x of 1/cp of one process's when they were kept). With packed
 documents each piece's document mask is built from the whole sequence's document ids, in forward and again in
 backward (never saved). Memory for keys and values is the whole sequence's, which is what ring attention avoids;
 compute per rank is its shard's.
 
 Communication per attention layer and micro-batch: forward one all-gather of keys and values stacked
-(``2 B H T D`` elements received); backward their gradients reduced back to the ranks that own them (a
-reduce-scatter under NCCL; gloo has none, so an all-reduce of the whole gradient and this rank's slice).
+(``2 B H_kv T D`` elements received: grouped-query keys and values move with their own heads); backward the
+same all-gather again and their gradients reduced back to the ranks that own them (a reduce-scatter under NCCL;
+gloo has none, so an all-reduce of the whole gradient and this rank's slice): the volume of the ring's
+backward, which also moves keys and values and their gradients.
 """
 
 from __future__ import annotations
@@ -92,15 +96,16 @@ class AllGatherAttention(torch.autograd.Function):
             else:
                 out[:, :, qs], lse[:, :, qs] = bo, bl
                 started.add(qs.start)
-        ctx.save_for_backward(q, kv, out, lse, docs)
+        ctx.save_for_backward(q, k, v, out, lse, docs)  # the shard's keys and values: gathered again in backward
         ctx.group, ctx.perm, ctx.scale = group, perm, scale
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, kv, out, lse, docs = ctx.saved_tensors
+        q, k, v, out, lse, docs = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
         cp, rank, c = dist.get_world_size(group), dist.get_rank(group), q.size(2) // 2
+        kv, _ = _gather(torch.stack([k, v]), group)  # (2, B, H, T, D), not kept from forward
         qf, kvf, dout = q.float(), kv.float(), dout.float()
         delta = (dout * out).sum(-1)
         dq, dkv = torch.zeros_like(qf), torch.zeros_like(kvf)
@@ -116,6 +121,7 @@ class AllGatherAttention(torch.autograd.Function):
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float,
                         docs: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of this rank's load-balanced shard (q, k, v: (B, H, S, D)) over the whole sequence's keys
-    and values, gathered; with ``docs`` (the whole sequence's document ids, (B, T)) inside each document only."""
+    """Causal attention of this rank's load-balanced shard (q: (B, H, S, D); k, v: (B, H_kv, S, D), H_kv dividing
+    H: only the key/value heads are gathered) over the whole sequence's keys and values, gathered; with ``docs``
+    (the whole sequence's document ids, (B, T)) inside each document only."""
     return AllGatherAttention.apply(q, k, v, group, scale, docs)

@@ -11,9 +11,10 @@ attention function by name from ``config._attn_implementation``, so each recogni
 config naming plait's (``plait_context``, registered with transformers' ``AttentionInterface``), which calls this
 layer's ``ContextAttention``. The model's own config (its mask construction, ``save_pretrained``) is untouched; the
 causal mask it builds for the shard's local positions is not used (the cp attention masks by global position), and
-a padding ``attention_mask`` is refused before the model runs. Keys and values of grouped-query attention are
-repeated to the query heads before the cp attention (the transfers carry ``H / H_kv`` times the keys and values of
-the model's own).
+a padding ``attention_mask`` is refused before the model runs. Keys and values of grouped-query attention travel
+with their own heads under ``ring`` and ``allgather`` (repeated to the query heads per block, after the transfer);
+``alltoall`` splits heads, so it repeats them first (its transfers carry ``H / H_kv`` times the model's keys and
+values).
 Outside a step the strategy runs (``active``), calling the routed model raises: a whole sequence given to a
 rank that holds a shard would be attended as if it were one.
 """
@@ -57,8 +58,10 @@ class ContextAttention:
             self.positions = self.docs = self._mask = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: bool = False) -> torch.Tensor:
-        """q, k, v: (B, H, S, D) of this rank's shard -> (B, H, S, D); ``documents``: attend inside each packed
-        document only (by the document ids given to ``active``)."""
+        """q (B, H, S, D), k and v (B, H_kv, S, D), H_kv dividing H, of this rank's shard -> (B, H, S, D);
+        ``documents``: attend inside each packed document only (by the document ids given to ``active``).
+        ``ring`` and ``allgather`` move the H_kv key/value heads and repeat them per block; ``alltoall`` splits
+        heads, so it repeats them first (its transfers then carry H heads of keys and values)."""
         if self.positions is None:
             raise ContextError("under parallel.cp > 1 the model runs on sequence shards that plait makes: run each "
                                "micro-step with p.forward_backward(model, batch) and evaluate with p.evaluate(model, "
@@ -74,6 +77,9 @@ class ContextAttention:
         if self.impl == "ring":
             return ring_attention(q, k, v, self.ring, scale, docs)
         if self.impl == "alltoall":
+            repeat = q.size(1) // k.size(1)
+            if repeat > 1:
+                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
             if docs is not None and self._mask is None:  # one mask for every layer of the step
                 self._mask = document_causal_mask(docs)
             return alltoall_attention(q, k, v, self.group, scale, None if docs is None else self._mask)
@@ -110,10 +116,7 @@ def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
         raise ContextError(f"parallel.cp > 1 computes full causal attention, but {type(module).__name__} attends "
                            f"within a sliding window of {window} tokens, shorter than the sequence ({length}); use "
                            "parallel.cp=1 for this model, or sequences no longer than its window")
-    repeat = query.size(1) // key.size(1)
-    if repeat > 1:  # grouped-query attention: every query head gets its key/value head
-        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
-    out = module._plait_context(query, key, value)  # (B, H, S, D)
+    out = module._plait_context(query, key, value)  # (B, H, S, D); GQA keys/values repeated where the impl needs
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -27,7 +27,10 @@ their gradient accumulators round the same ring: after ``N`` hops each accumulat
 block's keys and values move while the current block computes; its accumulator must hold this rank's part before
 it moves on, so that hop follows the block's compute.
 
-Communication, per attention layer and micro-batch: forward ``N - 1`` sends and receives of ``2 B H c D`` x2
+Grouped-query attention: keys and values travel with their own ``H_kv`` heads and are repeated to the query heads
+inside each block's compute (their gradients summed back), so the transfers carry ``H_kv``, not ``H``, heads.
+
+Communication, per attention layer and micro-batch: forward ``N - 1`` sends and receives of ``2 B H_kv c D`` x2
 elements (keys and values); backward ``N - 1`` of keys and values and ``N`` of their gradients.
 """
 
@@ -63,6 +66,21 @@ def _bias(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
     return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill_(~mask, float("-inf"))
 
 
+def _repeat(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention: key/value heads (B, H_kv, Sk, D) repeated to the ``heads`` query heads, here,
+    after they travelled (only the H_kv heads move)."""
+    repeat = heads // k.size(1)
+    if repeat == 1:
+        return k, v
+    return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+
+
+def _fold(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The adjoint of ``_repeat``: (B, H, Sk, D) gradients summed over each key/value head's query heads."""
+    B, H, Sk, D = g.shape
+    return g if H == kv_heads else g.view(B, kv_heads, H // kv_heads, Sk, D).sum(2)
+
+
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   causal: bool, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's attention output (B, H, Sq, D) and log-sum-exp (B, H, Sq), float32. ``mask`` (B, 1, Sq, Sk),
@@ -85,14 +103,18 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
                    lse: torch.Tensor, delta: torch.Tensor, scale: float, causal: bool,
                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Gradients (dq, dk, dv) of one block given the final ``out``, ``lse`` and ``delta = rowsum(dout * out)``
-    (the final log-sum-exp is finite: every query sees itself)."""
+    (the final log-sum-exp is finite: every query sees itself); dk, dv have k's and v's (key/value) heads."""
+    kv_heads = k.size(1)
+    k, v = _repeat(k, v, q.size(1))
     if q.device.type == "cpu":  # PyTorch's fused CPU backward (it computes ``delta`` from ``dout`` and ``out``)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, attn_mask=_bias(mask, q), scale=scale)
+        return dq, _fold(dk, kv_heads), _fold(dv, kv_heads)
     p = torch.exp(_scores(q, k, scale, causal, mask) - lse.unsqueeze(-1))  # (B, H, Sq, Sk): the final probabilities
     dv = torch.matmul(p.transpose(-2, -1), dout)
     ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - delta.unsqueeze(-1))
-    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
+    dk = torch.matmul(ds.transpose(-2, -1), q) * scale
+    return torch.matmul(ds, k) * scale, _fold(dk, kv_heads), _fold(dv, kv_heads)
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -203,6 +225,7 @@ class RingAttention(torch.autograd.Function):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float,
                    docs: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of this rank's load-balanced shard (q, k, v: (B, H, S, D)) over the whole sequence;
+    """Causal attention of this rank's load-balanced shard (q: (B, H, S, D); k, v: (B, H_kv, S, D), H_kv dividing
+    H: only the key/value heads travel, repeated to the query heads per block) over the whole sequence;
     with ``docs`` (the whole sequence's document ids, (B, T)) inside each query's document only."""
     return RingAttention.apply(q, k, v, ring, scale, docs)
