@@ -3,9 +3,9 @@
 ``ContextAttention`` holds the group, the implementation (``ring``, ``alltoall`` or ``allgather``) and this step's shard
 positions; ``route_gpt`` makes every ``CausalSelfAttention`` of plait's GPT call it instead of
 ``scaled_dot_product_attention`` (its projections and head split unchanged: the model's code stays as it is);
-when the GPT masks by document (``document_mask``) its layers ask for the document mask and the cp attention
-builds it from the whole sequence's ``doc_ids`` the strategy gives ``active`` (the mask the GPT builds for the
-shard alone is not used).
+when the GPT masks by document (``document_mask``) its layers ask for the document mask (``document_marker``
+stands for it: the GPT builds no mask of the shard) and the cp attention builds each block's from the whole
+sequence's ``doc_ids`` the strategy gives ``active``.
 ``route_hf`` does the same for Hugging Face decoders (Llama, Qwen2, Mistral): their attention layers pick their
 attention function by name from ``config._attn_implementation``, so each recognised layer gets its own copy of the
 config naming plait's (``plait_context``, registered with transformers' ``AttentionInterface``), which calls this
@@ -72,7 +72,9 @@ class ContextAttention:
                 raise ContextError("the model masks attention by document, but the batch has no doc_ids; give "
                                    "plait's GPT packed batches with doc_ids (data.pack) or build it with "
                                    "document_mask=False")
-            docs = self.docs.to(q.device)
+            if self.docs.device != q.device:  # once per step, not per layer
+                self.docs = self.docs.to(q.device)
+            docs = self.docs
         scale = 1.0 / math.sqrt(q.size(-1))
         if self.impl == "ring":
             return ring_attention(q, k, v, self.ring, scale, docs)
@@ -150,9 +152,19 @@ def route_hf(model: nn.Module, attention: ContextAttention) -> int:
     return len(layers)
 
 
+def document_marker(doc_ids: torch.Tensor) -> torch.Tensor:
+    """What plait's GPT passes its routed layers for the document mask under cp: one element saying "mask by
+    document" (the cp attention builds each block's mask from the whole sequence's ids), instead of the shard's
+    (B, 1, S, S) mask, which the cp attention would not use."""
+    return doc_ids.new_ones(1, dtype=torch.bool)
+
+
 def route_gpt(model: nn.Module, attention: ContextAttention) -> int:
     """Route every attention layer of plait's GPT in ``model`` through ``attention``; returns how many."""
-    from plait.models.gpt import CausalSelfAttention
+    from plait.models.gpt import GPT, CausalSelfAttention
+
+    for gpt in (m for m in model.modules() if isinstance(m, GPT)):
+        gpt.document_mask_fn = document_marker
 
     layers = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
     for layer in layers:
