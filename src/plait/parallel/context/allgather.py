@@ -59,12 +59,13 @@ def _reduce_to_owners(grad: torch.Tensor, perm: torch.Tensor, group: Any) -> tor
     return ranked[..., rank * s:(rank + 1) * s, :].contiguous()
 
 
-def _pieces(rank: int, cp: int, c: int, docs: torch.Tensor | None) -> list[tuple[slice, slice, bool, Any]]:
-    """What this rank's queries compute against the gathered keys: for each of its chunks (global chunk ``j``,
-    local slice ``a``) the keys of every earlier chunk, unmasked, and its own chunk's, causal; with the document
-    mask of each piece when ``docs`` (the whole sequence's document ids, (B, T)) is given."""
+def _pieces(chunks: list[tuple[int, int]], c: int, docs: torch.Tensor | None) -> list[tuple[slice, slice, bool, Any]]:
+    """What the queries compute against the whole sequence's keys: for each query chunk (``(a, j)``: local slice
+    ``a``, global chunk ``j``, ``c`` tokens each) the keys of every earlier chunk, unmasked, and its own chunk's,
+    causal; with the document mask of each piece when ``docs`` (the whole sequence's document ids, (B, T)) is
+    given."""
     out = []
-    for a, j in enumerate((rank, 2 * cp - 1 - rank)):
+    for a, j in chunks:
         qs = slice(a * c, (a + 1) * c)
         q_docs = None if docs is None else docs[:, j * c:(j + 1) * c]
         for ks, causal in ((slice(0, j * c), False), (slice(j * c, (j + 1) * c), True)):
@@ -72,6 +73,41 @@ def _pieces(rank: int, cp: int, c: int, docs: torch.Tensor | None) -> list[tuple
                 continue
             out.append((qs, ks, causal, None if docs is None else doc_mask(q_docs, docs[:, ks])))
     return out
+
+
+def _mine(rank: int, cp: int) -> list[tuple[int, int]]:
+    """This rank's two chunks of the load-balanced split, as ``_pieces`` takes them."""
+    return [(0, rank), (1, 2 * cp - 1 - rank)]
+
+
+def pieces_forward(qf: torch.Tensor, kv: torch.Tensor, pieces: list, scale: float) -> tuple[torch.Tensor, ...]:
+    """Attention output (float32) and log-sum-exp of ``qf`` (B, H, Sq, D) against keys and values ``kv``
+    (2, B, H_kv, T, D), piece by piece (``_pieces``), the pieces of a query chunk merged by their log-sum-exps."""
+    out = torch.empty_like(qf)
+    lse = torch.empty(qf.shape[:-1], dtype=torch.float32, device=qf.device)
+    started: set[int] = set()
+    for qs, ks, causal, mask in pieces:
+        bo, bl = block_forward(qf[:, :, qs], kv[0, :, :, ks], kv[1, :, :, ks], scale, causal, mask)
+        if qs.start in started:
+            merge(out[:, :, qs], lse[:, :, qs], bo, bl)
+        else:
+            out[:, :, qs], lse[:, :, qs] = bo, bl
+            started.add(qs.start)
+    return out, lse
+
+
+def pieces_backward(qf: torch.Tensor, kv: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                    pieces: list, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dkv) of ``pieces_forward``, piece by piece from the final output and log-sum-exp."""
+    delta = (dout * out).sum(-1)
+    dq, dkv = torch.zeros_like(qf), torch.zeros_like(kv)
+    for qs, ks, causal, mask in pieces:
+        gq, gk, gv = block_backward(qf[:, :, qs], kv[0, :, :, ks], kv[1, :, :, ks], dout[:, :, qs], out[:, :, qs],
+                                    lse[:, :, qs], delta[:, :, qs], scale, causal, mask)
+        dq[:, :, qs] += gq
+        dkv[0, :, :, ks] += gk
+        dkv[1, :, :, ks] += gv
+    return dq, dkv
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -84,18 +120,8 @@ class AllGatherAttention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float,
                 docs: torch.Tensor | None) -> torch.Tensor:
         cp, rank, c = dist.get_world_size(group), dist.get_rank(group), q.size(2) // 2
-        kv, perm = _gather(torch.stack([k, v]), group)  # (2, B, H, T, D)
-        qf, kvf = q.float(), kv.float()
-        out = torch.empty_like(qf)
-        lse = torch.empty(qf.shape[:-1], dtype=torch.float32, device=q.device)
-        started: set[int] = set()
-        for qs, ks, causal, mask in _pieces(rank, cp, c, docs):
-            bo, bl = block_forward(qf[:, :, qs], kvf[0, :, :, ks], kvf[1, :, :, ks], scale, causal, mask)
-            if qs.start in started:
-                merge(out[:, :, qs], lse[:, :, qs], bo, bl)
-            else:
-                out[:, :, qs], lse[:, :, qs] = bo, bl
-                started.add(qs.start)
+        kv, perm = _gather(torch.stack([k, v]), group)  # (2, B, H_kv, T, D)
+        out, lse = pieces_forward(q.float(), kv.float(), _pieces(_mine(rank, cp), c, docs), scale)
         ctx.save_for_backward(q, k, v, out, lse, docs)  # the shard's keys and values: gathered again in backward
         ctx.group, ctx.perm, ctx.scale = group, perm, scale
         return out.to(q.dtype)
@@ -103,20 +129,38 @@ class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, docs = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
+        group = ctx.group
         cp, rank, c = dist.get_world_size(group), dist.get_rank(group), q.size(2) // 2
-        kv, _ = _gather(torch.stack([k, v]), group)  # (2, B, H, T, D), not kept from forward
-        qf, kvf, dout = q.float(), kv.float(), dout.float()
-        delta = (dout * out).sum(-1)
-        dq, dkv = torch.zeros_like(qf), torch.zeros_like(kvf)
-        for qs, ks, causal, mask in _pieces(rank, cp, c, docs):
-            gq, gk, gv = block_backward(qf[:, :, qs], kvf[0, :, :, ks], kvf[1, :, :, ks], dout[:, :, qs],
-                                        out[:, :, qs], lse[:, :, qs], delta[:, :, qs], scale, causal, mask)
-            dq[:, :, qs] += gq
-            dkv[0, :, :, ks] += gk
-            dkv[1, :, :, ks] += gv
-        mine = _reduce_to_owners(dkv, ctx.perm, group)  # (2, B, H, S, D)
+        kv, _ = _gather(torch.stack([k, v]), group)  # (2, B, H_kv, T, D), not kept from forward
+        dq, dkv = pieces_backward(q.float(), kv.float(), dout.float(), out, lse, _pieces(_mine(rank, cp), c, docs),
+                                  ctx.scale)
+        mine = _reduce_to_owners(dkv, ctx.perm, group)  # (2, B, H_kv, S, D)
         return dq.to(q.dtype), mine[0].to(q.dtype), mine[1].to(q.dtype), None, None, None
+
+
+class DocumentAttention(torch.autograd.Function):
+    """Causal attention inside packed documents over a whole sequence in global order (q, k, v: (B, H, T, D);
+    ``docs``: (B, T)), in ``chunks`` query chunks, each against the earlier chunks and its own, every piece's
+    document mask built from ``docs`` in forward and again in backward: no (T, T) mask is kept (``alltoall``'s
+    attention on its heads)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, docs: torch.Tensor,
+                chunks: int) -> torch.Tensor:
+        c = q.size(2) // chunks
+        out, lse = pieces_forward(q.float(), torch.stack([k, v]).float(),
+                                  _pieces([(j, j) for j in range(chunks)], c, docs), scale)
+        ctx.save_for_backward(q, k, v, out, lse, docs)
+        ctx.scale, ctx.chunks = scale, chunks
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse, docs = ctx.saved_tensors
+        c = q.size(2) // ctx.chunks
+        dq, dkv = pieces_backward(q.float(), torch.stack([k, v]).float(), dout.float(), out, lse,
+                                  _pieces([(j, j) for j in range(ctx.chunks)], c, docs), ctx.scale)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float,

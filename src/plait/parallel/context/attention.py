@@ -30,7 +30,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.data.packing import document_causal_mask
 from plait.parallel.context.allgather import allgather_attention
 from plait.parallel.context.alltoall import alltoall_attention, check_heads
 from plait.parallel.context.ring import Ring, ring_attention
@@ -45,7 +44,6 @@ class ContextAttention:
         self.ring = Ring(group)
         self.positions: torch.Tensor | None = None  # this step's shard positions (S,), set by ``active``
         self.docs: torch.Tensor | None = None  # this step's whole-sequence document ids (B, T), when the batch has them
-        self._mask: torch.Tensor | None = None  # alltoall's (B, 1, T, T) document mask, built once per step
 
     @contextlib.contextmanager
     def active(self, positions: torch.Tensor, docs: torch.Tensor | None = None) -> Iterator[None]:
@@ -55,7 +53,7 @@ class ContextAttention:
         try:
             yield
         finally:
-            self.positions = self.docs = self._mask = None
+            self.positions = self.docs = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: bool = False) -> torch.Tensor:
         """q (B, H, S, D), k and v (B, H_kv, S, D), H_kv dividing H, of this rank's shard -> (B, H, S, D);
@@ -82,9 +80,7 @@ class ContextAttention:
             repeat = q.size(1) // k.size(1)
             if repeat > 1:
                 k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-            if docs is not None and self._mask is None:  # one mask for every layer of the step
-                self._mask = document_causal_mask(docs)
-            return alltoall_attention(q, k, v, self.group, scale, None if docs is None else self._mask)
+            return alltoall_attention(q, k, v, self.group, scale, docs)
         return allgather_attention(q, k, v, self.group, scale, docs)
 
 
