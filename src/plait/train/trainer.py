@@ -187,7 +187,7 @@ class Trainer:
         """Rank 0: one device's peak FLOP/s for this run's precision (measured once per machine on a CPU)."""
         from plait.train.mfu import device_peak
 
-        return device_peak(self.p.device, self.cfg.train.precision) if self.rank0 else None
+        return device_peak(self.p.device, self.cfg.train.compute_precision) if self.rank0 else None
 
     def mfu(self, tokens_per_s: float, samples_per_s: float) -> float | None:
         """Model FLOPs utilisation at these rates over all ``world_size`` devices (None off rank 0)."""
