@@ -81,12 +81,15 @@ def _fold(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return g if H == kv_heads else g.view(B, kv_heads, H // kv_heads, Sk, D).sum(2)
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  causal: bool, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                  mask: torch.Tensor | None = None, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's attention output (B, H, Sq, D) and log-sum-exp (B, H, Sq), float32. ``mask`` (B, 1, Sq, Sk),
     True where a query may see a key (packed documents), on top of ``causal``. A query row that sees no key of
-    the block (another document's block) gets output 0 and log-sum-exp -inf, so ``merge`` gives it weight 0."""
-    if q.device.type == "cpu":  # PyTorch's fused CPU kernel: the same math, no (Sq, Sk) scores held at once
+    the block (another document's block) gets output 0 and log-sum-exp -inf, so ``merge`` gives it weight 0.
+    k, v may have fewer (key/value) heads than q (grouped-query attention). ``fused``: PyTorch's CPU kernel
+    (default on the CPU: the same math, no (Sq, Sk) scores held at once) or the explicit math (elsewhere)."""
+    k, v = _repeat(k, v, q.size(1))
+    if q.device.type == "cpu" if fused is None else fused:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
                                                                                attn_mask=_bias(mask, q), scale=scale)
         if mask is not None:  # the kernel gives a row with no key log-sum-exp 0 (and output 0): make it -inf
@@ -101,12 +104,12 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, delta: torch.Tensor, scale: float, causal: bool,
-                   mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                   mask: torch.Tensor | None = None, fused: bool | None = None) -> tuple[torch.Tensor, ...]:
     """Gradients (dq, dk, dv) of one block given the final ``out``, ``lse`` and ``delta = rowsum(dout * out)``
     (the final log-sum-exp is finite: every query sees itself); dk, dv have k's and v's (key/value) heads."""
     kv_heads = k.size(1)
     k, v = _repeat(k, v, q.size(1))
-    if q.device.type == "cpu":  # PyTorch's fused CPU backward (it computes ``delta`` from ``dout`` and ``out``)
+    if q.device.type == "cpu" if fused is None else fused:  # the CPU kernel computes ``delta`` itself
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, attn_mask=_bias(mask, q), scale=scale)
         return dq, _fold(dk, kv_heads), _fold(dv, kv_heads)
