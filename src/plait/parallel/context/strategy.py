@@ -102,9 +102,10 @@ class ContextParallel(Wrapper):
             self._losses[id(loss)] = ShardLoss(loss)
         return self._losses[id(loss)]
 
-    def _split(self, batch: Any, loss: Any, divide: int) -> tuple[Shard, torch.Tensor, torch.Tensor]:
-        """This rank's shard of ``batch``, its global positions, and the divisor of its summed loss: the engine's
-        (``num_items_in_batch``) or the whole sequence's real tokens / ``divide``."""
+    def _split(self, batch: Any, loss: Any, divide: int) -> tuple[Shard, torch.Tensor, torch.Tensor, Any]:
+        """This rank's shard of ``batch``, its global positions, the divisor of its summed loss (the engine's
+        ``num_items_in_batch`` or the whole sequence's real tokens / ``divide``) and the whole sequence's
+        ``doc_ids`` (packed documents; None without), which the cp attention masks by."""
         if not isinstance(loss, Loss) or not loss.counts_items:
             raise ContextError(f"parallel.cp > 1 needs a loss that counts its tokens, so the shards' losses add up to "
                                f"the whole sequence's: use loss causal_lm (got {getattr(loss, 'name', loss)!r})")
@@ -117,16 +118,17 @@ class ContextParallel(Wrapper):
         items = loss.items
         if items is None:
             items = (target != IGNORE_INDEX).sum().float() / divide
+        docs = kwargs.get("doc_ids")
         kwargs = {k: shard(v, index, T) for k, v in kwargs.items()}
         kwargs.setdefault("position_ids", index.expand(B, -1))  # the global positions of this rank's tokens
         part = Shard(tuple(shard(a, index, T) for a in args), kwargs, shard(target, index, T))
-        return part, index, items
+        return part, index, items, docs
 
     def forward_backward(self, model: nn.Module, batch: Any, loss: Any, scale: float,
                          before_backward: Callable[[float], None] | None = None,
                          times: dict[str, float] | None = None) -> torch.Tensor:
-        part, index, items = self._split(batch, loss, divide=self.cp)
-        with self.attention.active(index), loss.per_items(items):
+        part, index, items, docs = self._split(batch, loss, divide=self.cp)
+        with self.attention.active(index, docs), loss.per_items(items):
             return self.inner.forward_backward(model, part, self._shard_loss(loss), scale, before_backward, times)
 
     def backward(self, loss: torch.Tensor, scale: float) -> None:
@@ -136,8 +138,8 @@ class ContextParallel(Wrapper):
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batch: Any, loss: Any) -> torch.Tensor:
         """The whole sequence's mean loss on every cp rank: each shard's sum / the whole count, summed over cp."""
-        part, index, items = self._split(batch, loss, divide=1)
-        with self.attention.active(index), loss.per_items(items):
+        part, index, items, docs = self._split(batch, loss, divide=1)
+        with self.attention.active(index, docs), loss.per_items(items):
             value = local_value(self.inner.evaluate(model, part, self._shard_loss(loss))).float().reshape(1)
         dist.all_reduce(value, group=self.group)
         return value[0]
