@@ -110,7 +110,8 @@ class RingAttention(torch.autograd.Function):
                 reqs, incoming = ring.shift(kv)
             src = (r - s) % n
             if s == 0:
-                out, lse = block_forward(qf, kv[0], kv[1], scale, causal=True)
+                # merged into in place below: copies, since selective checkpointing keeps the kernel's outputs
+                out, lse = (t.clone() for t in block_forward(qf, kv[0], kv[1], scale, causal=True))
             elif src < r:
                 merge(out, lse, *block_forward(qf, kv[0, :, :, :c], kv[1, :, :, :c], scale, causal=False))
             else:

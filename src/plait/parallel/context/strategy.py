@@ -75,13 +75,15 @@ class ContextParallel(Wrapper):
         p = cfg.parallel
         if p.cp <= 1:
             return
-        unsupported = [f"parallel.{k}={v}" for k, v, off in (("tp", p.tp, 1), ("pp", p.pp, 1), ("ep", p.ep, 1),
-                                                               ("zero", p.zero, 0), ("mode", p.mode, "collective"))
-                       if v != off]
+        unsupported = [f"parallel.{k}={v}" for k, v, off in (("pp", p.pp, 1), ("ep", p.ep, 1),
+                                                               ("mode", p.mode, "collective")) if v != off]
         if unsupported:
-            raise ConfigError(f"parallel.cp={p.cp} composes with data parallelism only so far; "
-                              f"{', '.join(unsupported)} with context parallelism is not supported yet: set "
-                              "parallel.cp=1, or leave those at their defaults")
+            raise ConfigError(f"parallel.cp={p.cp} composes with data parallelism, ZeRO 1-3, tensor (and sequence) "
+                              f"parallelism and activation checkpointing; {', '.join(unsupported)} with context "
+                              "parallelism is not supported yet: set parallel.cp=1, or leave those at their defaults")
+        if degrees.get("dp_shard", 1) > 1 and degrees.get("dp_replicate", 1) > 1:
+            raise ConfigError(f"parallel.dp_shard={p.dp_shard} (hybrid sharding) with parallel.cp={p.cp} is not "
+                              "supported yet: set parallel.dp_shard=0 (ZeRO-3 then shards over every dp x cp rank)")
         if cfg.train.compile:
             raise ConfigError(f"train.compile={cfg.train.compile!r} with parallel.cp > 1 is not supported yet; set "
                               "train.compile=false")
@@ -91,7 +93,10 @@ class ContextParallel(Wrapper):
         self.cp, self.cp_rank = self.topo.degree(MeshAxis.CP), self.topo.coord(MeshAxis.CP)
         self.group = self.topo.group(MeshAxis.CP)
         self.attention = ContextAttention(self.group, self.cfg.parallel.cp_impl)
-        if not (route_gpt(self.model, self.attention) or route_hf(self.model, self.attention)):
+        # plait's GPT takes its shard's positions as one (S,) row, which sequence parallelism splits over tp like
+        # the (T,) positions it makes itself; Hugging Face decoders take (B, S)
+        self.gpt = route_gpt(self.model, self.attention)
+        if not (self.gpt or route_hf(self.model, self.attention)):
             raise ContextError(f"parallel.cp > 1 routes the attention of plait's GPT and of Hugging Face Llama, Qwen2 "
                                f"and Mistral; {type(self.model).__name__} has no attention layer plait recognises: use "
                                "one of those models or parallel.cp=1")
@@ -118,7 +123,7 @@ class ContextParallel(Wrapper):
         if items is None:
             items = (target != IGNORE_INDEX).sum().float() / divide
         kwargs = {k: shard(v, index, T) for k, v in kwargs.items()}
-        kwargs.setdefault("position_ids", index.expand(B, -1))  # the global positions of this rank's tokens
+        kwargs.setdefault("position_ids", index if self.gpt else index.expand(B, -1))  # this rank's global positions
         part = Shard(tuple(shard(a, index, T) for a in args), kwargs, shard(target, index, T))
         return part, index, items
 
