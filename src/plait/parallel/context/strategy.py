@@ -65,6 +65,10 @@ class ContextParallel(Wrapper):
 
     name = "context"
     kind = "context-parallel"
+    # the cp attention's collectives are torch's (c10d, issued in forward and backward): the engine counts them
+    # with plait.comm.accounting.TorchCollectiveCounter (observe.count_torch_collectives), beside the inner
+    # strategy's own
+    torch_collectives = True
 
     @classmethod
     def wraps(cls, p: ParallelConfig) -> bool:
