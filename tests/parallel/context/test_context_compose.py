@@ -3,19 +3,21 @@ plait's GPT at sequence 256, equals one process on the whole sequence.
 
 Layouts (two spawned groups, several layouts each): on 2 ranks cp=2 with activation checkpointing full and
 selective, and cp=2 x zero=3 alone (FSDP shards over the cp ranks); on 4 ranks cp=2 x dp=2 with zero=1, zero=2 and
-zero=3 (ZeRO and FSDP shard over dp x cp, 4 ranks: checked on the optimizer's shards and FSDP's mesh), and cp=2 x
-tp=2 without and with sequence parallelism. Every run trains 3 AdamW steps (clip 1.0) from the same weights through
-``plait.Plait.forward_backward`` with ``p.num_items_in_batch`` (one loss over the global batch's real tokens) on the
+zero=3 (ZeRO and FSDP shard over dp x cp, 4 ranks: checked on the optimizer's shards and FSDP's mesh), cp=2 x
+tp=2 without and with sequence parallelism, and cp=2 x pp=2 (1F1B, 2 pipeline micro-batches; the first stage takes
+its shard's positions from the cp attention). Every run trains 3 AdamW steps (clip 1.0) from the same weights through
+``plait.Plait.forward_backward`` with ``p.num_items_in_batch`` (one loss over the global batch's real tokens; the
+pipeline, which refuses it, at dp=1 without it: the cp loss is then over the micro-batch's real tokens) on the
 batches of ``test_context`` (uneven ``-100`` prompts), against the same single-process reference.
 
 Compared: the logged loss of every step, every parameter's gradient at step 1 (gathered whole where the layout
 shards it: FSDP's and tensor parallelism's DTensors with ``full_tensor``, ZeRO-1/2's reduced flat chunks by one
-all-gather per bucket), and every
+all-gather per bucket; a pipeline rank its stage's, every parameter on some rank), and every
 parameter after 3 steps (``p.full_state_dict``). float32; tolerances those of ``test_context``: losses 2e-5,
 gradients 1e-7, parameters 3e-5.
 
-Not composed yet and refused with one message (tested): pipeline parallelism (its stages take positional inputs
-and make their own positions), expert parallelism, hybrid sharding (``dp_shard`` with ``dp_replicate``).
+Not composed yet and refused with one message (tested): expert parallelism, hybrid sharding (``dp_shard`` with
+``dp_replicate``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def _train(run_dir: str, name: str, parallel: dict, train: dict) -> dict:
 
     import plait
 
-    dp = parallel.get("dp", 1)
+    dp, pp = parallel.get("dp", 1), parallel.get("pp", 1) > 1
     micro = GLOBAL // dp
     p = plait.Plait(parallel={"cp": 2, **parallel}, optim={"grad_clip": CLIP},
                     train={"global_batch_size": GLOBAL, "micro_batch_size": micro, **train},
@@ -64,7 +66,7 @@ def _train(run_dir: str, name: str, parallel: dict, train: dict) -> dict:
         share = GLOBAL // dp
         mine = {k: v[p.dp_rank * share:(p.dp_rank + 1) * share] for k, v in batch.items()}
         # one loss over the global batch's real tokens (the reference's mean), whatever dp
-        p.forward_backward(model, mine, num_items_in_batch=p.num_items_in_batch([mine]))
+        p.forward_backward(model, mine, num_items_in_batch=None if pp else p.num_items_in_batch([mine]))
         info = p.step(log=True)
         losses.append(info.global_loss)
     strategy = p.strategy
@@ -105,7 +107,8 @@ LAYOUTS = {
         ("ac-selective", {}, {"activation_checkpointing": "selective"}),
         ("zero3", {"zero": 3}, {})],
     4: [("zero1", {"dp": 2, "zero": 1}, {}), ("zero2", {"dp": 2, "zero": 2}, {}), ("zero3", {"dp": 2, "zero": 3}, {}),
-        ("tp", {"tp": 2}, {}), ("tp-sp", {"tp": 2, "sequence_parallel": True}, {})],
+        ("tp", {"tp": 2}, {}), ("tp-sp", {"tp": 2, "sequence_parallel": True}, {}),
+        ("pp", {"pp": 2, "microbatches": 2}, {})],
 }
 
 
@@ -114,10 +117,14 @@ def test_context_parallel_composes(tmp_path: Path, world: int) -> None:
     ranks = run_ranks(_group, world, str(tmp_path), LAYOUTS[world], timeout=600)
     ref_losses, ref_grads, ref_state, _ = reference()
     for i, (name, parallel, _) in enumerate(LAYOUTS[world]):
+        if "pp" in parallel:  # each rank holds its stage's gradients: every parameter's on some rank
+            held = set().union(*(r[i]["grads"] for r in ranks))
+            assert held == ref_grads.keys(), (name, sorted(held ^ set(ref_grads)))
         for run in (r[i] for r in ranks):
             assert "context-parallel" in run["layout"], (name, run["layout"])
             assert max(abs(a - b) for a, b in zip(run["losses"], ref_losses, strict=True)) < MP_LOSS_ATOL, name
-            assert run["grads"].keys() == ref_grads.keys(), (name, sorted(set(run["grads"]) ^ set(ref_grads)))
+            if "pp" not in parallel:
+                assert run["grads"].keys() == ref_grads.keys(), (name, sorted(set(run["grads"]) ^ set(ref_grads)))
             assert _max_diff(run["grads"], ref_grads) < GRAD_ATOL, name
             assert run["state"].keys() == ref_state.keys(), name
             assert _max_diff(run["state"], ref_state) < MP_PARAM_ATOL, name
@@ -132,8 +139,8 @@ def test_unsupported_compositions_are_one_message() -> None:
     from plait.recipes import validate_config
 
     cfg = Config()
-    cfg.parallel.cp, cfg.parallel.pp, cfg.parallel.microbatches, cfg.train.micro_batch_size = 2, 2, 2, 2
-    with pytest.raises(ConfigError, match="parallel.pp=2 with context parallelism is not supported yet"):
+    cfg.parallel.cp, cfg.parallel.ep = 2, 2
+    with pytest.raises(ConfigError, match="parallel.ep=2 with context parallelism is not supported yet"):
         validate_config(cfg, 4)
     cfg = Config()
     cfg.parallel.cp, cfg.parallel.zero, cfg.parallel.dp, cfg.parallel.dp_shard = 2, 3, 4, 2
