@@ -17,7 +17,7 @@ parameter after 3 steps (``p.full_state_dict``). float32; tolerances those of ``
 gradients 1e-7, parameters 3e-5.
 
 Not composed yet and refused with one message (tested): expert parallelism, hybrid sharding (``dp_shard`` with
-``dp_replicate``).
+``dp_replicate``), a Hugging Face decoder's pipeline (its stages make their own positions; refused at setup).
 """
 
 from __future__ import annotations
@@ -93,8 +93,28 @@ def _zero_grads(zero, names: dict) -> dict:
     return out
 
 
+def _hf_pipeline_refused(run_dir: str) -> str:
+    """The message of a Hugging Face decoder's pipeline under cp (its stages make their own positions)."""
+    import plait
+    from plait.config import ConfigError
+
+    from .test_context_hf import llama
+
+    p = plait.Plait(parallel={"cp": 2, "pp": 2, "microbatches": 2},
+                    train={"global_batch_size": GLOBAL, "micro_batch_size": GLOBAL},
+                    run={"dir": f"{run_dir}/hf-pp"}, observe={"progress": False, "trackers": []})
+    try:
+        p.setup(llama(), optimizer=adamw, loss_fn="causal_lm")
+    except ConfigError as e:
+        return str(e)
+    finally:
+        p.close()
+    return ""
+
+
 def _group(rank: int, world: int, run_dir: str, layouts: list[tuple[str, dict, dict]]) -> list[dict]:
-    return [_train(run_dir, *layout) for layout in layouts]
+    out = [_train(run_dir, *layout) for layout in layouts]
+    return out + ([{"hf-pp": _hf_pipeline_refused(run_dir)}] if world == 4 else [])
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -116,6 +136,10 @@ LAYOUTS = {
 def test_context_parallel_composes(tmp_path: Path, world: int) -> None:
     ranks = run_ranks(_group, world, str(tmp_path), LAYOUTS[world], timeout=600)
     ref_losses, ref_grads, ref_state, _ = reference()
+    if world == 4:  # refused on every rank, with the remedy
+        for r in ranks:
+            assert "parallel.cp > 1 with parallel.pp > 1 runs plait's GPT" in r[-1]["hf-pp"], r[-1]
+            assert "use parallel.pp=1 with cp, or parallel.cp=1" in r[-1]["hf-pp"], r[-1]
     for i, (name, parallel, _) in enumerate(LAYOUTS[world]):
         if "pp" in parallel:  # each rank holds its stage's gradients: every parameter's on some rank
             held = set().union(*(r[i]["grads"] for r in ranks))
