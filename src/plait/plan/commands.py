@@ -136,7 +136,7 @@ def cmd_plan(argv: list[str]) -> int:
     from plait.plan.record import optimizer_traffic
 
     shape = shape_from_config(cfg, recipes)
-    base = Workload(shape, Layout(), cfg.train.global_batch_size, precision=cfg.train.precision,
+    base = Workload(shape, Layout(), cfg.train.global_batch_size, precision=cfg.train.compute_precision,
                     fused_optimizer=cfg.optim.fused is not False, grad_clip=cfg.optim.grad_clip > 0)
     result = plan(shape, profile, gpus, cfg.train.global_batch_size, base=base, top=flags.get("--top", 5),
                   traffic=optimizer_traffic(cfg))
