@@ -116,8 +116,16 @@ def test_context_parallelism_is_simulated_and_planned_for_long_sequences(monkeyp
     split = simulate(Workload(shape, Layout(dp=1, cp=2, micro_batch_size=1), 1), Cluster.of(A100, 2))
     assert split.memory[0].activations == whole.memory[0].activations / 2
     assert split.as_dict()["context_parallel"]["comm_bytes_per_step"] > 0
-    with pytest.raises(ConfigError, match="cp=2 is simulated without pipeline"):
-        simulate(Workload(shape, Layout(dp=1, pp=2, cp=2, micro_batch_size=1), 1), Cluster.of(A100, 4))
+    # a pipeline's ranks share the cp traffic: each sends its stages' blocks' (2 pipeline micro-batches of 1)
+    piped = simulate(Workload(shape, Layout(dp=1, pp=2, cp=2, microbatches=2, micro_batch_size=2), 2),
+                     Cluster.of(A100, 4)).as_dict()["context_parallel"]
+    flat = simulate(Workload(shape, Layout(dp=1, cp=2, micro_batch_size=1), 2), Cluster.of(A100, 2))
+    assert sum(piped["comm_bytes_per_step_by_pipeline_rank"]) == flat.as_dict()["context_parallel"][
+        "comm_bytes_per_step"]
+    assert len(piped["comm_bytes_per_step_by_pipeline_rank"]) == 2 and min(piped[
+        "comm_bytes_per_step_by_pipeline_rank"]) > 0
+    with pytest.raises(ConfigError, match="cp=2 is simulated without expert parallelism"):
+        simulate(Workload(shape, Layout(dp=1, cp=2, micro_batch_size=1), 1, attention="unfused"), Cluster.of(A100, 2))
     with pytest.raises(ConfigError, match="needs zero=3"):
         simulate(Workload(shape, Layout(dp=4, zero=2, dp_shard=2, micro_batch_size=1), 4), Cluster.of(A100, 4))
     result = plan(shape, A100, 8, 16, top=40)

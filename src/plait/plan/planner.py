@@ -28,7 +28,7 @@ point-to-point hops, no bubble to lose to a straggler; Narayanan et al.'s rule: 
 a node, then pipelining), then the fastest; a ZeRO-3 layout in the band that is not itself the fastest
 comes after the band's others (``preference``). Context parallelism (``cp``, ring attention: the sequence split
 over cp ranks inside tp, priced as ``Workload.rank_view`` plus the ring's shifts) is enumerated for sequences of
-``LONG_SEQUENCE`` tokens or more, without pipelining or experts (which plait does not compose it with), at every
+``LONG_SEQUENCE`` tokens or more, without pipelining (not searched with cp) or experts (not composed), at every
 degree that divides the devices left by tp and splits the sequence into 2 x cp chunks; within the band fewer cp
 ranks are preferred after fewer pipeline stages.
 """

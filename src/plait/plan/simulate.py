@@ -291,11 +291,17 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
     single = _single_device_time(whole, cluster, op_counts)
     sim = Simulation(whole, cluster, step, memory, timelines, stages, model.compute.peak_flops,
                      single * whole.global_batch / max(lay.world, 1) / step, notes or [])
-    if whole.layout.cp > 1:  # the cp collectives of one optimizer step on one rank (pipelines do not compose)
-        blocks = [model.block(i) for i in range(work.shape.n_layer)]
+    if whole.layout.cp > 1:  # the cp collectives of one optimizer step on a rank of each pipeline rank's stages
+        runs = work.accumulation * (lay.microbatches if lay.pp > 1 else 1)  # block passes per step
+        by_rank = []
+        for r in range(lay.pp):
+            blocks = [model.block(i) for s in range(n_stages) if owner[s] == r for i in stages[s]]
+            by_rank.append((int(runs * sum(c.detail["cp_bytes"] for c in blocks)),
+                            runs * sum(c.detail["cp_exposed_s"] for c in blocks)))
         sim.context = {"cp": whole.layout.cp, "impl": whole.layout.cp_impl,
-                       "comm_bytes_per_step": int(work.accumulation * sum(c.detail["cp_bytes"] for c in blocks)),
-                       "exposed_s_per_step": work.accumulation * sum(c.detail["cp_exposed_s"] for c in blocks)}
+                       "comm_bytes_per_step": max(b for b, _ in by_rank),
+                       "exposed_s_per_step": max(e for _, e in by_rank),
+                       "comm_bytes_per_step_by_pipeline_rank": [b for b, _ in by_rank]}
     return sim
 
 

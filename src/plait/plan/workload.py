@@ -152,11 +152,11 @@ class Workload:
     def check(self) -> None:
         """Raise ``ConfigError`` for what the simulator cannot price (it is not a plait layout)."""
         lay, s = self.layout, self.shape
-        if lay.cp > 1 and (lay.pp > 1 or lay.ep > 1 or self.attention != "flash"
-                           or s.seq_len % (2 * lay.cp) or lay.cp_impl not in ("ring", "alltoall", "allgather")):
-            raise ConfigError(f"cp={lay.cp} is simulated without pipeline or expert parallelism (not priced with cp "
-                              f"yet), with the flash attention kernel, cp_impl ring, alltoall or allgather and a "
-                              f"sequence ({s.seq_len}) that divides by 2 x cp; change those or set cp=1")
+        if lay.cp > 1 and (lay.ep > 1 or self.attention != "flash" or s.seq_len % (2 * lay.cp)
+                           or lay.cp_impl not in ("ring", "alltoall", "allgather")):
+            raise ConfigError(f"cp={lay.cp} is simulated without expert parallelism (plait does not compose them), "
+                              f"with the flash attention kernel, cp_impl ring, alltoall or allgather and a sequence "
+                              f"({s.seq_len}) that divides by 2 x cp; change those or set cp=1")
         if lay.dp_shard not in (1, lay.dp) and (lay.zero != 3 or lay.dp % lay.dp_shard or lay.ep > 1):
             raise ConfigError(f"dp_shard={lay.dp_shard} (HSDP) needs zero=3, a divisor of dp={lay.dp} and no expert "
                               "parallelism; set dp_shard=1 or change it")
