@@ -188,7 +188,8 @@ class RingAttention(torch.autograd.Function):
             qs, ks, causal, mask = _piece(r, (r - s) % n, c, docs)
             bo, bl = block_forward(qf[:, :, qs], kv[0, :, :, ks], kv[1, :, :, ks], scale, causal, mask)
             if s == 0:
-                out, lse = bo, bl
+                # merged into in place below: copies, since selective checkpointing keeps the kernel's outputs
+                out, lse = bo.clone(), bl.clone()
             else:
                 merge(out[:, :, qs], lse[:, :, qs], bo, bl)
             if s < n - 1:
