@@ -291,20 +291,22 @@ class StageModel:
         cp, impl = lay.cp_folded, lay.cp_impl
         group = group_span([i * lay.tp for i in range(cp)], self.cluster.devices_per_node)
         seq, a = s.seq_len * cp, u.act_bytes
-        heads = s.n_head // lay.tp
+        heads, kv_heads = s.n_head // lay.tp, max(1, s.n_kv_head // lay.tp)
         if impl == "ring":
             attn_f = sum(self.compute.time(op) for op in fwd.ops if op.kind == "attention")
             attn_b = sum(self.compute.time(op) for op in bwd.ops if op.kind == "attention")
-            priced = ring_attention(self.profile, u.micro_batch, seq, heads * s.head_dim, 1, 4, group, attn_f, attn_b)
+            priced = ring_attention(self.profile, u.micro_batch, seq, kv_heads * s.head_dim, 1, 4, group, attn_f,
+                                    attn_b)
             f_s, b_s = priced.exposed_fwd, priced.exposed_bwd
         elif impl == "alltoall":
             priced = ulysses(self.profile, u.micro_batch, seq, heads * s.head_dim, heads * s.head_dim, 1, a, group)
             f_s, b_s = priced.exposed_fwd, priced.exposed_bwd
-        else:
-            x = u.micro_batch * heads * s.seq_len * s.head_dim
-            f_s = collective_time(self.profile, "all_gather", 2 * x * a * cp, group)
-            b_s = collective_time(self.profile, "all_reduce", 2 * x * a * cp, group)
-        sent = context_wire_bytes(impl, u.micro_batch, seq, heads, s.head_dim, cp, a, 1, int(recomputed))
+        else:  # the keys and values gathered in forward, gathered again in backward, their gradients reduced
+            kv = u.micro_batch * kv_heads * s.seq_len * s.head_dim
+            f_s = collective_time(self.profile, "all_gather", 2 * kv * a * cp, group)
+            b_s = f_s + collective_time(self.profile, "all_reduce", 2 * kv * a * cp, group)
+        sent = context_wire_bytes(impl, u.micro_batch, seq, heads, s.head_dim, cp, a, 1, int(recomputed),
+                                  kv_heads=kv_heads)
         detail = {**cost.detail, "cp_bytes": sent, "cp_exposed_s": f_s + b_s + (f_s if recomputed else 0.0)}
         return replace(cost, fwd=cost.fwd + f_s, bwd_in=cost.bwd_in + b_s + (f_s if recomputed else 0.0),
                        detail=detail)
