@@ -159,6 +159,16 @@ class Replicas(DataParallel):
         self._step_live = 0  # the groups whose gradients the last step averaged
         self._healed = 0  # heals this process received
         self._in_step = False  # inside after_step: the engine counts the step just taken after it returns
+        self._quorum_s = 0.0  # seconds this process waited on torchft's quorums (the first one included)
+        self._commit_s = 0.0  # seconds in should_commit
+
+    @property
+    def items_ranks(self) -> int:
+        """Token counts stay within the group (the groups alive change from step to step; torchft averages the
+        gradients over those of the step): each group's loss is the mean over its own real tokens, and the step's
+        gradient the mean of these over the live groups (the mean over every token when the groups count as many
+        tokens, as full-length batches do)."""
+        return 1
 
     # -- joining -------------------------------------------------------------------------------------
     def begin(self, run: Any) -> None:
@@ -213,8 +223,10 @@ class Replicas(DataParallel):
 
     def _quorum(self) -> None:
         """The quorum of this step (healing this group first if it is behind)."""
+        t0 = time.perf_counter()
         self.manager.start_quorum()
         self._participants = self.manager.num_participants()
+        self._quorum_s += time.perf_counter() - t0
 
     def _heal_state(self) -> dict[str, Any]:
         """What a replacement needs to continue as this group (read on torchft's thread while this one waits)."""
@@ -258,7 +270,10 @@ class Replicas(DataParallel):
     def step_unless(self, found: torch.Tensor) -> None:
         """torchft's commit first (every group asks at every step): a step whose collectives failed skips its update
         like a non-finite one (``found`` set), and the next quorum heals whoever is behind."""
-        if not self.manager.should_commit():
+        t0 = time.perf_counter()
+        committed = self.manager.should_commit()
+        self._commit_s += time.perf_counter() - t0
+        if not committed:
             self.logger.warning("replica group %d: step not committed (a replica was lost during it); update "
                                 "skipped", self.topo.dp_rank)
             found.fill_(1.0)
@@ -274,7 +289,8 @@ class Replicas(DataParallel):
 
     def step_metrics(self) -> dict[str, Any]:
         return {"replicas_live": self._step_live, "replica_heals": self._healed,
-                "replica_step": self.manager.current_step()}
+                "replica_step": self.manager.current_step(), "replica_quorum_s_total": round(self._quorum_s, 4),
+                "replica_commit_s_total": round(self._commit_s, 4)}
 
     def describe(self) -> str:
         return f"torchft replica group {self.topo.dp_rank} of {self.topo.dp}"
