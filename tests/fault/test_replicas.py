@@ -209,6 +209,9 @@ def test_plait_train_replica_group_killed_and_healed(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("sections, message", [
     ({"parallel": {"zero": 2}}, "does not compose with parallel.zero=2"),
+    ({"parallel": {"zero": 1}}, r"does not compose with parallel.zero=1 yet \(no sharding"),
+    # 2 replica groups x 2 ranks, each sharded inside by FSDP2 (HSDP): one clear error, not 4 groups of 1
+    ({"parallel": {"zero": 3, "dp_shard": 2}}, "does not compose with parallel.zero=3, parallel.dp_shard=2"),
     ({"parallel": {"sync": "diloco"}}, "does not compose with parallel.sync=diloco"),
     ({"comm": {"compress": "int8"}}, "does not compose with comm.compress=int8"),
     ({"fault": {"min_replicas": 3}}, r"fault.min_replicas must lie in 1..2"),
@@ -221,6 +224,25 @@ def test_layouts_it_cannot_train_are_refused(sections: dict, message: str) -> No
     cfg.fault.mode = "replicas"
     with pytest.raises(ConfigError, match=message):
         validate(cfg, 2)
+
+
+def test_sharded_replica_groups_are_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica group of 2 ranks (a group sharded inside): refused where the group's world is known, and by
+    ``plait run --replicas G --nproc 2``."""
+    from plait.cli import cmd_run
+    from plait.config import ConfigError, from_sections
+    from plait.parallel.replicas.strategy import Replicas
+
+    cfg = from_sections({"train": {"global_batch_size": 8}})
+    cfg.fault.mode = "replicas"
+    monkeypatch.setenv("PLAIT_REPLICA_GROUP", "1")
+    monkeypatch.setenv("PLAIT_REPLICA_GROUPS", "2")
+    with pytest.raises(ConfigError, match="replica group 1 has 2 ranks; a group is one rank holding the whole model"):
+        Replicas.resolve_degrees(cfg, 2)
+    assert Replicas.resolve_degrees(cfg, 1)["dp_replicate"] == 2
+    with pytest.raises(ConfigError, match="sharded inside by ZeRO or FSDP2/HSDP are not supported yet\\); drop "
+                                          "--nproc 2"):
+        cmd_run(["--replicas", "2", "--nproc", "2", str(SCRIPT)])
 
 
 def test_without_the_launcher_it_says_how_to_start(tmp_path: Path) -> None:

@@ -117,8 +117,9 @@ class Replicas(DataParallel):
         refused = [name for name, on in inside if on]
         if refused:
             raise ConfigError(f"fault.mode=replicas runs each replica group as one rank with the whole model, its "
-                              f"gradients averaged by torchft; it does not compose with {', '.join(refused)} yet: "
-                              "remove it, or set fault.mode=restart")
+                              f"gradients averaged by torchft; it does not compose with {', '.join(refused)} yet "
+                              "(no sharding or model parallelism inside a replica group): remove it, or set "
+                              "fault.mode=restart")
         if f.min_replicas < 1 or f.min_replicas > degrees["dp_replicate"]:
             raise ConfigError(f"fault.min_replicas must lie in 1..{degrees['dp_replicate']} (the replica groups); "
                               f"got {f.min_replicas}")
@@ -129,7 +130,8 @@ class Replicas(DataParallel):
         found = replica_group()
         if found is not None and world_size != 1:
             raise ConfigError(f"fault.mode=replicas: replica group {found[0]} has {world_size} ranks; a group is one "
-                              "rank here (start one process per group: plait run --replicas N, plait train)")
+                              "rank holding the whole model here (groups sharded inside by ZeRO or FSDP2/HSDP are not "
+                              "supported yet): start one process per group (plait run --replicas N, plait train)")
         return {"pp": 1, "dp_replicate": _groups(world_size)[1], "dp_shard": 1, "ep": 1, "tp": 1}
 
     @classmethod
