@@ -1,23 +1,37 @@
-"""Goodput under failures: plait's restarts against the existing practice, one seeded fault schedule.
+"""Goodput under failures, one seeded fault schedule per comparison. Two comparisons (``--compare``):
 
-Both train the default GPT on the embedded corpus on 2 local workers for the same wall time
-(``--minutes``, default 10), checkpointing every 20 steps, with a collective timeout of 10 s, under
-the same seeded schedule of faults (exponential gaps, mean ``--mean-gap`` s, default 30):
-``kill`` (SIGKILL a worker), ``stop`` (SIGSTOP a worker: a hang) and ``corrupt`` (truncate the newest
-checkpoint's largest file, then SIGKILL a worker), at the same offsets from each run's start.
+``recovery`` (the default): how plait recovers from a killed worker, three ways, under the same SIGKILLs.
+The default GPT (a step of ~0.3 s on 2 CPU workers) trains on the embedded corpus on 2 local workers, checkpointing
+every ``--ckpt-every`` steps (default 100, ~30 s of training; 30 with ``--quick``: the steps since the last save are
+part of a restart's cost, as they are for a user), for ``--minutes`` of training per system (default 5), while one
+worker is SIGKILLed once per ``--mean-gap`` seconds on average (default 120: one failure per 2 minutes; kill ``i``
+at ``(i + 0.5 + u)`` gaps after the first step, ``u`` uniform in [-0.3, 0.3], the victim drawn too; all from
+``--seed``):
 
-* plait: ``plait train`` with ``fault.max_restarts`` high (its restarts, hang escalation, checkpoint
-  manifests and fallback to the previous good checkpoint);
-* practice: a hand-written DDP loop (bench/_chaos_peer.py) under ``torchrun --max-restarts``, saving with
-  ``torch.save`` at the same interval and resuming from the newest file, the same timeout.
+* ``restart``: ``plait train --parallel.nproc=2``: every worker restarts and reloads the newest checkpoint from disk;
+* ``restart_memory``: the same with ``fault.memory_checkpoint=true``: the reload comes from the in-memory copy;
+* ``replicas``: ``fault.mode=replicas``: 2 torchft replica groups of 1 worker; the survivor trains on alone (on its
+  half of each global batch) while the killed group's agent starts a replacement, which heals from it.
 
-Reported per system: goodput (seconds of steps in the final model's lineage / wall time, from the
-ledger both write), steps reached, and per fault the recovery time (from the fault until the step
-count passes its value at the fault). Also the blocking time of a checkpoint of the default model,
-synchronous against ``checkpoint.async``. Targets: plait's goodput at least 1.3x the practice's; async
-saving blocks at most 20% as long as sync. Prints JSON.
+Reported per system: ``goodput_steps_per_s`` (the steps in the final model's lineage at the end of the window over
+the window's length; for replicas the most advanced group's), ``goodput_samples_per_s`` (the same in samples: a step
+a replica group took alone counts its half of the global batch, from ``replicas_live`` at the log steps), per kill
+``to_next_useful_step_s`` (from the kill until the lineage passes its step count at the kill: the restart, the
+reload and the lost steps trained again; for replicas the survivor's next committed step) and for replicas
+``rejoin_s`` (until the killed group's replacement has stepped past the kill point: it healed), and for replicas
+torchft's per-step cost (``quorum_s_per_step``, ``should_commit_s_per_step``, measured inside the workers) against
+the step time. Verdict: ``target_replicas_1.5x_restart``, replicas' goodput in steps at least 1.5x restart's.
 
-    python bench/chaos.py [--quick] [--minutes 10] [--mean-gap 30] [--seed 7]
+``practice``: plait's restarts against the existing practice (a hand-written DDP loop under ``torchrun
+--max-restarts``, bench/_chaos_peer.py) under kills, hangs (SIGSTOP) and corrupted checkpoints, checkpointing every
+20 steps with a collective timeout of 10 s for ``--minutes`` (default 10; faults every ``--mean-gap`` s on average,
+exponential gaps, default 30), and the blocking time of a sync against an async checkpoint. Targets: plait's
+goodput at least 1.3x the practice's; async saving blocks at most 20% as long as sync.
+
+Prints JSON (``--out FILE`` also writes it).
+
+    python bench/chaos.py [--quick] [--compare recovery|practice] [--minutes M] [--mean-gap S] [--seed 7]
+        [--ckpt-every N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -147,13 +162,171 @@ def blocking_saves(root: Path) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1.5 minutes per system, a fault every ~15 s")
-    ap.add_argument("--minutes", type=float, default=10.0)
-    ap.add_argument("--mean-gap", type=float, default=30.0)
-    ap.add_argument("--seed", type=int, default=7)
-    args = ap.parse_args()
+# -- recovery: restart from disk, restart from memory, per-step replicas -------------------------------------------
+
+RECOVERY = ["--train.steps=1000000", "--train.eval_every=0", "--train.log_every=10", "--observe.progress=false",
+            "--observe.trackers=[]", "--checkpoint.keep=2", "--comm.timeout_s=10", "--parallel.nproc=2",
+            "--fault.max_restarts=1000"]
+SYSTEMS = {"restart": ["--fault.memory_checkpoint=false"], "restart_memory": ["--fault.memory_checkpoint=true"],
+           "replicas": ["--fault.mode=replicas"]}
+
+
+def kill_schedule(seed: int, duration: float, mean_gap: float) -> list[tuple[float, int]]:
+    """(seconds after the first step, victim) for one kill per ``mean_gap`` seconds of a ``duration`` window."""
+    rng = random.Random(seed)
+    n = max(1, round(duration / mean_gap))
+    return [(round((i + 0.5 + rng.uniform(-0.3, 0.3)) * mean_gap, 2), rng.randrange(2)) for i in range(n)]
+
+
+def _replica_dirs(run: Path) -> list[Path]:
+    return sorted(run.glob("replica*"))
+
+
+def _lineage_steps(run: Path, replicas: bool) -> int:
+    return max([_steps(d) for d in _replica_dirs(run)] or [0]) if replicas else _steps(run)
+
+
+def _victim(run: Path, replicas: bool, rank: int) -> int | None:
+    return _pid(run / f"replica{rank}", 0) if replicas else _pid(run, rank)
+
+
+def _metrics(run: Path) -> list[dict]:
+    f = run / "metrics.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines() if '"loss"' in x] if f.is_file() else []
+
+
+def _ledger(run: Path, start: float) -> list[tuple[float, int]]:
+    """(seconds since ``start``, step) of every step the run's goodput ledger recorded (redone steps included)."""
+    f = run / "goodput.jsonl"
+    rows = [json.loads(x) for x in f.read_text().splitlines() if '"step"' in x] if f.is_file() else []
+    return [(r["t"] - start, int(r["step"])) for r in rows if r.get("event") == "step"]
+
+
+def _lineage_at(ledgers: dict[str, list[tuple[float, int]]], t: float) -> int:
+    """The step the run's lineage had reached at ``t``: each group's latest step by then (after a restart: the
+    step it resumed from and went on to), the most advanced group's."""
+    return max([max(((u, n) for u, n in v if u <= t), default=(0.0, 0))[1] for v in ledgers.values()] or [0])
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End the launcher and everything it started (replica groups' agents: each in a session of its own, which the
+    launcher stops on SIGTERM)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        proc.wait()
+
+
+def run_recovery(name: str, run: Path, kills: list, duration: float, ckpt_every: int) -> dict:
+    replicas = name == "replicas"
+    cmd = [sys.executable, "-m", "plait.cli", "train", *RECOVERY, f"--checkpoint.every={ckpt_every}", *SYSTEMS[name],
+           f"--run.dir={run}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
+    log = open(run.parent / f"{name}.log", "w")
+    launched, load_before = time.time(), os.getloadavg()[0]
+    proc = subprocess.Popen(cmd, cwd=run.parent, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    while _lineage_steps(run, replicas) < 1 and proc.poll() is None and time.time() - launched < 300:
+        time.sleep(0.05)
+    start = time.time()  # the window: from the first step on (start-up is the same for all and not a failure)
+    applied = []
+    for at, rank in kills:
+        while time.time() - start < at and proc.poll() is None:
+            time.sleep(0.02)
+        pid, note = _victim(run, replicas, rank), ""
+        if pid is None:
+            note = "no worker to kill"
+        else:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                note = "worker already gone"
+        applied.append({"at_s": round(time.time() - start, 2), "rank": rank, "note": note})
+    while time.time() - start < duration and proc.poll() is None:
+        time.sleep(0.05)
+    alive = proc.poll() is None
+    window = time.time() - start
+    load_after = os.getloadavg()[0]
+    _stop(proc)
+    log.close()
+    # Per-step times from each worker group's goodput ledger (a "step" event with its wall time at every step).
+    ledgers = {d.name: _ledger(d, start) for d in (_replica_dirs(run) if replicas else [run])}
+    final = _lineage_at(ledgers, window)
+    for f in applied:
+        at = f["at_s"]
+        before = f["steps_at_kill"] = _lineage_at(ledgers, at)
+        nxt = [t for steps_ in ledgers.values() for t, n in steps_ if t > at and n > before]
+        f["to_next_useful_step_s"] = round(min(nxt) - at, 2) if nxt else None
+        if replicas:
+            back = [t for t, n in ledgers.get(f"replica{f['rank']}", []) if t > at and n > before]
+            f["rejoin_s"] = round(min(back) - at, 2) if back else None
+    out: dict = {"steps": final, "window_s": round(window, 1), "startup_s": round(start - launched, 1),
+                 "load_avg_1m_before_after": [load_before, load_after], "alive_at_end": alive, "kills": applied}
+    waits = [f["to_next_useful_step_s"] for f in applied if f["to_next_useful_step_s"] is not None]
+    out["mean_to_next_useful_step_s"] = sum(waits) / len(waits) if waits else None
+    text = (run.parent / f"{name}.log").read_text(errors="replace")
+    if replicas:
+        seen: dict[int, int] = {}  # step -> how many groups took it
+        for v in ledgers.values():
+            for n in {n for t, n in v if t <= window}:
+                seen[n] = seen.get(n, 0) + 1
+        alone = sum(1 for n, k in seen.items() if k == 1 and n <= final)  # half a global batch each
+        # a step whose collectives failed (the kill came during it) counts but updates nothing; the survivor's are in
+        # the final lineage (the replacement healed from it): the most any group logged
+        uncommitted = max(len(re.findall(rf"replica group {g}: step not committed", text)) for g in range(2))
+        out.update(uncommitted_steps=uncommitted, half_batch_steps=alone)
+        useful = final - uncommitted
+        out["goodput_steps_per_s"] = useful / duration
+        out["goodput_samples_per_s"] = (useful - alone / 2) / duration  # in global batches per second
+        per = {}
+        for d in _replica_dirs(run):
+            rs = [r for r in _metrics(d) if "replica_quorum_s_total" in r]
+            inc = [((b["replica_quorum_s_total"] - a["replica_quorum_s_total"]) / (b["step"] - a["step"]),
+                    (b["replica_commit_s_total"] - a["replica_commit_s_total"]) / (b["step"] - a["step"]))
+                   for a, b in zip(rs[1:], rs[2:], strict=False) if b["step"] > a["step"]
+                   and b["replica_quorum_s_total"] >= a["replica_quorum_s_total"]]
+            if inc:  # per log interval (10 steps), the median: steady state, not the waits at a kill
+                per[d.name] = {"quorum_s_per_step_median": sorted(q for q, _ in inc)[len(inc) // 2],
+                               "should_commit_s_per_step_median": sorted(c for _, c in inc)[len(inc) // 2],
+                               "quorum_s_per_step_max": max(q for q, _ in inc)}
+        out["torchft_cost"] = per
+    else:
+        out["goodput_steps_per_s"] = final / duration
+        out["goodput_samples_per_s"] = out["goodput_steps_per_s"]
+        out["restarts"] = len(re.findall(r'"event": "failed"', (run / "goodput.jsonl").read_text()))
+    rows = _metrics(run if not replicas else max(_replica_dirs(run), key=_steps))
+    out["median_step_s"] = sorted(r["step_s"] for r in rows)[len(rows) // 2] if rows else None
+    return out
+
+
+def recovery(args: argparse.Namespace) -> dict:
+    duration = 100.0 if args.quick else args.minutes * 60
+    gap = 40.0 if args.quick else args.mean_gap
+    kills = kill_schedule(args.seed, duration, gap)
+    root = Path(tempfile.mkdtemp(prefix="plait-chaos-recovery-"))
+    results = {}
+    for name in SYSTEMS:
+        results[name] = run_recovery(name, root / name, kills, duration, args.ckpt_every)
+        print(f"{name}: {results[name]['steps']} steps, goodput {results[name]['goodput_steps_per_s']:.3f} steps/s",
+              file=sys.stderr, flush=True)
+    base = max(results["restart"]["goodput_steps_per_s"], 1e-9)
+    ratios = {f"{k}_over_restart": v["goodput_steps_per_s"] / base for k, v in results.items() if k != "restart"}
+    ratios["replicas_over_restart_samples"] = results["replicas"]["goodput_samples_per_s"] / max(
+        results["restart"]["goodput_samples_per_s"], 1e-9)
+    return {"bench": "chaos", "compare": "recovery", "machine": _common.machine_info(), "quick": args.quick,
+            "config": {"model": "default GPT (plait train defaults)", "workers": 2, "checkpoint_every_steps":
+                       args.ckpt_every, "window_s": duration, "mean_gap_s": gap, "seed": args.seed,
+                       "comm_timeout_s": 10, "log_every": 10, "kills": kills,
+                       "settings": RECOVERY + [f"--checkpoint.every={args.ckpt_every}"], "systems": SYSTEMS},
+            "results": results, "ratios": ratios,
+            "target_replicas_1.5x_restart": ratios["replicas_over_restart"] >= 1.5,
+            "load_avg_1m": os.getloadavg()[0], "work_dir": str(root)}
+
+
+def practice(args: argparse.Namespace) -> dict:
     duration = 90.0 if args.quick else args.minutes * 60
     gap = 15.0 if args.quick else args.mean_gap
     faults = schedule(args.seed, duration, gap)
@@ -169,11 +342,34 @@ def main() -> None:
                for name, cmd in systems.items()}
     saves = blocking_saves(root)
     ratio = (results["plait"]["goodput"] or 0) / max(results["torchrun_practice"]["goodput"] or 1e-9, 1e-9)
-    print(json.dumps({
-        "bench": "chaos", "machine": _common.machine_info(), "seed": args.seed, "duration_s": duration,
-        "mean_gap_s": gap, "schedule": faults, "results": results, "goodput_ratio_plait_over_practice": ratio,
-        "target_goodput_1.3x": ratio >= 1.3, "saves": saves,
-        "target_async_within_20pct": saves["async_over_sync"] <= 0.2, "work_dir": str(root)}, indent=1))
+    return {"bench": "chaos", "compare": "practice", "machine": _common.machine_info(), "seed": args.seed,
+            "duration_s": duration, "mean_gap_s": gap, "schedule": faults, "results": results,
+            "goodput_ratio_plait_over_practice": ratio, "target_goodput_1.3x": ratio >= 1.3, "saves": saves,
+            "target_async_within_20pct": saves["async_over_sync"] <= 0.2, "work_dir": str(root)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--compare", choices=("recovery", "practice"), default="recovery")
+    ap.add_argument("--quick", action="store_true",
+                    help="recovery: 100 s per system, a kill per ~40 s; practice: 1.5 minutes, a fault per ~15 s")
+    ap.add_argument("--minutes", type=float, default=None, help="per system (default: recovery 5, practice 10)")
+    ap.add_argument("--mean-gap", type=float, default=None, help="seconds (default: recovery 120, practice 30)")
+    ap.add_argument("--ckpt-every", type=int, default=None,
+                    help="recovery: checkpoint every N steps (default 100, ~30 s; --quick: 30)")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    rec = args.compare == "recovery"
+    args.minutes = args.minutes if args.minutes is not None else (5.0 if rec else 10.0)
+    args.mean_gap = args.mean_gap if args.mean_gap is not None else (120.0 if rec else 30.0)
+    args.ckpt_every = args.ckpt_every if args.ckpt_every is not None else (30 if args.quick else 100)
+    report = recovery(args) if rec else practice(args)
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
 
 
 if __name__ == "__main__":

@@ -273,7 +273,8 @@ def _run_replicas(script: str, args: list[str], replicas: int, nproc: int, max_r
     if replicas < 1:
         raise ConfigError(f"--replicas must be at least 1 (replica groups); got {replicas}")
     if nproc != 1:
-        raise ConfigError(f"--replicas runs one worker per replica group; drop --nproc {nproc}")
+        raise ConfigError("--replicas runs one worker per replica group, holding the whole model (replica groups "
+                          f"sharded inside by ZeRO or FSDP2/HSDP are not supported yet); drop --nproc {nproc}")
     require_torchft()
     rc = launch_replica_groups(lambda g: ["-m", "plait.launch", script, *args], replicas, max_restarts, lighthouse)
     if rc:

@@ -41,7 +41,10 @@ if __name__ == "__main__":
     loader = p.setup_dataloader(data())
     live: list[int] = []
     with open(f"{out}/group{group}.jsonl", "a") as records:
-        records.write(json.dumps({"pid": os.getpid(), "joined_at": p.steps}) + "\n")
+        # a summed loss's divisor for 8 x 3 labels: the group's own count (its gradients are then averaged over the
+        # live groups), not a share of a count over groups that may not be there
+        items = float(p.num_items_in_batch(torch.ones(8, 3, dtype=torch.long), shift=False))
+        records.write(json.dumps({"pid": os.getpid(), "joined_at": p.steps, "items": items}) + "\n")
         while True:
             for xb, yb in loader:
                 loss = nn.functional.mse_loss(model(xb), yb)

@@ -1,16 +1,16 @@
 """Per-step fault tolerance on torchft (``fault.mode = "replicas"``): 2 replica groups of 1 rank under ``plait run
 --replicas 2``, one SIGKILLed mid-run (tests/fault/replica_script.py is the user's loop).
 
-Checked: the surviving group's process is the same one throughout (one pid in its records), its step count only
-goes up and it keeps training while the other is away (steps with 1 live group); the killed group's agent starts a
+Checked: the surviving group's process is the same one throughout (one pid in its records), its step count only goes
+up and it keeps training while the other is away (steps with 1 live group); the killed group's agent starts a
 replacement, which heals from the survivor (its first step continues the survivor's count) and both end with
-bit-identical weights. Against the failure-free run (the same loop as one process over the whole global batch, plait
-at world 1: data parallelism over the two halves is the same update): until the kill the mean of the two groups'
-losses equals its loss within 1e-5 (float rounding of the averaged gradient); at the end the loss over the whole
-data set is within 2% of the initial loss of the failure-free run's at the same step (both fall ~100x from the
-initial loss; while one group is away the survivor trains on its half of each global batch only, a documented
-difference, not a rounding error: measured 0.0113 against 0.0076, from 1.0). A Lighthouse that does not
-answer is one clear error.
+bit-identical weights; ``num_items_in_batch`` divides by the group's own token count. Against the failure-free run
+(the same loop as one process over the whole global batch, plait at world 1: data parallelism over the two halves is
+the same update): until the kill the mean of the two groups' losses equals its loss within 1e-5 (float rounding of
+the averaged gradient); at the end the loss over the whole data set is within 2% of the initial loss of the
+failure-free run's at the same step (both fall ~100x from the initial loss; while one group is away the survivor
+trains on its half of each global batch only, a documented difference, not a rounding error: measured 0.0113 against
+0.0076, from 1.0). A Lighthouse that does not answer is one clear error.
 """
 
 from __future__ import annotations
@@ -119,6 +119,13 @@ def test_survivor_keeps_training_and_the_replacement_heals(killed_run: dict) -> 
     assert after[0]["step"] == joined + 1 and after[-1]["step"] == steps[-1]
     a, b = torch.load(out / "final0.pt"), torch.load(out / "final1.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # num_items_in_batch: each group divides by its own 24 labels (torchft averages the groups' gradients), not by
+    # half of them as if the count were summed over both groups (which made every gradient twice the mean's)
+    assert [r["items"] for r in _starts(out)] == [24.0, 24.0, 24.0]
+
+
+def _starts(out: Path) -> list[dict]:
+    return [r for g in (0, 1) for r in _records(out / f"group{g}.jsonl") if "joined_at" in r]
 
 
 def test_loss_curve_stays_near_the_failure_free_run(killed_run: dict, tmp_path: Path) -> None:
@@ -202,6 +209,9 @@ def test_plait_train_replica_group_killed_and_healed(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("sections, message", [
     ({"parallel": {"zero": 2}}, "does not compose with parallel.zero=2"),
+    ({"parallel": {"zero": 1}}, r"does not compose with parallel.zero=1 yet \(no sharding"),
+    # 2 replica groups x 2 ranks, each sharded inside by FSDP2 (HSDP): one clear error, not 4 groups of 1
+    ({"parallel": {"zero": 3, "dp_shard": 2}}, "does not compose with parallel.zero=3, parallel.dp_shard=2"),
     ({"parallel": {"sync": "diloco"}}, "does not compose with parallel.sync=diloco"),
     ({"comm": {"compress": "int8"}}, "does not compose with comm.compress=int8"),
     ({"fault": {"min_replicas": 3}}, r"fault.min_replicas must lie in 1..2"),
@@ -214,6 +224,25 @@ def test_layouts_it_cannot_train_are_refused(sections: dict, message: str) -> No
     cfg.fault.mode = "replicas"
     with pytest.raises(ConfigError, match=message):
         validate(cfg, 2)
+
+
+def test_sharded_replica_groups_are_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica group of 2 ranks (a group sharded inside): refused where the group's world is known, and by
+    ``plait run --replicas G --nproc 2``."""
+    from plait.cli import cmd_run
+    from plait.config import ConfigError, from_sections
+    from plait.parallel.replicas.strategy import Replicas
+
+    cfg = from_sections({"train": {"global_batch_size": 8}})
+    cfg.fault.mode = "replicas"
+    monkeypatch.setenv("PLAIT_REPLICA_GROUP", "1")
+    monkeypatch.setenv("PLAIT_REPLICA_GROUPS", "2")
+    with pytest.raises(ConfigError, match="replica group 1 has 2 ranks; a group is one rank holding the whole model"):
+        Replicas.resolve_degrees(cfg, 2)
+    assert Replicas.resolve_degrees(cfg, 1)["dp_replicate"] == 2
+    with pytest.raises(ConfigError, match="sharded inside by ZeRO or FSDP2/HSDP are not supported yet\\); drop "
+                                          "--nproc 2"):
+        cmd_run(["--replicas", "2", "--nproc", "2", str(SCRIPT)])
 
 
 def test_without_the_launcher_it_says_how_to_start(tmp_path: Path) -> None:

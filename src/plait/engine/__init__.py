@@ -385,17 +385,19 @@ class Plait(SmallCollectives):
         if not items:
             raise PlaitError("num_items_in_batch() got no labels: pass every micro-batch's labels of the step")
         counts = [self._count_items(b, loss_fn, shift) for b in items]
-        divisor = strategy.topo.dp * self.window.accumulation  # backward averages over these (dp, x cp if folded)
+        ranks = strategy.items_ranks  # backward averages over these (dp, x cp if folded) and the micro-steps
+        divisor = ranks * self.window.accumulation
+        alone = self.dp == 1 or ranks == 1  # nothing to sum over the data-parallel group
         # Host counts are added on the host and filled in on the device (a kernel, not a copy that waits for the
         # stream); counts of labels already on the device stay there: nothing is read back.
         host = sum(int(c.numpy()) for c in counts if c.device.type == "cpu")  # numpy: no tensor read is dispatched
         on_device = [c for c in counts if c.device.type != "cpu"]
-        if self.dp == 1 and not on_device:  # one fill, the step's only op here
+        if alone and not on_device:  # one fill, the step's only op here
             return torch.full((), host / divisor, dtype=torch.float32, device=self.device)
         total = torch.full((1,), float(host), dtype=torch.float64, device=self.device)
         for c in on_device:
             total += c.to(device=self.device, dtype=torch.float64)
-        if self.dp > 1:
+        if not alone:
             self._meet()
             self.comm.all_reduce_sum(total, self.topology.dp_group, name="num_items_in_batch")
         return (total[0] / divisor).float()

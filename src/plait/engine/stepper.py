@@ -340,7 +340,11 @@ class Stepper:
                          "skipped": flags[i] > 0} for i, p in enumerate(pending)]
         for p, h in zip(pending, info.history, strict=True):
             if h["skipped"] and not isinstance(p.skipped, bool):  # a host decision was logged at its step
-                self.logger.warning("step %d: gradient norm is %s; update skipped", p.step, h["grad_norm"])
+                if h["grad_norm"] == h["grad_norm"] and abs(h["grad_norm"]) != float("inf"):  # not the norm's doing
+                    self.logger.warning("step %d: update skipped by the strategy (gradient norm %s, finite)", p.step,
+                                        h["grad_norm"])
+                else:
+                    self.logger.warning("step %d: gradient norm is %s; update skipped", p.step, h["grad_norm"])
         self._skipped += sum(h["skipped"] for h in info.history)
         last = info.history[-1]
         info.loss, info.global_loss, info.grad_norm = last["loss"], last["global_loss"], last["grad_norm"]

@@ -370,6 +370,13 @@ class Strategy:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    @property
+    def items_ranks(self) -> int:
+        """The data-parallel ranks over which ``num_items_in_batch`` sums the step's token counts (over the data-
+        parallel group) and the gradients are averaged: every data-parallel rank unless the layout averages its
+        gradients some other way."""
+        return self.topo.dp
+
     def agreement_group(self, default: Any) -> tuple[bool, Any]:
         """Whether the ranks agree on the loss and a stop request at every step boundary, and over which
         group (``default``: the training ranks'). Ranks that run at their own pace do not."""

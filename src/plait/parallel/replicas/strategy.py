@@ -117,8 +117,9 @@ class Replicas(DataParallel):
         refused = [name for name, on in inside if on]
         if refused:
             raise ConfigError(f"fault.mode=replicas runs each replica group as one rank with the whole model, its "
-                              f"gradients averaged by torchft; it does not compose with {', '.join(refused)} yet: "
-                              "remove it, or set fault.mode=restart")
+                              f"gradients averaged by torchft; it does not compose with {', '.join(refused)} yet "
+                              "(no sharding or model parallelism inside a replica group): remove it, or set "
+                              "fault.mode=restart")
         if f.min_replicas < 1 or f.min_replicas > degrees["dp_replicate"]:
             raise ConfigError(f"fault.min_replicas must lie in 1..{degrees['dp_replicate']} (the replica groups); "
                               f"got {f.min_replicas}")
@@ -129,7 +130,8 @@ class Replicas(DataParallel):
         found = replica_group()
         if found is not None and world_size != 1:
             raise ConfigError(f"fault.mode=replicas: replica group {found[0]} has {world_size} ranks; a group is one "
-                              "rank here (start one process per group: plait run --replicas N, plait train)")
+                              "rank holding the whole model here (groups sharded inside by ZeRO or FSDP2/HSDP are not "
+                              "supported yet): start one process per group (plait run --replicas N, plait train)")
         return {"pp": 1, "dp_replicate": _groups(world_size)[1], "dp_shard": 1, "ep": 1, "tp": 1}
 
     @classmethod
@@ -159,6 +161,16 @@ class Replicas(DataParallel):
         self._step_live = 0  # the groups whose gradients the last step averaged
         self._healed = 0  # heals this process received
         self._in_step = False  # inside after_step: the engine counts the step just taken after it returns
+        self._quorum_s = 0.0  # seconds this process waited on torchft's quorums (the first one included)
+        self._commit_s = 0.0  # seconds in should_commit
+
+    @property
+    def items_ranks(self) -> int:
+        """Token counts stay within the group (the groups alive change from step to step; torchft averages the
+        gradients over those of the step): each group's loss is the mean over its own real tokens, and the step's
+        gradient the mean of these over the live groups (the mean over every token when the groups count as many
+        tokens, as full-length batches do)."""
+        return 1
 
     # -- joining -------------------------------------------------------------------------------------
     def begin(self, run: Any) -> None:
@@ -213,8 +225,10 @@ class Replicas(DataParallel):
 
     def _quorum(self) -> None:
         """The quorum of this step (healing this group first if it is behind)."""
+        t0 = time.perf_counter()
         self.manager.start_quorum()
         self._participants = self.manager.num_participants()
+        self._quorum_s += time.perf_counter() - t0
 
     def _heal_state(self) -> dict[str, Any]:
         """What a replacement needs to continue as this group (read on torchft's thread while this one waits)."""
@@ -258,7 +272,10 @@ class Replicas(DataParallel):
     def step_unless(self, found: torch.Tensor) -> None:
         """torchft's commit first (every group asks at every step): a step whose collectives failed skips its update
         like a non-finite one (``found`` set), and the next quorum heals whoever is behind."""
-        if not self.manager.should_commit():
+        t0 = time.perf_counter()
+        committed = self.manager.should_commit()
+        self._commit_s += time.perf_counter() - t0
+        if not committed:
             self.logger.warning("replica group %d: step not committed (a replica was lost during it); update "
                                 "skipped", self.topo.dp_rank)
             found.fill_(1.0)
@@ -274,7 +291,8 @@ class Replicas(DataParallel):
 
     def step_metrics(self) -> dict[str, Any]:
         return {"replicas_live": self._step_live, "replica_heals": self._healed,
-                "replica_step": self.manager.current_step()}
+                "replica_step": self.manager.current_step(), "replica_quorum_s_total": round(self._quorum_s, 4),
+                "replica_commit_s_total": round(self._commit_s, 4)}
 
     def describe(self) -> str:
         return f"torchft replica group {self.topo.dp_rank} of {self.topo.dp}"
