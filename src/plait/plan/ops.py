@@ -57,8 +57,8 @@ from plait.plan.shapes import ModelShape
 class BlockOps:
     """Operators of one transformer block on one rank (see the module docstring)."""
 
-    def __init__(self, shape: ModelShape, setup: Setup, moe: bool = False) -> None:
-        self.s, self.u, self.moe = shape, setup, moe
+    def __init__(self, shape: ModelShape, setup: Setup, moe: bool = False, recomputed: bool = False) -> None:
+        self.s, self.u, self.moe, self.recomputed = shape, setup, moe, recomputed
         t = setup.tp
         self.M = setup.micro_batch * shape.seq_len  # tokens through the matmuls
         self.Mn = self.M // t if setup.sp else self.M  # tokens through norms and the residual stream
@@ -77,8 +77,10 @@ class BlockOps:
     def _regathers(self, tag: str) -> bool:
         """Whether plait's Linears reading the norm ``tag``'s output keep its sequence shard and gather it again in
         backward (``plait.parallel.tensor.regather``): under sequence parallelism, for attention and a dense MLP
-        (an MoE feed-forward keeps the gathered input whole)."""
-        return self.u.sp and self.u.tp > 1 and self.u.stack == "plait" and not (self.moe and tag == "ln2")
+        (an MoE feed-forward keeps the gathered input whole), unless the block is ``recomputed`` (checkpointed: its
+        recomputation gathers the input again, and it is kept whole until the block's backward)."""
+        return (self.u.sp and self.u.tp > 1 and self.u.stack == "plait" and not self.recomputed
+                and not (self.moe and tag == "ln2"))
 
     def _regather_backward(self, tag: str) -> list[Op]:
         """The kept shard all-gathered again for the Linears' weight gradients (plait's, in the compute stream)."""

@@ -139,9 +139,14 @@ class StageModel:
         self.op_counts = op_counts
         self.blocks = BlockOps(work.shape, self.setup)
         self._fwd, self._bwd = self.blocks.forward(), self.blocks.backward()
+        # a checkpointed block under sequence parallelism keeps its Linears' gathered input (plait.plan.ops)
+        redo = BlockOps(work.shape, self.setup, recomputed=True)
+        self._fwd_r, self._bwd_r = redo.forward(), redo.backward()
         if work.shape.num_experts:
             moe = BlockOps(work.shape, self.setup, moe=True)
             self._moe_fwd, self._moe_bwd = moe.forward(), moe.backward()
+            moe = BlockOps(work.shape, self.setup, moe=True, recomputed=True)
+            self._moe_fwd_r, self._moe_bwd_r = moe.forward(), moe.backward()
         self._cache: dict[tuple, LayerCost] = {}
 
     # -- pricing ------------------------------------------------------------------------------------
@@ -269,7 +274,10 @@ class StageModel:
         """Cost of block ``index`` (checkpointed or not by the layout's recompute mode)."""
         mode, moe = self.block_recompute(index), self.work.shape.is_moe(index)
         if ("block", mode, moe) not in self._cache:
-            fwd, bwd = (self._moe_fwd, self._moe_bwd) if moe else (self._fwd, self._bwd)
+            if mode == "none":
+                fwd, bwd = (self._moe_fwd, self._moe_bwd) if moe else (self._fwd, self._bwd)
+            else:
+                fwd, bwd = (self._moe_fwd_r, self._moe_bwd_r) if moe else (self._fwd_r, self._bwd_r)
             cost = self._layer(fwd, bwd, mode, "block")
             if self.work.layout.act_offload and mode == "none":
                 cost = self._offload(cost)

@@ -9,7 +9,8 @@ hands the Linears the gathered tensor; ``ColwiseRegather`` (the Linears' style: 
 ``ColwiseParallel``) computes ``x W^T + b`` on it but saves only this rank's shard for backward. In backward the
 first of the Linears to need its weight gradient all-gathers the shard again; the others reuse that tensor, which
 is freed after the last of them. Per layer and micro-batch a rank keeps ``T / t`` tokens of each block input
-instead of ``T``.
+instead of ``T``. A block that activation checkpointing recomputes keeps the gathered input instead
+(``keep_gathered``): its recomputation gathers it anyway.
 
 Communication: forward, one all-gather per block input (as before); backward, one all-gather of the kept shard
 (new: the price of the memory) and one reduce-scatter of the Linears' summed input gradients (as before).
@@ -20,6 +21,7 @@ once.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any
 
@@ -30,7 +32,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
 
+from plait.parallel.tensor.plan import PrepareGatheredInput
+
 GATHERED_ATTR = "_plait_regather"
+SITE_ATTR = "_plait_gather_sequence"  # a module whose input GatherSequence gathers
+KEEP_ATTR = "_plait_keep_gathered"  # ... whose Linears keep the gathered input whole (keep_gathered)
 SEQ_DIM = 1  # (B, T, C): the sequence dim
 
 
@@ -103,10 +109,21 @@ class _RegatheredLinear(torch.autograd.Function):
         return grad_in, None, grad_w, grad_b, None
 
 
-class GatherSequence(PrepareModuleInput):
+class GatherSequence(PrepareGatheredInput):
     """The input of a block's column-parallel Linears (attention, MLP), sequence-sharded (``Shard(1)``): all-gathered
     once (under autocast in the autocast dtype, so the gather moves half the bytes and the Linears share one cast,
-    as ``PrepareGatheredInput``) and handed on as a plain tensor that ``ColwiseRegather`` Linears recognise."""
+    as ``PrepareGatheredInput``) and handed on as a plain tensor that ``ColwiseRegather`` Linears recognise.
+
+    In a block that activation checkpointing recomputes (``keep_gathered``) the gathered input is handed on as a
+    ``Replicate`` DTensor instead, kept whole by the Linears (``PrepareGatheredInput``): there it lives only from
+    the recomputation to the block's backward, which the recomputation's own all-gather already serves, so a
+    second gather would only cost time."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        style = copy.copy(self)  # one per module: it reads its module's mode
+        style.module = weakref.ref(module)
+        module.__dict__[SITE_ATTR] = True
+        return PrepareModuleInput._apply(style, module, device_mesh)
 
     def _prepare_input_arg(self, input: Any, mesh: DeviceMesh, input_layout: Any, desired_layout: Any) -> Any:
         if input_layout is None or not isinstance(input, torch.Tensor):
@@ -114,6 +131,9 @@ class GatherSequence(PrepareModuleInput):
         if input_layout != Shard(SEQ_DIM) or desired_layout != Replicate():
             raise ValueError(f"GatherSequence gathers Shard({SEQ_DIM}) into Replicate; got {input_layout} -> "
                              f"{desired_layout}")
+        module = self.module() if hasattr(self, "module") else None
+        if module is not None and module.__dict__.get(KEEP_ATTR):
+            return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
         shard = input.to_local() if isinstance(input, DTensor) else input
         if (shard.dtype == torch.float32 and shard.device.type in ("cpu", "cuda", "xpu")
                 and torch.is_autocast_enabled(shard.device.type)):
@@ -121,6 +141,14 @@ class GatherSequence(PrepareModuleInput):
         full = _GatherSequence.apply(shard, mesh)
         setattr(full, GATHERED_ATTR, (shard, Regather(mesh)))
         return full
+
+
+def keep_gathered(block: nn.Module) -> None:
+    """Make the ``GatherSequence`` modules inside ``block`` (a block activation checkpointing recomputes) hand their
+    Linears the whole gathered input to keep, rather than the shard to gather again (``GatherSequence``)."""
+    for m in block.modules():
+        if m.__dict__.get(SITE_ATTR):
+            m.__dict__[KEEP_ATTR] = True
 
 
 class _RegatherLinear:
