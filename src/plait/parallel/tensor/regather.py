@@ -21,6 +21,7 @@ once.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 from typing import Any
@@ -38,6 +39,7 @@ GATHERED_ATTR = "_plait_regather"
 SITE_ATTR = "_plait_gather_sequence"  # a module whose input GatherSequence gathers
 KEEP_ATTR = "_plait_keep_gathered"  # ... whose Linears keep the gathered input whole (keep_gathered)
 SEQ_DIM = 1  # (B, T, C): the sequence dim
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu")
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -46,6 +48,14 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 def _all_gather(shard: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return _wait(funcol.all_gather_single(shard.contiguous(), gather_dim=SEQ_DIM, group=mesh))
+
+
+def _autocast(device: str) -> bool:
+    return device in AUTOCAST_DEVICES and torch.is_autocast_enabled(device)
+
+
+def _no_autocast(device: str) -> contextlib.AbstractContextManager:
+    return torch.autocast(device, enabled=False) if _autocast(device) else contextlib.nullcontext()
 
 
 class Regather:
@@ -86,7 +96,7 @@ class _RegatheredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, full: torch.Tensor, shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 handle: Regather) -> torch.Tensor:
-        with torch.autocast(full.device.type, enabled=False):  # operands are in the matmul's dtype already
+        with _no_autocast(full.device.type):  # operands are in the matmul's dtype already
             out = torch.nn.functional.linear(full, weight, bias)
         ctx.save_for_backward(shard, weight)
         ctx.handle, ctx.has_bias = handle, bias is not None
@@ -135,8 +145,7 @@ class GatherSequence(PrepareGatheredInput):
         if module is not None and module.__dict__.get(KEEP_ATTR):
             return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
         shard = input.to_local() if isinstance(input, DTensor) else input
-        if (shard.dtype == torch.float32 and shard.device.type in ("cpu", "cuda", "xpu")
-                and torch.is_autocast_enabled(shard.device.type)):
+        if shard.dtype == torch.float32 and _autocast(shard.device.type):
             shard = shard.to(torch.get_autocast_dtype(shard.device.type))
         full = _GatherSequence.apply(shard, mesh)
         setattr(full, GATHERED_ATTR, (shard, Regather(mesh)))
@@ -171,7 +180,7 @@ class _RegatherLinear:
         if p is None:
             return None
         local = p.to_local() if isinstance(p, DTensor) else p
-        if local.dtype == x.dtype or not torch.is_autocast_enabled(x.device.type):
+        if local.dtype == x.dtype or not _autocast(x.device.type):
             return local
         key = (name, p._version, local.untyped_storage().data_ptr(), x.dtype)
         cached = self.__dict__.get("_plait_casts", {}).get(key)
