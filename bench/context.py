@@ -9,16 +9,19 @@ spawned with ``plait.runtime.spawn``) and measures:
   figure is activations only); the largest over the group's ranks;
 * step time: the median wall time of ``forward_backward`` + ``step`` over the timed steps; the largest over ranks.
 
-Verdict (``activation_memory_ok``): for ``ring`` and ``alltoall`` at the longest length, activation memory per rank
-within 10% of 1/cp of cp=1's. ``allgather`` holds the gathered keys and values of the whole sequence, so it is
-reported but not held to that target.
+Verdict (``activation_memory_ok``): for every ``cp_impl`` at the longest length, activation memory per rank at most
+1.1 x 1/cp of cp=1's. ``allgather`` keeps only its shard's keys and values and gathers them again in backward,
+so it is held to the target too. With ``--documents`` the figures fall well below it: one process's attention
+keeps a (T, T) mask per layer, the cp attention builds each block's mask when needed and keeps none.
 
 Step time on a CPU with few cores: every rank is a process and a cp group of ``N`` ranks on fewer than ``N`` cores
 time-shares them, so the ring's transfers cannot overlap its block compute and cp > 1 cannot be faster than one
 process; the ratios then measure the extra work and communication of each implementation, not the speed-up a
 machine with a core (or GPU) per rank would see. ``--quick`` runs two short lengths and one timed step.
+``--documents`` trains on packed documents (50 to 999 tokens, any length, cut anywhere by the shards) with the
+GPT's document mask, at cp=1 as at every cp, so the figures include the document masks' cost.
 
-    python bench/context.py [--quick] [--lengths 512 1024 ...] [--steps N] [--out FILE]
+    python bench/context.py [--quick] [--documents] [--lengths 512 1024 ...] [--steps N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from _common import machine_info, spawn_group
 
 IMPLS = ("ring", "alltoall", "allgather")
 MODEL = {"n_layer": 2, "d_model": 64, "n_head": 4, "vocab_size": 256}
-TARGET = 0.10  # activation memory per rank within 10% of 1/cp of cp=1's
+TARGET = 0.10  # activation memory per rank at most 1.1 x 1/cp of cp=1's
 
 
 def _saved_bytes(model: Any, call: Any) -> int:
@@ -57,7 +60,23 @@ def _saved_bytes(model: Any, call: Any) -> int:
     return sum(seen.values())
 
 
-def _rank(rank: int, world: int, cp: int, impl: str, lengths: list[int], steps: int, run_dir: str) -> dict:
+def _batch(length: int, g: Any, documents: bool) -> dict:
+    """One sequence of ``length`` tokens; with ``documents`` packed documents of 50 to 999 tokens (their last one
+    cut by the end), with ``position_ids`` and ``doc_ids`` (``plait.data.packing``)."""
+    import torch
+
+    from plait.data.packing import packed_fields
+
+    tokens = torch.randint(0, MODEL["vocab_size"], (1, length), generator=g)
+    if not documents:
+        return {"input_ids": tokens, "labels": tokens.clone()}
+    sizes = torch.randint(50, 1000, (length // 50 + 1,), generator=g)
+    docs = torch.repeat_interleave(torch.arange(len(sizes)), sizes)[:length]
+    return packed_fields(tokens, docs[None])
+
+
+def _rank(rank: int, world: int, cp: int, impl: str, lengths: list[int], steps: int, run_dir: str,
+          documents: bool = False) -> dict:
     import torch
 
     import plait
@@ -65,15 +84,14 @@ def _rank(rank: int, world: int, cp: int, impl: str, lengths: list[int], steps: 
     from plait.models.tiny import tiny_config
 
     torch.manual_seed(0)
-    model = GPT(tiny_config(seq_len=max(lengths), **MODEL))
+    model = GPT(tiny_config(seq_len=max(lengths), **MODEL), document_mask=documents)
     p = plait.Plait(parallel={"cp": cp, "cp_impl": impl}, train={"global_batch_size": 1, "micro_batch_size": 1},
                     run={"dir": f"{run_dir}/{impl}-cp{cp}"}, observe={"progress": False, "trackers": []})
     model, _ = p.setup(model, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4), loss_fn="causal_lm")
     g = torch.Generator().manual_seed(1)
     out: dict[str, Any] = {}
     for length in lengths:
-        batch = {"input_ids": torch.randint(0, MODEL["vocab_size"], (1, length), generator=g)}
-        batch["labels"] = batch["input_ids"].clone()
+        batch = _batch(length, g, documents)
         saved = _saved_bytes(model, lambda b=batch: p.forward_backward(model, b))  # also the warm-up step
         p.step()
         times = []
@@ -87,8 +105,9 @@ def _rank(rank: int, world: int, cp: int, impl: str, lengths: list[int], steps: 
     return out
 
 
-def _run(cp: int, impl: str, lengths: list[int], steps: int, run_dir: str) -> dict:
-    ranks = spawn_group(_rank, cp, cp, impl, lengths, steps, run_dir, name=f"context-{impl}-cp{cp}", timeout_s=3000)
+def _run(cp: int, impl: str, lengths: list[int], steps: int, run_dir: str, documents: bool = False) -> dict:
+    ranks = spawn_group(_rank, cp, cp, impl, lengths, steps, run_dir, documents, name=f"context-{impl}-cp{cp}",
+                        timeout_s=3000)
     return {str(n): {"activation_bytes_per_rank": max(r[str(n)]["activation_bytes"] for r in ranks),
                      "step_s": max(r[str(n)]["step_s"] for r in ranks)} for n in lengths}
 
@@ -100,6 +119,8 @@ def main() -> None:
     parser.add_argument("--cps", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per length (after one warm-up)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--documents", action="store_true",
+                        help="packed documents (50-999 tokens) with the GPT's document mask, at every cp too")
     args = parser.parse_args()
     lengths, steps = ([256, 512], 1) if args.quick else (sorted(args.lengths), args.steps)
     bad = [n for n in lengths if any(n % (2 * cp) for cp in args.cps)]
@@ -108,21 +129,20 @@ def main() -> None:
     run_dir = f"/tmp/plait-bench-context-{os.getpid()}"
     load = os.getloadavg()
 
-    base = _run(1, "ring", lengths, steps, run_dir)  # cp=1: no context parallelism, the impl is unused
+    base = _run(1, "ring", lengths, steps, run_dir, args.documents)  # cp=1: no context parallelism, the impl is unused
     results: dict[str, Any] = {"cp1": base}
     longest = str(lengths[-1])
     verdict: dict[str, Any] = {}
     for cp in args.cps:
         for impl in IMPLS:
-            runs = _run(cp, impl, lengths, steps, run_dir)
+            runs = _run(cp, impl, lengths, steps, run_dir, args.documents)
             for n, r in runs.items():
                 r["memory_ratio_to_cp1"] = r["activation_bytes_per_rank"] / base[n]["activation_bytes_per_rank"]
                 r["memory_ratio_to_ideal"] = r["memory_ratio_to_cp1"] * cp  # 1.0 = exactly 1/cp of cp=1's
                 r["step_time_ratio_to_cp1"] = r["step_s"] / base[n]["step_s"]
             results[f"{impl}-cp{cp}"] = runs
-            if impl != "allgather":
-                ratio = runs[longest]["memory_ratio_to_ideal"]
-                verdict[f"{impl}-cp{cp}"] = {"memory_x_cp_over_cp1": ratio, "ok": abs(ratio - 1.0) <= TARGET}
+            ratio = runs[longest]["memory_ratio_to_ideal"]
+            verdict[f"{impl}-cp{cp}"] = {"memory_x_cp_over_cp1": ratio, "ok": ratio <= 1.0 + TARGET}
     ring_vs_allgather = {f"cp{cp}": {n: results[f"ring-cp{cp}"][n]["step_s"] / results[f"allgather-cp{cp}"][n]["step_s"]
                                      for n in map(str, lengths)} for cp in args.cps}
     cores = os.cpu_count() or 1
@@ -132,7 +152,8 @@ def main() -> None:
         "machine": machine_info(),
         "load_average_1_5_15_at_start": load,
         "load_average_1_5_15_at_end": os.getloadavg(),
-        "setup": {"model": MODEL, "batch": 1, "lengths": lengths, "cps": args.cps, "timed_steps": steps,
+        "setup": {"model": MODEL, "batch": 1, "packed_documents": args.documents,
+                  "lengths": lengths, "cps": args.cps, "timed_steps": steps,
                   "optimizer": "AdamW", "threads_per_rank": 1},
         "results": results,
         "ring_over_allgather_step_time": ring_vs_allgather,
@@ -143,7 +164,8 @@ def main() -> None:
                "implementation, not the speed-up of a core or GPU per rank"
                if cores < max(args.cps) else
                "each rank has a core (more with spare); overlap is possible")),
-        "verdict": {"target": f"ring and alltoall activation memory per rank within {TARGET:.0%} of 1/cp of "
+        "verdict": {"target": f"ring, alltoall and allgather activation memory per rank at most {1 + TARGET:g} x "
+                              f"1/cp of "
                               f"cp=1's at length {lengths[-1]}",
                     "runs": verdict, "activation_memory_ok": all(v["ok"] for v in verdict.values())},
     }

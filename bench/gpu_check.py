@@ -1,6 +1,6 @@
 """One GPU check: every figure a GPU user asks of plait, in one run of at most five minutes.
 
-    python bench/gpu_check.py [--device cuda|cpu] [--quick] [--only env,tests,gpt,memory,hf,multiprocess]
+    python bench/gpu_check.py [--device cuda|cpu] [--quick] [--only env,tests,gpt,memory,hf,multiprocess,fp8]
                               [--out DIR]
 
 plait is imported from this checkout's ``src/`` by path (nothing is installed); the JSON goes to
@@ -25,6 +25,10 @@ a section that cannot run holds ``{"skipped": reason}``, one that failed ``{"err
 - ``hf``: a Hugging Face Llama of about 1B parameters (random weights, from a config) through
   ``plait.Plait`` at world 1, bf16, against the same model in a hand-written loop: step time and MFU.
 - ``multiprocess``: NCCL runs one rank per GPU; with one GPU it is skipped and says so.
+- ``fp8`` (not in the default run, which must end within five minutes: ``--only fp8``): the 124M GPT through
+  ``plait.Trainer``, compiled, 200 steps from one seed at ``train.precision=bf16`` and at ``fp8`` (torchao's
+  Float8Linear; needs torchao: ``bench/gpu_check.sh`` installs a wheel found in ``bench/wheels/``): the mean loss
+  of the last 10 steps of each (target: fp8 within 1% of bf16) and tokens/s over the last 50 (fp8 / bf16).
 
 ``--device cpu --quick`` rehearses every section on the CPU with tiny sizes in under a minute (compile with
 ``backend="aot_eager"``), so the script cannot rot between GPU days (tests/bench/test_gpu_check.py runs it).
@@ -50,9 +54,10 @@ SRC = ROOT / "src"
 if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
-SECTIONS = ("env", "tests", "gpt", "memory", "hf", "multiprocess")
+SECTIONS = ("env", "tests", "gpt", "memory", "hf", "multiprocess", "fp8")
+DEFAULT = SECTIONS[:-1]  # fp8 runs when asked (--only fp8): the default run must end within five minutes
 # Seconds each section may run before it is stopped (the whole check must end within five minutes on a GPU).
-LIMITS = {"env": 40, "tests": 90, "gpt": 180, "memory": 120, "hf": 90, "multiprocess": 15}
+LIMITS = {"env": 40, "tests": 90, "gpt": 180, "memory": 120, "hf": 90, "multiprocess": 15, "fp8": 300}
 QUIET = ["--observe.progress=false", "--observe.trackers=[]", "--train.eval_every=0",
          "--checkpoint.every=0", "--optim.warmup_steps=1", "--train.log_every=1000"]
 
@@ -495,6 +500,49 @@ def section_multiprocess(device: Any, quick: bool) -> dict[str, Any]:
 
 
 # -- driver --------------------------------------------------------------------------------------------
+def section_fp8(device: Any, quick: bool) -> dict[str, Any]:
+    """bf16 against fp8 on the 124M GPT: the loss after the same steps, and tokens/s."""
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return {"skipped": "torchao is not installed (pip install 'plait[fp8]'; on the GPU machine put its wheel in "
+                           "bench/wheels/)"}
+    import torch
+
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return {"skipped": f"{torch.cuda.get_device_name(device)} has no float8 tensor cores (compute capability "
+                           "8.9+ needed)"}
+    init_one_rank(device)
+    size = list(gpt_sizes(quick))[-1]
+    steps, timed, tail = (6, 3, 2) if quick else (200, 50, 10)
+    backend = ["--train.compile_backend=aot_eager"] if quick else []
+    out: dict[str, Any] = {"size": size, "steps": steps, "compile": True}
+    for precision in ("bf16", "fp8"):
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = make_trainer(gpt_sizes(quick)[size] + [f"--train.precision={precision}", "--train.compile=true",
+                                                              *backend], Path(tmp))
+            losses = []
+            for i in range(steps):
+                if i == steps - timed:
+                    sync(device)
+                    t0 = time.perf_counter()
+                rec = trainer.train_step(log=i >= steps - tail)
+                if i >= steps - tail:
+                    losses.append(float(rec["global_loss"]))
+            sync(device)
+            seconds = (time.perf_counter() - t0) / timed
+            tokens = trainer.cfg.train.global_batch_size * trainer.cfg.model.seq_len
+            trainer.p.close()
+            del trainer
+            release()
+        out[precision] = {"loss_last": sum(losses) / len(losses), "tokens_per_s": tokens / seconds}
+        emit(out)
+    out["loss_ratio_fp8_over_bf16"] = out["fp8"]["loss_last"] / out["bf16"]["loss_last"]
+    out["speedup_fp8_over_bf16"] = out["fp8"]["tokens_per_s"] / out["bf16"]["tokens_per_s"]
+    out["loss_within_1pct"] = abs(out["loss_ratio_fp8_over_bf16"] - 1) <= 0.01
+    return out
+
+
 def run_section(name: str, device_name: str, quick: bool, peaks: dict[str, Any]) -> dict[str, Any]:
     """One section in this process (``--worker``)."""
     import torch
@@ -583,6 +631,10 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"hf llama {hf['params'] / 1e9:.2f}B: step plait {hf['plait_step_s']:.3f} s, peer "
                      f"{hf['peer_step_s']:.3f} s (plait/peer time {hf['ratio_plait_over_peer_time']:.3f}), MFU plait "
                      f"{_fmt(hf['plait']['mfu_datasheet'], True)} / peer {_fmt(hf['peer']['mfu_datasheet'], True)}")
+    fp8 = s.get("fp8", {})
+    if "speedup_fp8_over_bf16" in fp8:
+        lines.append(f"fp8 {fp8['size']} ({fp8['steps']} steps): loss fp8/bf16 {fp8['loss_ratio_fp8_over_bf16']:.4f}, "
+                     f"tokens/s fp8/bf16 {fp8['speedup_fp8_over_bf16']:.3f}")
     return "\n".join(lines)
 
 
@@ -598,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args.worker, args.device, args.quick, json.loads(args.peaks))
         return 0
-    chosen = [s.strip() for s in args.only.split(",") if s.strip()] or list(SECTIONS)
+    chosen = [s.strip() for s in args.only.split(",") if s.strip()] or list(DEFAULT)
     unknown = sorted(set(chosen) - set(SECTIONS))
     if unknown:
         ap.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")

@@ -13,4 +13,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+# torchao for the fp8 section (--only fp8): that machine has no package index, so a wheel carried in bench/wheels/
+if compgen -G "bench/wheels/torchao-*.whl" > /dev/null; then
+  python3 -m pip install -q --no-deps --target /tmp/plait-wheels bench/wheels/torchao-*.whl
+  export PYTHONPATH=/tmp/plait-wheels${PYTHONPATH:+:$PYTHONPATH}
+fi
 timeout 570 python3 bench/gpu_check.py --device cuda --out "$OUT" "$@"

@@ -30,8 +30,8 @@ def test_overrides_are_typed() -> None:
     assert (cfg.train.steps, cfg.optim.lr, cfg.train.deterministic) == (7, 1e-3, True)
     with pytest.raises(ConfigError, match="train.steps must be an integer"):
         load_config(overrides=["--train.steps=seven"])
-    with pytest.raises(ConfigError, match="train.precision must be one of fp32, bf16, fp16"):
-        load_config(overrides=["--train.precision=fp8"])
+    with pytest.raises(ConfigError, match="train.precision must be one of fp32, bf16, fp16, fp8"):
+        load_config(overrides=["--train.precision=fp4"])
 
 
 def test_list_overrides_and_the_replaced_tensorboard_key(tmp_path) -> None:

@@ -103,8 +103,9 @@ class TrainConfig:
     micro_batch_size: int = 0
     # Seed for weights, data order and dropout.
     seed: int = 1337
-    # Compute precision: fp32, bf16 (autocast) or fp16 (autocast with a dynamic loss scaler).
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # Compute precision: fp32, bf16 (autocast), fp16 (autocast with a dynamic loss scaler) or fp8 (bf16 with the
+    # Linears multiplying in float8: torchao's Float8Linear; the fp8 extra; GPUs of compute capability 8.9+).
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
     # Repeatable bit for bit on CPU: deterministic algorithms, one thread order.
     deterministic: bool = False
     # Validate every this many steps (0: only at the end).
@@ -145,6 +146,11 @@ class TrainConfig:
     # for (x, y) token batches), causal_lm, hf, classification, or "package.module:function" taking
     # (output, target).
     loss: str = "auto"
+
+    @property
+    def compute_precision(self) -> str:
+        """The autocast and parameter-gather precision: fp8's is bf16 (only its Linears multiply in float8)."""
+        return "bf16" if self.precision == "fp8" else self.precision
 
 
 @dataclass

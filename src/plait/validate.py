@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from plait.components import float8
 from plait.config import Config, ConfigError, check_values
 from plait.data.tokenize import resolve_vocab_size
 from plait.observe.prometheus import check_prometheus
@@ -44,6 +45,7 @@ def validate(cfg: Config, world_size: int, model_check: Callable[[Config, dict[s
     check_all(cfg, degrees)
     check_checkpointing(t.activation_checkpointing, t.checkpoint_every_k, t.checkpoint_save_ops, t.activation_offload)
     check_offload(t.activation_offload, t.compile)
+    float8.check_config(cfg)
     compile_unit(cfg, select(cfg))  # train.compile=model where the layout needs blocks: refused here
     if model_check is not None:
         model_check(cfg, degrees)

@@ -107,7 +107,7 @@ SCRIPTS = {
     """,
     "save_on_one_rank.py": """
         import torch, plait
-        p = plait.Plait(comm={"timeout_s": 30}, observe={"progress": False}, run={"dir": "one-rank"})
+        p = plait.Plait(comm={"timeout_s": 8}, observe={"progress": False}, run={"dir": "one-rank"})
         model, opt = p.setup(torch.nn.Linear(4, 2))
         p.backward(model(torch.randn(3, 4)).sum())
         p.step()

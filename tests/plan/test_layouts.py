@@ -103,16 +103,39 @@ def test_context_parallelism_splits_activations_and_prices_ring_and_ulysses():
     assert uly.exposed_fwd == pytest.approx(sum(collective_time(A100, "all_to_all", b, cp) for b in sizes))
 
 
-def test_context_parallelism_is_priced_but_neither_simulated_nor_planned():
+def test_context_parallelism_is_simulated_and_planned_for_long_sequences(monkeypatch):
+    """A cp rank is simulated as a data-parallel rank of its shard of the sequence (activations exactly 1 / cp
+    for ring), with the ring's shifts priced; short sequences are not planned with cp, and a 512K-token
+    sequence that fits no layout at cp=1 on 8 A100s is planned with cp > 1."""
+    import plait.plan.planner as planner
+
     lay = Layout(dp=4, tp=2, cp=2, dp_shard=2)
     assert lay.world == 16 and "cp=2" in lay.describe() and "dp_shard=2" in lay.describe()
     shape = gpt_shape(4, 256, 4, 256, 1024)
-    with pytest.raises(ConfigError, match="context parallelism"):
-        simulate(Workload(shape, Layout(dp=2, cp=2, micro_batch_size=1), 2), Cluster.of(A100, 4))
+    whole = simulate(Workload(shape, Layout(dp=2, micro_batch_size=1), 2), Cluster.of(A100, 2))
+    split = simulate(Workload(shape, Layout(dp=1, cp=2, micro_batch_size=1), 1), Cluster.of(A100, 2))
+    assert split.memory[0].activations == whole.memory[0].activations / 2
+    assert split.as_dict()["context_parallel"]["comm_bytes_per_step"] > 0
+    # a pipeline's ranks share the cp traffic: each sends its stages' blocks' (2 pipeline micro-batches of 1)
+    piped = simulate(Workload(shape, Layout(dp=1, pp=2, cp=2, microbatches=2, micro_batch_size=2), 2),
+                     Cluster.of(A100, 4)).as_dict()["context_parallel"]
+    flat = simulate(Workload(shape, Layout(dp=1, cp=2, micro_batch_size=1), 2), Cluster.of(A100, 2))
+    assert sum(piped["comm_bytes_per_step_by_pipeline_rank"]) == flat.as_dict()["context_parallel"][
+        "comm_bytes_per_step"]
+    assert len(piped["comm_bytes_per_step_by_pipeline_rank"]) == 2 and min(piped[
+        "comm_bytes_per_step_by_pipeline_rank"]) > 0
+    with pytest.raises(ConfigError, match="cp=2 is simulated without expert parallelism"):
+        simulate(Workload(shape, Layout(dp=1, cp=2, micro_batch_size=1), 1, attention="unfused"), Cluster.of(A100, 2))
     with pytest.raises(ConfigError, match="needs zero=3"):
         simulate(Workload(shape, Layout(dp=4, zero=2, dp_shard=2, micro_batch_size=1), 4), Cluster.of(A100, 4))
     result = plan(shape, A100, 8, 16, top=40)
     assert all(s.work.layout.cp == 1 for s in result.ranked)
+    long = gpt_shape(4, 1024, 4, 524288, 32000)
+    best = plan(long, A100, 8, 8, top=4).best
+    assert best.work.layout.cp > 1 and best.fits(), best.work.layout.describe()
+    monkeypatch.setattr(planner, "LONG_SEQUENCE", 10**9)  # cp not considered: nothing fits
+    with pytest.raises(ConfigError, match="no layout of 0.62B parameters fits 8 x a100-80gb"):
+        plan(long, A100, 8, 8, top=2)
 
 
 def test_simulator_prices_hsdp_states_and_collectives():

@@ -148,6 +148,23 @@ def _ranks(rank: int, world: int, run_dir: str) -> dict:
     out["hf_state"] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     out["hf_weighted"] = trainer.token_weighted
     trainer.p.close()
+    # plait's token windows (every target counts): the step's count is known, nothing counted or all-reduced
+    from plait.data.text import TokenWindows
+
+    cfg = from_sections({**sections, "run": {"dir": f"{run_dir}/windows"}}, Config())
+    windows = TokenWindows(torch.arange(4000) % 251, SEQ)
+    trainer = plait.Trainer(gpt_model(), train_data=windows, loss_fn="causal_lm", optimizer=adamw, config=cfg)
+    consumed = []
+    read_w = trainer._next_batch
+    trainer._next_batch = lambda: consumed.append(read_w()) or consumed[-1]
+    out["windows_known"] = trainer.items_per_step
+    trainer.train_step(log=True)
+    with _Collectives() as c:
+        trainer.train_step(log=False)
+    out["windows_collectives"], out["windows_buckets"] = c.calls, len(trainer.p.strategy.engine.buckets)
+    out["windows_items"] = [float(trainer.p.num_items_in_batch(consumed[i:i + 2], trainer.loss)) for i in (0, 2)]
+    out["windows_known_items"] = float(trainer.p.num_items_known(trainer.items_per_step))
+    trainer.p.close()
     # the keep-your-loop API on a Hugging Face Llama, with the helper
     p = plait.Plait(from_sections({**sections, "run": {"dir": f"{run_dir}/api"}}, Config()))
     model, opt = p.setup(llama_model(), optimizer=adamw)
@@ -166,6 +183,19 @@ def _ranks(rank: int, world: int, run_dir: str) -> dict:
     out["llama_state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     p.close()
     return out
+
+
+class _Collectives(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts every c10d operator issued inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
 
 
 # -- the references ------------------------------------------------------------------------------------
@@ -212,6 +242,11 @@ def test_dp2_accumulation2_weighs_every_real_token_like_one_process(tmp_path: Pa
     assert max(abs(a - b) for a, b in zip(r0["gpt_losses"], ref_losses, strict=True)) < MP_LOSS_ATOL
     assert _max_diff(r0["gpt_grads"], ref_grads) < GRAD_ATOL
     assert _max_diff(r0["gpt_state"], ref_state) < MP_PARAM_ATOL
+
+    # token windows: the known count is the counted one, and a non-logging step runs the gradient buckets alone
+    assert r0["windows_known"] == GLOBAL * SEQ
+    assert r0["windows_items"] == [r0["windows_known_items"]] * 2 == [GLOBAL * SEQ / 4] * 2
+    assert r0["windows_collectives"] == r0["windows_buckets"] == r1["windows_collectives"], r0
 
     # the Llama through plait's trainer with its own loss (train.loss=hf)
     assert r0["hf_weighted"]

@@ -34,7 +34,13 @@ class EpochWindows(Dataset):
 
 
 class TokenWindows(EpochWindows):
-    """``(x, y)`` pairs of ``(seq_len,)`` int64 tokens cut from ``tokens``."""
+    """``(x, y)`` pairs of ``(seq_len,)`` int64 tokens cut from ``tokens``. Every target is a real token (no
+    ``-100``): ``targets_per_sample`` says so, and a token-weighted loss's divisor is known without counting."""
+
+    @property
+    def targets_per_sample(self) -> int:
+        """The targets of every sample that a causal-LM loss counts: all ``seq_len`` of them."""
+        return self.seq_len
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, *, epoch_offsets: bool = False, seed: int = 0,
                  limit: int | None = None) -> None:

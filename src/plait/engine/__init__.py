@@ -31,6 +31,7 @@ from torch import nn
 from plait.comm.auto import AutoCompress
 from plait.comm.collectives import comm_from_config
 from plait.comm.watchdog import StepWatchdog
+from plait.components import float8
 from plait.components.hf_checkpoint import DEFAULT_SHARD_BYTES
 from plait.components.losses import IGNORE_INDEX, Loss, infer_loss, resolve_loss
 from plait.components.optim import optimizer_factory
@@ -240,6 +241,8 @@ class Plait(SmallCollectives):
                          compile=plan if plan is not None else False)
         moe = moe_layers(model)  # the whole model's, the same on every rank (a pipeline stage keeps some)
         meter = SetupMeter(self.device).start()  # this rank's peak memory of setup, reported with the prediction
+        if self.config.train.precision == "fp8":  # before any layout: FSDP2 gathers the float8 weights
+            float8.convert(model, self.device, fsdp=self.config.parallel.zero == 3, logger=self.logger)
         with self.rng.active():  # what setup draws (a pipeline stage's cost measurement) is plait's, not the user's
             self.stepper.strategy = strategy = registry.build(self._strategy_cls, place(model, self.device),
                                                               self.topology, self.config, self.comm, spec)
@@ -396,6 +399,14 @@ class Plait(SmallCollectives):
             self._meet()
             self.comm.all_reduce_sum(total, self.topology.dp_group, name="num_items_in_batch")
         return (total[0] / divisor).float()
+
+    def num_items_known(self, total: float) -> torch.Tensor:
+        """``num_items_in_batch`` for a step whose count is known without counting: ``total`` items summed over
+        the micro-steps and data-parallel ranks of the optimizer step (e.g. whole batches of a data set whose
+        every target counts). Nothing is counted or communicated: one fill on this rank's device."""
+        strategy = self._require_strategy()
+        return torch.full((), total / (strategy.topo.dp * self.window.accumulation), dtype=torch.float32,
+                          device=self.device)
 
     @property
     def weighs_tokens(self) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -131,6 +132,9 @@ class GPT(nn.Module):
             cfg = dataclasses.replace(cfg, vocab_size=256)
         self.cfg = cfg
         self.document_mask = document_mask
+        # What builds the document mask from ``doc_ids`` (None: ``document_causal_mask``, (B, 1, T, T)); context
+        # parallelism sets its own, which marks the layers' attention as document-masked without building it.
+        self.document_mask_fn: Any = None
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = Dropout(cfg.dropout)
@@ -165,7 +169,7 @@ class GPT(nn.Module):
         if doc_ids is not None and self.document_mask:
             from plait.nn.attention import document_causal_mask
 
-            mask = document_causal_mask(doc_ids)  # (B, 1, T, T)
+            mask = (self.document_mask_fn or document_causal_mask)(doc_ids)  # (B, 1, T, T)
             for block in self.blocks:
                 x = block(x, attn_mask=mask)
         else:

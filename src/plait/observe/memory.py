@@ -12,13 +12,17 @@ from torch import nn
 from plait.plan.memory import Precision, predict_model_state_bytes
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s bytes on this rank: a DTensor's local shard, a wrapper subclass's inner
+    tensors (torchao's float8 weights under FSDP2), else ``t`` itself."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
-        t = t.to_local()
-    s = t.untyped_storage()
-    return s.data_ptr(), s.nbytes()
+        return _plain(t.to_local())
+    if type(t) is not torch.Tensor and type(t) is not nn.Parameter and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [x for name in names for x in _plain(getattr(t, name))]
+    return [t]
 
 
 def _count(tensors: Any, seen: dict[int, int]) -> int:
@@ -26,11 +30,13 @@ def _count(tensors: Any, seen: dict[int, int]) -> int:
     for t in tensors:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             continue
-        ptr, nbytes = _storage_key(t)
-        if ptr == 0 or ptr in seen:
-            continue  # empty, or a storage already counted (views of one flat buffer, tied weights)
-        seen[ptr] = nbytes
-        total += nbytes
+        for plain in _plain(t):
+            s = plain.untyped_storage()
+            ptr, nbytes = s.data_ptr(), s.nbytes()
+            if ptr == 0 or ptr in seen:
+                continue  # empty, or a storage already counted (views of one flat buffer, tied weights)
+            seen[ptr] = nbytes
+            total += nbytes
     return total
 
 

@@ -176,7 +176,7 @@ class Strategy:
                  spec: ModelSpec | None = None) -> None:
         self.model = model  # what the user runs forward on: their own model object
         self.cfg, self.topo, self.comm = cfg, topo, comm
-        self.precision = cfg.train.precision
+        self.precision = cfg.train.compute_precision
         self._fused = {}
 
     # building

@@ -136,7 +136,7 @@ def cmd_plan(argv: list[str]) -> int:
     from plait.plan.record import optimizer_traffic
 
     shape = shape_from_config(cfg, recipes)
-    base = Workload(shape, Layout(), cfg.train.global_batch_size, precision=cfg.train.precision,
+    base = Workload(shape, Layout(), cfg.train.global_batch_size, precision=cfg.train.compute_precision,
                     fused_optimizer=cfg.optim.fused is not False, grad_clip=cfg.optim.grad_clip > 0)
     result = plan(shape, profile, gpus, cfg.train.global_batch_size, base=base, top=flags.get("--top", 5),
                   traffic=optimizer_traffic(cfg))
@@ -176,9 +176,10 @@ def cmd_plan_memory(argv: list[str]) -> int:
     m, t, p, lay = cfg.model, cfg.train, cfg.parallel, sim.work.layout
     lines = []
     if not m.factory and m.name == "gpt" and lay.tp == lay.pp == 1:
-        shape = GPTShape(micro_batch=lay.micro_batch_size, seq_len=m.seq_len, d_model=m.d_model, n_head=m.n_head,
-                         n_layer=m.n_layer, vocab_size=m.vocab_size)
-        lines += [format_memory_table(sim.work.shape.param_count(), dp=lay.dp, stage=p.zero,
+        # a context-parallel rank: its 1 / cp of the sequence, the states sharded over dp x cp
+        shape = GPTShape(micro_batch=lay.micro_batch_size, seq_len=m.seq_len // lay.cp, d_model=m.d_model,
+                         n_head=m.n_head, n_layer=m.n_layer, vocab_size=m.vocab_size)
+        lines += [format_memory_table(sim.work.shape.param_count(), dp=lay.dp * lay.cp, stage=p.zero,
                                       dp_shard=lay.shard if lay.hybrid else 0,
                                       precision="fp32" if t.precision == "fp32" else "bf16", shape=shape,
                                       checkpointing=t.activation_checkpointing, k=t.checkpoint_every_k), ""]
@@ -241,7 +242,8 @@ def _setup_line(params: int, lay: Any, from_weights: bool = False) -> str:
     part (plait's reader reads straight into the shards: no loading transient is counted)."""
     from plait.plan.memory import predict_setup_bytes
 
-    setup = predict_setup_bytes(4 * params, 0, world=lay.world, zero=lay.zero, dp=lay.dp, shard=lay.shard,
+    setup = predict_setup_bytes(4 * params, 0, world=lay.world, zero=lay.zero, dp=lay.dp * lay.cp,
+                                shard=lay.shard * lay.cp,  # the gradients and shards span dp x cp
                                 bucket_mb=lay.bucket_mb, source="shards" if from_weights else "whole")
     keys = ("given", "allocated", "broadcast", "loading", "layout", "peak")
     parts = "  ".join(f"{k} {setup[k] / 2**20:.3f}" for k in keys)

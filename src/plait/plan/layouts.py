@@ -145,3 +145,36 @@ def ulysses(profile: HardwareProfile, micro_batch: int, seq: int, d_model: int, 
     sizes = [tokens * w // tp * act_bytes for w in (d_model, kv_dim, kv_dim, d_model)]
     seconds = sum(collective_time(profile, "all_to_all", b, cp) for b in sizes)
     return ContextComm(sum(sizes), sum(sizes), seconds, seconds)
+
+
+def context_wire_bytes(impl: str, micro_batch: int, seq: int, heads: int, head_dim: int, cp: int, act_bytes: int,
+                       layers: int, recomputed: int = 0, nccl: bool = False) -> int:
+    """Bytes one rank puts on the wire for context parallelism in one micro-step (forward and backward), by the
+    ring model plait's comm accounting counts with (``plait.comm.accounting.wire_bytes``): ``heads`` are the
+    attention heads this rank attends with (the query heads over tp; grouped-query keys and values are repeated
+    to them), ``seq`` the whole sequence, ``layers`` the attention layers, ``recomputed`` those whose forward
+    runs again in backward (activation checkpointing). Per layer, with ``x = B H (seq / cp) D`` elements:
+
+    * ``ring`` (float32 blocks): forward ``cp - 1`` shifts of keys and values (``2x``), backward ``cp - 1`` more
+      and ``cp`` shifts of their gradients: ``(3 cp - 2) 2x`` floats;
+    * ``alltoall``: forward one all-to-all of q, k, v (``3x``) and one of the output (``x``), backward the same,
+      each ``(cp - 1) / cp`` of its input;
+    * ``allgather``: forward an all-gather of keys and values (``(cp - 1) 2x``), backward their gradients over
+      the whole sequence (``2 cp x``) all-reduced (gloo: ``2 (cp - 1) / cp`` of it) or, under NCCL,
+      reduce-scattered (``(cp - 1) / cp`` of it)."""
+    from plait.comm.accounting import wire_bytes
+
+    if cp <= 1:
+        return 0
+    x = micro_batch * heads * (seq // cp) * head_dim
+    if impl == "ring":
+        fwd, bwd = (cp - 1) * 2 * x * 4, (2 * cp - 1) * 2 * x * 4
+    elif impl == "alltoall":
+        fwd = wire_bytes("alltoall", 3 * x * act_bytes, cp) + wire_bytes("alltoall", x * act_bytes, cp)
+        bwd = fwd
+    elif impl == "allgather":
+        fwd = wire_bytes("allgather", 2 * x * act_bytes, cp)
+        bwd = wire_bytes("reduce_scatter" if nccl else "allreduce", 2 * cp * x * act_bytes, cp)
+    else:
+        raise ValueError(f"cp_impl must be ring, alltoall or allgather; got {impl!r}")
+    return layers * (fwd + bwd) + recomputed * fwd

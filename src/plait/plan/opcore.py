@@ -53,6 +53,10 @@ class Setup:
     causal: bool = True
     ep: int = 1
     autocast: bool = False
+    # context parallelism (plait.plan.workload.Workload.rank_view): the block runs on its 1 / cp of the sequence and
+    # each query attends to cp times its own keys; allgather saves the gathered keys and values
+    cp: int = 1
+    cp_impl: str = "ring"
 
     @property
     def residual_bytes(self) -> int:

@@ -128,9 +128,10 @@ class BlockOps:
         T, D = s.seq_len, s.head_dim
         ctx = ("attn.ctx", self.M * self.Cq * a)
         if u.attention == "flash":
-            flops = 4.0 * BH * T * T * D * (0.5 if u.causal else 1.0)
+            flops = 4.0 * BH * T * T * D * (0.5 if u.causal else 1.0) * u.cp  # cp: keys of the whole sequence
+            gathered = (("attn.kv_gathered", 2 * BH * T * (u.cp - 1) * D * a),) if u.cp_impl == "allgather" else ()
             return [Op("attn.sdpa", "attention", flops=flops, attn=(BH, T, D),
-                       saves=(ctx, ("attn.lse", BH * T * 4)), out=ctx[1] + BH * T * 4)]
+                       saves=(ctx, ("attn.lse", BH * T * 4), *gathered), out=ctx[1] + BH * T * 4)]
         sq = BH * T * T
         ops = []
         if u.stack == "metaseq":  # q and k pre-scaled by sqrt(scaling); non-finite scores zeroed (nan_to_num)
@@ -149,7 +150,7 @@ class BlockOps:
         s, u, a, BH = self.s, self.u, self.a, self.BH
         T, D = s.seq_len, s.head_dim
         if u.attention == "flash":
-            flops = 2.5 * 4.0 * BH * T * T * D * (0.5 if u.causal else 1.0)
+            flops = 2.5 * 4.0 * BH * T * T * D * (0.5 if u.causal else 1.0) * u.cp
             return [Op("attn.sdpa.bwd", "attention", flops=flops, attn=(BH, T, D), backward=True)]
         sq = BH * T * T
         ops = [mem("attn.merge_heads.bwd", "copy", 2 * self.M * self.Cq * a, backward=True)]

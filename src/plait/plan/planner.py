@@ -26,8 +26,11 @@ largest error there is about 10%), so a smaller predicted difference is not evid
 planner prefers the fewest pipeline stages (less activation memory on the first stage, fewer
 point-to-point hops, no bubble to lose to a straggler; Narayanan et al.'s rule: tensor parallelism up to
 a node, then pipelining), then the fastest; a ZeRO-3 layout in the band that is not itself the fastest
-comes after the band's others (``preference``). Context parallelism's ``cp`` (``plait.plan.layouts``), which
-plait does not run yet, is not enumerated.
+comes after the band's others (``preference``). Context parallelism (``cp``, ring attention: the sequence split
+over cp ranks inside tp, priced as ``Workload.rank_view`` plus the ring's shifts) is enumerated for sequences of
+``LONG_SEQUENCE`` tokens or more, without pipelining (not searched with cp) or experts (not composed), at every
+degree that divides the devices left by tp and splits the sequence into 2 x cp chunks; within the band fewer cp
+ranks are preferred after fewer pipeline stages.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from plait.plan.stages import Cluster, StageModel
 from plait.plan.workload import Layout, Workload
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
+LONG_SEQUENCE = 8192  # context parallelism is enumerated from this sequence length on (module docstring)
 TOLERANCE = 0.15  # the simulator's accuracy target on published rows (module docstring)
 SCHEDULE_CHOICES = (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 4), ("zbv", 2))
 
@@ -110,8 +114,9 @@ def _layouts(shape: ModelShape, batch: int, gpus: int, per_node: int, pruned: di
         if (reason := _shape_reason(shape, tp)) is not None:
             pruned[f"tp={tp}"] = reason
             continue
-        for pp in _divisors(gpus // tp):
-            dp = gpus // (tp * pp)
+        for cp, pp in [(c, p) for c in _context_degrees(shape, gpus // tp) for p in _divisors(gpus // (tp * c))
+                       if c == 1 or p == 1]:
+            dp = gpus // (tp * pp * cp)
             if shape.num_experts and tp * pp > 1:
                 pruned[f"tp={tp} pp={pp}"] = ("the planner does not price MoE layers under tp or pp (plait trains "
                                               "them: MoE blocks whole on every tp rank, each stage's experts over "
@@ -126,8 +131,19 @@ def _layouts(shape: ModelShape, batch: int, gpus: int, per_node: int, pruned: di
             if batch % dp:
                 pruned[f"dp={dp} (tp={tp}, pp={pp})"] = f"global batch {batch} does not split over dp={dp}"
                 continue
-            out += _variants(shape, batch, tp, pp, dp, pruned, space)
+            variants = _variants(shape, batch, tp, pp, dp, pruned, space)
+            if cp > 1 and any(lay.hybrid for lay in variants):
+                pruned["dp_shard with cp"] = "plait does not compose hybrid sharding with context parallelism"
+            out += [replace(lay, cp=cp) for lay in variants if cp == 1 or not lay.hybrid]
     return out
+
+
+def _context_degrees(shape: ModelShape, devices: int) -> list[int]:
+    """The context-parallel degrees to enumerate on ``devices`` ranks (module docstring): 1, and for a long
+    sequence of a dense model every divisor that splits it into 2 x cp equal chunks."""
+    if shape.seq_len < LONG_SEQUENCE or shape.num_experts:
+        return [1]
+    return [c for c in _divisors(devices) if shape.seq_len % (2 * c) == 0]
 
 
 def _variants(shape: ModelShape, batch: int, tp: int, pp: int, dp: int, pruned: dict[str, str],
@@ -229,20 +245,22 @@ def plan(shape: ModelShape, profile: HardwareProfile, gpus: int, batch: int, *, 
     too_big: dict[str, float] = {}
     for lay in _layouts(shape, batch, gpus, per_node, pruned, space or Space()):
         work = replace(base, shape=shape, layout=lay, global_batch=batch)
-        fkey = (lay.tp, lay.pp, lay.dp, lay.zero, lay.ep, lay.dp_shard)
+        rank = work.rank_view()  # a cp rank as a data-parallel rank of its shard of the sequence
+        fkey = (lay.tp, lay.pp, lay.dp, lay.zero, lay.ep, lay.dp_shard, lay.cp)
         if fkey not in floors:
-            floors[fkey] = _model_state_floor(shape, lay, work)
-        key = (lay.tp, lay.sp, work.pipe_micro_batch, lay.recompute, lay.dp, lay.pp, lay.ep)
+            floors[fkey] = _model_state_floor(shape, rank.layout, rank)
+        key = (lay.tp, lay.sp, work.pipe_micro_batch, lay.recompute, lay.dp, lay.pp, lay.ep, lay.cp)
         if key not in models:
-            models[key] = StageModel(work, cluster)
+            models[key] = StageModel(rank, cluster)
         block = max((models[key].block(i) for i in range(min(shape.n_layer, shape.moe_every + 1))),
                     key=lambda c: c.saved)
         act = (block.saved * in_flight(lay) + block.weight_casts) * math.ceil(shape.n_layer / lay.pp) + block.transient
         if floors[fkey] + act > usable:
-            family = f"tp={lay.tp} pp={lay.pp} zero={lay.zero}" + (f" dp_shard={lay.shard}" if lay.hybrid else "")
+            family = (f"tp={lay.tp} pp={lay.pp} zero={lay.zero}" + (f" dp_shard={lay.shard}" if lay.hybrid else "")
+                      + (f" cp={lay.cp}" if lay.cp > 1 else ""))
             too_big[family] = min(too_big.get(family, math.inf), floors[fkey] + act)
             continue
-        screened.append((estimate(work, cluster, models[key]), work))
+        screened.append((estimate(rank, cluster, models[key]), work))
     for family, need in too_big.items():
         pruned[family] = f"needs at least {need / 2**30:.1f} GiB per device, {usable / 2**30:.1f} GiB usable"
     if not screened:
@@ -284,7 +302,7 @@ def preference(ranked: list[Simulation]) -> Any:
         lay = sim.work.layout
         in_band = sim.step_s <= fastest * (1 + TOLERANCE)
         doubted = in_band and lay.zero == 3 and lay.dp > 1 and sim.step_s > fastest
-        return (not in_band, doubted, lay.pp, sim.step_s)
+        return (not in_band, doubted, lay.pp, lay.cp, sim.step_s)
 
     return key
 
@@ -313,6 +331,7 @@ def write_config(sim: Simulation, base: Config, path: str) -> None:
     lay = sim.work.layout
     p, t = cfg.parallel, cfg.train
     p.nproc, p.dp, p.tp, p.pp, p.zero, p.ep = lay.world, lay.dp, lay.tp, lay.pp, lay.zero, lay.ep
+    p.cp, p.cp_impl = lay.cp, lay.cp_impl
     p.sequence_parallel = lay.sp
     p.dp_shard = lay.shard if lay.hybrid else 0
     if lay.pp > 1:

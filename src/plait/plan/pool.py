@@ -96,7 +96,7 @@ def options(job: Job, profile: Any, pool: int, models: Any) -> list[Option]:
     resolve_vocab_size(cfg)
     shape = shape_from_config(cfg, models)
     batch = cfg.train.global_batch_size
-    base = Workload(shape, Layout(), batch, precision=cfg.train.precision, fused_optimizer=cfg.optim.fused,
+    base = Workload(shape, Layout(), batch, precision=cfg.train.compute_precision, fused_optimizer=cfg.optim.fused,
                     grad_clip=cfg.optim.grad_clip > 0)
     per_node = profile.devices_per_node if profile.kind == "gpu" else pool
     out = []

@@ -43,6 +43,7 @@ class Simulation:
     peak_flops: float
     scaling_efficiency: float
     notes: list[str] = field(default_factory=list)
+    context: dict[str, Any] | None = None  # context parallelism's collectives per step (simulate)
 
     @property
     def world(self) -> int:
@@ -112,6 +113,7 @@ class Simulation:
                                             for r in range(lay.world)] if lay.world <= 64 else None),
             "exposed_comm_s": self.exposed(), "bubble": self.bubble(),
             "scaling_efficiency": round(self.scaling_efficiency, 4), "notes": self.notes,
+            **({"context_parallel": self.context} if self.context else {}),
         }
 
 
@@ -231,6 +233,7 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
     (operators per tensor, bytes per element), ``plait.plan.record.optimizer_traffic`` for a config; ``derived_tp`` and
     ``op_counts`` what ``plait.plan.derive`` recorded from the real model (None: the analytic model alone)."""
     work.check()
+    whole, work = work, work.rank_view()  # a context-parallel rank: its shard of the sequence, cp folded into dp
     lay = work.layout
     model = StageModel(work, cluster, derived_tp, op_counts)
     n_stages = lay.pp * lay.virtual
@@ -285,9 +288,21 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
         if lay.ep > 1:
             tl.expose("ep", sum(float(s.args.get("ep_comm_s", 0.0)) for s in tl.spans if s.lane == "compute"))
         tl.end = step
-    single = _single_device_time(work, cluster, op_counts)
-    return Simulation(work, cluster, step, memory, timelines, stages, model.compute.peak_flops,
-                      single * work.global_batch / max(lay.world, 1) / step, notes or [])
+    single = _single_device_time(whole, cluster, op_counts)
+    sim = Simulation(whole, cluster, step, memory, timelines, stages, model.compute.peak_flops,
+                     single * whole.global_batch / max(lay.world, 1) / step, notes or [])
+    if whole.layout.cp > 1:  # the cp collectives of one optimizer step on a rank of each pipeline rank's stages
+        runs = work.accumulation * (lay.microbatches if lay.pp > 1 else 1)  # block passes per step
+        by_rank = []
+        for r in range(lay.pp):
+            blocks = [model.block(i) for s in range(n_stages) if owner[s] == r for i in stages[s]]
+            by_rank.append((int(runs * sum(c.detail["cp_bytes"] for c in blocks)),
+                            runs * sum(c.detail["cp_exposed_s"] for c in blocks)))
+        sim.context = {"cp": whole.layout.cp, "impl": whole.layout.cp_impl,
+                       "comm_bytes_per_step": max(b for b, _ in by_rank),
+                       "exposed_s_per_step": max(e for _, e in by_rank),
+                       "comm_bytes_per_step_by_pipeline_rank": [b for b, _ in by_rank]}
+    return sim
 
 
 def _pipelined(model: StageModel, timelines: dict[int, RankTimeline], stages: list[range], plans: dict[int, dict],
@@ -379,7 +394,7 @@ def _pipeline_gradients(model: StageModel, timelines: dict[int, RankTimeline], e
 def _single_device_time(work: Workload, cluster: Cluster, op_counts: Any = None) -> float:
     """Compute-only seconds per sequence on one device with the layout's micro-batch and recompute."""
     lay = replace(work.layout, dp=1, tp=1, pp=1, zero=0, sp=False, virtual=1, microbatches=1,
-                  micro_batch_size=work.pipe_micro_batch)
+                  micro_batch_size=work.pipe_micro_batch, cp=1, cp_folded=1)
     single = replace(work, layout=lay, global_batch=work.pipe_micro_batch)
     if op_counts is not None and work.layout.tp > 1:
         op_counts = None  # counted under tensor parallelism: not the single device's

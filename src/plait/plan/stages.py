@@ -135,7 +135,8 @@ class StageModel:
         self.tp_group: Group = group_span(self.placement.tp_group(), cluster.devices_per_node)
         self.ep_group: Group = group_span(self.placement.ep_group(), cluster.devices_per_node)
         self.setup = Setup(micro_batch=work.pipe_micro_batch, tp=lay.tp, sp=lay.sp, act_bytes=work.act_bytes,
-                           attention=work.attention, stack=work.stack, ep=lay.ep, autocast=work.autocast)
+                           attention=work.attention, stack=work.stack, ep=lay.ep, autocast=work.autocast,
+                           cp=lay.cp_folded, cp_impl=lay.cp_impl)
         self.derived_tp = derived_tp
         self.op_counts = op_counts
         self.blocks = BlockOps(work.shape, self.setup)
@@ -315,10 +316,42 @@ class StageModel:
             else:
                 fwd, bwd = (self._moe_fwd_r, self._moe_bwd_r) if moe else (self._fwd_r, self._bwd_r)
             cost = self._layer(fwd, bwd, mode, "block")
+            if self.work.layout.cp_folded > 1:
+                cost = self._context(cost, fwd, bwd, mode != "none")
             if self.work.layout.act_offload and mode == "none":
                 cost = self._offload(cost)
             self._cache[("block", mode, moe)] = cost
         return self._cache[("block", mode, moe)]
+
+    def _context(self, cost: LayerCost, fwd: Pass, bwd: Pass, recomputed: bool) -> LayerCost:
+        """A block of a context-parallel rank (``Workload.rank_view``) with its cp collectives: the ring's
+        key/value shifts overlapped with the attention core's blocks (``plait.plan.layouts.ring_attention``: what a
+        shift takes beyond its block's compute is exposed), all-to-all's and all-gather's in the compute stream; a
+        recomputed block runs its forward's again in backward. ``detail["cp_bytes"]``: the bytes a rank sends
+        (``plait.plan.layouts.context_wire_bytes``)."""
+        from plait.plan.layouts import context_wire_bytes, ring_attention, ulysses
+
+        lay, s, u = self.work.layout, self.work.shape, self.setup
+        cp, impl = lay.cp_folded, lay.cp_impl
+        group = group_span([i * lay.tp for i in range(cp)], self.cluster.devices_per_node)
+        seq, a = s.seq_len * cp, u.act_bytes
+        heads = s.n_head // lay.tp
+        if impl == "ring":
+            attn_f = sum(self.compute.time(op) for op in fwd.ops if op.kind == "attention")
+            attn_b = sum(self.compute.time(op) for op in bwd.ops if op.kind == "attention")
+            priced = ring_attention(self.profile, u.micro_batch, seq, heads * s.head_dim, 1, 4, group, attn_f, attn_b)
+            f_s, b_s = priced.exposed_fwd, priced.exposed_bwd
+        elif impl == "alltoall":
+            priced = ulysses(self.profile, u.micro_batch, seq, heads * s.head_dim, heads * s.head_dim, 1, a, group)
+            f_s, b_s = priced.exposed_fwd, priced.exposed_bwd
+        else:
+            x = u.micro_batch * heads * s.seq_len * s.head_dim
+            f_s = collective_time(self.profile, "all_gather", 2 * x * a * cp, group)
+            b_s = collective_time(self.profile, "all_reduce", 2 * x * a * cp, group)
+        sent = context_wire_bytes(impl, u.micro_batch, seq, heads, s.head_dim, cp, a, 1, int(recomputed))
+        detail = {**cost.detail, "cp_bytes": sent, "cp_exposed_s": f_s + b_s + (f_s if recomputed else 0.0)}
+        return replace(cost, fwd=cost.fwd + f_s, bwd_in=cost.bwd_in + b_s + (f_s if recomputed else 0.0),
+                       detail=detail)
 
     def _offload(self, cost: LayerCost) -> LayerCost:
         """A block under activation offload (``plait.parallel.offload``): everything it saves (its activations and

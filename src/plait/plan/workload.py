@@ -3,9 +3,9 @@
 ``Layout.dp_shard`` is hybrid sharding (``parallel.dp_shard``, HSDP: ZeRO-3 over groups of ``dp_shard`` of the
 ``dp`` data-parallel ranks, replicated across the ``dp / dp_shard`` groups; 1, or ``dp``, means FSDP over
 every data-parallel rank): ``layout_from_config`` reads it, the simulator prices it
-(``plait.plan.layouts``) and the planner enumerates it. ``Layout.cp`` names a layout plait does not run yet
-(context parallelism: the sequence split over ``cp`` ranks, which multiply the world), so its price has a
-home; it has no config key and the step simulator refuses it (``Workload.check``).
+(``plait.plan.layouts``) and the planner enumerates it. ``Layout.cp`` is context parallelism
+(``parallel.cp``: the sequence split over ``cp`` ranks, which multiply the world): the simulator prices a cp rank
+as a data-parallel rank of its shard of the sequence (``Workload.rank_view``) plus the cp collectives.
 
 ``workload_from_config`` reads the same config ``plait train`` reads (file, ``--section.key=value``
 overrides, ``model.factory``), checks it for the world size with the trainer's own checks
@@ -49,7 +49,9 @@ class Layout:
     offload: str = "none"
     dp_shard: int = 1  # HSDP's shard group at zero=3 (module docstring); 1: every data-parallel rank
     act_offload: bool = False  # train.activation_offload: blocks' saved tensors in host memory (plait.plan.stages)
-    cp: int = 1  # context-parallel degree (module docstring); not run by plait yet
+    cp: int = 1  # context-parallel degree (parallel.cp; module docstring)
+    cp_impl: str = "ring"  # parallel.cp_impl: ring, alltoall or allgather
+    cp_folded: int = 1  # in a rank view (Workload.rank_view): the cp degree folded into dp
     # parallel.pp_split_embedding / pp_split_head: the embedding / the head a unit of the split, so the first / last
     # stage may hold it alone (plait.plan.schedule.partition_units)
     split_embedding: bool = False
@@ -131,12 +133,30 @@ class Workload:
         lay = self.layout
         return self.stack == "plait" and self.precision != "fp32" and not (lay.zero == 3 and self.precision == "bf16")
 
+    def rank_view(self) -> Workload:
+        """What one rank of a context-parallel layout computes, as a data-parallel layout: its ``1 / cp`` of every
+        sequence (``seq_len / cp`` tokens, the learned position table kept whole), the cp ranks folded into dp
+        (gradients averaged and ZeRO sharded over dp x cp, as plait does; the global batch counted in shards, so the
+        tokens per step and the accumulation stay), attention over cp times its own keys (``Setup.cp``). The
+        cp collectives are priced beside it (``plait.plan.stages.StageModel.block``). Without cp: this workload."""
+        from dataclasses import replace
+
+        lay, s = self.layout, self.shape
+        if lay.cp <= 1:
+            return self
+        shape = replace(s, seq_len=s.seq_len // lay.cp, positions=s.positions or s.seq_len)
+        layout = replace(lay, dp=lay.dp * lay.cp, cp=1, cp_folded=lay.cp,
+                         dp_shard=lay.dp_shard * lay.cp if lay.dp_shard > 1 else 1)
+        return replace(self, shape=shape, layout=layout, global_batch=self.global_batch * lay.cp)
+
     def check(self) -> None:
         """Raise ``ConfigError`` for what the simulator cannot price (it is not a plait layout)."""
         lay, s = self.layout, self.shape
-        if lay.cp > 1:
-            raise ConfigError("the step simulator does not lay out context parallelism yet (plait does not run it): "
-                              "plait.plan.layouts prices it; set cp=1")
+        if lay.cp > 1 and (lay.ep > 1 or self.attention != "flash" or s.seq_len % (2 * lay.cp)
+                           or lay.cp_impl not in ("ring", "alltoall", "allgather")):
+            raise ConfigError(f"cp={lay.cp} is simulated without expert parallelism (plait does not compose them), "
+                              f"with the flash attention kernel, cp_impl ring, alltoall or allgather and a sequence "
+                              f"({s.seq_len}) that divides by 2 x cp; change those or set cp=1")
         if lay.dp_shard not in (1, lay.dp) and (lay.zero != 3 or lay.dp % lay.dp_shard or lay.ep > 1):
             raise ConfigError(f"dp_shard={lay.dp_shard} (HSDP) needs zero=3, a divisor of dp={lay.dp} and no expert "
                               "parallelism; set dp_shard=1 or change it")
@@ -174,4 +194,4 @@ def layout_from_config(cfg: Config) -> Layout:
                   every_k=t.checkpoint_every_k, reshard_after_forward=p.reshard_after_forward, bucket_mb=p.bucket_mb,
                   impl=p.impl, pp_balance=p.pp_balance, loss_parallel=p.loss_parallel, ep=p.ep,
                   offload=p.offload, dp_shard=p.dp_shard or 1, act_offload=t.activation_offload,
-                  split_embedding=p.pp_split_embedding, split_head=p.pp_split_head)
+                  split_embedding=p.pp_split_embedding, split_head=p.pp_split_head, cp=p.cp, cp_impl=p.cp_impl)

@@ -54,9 +54,6 @@ def check_model(cfg: Config, degrees: dict[str, int]) -> None:
         if m.dropout > 0:
             raise ConfigError(f"parallel.cp={cp} computes attention without dropout, but model.dropout={m.dropout}; "
                               "set model.dropout=0 or parallel.cp=1")
-        if cfg.data.document_mask:
-            raise ConfigError(f"parallel.cp={cp} does not take the document mask yet; set data.document_mask=false "
-                              "or parallel.cp=1")
     if degrees["pp"] > 1:
         virtual = p.pp_virtual_stages or NATURAL_VIRTUAL.get(p.pp_schedule, 1)
         if m.n_layer < degrees["pp"] * virtual:

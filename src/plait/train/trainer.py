@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.components.losses import ClassificationLoss, Loss, infer_loss, resolve_loss
+from plait.components.losses import CausalLMLoss, ClassificationLoss, Loss, infer_loss, resolve_loss
 from plait.components.optim import lr_at
 from plait.config import Config
 from plait.engine import Plait
@@ -144,6 +144,11 @@ class Trainer:
         # pipeline's last stage computes it per pipeline micro-batch, and an asynchronous parameter server's workers
         # share no step, so there it stays a mean per micro-batch (Plait.weighs_tokens)
         self.token_weighted = self.loss.counts_items_for(model) and p.weighs_tokens
+        # A data set whose every sample holds the same number of counted targets (plait's token windows: no -100)
+        # read in whole global batches: the step's count is known, so nothing is counted or all-reduced per step
+        per = getattr(train_data, "targets_per_sample", None)
+        self.items_per_step = (cfg.train.global_batch_size * per if self.token_weighted and per is not None
+                               and isinstance(self.loss, CausalLMLoss) and cfg.parallel.cp == 1 else None)
         self.peak = self._peak()
         self.state = RunState(step=p.steps)  # above 0 where setup joined live replicas at a later step
         self.state.skipped_steps = lambda: p.skipped_steps  # read from the engine only when looked up
@@ -187,7 +192,7 @@ class Trainer:
         """Rank 0: one device's peak FLOP/s for this run's precision (measured once per machine on a CPU)."""
         from plait.train.mfu import device_peak
 
-        return device_peak(self.p.device, self.cfg.train.precision) if self.rank0 else None
+        return device_peak(self.p.device, self.cfg.train.compute_precision) if self.rank0 else None
 
     def mfu(self, tokens_per_s: float, samples_per_s: float) -> float | None:
         """Model FLOPs utilisation at these rates over all ``world_size`` devices (None off rank 0)."""
@@ -319,7 +324,10 @@ class Trainer:
         # data-parallel rank), known before the first backward (plait.components.losses: token weighting)
         batches = [self._next_batch() for _ in range(p.accumulation - p.window.micro)]
         data_s = time.perf_counter() - t_start
-        items = p.num_items_in_batch(batches, self.loss) if self.token_weighted else None
+        if self.items_per_step is not None:
+            items = p.num_items_known(self.items_per_step)
+        else:
+            items = p.num_items_in_batch(batches, self.loss) if self.token_weighted else None
         for batch in batches:
             n_tok, n_smp = _items(batch, self.loss)
             tokens, samples = tokens + n_tok, samples + n_smp

@@ -1,14 +1,16 @@
 """Context parallelism on Hugging Face decoders with grouped-query attention equals one process on the whole sequence.
 
 A small Llama (2 layers, hidden 32, 4 attention heads, 2 key-value heads, rotary positions) trains 3 AdamW steps
-(clip 1.0) through ``plait.Plait.forward_backward`` at cp=2 with ``ring`` and with ``alltoall``, and so do a Qwen2
-(q/k/v biases) with ``ring`` and a Mistral (no sliding window) with ``alltoall``, all in one spawned group of 2
-ranks, on dict batches whose labels hold ``-100`` over uneven prompt lengths. plait routes each
+(clip 1.0) through ``plait.Plait.forward_backward`` at cp=2 with ``ring``, ``alltoall`` and ``allgather``, and so
+do a Qwen2 (q/k/v biases) with ``ring`` and a Mistral (no sliding window) with ``alltoall``, all in one spawned
+group of 2 ranks, on dict batches whose labels hold ``-100`` over uneven prompt lengths. plait routes each
 ``LlamaAttention`` (``Qwen2Attention``, ``MistralAttention``) through its cp attention (the layer's own
 projections and rotary embedding at the global positions plait passes as ``position_ids``). Compared with plain
 PyTorch in one process over the whole batch (``F.cross_entropy`` over every real token): the logged loss of every
 step, every parameter's gradient at step 1 and every parameter after 3 steps. float32; tolerances those of the GPT
 test (losses 2e-5, gradients 1e-7, parameters 3e-5). With the routing removed the Llama's loss is off by 2e-3.
+Under ``ring`` and ``allgather`` every key/value transfer (the ring's shifts, the all-gather's input, forward and
+backward) carries the 2 key/value heads, not the 4 query heads they are repeated to.
 
 The same group checks that a transformers model whose attention plait cannot route (GPT-2) is refused with one
 message naming its attention module, and a Mistral whose sliding window is shorter than the sequence with one
@@ -28,7 +30,8 @@ from references import MP_LOSS_ATOL, MP_PARAM_ATOL
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SEQ, GLOBAL, STEPS, LR, CLIP = 128, 2, 3, 1e-3, 1.0
 GRAD_ATOL = 1e-7
-RUNS = (("llama", "ring"), ("llama", "alltoall"), ("qwen2", "ring"), ("mistral", "alltoall"))
+RUNS = (("llama", "ring"), ("llama", "alltoall"), ("llama", "allgather"), ("qwen2", "ring"), ("mistral", "alltoall"))
+KV_SENT = 2 * GLOBAL * 2 * (SEQ // 2) * (32 // 4)  # keys and values of one layer's shard: B x 2 kv heads x S x D
 
 
 def llama(kind: str = "llama", window: int | None = None):
@@ -97,14 +100,31 @@ def _train(run_dir: str, kind: str, impl: str) -> dict:
         if not grads:
             grads.update({names[id(q)]: q.grad.detach().clone() for g in o.param_groups for q in g["params"]})
     opt.register_step_pre_hook(first_grads)
+    sent = _count_sent(p, impl)
     losses = []
     for batch in batches():
         p.forward_backward(model, batch)
         losses.append(p.step(log=True).global_loss)
     out = {"losses": losses, "grads": grads, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-           "layout": p.strategy.describe()}
+           "layout": p.strategy.describe(), "sent": sent}
     p.close()
     return out
+
+
+def _count_sent(p, impl: str) -> list[int]:
+    """The element counts of the keys and values this rank sends: the ring's shifts (its first hop each forward)
+    or the all-gather's input, recorded as they go."""
+    import plait.parallel.context.allgather as allgather
+
+    sent: list[int] = []
+    if impl == "ring":
+        ring = p.strategy.attention.ring
+        shift = ring.shift
+        ring.shift = lambda t, tag=0: (sent.append(t.numel()) if tag == 0 else None, shift(t, tag))[1]
+    elif impl == "allgather":
+        gather = allgather._gather
+        allgather._gather = lambda x, group: (sent.append(x.numel()), gather(x, group))[1]
+    return sent
 
 
 def _unrecognised(run_dir: str) -> str:
@@ -160,6 +180,8 @@ def test_context_parallel_hf_llama_gqa_equals_one_process(tmp_path: Path) -> Non
             assert max(abs(a - b) for a, b in zip(run["losses"], ref_losses, strict=True)) < MP_LOSS_ATOL, impl
             assert _max_diff(run["grads"], ref_grads) < GRAD_ATOL, impl
             assert _max_diff(run["state"], ref_state) < MP_PARAM_ATOL, impl
+            if impl[1] != "alltoall":  # only the 2 key/value heads travel, not 4 repeated to the query heads
+                assert run["sent"] and set(run["sent"]) == {KV_SENT}, (impl, sorted(set(run["sent"])))
     error = ranks[0]["error"]
     assert "GPT2Attention" in error and "parallel.cp=1" in error, error
     window = ranks[0]["window"]

@@ -21,8 +21,14 @@ What is plait's and what is PyTorch's:
 * ``alltoall`` (DeepSpeed Ulysses): one all-to-all turns sequence shards into head shards, attention runs on
   ``H / cp`` heads over the whole sequence, a second all-to-all turns them back (its own adjoint in backward);
   heads must divide by cp (the error names ``ring``, which takes any head count).
-* ``allgather``: keys and values all-gathered (Megatron's simplest form), the reference; backward reduces
-  their gradients back to their owners.
+* ``allgather``: keys and values all-gathered (Megatron's simplest form), the reference; backward gathers them
+  again (only the shard's are kept) and reduces their gradients back to their owners.
+* Packed documents (plait's GPT with ``document_mask``): every rank has the whole sequence's ``doc_ids`` (the
+  strategy slices them from the batch; no collective) and each implementation builds the document mask of each
+  block or piece it computes from them, in forward and again in backward, never a (T, T) one; a query row that
+  sees no key of a block weighs 0 in the log-sum-exp merge. Documents of any length, cut anywhere by the shards
+  (torchtitan's packed-document cp needs multiples of 2 x cp). Grouped-query keys and values travel with their
+  own heads under ``ring`` and ``allgather``.
 * ``strategy``: the ``ContextParallel`` wrapper (registered behind the strategy contract) around the
   data-parallel strategy: the engine gives it whole micro-batches and it shards them; gradients are averaged
   over dp x cp because the strategies below it see the topology with cp folded into their data-parallel axes

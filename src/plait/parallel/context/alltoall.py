@@ -3,8 +3,10 @@
 Each rank holds (B, H, S, D) for its ``S = T / cp`` tokens. One all-to-all gives it instead ``H / cp`` heads
 for the whole sequence (every rank's shard of those heads), in global order; causal attention over the whole
 sequence runs on those heads; a second all-to-all brings every head back to the ranks holding its tokens.
-Heads (and key-value heads) must divide by cp. The all-to-all is its own adjoint, so backward runs the same
-exchanges the other way.
+With packed documents that attention runs in ``2 cp`` query chunks, each against the earlier chunks and its own
+with the pieces' document masks built from the whole sequence's ids when needed (``DocumentAttention``): no
+(T, T) mask is kept. Heads (and key-value heads) must divide by cp. The
+all-to-all is its own adjoint, so backward runs the same exchanges the other way.
 
 Communication per attention layer and micro-batch: forward one all-to-all of q, k, v stacked
 (``3 B H S D`` elements, ``(cp - 1) / cp`` of them leave the rank) and one of the output (``B H S D``);
@@ -19,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plait.parallel.context.allgather import _global_order
+from plait.parallel.context.allgather import DocumentAttention, _global_order
 from plait.parallel.context.sharding import ContextError
 
 
@@ -50,8 +52,10 @@ def check_heads(num_heads: int, cp: int, what: str = "attention heads") -> None:
                            "(any head count), or a cp that divides the heads")
 
 
-def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float) -> torch.Tensor:
-    """Causal attention of this rank's load-balanced shard (q, k, v: (B, H, S, D)) over the whole sequence."""
+def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float,
+                       docs: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of this rank's load-balanced shard (q, k, v: (B, H, S, D)) over the whole sequence; with
+    ``docs`` (the whole sequence's document ids, (B, T)) inside each document only."""
     cp = dist.get_world_size(group)
     B, H, S, D = q.shape
     check_heads(H, cp)
@@ -59,7 +63,10 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group:
     qkv = torch.stack([q, k, v]).view(3, B, cp, H // cp, S, D).permute(2, 0, 1, 3, 4, 5)  # (cp, 3, B, H/cp, S, D)
     heads = AllToAll.apply(qkv, group)  # part j: rank j's tokens of this rank's heads
     whole = heads.permute(1, 2, 3, 0, 4, 5).reshape(3, B, H // cp, cp * S, D).index_select(3, perm)
-    y = F.scaled_dot_product_attention(whole[0], whole[1], whole[2], is_causal=True, scale=scale)  # (B, H/cp, T, D)
+    if docs is None:
+        y = F.scaled_dot_product_attention(whole[0], whole[1], whole[2], is_causal=True, scale=scale)
+    else:  # (B, H/cp, T, D), in 2 cp query chunks, each piece's document mask built when needed, none kept
+        y = DocumentAttention.apply(whole[0], whole[1], whole[2], scale, docs, 2 * cp)
     ranked = torch.empty_like(y).index_copy(2, perm, y).view(B, H // cp, cp, S, D).permute(2, 0, 1, 3, 4)
     back = AllToAll.apply(ranked, group)  # part j: this rank's tokens of rank j's heads
     return back.permute(1, 0, 2, 3, 4).reshape(B, H, S, D)

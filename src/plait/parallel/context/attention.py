@@ -2,15 +2,19 @@
 
 ``ContextAttention`` holds the group, the implementation (``ring``, ``alltoall`` or ``allgather``) and this step's shard
 positions; ``route_gpt`` makes every ``CausalSelfAttention`` of plait's GPT call it instead of
-``scaled_dot_product_attention`` (its projections and head split unchanged: the model's code stays as it is).
+``scaled_dot_product_attention`` (its projections and head split unchanged: the model's code stays as it is);
+when the GPT masks by document (``document_mask``) its layers ask for the document mask (``document_marker``
+stands for it: the GPT builds no mask of the shard) and the cp attention builds each block's from the whole
+sequence's ``doc_ids`` the strategy gives ``active``.
 ``route_hf`` does the same for Hugging Face decoders (Llama, Qwen2, Mistral): their attention layers pick their
 attention function by name from ``config._attn_implementation``, so each recognised layer gets its own copy of the
 config naming plait's (``plait_context``, registered with transformers' ``AttentionInterface``), which calls this
 layer's ``ContextAttention``. The model's own config (its mask construction, ``save_pretrained``) is untouched; the
 causal mask it builds for the shard's local positions is not used (the cp attention masks by global position), and
-a padding ``attention_mask`` is refused before the model runs. Keys and values of grouped-query attention are
-repeated to the query heads before the cp attention (the transfers carry ``H / H_kv`` times the keys and values of
-the model's own).
+a padding ``attention_mask`` is refused before the model runs. Keys and values of grouped-query attention travel
+with their own heads under ``ring`` and ``allgather`` (repeated to the query heads per block, after the transfer);
+``alltoall`` splits heads, so it repeats them first (its transfers carry ``H / H_kv`` times the model's keys and
+values).
 Outside a step the strategy runs (``active``), calling the routed model raises: a whole sequence given to a
 rank that holds a shard would be attended as if it were one.
 """
@@ -39,40 +43,54 @@ class ContextAttention:
         self.group, self.impl = group, impl
         self.ring = Ring(group)
         self.positions: torch.Tensor | None = None  # this step's shard positions (S,), set by ``active``
+        self.docs: torch.Tensor | None = None  # this step's whole-sequence document ids (B, T), when the batch has them
 
     @contextlib.contextmanager
-    def active(self, positions: torch.Tensor) -> Iterator[None]:
-        """Inside: the routed layers attend over the shard at ``positions`` (global, (S,))."""
-        self.positions = positions
+    def active(self, positions: torch.Tensor, docs: torch.Tensor | None = None) -> Iterator[None]:
+        """Inside: the routed layers attend over the shard at ``positions`` (global, (S,)); ``docs``: the whole
+        sequence's document ids (B, T) of packed documents, for the layers that mask by document."""
+        self.positions, self.docs = positions, docs
         try:
             yield
         finally:
-            self.positions = None
+            self.positions = self.docs = None
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q, k, v: (B, H, S, D) of this rank's shard -> (B, H, S, D)."""
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: bool = False) -> torch.Tensor:
+        """q (B, H, S, D), k and v (B, H_kv, S, D), H_kv dividing H, of this rank's shard -> (B, H, S, D);
+        ``documents``: attend inside each packed document only (by the document ids given to ``active``).
+        ``ring`` and ``allgather`` move the H_kv key/value heads and repeat them per block; ``alltoall`` splits
+        heads, so it repeats them first (its transfers then carry H heads of keys and values)."""
         if self.positions is None:
             raise ContextError("under parallel.cp > 1 the model runs on sequence shards that plait makes: run each "
                                "micro-step with p.forward_backward(model, batch) and evaluate with p.evaluate(model, "
                                "batch), not model(...) on a whole sequence")
+        docs = None
+        if documents:
+            if self.docs is None:
+                raise ContextError("the model masks attention by document, but the batch has no doc_ids; give "
+                                   "plait's GPT packed batches with doc_ids (data.pack) or build it with "
+                                   "document_mask=False")
+            if self.docs.device != q.device:  # once per step, not per layer
+                self.docs = self.docs.to(q.device)
+            docs = self.docs
         scale = 1.0 / math.sqrt(q.size(-1))
         if self.impl == "ring":
-            return ring_attention(q, k, v, self.ring, scale)
+            return ring_attention(q, k, v, self.ring, scale, docs)
         if self.impl == "alltoall":
-            return alltoall_attention(q, k, v, self.group, scale)
-        return allgather_attention(q, k, v, self.group, self.positions, scale)
+            repeat = q.size(1) // k.size(1)
+            if repeat > 1:
+                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+            return alltoall_attention(q, k, v, self.group, scale, docs)
+        return allgather_attention(q, k, v, self.group, scale, docs)
 
 
 def _gpt_attention_forward(attention: ContextAttention) -> Any:
     def forward(self: nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if attn_mask is not None:
-            raise ContextError("parallel.cp > 1 does not take the document mask yet (data.document_mask); set "
-                               "data.document_mask=false or parallel.cp=1")
         B, S, _ = x.shape  # (B, S, C): this rank's shard
         q = self.q(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, H, S, D)
         k = self.k(x).view(B, S, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(B, S, -1, self.head_dim).transpose(1, 2)
-        y = attention(q, k, v).transpose(1, 2).reshape(B, S, -1)  # (B, S, C)
+        y = attention(q, k, v, documents=attn_mask is not None).transpose(1, 2).reshape(B, S, -1)  # (B, S, C)
         return self.proj(y)
     return forward
 
@@ -96,10 +114,7 @@ def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
         raise ContextError(f"parallel.cp > 1 computes full causal attention, but {type(module).__name__} attends "
                            f"within a sliding window of {window} tokens, shorter than the sequence ({length}); use "
                            "parallel.cp=1 for this model, or sequences no longer than its window")
-    repeat = query.size(1) // key.size(1)
-    if repeat > 1:  # grouped-query attention: every query head gets its key/value head
-        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
-    out = module._plait_context(query, key, value)  # (B, H, S, D)
+    out = module._plait_context(query, key, value)  # (B, H, S, D); GQA keys/values repeated where the impl needs
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -133,9 +148,19 @@ def route_hf(model: nn.Module, attention: ContextAttention) -> int:
     return len(layers)
 
 
+def document_marker(doc_ids: torch.Tensor) -> torch.Tensor:
+    """What plait's GPT passes its routed layers for the document mask under cp: one element saying "mask by
+    document" (the cp attention builds each block's mask from the whole sequence's ids), instead of the shard's
+    (B, 1, S, S) mask, which the cp attention would not use."""
+    return doc_ids.new_ones(1, dtype=torch.bool)
+
+
 def route_gpt(model: nn.Module, attention: ContextAttention) -> int:
     """Route every attention layer of plait's GPT in ``model`` through ``attention``; returns how many."""
-    from plait.models.gpt import CausalSelfAttention
+    from plait.models.gpt import GPT, CausalSelfAttention
+
+    for gpt in (m for m in model.modules() if isinstance(m, GPT)):
+        gpt.document_mask_fn = document_marker
 
     layers = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
     for layer in layers:

@@ -15,12 +15,22 @@ scores), and the explicit math (``_scores``) on other devices. Each block's outp
 merged into the running one by their log-sum-exps (``merge``). The next block's transfer (one batched
 send/recv of keys and values stacked) is issued before the block's compute and waited after it, so it overlaps.
 
+Packed documents: every rank has the whole sequence's document ids (the batch's ``doc_ids``, a few integers per
+token; they never travel), builds each block's mask from its queries' and the block's keys' ids (``_piece``) and
+passes it to the block's kernel on top of the causal mask. A query row that sees no key of a block (the block
+holds only other documents) gets output 0 and log-sum-exp -inf, weight 0 in the merge; the own block always
+holds the query itself, so the merged log-sum-exp is finite and backward has no NaN. Documents of any length,
+cut anywhere by the chunks.
+
 Backward (flash-attention's, block by block, from the final output and log-sum-exp) passes keys, values and
 their gradient accumulators round the same ring: after ``N`` hops each accumulator is back with its owner. The next
 block's keys and values move while the current block computes; its accumulator must hold this rank's part before
 it moves on, so that hop follows the block's compute.
 
-Communication, per attention layer and micro-batch: forward ``N - 1`` sends and receives of ``2 B H c D`` x2
+Grouped-query attention: keys and values travel with their own ``H_kv`` heads and are repeated to the query heads
+inside each block's compute (their gradients summed back), so the transfers carry ``H_kv``, not ``H``, heads.
+
+Communication, per attention layer and micro-batch: forward ``N - 1`` sends and receives of ``2 B H_kv c D`` x2
 elements (keys and values); backward ``N - 1`` of keys and values and ``N`` of their gradients.
 """
 
@@ -31,36 +41,83 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait.parallel.context.sharding import shard_index
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
     s = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
     return s
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's attention output (B, H, Sq, D) and log-sum-exp (B, H, Sq), float32. Every query row has at
-    least one key (the causal diagonal, or an unmasked block)."""
-    if q.device.type == "cpu":  # PyTorch's fused CPU kernel: the same math, no (Sq, Sk) scores held at once
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+def doc_mask(q_docs: torch.Tensor, k_docs: torch.Tensor) -> torch.Tensor:
+    """(B, Sq) and (B, Sk) document ids -> (B, 1, Sq, Sk) boolean, True where query and key share a document."""
+    return (q_docs[:, :, None] == k_docs[:, None, :])[:, None]
+
+
+def _bias(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """The CPU kernel's additive mask (it takes the query's dtype, not booleans): 0 where seen, -inf where not."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill_(~mask, float("-inf"))
+
+
+def _repeat(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention: key/value heads (B, H_kv, Sk, D) repeated to the ``heads`` query heads, here,
+    after they travelled (only the H_kv heads move)."""
+    repeat = heads // k.size(1)
+    if repeat == 1:
+        return k, v
+    return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+
+
+def _fold(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The adjoint of ``_repeat``: (B, H, Sk, D) gradients summed over each key/value head's query heads."""
+    B, H, Sk, D = g.shape
+    return g if H == kv_heads else g.view(B, kv_heads, H // kv_heads, Sk, D).sum(2)
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                  mask: torch.Tensor | None = None, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention output (B, H, Sq, D) and log-sum-exp (B, H, Sq), float32. ``mask`` (B, 1, Sq, Sk),
+    True where a query may see a key (packed documents), on top of ``causal``. A query row that sees no key of
+    the block (another document's block) gets output 0 and log-sum-exp -inf, so ``merge`` gives it weight 0.
+    k, v may have fewer (key/value) heads than q (grouped-query attention). ``fused``: PyTorch's CPU kernel
+    (default on the CPU: the same math, no (Sq, Sk) scores held at once) or the explicit math (elsewhere)."""
+    k, v = _repeat(k, v, q.size(1))
+    if q.device.type == "cpu" if fused is None else fused:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                               attn_mask=_bias(mask, q), scale=scale)
+        if mask is not None:  # the kernel gives a row with no key log-sum-exp 0 (and output 0): make it -inf
+            seen = mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril() if causal else mask
+            lse = lse.masked_fill(~seen.any(-1), float("-inf"))
         return out, lse
-    s = _scores(q, k, scale, causal)
+    s = _scores(q, k, scale, causal, mask)
     lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+    finite = lse.masked_fill(torch.isinf(lse), 0.0)  # a row with no key: exp(-inf - 0) = 0, no NaN
+    return torch.matmul(torch.exp(s - finite.unsqueeze(-1)), v), lse
 
 
 def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, delta: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, ...]:
-    """Gradients (dq, dk, dv) of one block given the final ``out``, ``lse`` and ``delta = rowsum(dout * out)``."""
-    if q.device.type == "cpu":  # PyTorch's fused CPU backward (it computes ``delta`` from ``dout`` and ``out``)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))  # (B, H, Sq, Sk): the final probabilities
+                   lse: torch.Tensor, delta: torch.Tensor, scale: float, causal: bool,
+                   mask: torch.Tensor | None = None, fused: bool | None = None) -> tuple[torch.Tensor, ...]:
+    """Gradients (dq, dk, dv) of one block given the final ``out``, ``lse`` and ``delta = rowsum(dout * out)``
+    (the final log-sum-exp is finite: every query sees itself); dk, dv have k's and v's (key/value) heads."""
+    kv_heads = k.size(1)
+    k, v = _repeat(k, v, q.size(1))
+    if q.device.type == "cpu" if fused is None else fused:  # the CPU kernel computes ``delta`` itself
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=_bias(mask, q), scale=scale)
+        return dq, _fold(dk, kv_heads), _fold(dv, kv_heads)
+    p = torch.exp(_scores(q, k, scale, causal, mask) - lse.unsqueeze(-1))  # (B, H, Sq, Sk): the final probabilities
     dv = torch.matmul(p.transpose(-2, -1), dout)
     ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - delta.unsqueeze(-1))
-    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
+    dk = torch.matmul(ds.transpose(-2, -1), q) * scale
+    return torch.matmul(ds, k) * scale, _fold(dk, kv_heads), _fold(dv, kv_heads)
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -94,13 +151,33 @@ def _wait(reqs: list) -> None:
         r.wait()
 
 
+def _piece(r: int, src: int, c: int, docs: torch.Tensor | None) -> tuple[slice, slice, bool, torch.Tensor | None]:
+    """What rank ``r``'s queries compute against the block of rank ``src`` (see the module docstring): the query
+    slice, the key slice, whether causal, and the document mask of that piece (``docs``: the whole sequence's
+    document ids (B, T), or None)."""
+    everything = slice(None)
+    if src == r:
+        qs, ks, causal = everything, everything, True
+    elif src < r:
+        qs, ks, causal = everything, slice(0, c), False
+    else:
+        qs, ks, causal = slice(c, None), everything, False
+    if docs is None:
+        return qs, ks, causal, None
+    n, T = docs.size(1) // (2 * c), docs.size(1)
+    q_docs = docs.index_select(1, shard_index(T, n, r, device=docs.device))[:, qs]
+    k_docs = docs.index_select(1, shard_index(T, n, src, device=docs.device))[:, ks]
+    return qs, ks, causal, doc_mask(q_docs, k_docs)
+
+
 class RingAttention(torch.autograd.Function):
     """``ring_attention(q, k, v)`` (see the module docstring). Forward: ``N - 1`` ring shifts of keys and
-    values; backward: ``N - 1`` of keys and values and ``N`` of their gradients."""
+    values; backward: ``N - 1`` of keys and values and ``N`` of their gradients. The document ids (packed
+    documents) do not travel: every rank has the whole sequence's and builds each block's mask from them."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring,
-                scale: float) -> torch.Tensor:
+                scale: float, docs: torch.Tensor | None) -> torch.Tensor:
         n, r, c = ring.size, ring.rank, q.size(2) // 2
         qf = q.float()
         kv = torch.stack([k, v]).float().contiguous()  # (2, B, H, S, D)
@@ -108,24 +185,23 @@ class RingAttention(torch.autograd.Function):
         for s in range(n):
             if s < n - 1:
                 reqs, incoming = ring.shift(kv)
-            src = (r - s) % n
+            qs, ks, causal, mask = _piece(r, (r - s) % n, c, docs)
+            bo, bl = block_forward(qf[:, :, qs], kv[0, :, :, ks], kv[1, :, :, ks], scale, causal, mask)
             if s == 0:
-                out, lse = block_forward(qf, kv[0], kv[1], scale, causal=True)
-            elif src < r:
-                merge(out, lse, *block_forward(qf, kv[0, :, :, :c], kv[1, :, :, :c], scale, causal=False))
+                # merged into in place below: copies, since selective checkpointing keeps the kernel's outputs
+                out, lse = bo.clone(), bl.clone()
             else:
-                bo, bl = block_forward(qf[:, :, c:], kv[0], kv[1], scale, causal=False)
-                merge(out[:, :, c:], lse[:, :, c:], bo, bl)
+                merge(out[:, :, qs], lse[:, :, qs], bo, bl)
             if s < n - 1:
                 _wait(reqs)
                 kv = incoming
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, docs)
         ctx.ring, ctx.scale = ring, scale
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, docs = ctx.saved_tensors
         ring, scale = ctx.ring, ctx.scale
         n, r, c = ring.size, ring.rank, q.size(2) // 2
         qf, dout = q.float(), dout.float()
@@ -136,33 +212,24 @@ class RingAttention(torch.autograd.Function):
         for s in range(n):
             if s < n - 1:  # the next block's keys and values move while this one computes
                 reqs, incoming = ring.shift(kv)
-            src = (r - s) % n
-            if s == 0:
-                gq, gk, gv = block_backward(qf, kv[0], kv[1], dout, out, lse, delta, scale, causal=True)
-                dq += gq
-                dkv[0] += gk
-                dkv[1] += gv
-            elif src < r:
-                gq, gk, gv = block_backward(qf, kv[0, :, :, :c], kv[1, :, :, :c], dout, out, lse, delta, scale,
-                                            causal=False)
-                dq += gq
-                dkv[0, :, :, :c] += gk
-                dkv[1, :, :, :c] += gv
-            else:
-                gq, gk, gv = block_backward(qf[:, :, c:], kv[0], kv[1], dout[:, :, c:], out[:, :, c:], lse[:, :, c:],
-                                            delta[:, :, c:], scale, causal=False)
-                dq[:, :, c:] += gq
-                dkv[0] += gk
-                dkv[1] += gv
+            qs, ks, causal, mask = _piece(r, (r - s) % n, c, docs)
+            gq, gk, gv = block_backward(qf[:, :, qs], kv[0, :, :, ks], kv[1, :, :, ks], dout[:, :, qs],
+                                        out[:, :, qs], lse[:, :, qs], delta[:, :, qs], scale, causal, mask)
+            dq[:, :, qs] += gq
+            dkv[0, :, :, ks] += gk
+            dkv[1, :, :, ks] += gv
             if n > 1:  # the accumulator follows its block once this rank's part is in (the last hop: home)
                 grad_reqs, dkv = ring.shift(dkv, tag=1)
                 _wait(grad_reqs)
             if s < n - 1:
                 _wait(reqs)
                 kv = incoming
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float) -> torch.Tensor:
-    """Causal attention of this rank's load-balanced shard (q, k, v: (B, H, S, D)) over the whole sequence."""
-    return RingAttention.apply(q, k, v, ring, scale)
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float,
+                   docs: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of this rank's load-balanced shard (q: (B, H, S, D); k, v: (B, H_kv, S, D), H_kv dividing
+    H: only the key/value heads travel, repeated to the query heads per block) over the whole sequence;
+    with ``docs`` (the whole sequence's document ids, (B, T)) inside each query's document only."""
+    return RingAttention.apply(q, k, v, ring, scale, docs)

@@ -31,6 +31,7 @@ from plait.components.losses import IGNORE_INDEX, Loss
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.parallel.context.attention import ContextAttention, route_gpt, route_hf
 from plait.parallel.context.sharding import ContextError, check_length, shard, shard_index
+from plait.parallel.pipeline.gpt import GPTStage
 from plait.parallel.strategy import register_strategy
 from plait.parallel.tensor.plan import local_value
 from plait.parallel.wrapper import Wrapper
@@ -47,6 +48,8 @@ class Shard(NamedTuple):
 
 class ShardLoss(Loss):
     """The user's loss over a ``Shard``: its ``split`` is done (before the cut), its ``loss`` is the user's."""
+
+    presplit = True  # a pipeline splits the shard with this loss, not with the one given to setup
 
     def __init__(self, base: Loss) -> None:
         super().__init__(name=base.name)
@@ -65,6 +68,14 @@ class ContextParallel(Wrapper):
 
     name = "context"
     kind = "context-parallel"
+    # the cp attention's collectives are torch's (c10d, issued in forward and backward): the engine counts them
+    # with plait.comm.accounting.TorchCollectiveCounter (observe.count_torch_collectives), beside the inner
+    # strategy's own
+    torch_collectives = True
+
+    @property
+    def model_whole(self) -> bool:  # type: ignore[override]
+        return self.inner.model_whole
 
     @classmethod
     def wraps(cls, p: ParallelConfig) -> bool:
@@ -75,13 +86,16 @@ class ContextParallel(Wrapper):
         p = cfg.parallel
         if p.cp <= 1:
             return
-        unsupported = [f"parallel.{k}={v}" for k, v, off in (("tp", p.tp, 1), ("pp", p.pp, 1), ("ep", p.ep, 1),
-                                                               ("zero", p.zero, 0), ("mode", p.mode, "collective"))
+        unsupported = [f"parallel.{k}={v}" for k, v, off in (("ep", p.ep, 1), ("mode", p.mode, "collective"))
                        if v != off]
         if unsupported:
-            raise ConfigError(f"parallel.cp={p.cp} composes with data parallelism only so far; "
-                              f"{', '.join(unsupported)} with context parallelism is not supported yet: set "
-                              "parallel.cp=1, or leave those at their defaults")
+            raise ConfigError(f"parallel.cp={p.cp} composes with data parallelism, ZeRO 1-3, tensor (and sequence) "
+                              f"parallelism, pipelines and activation checkpointing; {', '.join(unsupported)} with "
+                              "context parallelism is not supported yet: set parallel.cp=1, or leave those at their "
+                              "defaults")
+        if degrees.get("dp_shard", 1) > 1 and degrees.get("dp_replicate", 1) > 1:
+            raise ConfigError(f"parallel.dp_shard={p.dp_shard} (hybrid sharding) with parallel.cp={p.cp} is not "
+                              "supported yet: set parallel.dp_shard=0 (ZeRO-3 then shards over every dp x cp rank)")
         if cfg.train.compile:
             raise ConfigError(f"train.compile={cfg.train.compile!r} with parallel.cp > 1 is not supported yet; set "
                               "train.compile=false")
@@ -91,20 +105,33 @@ class ContextParallel(Wrapper):
         self.cp, self.cp_rank = self.topo.degree(MeshAxis.CP), self.topo.coord(MeshAxis.CP)
         self.group = self.topo.group(MeshAxis.CP)
         self.attention = ContextAttention(self.group, self.cfg.parallel.cp_impl)
-        if not (route_gpt(self.model, self.attention) or route_hf(self.model, self.attention)):
+        self._losses: dict[int, ShardLoss] = {}
+        # plait's GPT takes its shard's positions as one (S,) row, which sequence parallelism splits over tp like
+        # the (T,) positions it makes itself; Hugging Face decoders take (B, S)
+        self.gpt = route_gpt(self.model, self.attention)
+        if not self.inner.model_whole:  # a pipeline: plait's GPT stages only (they take the positions given here)
+            stages = [m for m in self.model.modules() if isinstance(m, GPTStage)]
+            if not stages:
+                raise ContextError("parallel.cp > 1 with parallel.pp > 1 runs plait's GPT (its pipeline stages embed "
+                                   f"each shard's global positions); {type(self.model).__name__}'s stages are not "
+                                   "plait's GPT: use parallel.pp=1 with cp, or parallel.cp=1")
+            for stage in stages:  # positional inputs only: the first stage reads its shard's positions here
+                stage.positions = lambda: self.attention.positions
+            return  # a stage holding only the head has no attention layer
+        if not (self.gpt or route_hf(self.model, self.attention)):
             raise ContextError(f"parallel.cp > 1 routes the attention of plait's GPT and of Hugging Face Llama, Qwen2 "
                                f"and Mistral; {type(self.model).__name__} has no attention layer plait recognises: use "
                                "one of those models or parallel.cp=1")
-        self._losses: dict[int, ShardLoss] = {}
 
     def _shard_loss(self, loss: Loss) -> ShardLoss:
         if id(loss) not in self._losses:
             self._losses[id(loss)] = ShardLoss(loss)
         return self._losses[id(loss)]
 
-    def _split(self, batch: Any, loss: Any, divide: int) -> tuple[Shard, torch.Tensor, torch.Tensor]:
-        """This rank's shard of ``batch``, its global positions, and the divisor of its summed loss: the engine's
-        (``num_items_in_batch``) or the whole sequence's real tokens / ``divide``."""
+    def _split(self, batch: Any, loss: Any, divide: int) -> tuple[Shard, torch.Tensor, torch.Tensor, Any]:
+        """This rank's shard of ``batch``, its global positions, the divisor of its summed loss (the engine's
+        ``num_items_in_batch`` or the whole sequence's real tokens / ``divide``) and the whole sequence's
+        ``doc_ids`` (packed documents; None without), which the cp attention masks by."""
         if not isinstance(loss, Loss) or not loss.counts_items:
             raise ContextError(f"parallel.cp > 1 needs a loss that counts its tokens, so the shards' losses add up to "
                                f"the whole sequence's: use loss causal_lm (got {getattr(loss, 'name', loss)!r})")
@@ -117,17 +144,23 @@ class ContextParallel(Wrapper):
         items = loss.items
         if items is None:
             items = (target != IGNORE_INDEX).sum().float() / divide
+        docs = kwargs.get("doc_ids")
         kwargs = {k: shard(v, index, T) for k, v in kwargs.items()}
-        kwargs.setdefault("position_ids", index.expand(B, -1))  # the global positions of this rank's tokens
+        if self.inner.model_whole:  # this rank's global positions (pipeline stages take theirs in __init__)
+            kwargs.setdefault("position_ids", index if self.gpt else index.expand(B, -1))
         part = Shard(tuple(shard(a, index, T) for a in args), kwargs, shard(target, index, T))
-        return part, index, items
+        return part, index, items, docs
 
     def forward_backward(self, model: nn.Module, batch: Any, loss: Any, scale: float,
                          before_backward: Callable[[float], None] | None = None,
                          times: dict[str, float] | None = None) -> torch.Tensor:
-        part, index, items = self._split(batch, loss, divide=self.cp)
-        with self.attention.active(index), loss.per_items(items):
-            return self.inner.forward_backward(model, part, self._shard_loss(loss), scale, before_backward, times)
+        part, index, items, docs = self._split(batch, loss, divide=self.cp)
+        # a pipeline averages its micro-batches' losses, which here are each already over the micro-step's items
+        parts = getattr(self.inner, "loss_parts", 1)
+        with self.attention.active(index, docs), loss.per_items(items):
+            value = self.inner.forward_backward(model, part, self._shard_loss(loss), scale * parts, before_backward,
+                                                times)
+        return value * parts if parts != 1 else value
 
     def backward(self, loss: torch.Tensor, scale: float) -> None:
         raise ContextError("under parallel.cp > 1 plait splits each sequence itself: run each micro-step with "
@@ -136,9 +169,10 @@ class ContextParallel(Wrapper):
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batch: Any, loss: Any) -> torch.Tensor:
         """The whole sequence's mean loss on every cp rank: each shard's sum / the whole count, summed over cp."""
-        part, index, items = self._split(batch, loss, divide=1)
-        with self.attention.active(index), loss.per_items(items):
+        part, index, items, docs = self._split(batch, loss, divide=1)
+        with self.attention.active(index, docs), loss.per_items(items):
             value = local_value(self.inner.evaluate(model, part, self._shard_loss(loss))).float().reshape(1)
+        value *= getattr(self.inner, "loss_parts", 1)  # a pipeline's mean over its micro-batches (forward_backward)
         dist.all_reduce(value, group=self.group)
         return value[0]
 

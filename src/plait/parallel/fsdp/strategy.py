@@ -53,7 +53,7 @@ class Fsdp(BatchNormAveraging, Strategy):
 
         super().__init__(model, cfg, topo, comm, spec)
         p = cfg.parallel
-        param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
+        param_dtype = torch.bfloat16 if cfg.train.compute_precision == "bf16" else None
         # Expert-parallel parameters: sharded by FSDP2 over their expert-data-parallel ranks when there are
         # several (plait.parallel.expert.dispatch.fsdp_shard_experts), else kept out of FSDP and reduced over ep.
         experts = {q for q in model.parameters() if is_expert(q)}

@@ -6,6 +6,8 @@ A tied head gets its own copy on the last stage from the pipeline's split (``pla
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -18,6 +20,9 @@ class GPTStage(nn.Module):
     def __init__(self, model: GPT, layers: list[int], *, is_first: bool, is_last: bool) -> None:
         super().__init__()
         self.is_first, self.is_last, self.seq_len = is_first, is_last, model.cfg.seq_len
+        # context parallelism (plait.parallel.context): the global positions of the tokens this rank holds, (S,);
+        # None: positions 0..T-1
+        self.positions: Callable[[], torch.Tensor | None] | None = None
         if is_first:
             self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
@@ -29,7 +34,8 @@ class GPTStage(nn.Module):
             T = x.size(1)
             if T > self.seq_len:
                 raise ValueError(f"sequence of {T} tokens exceeds model.seq_len={self.seq_len}")
-            pos = torch.arange(T, device=x.device)
+            pos = self.positions() if self.positions is not None else None
+            pos = torch.arange(T, device=x.device) if pos is None else pos
             x = self.drop(self.tok_emb(x) + self.pos_emb(pos))  # (B, T, C)
         for block in self.blocks.values():
             x = block(x)  # (B, T, C)

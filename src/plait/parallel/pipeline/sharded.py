@@ -195,7 +195,7 @@ class PipelineFsdp(Pipeline):
         blocks = {id(m) for _, m in find_blocks(model)}  # found on the whole model: a stage holds some
         mesh, p = self.topo.fsdp_mesh, self.cfg.parallel
 
-        param_dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else None
+        param_dtype = torch.bfloat16 if self.cfg.train.compute_precision == "bf16" else None
 
         def prepare(stage: nn.Module) -> nn.Module:
             units = [m for m in stage.modules() if id(m) in blocks]

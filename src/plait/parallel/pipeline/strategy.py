@@ -166,6 +166,12 @@ class Pipeline(ModelParallel):
         pipeline's backward)."""
         return self.engine.no_sync()
 
+    @property
+    def loss_parts(self) -> int:
+        """The pipeline micro-batches a micro-step's loss is averaged over (each gradient is scaled by 1 / that):
+        a wrapper whose loss is already one over the micro-step's items (context parallelism) scales it back."""
+        return self.runner.microbatches
+
     def wrap_forward(self, device: torch.device, plan: Any = None) -> None:
         """Nothing: the stages run inside the schedule (under autocast there where ``uses_autocast``), never through
         ``model(...)``."""
@@ -186,26 +192,28 @@ class Pipeline(ModelParallel):
         if before_backward is not None:  # each pipeline micro-batch's auxiliary losses, scaled like its loss
             before_backward(scale / self.runner.microbatches)
         with autocast(self.precision, self.topo.device, self.uses_autocast()):
-            value = self._schedule_step(batch, scale)
+            value = self._schedule_step(batch, scale, loss)
         if times is not None:
             times["backward_s"] += time.perf_counter() - t0
         return value
 
     def evaluate(self, model: nn.Module, batch: Any, loss: Any) -> torch.Tensor:
         with autocast(self.precision, self.topo.device, self.uses_autocast()):
-            return self._evaluate(batch)
+            return self._evaluate(batch, loss)
 
-    def _split(self, batch: Any) -> tuple[tuple, Any]:
-        args, kwargs, target = self.loss.split(batch)
+    def _split(self, batch: Any, loss: Any = None) -> tuple[tuple, Any]:
+        """The stages' positional inputs and the target, split by the loss given to setup, or by ``loss`` where it
+        takes a batch a wrapper has split already (``presplit``: context parallelism's shard)."""
+        args, kwargs, target = (loss if getattr(loss, "presplit", False) else self.loss).split(batch)
         if kwargs:
             raise ValueError(f"pipeline stages take positional inputs only; the batch gives keyword inputs "
                              f"{sorted(kwargs)}: pass (inputs, target) batches, or a loss whose split gives them")
         return args, target
 
-    def _schedule_step(self, batch: Any, factor: float) -> torch.Tensor:
+    def _schedule_step(self, batch: Any, factor: float, loss: Any = None) -> torch.Tensor:
         """One schedule step over the micro-batch; returns the unscaled mean loss (0 on ranks without the
         last stage)."""
-        args, target = self._split(batch)
+        args, target = self._split(batch, loss)
         # The schedule does not average over pipeline micro-batches (scale_grads=False): the loss does.
         self.loss_fn.factor = factor / self.runner.microbatches
         with self.stage_no_sync():
@@ -213,9 +221,9 @@ class Pipeline(ModelParallel):
         return loss / self.loss_fn.factor if loss is not None else torch.zeros(())
 
     @torch.no_grad()
-    def _evaluate(self, batch: Any) -> torch.Tensor:
+    def _evaluate(self, batch: Any, loss: Any = None) -> torch.Tensor:
         """Mean loss of the micro-batch on the last stage's rank (0 elsewhere)."""
-        args, target = self._split(batch)
+        args, target = self._split(batch, loss)
         if self.schedule == "zbv":
             return self._evaluate_by_zero_step(args, target)
         self.loss_fn.factor = 1.0

@@ -220,7 +220,7 @@ class TensorFsdp(Tensor):
 
         Strategy.__init__(self, model, cfg, topo, comm, spec)
         p = cfg.parallel
-        param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
+        param_dtype = torch.bfloat16 if cfg.train.compute_precision == "bf16" else None
         self.model = apply_fsdp(model, topo.fsdp_mesh, param_dtype=param_dtype, offload=p.offload,
                                 reshard_after_forward=p.reshard_after_forward)
         self.named = [(n.replace("_checkpoint_wrapped_module.", ""), q) for n, q in self.model.named_parameters()]

@@ -47,7 +47,8 @@ class Zero(BatchNormAveraging, Strategy):
         import torch.cuda
 
         p = cfg.parallel
-        dp = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["ep"]
+        # the ranks the state is sharded over: dp x cp (the strategies see cp folded into dp: Topology.strategy_view)
+        dp = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["ep"] * degrees.get("cp", 1)
         try:
             validate_zero(p.zero, dp, p.offload, "cuda" if torch.cuda.is_available() else "cpu")
         except ValueError as e:
