@@ -166,8 +166,9 @@ def test_other_bad_input(capsys):
 def test_plan_chooses_selective_checkpointing_where_it_fits_and_full_recompute_does_not_pay(tmp_path):
     """A 1.3B GPT on one H100 in bf16: at 12 sequences per step keeping every activation does not fit; selective
     checkpointing (matmul and attention outputs kept) fits and recomputes only memory-bound operators, so it
-    beats full recomputation by more than the planner's 15% band and is chosen, and written as
-    ``train.activation_checkpointing = "selective"``. At 10 sequences everything fits and nothing is recomputed."""
+    beats full recomputation (by 14%: full recomputation stops before each block's MLP output projection, torch's
+    early stop) and is chosen, and written as ``train.activation_checkpointing = "selective"``. At 10 sequences
+    everything fits and nothing is recomputed."""
     from plait.plan.planner import Space, plan, write_config
     from plait.plan.shapes import gpt_shape
     from plait.plan.workload import Layout, Workload
@@ -180,6 +181,6 @@ def test_plan_chooses_selective_checkpointing_where_it_fits_and_full_recompute_d
     best = chosen[12].best
     assert best.work.layout.recompute == "selective", [s.work.layout.describe() for s in chosen[12].ranked]
     full = next(s for s in chosen[12].ranked if s.work.layout.recompute == "full")
-    assert full.step_s > best.step_s * 1.15 and any("recompute=none" in k for k in chosen[12].pruned)
+    assert full.step_s > best.step_s * 1.1 and any("recompute=none" in k for k in chosen[12].pruned)
     write_config(best, load_config(None, []), str(tmp_path / "best.toml"))
     assert load_config(tmp_path / "best.toml").train.activation_checkpointing == "selective"

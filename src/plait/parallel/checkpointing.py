@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
 
 from plait.config import ConfigError
+from plait.parallel.tensor.regather import keep_gathered
 from plait.parallel.units import find_blocks, replace_module
 
 Mode = Literal["none", "full", "every_k", "selective"]
@@ -162,6 +163,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: Mode = "none", k: int
                          "train.activation_checkpointing=none")
     step = k if mode == "every_k" else 1
     for name, block in blocks[::step]:
+        keep_gathered(block)  # sequence parallelism: its recomputation gathers the Linears' input again anyway
         replace_module(model, name, BlockCheckpoint(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                                     preserve_rng_state=True, **context))
     return model

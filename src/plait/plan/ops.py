@@ -9,10 +9,12 @@ hardware profile; the memory model sums the saved tensors (each distinct tensor 
 Layout effects: tensor parallelism (degree ``t``, Megatron layout) shards heads, the MLP width and the
 vocabulary; row-parallel outputs are all-reduced (sequence parallel: reduce-scattered) and the inputs
 of column-parallel layers get an all-reduce of their gradient (sequence parallel: an all-gather before
-them in forward, a reduce-scatter in backward). With sequence parallelism plait (DTensor) keeps the
-all-gathered input the column-parallel layers of a block share, once, for backward; ``stack="megatron"``
-models Megatron-LM, which keeps the shard and gathers again in backward (overlapped, Korthikanti et al.
-2022, section 4.2.2), and also its fused kernels: one QKV projection, bias-dropout-add in one pass.
+them in forward, a reduce-scatter in backward). With sequence parallelism plait's column-parallel layers of a
+block keep the shard of their shared input and gather it again in backward, in the compute stream
+(``plait.parallel.tensor.regather``; the head and an MoE feed-forward keep the gathered input, once);
+``stack="megatron"`` models Megatron-LM, which keeps the shard too and overlaps its second gather with the
+weight-gradient matmul (Korthikanti et al. 2022, section 4.2.2), and also its fused kernels: one QKV
+projection, bias-dropout-add in one pass.
 ``stack="metaseq"`` models metaseq (OPT-175B: Megatron's tensor-parallel layers and fused softmax under
 fairscale's FSDP; its ``ModelParallelMultiheadAttention``): one QKV projection split into contiguous chunks (a
 copy), q and k pre-scaled, unfused dropout and residual adds, the scores passed through ``nan_to_num`` (which
@@ -55,8 +57,8 @@ from plait.plan.shapes import ModelShape
 class BlockOps:
     """Operators of one transformer block on one rank (see the module docstring)."""
 
-    def __init__(self, shape: ModelShape, setup: Setup, moe: bool = False) -> None:
-        self.s, self.u, self.moe = shape, setup, moe
+    def __init__(self, shape: ModelShape, setup: Setup, moe: bool = False, recomputed: bool = False) -> None:
+        self.s, self.u, self.moe, self.recomputed = shape, setup, moe, recomputed
         t = setup.tp
         self.M = setup.micro_batch * shape.seq_len  # tokens through the matmuls
         self.Mn = self.M // t if setup.sp else self.M  # tokens through norms and the residual stream
@@ -69,8 +71,22 @@ class BlockOps:
     def _norm(self, tag: str, consumers: int = 1) -> list[Op]:
         """A norm and what is kept of its output for the ``consumers`` Linears that read it."""
         ops = norm_forward(self.s, self.u, tag, self.Mn)
-        ops += consumed(self.u, tag, self.M, self.Mn, self.C, consumers, ops)
+        ops += consumed(self.u, tag, self.M, self.Mn, self.C, consumers, ops, self._regathers(tag))
         return ops
+
+    def _regathers(self, tag: str) -> bool:
+        """Whether plait's Linears reading the norm ``tag``'s output keep its sequence shard and gather it again in
+        backward (``plait.parallel.tensor.regather``): under sequence parallelism, for attention and a dense MLP
+        (an MoE feed-forward keeps the gathered input whole), unless the block is ``recomputed`` (checkpointed: its
+        recomputation gathers the input again, and it is kept whole until the block's backward)."""
+        return (self.u.sp and self.u.tp > 1 and self.u.stack == "plait" and not self.recomputed
+                and not (self.moe and tag == "ln2"))
+
+    def _regather_backward(self, tag: str) -> list[Op]:
+        """The kept shard all-gathered again for the Linears' weight gradients (plait's, in the compute stream)."""
+        if not self._regathers(tag):
+            return []
+        return [comm(f"{tag}.regather.bwd", "all_gather", self.M * self.C * self.a, backward=True)]
 
     def weight_bytes(self) -> float:
         """Matmul weights of this block on this rank (tensor-parallel shards; a MoE block: its router, local
@@ -222,11 +238,12 @@ class BlockOps:
         ops = matmul_backward("mlp.proj", M, C, F, a, b)
         if s.gated_mlp:
             ops.append(mem("mlp.silu_mul.bwd", "act_bwd", 5 * M * F * a, backward=True))
+            ops += self._regather_backward("ln2")
             ops += matmul_backward("mlp.gate", M, F, C, a, b) + matmul_backward("mlp.up", M, F, C, a, b)
             ops.append(mem("mlp.input_grad_sum", "copy", 3 * M * C * a, backward=True))
         else:
             ops.append(mem("mlp.gelu.bwd", "act_bwd", 3 * M * F * a, backward=True))
-            ops += matmul_backward("mlp.fc", M, F, C, a, b)
+            ops += self._regather_backward("ln2") + matmul_backward("mlp.fc", M, F, C, a, b)
         return ops
 
     def _attention_backward(self) -> list[Op]:
@@ -242,6 +259,7 @@ class BlockOps:
         if self.u.stack != "plait":
             ops += matmul_backward("attn.qkv", M, self.Cq + 2 * self.Ckv, C, a, b)
         else:
+            ops += self._regather_backward("ln1")
             ops += (matmul_backward("attn.v", M, self.Ckv, C, a, b) + matmul_backward("attn.k", M, self.Ckv, C, a, b)
                     + matmul_backward("attn.q", M, self.Cq, C, a, b))
             ops.append(mem("attn.input_grad_sum", "copy", 6 * M * C * a, backward=True))
@@ -264,18 +282,20 @@ def norm_forward(shape: ModelShape, u: Setup, tag: str, Mn: int) -> list[Op]:
     return [mem(tag, "norm", 2 * Mn * C * r, saves=((f"{tag}.in", Mn * C * r), (f"{tag}.stats", stats)))]
 
 
-def consumed(u: Setup, tag: str, M: int, Mn: int, C: int, consumers: int, ops: list[Op]) -> list[Op]:
+def consumed(u: Setup, tag: str, M: int, Mn: int, C: int, consumers: int, ops: list[Op],
+             regather: bool = False) -> list[Op]:
     """What is kept of a norm's output for the ``consumers`` Linears reading it (``ops``: the norm, whose
     saves may grow): the output itself, once; under sequence parallelism the all-gathered input, once for all
-    its Linears (plait's DTensor; under autocast plait casts the shard to half precision before the gather,
-    ``plait.parallel.tensor.plan.PrepareGatheredInput``) or the shard (Megatron-LM, which gathers again in
-    backward); under autocast without sequence parallelism one half-precision copy per Linear, which autocast
-    casts separately for each (it caches only parameters' casts)."""
+    its Linears (plait's head and MoE feed-forward; under autocast plait casts the shard to half precision before
+    the gather, ``plait.parallel.tensor.plan.PrepareGatheredInput``) or the shard, gathered again in backward
+    (Megatron-LM; plait's attention and dense MLP, ``regather``: ``plait.parallel.tensor.regather``, which also
+    casts the shard first under autocast and keeps the cast); under autocast without sequence parallelism one
+    half-precision copy per Linear, which autocast casts separately for each (it caches only parameters' casts)."""
     a, r = u.act_bytes, u.residual_bytes
     out: list[Op] = []
     if u.sp:
         full = M * C * a
-        keep = ((f"{tag}.out", Mn * C * a),) if u.stack == "megatron" else ((f"{tag}.gathered", full),)
+        keep = ((f"{tag}.out", Mn * C * a),) if u.stack == "megatron" or regather else ((f"{tag}.gathered", full),)
         if u.casts and u.stack != "megatron":
             out.append(mem(f"{tag}.cast", "copy", Mn * C * (r + 2)))
         out.append(Op(f"{tag}.allgather", "comm", bytes=full, comm="all_gather", saves=keep))

@@ -9,7 +9,8 @@ dispatcher runs beyond the priced ones (views, copies, autograd's bookkeeping; c
 by ``plait.plan.record.operator_counts``) costs the measured per-operator overhead, each DTensor
 operator what DTensor adds, and each tensor-parallel collective the host work measured around one
 (``plait.plan.calibrate_paths``). Activation checkpointing keeps only a
-checkpointed block's input and adds one block's activations while it is recomputed. ``selective`` is
+checkpointed block's input and adds one block's activations while it is recomputed; plait's recomputation
+stops after the last operator whose input the block saves (torch's early stop). ``selective`` is
 what each stack runs: plait's (``plait.parallel.checkpointing``, torch's selective checkpointing with the
 default policy) keeps the block's input and the outputs of its matmuls and attention kernel (``Op.out``) and
 recomputes every other forward operator up to the last one that saves a tensor (norms, activations, rotary,
@@ -140,9 +141,14 @@ class StageModel:
         self.op_counts = op_counts
         self.blocks = BlockOps(work.shape, self.setup)
         self._fwd, self._bwd = self.blocks.forward(), self.blocks.backward()
+        # a checkpointed block under sequence parallelism keeps its Linears' gathered input (plait.plan.ops)
+        redo = BlockOps(work.shape, self.setup, recomputed=True)
+        self._fwd_r, self._bwd_r = redo.forward(), redo.backward()
         if work.shape.num_experts:
             moe = BlockOps(work.shape, self.setup, moe=True)
             self._moe_fwd, self._moe_bwd = moe.forward(), moe.backward()
+            moe = BlockOps(work.shape, self.setup, moe=True, recomputed=True)
+            self._moe_fwd_r, self._moe_bwd_r = moe.forward(), moe.backward()
         self._cache: dict[tuple, LayerCost] = {}
 
     # -- pricing ------------------------------------------------------------------------------------
@@ -195,7 +201,11 @@ class StageModel:
         """Cost of one layer; ``dispatch`` names its operator count (block, rest, or None: counted elsewhere),
         ``also_priced`` the operators of other layers that count charges here and that are priced there."""
         f_comp, f_comm, _, f_ep = self._price(fwd.ops, self._derived(False, dispatch))
-        b_comp, b_comm, b_w, b_ep = self._price(bwd.ops, self._derived(True, dispatch))
+        derived_bwd = self._derived(True, dispatch)
+        if recompute != "none" and dispatch == "block":
+            moe = getattr(self, "_moe_bwd_r", None) is bwd
+            derived_bwd = self._without_regathers(derived_bwd, self._moe_bwd if moe else self._bwd)
+        b_comp, b_comm, b_w, b_ep = self._price(bwd.ops, derived_bwd)
         f_comm, b_comm = f_comm + f_ep, b_comm + b_ep
         plait_selective = recompute == "selective" and self.work.stack == "plait"
         if dispatch is not None:
@@ -213,10 +223,11 @@ class StageModel:
                          flops=sum(o.flops for o in fwd.ops + bwd.ops), ep_fwd=f_ep, ep_bwd=b_ep,
                          zbv_kept=sum(v for k, v in saved.items() if k in kept), weight_casts=casts)
         if recompute in ("full", "block"):
-            cost.bwd_in += f_comp + f_comm
-            cost.tp_bwd += f_comm - f_ep
-            cost.ep_bwd += f_ep
-            cost.flops += sum(o.flops for o in fwd.ops)
+            s_comp, s_comm, s_ep, s_flops = self._not_recomputed(fwd)
+            cost.bwd_in += f_comp + f_comm - s_comp - s_comm - s_ep
+            cost.tp_bwd += f_comm - f_ep - s_comm
+            cost.ep_bwd += f_ep - s_ep
+            cost.flops += sum(o.flops for o in fwd.ops) - s_flops
             cost.transient = cost.saved + cost.weight_casts  # rebuilt inside the block's backward
             cost.weight_casts = 0.0
             cost.saved = self.blocks.Mn * self.blocks.C * self.setup.residual_bytes
@@ -239,6 +250,36 @@ class StageModel:
             cost.zbv_kept -= sum(v for k, v in saved.items() if k in DROPPED_BY_SELECTIVE and k in kept)
             cost.transient = dropped
         return cost
+
+    def _without_regathers(self, recorded: list[Collective], plain: Pass) -> list[Collective]:
+        """A checkpointed block's backward collectives from those recorded on a block that is not: without the
+        all-gathers of the Linears' kept input shards, since a checkpointed block keeps the gathered input
+        (``plait.parallel.tensor.regather.keep_gathered``; ``*.regather.bwd`` of the block's op list ``plain``)."""
+        scale = self.work.act_bytes / 4  # recorded on fp32 meta tensors
+        out = list(recorded)
+        for op in plain.ops:
+            if op.name.endswith(".regather.bwd"):
+                match = next((c for c in out if c.op == op.comm and abs(c.nbytes * scale - op.bytes) <= 1), None)
+                if match is not None:
+                    out.remove(match)
+        return out
+
+    def _not_recomputed(self, fwd: Pass) -> tuple[float, float, float, float]:
+        """(compute, tp collective, expert all-to-all seconds, FLOPs) of the forward operators a fully checkpointed
+        block does not run again: torch's non-reentrant checkpoint (plait's) stops its recomputation once the last
+        tensor the block saves is rebuilt (``torch.utils.checkpoint``'s early stop, on by default), before the
+        operator that saves it runs: a Llama block's ``down_proj``, its reduce-scatter and the residual add (counted
+        in ``tests/plan/test_recompute.py``). Megatron-LM's and metaseq's reentrant checkpoints rerun the whole
+        forward."""
+        if self.work.stack != "plait":
+            return 0.0, 0.0, 0.0, 0.0
+        last = max((i for i, op in enumerate(fwd.ops) if op.saves), default=-1)
+        skipped = fwd.ops[last + 1:]
+        comp, _, _, ep = self._price(skipped)
+        per = self.compute.overhead("tp_collective") if self.tp_group.size > 1 else 0.0
+        comm = sum(self.comm_time(op.comm, op.bytes) + per for op in skipped
+                   if op.kind == "comm" and op.comm != "all_to_all")
+        return comp, comm, ep, sum(o.flops for o in skipped)
 
     def _keep_outputs(self, cost: LayerCost, fwd: Pass) -> None:
         """plait's selective checkpointing of a block (module docstring): ``cost`` keeps the block's input and
@@ -270,7 +311,10 @@ class StageModel:
         """Cost of block ``index`` (checkpointed or not by the layout's recompute mode)."""
         mode, moe = self.block_recompute(index), self.work.shape.is_moe(index)
         if ("block", mode, moe) not in self._cache:
-            fwd, bwd = (self._moe_fwd, self._moe_bwd) if moe else (self._fwd, self._bwd)
+            if mode == "none":
+                fwd, bwd = (self._moe_fwd, self._moe_bwd) if moe else (self._fwd, self._bwd)
+            else:
+                fwd, bwd = (self._moe_fwd_r, self._moe_bwd_r) if moe else (self._fwd_r, self._bwd_r)
             cost = self._layer(fwd, bwd, mode, "block")
             if self.work.layout.cp_folded > 1:
                 cost = self._context(cost, fwd, bwd, mode != "none")

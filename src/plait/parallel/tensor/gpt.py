@@ -20,6 +20,8 @@ Tensor-parallel layout on a ``tp`` mesh of size t (Megatron, on DTensor):
   ``(B, T / t, C)`` (sequence ``Shard(1)``); the position embedding looks up only this rank's
   positions. Before attention/MLP an all-gather restores the full sequence (backward: a
   reduce-scatter); after ``proj`` a reduce-scatter replaces the all-reduce (backward: all-gather).
+  q, k, v and fc keep only their input's sequence shard for backward and gather it again there
+  (``plait.parallel.tensor.regather``): one more all-gather per block input in backward.
 
 Dropout: tensor-parallel ranks of a model replica share one random stream (the engine seeds them
 alike), so dropout on replicated activations draws the same mask on all of them, as it must. Attention
@@ -45,6 +47,7 @@ from plait.config import ParallelConfig
 from plait.models.gpt import GPT
 from plait.nn.moe import MoE
 from plait.parallel.tensor.plan import PrepareGatheredInput, TensorParallelError, mark_loss_parallel
+from plait.parallel.tensor.regather import ColwiseRegather, GatherSequence
 
 
 def check_tensor_parallel(n_head: int, d_model: int, vocab_size: int, seq_len: int, tp: int,
@@ -77,22 +80,27 @@ def _block_plan(sp: bool, moe: bool = False) -> dict[str, object]:
     feed-forward (``moe``) stays whole on every tp rank: its input is the replicated residual stream, so
     each tp rank routes and computes the same tokens (experts whole, not expert-tensor-parallel)."""
     seq = Shard(1) if sp else Replicate()
+    colwise = ColwiseRegather if sp else ColwiseParallel  # sp: each keeps its input's shard (regather.py)
     plan: dict[str, object] = {
-        "attn.q": ColwiseParallel(),
-        "attn.k": ColwiseParallel(),
-        "attn.v": ColwiseParallel(),
+        "attn.q": colwise(),
+        "attn.k": colwise(),
+        "attn.v": colwise(),
         "attn.proj": RowwiseParallel(output_layouts=seq),
-        **({} if moe else {"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=seq)}),
+        **({} if moe else {"mlp.fc": colwise(), "mlp.proj": RowwiseParallel(output_layouts=seq)}),
     }
     # The attention input enters as one replicated DTensor (use_local_output=False) that q, k and v
     # share: backward sums their three partial input gradients as DTensors and all-reduces them once
     # at this boundary (with sp: one reduce-scatter). Left to q, k and v, each would convert the plain
     # input itself and all-reduce its own gradient: three all-reduces per block instead of one.
-    # With sp it is gathered once, in the autocast dtype under autocast (PrepareGatheredInput).
-    plan["attn"] = PrepareGatheredInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+    # With sp it is gathered once, in the autocast dtype under autocast, and q, k and v keep only its shard for
+    # backward, where it is gathered again (GatherSequence, ColwiseRegather). An MoE feed-forward reads the whole
+    # gathered input as a DTensor (PrepareGatheredInput) and keeps what its experts keep.
+    plan["attn"] = (GatherSequence if sp else PrepareGatheredInput)(input_layouts=(seq,),
+                                                                    desired_input_layouts=(Replicate(),))
     if sp:
+        gather = PrepareGatheredInput if moe else GatherSequence
         plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel(),
-                     "mlp": PrepareGatheredInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+                     "mlp": gather(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
     return plan
 
 

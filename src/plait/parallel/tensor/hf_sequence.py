@@ -20,6 +20,11 @@ its input's length (``sequence_shards``; ``plait.parallel.pipeline.hf``).
 Models: decoders with a ``base_model_pp_plan`` whose layers hold ``input_layernorm``, ``self_attn`` (called with
 ``hidden_states=``), ``post_attention_layernorm`` and ``mlp`` (Llama, Mistral, Qwen2 and relatives); others are
 refused with a clear error rather than left silently unsplit.
+
+Where attention's q, k and v (the MLP's gate and up) are the only Linears reading the gathered input, and all
+column-parallel, they keep its sequence shard for backward instead of the whole sequence and gather it again
+there (``plait.parallel.tensor.regather``, as Megatron-LM does): one more all-gather per layer input in backward,
+``tp`` times fewer bytes kept. A layer whose input has other readers (an MoE router) keeps it whole.
 """
 
 from __future__ import annotations
@@ -48,8 +53,10 @@ from plait.parallel.sequence import (  # noqa: F401  (re-exported)
     slice_sequence,
 )
 from plait.parallel.tensor.plan import PrepareGatheredInput, TensorParallelError
+from plait.parallel.tensor.regather import ColwiseRegather, GatherSequence
 
 LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+READERS = {"attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 ROWWISE = ("rowwise", "o_proj", "down_proj")
 
 
@@ -107,9 +114,13 @@ def sequence_parallel_plan(model: nn.Module, plan: dict[str, Any], tp: int) -> d
     for layer in layers:
         out[f"{layer}.input_layernorm"] = SequenceParallel()
         out[f"{layer}.post_attention_layernorm"] = SequenceParallel()
-        out[f"{layer}.self_attn"] = PrepareGatheredInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                                         desired_input_kwarg_layouts={"hidden_states": Replicate()})
-        out[f"{layer}.mlp"] = PrepareGatheredInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        attn, mlp = _regathered(model, out, f"{layer}.self_attn"), _regathered(model, out, f"{layer}.mlp")
+        out[f"{layer}.self_attn"] = (GatherSequence if attn else PrepareGatheredInput)(
+            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()})
+        out[f"{layer}.mlp"] = (GatherSequence if mlp else PrepareGatheredInput)(input_layouts=(Shard(1),),
+                                                                            desired_input_layouts=(Replicate(),))
+        for name in attn + mlp:
+            out[name] = ColwiseRegather()
     # the first layer takes its slice of the whole sequence the embedding gave every rank
     out[layers[0]] = _SliceSequence()
     for name in after:
@@ -122,6 +133,22 @@ def sequence_parallel_plan(model: nn.Module, plan: dict[str, Any], tp: int) -> d
                                             use_local_output=True)
     _base(model)[1].__dict__[SHARDS_ATTR] = tp
     return out
+
+
+def _regathered(model: nn.Module, plan: dict[str, Any], name: str) -> list[str]:
+    """The column-parallel Linears reading the input of the layer's module ``name`` (attention's q, k and v; the
+    MLP's gate and up): they keep its shard and gather it again in backward (``plait.parallel.tensor.regather``).
+    Empty (the gathered input kept whole, as a DTensor) unless every Linear reading it is a plain column-parallel
+    nn.Linear of the plan: other readers (a router, latent attention's down-projections) see no shard."""
+    module = model.get_submodule(name)
+    readers = READERS["attn" if name.endswith(".self_attn") else "mlp"]
+    children = dict(module.named_children())
+    found = [f"{name}.{r}" for r in readers if r in children]
+    linears = [n for n, m in children.items() if isinstance(m, nn.Linear)]
+    others = [n for n in linears if f"{name}.{n}" not in found and n not in ("o_proj", "down_proj")]
+    ok = found and not others and all(type(model.get_submodule(f)) is nn.Linear and (
+        plan.get(f) == "colwise" or type(plan.get(f)) is ColwiseParallel) for f in found)
+    return found if ok else []
 
 
 def mark_sequence_mesh(model: nn.Module, mesh: DeviceMesh) -> None:
