@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from plait.plan.wire import wire_bytes  # noqa: F401  (re-exported: comm counts by the plan's rule)
+
 _local = threading.local()
 
 
@@ -73,19 +75,6 @@ _FUNCTIONAL = {
     "all_to_all_single": ("alltoall", 0, 3), "broadcast": ("once", 0, 2), "broadcast_": ("once", 0, 2),
     "isend": ("once", 0, 3), "irecv": ("recv", 0, 3),
 }
-
-
-def wire_bytes(kind: str, nbytes: int, world: int) -> int:
-    """Bytes one rank sends for a collective of ``kind`` on an input of ``nbytes`` over ``world`` ranks."""
-    if world <= 1 or kind == "recv":
-        return 0
-    if kind == "allreduce":
-        return 2 * (world - 1) * nbytes // world
-    if kind in ("reduce_scatter", "alltoall", "scatter"):
-        return (world - 1) * nbytes // world
-    if kind == "allgather":
-        return (world - 1) * nbytes
-    return nbytes  # send, broadcast, reduce, gather: the tensor once
 
 
 class TorchCollectiveCounter(TorchDispatchMode):

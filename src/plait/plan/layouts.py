@@ -165,7 +165,7 @@ def context_wire_bytes(impl: str, micro_batch: int, seq: int, heads: int, head_d
       kept for backward), backward the same all-gather again and their gradients over the whole sequence
       (``2 cp kv``) all-reduced (gloo: ``2 (cp - 1) / cp`` of it) or, under NCCL, reduce-scattered
       (``(cp - 1) / cp`` of it)."""
-    from plait.comm.accounting import wire_bytes
+    from plait.plan.wire import wire_bytes
 
     if cp <= 1:
         return 0
