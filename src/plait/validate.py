@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from plait.components import float8
 from plait.config import Config, ConfigError, check_values
 from plait.data.tokenize import resolve_vocab_size
 from plait.observe.prometheus import check_prometheus
 from plait.observe.trackers import check_trackers
+from plait.parallel import float8
 from plait.parallel.checkpointing import check_checkpointing
 from plait.parallel.compile import compile_unit
 from plait.parallel.offload import check_offload

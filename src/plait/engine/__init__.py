@@ -31,7 +31,6 @@ from torch import nn
 from plait.comm.auto import AutoCompress
 from plait.comm.collectives import comm_from_config
 from plait.comm.watchdog import StepWatchdog
-from plait.components import float8
 from plait.components.hf_checkpoint import DEFAULT_SHARD_BYTES
 from plait.components.losses import IGNORE_INDEX, Loss, infer_loss, resolve_loss
 from plait.components.optim import optimizer_factory
@@ -54,7 +53,7 @@ from plait.nn.moe import moe_layers
 from plait.observe.log import get_logger
 from plait.observe.memory import SetupMeter
 from plait.observe.prometheus import serve_metrics
-from plait.parallel import registry
+from plait.parallel import float8, registry
 from plait.parallel.apply import ModelSpec
 from plait.parallel.compile import compile_plan
 from plait.parallel.expert.dispatch import MoeMonitor

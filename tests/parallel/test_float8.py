@@ -68,7 +68,7 @@ def _reference(data: torch.Tensor, micro: int) -> tuple[list[float], torch.nn.Mo
     """The user's loop: float8 Linears, bf16 autocast, ``micro`` accumulation micro-steps per step."""
     from torchao.float8 import convert_to_float8_training
 
-    from plait.components.float8 import eligible
+    from plait.parallel.float8 import eligible
 
     model = _gpt()
     names = set(eligible(model))

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from plait.config import Config, ConfigError
+from plait.parallel.units import tied_uses
 
 HEAD_NAMES = ("lm_head", "output", "head")
 
@@ -73,23 +74,14 @@ def check_device(device: torch.device) -> None:
                           f"speed-up, on the CPU; not on {device.type}: use train.precision=bf16")
 
 
-def _shared(model: nn.Module) -> set[int]:
-    """ids of parameters reachable from more than one module (tied weights)."""
-    seen: dict[int, int] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            seen[id(p)] = seen.get(id(p), 0) + 1
-    return {k for k, n in seen.items() if n > 1}
-
-
 def eligible(model: nn.Module) -> list[str]:
     """The names of the Linears that are converted (see the module docstring)."""
-    shared = _shared(model)
+    tied = {name for uses in tied_uses(model) for name, _ in uses}  # every name of a tied parameter
     out = []
     for name, module in model.named_modules():
         if type(module) is not nn.Linear:
             continue
-        if name.rsplit(".", 1)[-1] in HEAD_NAMES or id(module.weight) in shared:
+        if name.rsplit(".", 1)[-1] in HEAD_NAMES or f"{name}.weight" in tied:
             continue
         if module.in_features % 16 or module.out_features % 16:
             continue
