@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from plait.models.tiny import model_flags, tiny_config
 from plait.runtime.spawn import spawn_ranks
 
@@ -102,3 +104,16 @@ def assert_same_training(ref_dir: str, got_dir: str, *, atol: float, loss_tol: f
     assert len(a) == len(b) == steps
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < loss_tol
     assert a[-1] < a[0]
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts every c10d operator issued inside (plait's own, DDP's, torch's, functional ones included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if getattr(func, "namespace", "") in ("c10d", "_c10d_functional"):
+            self.calls += 1
+        return func(*args, **(kwargs or {}))

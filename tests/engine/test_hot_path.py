@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import run_ranks
+from helpers import CollectiveCounter, run_ranks
 from references import reference_training
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -70,19 +70,6 @@ def _ops(fn: Any, name: str) -> int:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     return sum(e.count for e in prof.key_averages() if e.key == name)
-
-
-class _Collectives(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts every c10d operator issued inside (plait's own, DDP's, torch's)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if getattr(func, "namespace", "") == "c10d":
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _files(root: Path) -> dict[str, tuple[int, int]]:
@@ -397,10 +384,10 @@ def _world2(rank: int, world: int, root: str) -> dict:
     step = _api_loop(p, model)
     hand(), step(), step()  # steps 1 (log) and 2
     out["extra_syncs"] = _syncs(step, 1) - _syncs(hand, 1)  # step 3
-    with _Collectives() as c:
+    with CollectiveCounter() as c:
         info = step()  # step 4
     out["collectives"], out["buckets"] = c.calls, len(p.strategy.engine.buckets)
-    with _Collectives() as c:
+    with CollectiveCounter() as c:
         out["global_loss"] = info.global_loss  # read off a log step: the agreement now
     out["agreement_calls"] = c.calls
     p.preemption.requested = rank == 1  # a SIGTERM on rank 1 before step 5's end
@@ -430,7 +417,7 @@ def _slow_steps(root: str, rank: int) -> dict:
         model, _ = p.setup(_mlp())
         step = _api_loop(p, model)
         step(), step()  # step 1 logs and plans the checks from the agreed step time
-        with _Collectives() as c:
+        with CollectiveCounter() as c:
             info3 = step()
         p.preemption.requested = rank == 1
         info4 = step()

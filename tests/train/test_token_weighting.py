@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from helpers import run_ranks
+from helpers import CollectiveCounter, run_ranks
 from references import MP_LOSS_ATOL, MP_PARAM_ATOL
 
 STEPS, GLOBAL, MICRO, SEQ, LR, CLIP = 3, 8, 2, 32, 1e-3, 1.0
@@ -159,7 +159,7 @@ def _ranks(rank: int, world: int, run_dir: str) -> dict:
     trainer._next_batch = lambda: consumed.append(read_w()) or consumed[-1]
     out["windows_known"] = trainer.items_per_step
     trainer.train_step(log=True)
-    with _Collectives() as c:
+    with CollectiveCounter() as c:
         trainer.train_step(log=False)
     out["windows_collectives"], out["windows_buckets"] = c.calls, len(trainer.p.strategy.engine.buckets)
     out["windows_items"] = [float(trainer.p.num_items_in_batch(consumed[i:i + 2], trainer.loss)) for i in (0, 2)]
@@ -183,19 +183,6 @@ def _ranks(rank: int, world: int, run_dir: str) -> dict:
     out["llama_state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     p.close()
     return out
-
-
-class _Collectives(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts every c10d operator issued inside."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("c10d", "_c10d_functional"):
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
 
 
 # -- the references ------------------------------------------------------------------------------------
