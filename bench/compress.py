@@ -62,6 +62,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _ttq as ttq  # noqa: E402
 
+from plait.runtime.sessions import stop_sessions  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 COMPRESSORS = ["fp16", "bf16", "int8", "int4", "topk", "randomk", "powersgd"]
 DEFAULT_METHODS = ["plait-none", "plait-powersgd", "plait-int8", "ddp", "ddp-powersgd"]
@@ -173,15 +175,7 @@ def launch(cmds: list[list[str]], logs: list[Path], timeout_s: float) -> None:
                 break
             time.sleep(0.5)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_sessions(procs, grace_s=20)
     bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
     if bad:
         rank, rc = bad[0]

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from plait.config import ConfigError
+from plait.runtime.sessions import stop_sessions
 
 GROUP_ENV = "PLAIT_REPLICA_GROUP"
 GROUPS_ENV = "PLAIT_REPLICA_GROUPS"
@@ -104,15 +105,7 @@ def launch_replica_groups(command: Callable[[int], list[str]], groups: int, max_
             time.sleep(0.5)
         return failed or next((p.returncode for p in procs if p.returncode), 0)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_sessions(procs, grace_s=30)
         signal.signal(signal.SIGTERM, previous)
         if server is not None:
             server.shutdown()
