@@ -392,7 +392,7 @@ class Plait(SmallCollectives):
         host = sum(int(c.numpy()) for c in counts if c.device.type == "cpu")  # numpy: no tensor read is dispatched
         on_device = [c for c in counts if c.device.type != "cpu"]
         if alone and not on_device:  # one fill, the step's only op here
-            return torch.full((), host / divisor, dtype=torch.float32, device=self.device)
+            return self._items_fill(host)
         total = torch.full((1,), float(host), dtype=torch.float64, device=self.device)
         for c in on_device:
             total += c.to(device=self.device, dtype=torch.float64)
@@ -401,13 +401,17 @@ class Plait(SmallCollectives):
             self.comm.all_reduce_sum(total, self.topology.dp_group, name="num_items_in_batch")
         return (total[0] / divisor).float()
 
-    def num_items_known(self, total: float) -> torch.Tensor:
-        """``num_items_in_batch`` for a step whose count is known without counting: ``total`` items summed over
-        the micro-steps and data-parallel ranks of the optimizer step (e.g. whole batches of a data set whose
-        every target counts). Nothing is counted or communicated: one fill on this rank's device."""
-        strategy = self._require_strategy()
-        return torch.full((), total / (strategy.topo.dp * self.window.accumulation), dtype=torch.float32,
-                          device=self.device)
+    def num_items_known(self, per_rank: int) -> torch.Tensor:
+        """``num_items_in_batch`` for a step whose count is known without counting: ``per_rank`` items on this
+        rank over the optimizer step's micro-steps, the same on every rank whose counts ``num_items_in_batch``
+        would sum (e.g. whole batches of a data set whose every target counts). Nothing is counted or
+        communicated: one fill on this rank's device."""
+        return self._items_fill(per_rank * self._require_strategy().items_ranks)
+
+    def _items_fill(self, total: int) -> torch.Tensor:
+        """The divisor for ``total`` items summed over the ranks and micro-steps backward averages over."""
+        divisor = self._require_strategy().items_ranks * self.window.accumulation
+        return torch.full((), total / divisor, dtype=torch.float32, device=self.device)
 
     @property
     def weighs_tokens(self) -> bool:
