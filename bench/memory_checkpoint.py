@@ -61,7 +61,7 @@ def run(name: str, root: Path, model: list[str], memory: bool, kill_holder: bool
     log.seek(0)
     err = log.read()
     log.close()
-    memory_load = re.search(r"from host memory \(holder \S+\) in ([\d.]+)s", err)
+    memory_load = re.search(r"from host memory \(.*?\) in ([\d.]+)s", err)
     disk_load = re.search(r"resumed from \S+ at step \d+ in ([\d.]+)s \(disk\)", err)
     saves = [json.loads(x) for x in (run_dir / "goodput.jsonl").read_text().splitlines() if '"save"' in x]
     blocking = [e["blocking_s"] for e in saves if e.get("event") == "save"]

@@ -28,11 +28,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from plait.config import Config, ConfigError, describe_keys, load_config, to_toml
 from plait.runtime.args import split_args
 
-NODE_OPTIONS = ("--nnodes", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf")  # torchrun's names for several machines
+# torchrun's names for several machines, in parse_nodes's order
+NODE_OPTIONS = ("--nnodes", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--local-addr")
 
 
 def _split_train_args(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
@@ -133,16 +135,12 @@ def cmd_train(argv: list[str]) -> int:
     else:
         f = cfg.fault
         restarts = Restarts(max_restarts=f.max_restarts, backoff_s=f.restart_backoff_s, state_dir=run_dir)
-        holder = None
-        if f.memory_checkpoint:  # outlives every attempt's workers: a restart reloads from it (plait.fault.holder)
-            from plait.fault.holder import start
-
-            holder = start(run_dir)
-            os.environ.update(holder.env())
+        nodes = _nodes_of(argv)
+        holder = _start_holder(run_dir, nodes) if f.memory_checkpoint else None
         try:
             summary = launch_local(train_worker, lambda attempt: (cfg, run_dir, resume or attempt > 0),
                                    cfg.parallel.nproc, run_dir / "errors", cfg.comm.backend, cfg.comm.timeout_s,
-                                   restarts, _nodes_of(argv))
+                                   restarts, nodes)
         finally:
             if holder is not None:
                 holder.stop()
@@ -185,6 +183,25 @@ def _train_replicas(argv: list[str], cfg: Config, written: Config, run_dir: Path
     print(f"\nplait: trained {cfg.train.steps} steps in {groups} torchft replica groups: {run_dir}/replica0 .. "
           f"replica{groups - 1} (each its own metrics, summary and checkpoints)")
     return 0
+
+
+def _start_holder(run_dir: Path, nodes: Any) -> Any:
+    """``fault.memory_checkpoint``: this machine's holder (``plait.fault.holder``), which outlives every attempt's
+    workers so that a restart reloads from it; its address and token go to the workers in the environment. On one
+    machine it listens on loopback; on several, on ``--local-addr`` or else the address this machine uses toward
+    the rendezvous host, where the other machines' workers put and find their second copies (its pid file then
+    names this launcher: several launchers may share the run directory)."""
+    from plait.fault.holder import start
+
+    if not nodes.multi:
+        holder = start(run_dir)
+    else:
+        from plait.fault.holder import facing
+
+        host = nodes.local_addr or facing(nodes.endpoint.rsplit(":", 1)[0].strip("[]"))
+        holder = start(run_dir, host, f"holder.{os.getpid()}.pid")
+    os.environ.update(holder.env())
+    return holder
 
 
 def train_worker(cfg: Config, run_dir: Path, resume: bool) -> dict:
@@ -404,7 +421,7 @@ def _run_dir_of(argv: list[str]) -> str:
 # (KEYED) list every config key after it, since they take --section.key=value.
 USAGE = {
     "train": ("plait train [CONFIG.toml] [--section.key=value ...] [--resume RUN_DIR] [--nnodes MIN:MAX "
-              "--rdzv-endpoint HOST:PORT --rdzv-id ID [--rdzv-conf KEY=N,...]]",
+              "--rdzv-endpoint HOST:PORT --rdzv-id ID [--rdzv-conf KEY=N,...] [--local-addr ADDRESS]]",
               "Train a registered model (or model.factory) with the layout the config chooses; parallel.nproc "
               "local workers, or the world of torchrun / SLURM. --resume continues a run from its newest good "
               "checkpoint. On several machines, run the same command on each with --nnodes MIN:MAX and the "
@@ -413,7 +430,9 @@ USAGE = {
               "checkpoint (a restart: up to fault.max_restarts); one that joins later runs the same command with "
               "--resume RUN_DIR, and the running workers save at the step boundary before all go on at the "
               "larger world size. --rdzv-conf last_call_timeout=N,keep_alive_interval=N,keep_alive_max_attempt=N "
-              "tunes the rendezvous (docs/clusters.md)."),
+              "tunes the rendezvous; --local-addr ADDRESS is the address the other machines reach this one at (default: "
+              "its host name's; fault.memory_checkpoint's holder listens there too, by default on the address "
+              "facing the rendezvous host) (docs/clusters.md)."),
     "run": ("plait run [--nproc N] [--max-restarts R] SCRIPT [ARGS ...]",
             "Run your own script (plait.Plait or the Trainer) in N local worker processes under PyTorch's "
             "elastic agent, with RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT set as torchrun sets them.\n\n"

@@ -202,6 +202,7 @@ class Nodes:
     last_call_s: int = 10
     keep_alive_s: int = 5
     keep_alive_attempts: int = 3
+    local_addr: str = ""  # --local-addr: this machine's address for the others (default: its host name's)
 
     @property
     def multi(self) -> bool:
@@ -213,9 +214,11 @@ RDZV_CONF = {"last_call_timeout": "last_call_s", "keep_alive_interval": "keep_al
              "keep_alive_max_attempt": "keep_alive_attempts"}
 
 
-def parse_nodes(nnodes: str | None, endpoint: str | None, run_id: str | None, conf: str | None = None) -> Nodes:
-    """``Nodes`` from the command line's ``--nnodes N|MIN:MAX``, ``--rdzv-endpoint``, ``--rdzv-id`` and
-    ``--rdzv-conf KEY=N,...`` (torchrun's spellings; keys in ``RDZV_CONF``); one clear error for what cannot work."""
+def parse_nodes(nnodes: str | None, endpoint: str | None, run_id: str | None, conf: str | None = None,
+                local_addr: str | None = None) -> Nodes:
+    """``Nodes`` from the command line's ``--nnodes N|MIN:MAX``, ``--rdzv-endpoint``, ``--rdzv-id``,
+    ``--rdzv-conf KEY=N,...`` and ``--local-addr ADDRESS`` (torchrun's spellings; keys in ``RDZV_CONF``); one clear
+    error for what cannot work."""
     from plait.config import ConfigError
 
     if nnodes is None and endpoint is None:
@@ -237,7 +240,9 @@ def parse_nodes(nnodes: str | None, endpoint: str | None, run_id: str | None, co
             raise ConfigError(f"--rdzv-conf takes {', '.join(k + '=N' for k in RDZV_CONF)} (whole numbers, the "
                               f"keep-alive ones at least 1); got {item!r}")
         settings[RDZV_CONF[key]] = int(value)
-    return Nodes(low, high, endpoint, run_id or "plait", **settings)
+    if local_addr is not None and (not local_addr or any(c in local_addr for c in " /,")):
+        raise ConfigError(f"--local-addr takes this machine's address (a host name or IP, no port); got {local_addr!r}")
+    return Nodes(low, high, endpoint, run_id or "plait", **settings, local_addr=local_addr or "")
 
 
 def _launch_config(nproc: int, error_dir: Path, nodes: Nodes | None = None, agent_restarts: int = 0) -> Any:
@@ -265,7 +270,8 @@ def _launch_config(nproc: int, error_dir: Path, nodes: Nodes | None = None, agen
             rdzv_backend="c10d", rdzv_endpoint=nodes.endpoint, max_restarts=agent_restarts, monitor_interval=0.5,
             start_method=START_METHOD,
             rdzv_configs={"last_call_timeout": nodes.last_call_s, "join_timeout": 600, "keep_alive_interval":
-                          nodes.keep_alive_s, "keep_alive_max_attempt": nodes.keep_alive_attempts})
+                          nodes.keep_alive_s, "keep_alive_max_attempt": nodes.keep_alive_attempts},
+            local_addr=nodes.local_addr or None)
     return LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"plait-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,

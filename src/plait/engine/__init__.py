@@ -511,41 +511,33 @@ class Plait(SmallCollectives):
             self.prometheus.checkpoint_done()
 
     def _host_copy(self, cfg: Config) -> Any:
-        """``fault.memory_checkpoint``: the client of this machine's holder (``plait.fault.holder``), which the
-        launcher started; None when off, under a parameter server, or where no holder runs (a worker not
-        started by ``plait train``: said once)."""
+        """``fault.memory_checkpoint``: this rank's holders (``plait.engine.host_copies``: its machine's, which the
+        launcher started, and on several machines the peer machine's); None when off, under a parameter server,
+        or where no holder runs (a worker not started by ``plait train``: said once). Collective on several
+        machines (one all-gather of the holders' addresses, at setup)."""
         if not cfg.fault.memory_checkpoint or cfg.parallel.mode != "collective":
             return None
-        from plait.fault.holder import Client
+        from plait.engine.host_copies import holders_for
 
-        client = Client.from_env()
-        if client is None and self.is_main:
+        holders = holders_for(self.rank, self.world_size, self.group, self.device, self.logger)
+        if holders is None and self.is_main:
             self.logger.warning("fault.memory_checkpoint: no holder runs beside this worker (plait train starts "
                                 "one for 2 or more workers, whose restarts use it); checkpoints go to disk only")
-        return client
+        return holders
 
-    def memory_copy(self, accept: Callable[[int], bool]) -> tuple[int, Any] | None:
-        """(step, this rank's decoded copy) of the in-memory checkpoint every rank holds whole and could fit into
-        its layout, of one same step that ``accept(step)`` takes on every rank, at this world size; None otherwise,
-        or with no holder (then every rank reads the disk). Collective (one all-reduce of three numbers over every
-        rank); ``load(path, memory=...)`` then loads it."""
+    def memory_copy(self, accept: Callable[[int], bool]) -> Any:
+        """The in-memory checkpoint (``plait.engine.host_copies.HeldCopy``: step, this rank's decoded copy, where it
+        came from) that every rank found whole, from its own machine's holder or a peer machine's, and could fit
+        into its layout, of one same step that ``accept(step)`` takes on every rank, at this world size; None
+        otherwise, or with no holder (then every rank reads the disk). Collective (one all-reduce of six numbers
+        over every rank); ``load(path, memory=held.decoded)`` then loads it."""
         from plait.components.memory_checkpoint import decode
+        from plait.engine.host_copies import find_copies
 
-        client = self.checkpointer.host_copy
-        got = client.get(self.rank) if client is not None else None
-        step = int(got[0]["step"]) if got is not None and int(got[0]["world"]) == self.world_size else -1
-        decoded = None
-        if step >= 0 and accept(step):
-            try:
-                decoded = decode(got[1], self._require_strategy())
-            except Exception as e:  # a copy that does not fit is never loaded: the disk is read instead
-                self.logger.warning("the in-memory copy of step %d does not fit this run (%s)", step, e)
-        s = float(step) if decoded is not None else -1.0
-        total = self.reduce(torch.tensor([float(decoded is not None), s, s * s]), op="sum", over="world")
-        n = self.world_size
-        if client is None or total[0] < n or n * total[2] != total[1] * total[1]:  # all fit, all the same step
-            return None
-        return step, decoded
+        strategy = self._require_strategy()
+        return find_copies(self.checkpointer.host_copy, self.rank, self.world_size, accept,
+                           lambda payload: decode(payload, strategy),
+                           lambda t: self.reduce(t, op="sum", over="world"), self.logger)
 
     @explained
     def load(self, path: str | Path, *, model: nn.Module | None = None, optimizer: Any = None,

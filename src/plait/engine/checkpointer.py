@@ -24,7 +24,7 @@ class Checkpointer:
     def __init__(self, async_save: bool, world_size: int, train_group: Any,
                  on_saved: Callable[[Path, int], None], host_copy: Any = None) -> None:
         self.async_save = async_save
-        self.host_copy = host_copy  # plait.fault.holder.Client: the in-memory copy at each save (None: off)
+        self.host_copy = host_copy  # plait.fault.holder.Holders: the in-memory copies at each save (None: off)
         self.last_copy_s: float | None = None  # seconds the last save's in-memory copy took (None: none made)
         self._copy_failed = False
         self.train_group = train_group
@@ -42,14 +42,14 @@ class Checkpointer:
         default = self.own_group if self.own_group is not None else self.train_group
         pending = save_state(path, strategy, meta, rank, rank_state, shared, async_=self.async_save,
                              group=strategy.checkpoint_group(default))
-        if self.host_copy is not None:  # only a save pays for it: serialise and send this rank's copy
+        if self.host_copy is not None:  # only a save pays for it: serialise and send this rank's copies
             t1 = time.perf_counter()
-            ok = self.host_copy.put(rank, step, int(meta["world_size"]), pack(strategy, meta, rank_state, shared))
-            self.last_copy_s = time.perf_counter() - t1 if ok else None
-            if not ok and not self._copy_failed:  # said once; the disk checkpoint is complete either way
+            failed = self.host_copy.put(rank, step, int(meta["world_size"]), pack(strategy, meta, rank_state, shared))
+            self.last_copy_s = time.perf_counter() - t1 if not failed else None
+            if failed and not self._copy_failed:  # said once; the disk checkpoint is complete either way
                 get_logger(rank).warning("the in-memory copy of %s failed (holder %s unreachable): a restart loads "
-                                         "from disk", path.name, self.host_copy.address)
-            self._copy_failed = not ok
+                                         "from the other copy or from disk", path.name, ", ".join(failed))
+            self._copy_failed = bool(failed)
         self.last_blocking_s = time.perf_counter() - t0
         if self.async_save:
             self._pending = (pending, on_complete, step)

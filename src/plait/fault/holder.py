@@ -1,20 +1,30 @@
-"""In-memory checkpoints: a small holder process per machine that keeps each local rank's newest checkpoint in
-host memory, so a restarted worker group reloads in seconds instead of reading the disk.
+"""In-memory checkpoints: a small holder process per machine that keeps the newest checkpoint copy of each of its
+machine's ranks in host memory, and on several machines also the copies of a peer machine's ranks, so that a
+restarted worker group reloads in seconds instead of reading the disk, even after a machine was lost.
 
 Why a process of its own: when one worker fails, torch's elastic agent (and plait's launcher over it) stops
 and restarts every worker of the machine, so nothing a worker holds survives a restart, and neither would a
-copy kept by a peer rank. The launcher (``plait train``) outlives its workers; it starts the holder beside
-them (``start``) before the first attempt and ends it with the run. The holder binds to loopback
-(127.0.0.1) only and answers only requests carrying the run's random token (``PLAIT_MEMORY_TOKEN``), so
-nothing off the machine and no other run on it can read or write it. It stores bytes and never interprets
-them: a rank's copy is the checkpoint's tensors as ``torch.save`` bytes, loaded back with
-``torch.load(weights_only=True)`` (``plait.components.memory_checkpoint``), with a CRC-32 the rank checks (the
-copy crossed loopback and sat in memory: a check against damage, not against an adversary, which the token
-keeps out).
+copy kept by another local rank. The launcher (``plait train``) outlives its workers; it starts the holder beside
+them (``start``) before the first attempt and ends it with the run (the holder also ends when its launcher is
+gone). It stores bytes and never interprets them: a rank's copy is the checkpoint's tensors as ``torch.save``
+bytes, loaded back with ``torch.load(weights_only=True)`` (``plait.components.memory_checkpoint``), with a
+CRC-32 the rank checks (the copy crossed a socket and sat in memory: a check against damage, not against an
+adversary, which the token keeps out).
 
-The holder keeps one copy per rank, the newest (``put`` replaces it once the new bytes have arrived whole), and
-ends when the launcher does (it watches its parent). The disk checkpoint stays the record and the fallback:
-a worker loads from memory only when every rank's copy is there, whole, of the same step as the newest
+Where it listens: on one machine, loopback (127.0.0.1) only. On several (``--nnodes``), on the address this
+machine uses toward the rendezvous host (``facing``), so that the other machines' workers reach it. Every holder
+answers only requests carrying its own random token (``PLAIT_MEMORY_TOKEN``, passed to the workers in their
+environment, never in argv or a file); the workers of a job exchange their holders' addresses and tokens once
+per attempt, inside their process group (``Holders.exchange``), so a holder's token goes only to the job's own
+workers, over the channel that already carries their gradients.
+
+Which copies where (``Holders``): every rank puts its copy into its own machine's holder and, with several
+machines, into the next machine's too (machines in the order of their lowest global rank, the last one's peer
+the first), both at once. At a load a rank looks for its copy in its own machine's holder first, then its peer
+machine's, then any other machine's (after a machine was replaced the ranks may sit elsewhere), and takes the
+first that is whole, of the step asked for and of this world size. The holder keeps one copy per rank, the
+newest (``put`` replaces it once the new bytes have arrived whole). The disk checkpoint stays the record and the
+fallback: a worker loads from memory only when every rank found its copy, whole, of the same step as the newest
 complete checkpoint on disk (``plait.train.Trainer.resume``).
 
 Protocol (one request per connection): a 4-byte big-endian length, a JSON header ``{"op", "token", ...}``, then
@@ -35,12 +45,15 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 ADDRESS_ENV = "PLAIT_MEMORY_HOLDER"  # host:port of this machine's holder, for the workers
 TOKEN_ENV = "PLAIT_MEMORY_TOKEN"
 PID_FILE = "holder.pid"  # in the run's workers/ directory, beside the workers' pid files (tests kill it)
+LOOPBACK = "127.0.0.1"
+CONNECT_TIMEOUT_S = 5.0  # a holder that does not accept within this is gone (a lost machine may not answer at all)
 
 
 def _send(sock: socket.socket, header: dict[str, Any], payload: bytes | bytearray | memoryview = b"") -> None:
@@ -100,15 +113,36 @@ class _Server(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
 
 
-def serve(token: str, parent: int) -> None:
-    """Run the holder on an ephemeral loopback port (printed as ``PORT <n>``) until ``parent`` is gone."""
-    server = _Server(("127.0.0.1", 0), _Handler)
+def open_server(token: str, host: str = LOOPBACK) -> _Server:
+    """A holder's server on an ephemeral port of ``host``, answering in a thread of its own (``shutdown`` ends it);
+    ``serve`` runs one as the holder process, tests run one in theirs."""
+    server = _Server((host, 0), _Handler)
     server.token, server.lock, server.copies = token, threading.Lock(), {}
-    print(f"PORT {server.server_address[1]}", flush=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def serve(token: str, parent: int, host: str = LOOPBACK) -> None:
+    """Run the holder on an ephemeral port of ``host`` (printed as ``PORT <n>``) until ``parent`` is gone."""
+    server = open_server(token, host)
+    print(f"PORT {server.server_address[1]}", flush=True)
     while os.getppid() == parent:
         time.sleep(0.5)
     server.shutdown()
+
+
+def facing(host: str) -> str:
+    """The IPv4 address this machine uses toward ``host`` (the rendezvous host; a name is resolved): the one the
+    other machines of the job reach it at. No packet is sent: a UDP socket's connect only picks the route."""
+    try:
+        target = socket.getaddrinfo(host, 1, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 1))
+            return str(s.getsockname()[0])
+    except OSError as e:
+        raise RuntimeError(f"fault.memory_checkpoint: no route from this machine to the rendezvous host {host!r} "
+                           f"({e}) for the in-memory checkpoint holder to listen on; check --rdzv-endpoint, or set "
+                           "fault.memory_checkpoint=false to train with disk checkpoints only") from None
 
 
 class Holder:
@@ -130,12 +164,14 @@ class Holder:
                 self.proc.kill()
 
 
-def start(state_dir: Path | None = None) -> Holder:
-    """Start this machine's holder (from the launcher: it outlives every worker attempt); its pid goes to
-    ``state_dir/workers/holder.pid``."""
+def start(state_dir: Path | None = None, host: str = LOOPBACK, pid_file: str = PID_FILE) -> Holder:
+    """Start this machine's holder (from the launcher: it outlives every worker attempt), listening on ``host``
+    (loopback unless the job spans several machines: then ``facing(rendezvous host)``); its pid goes to
+    ``state_dir/workers/<pid_file>``."""
     token = secrets.token_hex(16)
-    proc = subprocess.Popen([sys.executable, "-m", "plait.fault.holder", str(os.getpid())], stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, TOKEN_ENV: token})  # not in argv: ps shows argv
+    proc = subprocess.Popen([sys.executable, "-m", "plait.fault.holder", str(os.getpid()), host],
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, TOKEN_ENV: token})  # not in argv: ps shows argv
     line = proc.stdout.readline() if proc.stdout is not None else ""
     if not line.startswith("PORT "):
         proc.kill()
@@ -144,8 +180,8 @@ def start(state_dir: Path | None = None) -> Holder:
     if state_dir is not None:
         d = Path(state_dir) / "workers"
         d.mkdir(parents=True, exist_ok=True)
-        (d / PID_FILE).write_text(str(proc.pid))
-    return Holder(proc, f"127.0.0.1:{int(line.split()[1])}", token)
+        (d / pid_file).write_text(str(proc.pid))
+    return Holder(proc, f"{host}:{int(line.split()[1])}", token)
 
 
 class Client:
@@ -161,20 +197,32 @@ class Client:
         address, token = os.environ.get(ADDRESS_ENV), os.environ.get(TOKEN_ENV)
         return cls(address, token) if address and token else None
 
+    @property
+    def endpoint(self) -> str:
+        """``"host:port token"``: what the job's other workers need to reach this holder (``Holders.of_ranks``)."""
+        return f"{self.address} {self.token}"
+
     def _call(self, header: dict[str, Any],
               payload: bytes | memoryview = b"") -> tuple[dict[str, Any], bytearray] | None:
         try:
-            with socket.create_connection((self.host, self.port), timeout=self.timeout_s) as sock:
+            with socket.create_connection((self.host, self.port), timeout=min(CONNECT_TIMEOUT_S,
+                                                                               self.timeout_s)) as sock:
+                sock.settimeout(self.timeout_s)
                 _send(sock, {**header, "token": self.token}, payload)
                 return _recv(sock)
-        except OSError:
+        except (OSError, ValueError, struct.error):
             return None
 
-    def put(self, rank: int, step: int, world: int, payload: bytes | memoryview) -> bool:
+    def put(self, rank: int, step: int, world: int, payload: bytes | memoryview, crc32: int | None = None) -> bool:
         header = {"op": "put", "rank": rank, "step": step, "world": world, "size": len(payload),
-                  "crc32": zlib.crc32(payload)}
+                  "crc32": zlib.crc32(payload) if crc32 is None else crc32}
         reply = self._call(header, payload)
         return reply is not None and bool(reply[0].get("ok"))
+
+    def head(self, rank: int) -> dict[str, Any] | None:
+        """The header of this rank's copy (step, world, size, crc32) without its bytes; None when none is held."""
+        reply = self._call({"op": "head", "rank": rank})
+        return reply[0] if reply is not None and reply[0].get("held") else None
 
     def get(self, rank: int) -> tuple[dict[str, Any], bytearray] | None:
         """(header, bytes) of this rank's copy when held and whole (its CRC-32 checked), else None."""
@@ -187,5 +235,66 @@ class Client:
         return header, payload
 
 
+class Holders:
+    """A worker's holders: its own machine's, the peer machine's that keeps a second copy of this worker's
+    checkpoint (None on one machine), and every other machine's of the job, searched last at a load (after a
+    machine was replaced, a rank's copies may be on any). Built by ``of_ranks``."""
+
+    def __init__(self, own: Client, peer: Client | None = None, others: Sequence[Client] = ()) -> None:
+        self.own, self.peer, self.others = own, peer, list(others)
+
+    @classmethod
+    def of_ranks(cls, endpoints: Sequence[str], rank: int) -> Holders:
+        """``endpoints[r]``: the ``Client.endpoint`` of global rank r's machine's holder. Machines are ordered by
+        their lowest global rank (the agents' node order), and each machine's peer is the next one, the last
+        machine's the first: a rule every worker derives alike, again at each attempt (a machine replaced by
+        another gets the new one's holder)."""
+        machines = list(dict.fromkeys(endpoints))
+        i, n = machines.index(endpoints[rank]), len(machines)
+        ring = [Client(*machines[(i + k) % n].split(" ", 1)) for k in range(n)]
+        return cls(ring[0], ring[1] if n > 1 else None, ring[2:])
+
+    @property
+    def address(self) -> str:
+        """The holders for a log line: this machine's, and the peer's where there is one."""
+        return self.own.address + (f", peer {self.peer.address}" if self.peer is not None else "")
+
+    def put(self, rank: int, step: int, world: int, payload: bytes | memoryview) -> list[str]:
+        """Put this rank's copy into its own machine's holder and its peer's, both at once (the peer's send in a
+        thread); returns the addresses of the holders that did not take it (empty: all did)."""
+        targets = [c for c in (self.own, self.peer) if c is not None]
+        crc32 = zlib.crc32(payload)
+        taken = [False] * len(targets)
+
+        def send(i: int) -> None:
+            taken[i] = targets[i].put(rank, step, world, payload, crc32)
+
+        threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(1, len(targets))]
+        for t in threads:
+            t.start()
+        send(0)
+        for t in threads:
+            t.join()
+        return [c.address for c, ok in zip(targets, taken, strict=True) if not ok]
+
+    def sources(self) -> list[tuple[str, Client]]:
+        """Where a load looks, in order: ``own`` (this machine), ``peer`` (the next machine), ``other``."""
+        peer = [("peer", self.peer)] if self.peer is not None else []
+        return [("own", self.own), *peer, *(("other", c) for c in self.others)]
+
+    def find(self, rank: int, world: int, accept: Callable[[int], bool]) -> Iterator[tuple[str, dict[str, Any],
+                                                                                             bytearray]]:
+        """(where, header, bytes) of each whole copy of ``rank`` saved at ``world`` ranks whose step ``accept``
+        takes, in the order of ``sources``; a holder that is gone or holds another step is passed over (only
+        its header is read)."""
+        for where, client in self.sources():
+            head = client.head(rank)
+            if head is None or int(head["world"]) != world or not accept(int(head["step"])):
+                continue
+            got = client.get(rank)
+            if got is not None and got[0]["step"] == head["step"]:
+                yield where, got[0], got[1]
+
+
 if __name__ == "__main__":
-    serve(os.environ[TOKEN_ENV], int(sys.argv[1]))
+    serve(os.environ[TOKEN_ENV], int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else LOOPBACK)

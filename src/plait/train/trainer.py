@@ -102,6 +102,11 @@ def _items(batch: Any, loss: Loss) -> tuple[int, int]:
     return tokens, x.size(0)
 
 
+# Where a rank's in-memory copy came from (plait.engine.host_copies.SOURCES), for the resume's log line
+_SOURCE_NAMES = {"own": "its own machine's holder", "peer": "the peer machine's holder",
+                 "other": "another machine's holder"}
+
+
 class Trainer:
     """plait's loop on any model (see the module docstring).
 
@@ -246,12 +251,14 @@ class Trainer:
         return True
 
     def _resume_from_memory(self) -> bool:
-        """``fault.memory_checkpoint``: load the newest checkpoint from the holder's copies when every rank has its
-        copy of it, whole (the disk's newest complete checkpoint, not a loss spike's); else say why not."""
+        """``fault.memory_checkpoint``: load the newest checkpoint from the holders' copies when every rank finds its
+        copy of it, whole (the disk's newest complete checkpoint, not a loss spike's), in its own machine's holder
+        or a peer machine's; else say why not."""
         from plait.components.checkpoint import step_dir
         from plait.components.integrity import checkpoints_newest_first, spike_steps
 
-        if self.p.checkpointer.host_copy is None:
+        holders = self.p.checkpointer.host_copy
+        if holders is None:
             return False
         newest = next((int(q.name.split("_")[1]) for q in checkpoints_newest_first(self.run_dir)
                        if (q / "meta.json").is_file() and int(q.name.split("_")[1]) not in spike_steps(self.run_dir)),
@@ -261,19 +268,20 @@ class Trainer:
         if held is None:
             if newest is not None and self.rank0:
                 self.log.warning("no whole in-memory copy of step %d on every rank (holder %s): loading from disk",
-                                 newest, self.p.checkpointer.host_copy.address)
+                                 newest, holders.address)
             return False
-        self.load_checkpoint(step_dir(self.run_dir, held[0]), memory=held[1])
-        self.log.info("resumed at step %d from host memory (holder %s) in %.2fs; the disk copy was not read",
-                      self.state.step, self.p.checkpointer.host_copy.address, time.perf_counter() - t0)
+        self.load_checkpoint(step_dir(self.run_dir, held.step), memory=held)
+        where = ", ".join(f"{n} rank{'s' * (n > 1)} from {_SOURCE_NAMES[k]}" for k, n in held.ranks_from.items() if n)
+        self.log.info("resumed at step %d from host memory (%s; holder %s) in %.2fs; the disk copy was not read",
+                      self.state.step, where, holders.address, time.perf_counter() - t0)
         return True
 
     def load_checkpoint(self, path: Path, memory: Any = None) -> None:
         """Every state a checkpoint holds, and the data window to leave out after it (see Recovery). ``memory``:
-        this rank's in-memory copy of it, read instead of the disk."""
+        the in-memory copy of it every rank found (``Plait.memory_copy``), read instead of the disk."""
         t0 = time.perf_counter()
         extra = self.p.load(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                            dataloader=self.loader, memory=memory)
+                            dataloader=self.loader, memory=memory.decoded if memory is not None else None)
         for k, v in extra.items():
             if hasattr(self.state, k) and k != "skipped_steps":  # the engine restored its own count
                 setattr(self.state, k, type(getattr(self.state, k))(v))
@@ -283,8 +291,9 @@ class Trainer:
             self.recovery.skipped(self.state.step, leave_out(self.loader, skip, self.p.accumulation), skip)
         self._it = None
         self._truncate_metrics(self.state.step)
+        source = {"source": "memory", "ranks_from": memory.ranks_from} if memory is not None else {"source": "disk"}
         self.recovery.ledger.record("resume", step=self.state.step, load_s=time.perf_counter() - t0,
-                                    skipped_batches=skip, source="memory" if memory is not None else "disk")
+                                    skipped_batches=skip, **source)
 
     def _truncate_metrics(self, step: int) -> None:
         """Metrics of steps after ``step`` belong to a timeline that was undone (a crash, a rollback)."""
