@@ -26,7 +26,8 @@ import pytest
 import torch
 from helpers import run_weights
 
-from plait.fault.holder import Client, start
+from plait.engine.host_copies import find_copies
+from plait.fault.holder import Client, Holders, facing, open_server, start
 from plait.fault.restart import read_progress, worker_pids
 
 ARGS = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
@@ -57,6 +58,53 @@ def test_holder_keeps_the_newest_whole_copy_for_its_token_only(tmp_path: Path) -
     assert Client(holder.address, holder.token).get(0) is None  # gone with its process: no error, no copy
 
 
+def test_copies_go_to_the_own_and_the_peer_machine_and_a_load_looks_there_in_that_order() -> None:
+    """Holders of three "machines" served in this process: the ring of machines (the last one's peer is the first),
+    a save's two copies, and a load's search: its own machine's holder, then the peer's, then another machine's,
+    each only with a whole copy of the step asked for; none left means the disk."""
+    import logging
+
+    servers = [open_server(f"{i:032x}") for i in range(3)]
+    addresses = [f"127.0.0.1:{s.server_address[1]}" for s in servers]
+    ends = [f"{a} {s.token}" for a, s in zip(addresses, servers, strict=True)]
+    try:
+        by_rank = [ends[0], ends[0], ends[1], ends[2]]  # ranks 0 and 1 on machine A, 2 on B, 3 on C
+        a, c = Holders.of_ranks(by_rank, 1), Holders.of_ranks(by_rank, 3)
+        assert (a.own.address, a.peer.address, [o.address for o in a.others]) == tuple([*addresses[:2], addresses[2:]])
+        assert (c.own.address, c.peer.address, [o.address for o in c.others]) == (addresses[2], addresses[0],
+                                                                                 [addresses[1]])
+        alone = Holders.of_ranks([ends[0]] * 2, 1)
+        assert alone.peer is None and alone.others == [] and alone.put(1, 4, 2, b"x") == []
+        assert a.put(1, 8, 4, b"rank 1 at 8") == []
+        assert servers[0].copies[1][1] == servers[1].copies[1][1] == b"rank 1 at 8" and 1 not in servers[2].copies
+
+        def found(rank: int, step: int, world: int = 4) -> list[tuple[str, bytes]]:
+            return [(where, bytes(payload)) for where, _, payload in a.find(rank, world, lambda s: s == step)]
+
+        assert found(1, 8) == [("own", b"rank 1 at 8"), ("peer", b"rank 1 at 8")]
+        assert found(1, 8, world=2) == [] and found(1, 4) == [] and found(0, 8) == []  # world, step, rank differ
+        servers[0].shutdown()
+        servers[0].server_close()  # machine A's holder is gone
+        assert found(1, 8) == [("peer", b"rank 1 at 8")]
+        assert a.put(1, 12, 4, b"rank 1 at 12") == [addresses[0]]  # said to the caller; the peer took it
+        assert found(1, 12) == [("peer", b"rank 1 at 12")] and found(1, 8) == []  # the peer keeps only the newest
+        assert Client(*ends[2].split()).put(1, 12, 4, b"rank 1 at 12, elsewhere")
+        servers[1].shutdown()
+        servers[1].server_close()  # the peer too: only another machine's holder has a copy
+        assert found(1, 12) == [("other", b"rank 1 at 12, elsewhere")]
+        held = find_copies(a, 1, 4, lambda s: s == 12, bytes, lambda t: t * 4, logging.getLogger("test"))
+        assert held is not None and (held.step, held.where, held.decoded) == (12, "other", b"rank 1 at 12, elsewhere")
+        assert held.ranks_from == {"own": 0, "peer": 0, "other": 4}  # the sum over "4 ranks" that all did the same
+        servers[2].shutdown()
+        servers[2].server_close()
+        assert found(1, 12) == []
+        assert find_copies(a, 1, 4, lambda s: s == 12, bytes, lambda t: t * 4, logging.getLogger("test")) is None
+    finally:
+        for server in servers:
+            server.server_close()
+    assert facing("127.0.0.1") == "127.0.0.1"
+
+
 def test_a_copy_loads_back_exactly_and_one_that_does_not_fit_is_refused(tmp_path: Path, monkeypatch) -> None:
     """One process through the engine's API: a save puts the copy, ``memory_copy`` decodes it and ``load`` restores
     the weights and optimizer state exactly; damaged bytes, or a copy of another model, are refused (None: read
@@ -79,9 +127,10 @@ def test_a_copy_loads_back_exactly_and_one_that_does_not_fit_is_refused(tmp_path
         moments = [s["exp_avg"].clone() for s in opt.state.values()]
         p.backward(model(torch.randn(3, 4)).pow(2).mean())
         p.step()  # the live state moves on
-        step, decoded = p.memory_copy(lambda s: s == 2)
-        assert step == 2 and p.memory_copy(lambda s: s == 3) is None  # not the step asked for
-        p.load(tmp_path / "run" / "step_2", model=model, optimizer=opt, memory=decoded)
+        held = p.memory_copy(lambda s: s == 2)
+        assert (held.step, held.where, held.ranks_from) == (2, "own", {"own": 1, "peer": 0, "other": 0})
+        assert p.memory_copy(lambda s: s == 3) is None  # not the step asked for
+        p.load(tmp_path / "run" / "step_2", model=model, optimizer=opt, memory=held.decoded)
         assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
         assert all(torch.equal(s["exp_avg"], m) for s, m in zip(opt.state.values(), moments, strict=True))
         client = Client(holder.address, holder.token)
@@ -166,7 +215,8 @@ def test_a_killed_worker_restarts_from_memory_and_from_disk_without_the_holder(t
     log = _run(tmp_path / "killed", kills=((10, False), (18, True)))
     assert "restart 1 of 3" in log and "restart 2 of 3" in log
     first, second = log.split("restart 2 of 3")
-    loaded = re.search(r"resumed at step (\d+) from host memory \(holder 127\.0\.0\.1:\d+\) in ([\d.]+)s", first)
+    loaded = re.search(r"resumed at step (\d+) from host memory \(2 ranks from its own machine's holder; holder "
+                       r"127\.0\.0\.1:\d+\) in ([\d.]+)s", first)
     assert loaded is not None and int(loaded.group(1)) in (8, 12), first[-3000:]
     assert "loading from disk" not in first
     assert "from host memory" not in second and re.search(r"no whole in-memory copy of step \d+ on every rank", second)
