@@ -12,6 +12,7 @@ deterministic):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -208,9 +209,15 @@ def _same(a: Path, b: Path) -> bool:
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
-def test_a_killed_worker_restarts_from_memory_and_from_disk_without_the_holder(tmp_path: Path) -> None:
-    clean = tmp_path / "clean"
-    _run(clean, memory=False)
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> Path:
+    """The run without a failure (one machine, 2 workers, disk checkpoints only)."""
+    run = tmp_path_factory.mktemp("clean") / "run"
+    _run(run, memory=False)
+    return run
+
+
+def test_a_killed_worker_restarts_from_memory_and_from_disk_without_the_holder(tmp_path: Path, clean: Path) -> None:
     # first kill: the holder has the copies; second kill, of the restarted attempt, with the holder: disk
     log = _run(tmp_path / "killed", kills=((10, False), (18, True)))
     assert "restart 1 of 3" in log and "restart 2 of 3" in log
@@ -224,3 +231,121 @@ def test_a_killed_worker_restarts_from_memory_and_from_disk_without_the_holder(t
     ledger = [json.loads(x) for x in (tmp_path / "killed" / "goodput.jsonl").read_text().splitlines()]
     assert [e["source"] for e in ledger if e.get("event") == "resume"] == ["memory", "disk"]
     assert _same(clean, tmp_path / "killed")
+
+
+class TwoMachines:
+    """Two network namespaces joined by a veth pair, hosts 10.205.0.1 and 10.205.0.2, named after this process (a
+    run beside this one makes its own); made and removed here, skipped with the reason where they cannot be."""
+
+    ADDR = ("10.205.0.1", "10.205.0.2")
+
+    def __init__(self) -> None:
+        tag = os.getpid() % 100000
+        self.ns, self.dev = (f"plait-mc{tag}a", f"plait-mc{tag}b"), (f"plmc{tag}a", f"plmc{tag}b")
+
+    def __enter__(self) -> TwoMachines:
+        if os.geteuid() != 0:
+            pytest.skip("network namespaces need root")
+        steps = [["ip", "netns", "add", self.ns[0]], ["ip", "netns", "add", self.ns[1]],
+                 ["ip", "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1]]]
+        for ns, dev, addr in zip(self.ns, self.dev, self.ADDR, strict=True):
+            steps += [["ip", "-n", ns, "link", "set", "lo", "up"], ["ip", "link", "set", dev, "netns", ns],
+                      ["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev],
+                      ["ip", "-n", ns, "link", "set", dev, "up"]]
+        for cmd in steps:
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode:
+                self.__exit__()
+                pytest.skip(f"network namespaces are not available here ({' '.join(cmd)}: {out.stderr.strip()})")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for ns in self.ns:
+            for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def start(self, i: int, run: Path, log: Path, *extra: str) -> subprocess.Popen:
+        """Machine ``i``'s ``plait train`` (agent, 1 worker, holder) in a session of its own, its output in ``log``."""
+        env = ["env", f"GLOO_SOCKET_IFNAME={self.dev[i]}", "OMP_NUM_THREADS=1", "PYTHONUNBUFFERED=1",
+               f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}"]
+        nodes = ["--nnodes", "2", "--rdzv-endpoint", f"{self.ADDR[0]}:29541", "--rdzv-id", "peer-copies",
+                 "--local-addr", self.ADDR[i],
+                 "--rdzv-conf", "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=10"]
+        cmd = ["ip", "netns", "exec", self.ns[i], *env, sys.executable, "-m", "plait.cli", "train", *MACHINE_ARGS,
+               *nodes, f"--run.dir={run}", *extra]
+        with open(log, "a") as out:
+            return subprocess.Popen(cmd, cwd=run.parent, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+# One worker per machine (world 2, as the one-machine runs); saves every 6 steps and the progress every 2, so that a
+# kill two steps after a save comes well before the next.
+MACHINE_ARGS = [*(a for a in ARGS if not a.startswith(("--parallel.nproc", "--checkpoint.every", "--train.log_every"))),
+                "--parallel.nproc=1", "--checkpoint.every=6", "--train.log_every=2", "--fault.memory_checkpoint=true"]
+
+
+def _wait_for(check, what: str, procs: list[subprocess.Popen], logs: list[Path], timeout_s: float = 180) -> None:
+    deadline = time.time() + timeout_s
+    while not check():
+        if time.time() > deadline or procs[0].poll() is not None:
+            text = "\n".join(f"--- {log.name} ---\n{log.read_text(errors='replace')[-2500:]}" for log in logs)
+            progress = read_progress(logs[0].parent / "run")
+            raise AssertionError(f"timed out waiting for {what}; progress {progress}\n{text}")
+        time.sleep(0.05)
+
+
+def _lose(machine: subprocess.Popen) -> None:
+    """The machine is gone: its launcher, agent, worker and holder at once."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(machine.pid, signal.SIGKILL)
+    machine.wait(timeout=30)
+
+
+def test_a_lost_machine_reloads_from_its_peer_and_from_disk_when_both_copies_are_gone(tmp_path: Path,
+                                                                                    clean: Path) -> None:
+    """Two machines (network namespaces), one worker and one holder each, world 2. Machine B is lost (launcher,
+    agent, worker and holder SIGKILLed) two steps after a save and replaced (the same command with ``--resume``):
+    its rank's copy is gone with B's holder, and the restarted workers load the newest checkpoint from memory, B's
+    rank's from the copy in A's holder (the log says so, with the time). Then both holders are SIGKILLed, and a
+    worker: no copy is left, and the restart loads from disk. The run ends with the weights of a run that was never
+    interrupted, bit for bit."""
+    run, logs = tmp_path / "run", [tmp_path / "a.log", tmp_path / "b.log"]
+    with TwoMachines() as machines:
+        a, b = machines.start(0, run, logs[0]), machines.start(1, run, logs[1])
+        procs = [a, b]
+        try:
+            def saved_and_past(saved: int, steps: int) -> bool:
+                progress = read_progress(run)
+                return int(progress.get("saved") or 0) >= saved and int(progress.get("steps") or 0) >= steps
+
+            _wait_for(lambda: saved_and_past(6, 8), "step 8", procs, logs)
+            _lose(b)
+            procs[1] = b = machines.start(1, run, logs[1], "--resume", str(run))
+            _wait_for(lambda: _resumes(run) == 1 and saved_and_past(12, 14), "step 14 after the reload", procs, logs)
+            for launcher in (a, b):  # both holders, then a worker: no copy is left, and the agents restart both
+                os.kill(int((run / "workers" / f"holder.{launcher.pid}.pid").read_text()), signal.SIGKILL)
+            os.kill(worker_pids(run)[1][0], signal.SIGKILL)
+            codes = [p.wait(timeout=240) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGKILL)
+    text = "\n".join(log.read_text(errors="replace") for log in logs)
+    assert codes == [0, 0], text[-5000:]
+    loaded = re.search(r"resumed at step 6 from host memory \(1 rank from its own machine's holder, 1 rank from the "
+                       r"peer machine's holder; holder [\d.:]+, peer [\d.:]+\) in ([\d.]+)s", text)
+    assert loaded is not None, text[-5000:]
+    assert re.search(r"no whole in-memory copy of step 12 on every rank", text), text[-5000:]
+    assert re.search(r"resumed from \S+step_0*12 at step 12 in [\d.]+s \(disk\)", text), text[-5000:]
+    ledger = [json.loads(x) for x in (run / "goodput.jsonl").read_text().splitlines()]
+    resumes = [e for e in ledger if e.get("event") == "resume"]
+    assert [(e["step"], e["source"], e.get("ranks_from")) for e in resumes] == [
+        (6, "memory", {"own": 1, "peer": 1, "other": 0}), (12, "disk", None)], resumes
+    assert _same(clean, run)
+
+
+def _resumes(run: Path) -> int:
+    path = run / "goodput.jsonl"
+    return sum('"resume"' in line for line in path.read_text().splitlines()) if path.is_file() else 0
