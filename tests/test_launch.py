@@ -72,3 +72,22 @@ def test_a_rank_that_ends_first_waits_for_the_others(tmp_path: Path) -> None:
     (tmp_path / "ends_first.py").write_text(ENDS_FIRST)
     succeeded(plait_cli("run", "--nproc", "2", "ends_first.py", cwd=tmp_path))
     assert (tmp_path / "rank1_exited").is_file()  # it did exit, after rank 0's script ended
+
+
+def test_local_addr_names_this_machine_and_the_rendezvous_host() -> None:
+    """``--local-addr`` (the address the other machines reach this one at) given as the rendezvous endpoint's host
+    makes this machine the rendezvous host, where a host name that resolves to loopback would hide it; a value
+    with a port or a space is one clear error."""
+    import pytest
+
+    from plait.config import ConfigError
+    from plait.launch import parse_nodes, rdzv_configs
+
+    host = parse_nodes("2", "10.9.0.1:29400", "job", None, "10.9.0.1")
+    other = parse_nodes("2", "10.9.0.1:29400", "job", None, "10.9.0.2")
+    plain = parse_nodes("2", "10.9.0.1:29400", "job")
+    assert [n.local_addr for n in (host, other, plain)] == ["10.9.0.1", "10.9.0.2", ""]
+    assert [rdzv_configs(n).get("is_host") for n in (host, other, plain)] == [True, None, None]
+    for bad in ("10.9.0.1:29400", "a b", ""):
+        with pytest.raises(ConfigError, match="--local-addr takes this machine's address"):
+            parse_nodes("2", "10.9.0.1:29400", "job", None, bad)

@@ -240,9 +240,21 @@ def parse_nodes(nnodes: str | None, endpoint: str | None, run_id: str | None, co
             raise ConfigError(f"--rdzv-conf takes {', '.join(k + '=N' for k in RDZV_CONF)} (whole numbers, the "
                               f"keep-alive ones at least 1); got {item!r}")
         settings[RDZV_CONF[key]] = int(value)
-    if local_addr is not None and (not local_addr or any(c in local_addr for c in " /,")):
+    if local_addr is not None and (not local_addr or local_addr.count(":") == 1 or any(c in local_addr for c in " /,")):
         raise ConfigError(f"--local-addr takes this machine's address (a host name or IP, no port); got {local_addr!r}")
     return Nodes(low, high, endpoint, run_id or "plait", **settings, local_addr=local_addr or "")
+
+
+def rdzv_configs(nodes: Nodes) -> dict[str, Any]:
+    """The c10d rendezvous settings of ``nodes`` for torch's agent."""
+    out: dict[str, Any] = {"last_call_timeout": nodes.last_call_s, "join_timeout": 600,
+                           "keep_alive_interval": nodes.keep_alive_s,
+                           "keep_alive_max_attempt": nodes.keep_alive_attempts}
+    if nodes.local_addr and nodes.local_addr == nodes.endpoint.rsplit(":", 1)[0].strip("[]"):
+        # this machine is the rendezvous host by its own word: torch's guess compares the host with the host name's
+        # addresses, which miss an address given by hand (where the host name resolves to loopback, say)
+        out["is_host"] = True
+    return out
 
 
 def _launch_config(nproc: int, error_dir: Path, nodes: Nodes | None = None, agent_restarts: int = 0) -> Any:
@@ -265,18 +277,11 @@ def _launch_config(nproc: int, error_dir: Path, nodes: Nodes | None = None, agen
         # /torch.rendezvous.<id>.<round>/MASTER_ADDR), its peer for it, and both agents fail. Without the sharing,
         # rank 0 publishes a fresh address every round and its worker hosts the workers' store.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-        rdzv_configs: dict[str, Any] = {"last_call_timeout": nodes.last_call_s, "join_timeout": 600,
-                                        "keep_alive_interval": nodes.keep_alive_s,
-                                        "keep_alive_max_attempt": nodes.keep_alive_attempts}
-        if nodes.local_addr and nodes.local_addr == nodes.endpoint.rsplit(":", 1)[0].strip("[]"):
-            # this machine is the rendezvous host by its own word: torch's guess compares the host with the host
-            # name's addresses, which miss an address given by hand (a host name that resolves to loopback)
-            rdzv_configs["is_host"] = True
         return LaunchConfig(
             min_nodes=nodes.min_nodes, max_nodes=nodes.max_nodes, nproc_per_node=nproc, run_id=nodes.run_id,
             rdzv_backend="c10d", rdzv_endpoint=nodes.endpoint, max_restarts=agent_restarts, monitor_interval=0.5,
             start_method=START_METHOD,
-            rdzv_configs=rdzv_configs, local_addr=nodes.local_addr or None)
+            rdzv_configs=rdzv_configs(nodes), local_addr=nodes.local_addr or None)
     return LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"plait-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
