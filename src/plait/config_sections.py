@@ -361,9 +361,11 @@ class FaultConfig:
     # TrainingDiverged: a loss that does not come back. A loss that comes back is never a stop.
     spike_patience: int = 50
     # Keep each rank's share of the newest checkpoint also in host memory, in a holder process that plait train
-    # starts on each machine beside its workers (loopback only): a restart of the workers then loads from memory
-    # instead of the disk, which stays the record and the fallback (docs/checkpoints.md). Costs one copy of the
-    # model and optimizer state in host memory per machine, and the copy's time at each save.
+    # starts on each machine beside its workers (loopback only on one machine); on several machines a second copy
+    # goes to the next machine's holder, so a lost machine's ranks reload from their peer's: a restart of the
+    # workers then loads from memory instead of the disk, which stays the record and the fallback
+    # (docs/checkpoints.md). Costs the copies' host memory (one per rank on one machine, two on several) and their
+    # time at each save (on several machines a network transfer of each rank's share to its peer).
     memory_checkpoint: bool = False
     # A rank whose smoothed step time exceeds the median rank's by this factor is named a straggler.
     straggler_factor: float = 1.3
