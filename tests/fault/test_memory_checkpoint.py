@@ -7,7 +7,12 @@ deterministic):
 * a SIGKILLed worker: the launcher restarts both workers, and they load the newest checkpoint from the holder's
   memory (the log says so, with the time) instead of the disk;
 * the holder SIGKILLed too: the restart says there is no whole copy and loads from disk;
-* either way the run ends with the weights of a run that was never interrupted, bit for bit.
+* either way the run ends with the weights of a run that was never interrupted, bit for bit;
+* several machines, without processes: a save's copies go to the own and the peer machine's holder, a load looks
+  in the own, then the peer's, then any other machine's, and with none left reads the disk;
+* two machines (network namespaces, one worker each): a lost machine's rank reloads from the copy in its peer's
+  holder (the log says so, with the time); with both holders gone the restart reads the disk; the weights equal
+  the uninterrupted run's, bit for bit.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ Where it listens: on one machine, loopback (127.0.0.1) only. On several (``--nno
 machine uses toward the rendezvous host (``facing``), so that the other machines' workers reach it. Every holder
 answers only requests carrying its own random token (``PLAIT_MEMORY_TOKEN``, passed to the workers in their
 environment, never in argv or a file); the workers of a job exchange their holders' addresses and tokens once
-per attempt, inside their process group (``Holders.exchange``), so a holder's token goes only to the job's own
-workers, over the channel that already carries their gradients.
+per attempt, inside their process group (``plait.engine.host_copies``), so a holder's token goes only to the
+job's own workers, over the channel that already carries their gradients.
 
 Which copies where (``Holders``): every rank puts its copy into its own machine's holder and, with several
 machines, into the next machine's too (machines in the order of their lowest global rank, the last one's peer
