@@ -30,10 +30,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_weights
+from helpers import run_ranks, run_weights
 
-from plait.engine.host_copies import find_copies
-from plait.fault.holder import Client, Holders, facing, open_server, start
+from plait.engine.host_copies import find_copies, holders_for
+from plait.fault.holder import ADDRESS_ENV, TOKEN_ENV, Client, Holders, facing, open_server, start
 from plait.fault.restart import read_progress, worker_pids
 
 ARGS = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
@@ -109,6 +109,30 @@ def test_copies_go_to_the_own_and_the_peer_machine_and_a_load_looks_there_in_tha
         for server in servers:
             server.server_close()
     assert facing("127.0.0.1") == "127.0.0.1"
+
+
+def _holders_of(rank: int, world: int) -> list[tuple[str, str | None, list[str]] | None]:
+    """Ranks 0 and 1 on machine A, rank 2 on machine B, as their launchers and agents set the environment: the
+    holders each rank learns, then again with rank 2's holder missing."""
+    import logging
+
+    os.environ.update({"GROUP_WORLD_SIZE": "2", ADDRESS_ENV: f"127.0.0.1:{4000 + rank // 2}",
+                       TOKEN_ENV: f"{rank // 2:032x}"})
+    out = []
+    for _ in range(2):
+        h = holders_for(rank, world, None, torch.device("cpu"), logging.getLogger("test"))
+        out.append(None if h is None else (h.own.endpoint, h.peer.endpoint if h.peer else None,
+                                           [o.endpoint for o in h.others]))
+        if rank == 2:
+            os.environ.pop(ADDRESS_ENV, None)
+    return out
+
+
+def test_workers_on_several_machines_learn_every_holder_in_one_exchange() -> None:
+    a, b = f"127.0.0.1:4000 {0:032x}", f"127.0.0.1:4001 {1:032x}"
+    r0, r1, r2 = run_ranks(_holders_of, 3)
+    assert r0[0] == r1[0] == (a, b, []) and r2[0] == (b, a, [])  # A's peer is B, B's is A
+    assert r0[1] == r1[1] == (a, None, []) and r2[1] is None  # no holder on B: copies stay on each one's own
 
 
 def test_a_copy_loads_back_exactly_and_one_that_does_not_fit_is_refused(tmp_path: Path, monkeypatch) -> None:
