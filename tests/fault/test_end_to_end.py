@@ -231,9 +231,13 @@ def test_torchrun_max_restarts_resumes_the_same_way(tmp_path: Path, clean) -> No
 
 
 class TwoHosts:
-    """Two network namespaces joined by a veth pair: hosts 10.203.0.1 and 10.203.0.2 (made and removed here)."""
+    """Two network namespaces joined by a veth pair: hosts 10.203.0.1 and 10.203.0.2 (made and removed here). Their
+    names carry this process's id: two test runs on one machine each make and remove their own (``close`` kills
+    every process in the namespaces it names)."""
 
-    NS, DEV, ADDR = ("plait-fa", "plait-fb"), ("pltfva", "pltfvb"), ("10.203.0.1", "10.203.0.2")
+    TAG = os.getpid() % 100000
+    NS, DEV = (f"plait-fa{TAG}", f"plait-fb{TAG}"), (f"pltfa{TAG}", f"pltfb{TAG}")  # device names: 15 characters
+    ADDR = ("10.203.0.1", "10.203.0.2")
 
     def __enter__(self) -> TwoHosts:
         self.close()
