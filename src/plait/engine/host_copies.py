@@ -56,19 +56,20 @@ def _exchange(endpoint: str, group: Any, world_size: int, device: torch.device) 
 
 
 def holders_for(rank: int, world_size: int, group: Any, device: torch.device, logger: Any) -> Holders | None:
-    """This rank's ``Holders`` (None where no holder runs beside it). Collective on several machines (every rank
-    calls it: the all-gather of the holders' endpoints); local on one."""
+    """This rank's ``Holders``; None where no holder runs beside it, and on several machines on every rank when
+    any rank has none (the same answer everywhere: ``find_copies`` is collective). Collective on several machines
+    (every rank calls it: the all-gather of the holders' endpoints); local on one."""
     client = Client.from_env()
     if not several_machines() or world_size == 1:
         return Holders(client) if client is not None else None
     endpoints = _exchange(client.endpoint if client is not None else "", group, world_size, device)
-    if client is None:
-        return None
-    if not all(endpoints):
+    if not all(endpoints):  # None on every rank alike: a load needs every rank's copy, and is collective
         missing = [r for r, e in enumerate(endpoints) if not e]
-        logger.warning("fault.memory_checkpoint: ranks %s run without an in-memory checkpoint holder (started "
-                       "without plait train?): copies stay on each machine's own holder, none on a peer", missing)
-        return Holders(client)
+        if client is not None:
+            logger.warning("fault.memory_checkpoint: ranks %s run without an in-memory checkpoint holder (started "
+                           "without plait train?): no in-memory copies in this attempt, disk checkpoints only",
+                           missing)
+        return None
     return Holders.of_ranks(endpoints, rank)
 
 
