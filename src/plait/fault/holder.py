@@ -141,8 +141,9 @@ def facing(host: str) -> str:
             return str(s.getsockname()[0])
     except OSError as e:
         raise RuntimeError(f"fault.memory_checkpoint: no route from this machine to the rendezvous host {host!r} "
-                           f"({e}) for the in-memory checkpoint holder to listen on; check --rdzv-endpoint, or set "
-                           "fault.memory_checkpoint=false to train with disk checkpoints only") from None
+                           f"({e}) for the in-memory checkpoint holder to listen on; check --rdzv-endpoint, give this "
+                           "machine's address with --local-addr, or set fault.memory_checkpoint=false to train with "
+                           "disk checkpoints only") from None
 
 
 class Holder:
