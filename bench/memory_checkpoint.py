@@ -9,7 +9,14 @@ time of a save (from the goodput ledger: the memory copy is paid there). Target:
 faster than the disk load (on a machine whose checkpoint sits in the page cache it can come out false: the
 disk is then memory too). Prints JSON.
 
+``--link``: the second copy's transfer on several machines, alone: a holder in one network namespace, a client in
+another, over bench/compress.py's link (veth, each end shaped to 1 Gbit/s, 10 ms), against a holder on loopback;
+``--mb`` megabytes (default 172: the 8 x 384 GPT's model and optimizer state), a put then a get, timed. Verdict:
+the put over the link within 2x the link's line-rate time (it can come out false: a holder slower than the
+link). Needs root (``"skipped"`` with the reason otherwise).
+
     python bench/memory_checkpoint.py [--quick] [--d-model 384] [--layers 8]
+    python bench/memory_checkpoint.py --link [--mb 172]
 """
 
 from __future__ import annotations
@@ -71,12 +78,71 @@ def run(name: str, root: Path, model: list[str], memory: bool, kill_holder: bool
             "save_blocking_s": round(sum(blocking) / len(blocking), 4) if blocking else None}
 
 
+# A client in the other namespace: one put and one get of argv[2] random bytes, timed; JSON on stdout.
+CLIENT = """
+import json, os, sys, time
+from plait.fault.holder import Client
+c = Client(sys.argv[1], os.environ["PLAIT_MEMORY_TOKEN"], timeout_s=300)
+payload = os.urandom(int(sys.argv[2]))
+t0 = time.perf_counter(); ok = c.put(0, 1, 1, payload); put = time.perf_counter() - t0
+t0 = time.perf_counter(); got = c.get(0); get = time.perf_counter() - t0
+whole = ok and got is not None and got[1] == payload
+print(json.dumps({"put_s": round(put, 3), "get_s": round(get, 3), "whole": whole}))
+"""
+
+
+def link(mb: int) -> dict:
+    """The peer copy's transfer over the shaped link, against loopback (see the module docstring)."""
+    import secrets
+
+    from compress import ADDRS, BenchError, Network
+
+    if os.geteuid() != 0:
+        return {"skipped": "--link creates network namespaces and must run as root"}
+    size, token = mb * 1_000_000, secrets.token_hex(16)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src"), "PLAIT_MEMORY_TOKEN": token}
+    net = Network("netns", f"mc{os.getpid() % 10000}")
+    try:
+        net.setup()
+    except BenchError as e:
+        net.close()
+        return {"skipped": str(e)}
+    out: dict = {"mb": mb}
+    try:
+        for name, holder_ns, client_ns, host in (("loopback", None, None, "127.0.0.1"),
+                                                 ("link_1gbit", net.hosts[0][0], net.hosts[1][0], ADDRS[0])):
+            wrap = ["ip", "netns", "exec", holder_ns] if holder_ns else []
+            holder = subprocess.Popen([*wrap, sys.executable, "-m", "plait.fault.holder", str(os.getpid()), host],
+                                      env=env, stdout=subprocess.PIPE, text=True)
+            try:
+                port = int(holder.stdout.readline().split()[1])
+                wrap = ["ip", "netns", "exec", client_ns] if client_ns else []
+                r = subprocess.run([*wrap, sys.executable, "-c", CLIENT, f"{host}:{port}", str(size)], env=env,
+                                   capture_output=True, text=True, timeout=600)
+                out[name] = json.loads(r.stdout) if r.returncode == 0 else {"error": r.stderr[-2000:]}
+            finally:
+                holder.kill()
+                holder.wait()
+    finally:
+        net.close()
+    line_rate_s = size * 8 / 1e9
+    put = out.get("link_1gbit", {}).get("put_s")
+    out.update(line_rate_s=round(line_rate_s, 3), verdict_put_within_2x_line_rate=bool(
+        put is not None and out["link_1gbit"].get("whole") and put <= 2 * line_rate_s))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small model (d_model 128, 4 layers)")
     ap.add_argument("--d-model", type=int, default=384)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--link", action="store_true", help="the peer copy's transfer over a 1 Gbit/s link (root)")
+    ap.add_argument("--mb", type=int, default=172, help="--link: megabytes per copy")
     a = ap.parse_args()
+    if a.link:
+        print(json.dumps(link(a.mb), indent=1))
+        return
     d, layers = (128, 4) if a.quick else (a.d_model, a.layers)
     model = [f"--model.d_model={d}", f"--model.n_layer={layers}", f"--model.n_head={max(1, d // 64)}",
              "--model.seq_len=128", "--train.global_batch_size=8"]
