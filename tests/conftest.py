@@ -34,6 +34,8 @@ RANK_IMPORTS = [
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # pytest-xdist's controller runs no test: each worker starts its own server
     from plait.runtime import spawn
 
     spawn.preload(RANK_IMPORTS)

@@ -430,9 +430,9 @@ USAGE = {
               "checkpoint (a restart: up to fault.max_restarts); one that joins later runs the same command with "
               "--resume RUN_DIR, and the running workers save at the step boundary before all go on at the "
               "larger world size. --rdzv-conf last_call_timeout=N,keep_alive_interval=N,keep_alive_max_attempt=N "
-              "tunes the rendezvous; --local-addr ADDRESS is the address the other machines reach this one at (default: "
-              "its host name's; fault.memory_checkpoint's holder listens there too, by default on the address "
-              "facing the rendezvous host) (docs/clusters.md)."),
+              "tunes the rendezvous; --local-addr ADDRESS is the address the other machines reach this one at "
+              "(default: its host name's; fault.memory_checkpoint's holder listens there too, by default on the "
+              "address facing the rendezvous host) (docs/clusters.md)."),
     "run": ("plait run [--nproc N] [--max-restarts R] SCRIPT [ARGS ...]",
             "Run your own script (plait.Plait or the Trainer) in N local worker processes under PyTorch's "
             "elastic agent, with RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT set as torchrun sets them.\n\n"

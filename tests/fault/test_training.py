@@ -153,7 +153,10 @@ def test_slow_worker_is_named_and_rebalanced(tmp_path: Path) -> None:
     # a step where compute dominates (the slow rank's extra time is 2x its compute): d_model 64, 32 x 64 tokens
     common = ["--train.steps=24", "--checkpoint.every=0", "--train.global_batch_size=32", "--train.micro_batch_size=8",
               "--model.seq_len=64", "--model.args.seq_len=64", "--model.args.d_model=64"]
-    slow = ["--fault.slow_rank=1", "--fault.slow_factor=3"]
+    # 3x slower: with 2 ranks its ratio to the median rank is 6 c1 / (c0 + 3 c1), 1.5 at equal compute; a factor of
+    # 1.2 names it while the other rank's compute c0 stays under 1.83 c1 (1.3 needed 1.62: on a loaded machine the
+    # other rank's compute stretched past that at times, and the run ended with no straggler named)
+    slow = ["--fault.slow_rank=1", "--fault.slow_factor=3", "--fault.straggler_factor=1.2"]
     errs = {}  # one run at a time: runs sharing the 2 cores would make each other's ranks look slow
     for name, extra in (("uniform", []), ("slow", slow), ("rebalanced", [*slow, "--fault.rebalance=true"])):
         errs.update(_done({name: _train(tmp_path, *common, *extra, f"--run.dir={name}")}))
