@@ -92,7 +92,12 @@ def _train(rank: int, root: str, name: str, steps: int, optimizer, parallel: dic
         weights[step + 1] = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         end = float(nn.functional.mse_loss(model(held_out[0]), held_out[1]))
-    out = {"losses": losses, "bytes": sent, "weights": weights, "held_out": (start, end), "lrs": lrs,
+    with p.evaluation():  # what an evaluation loop scores
+        scored = {k: v.clone() for k, v in model.state_dict().items()}
+        scored_loss = float(p.evaluate(model, held_out, nn.functional.mse_loss))
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    out = {"scored": scored, "scored_loss": scored_loss, "after_evaluation": after, "losses": losses, "bytes": sent,
+           "weights": weights, "held_out": (start, end), "lrs": lrs,
            "params": sum(q.numel() for q in model.parameters())}
     if save_at:
         p.save(f"{root}/{name}/ckpt", model=model)
@@ -114,6 +119,7 @@ def _plait_train(root: str) -> list[dict]:
     args = [a for a in TINY_CLI if not a.startswith("--parallel.nproc")]
     cfg = validate_config(load_recipe_config(overrides=args + [
         "--train.steps=4", "--parallel.sync=diloco", "--parallel.diloco_inner_steps=2", "--checkpoint.every=2",
+        "--train.eval_every=1",
         f"--run.dir={root}/trainer"]), WORLD)
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     build_trainer(cfg).fit()
@@ -318,3 +324,19 @@ def test_h10_with_schedule_clipping_and_weight_decay_matches_single_process_dilo
                   _reference(SCHEDULE_STEPS, 10, optimizer=_adamw_decay, scheduler=_warmup_cosine, clip=CLIP,
                              reset_inner=True)):
         assert not _close(other[0][SCHEDULE_STEPS][0], ref[SCHEDULE_STEPS][0], 1e-3)
+
+
+def test_evaluation_scores_the_synchronised_weights(runs: list[dict]) -> None:
+    # the H = 4 run ends 2 steps into a period: the replicas' own weights differ, an evaluation scores step 8's
+    # synchronised weights on every rank (the ones saved), and the replica's own come back after it
+    for rank in range(WORLD):
+        run = runs[rank]["diloco_h4"]
+        assert all(torch.equal(run["scored"][k], runs[0]["diloco_h4"]["weights"][8][k]) for k in run["scored"])
+        assert all(torch.equal(run["after_evaluation"][k], run["weights"][10][k]) for k in run["weights"][10])
+    assert runs[0]["diloco_h4"]["scored_loss"] == runs[1]["diloco_h4"]["scored_loss"]
+    # the trainer evaluates in it: at step 3 (one step into a period) it scores step 2's synchronised weights again
+    val = {r["step"]: r["val_loss"] for r in runs[0]["trainer"] if "val_loss" in r}
+    assert val[3] == val[2] and val[1] != val[2], val
+    # data parallelism: the model's own weights
+    assert all(torch.equal(runs[0]["dp_16"]["scored"][k], runs[0]["dp_16"]["weights"][16][k])
+               for k in runs[0]["dp_16"]["scored"])
