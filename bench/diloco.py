@@ -31,7 +31,8 @@ Verdict per DiLoCo run: true when it reached the target and its time to target i
 (``speedup`` = dp's time / DiLoCo's). A DiLoCo run that never reaches dp's loss within its steps is false.
 
     python bench/diloco.py [--quick] [--steps 150] [--inner-steps 10,30] [--outer 0.7:0.9,1.0:0]
-        [--diloco-factor 2] [--seed 1] [--no-dp-again] [--out FILE.json] [--keep DIR]   (as root: network namespaces)
+        [--diloco-factor 2] [--seed 1] [--no-dp-again] [--extra=--model.d_model=512 ...] [--out FILE.json]
+        [--keep DIR]                            (as root: it creates network namespaces)
 
 Where namespaces cannot be made (not root, no ``ip``/``tc``, a kernel without them) it prints one JSON object
 with ``"skipped"`` and the reason, and exits 0.
@@ -71,8 +72,8 @@ def run_one(name: str, extra: list[str], steps: int, eval_every: int, net: Netwo
             args: argparse.Namespace) -> dict:
     run_dir = root / name
     run_dir.mkdir(parents=True)
-    overrides = MODEL + COMMON + [f"--train.steps={steps}", f"--train.eval_every={eval_every}",
-                                  f"--train.seed={args.seed}", *extra]
+    overrides = MODEL + COMMON + args.extra + [f"--train.steps={steps}", f"--train.eval_every={eval_every}",
+                                               f"--train.seed={args.seed}", *extra]
     port = 29600 + index % 300 + os.getpid() % 50
     logs = [run_dir / f"rank{r}.log" for r in range(2)]
     load_before = os.getloadavg()[0]
@@ -170,6 +171,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--outer", default=f"{DEFAULT_OUTER_LR}:{DEFAULT_OUTER_MOMENTUM},1.0:0",
                     help="comma-separated outer LR:MOMENTUM pairs, one DiLoCo run per H each (momentum > 0: Nesterov)")
     ap.add_argument("--no-dp-again", action="store_true", help="skip the second dp run after the DiLoCo runs")
+    ap.add_argument("--extra", action="append", default=[], metavar="--SECTION.KEY=VALUE",
+                    help="an override for every run, after the bench's model (e.g. --extra=--model.d_model=512 for a "
+                         "model whose all-reduce outweighs its compute more); repeatable")
     ap.add_argument("--diloco-factor", type=float, default=2.0, help="DiLoCo runs this many times dp's steps")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--window", type=int, default=ttq.DEFAULT_WINDOW)
@@ -186,7 +190,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     report: dict = {"bench": "diloco", "network": "netns 1 Gbit/s (tc tbf, burst 256kb, latency 10ms), 2 ranks",
-                    "model_overrides": MODEL + COMMON, "dp_steps": args.steps, "seed": args.seed,
+                    "model_overrides": MODEL + COMMON + args.extra, "dp_steps": args.steps, "seed": args.seed,
                     "smoothing_window": args.window, "outer_settings": args.outer}
     problem = environment_problem()
     if problem:
