@@ -260,8 +260,9 @@ class ParallelConfig:
     sync: Literal["every_step", "diloco"] = "every_step"
     # sync=diloco: optimizer steps each replica takes alone between two synchronisations (H).
     diloco_inner_steps: int = 100
-    # sync=diloco: the outer optimizer's learning rate (DiLoCo's 0.7; 1.0 with momentum 0 averages the replicas'
-    # weights, as local SGD does).
+    # sync=diloco: the outer optimizer's learning rate (DiLoCo's 0.7, chosen for H in the hundreds; 1.0 with
+    # momentum 0 averages the replicas' weights, as local SGD does: the better start for H of a few tens or less,
+    # where 0.7 with Nesterov 0.9 moves lr / (1 - momentum) = 7x the mean weight change; see docs/layouts.md).
     diloco_outer_lr: float = 0.7
     # sync=diloco: the outer optimizer's momentum (DiLoCo's 0.9; 0 for plain averaging).
     diloco_outer_momentum: float = 0.9

@@ -19,6 +19,7 @@ so it holds the parameters the layout trains. The returned model is the user's o
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -451,6 +452,13 @@ class Plait(SmallCollectives):
         loss = self._loss_for(model, batch, loss_fn)
         value = strategy.evaluate(model, self.to_device(batch), loss)
         return strategy.reduce_loss(local_value(value).detach().double().cpu().reshape(()))
+
+    def evaluation(self) -> contextlib.AbstractContextManager:
+        """Context for an evaluation loop (``evaluate`` over held-out batches): the weights it scores are the ones
+        every data-parallel rank agrees on. The model's own for every layout except ``parallel.sync=diloco``, where
+        between two synchronisations they are the last synchronisation's (what checkpoints and exports hold), the
+        replica's own weights put back on exit. Every rank enters it; it communicates nothing."""
+        return self._require_strategy().evaluation()
 
     @explained
     def step(self, log: bool | None = None) -> StepInfo | None:

@@ -234,6 +234,11 @@ class Strategy:
         """Context forward and backward run in (tensor parallelism's loss parallelism); none by default."""
         return contextlib.nullcontext()
 
+    def evaluation(self) -> contextlib.AbstractContextManager:
+        """Context an evaluation loop runs in: the weights it scores are the model's own by default; a layout whose
+        replicas train weights of their own between synchronisations (DiLoCo) puts the ones they agree on in place."""
+        return contextlib.nullcontext()
+
     def backward(self, loss: torch.Tensor, scale: float | torch.Tensor) -> None:
         """Backward of one micro-batch's loss computed by the user's own forward, times ``scale`` (a float, or the
         loss scaler's device tensor); a scale of 1 multiplies nothing (its gradient would be the same)."""

@@ -91,6 +91,9 @@ class Wrapper(Strategy):
     def context(self) -> contextlib.AbstractContextManager:
         return self.inner.context()
 
+    def evaluation(self) -> contextlib.AbstractContextManager:
+        return self.inner.evaluation()
+
     def backward(self, loss: torch.Tensor, scale: float) -> None:
         self.inner.backward(loss, scale)
 

@@ -387,18 +387,19 @@ class Trainer:
         self.model.train(False)
         acc = torch.zeros(4, dtype=torch.float64)  # (sum of per-sample mean losses, samples, correct, counted)
         classify = isinstance(self.loss, ClassificationLoss) and p.model_whole
-        for batch in self.eval_loader:
-            _, n = _items(batch, self.loss)
-            if classify:
-                args, kwargs, target = self.loss.split(p.to_device(batch))
-                out = self.model(*args, **kwargs)
-                value = self.loss.loss(out, target).double().cpu()
-                acc[2] += float((out.argmax(-1) == target).sum())
-                acc[3] += n
-            else:
-                value = p.evaluate(self.model, batch, self.loss)
-            acc[0] += float(value) * n
-            acc[1] += n
+        with p.evaluation():  # the weights the ranks agree on (DiLoCo: the last synchronisation's)
+            for batch in self.eval_loader:
+                _, n = _items(batch, self.loss)
+                if classify:
+                    args, kwargs, target = self.loss.split(p.to_device(batch))
+                    out = self.model(*args, **kwargs)
+                    value = self.loss.loss(out, target).double().cpu()
+                    acc[2] += float((out.argmax(-1) == target).sum())
+                    acc[3] += n
+                else:
+                    value = p.evaluate(self.model, batch, self.loss)
+                acc[0] += float(value) * n
+                acc[1] += n
         self.model.train(True)
         acc = p.reduce(acc, op="sum")
         if acc[3] > 0:

@@ -26,10 +26,11 @@ after one step. For an inner update that is linear in the gradient (SGD, with or
 decay) that is data parallelism's update, up to float rounding; Adam's is not linear, so DiLoCo with AdamW
 differs from data parallelism with AdamW even at H = 1 (each replica normalises its own gradient).
 
-The inner optimizer's state stays each replica's own (DiLoCo's choice). Checkpoints and exports hold the
-weights every replica agrees on, those of the last synchronisation, with the outer momentum: a resume, or a
-rollback, starts a new inner period from them (the inner steps since that synchronisation are trained again
-from fresh data), and every replica takes the inner optimizer state of the first replica. Use a
+The inner optimizer's state stays each replica's own (DiLoCo's choice). Checkpoints, exports and evaluations
+(``Plait.evaluation``: the trainer scores its held-out set inside it) hold the weights every replica agrees on, those
+of the last synchronisation, with the outer momentum: a resume, or a rollback, starts a new inner period from them
+(the inner steps since that synchronisation are trained again from fresh data), and every replica takes the inner
+optimizer state of the first replica. Use a
 ``checkpoint.every`` and a ``train.steps`` that are multiples of H to lose nothing.
 
 A replica is one rank with the whole model: ZeRO, FSDP, tensor, pipeline and expert parallelism, a parameter
@@ -38,6 +39,8 @@ server and PyTorch DDP are refused with a message (see ``DiLoCo.check``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -224,6 +227,28 @@ class DiLoCo(DataParallel):
         shapes = [q.shape for q in self.trainable()[first:end]]  # PowerSGD approximates each matrix on its own
         delta.copy_(self.compressor.allreduce_mean(fragment, delta, self.topo.dp_group, shapes=shapes))
         return self.compressor.wire_bytes - before
+
+    @contextlib.contextmanager
+    def evaluation(self) -> Iterator[None]:
+        """The synchronised weights (the start weights of the period: what checkpoints and exports hold) in the model
+        while an evaluation runs, this replica's own put back after it: between synchronisations each replica's
+        weights differ, and the ranks would score different models, none of them the one that is saved. Right after
+        a synchronisation of the whole model they are the same values and nothing is copied. No communication; two
+        copies of the trainable weights at each evaluation, none on a training step."""
+        params = self.trainable()
+        if self._anchor is None or (self.num_fragments == 1 and self.since_start % self.inner_steps == 0):
+            yield
+            return
+        own = [q.detach().clone() for q in params]
+        with torch.no_grad():
+            for q, start in zip(params, self._views(self._anchor), strict=True):
+                q.copy_(start)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for q, mine in zip(params, own, strict=True):
+                    q.copy_(mine)
 
     def step_metrics(self) -> dict[str, Any]:
         return {"diloco_synced": bool(self._synced), "diloco_fragments_synced": len(self._synced)}
