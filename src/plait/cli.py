@@ -170,15 +170,16 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def _train_replicas(argv: list[str], cfg: Config, written: Config, run_dir: Path) -> int:
-    """``plait train`` with fault.mode=replicas: parallel.nproc torchft replica groups of one worker each, group g
-    training in RUN_DIR/replica<g> under its own elastic agent (restarting it up to fault.max_restarts times)."""
+    """``plait train`` with fault.mode=replicas: parallel.dp_replicate torchft replica groups (one per rank when 0)
+    of nproc / dp_replicate workers each, group g training in RUN_DIR/replica<g> under its own elastic agent
+    (restarting its workers up to fault.max_restarts times)."""
     from plait.fault.replicas import launch_replica_groups
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(written))
-    f, groups = cfg.fault, cfg.parallel.nproc
+    f, groups = cfg.fault, cfg.parallel.dp_replicate or cfg.parallel.nproc
     rc = launch_replica_groups(lambda g: ["-m", "plait.cli", "train", *argv, f"--run.dir={run_dir / f'replica{g}'}"],
-                               groups, f.max_restarts, f.lighthouse, f.min_replicas)
+                               groups, f.max_restarts, f.lighthouse, f.min_replicas, cfg.parallel.nproc // groups)
     if rc:
         print(f"plait: a replica group failed (exit status {rc}); see {run_dir}/replica*/errors", file=sys.stderr)
         return rc
@@ -265,18 +266,17 @@ def cmd_run(argv: list[str]) -> int:
 
 
 def _run_replicas(script: str, args: list[str], replicas: int, nproc: int, max_restarts: int, lighthouse: str) -> int:
-    """``plait run --replicas G``: the script as G torchft replica groups of one worker each (fault.mode=replicas),
-    each under its own elastic agent restarting it up to ``max_restarts`` times; a loopback Lighthouse unless
-    ``--lighthouse`` names one."""
+    """``plait run --replicas G [--nproc R]``: the script as G torchft replica groups of R workers each
+    (fault.mode=replicas; a group of several is data-parallel or sharded inside as the script's config says), each
+    group under its own elastic agent restarting its workers up to ``max_restarts`` times; a loopback Lighthouse
+    unless ``--lighthouse`` names one."""
     from plait.fault.replicas import launch_replica_groups, require_torchft
 
     if replicas < 1:
         raise ConfigError(f"--replicas must be at least 1 (replica groups); got {replicas}")
-    if nproc != 1:
-        raise ConfigError("--replicas runs one worker per replica group, holding the whole model (replica groups "
-                          f"sharded inside by ZeRO or FSDP2/HSDP are not supported yet); drop --nproc {nproc}")
     require_torchft()
-    rc = launch_replica_groups(lambda g: ["-m", "plait.launch", script, *args], replicas, max_restarts, lighthouse)
+    rc = launch_replica_groups(lambda g: ["-m", "plait.launch", script, *args], replicas, max_restarts, lighthouse,
+                               ranks=nproc)
     if rc:
         print(f"plait: a replica group failed (exit status {rc}) after {max_restarts} restart(s)", file=sys.stderr)
     return rc
