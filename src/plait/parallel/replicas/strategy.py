@@ -277,13 +277,17 @@ class Replicas(Wrapper):
         if ranks > 1:  # once, at setup: the group's ranks learn where its store is
             dist.broadcast_object_list(port, src=0)
         connect = timedelta(seconds=min(30.0, self.cfg.comm.timeout_s))
+        self._transport = _weights_only_transport(timeout)
         try:
             self.manager = Manager(
                 pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._heal, state_dict=self._heal_state,
                 min_replica_size=f.min_replicas, use_async_quorum=False, timeout=timeout, quorum_timeout=timeout,
                 connect_timeout=connect, rank=rank, world_size=ranks, store_addr=host, store_port=port[0],
                 lighthouse_addr=lighthouse, replica_id=f"plait_replica_{self.group_index}", hostname=host,
-                checkpoint_transport=_weights_only_transport(timeout))
+                checkpoint_transport=self._transport)
+            # torchft's step starts at the run's (a resumed group's is its checkpoint's): groups resumed from the
+            # same checkpoint keep their own (equal) state, and a group behind the others heals from one ahead
+            self.manager.load_state_dict({"step": int(run.state()["steps"]), "batches_committed": 0})
             self._first_quorum()
         except Exception as e:  # torchft's errors name a gRPC status; the user needs the address and the fix
             if self.manager is not None:
@@ -313,12 +317,12 @@ class Replicas(Wrapper):
                     b.master.copy_(b.shard)
 
     def _first_quorum(self) -> None:
-        """At the start of a run every group takes part in the first step (a group still starting would otherwise
-        miss the steps a faster one takes alone): quorums are asked again until all groups are in, for up to about
-        ``comm.timeout_s`` (counted in tries, so that every rank of a group asks as often). A replacement (its agent
-        restarted it) joins whoever is live at once."""
+        """At the start (or the resumption) of a run every group takes part in the first step (a group still
+        starting would otherwise miss the steps a faster one takes alone): quorums are asked again until all groups
+        are in, for up to about ``comm.timeout_s`` (counted in tries, so that every rank of a group asks as often). A
+        replacement (its agent restarted it) joins whoever is live at once."""
         self._quorum()
-        fresh = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 and self._run.state()["steps"] == 0
+        fresh = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
         tries = int(self.cfg.comm.timeout_s / 0.2)
         while fresh and self._participants < self.num_groups and tries > 0:
             time.sleep(0.2)
@@ -378,6 +382,17 @@ class Replicas(Wrapper):
         self._healed += 1
         self.logger.info("replica group %d healed from a live replica: joins at step %d (%.2f s to load)",
                          self.group_index, int(state["run"]["steps"]), time.perf_counter() - t0)
+
+    def finish_load(self) -> None:
+        """After a checkpoint load (a resumed run): torchft's step becomes the loaded one, and a quorum at once, so
+        that a group which loaded an older checkpoint, or none, heals from one ahead before its next step."""
+        self.inner.finish_load()
+        if self.manager is not None:
+            # what this rank served at the last quorum is stale now: a peer asking before this quorum stages the
+            # new state must wait for it (should_commit does the same at every step)
+            self._transport.disallow_checkpoint()
+            self.manager.load_state_dict({"step": int(self._run.state()["steps"]), "batches_committed": 0})
+            self._quorum()
 
     # -- the step ------------------------------------------------------------------------------------
     def _averaged(self) -> list[torch.Tensor]:
