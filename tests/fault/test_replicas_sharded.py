@@ -4,9 +4,11 @@
 Failure-free, ZeRO-1, ZeRO-2 and FSDP2 (zero=3) inside each group, one launch for the three: every rank of every
 group starts from the same weights after the first quorum (group 0's under ZeRO, whose ranks hold the whole model),
 and the run equals the user's plain single-process loop (AdamW on the 16 samples the four ranks read at each step,
-from those weights): the mean of the four ranks' losses within 1e-6 and every parameter after 3 steps within 1e-5
+from those weights): the mean of the four ranks' losses within 1e-6 and every parameter after 4 steps within 1e-5
 (float rounding: the group's reduce-scatter, then torchft's average over the groups, against one backward over the
-whole batch); the four ranks' full weights are bit-identical.
+whole batch); the four ranks' full weights are bit-identical. Checkpoints: each group saves its own (sharded) one;
+a resumed run where group 1 loads an older checkpoint than group 0 heals group 1 at the load (weights, optimizer
+state, step and data position), and ends its next step where the uninterrupted run did (1e-6).
 
 A failure, ZeRO-2 inside each group: rank 1 of group 1 SIGKILLed mid-run. Group 0's processes are the same ones
 throughout (one pid per rank), its step count only goes up and it trains alone while group 1 is away; group 1's agent
@@ -34,7 +36,7 @@ pytest.importorskip("torchft", reason="fault.mode=replicas needs torchft (pip in
 
 SCRIPT = Path(__file__).with_name("replica_sharded_script.py")
 RANKS = [(g, r) for g in (0, 1) for r in (0, 1)]
-STEPS, KILL_AT, MIN_STEPS = 3, 6, 20
+STEPS, KILL_AT, MIN_STEPS = 4, 6, 20
 
 
 def _records(path: Path) -> list[dict]:
@@ -106,7 +108,7 @@ def test_sharded_groups_equal_the_plain_loop(compared: dict, zero: int) -> None:
     assert all([r["step"] for r in rs] == list(range(1, STEPS + 1)) for rs in recs.values())
     assert all(r["live"] == 2 for rs in recs.values() for r in rs)
     batches = [sorted(i for rs in recs.values() for i in rs[s]["ids"]) for s in range(STEPS)]
-    assert batches == [list(range(16 * s, 16 * s + 16)) for s in range(STEPS)]  # four disjoint shares per step
+    assert all(len(set(b)) == 16 for b in batches) and len({i for b in batches for i in b}) == 16 * STEPS
     losses, final = _reference(starts[0], batches)
     mean = [sum(rs[s]["loss"] for rs in recs.values()) / 4 for s in range(STEPS)]
     assert mean == pytest.approx(losses, abs=1e-6)
@@ -115,6 +117,24 @@ def test_sharded_groups_equal_the_plain_loop(compared: dict, zero: int) -> None:
     for k, v in final.items():
         torch.testing.assert_close(fulls[0][k], v, rtol=0, atol=1e-5, msg=f"{k} after {STEPS} steps")
     assert max((fulls[0][k] - starts[0][k]).abs().max() for k in final) > 1e-3  # it trained
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_resumed_groups_heal_to_the_newest_checkpoint(compared: dict, zero: int) -> None:
+    """Each group loads its own checkpoint (group 1 an older one, into fresh weights of another seed): after the
+    load every rank is at group 0's step and data position, and the last step taken again ends where the run that
+    was not interrupted ended (within 1e-6)."""
+    out = compared["out"]
+    assert compared["rc"] == 0, compared["log"][-3000:]
+    resumed = [torch.load(out / f"z{zero}_resumed_g{g}r{r}.pt") for g, r in RANKS]
+    assert [(x["loaded"], x["steps"], x["live"]) for x in resumed] == [(STEPS - 1, STEPS, 2)] * 4
+    for (g, r), x in zip(RANKS, resumed, strict=True):  # the data position is group 0's too: the same shares
+        last = [rec for rec in _records(out / f"z{zero}_g{g}r{r}.jsonl") if rec.get("step") == STEPS]
+        assert x["ids"] == last[0]["ids"]
+    full = torch.load(out / f"z{zero}_full_g0r0.pt")
+    for k, v in full.items():
+        assert all(torch.equal(x[k], resumed[0][k]) for x in resumed)
+        torch.testing.assert_close(resumed[0][k], v, rtol=0, atol=1e-6, msg=f"{k} after the resumed step")
 
 
 @pytest.fixture(scope="module")
