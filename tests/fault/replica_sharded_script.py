@@ -1,16 +1,16 @@
 """A user's own loop under ``fault.mode = "replicas"`` with replica groups of several ranks (run by
 tests/fault/test_replicas_sharded.py through ``plait run --replicas 2 --nproc 2``), each group sharded inside by ZeRO
-or FSDP2. Every rank writes its records to OUT/g<g>r<j>.jsonl: per step its pid, step, loss, live groups and the
-sample ids it trained on.
+or FSDP2. Every rank writes its records to OUT/<run>_g<g>r<j>.jsonl: per step its pid, step, loss, live groups and
+the sample ids it trained on.
 
-``compare ZEROS STEPS``: for each ZeRO stage in ZEROS (comma-separated) one run of STEPS steps (group g's weights
-from seed g before the first quorum), saving the full model it starts from and ends with (OUT/z<zero>_start_...,
-OUT/z<zero>_full_g<g>r<j>.pt, gathered in its group) and checkpoints two steps before the end (both groups) and one
-step before it (group 0); then a resumed run from those checkpoints (group 1 from its older one) takes the last step
-again (OUT/z<zero>_resumed_g<g>r<j>.pt).
-``kill ZERO MIN_STEPS``: one run of at least MIN_STEPS steps, then until 5 steps in a row had every group live (a
-killed group's replacement came back), at most 400; each rank saves its own shards of the model and of the
-optimizer state (OUT/final_g<g>r<j>.pt)."""
+``OUT ZEROS STEPS KILL_ZERO MIN_STEPS``. First, for each ZeRO stage in ZEROS (comma-separated), one run of STEPS steps
+(group g's weights from seed g before the first quorum), saving the full model it starts from and ends with
+(OUT/z<zero>_start_..., OUT/z<zero>_full_g<g>r<j>.pt, gathered in its group) and checkpoints two steps before the end
+(both groups) and one step before it (group 0); then a resumed run from those checkpoints (group 1 from its older
+one) takes the last step again (OUT/z<zero>_resumed_g<g>r<j>.pt). Then the run at KILL_ZERO the test kills a rank
+of: at least MIN_STEPS steps, then until 5 steps in a row had every group live (the killed group's replacement, which
+starts here, came back), at most 400; each rank saves its own shards of the model and of the optimizer state
+(OUT/final_g<g>r<j>.pt)."""
 
 import json
 import os
@@ -83,42 +83,52 @@ def run(out: str, name: str, zero: int, min_steps: int, until_all_live: bool, sa
     return p, model, opt
 
 
-if __name__ == "__main__":
-    out, mode = sys.argv[1], sys.argv[2]
+def compare(out: str, zeros: list[int], steps: int) -> None:
     group = int(os.environ["PLAIT_REPLICA_GROUP"])
-    if mode == "compare":
-        steps = int(sys.argv[4])
-        for zero in [int(z) for z in sys.argv[3].split(",")]:
-            # checkpoints: both groups two steps before the end, group 0 also one step before it
-            saves = {steps - 2: "early", **({steps - 1: "last"} if group == 0 else {})}
-            p, model, _ = run(out, f"z{zero}", zero, steps, until_all_live=False, saves=saves)
-            full = p.full_state_dict(model)
-            torch.save({k: v.detach().clone() for k, v in full.items()}, f"{out}/z{zero}_full_g{group}r{p.rank}.pt")
-            p.close()
-            # a resumed run: group 0 from its newest checkpoint, group 1 from its older one (it heals to group 0's
-            # step at the load), fresh weights of another seed before the load; then the last step again
-            p = make(out, f"z{zero}_resumed", zero)
-            torch.manual_seed(10 + group)
-            model, _ = p.setup(build(), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
-            loader = p.setup_dataloader(data())
-            p.load(f"{out}/z{zero}_{'last' if group == 0 else 'early'}_g{group}", dataloader=loader)
-            loaded = p.steps
-            xb, yb, ids = next(iter(loader))
-            p.backward(nn.functional.mse_loss(model(xb), yb))
-            info = p.step(log=False)
-            full = p.full_state_dict(model)
-            torch.save({"loaded": loaded, "steps": p.steps, "ids": ids.tolist(), "live": info.strategy_metrics[
-                "replicas_live"], **{k: v.detach().clone() for k, v in full.items()}},
-                       f"{out}/z{zero}_resumed_g{group}r{p.rank}.pt")
-            p.close()
-    else:
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-            # a replacement that takes a while to arrive (a new machine would), so that the survivor steps alone
-            time.sleep(4)
-        p, model, opt = run(out, "kill", int(sys.argv[3]), int(sys.argv[4]), until_all_live=True)
-        inner = opt.optimizer if hasattr(opt, "buckets") else opt
-        state = {f"optim.{i}.{k}": local(v) for i, s in inner.state_dict()["state"].items() for k, v in s.items()
-                 if isinstance(v, torch.Tensor)}
-        model_sd = {f"model.{k}": local(v) for k, v in p.strategy.model_entries().items()}
-        torch.save({**model_sd, **state}, f"{out}/final_g{group}r{p.rank}.pt")
+    for zero in zeros:
+        # checkpoints: both groups two steps before the end, group 0 also one step before it
+        saves = {steps - 2: "early", **({steps - 1: "last"} if group == 0 else {})}
+        p, model, _ = run(out, f"z{zero}", zero, steps, until_all_live=False, saves=saves)
+        full = p.full_state_dict(model)
+        torch.save({k: v.detach().clone() for k, v in full.items()}, f"{out}/z{zero}_full_g{group}r{p.rank}.pt")
         p.close()
+        # a resumed run: group 0 from its newest checkpoint, group 1 from its older one (it heals to group 0's
+        # step at the load), fresh weights of another seed before the load; then the last step again
+        p = make(out, f"z{zero}_resumed", zero)
+        torch.manual_seed(10 + group)
+        model, _ = p.setup(build(), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
+        loader = p.setup_dataloader(data())
+        p.load(f"{out}/z{zero}_{'last' if group == 0 else 'early'}_g{group}", dataloader=loader)
+        loaded = p.steps
+        xb, yb, ids = next(iter(loader))
+        p.backward(nn.functional.mse_loss(model(xb), yb))
+        info = p.step(log=False)
+        full = p.full_state_dict(model)
+        torch.save({"loaded": loaded, "steps": p.steps, "ids": ids.tolist(), "live": info.strategy_metrics[
+            "replicas_live"], **{k: v.detach().clone() for k, v in full.items()}},
+                   f"{out}/z{zero}_resumed_g{group}r{p.rank}.pt")
+        p.close()
+
+
+def kill(out: str, zero: int, min_steps: int) -> None:
+    group = int(os.environ["PLAIT_REPLICA_GROUP"])
+    p, model, opt = run(out, "kill", zero, min_steps, until_all_live=True)
+    inner = opt.optimizer if hasattr(opt, "buckets") else opt
+    state = {f"optim.{i}.{k}": local(v) for i, s in inner.state_dict()["state"].items() for k, v in s.items()
+             if isinstance(v, torch.Tensor)}
+    model_sd = {f"model.{k}": local(v) for k, v in p.strategy.model_entries().items()}
+    torch.save({**model_sd, **state}, f"{out}/final_g{group}r{p.rank}.pt")
+    p.close()
+
+
+if __name__ == "__main__":
+    # OUT ZEROS STEPS KILL_ZERO MIN_STEPS: the compared runs, then the run whose rank the test kills
+    out, zeros, steps, kill_zero, min_steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \
+        int(sys.argv[5])
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        compare(out, [int(z) for z in zeros.split(",")], steps)
+    else:
+        # the killed group's replacement goes straight to the run it left; a moment late (a new machine would be),
+        # so that the survivor steps alone
+        time.sleep(1)
+    kill(out, kill_zero, min_steps)

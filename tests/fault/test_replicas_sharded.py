@@ -1,7 +1,9 @@
 """Replica groups of several ranks, sharded inside (``fault.mode = "replicas"``, ``plait run --replicas 2 --nproc 2``:
 2 torchft replica groups x 2 ranks; tests/fault/replica_sharded_script.py is the user's loop).
 
-Failure-free, ZeRO-1, ZeRO-2 and FSDP2 (zero=3) inside each group, one launch for the three: every rank of every
+One launch for every test here (tests/fault/replica_sharded_script.py runs the failure-free runs, then the one with a
+failure; only the killed group's replacement skips to the latter). Failure-free, ZeRO-1, ZeRO-2 and FSDP2 (zero=3)
+inside each group: every rank of every
 group starts from the same weights after the first quorum (group 0's under ZeRO, whose ranks hold the whole model),
 and the run equals the user's plain single-process loop (AdamW on the 16 samples the four ranks read at each step,
 from those weights): the mean of the four ranks' losses within 1e-6 and every parameter after 4 steps within 1e-5
@@ -71,8 +73,10 @@ def _launch(out: Path, *args: str, kill: tuple[str, int] | None = None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def compared(tmp_path_factory) -> dict:
-    return _launch(tmp_path_factory.mktemp("replicas_sharded"), "compare", "1,2,3", str(STEPS))
+def launched(tmp_path_factory) -> dict:
+    """One launch for every test here: the compared runs, then the run whose rank 1 of group 1 is killed."""
+    return _launch(tmp_path_factory.mktemp("replicas_sharded"), "1,2,3", str(STEPS), "2", str(MIN_STEPS),
+                   kill=("kill_g1r1.jsonl", KILL_AT))
 
 
 def _reference(start: dict[str, torch.Tensor], batches: list[list[int]]) -> tuple[list[float], dict]:
@@ -94,9 +98,9 @@ def _reference(start: dict[str, torch.Tensor], batches: list[list[int]]) -> tupl
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_sharded_groups_equal_the_plain_loop(compared: dict, zero: int) -> None:
-    out = compared["out"]
-    assert compared["rc"] == 0, compared["log"][-3000:]
+def test_sharded_groups_equal_the_plain_loop(launched: dict, zero: int) -> None:
+    out = launched["out"]
+    assert launched["rc"] == 0, launched["log"][-3000:]
     starts = [torch.load(out / f"z{zero}_start_g{g}r{r}.pt") for g, r in RANKS]
     assert all(torch.equal(s[k], starts[0][k]) for s in starts for k in starts[0])  # one start everywhere
     if zero < 3:  # ZeRO: group 0's rank 0's weights (seed 0), on every rank (FSDP2: each shard from one group)
@@ -120,12 +124,12 @@ def test_sharded_groups_equal_the_plain_loop(compared: dict, zero: int) -> None:
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_resumed_groups_heal_to_the_newest_checkpoint(compared: dict, zero: int) -> None:
+def test_resumed_groups_heal_to_the_newest_checkpoint(launched: dict, zero: int) -> None:
     """Each group loads its own checkpoint (group 1 an older one, into fresh weights of another seed): after the
     load every rank is at group 0's step and data position, and the last step taken again ends where the run that
     was not interrupted ended (within 1e-6)."""
-    out = compared["out"]
-    assert compared["rc"] == 0, compared["log"][-3000:]
+    out = launched["out"]
+    assert launched["rc"] == 0, launched["log"][-3000:]
     resumed = [torch.load(out / f"z{zero}_resumed_g{g}r{r}.pt") for g, r in RANKS]
     assert [(x["loaded"], x["steps"], x["live"]) for x in resumed] == [(STEPS - 1, STEPS, 2)] * 4
     for (g, r), x in zip(RANKS, resumed, strict=True):  # the data position is group 0's too: the same shares
@@ -137,17 +141,11 @@ def test_resumed_groups_heal_to_the_newest_checkpoint(compared: dict, zero: int)
         torch.testing.assert_close(resumed[0][k], v, rtol=0, atol=1e-6, msg=f"{k} after the resumed step")
 
 
-@pytest.fixture(scope="module")
-def killed_run(tmp_path_factory) -> dict:
-    return _launch(tmp_path_factory.mktemp("replicas_sharded_kill"), "kill", "2", str(MIN_STEPS),
-                   kill=("kill_g1r1.jsonl", KILL_AT))
-
-
-def test_killed_rank_of_a_sharded_group_heals_per_rank(killed_run: dict) -> None:
-    out = killed_run["out"]
-    assert killed_run["rc"] == 0, killed_run["log"][-3000:]
-    assert killed_run["killed"] is not None
-    kill_step = killed_run["killed"][1]
+def test_killed_rank_of_a_sharded_group_heals_per_rank(launched: dict) -> None:
+    out = launched["out"]
+    assert launched["rc"] == 0, launched["log"][-3000:]
+    assert launched["killed"] is not None
+    kill_step = launched["killed"][1]
     for r in (0, 1):
         survivor = [x for x in _records(out / f"kill_g0r{r}.jsonl") if "step" in x]
         assert len({x["pid"] for x in survivor}) == 1  # never restarted
@@ -166,7 +164,7 @@ def test_killed_rank_of_a_sharded_group_heals_per_rank(killed_run: dict) -> None
         assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
     shards = [torch.load(out / f"final_g0r{r}.pt") for r in (0, 1)]  # ZeRO: each rank its own optimizer shard
     assert not torch.equal(shards[0]["optim.0.exp_avg"], shards[1]["optim.0.exp_avg"])
-    assert len(killed_run["log"].split("healed from a live replica: joins at step")) >= 3  # the start, the heal
+    assert len(launched["log"].split("healed from a live replica: joins at step")) >= 3  # the start, the heal
 
 
 def test_tensor_parallelism_inside_a_group_is_refused() -> None:
