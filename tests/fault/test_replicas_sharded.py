@@ -3,14 +3,14 @@
 
 One launch for every test here (tests/fault/replica_sharded_script.py runs the failure-free runs, then the one with a
 failure; only the killed group's replacement skips to the latter). Failure-free, ZeRO-1, ZeRO-2 and FSDP2 (zero=3)
-inside each group: every rank of every
-group starts from the same weights after the first quorum (group 0's under ZeRO, whose ranks hold the whole model),
-and the run equals the user's plain single-process loop (AdamW on the 16 samples the four ranks read at each step,
-from those weights): the mean of the four ranks' losses within 1e-6 and every parameter after 4 steps within 1e-5
-(float rounding: the group's reduce-scatter, then torchft's average over the groups, against one backward over the
-whole batch); the four ranks' full weights are bit-identical. Checkpoints: each group saves its own (sharded) one;
-a resumed run where group 1 loads an older checkpoint than group 0 heals group 1 at the load (weights, optimizer
-state, step and data position), and ends its next step where the uninterrupted run did (1e-6).
+inside each group, and data parallelism with plait's reducer (zero=0): every rank of every group starts from the same
+weights after the first quorum (group 0's where the ranks hold the whole model), and the run equals the user's plain
+single-process loop (AdamW on the 16 samples the four ranks read at each step, from those weights): the mean of the
+four ranks' losses within 1e-6 and every parameter after 4 steps within 1e-5 (float rounding: the group's reduction,
+then torchft's average over the groups, against one backward over the whole batch); the four ranks' full weights are
+bit-identical. Checkpoints: each group saves its own (sharded) one; a resumed run where group 1 loads an older
+checkpoint than group 0 heals group 1 at the load (weights, optimizer state, step and data position), and ends its
+next step where the uninterrupted run did (1e-6).
 
 A failure, ZeRO-2 inside each group: rank 1 of group 1 SIGKILLed mid-run. Group 0's processes are the same ones
 throughout (one pid per rank), its step count only goes up and it trains alone while group 1 is away; group 1's agent
@@ -75,7 +75,7 @@ def _launch(out: Path, *args: str, kill: tuple[str, int] | None = None) -> dict:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
     """One launch for every test here: the compared runs, then the run whose rank 1 of group 1 is killed."""
-    return _launch(tmp_path_factory.mktemp("replicas_sharded"), "1,2,3", str(STEPS), "2", str(MIN_STEPS),
+    return _launch(tmp_path_factory.mktemp("replicas_sharded"), "0,1,2,3", str(STEPS), "2", str(MIN_STEPS),
                    kill=("kill_g1r1.jsonl", KILL_AT))
 
 
@@ -97,13 +97,13 @@ def _reference(start: dict[str, torch.Tensor], batches: list[list[int]]) -> tupl
     return losses, model.state_dict()
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_sharded_groups_equal_the_plain_loop(launched: dict, zero: int) -> None:
     out = launched["out"]
     assert launched["rc"] == 0, launched["log"][-3000:]
     starts = [torch.load(out / f"z{zero}_start_g{g}r{r}.pt") for g, r in RANKS]
     assert all(torch.equal(s[k], starts[0][k]) for s in starts for k in starts[0])  # one start everywhere
-    if zero < 3:  # ZeRO: group 0's rank 0's weights (seed 0), on every rank (FSDP2: each shard from one group)
+    if zero < 3:  # the whole model on every rank: group 0's rank 0's (seed 0) (FSDP2: each shard from one group)
         from replica_sharded_script import build
 
         torch.manual_seed(0)
@@ -123,7 +123,7 @@ def test_sharded_groups_equal_the_plain_loop(launched: dict, zero: int) -> None:
     assert max((fulls[0][k] - starts[0][k]).abs().max() for k in final) > 1e-3  # it trained
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_resumed_groups_heal_to_the_newest_checkpoint(launched: dict, zero: int) -> None:
     """Each group loads its own checkpoint (group 1 an older one, into fresh weights of another seed): after the
     load every rank is at group 0's step and data position, and the last step taken again ends where the run that

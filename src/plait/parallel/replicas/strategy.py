@@ -457,6 +457,8 @@ class Replicas(Wrapper):
 
     def close(self) -> None:
         if self.manager is not None:
-            self.manager.shutdown(wait=False)
+            # wait=True: torchft's non-blocking shutdown leaves its checkpoint server serving (its flag to stop the
+            # server's loop has a mangled name), which a process that goes on (a second Plait) keeps, locked
+            self.manager.shutdown(wait=True)
             self.manager = None
         self.inner.close()
