@@ -289,6 +289,10 @@ class Replicas(Wrapper):
             # same checkpoint keep their own (equal) state, and a group behind the others heals from one ahead
             self.manager.load_state_dict({"step": int(run.state()["steps"]), "batches_committed": 0})
             self._first_quorum()
+            if self.manager.current_step() == 0:  # every group in the quorum is here too: none has stepped yet
+                # each past its first quorum (a heal's state fetched) before any goes on: a group that loads a
+                # checkpoint next withdraws what it served (finish_load), which a slower peer may not have fetched
+                self.manager.allreduce(torch.zeros(1)).wait()
         except Exception as e:  # torchft's errors name a gRPC status; the user needs the address and the fix
             if self.manager is not None:
                 self.manager.shutdown(wait=False)
