@@ -37,6 +37,9 @@ from plait.runtime.args import split_args
 NODE_OPTIONS = ("--nnodes", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--local-addr")
 
 
+REPLICA_RESUME_ENV = "PLAIT_REPLICA_RESUME"  # set by plait train --resume for its replica groups' workers
+
+
 def _split_train_args(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
     """Separate the optional CONFIG path, ``--resume DIR`` and ``--section.key=value`` overrides (the options for
     several machines, ``NODE_OPTIONS``, are read by ``_nodes_of``)."""
@@ -63,7 +66,9 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
 
     config_path, resume, overrides = _split_train_args(argv)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    replacement = restarted and "PLAIT_REPLICA_GROUP" in os.environ  # heals from a live replica, not from disk
+    # a replica group's replacement heals from a live replica (or its own newest checkpoint), and a resumed replica
+    # group continues from its own newest checkpoint: neither is a new run in a directory that holds one
+    replacement = (restarted or os.environ.get(REPLICA_RESUME_ENV) == "1") and "PLAIT_REPLICA_GROUP" in os.environ
     if not resume and restarted and not replacement:
         # torchrun --max-restarts started this worker again: continue the run it was training
         cfg0 = load_recipe_config(config_path, overrides)
@@ -75,7 +80,8 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
         run_dir = Path(resume)
         if config_path:
             raise ConfigError("pass either CONFIG.toml or --resume RUN_DIR (a resumed run uses its saved config)")
-        if not (run_dir / "config.toml").is_file() or latest_checkpoint(run_dir) is None:
+        groups = [latest_checkpoint(d) for d in sorted(run_dir.glob("replica*")) if d.is_dir()]  # fault.mode=replicas
+        if not (run_dir / "config.toml").is_file() or (latest_checkpoint(run_dir) is None and not any(groups)):
             raise ConfigError(
                 f"{run_dir} holds no checkpoint to resume from (no {run_dir}/checkpoints/latest); "
                 "start a new run without --resume, or point --resume at a run directory that saved one"
@@ -117,15 +123,17 @@ def cmd_train(argv: list[str]) -> int:
         require_plotting()
     external = launched_externally()
     if cfg.fault.mode == "replicas" and not external:
-        return _train_replicas(argv, cfg, written, run_dir)
+        return _train_replicas(argv, cfg, written, run_dir, resume)
     is_rank0 = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
     if is_rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(written))
     if external:
         os.environ.setdefault(ERROR_DIR_ENV, str((run_dir / "errors").resolve()))
-        if "PLAIT_REPLICA_GROUP" in os.environ and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-            # a replica group's replacement heals from a live group; with none live, its own newest checkpoint
+        if "PLAIT_REPLICA_GROUP" in os.environ and (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+                                                    or os.environ.get(REPLICA_RESUME_ENV) == "1"):
+            # a replica group's replacement heals from a live group, else continues from its own newest checkpoint;
+            # a resumed group continues from its own newest checkpoint (one without heals from the others)
             from plait.components.checkpoint import latest_checkpoint
 
             resume = latest_checkpoint(run_dir) is not None
@@ -167,16 +175,28 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
-def _train_replicas(argv: list[str], cfg: Config, written: Config, run_dir: Path) -> int:
-    """``plait train`` with fault.mode=replicas: parallel.nproc torchft replica groups of one worker each, group g
-    training in RUN_DIR/replica<g> under its own elastic agent (restarting it up to fault.max_restarts times)."""
+def _train_replicas(argv: list[str], cfg: Config, written: Config, run_dir: Path, resume: bool = False) -> int:
+    """``plait train`` with fault.mode=replicas: parallel.dp_replicate torchft replica groups (one per rank when 0)
+    of nproc / dp_replicate workers each, group g training in RUN_DIR/replica<g> under its own elastic agent
+    (restarting its workers up to fault.max_restarts times). With ``--resume RUN_DIR`` each group continues from
+    the newest checkpoint in RUN_DIR/replica<g>, and a group that has none heals from the others at the first step."""
     from plait.fault.replicas import launch_replica_groups
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(written))
-    f, groups = cfg.fault, cfg.parallel.nproc
+    f, groups = cfg.fault, cfg.parallel.dp_replicate or cfg.parallel.nproc
+    if resume:  # each group from its own directory, with the run's saved config and this command's overrides
+        from plait.components.checkpoint import latest_checkpoint
+
+        missing = [g for g in range(groups) if latest_checkpoint(run_dir / f"replica{g}") is None]
+        if missing:  # it would start from fresh weights while the others resume: the groups must start equal
+            raise ConfigError(f"--resume {run_dir}: replica group(s) {missing} hold no checkpoint in "
+                              f"{run_dir}/replica<g>/checkpoints; copy another group's checkpoints directory there "
+                              "(the groups hold the same state at the same step), or start a new run")
+        argv = [str(run_dir / "config.toml"), *_split_train_args(argv)[2]]
+        os.environ[REPLICA_RESUME_ENV] = "1"
     rc = launch_replica_groups(lambda g: ["-m", "plait.cli", "train", *argv, f"--run.dir={run_dir / f'replica{g}'}"],
-                               groups, f.max_restarts, f.lighthouse, f.min_replicas)
+                               groups, f.max_restarts, f.lighthouse, f.min_replicas, cfg.parallel.nproc // groups)
     if rc:
         print(f"plait: a replica group failed (exit status {rc}); see {run_dir}/replica*/errors", file=sys.stderr)
         return rc
@@ -282,18 +302,17 @@ def cmd_run(argv: list[str]) -> int:
 
 
 def _run_replicas(script: str, args: list[str], replicas: int, nproc: int, max_restarts: int, lighthouse: str) -> int:
-    """``plait run --replicas G``: the script as G torchft replica groups of one worker each (fault.mode=replicas),
-    each under its own elastic agent restarting it up to ``max_restarts`` times; a loopback Lighthouse unless
-    ``--lighthouse`` names one."""
+    """``plait run --replicas G [--nproc R]``: the script as G torchft replica groups of R workers each
+    (fault.mode=replicas; a group of several is data-parallel or sharded inside as the script's config says), each
+    group under its own elastic agent restarting its workers up to ``max_restarts`` times; a loopback Lighthouse
+    unless ``--lighthouse`` names one."""
     from plait.fault.replicas import launch_replica_groups, require_torchft
 
     if replicas < 1:
         raise ConfigError(f"--replicas must be at least 1 (replica groups); got {replicas}")
-    if nproc != 1:
-        raise ConfigError("--replicas runs one worker per replica group, holding the whole model (replica groups "
-                          f"sharded inside by ZeRO or FSDP2/HSDP are not supported yet); drop --nproc {nproc}")
     require_torchft()
-    rc = launch_replica_groups(lambda g: ["-m", "plait.launch", script, *args], replicas, max_restarts, lighthouse)
+    rc = launch_replica_groups(lambda g: ["-m", "plait.launch", script, *args], replicas, max_restarts, lighthouse,
+                               ranks=nproc)
     if rc:
         print(f"plait: a replica group failed (exit status {rc}) after {max_restarts} restart(s)", file=sys.stderr)
     return rc
@@ -442,7 +461,10 @@ USAGE = {
             "  --nnodes MIN:MAX --rdzv-endpoint HOST:PORT --rdzv-id ID   several machines, N workers each, meeting "
             "at HOST's rendezvous; a machine leaving or joining restarts the group: the script resumes from its "
             "newest checkpoint whenever one exists (TORCHELASTIC_RESTART_COUNT counts only failures, and each "
-            "machine its own)\n\n"
+            "machine its own)\n"
+            "  --replicas G [--lighthouse URL]   fault.mode=replicas: G torchft replica groups of N workers each, "
+            "each under its own agent (a group of several is data-parallel or sharded inside as the script's config "
+            "says; docs/fault-tolerance.md)\n\n"
             "A failed worker ends the run with one line naming its rank, its error and the file holding the "
             "traceback: RUN_DIR/errors/rank<r>.txt once the script has created plait.Plait (RUN_DIR is its "
             "run.dir), else a plait-run-* directory under the temporary directory. Options after SCRIPT go to "

@@ -294,6 +294,9 @@ def check_values(cfg: Config) -> Config:
                           f"{o.prometheus_port}")
     if p.bucket_mb <= 0:
         raise ConfigError("parallel.bucket_mb must be positive")
+    if p.dp_replicate < 0:
+        raise ConfigError(f"parallel.dp_replicate must be 0 (one replica group per rank) or the replica groups of "
+                          f"fault.mode=replicas; got {p.dp_replicate}")
     if p.dp_shard < 0:
         raise ConfigError(f"parallel.dp_shard must be 0 (shard over every data-parallel rank) or the ranks per "
                           f"shard group; got {p.dp_shard}")

@@ -221,6 +221,10 @@ class ParallelConfig:
     # sharded over groups of dp_shard ranks and replicated across the dp / (ep x dp_shard) groups; 0 shards
     # over every data-parallel rank (FSDP). Must divide dp / ep; needs zero=3.
     dp_shard: int = 0
+    # fault.mode=replicas: the torchft replica groups the nproc ranks form, nproc / dp_replicate ranks each (every
+    # group trains the whole model, data-parallel with plait's reducer or sharded inside by zero=1/2, FSDP2 or HSDP
+    # with dp_shard); 0: one group per rank. Elsewhere 0: the replicate degree follows from dp / dp_shard.
+    dp_replicate: int = 0
     # zero=3: free each block's gathered parameters after forward (false keeps them until backward).
     reshard_after_forward: bool = True
     # Tensor parallel: shard LayerNorm/dropout regions along the sequence (needs tp > 1).
@@ -318,7 +322,11 @@ class FaultConfig:
     # How a failed worker is survived: restart every worker from the newest checkpoint (restart), or per step on
     # torchft (replicas): each data-parallel replica group is a torchft replica group; when one dies the others
     # finish the step with the live replicas' gradients and go on, and its replacement heals from a live peer.
-    # Needs torchft (pip install 'plait[ft]') and the launcher's replica groups (plait run --replicas N, plait train).
+    # The groups are parallel.dp_replicate (one per rank by default); a group of several ranks is sharded inside by
+    # parallel.zero=1/2 (ZeRO), zero=3 (FSDP2, HSDP with dp_shard) or data-parallel with plait's reducer (zero=0);
+    # tensor, pipeline, expert and context parallelism inside a group are refused.
+    # Needs torchft (pip install 'plait[ft]') and the launcher's replica groups (plait run --replicas G [--nproc R],
+    # plait train).
     mode: Literal["restart", "replicas"] = "restart"
     # fault.mode=replicas: the torchft Lighthouse's address (http://HOST:PORT); empty: plait run and plait train
     # start one on this machine's loopback.

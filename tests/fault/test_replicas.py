@@ -208,13 +208,16 @@ def test_plait_train_replica_group_killed_and_healed(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("sections, message", [
-    ({"parallel": {"zero": 2}}, "does not compose with parallel.zero=2"),
-    ({"parallel": {"zero": 1}}, r"does not compose with parallel.zero=1 yet \(no sharding"),
-    # 2 replica groups x 2 ranks, each sharded inside by FSDP2 (HSDP): one clear error, not 4 groups of 1
-    ({"parallel": {"zero": 3, "dp_shard": 2}}, "does not compose with parallel.zero=3, parallel.dp_shard=2"),
+    # 2 groups of 1 rank: nothing to shard inside a group
+    ({"parallel": {"zero": 2}}, r"with parallel.zero=2 shards each replica group's state over its ranks, and a group "
+                                r"here is one rank \(2 groups\): set parallel.dp_replicate"),
+    ({"parallel": {"zero": 3}}, "with parallel.zero=3 shards each replica group's state over its ranks"),
+    ({"parallel": {"pp": 2}, "train": {"global_batch_size": 8}}, r"does not compose with parallel.pp=2 \(no tensor"),
     ({"parallel": {"sync": "diloco"}}, "does not compose with parallel.sync=diloco"),
     ({"comm": {"compress": "int8"}}, "does not compose with comm.compress=int8"),
+    ({"parallel": {"strategy": "zero"}}, "does not compose with parallel.strategy=zero"),
     ({"fault": {"min_replicas": 3}}, r"fault.min_replicas must lie in 1..2"),
+    ({"parallel": {"dp_replicate": 3}}, r"parallel.dp_replicate=3 replica groups must divide the 2 ranks"),
 ])
 def test_layouts_it_cannot_train_are_refused(sections: dict, message: str) -> None:
     from plait.config import ConfigError, from_sections
@@ -226,23 +229,33 @@ def test_layouts_it_cannot_train_are_refused(sections: dict, message: str) -> No
         validate(cfg, 2)
 
 
-def test_sharded_replica_groups_are_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A replica group of 2 ranks (a group sharded inside): refused where the group's world is known, and by
-    ``plait run --replicas G --nproc 2``."""
-    from plait.cli import cmd_run
+def test_replica_groups_of_several_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """parallel.dp_replicate splits the ranks into groups (a launcher's check); in a worker its group's world and the
+    launcher's environment say it; dp_replicate outside fault.mode=replicas and a dp_shard that does not divide a
+    group are refused."""
     from plait.config import ConfigError, from_sections
     from plait.parallel.replicas.strategy import Replicas
+    from plait.validate import validate
 
-    cfg = from_sections({"train": {"global_batch_size": 8}})
+    cfg = from_sections({"train": {"global_batch_size": 8}, "parallel": {"dp_replicate": 2, "zero": 2}})
     cfg.fault.mode = "replicas"
+    assert Replicas.resolve_degrees(cfg, 4)["dp_replicate"] == 2 and Replicas.resolve_degrees(cfg, 4)["dp_shard"] == 2
+    assert validate(cfg, 4).parallel.dp == 4  # every data-parallel rank of every group reads its own share
     monkeypatch.setenv("PLAIT_REPLICA_GROUP", "1")
-    monkeypatch.setenv("PLAIT_REPLICA_GROUPS", "2")
-    with pytest.raises(ConfigError, match="replica group 1 has 2 ranks; a group is one rank holding the whole model"):
+    monkeypatch.setenv("PLAIT_REPLICA_GROUPS", "3")
+    with pytest.raises(ConfigError, match="parallel.dp_replicate=2 but the launcher started 3 replica groups"):
         Replicas.resolve_degrees(cfg, 2)
-    assert Replicas.resolve_degrees(cfg, 1)["dp_replicate"] == 2
-    with pytest.raises(ConfigError, match="sharded inside by ZeRO or FSDP2/HSDP are not supported yet\\); drop "
-                                          "--nproc 2"):
-        cmd_run(["--replicas", "2", "--nproc", "2", str(SCRIPT)])
+    cfg.parallel.dp_replicate = 0
+    assert Replicas.resolve_degrees(cfg, 2) == {"pp": 1, "dp_replicate": 3, "dp_shard": 2, "ep": 1, "cp": 1, "tp": 1}
+    monkeypatch.delenv("PLAIT_REPLICA_GROUP")
+    hsdp = from_sections({"train": {"global_batch_size": 12}, "parallel": {"dp_replicate": 2, "zero": 3,
+                                                                            "dp_shard": 2}})
+    hsdp.fault.mode = "replicas"
+    with pytest.raises(ConfigError, match=r"parallel.dp_shard=2 must divide the 3 ranks of a replica group"):
+        validate(hsdp, 6)
+    plain = from_sections({"train": {"global_batch_size": 8}, "parallel": {"dp_replicate": 2}})
+    with pytest.raises(ConfigError, match="parallel.dp_replicate=2 sets the torchft replica groups of fault.mode"):
+        validate(plain, 4)
 
 
 def test_without_the_launcher_it_says_how_to_start(tmp_path: Path) -> None:

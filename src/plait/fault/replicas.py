@@ -1,9 +1,10 @@
 """Per-step fault tolerance on torchft (``fault.mode = "replicas"``): the launcher's side.
 
-Each data-parallel replica group runs as its own job under its own elastic agent (``torchrun --standalone``,
-restarting its workers up to ``fault.max_restarts`` times), so the death of one group's process ends nothing
-outside that group. The groups find one another through a torchft Lighthouse: ``fault.lighthouse`` names an
-existing one (clusters), otherwise the launcher starts one on this machine's loopback for the run's length.
+Each data-parallel replica group runs as its own job under its own elastic agent (``torchrun --standalone``
+with one worker per rank of the group, restarting them up to ``fault.max_restarts`` times), so the death of one
+group's process ends nothing outside that group. The groups find one another through a torchft Lighthouse:
+``fault.lighthouse`` names an existing one (clusters), otherwise the launcher starts one on this machine's loopback
+for the run's length.
 Every worker learns its group and the number of groups from ``PLAIT_REPLICA_GROUP`` / ``PLAIT_REPLICA_GROUPS``
 and the Lighthouse from ``TORCHFT_LIGHTHOUSE`` (torchft's own variable). What happens inside a worker is
 ``plait.parallel.replicas``.
@@ -75,10 +76,11 @@ def _raise_exit(signum: int, frame: Any) -> None:
 
 
 def launch_replica_groups(command: Callable[[int], list[str]], groups: int, max_restarts: int, lighthouse: str,
-                          min_replicas: int = 1) -> int:
-    """Run ``command(i)`` (a worker's argument list after ``python``) as replica group ``i`` of ``groups``, each under
-    its own elastic agent; with no ``lighthouse`` address a loopback Lighthouse is started for the run. Returns 0 when
-    every group ended well, else the first failing group's exit status (after the others were stopped). Ending the
+                          min_replicas: int = 1, ranks: int = 1) -> int:
+    """Run ``command(i)`` (a worker's argument list after ``python``) as replica group ``i`` of ``groups``, each of
+    ``ranks`` workers under its own elastic agent (which restarts all of them when one fails); with no
+    ``lighthouse`` address a loopback Lighthouse is started for the run. Returns 0 when every group ended well,
+    else the first failing group's exit status (after the others were stopped). Ending the
     launcher with SIGTERM or Ctrl-C stops every group; a launcher killed with SIGKILL leaves the groups' agents
     running (each in its own session) until their workers fail to reach the Lighthouse and their restarts run out.
     Call it from the main thread (it handles SIGTERM while it waits)."""
@@ -93,7 +95,7 @@ def launch_replica_groups(command: Callable[[int], list[str]], groups: int, max_
     try:
         for i in range(groups):
             env = {**os.environ, GROUP_ENV: str(i), GROUPS_ENV: str(groups), LIGHTHOUSE_ENV: lighthouse}
-            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                     f"--max-restarts={max_restarts}", *command(i)]
             procs.append(subprocess.Popen(argv, env=env, start_new_session=True))
         failed = 0

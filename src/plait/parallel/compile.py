@@ -93,7 +93,8 @@ def blocks_needed(cfg: Config, strategy_cls: Any) -> str:
     """Why this layout compiles block by block (empty: the whole model may be one region)."""
     if cfg.train.activation_checkpointing != "none":
         return "activation checkpointing recomputes each block"
-    return getattr(strategy_cls, "compile_blocks_because", "")
+    layout = strategy_cls.layout_class(cfg) if hasattr(strategy_cls, "layout_class") else strategy_cls
+    return getattr(layout, "compile_blocks_because", "")
 
 
 def compile_unit(cfg: Config, strategy_cls: Any, asked: Any = None) -> tuple[str | None, str]:

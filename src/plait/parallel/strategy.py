@@ -110,6 +110,13 @@ class Strategy:
     reduce_loss_every_step: ClassVar[bool] = False
 
     @classmethod
+    def layout_class(cls, cfg: Config) -> type[Strategy]:
+        """The class whose class-level facts (``compile_blocks_because``) describe the layout ``cfg`` trains: this
+        one, or for a strategy built around the one a config's other settings choose (``fault.mode=replicas``), that
+        one."""
+        return cls
+
+    @classmethod
     def wants_sample(cls, cfg: Config) -> bool:
         """Whether ``apply`` uses a sample micro-batch (a pipeline balancing its stages by measured cost)."""
         return False

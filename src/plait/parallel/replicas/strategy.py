@@ -1,42 +1,56 @@
 """Per-step fault tolerance on torchft (``fault.mode = "replicas"``): data-parallel replica groups that survive the
 death of one another without a restart or a rollback.
 
-Each data-parallel replica group is a torchft replica group (here: one rank holding the whole model; the launcher
-runs each group as its own job, ``plait.fault.replicas``). Its torchft ``Manager`` talks to the Lighthouse and
-reconfigures a torchft process group (gloo on CPU) over the groups alive at each step. Per optimizer step:
+Each data-parallel replica group is a torchft replica group of R ranks (``parallel.dp_replicate`` groups of
+``nproc / dp_replicate`` ranks; one rank each by default). The launcher runs each group as its own job
+(``plait.fault.replicas``), so inside a group the ranks are a world of their own, and the group trains with the
+layout its settings choose, built on that world as any run's would be: data parallelism with plait's reducer
+(``parallel.zero=0``), ZeRO-1/2 (plait's sharded optimizer), FSDP2 (``zero=3``) or HSDP (``zero=3`` with
+``parallel.dp_shard`` dividing R). ``Replicas`` wraps that strategy (``plait.parallel.wrapper``). Every rank runs a
+torchft ``Manager`` (its rank and world are its group's; group rank 0 hosts the group's manager server, the others
+reach it through the group's own store); torchft's process group pairs rank k of every live group, so each rank
+averages with its peers holding the same shards. Per optimizer step:
 
-* at the step boundary (``begin`` at the end of setup, then ``after_step``), ``start_quorum``: the groups alive
-  agree on who takes part; a group behind the others (a replacement, or one whose last step did not commit)
-  receives a live peer's state first and joins at this boundary. That state is the model's weights, the optimizer
-  state and the engine's run state (step count, LR schedule, loss scale, the training loader's position), through
-  torchft's checkpoint transport (HTTP between the two processes);
-* ``finish``: one all-reduce of every gradient (with BatchNorm running statistics) over the groups in the quorum,
-  divided by their number: the mean over the live replicas. A group that died takes no part: the step is the
-  live groups' gradients' mean, not a restart and not a rollback;
-* ``step``: ``should_commit``, torchft's agreement that the step's collectives succeeded; if not (a peer died
-  during them), the update is skipped as a non-finite one would be, and the next quorum heals whoever is behind.
+* at the step boundary (``begin`` at the end of setup, then ``after_step``), ``start_quorum`` on every rank: the
+  groups alive agree on who takes part; a group behind the others (a replacement, or one whose last step did not
+  commit) heals first and joins at this boundary: each of its ranks receives rank k's state of a live group, its
+  own shards (the model's entries, the optimizer states, as plain local tensors) and the run state (step count, LR
+  schedule, loss scale, the training loader's position: the group's), through torchft's checkpoint transport (HTTP
+  between the two processes);
+* ``finish``: the group's own gradient synchronisation (the reducer's all-reduce, ZeRO's reduce-scatter, FSDP2's
+  reduce-scatter in backward), then one torchft all-reduce per rank of what the optimizer will read (the whole
+  gradients, ZeRO's gradient shards, FSDP2's local gradient shards; with BatchNorm running statistics) over the
+  groups in the quorum, divided by their number: the mean over the live replicas. A group that died takes no part:
+  the step is the live groups' gradients' mean, not a restart and not a rollback;
+* ``step``: ``should_commit``, torchft's agreement (over every rank of the group) that the step's collectives
+  succeeded; if not (a peer died during them), the update is skipped as a non-finite one would be, and the next
+  quorum heals whoever is behind.
 
-The data: replica group ``g`` of ``G`` reads share ``g`` of every global batch, as data-parallel rank ``g`` of
-``G`` would; the share of a dead group is not trained on while it is away.
+The data: rank j of replica group g (of G, R ranks each) reads share ``g R + j`` of every global batch, as
+data-parallel rank ``g R + j`` of ``G R`` would; the shares of a dead group are not trained on while it is away.
 
-Communication per step: one all-reduce of the gradients over the live groups (counted in ``comm_bytes`` as the
-ring model's ``2 (n - 1) / n`` of the buffer over ``n`` live groups), the quorum's messages to the Lighthouse and
-``should_commit``'s to the group's own torchft manager (small RPCs, not counted).
+Communication per step: the group's own (as its layout alone), then one all-reduce per rank over the live groups of
+its gradients or gradient shards (counted in ``comm_bytes`` as the ring model's ``2 (n - 1) / n`` of the buffer over
+``n`` live groups), the quorum's messages to the Lighthouse and ``should_commit``'s to the group's manager server
+(small RPCs, not counted).
 
-Limits (refused with a message in ``Replicas.check``): a replica group is one rank with the whole model (no
-ZeRO, FSDP, HSDP, tensor, pipeline or expert parallelism inside a group yet), plait's reducer settings that
-act on a per-step collective of their own (``comm.compress``, ``comm.allreduce``, ``parallel.impl=torch``,
-``sync_batchnorm``, ``fault.rebalance``) and DiLoCo. Checkpoints are each group's own (in its run directory).
-A heal's state is read with ``torch.load(weights_only=True)`` (torchft's own transport would unpickle it with code
-execution). torchft's manager and its checkpoint server listen on every interface of the machine (torchft binds
-``[::]`` and ``""``; only the Lighthouse plait starts is on loopback): run replica groups on a trusted network.
+Limits (refused with a message in ``Replicas.check``): tensor, pipeline, expert and context parallelism inside a
+group, a parameter server, DiLoCo, plait's reducer settings that act on a per-step collective of their own
+(``comm.compress``, ``comm.allreduce``, ``parallel.impl=torch``, ``sync_batchnorm``, ``fault.rebalance``), a named
+``parallel.strategy``, and ZeRO in groups of one rank. Checkpoints are each group's own (in its run directory,
+sharded as its layout shards them). A heal's state is read with ``torch.load(weights_only=True)`` (torchft's own
+transport would unpickle it with code execution). torchft's manager and its checkpoint server listen on every
+interface of the machine (torchft binds ``[::]`` and ``""``; only the Lighthouse plait starts is on loopback): run
+replica groups on a trusted network.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -44,16 +58,18 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from plait.comm.collectives import Comm, ring_allreduce_bytes
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.fault.replicas import LIGHTHOUSE_ENV, replica_group, require_torchft
 from plait.observe.log import get_logger
 from plait.parallel.apply import ModelSpec
-from plait.parallel.data.reducer import LocalGrads
-from plait.parallel.data.strategy import DataParallel
-from plait.parallel.strategy import PlaitError, Strategy, register_strategy
-from plait.topology import Topology
+from plait.parallel.strategy import PlaitError, Strategy, register_strategy, strategy_table
+from plait.parallel.units import batchnorm_buffers
+from plait.parallel.wrapper import Wrapper
+from plait.parallel.zero.optimizer import ZeroOptimizer
+from plait.topology import Topology, build_topology
 
 
 def _weights_only_transport(timeout: timedelta) -> Any:
@@ -74,89 +90,160 @@ def _weights_only_transport(timeout: timedelta) -> Any:
     return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
 
 
+@dataclass
 class ReplicaTopology(Topology):
-    """The topology of one replica group's rank: its own world (the group) for the engine, and its place among the
-    groups (``dp``, ``dp_rank``) for the data."""
+    """The engine's topology of one replica group's rank: the group's own mesh (its ranks and process groups, the
+    layout inside the group), and its place among the groups for the data: ``dp`` counts the data-parallel ranks of
+    every group, ``dp_rank`` is this rank's among them. The strategies get the group's plain topology."""
 
     group_index: int = 0
+    num_groups: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.num_groups * Topology.dp.fget(self)
 
     @property
     def dp_rank(self) -> int:
-        return self.group_index
+        return self.group_index * Topology.dp.fget(self) + Topology.dp_rank.fget(self)
+
+    def strategy_view(self) -> Topology:
+        return Topology(degrees=self.degrees, rank=self.rank, world_size=self.world_size, device=self.device,
+                        mesh=self.mesh, _groups=self._groups)
 
 
-def _groups(world_size: int) -> tuple[int, int]:
-    """(this process's group, the number of groups): from the launcher's environment, else (0, ``world_size``) when
-    a launcher checks the config for ``world_size`` workers before starting them."""
-    found = replica_group()
-    return found if found is not None else (0, world_size)
+def _group_config(cfg: Config) -> Config:
+    """``cfg`` for the layout inside one group: its data-parallel degree inferred from the group's world."""
+    out = copy.copy(cfg)
+    out.parallel = copy.copy(cfg.parallel)
+    out.parallel.dp, out.parallel.dp_replicate = 0, 0
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard (a view: writing it writes the DTensor), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _optimizer_template(o: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+    """A peer's optimizer state of plain local tensors, made loadable into ``o``: state entries of a DTensor
+    parameter's local shape become DTensors laid out like it."""
+    params = [p for g in o.param_groups for p in g["params"]]
+    state = {}
+    for i, entries in sd["state"].items():
+        p = params[int(i)]
+        state[i] = {k: (DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                        if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and k != "step"
+                        and v.shape == p.to_local().shape else v) for k, v in entries.items()}
+    return {"state": state, "param_groups": sd["param_groups"]}
 
 
 @register_strategy
-class Replicas(DataParallel):
-    """Data-parallel replica groups on torchft (see the module docstring)."""
+class Replicas(Wrapper):
+    """Data-parallel replica groups on torchft around the layout inside each group (see the module docstring)."""
 
     name = "replicas"
-    priority = 95  # above every collective layout (it refuses to compose with them), below the parameter server
+    is_wrapper = False  # chosen (by fault.mode), then built around the strategy the group's settings choose
+    priority = 95  # above every collective layout (it refuses to compose with model parallelism), below the ps
 
     @classmethod
     def chosen_for(cls, cfg: Config | ParallelConfig) -> bool:
         return isinstance(cfg, Config) and cfg.fault.mode == "replicas"
 
     @classmethod
+    def inner_class(cls, cfg: Config) -> type[Strategy]:
+        """The strategy each group trains with: the one its [parallel] settings choose (data, ZeRO or FSDP2)."""
+        strategies, _ = strategy_table()
+        for c in sorted(strategies.values(), key=lambda c: -c.priority):
+            if c is not cls and c.chosen_for(cfg.parallel):
+                return c
+        raise ConfigError("fault.mode=replicas: no registered strategy applies to this [parallel] section")
+
+    @classmethod
+    def layout_class(cls, cfg: Config) -> type[Strategy]:
+        return cls.inner_class(cfg)
+
+    @classmethod
     def check(cls, cfg: Config, degrees: dict[str, int]) -> None:
-        if cfg.fault.mode != "replicas":
-            return
         p, c, f = cfg.parallel, cfg.comm, cfg.fault
-        inside = [(f"parallel.zero={p.zero}", p.zero > 0), (f"parallel.tp={p.tp}", p.tp > 1),
-                  (f"parallel.pp={p.pp}", p.pp > 1), (f"parallel.ep={p.ep}", p.ep > 1),
-                  (f"parallel.dp_shard={p.dp_shard}", p.dp_shard > 1), ("parallel.mode=ps", p.mode == "ps"),
-                  ("parallel.sync=diloco", p.sync == "diloco"), ("parallel.impl=torch", p.impl == "torch"),
-                  ("parallel.sync_batchnorm", p.sync_batchnorm), (f"comm.compress={c.compress}", c.compress != "none"),
-                  (f"comm.allreduce={c.allreduce}", c.allreduce != "backend"), ("fault.rebalance", f.rebalance)]
+        if f.mode != "replicas":
+            if p.dp_replicate:
+                raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} sets the torchft replica groups of "
+                                  "fault.mode=replicas; set fault.mode=replicas, or leave it 0 (hybrid sharding's "
+                                  "replicas follow from parallel.dp_shard)")
+            return
+        inside = [(f"parallel.tp={p.tp}", p.tp > 1), (f"parallel.pp={p.pp}", p.pp > 1),
+                  (f"parallel.ep={p.ep}", p.ep > 1), (f"parallel.cp={p.cp}", p.cp > 1),
+                  ("parallel.mode=ps", p.mode == "ps"), ("parallel.sync=diloco", p.sync == "diloco"),
+                  ("parallel.impl=torch", p.impl == "torch"), ("parallel.sync_batchnorm", p.sync_batchnorm),
+                  (f"comm.compress={c.compress}", c.compress != "none"),
+                  (f"comm.allreduce={c.allreduce}", c.allreduce != "backend"), ("fault.rebalance", f.rebalance),
+                  (f"parallel.strategy={p.strategy}", p.strategy not in ("auto", cls.name))]
         refused = [name for name, on in inside if on]
         if refused:
-            raise ConfigError(f"fault.mode=replicas runs each replica group as one rank with the whole model, its "
-                              f"gradients averaged by torchft; it does not compose with {', '.join(refused)} yet "
-                              "(no sharding or model parallelism inside a replica group): remove it, or set "
-                              "fault.mode=restart")
-        if f.min_replicas < 1 or f.min_replicas > degrees["dp_replicate"]:
-            raise ConfigError(f"fault.min_replicas must lie in 1..{degrees['dp_replicate']} (the replica groups); "
-                              f"got {f.min_replicas}")
+            raise ConfigError(f"fault.mode=replicas trains each replica group data-parallel, with ZeRO-1/2 or with "
+                              f"FSDP2/HSDP inside it, its gradients averaged over the groups by torchft; it does not "
+                              f"compose with {', '.join(refused)} (no tensor, pipeline, expert or context "
+                              "parallelism inside a replica group): remove it, or set fault.mode=restart")
+        groups, ranks = degrees["dp_replicate"], degrees["dp_shard"]
+        if p.zero and ranks < 2:
+            raise ConfigError(f"fault.mode=replicas with parallel.zero={p.zero} shards each replica group's state over "
+                              f"its ranks, and a group here is one rank ({groups} groups): set parallel.dp_replicate "
+                              "to fewer groups than parallel.nproc (each of nproc / dp_replicate ranks; plait run "
+                              "--replicas G --nproc R), or parallel.zero=0")
+        if p.dp_shard and ranks % p.dp_shard:
+            raise ConfigError(f"parallel.dp_shard={p.dp_shard} must divide the {ranks} ranks of a replica group "
+                              f"(HSDP inside each group); use dp_shard in "
+                              f"{[n for n in range(2, ranks + 1) if ranks % n == 0]}, or 0 (FSDP over the group)")
+        if f.min_replicas < 1 or f.min_replicas > groups:
+            raise ConfigError(f"fault.min_replicas must lie in 1..{groups} (the replica groups); got {f.min_replicas}")
         require_torchft()
 
     @classmethod
     def resolve_degrees(cls, cfg: Config, world_size: int) -> dict[str, int]:
+        """``dp_replicate``: the replica groups, ``dp_shard``: the ranks of one group (whatever its layout inside),
+        so that ``dp`` counts every data-parallel rank. In a worker ``world_size`` is its group's ranks and the
+        launcher's environment names the groups; a launcher checking the config passes every rank of the run."""
+        p = cfg.parallel
         found = replica_group()
-        if found is not None and world_size != 1:
-            raise ConfigError(f"fault.mode=replicas: replica group {found[0]} has {world_size} ranks; a group is one "
-                              "rank holding the whole model here (groups sharded inside by ZeRO or FSDP2/HSDP are not "
-                              "supported yet): start one process per group (plait run --replicas N, plait train)")
-        return {"pp": 1, "dp_replicate": _groups(world_size)[1], "dp_shard": 1, "ep": 1, "tp": 1}
+        if found is not None:
+            groups = found[1]
+            if p.dp_replicate and p.dp_replicate != groups:
+                raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} but the launcher started {groups} replica "
+                                  "groups: leave it 0 under plait run --replicas, or start as many groups")
+            return {"pp": 1, "dp_replicate": groups, "dp_shard": world_size, "ep": 1, "cp": 1, "tp": 1}
+        groups = p.dp_replicate or world_size
+        if world_size % groups:
+            raise ConfigError(f"parallel.dp_replicate={groups} replica groups must divide the {world_size} ranks "
+                              f"(parallel.nproc); use dp_replicate in "
+                              f"{[n for n in range(1, world_size + 1) if world_size % n == 0]}")
+        return {"pp": 1, "dp_replicate": groups, "dp_shard": world_size // groups, "ep": 1, "cp": 1, "tp": 1}
 
     @classmethod
     def build_topology(cls, cfg: Config, device: torch.device) -> Topology:
-        if replica_group() is None:
+        found = replica_group()
+        if found is None:
             raise ConfigError("fault.mode=replicas runs each replica group as its own job: start the script with "
                               "plait run --replicas N SCRIPT (or plait train), which also starts a torchft "
                               "Lighthouse")
-        group, _ = _groups(1)
-        on = dist.is_available() and dist.is_initialized()
-        topo = ReplicaTopology(degrees=cls.resolve_degrees(cfg, dist.get_world_size() if on else 1),
-                               rank=dist.get_rank() if on else 0, world_size=1, device=device)
-        topo.group_index = group
-        return topo
+        group = build_topology(_group_config(cfg), device)  # the group's own world: its ranks, its mesh
+        return ReplicaTopology(degrees=group.degrees, rank=group.rank, world_size=group.world_size, device=device,
+                               mesh=group.mesh, group_index=found[0], num_groups=found[1])
 
-    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm,
-                 spec: ModelSpec | None = None) -> None:
-        Strategy.__init__(self, model, cfg, topo, comm, spec)
-        self.engine = LocalGrads(model)  # gradients stay local until finish() averages them over the live groups
-        self.torch_collectives = False
-        self._bn = [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-                    for b in (m.running_mean, m.running_var) if b is not None]
-        self.logger = get_logger(topo.rank)
+    @classmethod
+    def apply(cls, model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec: ModelSpec) -> Strategy:
+        """The group's own strategy around ``model`` (on the group's topology), with this one around it."""
+        return cls(cls.inner_class(cfg).apply(model, topo, _group_config(cfg), comm, spec))
+
+    def __init__(self, inner: Strategy) -> None:
+        super().__init__(inner)
+        found = replica_group()
+        self.group_index, self.num_groups = found if found is not None else (0, 1)
+        self._bn = batchnorm_buffers(inner.model)
+        self.logger = get_logger(self.topo.rank)
         self.manager: Any = None
         self._run: Any = None
+        self._store: Any = None
         self._participants = 0  # the groups in the current quorum
         self._step_live = 0  # the groups whose gradients the last step averaged
         self._healed = 0  # heals this process received
@@ -164,21 +251,15 @@ class Replicas(DataParallel):
         self._quorum_s = 0.0  # seconds this process waited on torchft's quorums (the first one included)
         self._commit_s = 0.0  # seconds in should_commit
 
-    @property
-    def items_ranks(self) -> int:
-        """Token counts stay within the group (the groups alive change from step to step; torchft averages the
-        gradients over those of the step): each group's loss is the mean over its own real tokens, and the step's
-        gradient the mean of these over the live groups (the mean over every token when the groups count as many
-        tokens, as full-length batches do)."""
-        return 1
-
     # -- joining -------------------------------------------------------------------------------------
     def begin(self, run: Any) -> None:
-        """The torchft manager, then the first quorum: a replacement heals from a live peer here, before its
-        first step; at the start of a run every group takes the first group's weights (torchft's init_sync)."""
+        """The torchft manager of this rank, then the first quorum: a replacement heals from a live peer here,
+        before its first step; at the start of a run every group takes the first group's state (torchft's
+        init_sync)."""
         require_torchft()
         from torchft import Manager, ProcessGroupGloo
 
+        self.inner.begin(run)
         self._run = run
         f, timeout = self.cfg.fault, timedelta(seconds=self.cfg.comm.timeout_s)
         lighthouse = f.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
@@ -188,17 +269,30 @@ class Replicas(DataParallel):
         # what the other groups reach this one at: loopback when the Lighthouse is local, else this machine's name
         local = urlparse(lighthouse).hostname in ("127.0.0.1", "localhost", "::1")
         host = "127.0.0.1" if local else socket.gethostname()
-        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)  # this group's own
+        rank, ranks = self.topo.rank, self.topo.world_size
+        port = [0]
+        if rank == 0:  # the group's own store, new with every start of the group (torchft's manager server's address)
+            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            port = [self._store.port]
+        if ranks > 1:  # once, at setup: the group's ranks learn where its store is
+            dist.broadcast_object_list(port, src=0)
         connect = timedelta(seconds=min(30.0, self.cfg.comm.timeout_s))
+        self._transport = _weights_only_transport(timeout)
         try:
             self.manager = Manager(
                 pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._heal, state_dict=self._heal_state,
                 min_replica_size=f.min_replicas, use_async_quorum=False, timeout=timeout, quorum_timeout=timeout,
-                connect_timeout=connect, rank=0, world_size=1, store_addr=host, store_port=store.port,
-                lighthouse_addr=lighthouse, replica_id=f"plait_replica_{self.topo.dp_rank}", hostname=host,
-                checkpoint_transport=_weights_only_transport(timeout))
-            self._store = store
+                connect_timeout=connect, rank=rank, world_size=ranks, store_addr=host, store_port=port[0],
+                lighthouse_addr=lighthouse, replica_id=f"plait_replica_{self.group_index}", hostname=host,
+                checkpoint_transport=self._transport)
+            # torchft's step starts at the run's (a resumed group's is its checkpoint's): groups resumed from the
+            # same checkpoint keep their own (equal) state, and a group behind the others heals from one ahead
+            self.manager.load_state_dict({"step": int(run.state()["steps"]), "batches_committed": 0})
             self._first_quorum()
+            if self.manager.current_step() == 0:  # every group in the quorum is here too: none has stepped yet
+                # each past its first quorum (a heal's state fetched) before any goes on: a group that loads a
+                # checkpoint next withdraws what it served (finish_load), which a slower peer may not have fetched
+                self.manager.allreduce(torch.zeros(1)).wait()
         except Exception as e:  # torchft's errors name a gRPC status; the user needs the address and the fix
             if self.manager is not None:
                 self.manager.shutdown(wait=False)
@@ -208,52 +302,120 @@ class Replicas(DataParallel):
                              f"comm.timeout_s={self.cfg.comm.timeout_s:g}: {str(e).splitlines()[0][:200]}); start "
                              "a Lighthouse there, or leave fault.lighthouse empty for plait run / plait train to "
                              "start one") from None
+        if ranks > 1:
+            self._agree_in_group()
+
+    @torch.no_grad()
+    def _agree_in_group(self) -> None:
+        """After the first quorum, every entry each rank holds whole (not a DTensor shard) is group rank 0's: torchft
+        picks each group rank's heal source on its own (at the start of a run, rank k of every group may take group
+        k's state), which for a layout holding the whole model on every rank (data parallel, ZeRO-1/2) would leave
+        the ranks of one group with different weights. Communication: one broadcast per such entry over the group,
+        once, at setup."""
+        for t in self.inner.model_entries().values():
+            if not isinstance(t, DTensor):
+                dist.broadcast(t.data, src=0)
+        for o in self.inner.optimizers:  # a separate master copy (parameters not fp32) follows its shard
+            for b in o.buckets if isinstance(o, ZeroOptimizer) else []:
+                if b.master is not b.shard:
+                    b.master.copy_(b.shard)
 
     def _first_quorum(self) -> None:
-        """At the start of a run every group takes part in the first step (a group still starting would otherwise
-        miss the steps a faster one takes alone): quorums are asked again until all groups are in, for up to
-        ``comm.timeout_s``. A replacement (its agent restarted it) joins whoever is live at once."""
+        """At the start (or the resumption) of a run every group takes part in the first step (a group still
+        starting would otherwise miss the steps a faster one takes alone): quorums are asked again until all groups
+        are in, for up to about ``comm.timeout_s`` (counted in tries, so that every rank of a group asks as often). A
+        replacement (its agent restarted it) joins whoever is live at once."""
         self._quorum()
-        fresh = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 and self._run.state()["steps"] == 0
-        deadline = time.monotonic() + self.cfg.comm.timeout_s
-        while fresh and self._participants < self.topo.dp and time.monotonic() < deadline:
+        fresh = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        tries = int(self.cfg.comm.timeout_s / 0.2)
+        while fresh and self._participants < self.num_groups and tries > 0:
             time.sleep(0.2)
             self._quorum()
-        if self._participants < self.topo.dp:
-            self.logger.warning("replica group %d starts with %d of %d groups live", self.topo.dp_rank,
-                                self._participants, self.topo.dp)
+            tries -= 1
+        if self._participants < self.num_groups:
+            self.logger.warning("replica group %d starts with %d of %d groups live", self.group_index,
+                                self._participants, self.num_groups)
 
     def _quorum(self) -> None:
-        """The quorum of this step (healing this group first if it is behind)."""
+        """The quorum of this step (healing this rank first if its group is behind)."""
         t0 = time.perf_counter()
         self.manager.start_quorum()
         self._participants = self.manager.num_participants()
         self._quorum_s += time.perf_counter() - t0
 
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers holding this rank's optimizer state (ZeRO's inner one over its shards)."""
+        return [o.optimizer if isinstance(o, ZeroOptimizer) else o for o in self.inner.optimizers]
+
     def _heal_state(self) -> dict[str, Any]:
-        """What a replacement needs to continue as this group (read on torchft's thread while this one waits)."""
+        """What rank k of a replacement needs to continue as rank k of this group (read on torchft's thread while
+        this one waits): this rank's model entries and optimizer states as plain local tensors (no collective: a
+        sharded layout's own state dicts gather), optimizer parameters the model does not hold (a separate master
+        copy), and the run state."""
         run = self._run.state()
         run["steps"] += int(self._in_step)  # the steps completed at this boundary
-        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(), "run": run}
+        model = {k: _local(v).detach() for k, v in self.inner.model_entries().items()}
+        held = {t.untyped_storage().data_ptr() for t in model.values()}
+        optim = []
+        for o in self._optimizers():
+            sd = o.state_dict()
+            state = {i: {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                     for i, s in sd["state"].items()}
+            params = [None if _local(q).untyped_storage().data_ptr() in held else _local(q).detach()
+                      for g in o.param_groups for q in g["params"]]
+            optim.append({"state": state, "param_groups": sd["param_groups"], "params": params})
+        return {"model": model, "optim": optim, "run": run}
 
+    @torch.no_grad()
     def _heal(self, state: dict[str, Any]) -> None:
         t0 = time.perf_counter()
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
+        entries = self.inner.model_entries()
+        if set(entries) != set(state["model"]):
+            raise PlaitError("fault.mode=replicas: a live replica's model has other entries than this one's; every "
+                             "replica group must train the same model")
+        for k, t in entries.items():
+            _local(t).copy_(state["model"][k])
+        for o, sd in zip(self._optimizers(), state["optim"], strict=True):
+            o.load_state_dict(_optimizer_template(o, sd))
+            for q, value in zip([q for g in o.param_groups for q in g["params"]], sd["params"], strict=True):
+                if value is not None:
+                    _local(q).copy_(value)
         run = dict(state["run"])
         run["steps"] -= int(self._in_step)  # the engine adds the step it is finishing
         self._run.restore(run)
         self._healed += 1
         self.logger.info("replica group %d healed from a live replica: joins at step %d (%.2f s to load)",
-                         self.topo.dp_rank, int(state["run"]["steps"]), time.perf_counter() - t0)
+                         self.group_index, int(state["run"]["steps"]), time.perf_counter() - t0)
+
+    def finish_load(self) -> None:
+        """After a checkpoint load (a resumed run): torchft's step becomes the loaded one, and a quorum at once, so
+        that a group which loaded an older checkpoint, or none, heals from one ahead before its next step."""
+        self.inner.finish_load()
+        if self.manager is not None:
+            # what this rank served at the last quorum is stale now: a peer asking before this quorum stages the
+            # new state must wait for it (should_commit does the same at every step)
+            self._transport.disallow_checkpoint()
+            self.manager.load_state_dict({"step": int(self._run.state()["steps"]), "batches_committed": 0})
+            self._quorum()
 
     # -- the step ------------------------------------------------------------------------------------
+    def _averaged(self) -> list[torch.Tensor]:
+        """What this rank averages over the groups: the gradients (or gradient shards) the optimizer reads, a
+        parameter without one this step given zeros (every group must send the same layout), and the BatchNorm
+        running statistics."""
+        if not isinstance(self.inner.optimizer, ZeroOptimizer):  # ZeRO's shards always exist; p.grad stays None
+            for q in self.inner.trainable():
+                if q.grad is None:
+                    q.grad = torch.zeros_like(q)
+        return [_local(g) for g in self.inner.grads()] + self._bn
+
     def finish(self) -> None:
-        """Communication: one all-reduce (torchft's, over the groups in this step's quorum) of every gradient and
-        BatchNorm running statistic, flattened in float32, divided by the number of live groups. No backward."""
-        params = self.trainable()
-        grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
-        flat = torch.cat([t.reshape(-1).float() for t in grads + self._bn])
+        """Communication: the group's own gradient synchronisation, then one all-reduce (torchft's, over the
+        groups in this step's quorum) of this rank's gradients (or shards) and BatchNorm running statistics,
+        flattened in float32, divided by the number of live groups. No backward."""
+        self.inner.finish()
+        tensors = self._averaged()
+        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
         t0 = time.perf_counter()
         self.manager.allreduce(flat).wait()  # torchft divides by the live groups (ReduceOp.AVG)
         self.comm.stats.wait_s += time.perf_counter() - t0
@@ -261,28 +423,27 @@ class Replicas(DataParallel):
         self.comm.stats.bytes_sent += ring_allreduce_bytes(flat.numel() * 4, self._participants)
         self.comm.stats.calls += 1
         offset = 0
-        for q, t in zip(params + [None] * len(self._bn), grads + self._bn, strict=True):
-            part = flat[offset:offset + t.numel()].view_as(t).to(t.dtype)
-            offset += t.numel()
-            if q is not None:
-                q.grad = part
-            else:
-                t.copy_(part)
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
 
     def step_unless(self, found: torch.Tensor) -> None:
-        """torchft's commit first (every group asks at every step): a step whose collectives failed skips its update
-        like a non-finite one (``found`` set), and the next quorum heals whoever is behind."""
+        """torchft's commit first (every rank of every group asks at every step): a step whose collectives failed
+        skips its update like a non-finite one (``found`` set), and the next quorum heals whoever is behind."""
         t0 = time.perf_counter()
         committed = self.manager.should_commit()
         self._commit_s += time.perf_counter() - t0
         if not committed:
             self.logger.warning("replica group %d: step not committed (a replica was lost during it); update "
-                                "skipped", self.topo.dp_rank)
+                                "skipped", self.group_index)
             found.fill_(1.0)
         super().step_unless(found)
 
     def after_step(self) -> None:
-        """The next step's quorum, at this step boundary (where a replacement joins)."""
+        """The group's own after-step work (BatchNorm statistics averaged inside it), then the next step's quorum,
+        at this step boundary (where a replacement joins)."""
+        self.inner.after_step()
         self._in_step = True
         try:
             self._quorum()
@@ -290,14 +451,18 @@ class Replicas(DataParallel):
             self._in_step = False
 
     def step_metrics(self) -> dict[str, Any]:
-        return {"replicas_live": self._step_live, "replica_heals": self._healed,
+        return {**self.inner.step_metrics(), "replicas_live": self._step_live, "replica_heals": self._healed,
                 "replica_step": self.manager.current_step(), "replica_quorum_s_total": round(self._quorum_s, 4),
                 "replica_commit_s_total": round(self._commit_s, 4)}
 
     def describe(self) -> str:
-        return f"torchft replica group {self.topo.dp_rank} of {self.topo.dp}"
+        inside = self.inner.describe()
+        return f"torchft replica group {self.group_index} of {self.num_groups}" + (f" ({inside})" if inside else "")
 
     def close(self) -> None:
         if self.manager is not None:
-            self.manager.shutdown(wait=False)
+            # wait=True: torchft's non-blocking shutdown leaves its checkpoint server serving (its flag to stop the
+            # server's loop has a mangled name), which a process that goes on (a second Plait) keeps, locked
+            self.manager.shutdown(wait=True)
             self.manager = None
+        self.inner.close()
