@@ -2,10 +2,11 @@
 
 ``recovery`` (the default): how plait recovers from a killed worker, three ways, under the same SIGKILLs.
 The default GPT (a step of ~0.3 s on 2 CPU workers) trains on the embedded corpus on 2 local workers, checkpointing
-every ``--ckpt-every`` steps (default 100, ~30 s of training; 30 with ``--quick``: the steps since the last save are
-part of a restart's cost, as they are for a user), for ``--minutes`` of training per system (default 5), while one
-worker is SIGKILLed once per ``--mean-gap`` seconds on average (default 120: one failure per 2 minutes; kill ``i``
-at ``(i + 0.5 + u)`` gaps after the first step, ``u`` uniform in [-0.3, 0.3], the victim drawn too; all from
+every ``--ckpt-every`` steps (default: plait's own default, ``checkpoint.every`` = 200, ~70 s of training, as a user
+meets it; 30 with ``--quick``: the steps since the last save are part of a restart's cost, as they are for a user),
+for ``--minutes`` of training per system (default 5), while one worker is SIGKILLed once per ``--mean-gap`` seconds
+on average (default 120: one failure per 2 minutes; kill ``i`` at ``(i + 0.5 + u)`` gaps after the first step, ``u``
+uniform in [-0.3, 0.3], the victim drawn too; all from
 ``--seed``):
 
 * ``restart``: ``plait train --parallel.nproc=2``: every worker restarts and reloads the newest checkpoint from disk;
@@ -51,6 +52,7 @@ from pathlib import Path
 
 import _common  # noqa: F401  (puts src/ on the path)
 
+from plait.config_sections import CheckpointConfig
 from plait.fault.goodput import goodput
 from plait.fault.restart import read_progress, worker_pids
 
@@ -167,6 +169,7 @@ def blocking_saves(root: Path) -> dict:
 RECOVERY = ["--train.steps=1000000", "--train.eval_every=0", "--train.log_every=10", "--observe.progress=false",
             "--observe.trackers=[]", "--checkpoint.keep=2", "--comm.timeout_s=10", "--parallel.nproc=2",
             "--fault.max_restarts=1000"]
+DEFAULT_EVERY = CheckpointConfig().every  # what a user meets who sets nothing
 SYSTEMS = {"restart": ["--fault.memory_checkpoint=false"], "restart_memory": ["--fault.memory_checkpoint=true"],
            "replicas": ["--fault.mode=replicas"]}
 
@@ -200,6 +203,13 @@ def _ledger(run: Path, start: float) -> list[tuple[float, int]]:
     f = run / "goodput.jsonl"
     rows = [json.loads(x) for x in f.read_text().splitlines() if '"step"' in x] if f.is_file() else []
     return [(r["t"] - start, int(r["step"])) for r in rows if r.get("event") == "step"]
+
+
+def _resumes(run: Path, start: float) -> list[tuple[float, int, str]]:
+    """(seconds since ``start``, step resumed from, where it was read) of every resume the run's ledger recorded."""
+    f = run / "goodput.jsonl"
+    rows = [json.loads(x) for x in f.read_text().splitlines()] if f.is_file() else []
+    return [(r["t"] - start, int(r["step"]), r.get("source", "disk")) for r in rows if r.get("event") == "resume"]
 
 
 def _lineage_at(ledgers: dict[str, list[tuple[float, int]]], t: float) -> int:
@@ -263,6 +273,11 @@ def run_recovery(name: str, run: Path, kills: list, duration: float, ckpt_every:
         if replicas:
             back = [t for t, n in ledgers.get(f"replica{f['rank']}", []) if t > at and n > before]
             f["rejoin_s"] = round(min(back) - at, 2) if back else None
+        else:  # a restart's cost in two parts: until the workers resumed, and the steps they had to take again
+            resumed = [(t, n, src) for t, n, src in _resumes(run, start) if t > at]
+            if resumed:
+                t, n, src = resumed[0]
+                f.update(restart_s=round(t - at, 2), resumed_from_step=n, steps_redone=before - n, loaded_from=src)
     out: dict = {"steps": final, "window_s": round(window, 1), "startup_s": round(start - launched, 1),
                  "load_avg_1m_before_after": [load_before, load_after], "alive_at_end": alive, "kills": applied}
     waits = [f["to_next_useful_step_s"] for f in applied if f["to_next_useful_step_s"] is not None]
@@ -356,14 +371,14 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=None, help="per system (default: recovery 5, practice 10)")
     ap.add_argument("--mean-gap", type=float, default=None, help="seconds (default: recovery 120, practice 30)")
     ap.add_argument("--ckpt-every", type=int, default=None,
-                    help="recovery: checkpoint every N steps (default 100, ~30 s; --quick: 30)")
+                    help=f"recovery: checkpoint every N steps (default plait's, {DEFAULT_EVERY}; --quick: 30)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     rec = args.compare == "recovery"
     args.minutes = args.minutes if args.minutes is not None else (5.0 if rec else 10.0)
     args.mean_gap = args.mean_gap if args.mean_gap is not None else (120.0 if rec else 30.0)
-    args.ckpt_every = args.ckpt_every if args.ckpt_every is not None else (30 if args.quick else 100)
+    args.ckpt_every = args.ckpt_every if args.ckpt_every is not None else (30 if args.quick else DEFAULT_EVERY)
     report = recovery(args) if rec else practice(args)
     text = json.dumps(report, indent=1)
     print(text)
