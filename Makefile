@@ -19,9 +19,11 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff check src tests bench
 
 # Two pytest workers, each taking whole test files (module fixtures and spawned groups stay in one worker): most
-# tests wait on processes, timeouts and rendezvous, and one worker alone kept 2 cores ~35% busy.
+# tests wait on processes, timeouts and rendezvous, and one worker alone kept 2 cores ~35% busy. Tests that compare
+# the wall time of runs (marked timing) run after them, alone: a neighbour's work would decide their outcome.
 test: lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=30
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=30 -m "not timing"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider --durations=5 -m timing
 
 bench: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) bench/dp.py

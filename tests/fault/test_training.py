@@ -20,6 +20,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import run_ranks, run_weights
 
@@ -148,6 +149,7 @@ def _step_times(run: Path) -> list[float]:
     return [r["step_s"] for r in rows if "step_s" in r and r["step"] >= 10]
 
 
+@pytest.mark.timing  # the rebalanced run must be faster than the slow one: run alone (make test)
 def test_slow_worker_is_named_and_rebalanced(tmp_path: Path) -> None:
     (tmp_path / "spiky.py").write_text(textwrap.dedent(SPIKY))
     # a step where compute dominates (the slow rank's extra time is 2x its compute): d_model 64, 32 x 64 tokens
