@@ -172,6 +172,12 @@ class Topology:
         return self.group(*self.dp_axes)
 
     @property
+    def dp_reachable(self) -> int:
+        """The data-parallel ranks a collective over ``dp_group`` reaches: every one of ``dp``, except where the
+        data-parallel ranks are not one world (``fault.mode=replicas``: each replica group is its own)."""
+        return self.dp
+
+    @property
     def dp_mesh(self) -> DeviceMesh:
         """The 1-D data-parallel mesh (the dp axes flattened): FSDP2 shards dense parameters over it."""
         assert self.mesh is not None

@@ -59,7 +59,8 @@ def run(out: str, name: str, zero: int, min_steps: int, until_all_live: bool, sa
     live: list[int] = []
     path = f"{out}/{name}_g{group}r{p.rank}.jsonl"
     with open(path, "a") as records:
-        records.write(json.dumps({"pid": os.getpid(), "joined_at": p.steps}) + "\n")
+        records.write(json.dumps({"pid": os.getpid(), "joined_at": p.steps, "reduce": [  # over the group's ranks
+            p.reduce(1.0), p.reduce(1.0, op="sum"), p.reduce(1.0, over="world")]}) + "\n")
         while True:
             for xb, yb, ids in loader:
                 loss = nn.functional.mse_loss(model(xb), yb)

@@ -108,6 +108,9 @@ def test_sharded_groups_equal_the_plain_loop(launched: dict, zero: int) -> None:
 
         torch.manual_seed(0)
         assert all(torch.equal(v, starts[0][k]) for k, v in build().state_dict().items())
+    # Plait.reduce within a group (2 ranks): a mean of ones is 1 (it was 1/2: divided by both groups' ranks)
+    assert all(r["reduce"] == [1.0, 2.0, 1.0] for gr in RANKS
+               for r in _records(out / f"z{zero}_g{gr[0]}r{gr[1]}.jsonl") if "joined_at" in r)
     recs = {gr: [r for r in _records(out / f"z{zero}_g{gr[0]}r{gr[1]}.jsonl") if "step" in r] for gr in RANKS}
     assert all([r["step"] for r in rs] == list(range(1, STEPS + 1)) for rs in recs.values())
     assert all(r["live"] == 2 for rs in recs.values() for r in rs)

@@ -55,11 +55,12 @@ class SmallCollectives:
     @explained
     def reduce(self, value: float | torch.Tensor, op: str = "mean", over: str = "dp") -> Any:
         """``value`` summed or averaged over the data-parallel ranks (``over="dp"``) or all ranks
-        (``"world"``); a float for a float. Every rank of the group must call it."""
+        (``"world"``); a float for a float. Every rank of the group must call it. Under ``fault.mode=replicas``
+        each replica group is a world of its own: both reduce over this group's ranks."""
         if op not in ("mean", "sum") or over not in ("dp", "world"):
             raise PlaitError("reduce(op='mean'|'sum', over='dp'|'world')")
         t = torch.as_tensor(value, dtype=torch.float64).clone().reshape(-1)
-        size = self.dp if over == "dp" else self.world_size
+        size = self.topology.dp_reachable if over == "dp" else self.world_size
         if size > 1:
             self._meet()
             self.comm.all_reduce_sum(t, self.topology.dp_group if over == "dp" else self.group,

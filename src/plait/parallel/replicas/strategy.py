@@ -107,6 +107,11 @@ class ReplicaTopology(Topology):
     def dp_rank(self) -> int:
         return self.group_index * Topology.dp.fget(self) + Topology.dp_rank.fget(self)
 
+    @property
+    def dp_reachable(self) -> int:
+        """This group's data-parallel ranks: the groups' values meet only in torchft's gradient all-reduce."""
+        return Topology.dp.fget(self)
+
     def strategy_view(self) -> Topology:
         return Topology(degrees=self.degrees, rank=self.rank, world_size=self.world_size, device=self.device,
                         mesh=self.mesh, _groups=self._groups)
