@@ -16,7 +16,11 @@ Modes (``ps.mode``), for a gradient ``g`` that worker ``k`` computed on version 
   servers each shard takes the first ``N - b`` gradients that reach it (as TensorFlow's per-variable
   gradient accumulators in ``SyncReplicasOptimizer`` do), so shards may average different workers' gradients
   of one version; each shard's update is still the mean of ``N - b`` gradients of that version, and the
-  clipping norm is the applied update's (the shards' squared norms summed over the servers).
+  clipping norm is the applied update's (the shards' squared norms summed over the servers). In
+  ``sync`` and ``backup`` a push's ``version`` is the same to every server: the oldest shard version of the
+  parameters the worker read (the servers answer at different times, so a read can mix versions; such a
+  gradient is of the older one). So every server keeps or drops each push alike, and the servers apply
+  every version exactly once each, their all-reduces of the norm pairing up.
 - ``async``: each gradient is applied when it arrives, clipped by its own norm (the worker measured it
   over all shards), with staleness ``t = version - v``. With ``max_staleness >= 0`` a gradient with
   ``t > max_staleness`` is rejected and counted; with ``staleness_scaling = a`` the learning rate is
