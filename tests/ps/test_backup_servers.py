@@ -15,6 +15,7 @@ import random
 from collections import deque
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from plait.ps.shard import Segment
@@ -24,9 +25,12 @@ from plait.ps.worker import PsClient
 
 class _Run:
     """``workers`` workers and ``servers`` servers in ``ps.mode=backup`` with ``backup`` backup workers;
-    every worker pushes ``steps`` gradients, then ends (DONE)."""
+    every worker pushes ``steps`` gradients, then ends (DONE). After its ``m``-th push for each ``m`` in
+    ``meet``, a worker meets the others in a collective: it parks (PARK to every server), waits until every
+    worker has, and its next message unparks it (as ``ParameterServer.meet`` and ``Server._handle`` do)."""
 
-    def __init__(self, workers: int, servers: int, backup: int, steps: int, one_version: bool) -> None:
+    def __init__(self, workers: int, servers: int, backup: int, steps: int, one_version: bool,
+                 meet: tuple[int, ...] = ()) -> None:
         self.calls = [0] * servers  # all-reduces each server has entered
         cfg = SimpleNamespace(mode="backup", backup_workers=backup, staleness=0, dc_lambda=0.0, dc_adaptive=False,
                               max_staleness=-1, staleness_scaling=0.0)
@@ -41,8 +45,10 @@ class _Run:
         self.queue = {(s, k): deque() for s in range(servers) for k in range(workers)}  # sent, not yet handled
         self.owed = {(s, k): False for s in range(servers) for k in range(workers)}  # a pull reply s owes k
         self.replies = [servers] * workers  # replies worker k still waits for (servers: it is computing)
-        self.left = [steps] * workers
+        self.steps, self.left = steps, [steps] * workers
         self.ended = [False] * workers
+        self.meet, self.met = meet, [0] * workers  # collectives each worker has left
+        self.meeting: set[int] = set()  # workers in the collective now
 
     def _norm_sum(self, s: int):  # noqa: ANN202 - the shard's norm_sum
         def norm_sum(x: float) -> float:
@@ -56,7 +62,12 @@ class _Run:
     def events(self) -> list[tuple[str, int, int]]:
         out = []
         for k in range(len(self.clients)):
-            if self.replies[k] == len(self.shards) and not self.ended[k]:
+            if self.replies[k] < len(self.shards) or self.ended[k] or k in self.meeting:
+                continue
+            m = self.met[k]
+            if m < len(self.meet) and self.steps - self.left[k] == self.meet[m]:
+                out.append(("park", k, 0))
+            else:
                 out.append(("push", k, 0) if self.left[k] else ("done", k, 0))
         for (s, k), q in self.queue.items():
             if self.blocked(s):
@@ -79,11 +90,21 @@ class _Run:
             for i in range(len(self.shards)):
                 self.queue[i, k].append(None)
             self.ended[k] = True
+        elif what == "park":
+            for i in range(len(self.shards)):
+                self.queue[i, k].append("park")
+            self.meeting.add(k)
+            if len(self.meeting) == len(self.clients):  # everyone is in: the collective ends
+                self.meeting.clear()
+                self.met = [m + 1 for m in self.met]
         elif what == "handle":
             version = self.queue[s, k].popleft()
-            if version is None:
+            if version == "park":
+                self.shards[s].park(k)
+            elif version is None:
                 self.shards[s].finish(k)
             else:
+                self.shards[s].parked.discard(k)
                 self.shards[s].push(k, version, torch.ones(1, dtype=torch.float64), 1.0, [1.0])
                 self.owed[s, k] = True
         else:  # reply: the worker now holds this shard's version
@@ -113,7 +134,7 @@ def _random(run: _Run, seed: int, slow: int = 1, slow_factor: float = 3.0) -> st
         events = run.events()
         if not events:
             return run.hang()
-        weights = [1.0 / slow_factor if e[0] in ("push", "done") and e[1] == slow else 1.0 for e in events]
+        weights = [1.0 / slow_factor if e[0] in ("push", "park", "done") and e[1] == slow else 1.0 for e in events]
         run.do(*rng.choices(events, weights)[0])
 
 
@@ -151,12 +172,23 @@ def test_a_mixed_read_is_of_its_oldest_version_on_every_server() -> None:
 
 def test_no_interleaving_hangs() -> None:
     """Random interleavings of backup runs (a slow worker, workers ending at different times): every one
-    ends with the servers at the same version; tagged shard by shard, some hang (the model finds it)."""
+    ends with the servers at the same version, also with collectives (parks) where a version takes one
+    gradient (N - b = 1); tagged shard by shard, some hang (the model finds it)."""
     hangs = [h for seed in range(60) if (h := _random(_Run(2, 2, 1, 6, one_version=False), seed))]
     assert hangs, "the model no longer finds the hang of per-shard versions"
-    for workers, servers, backup in ((2, 2, 1), (3, 2, 1), (3, 3, 2), (3, 2, 0), (4, 3, 1)):
-        for seed in range(60):
-            run = _Run(workers, servers, backup, 6, one_version=True)
+    for workers, servers, backup in ((2, 2, 1), (3, 2, 1), (3, 3, 2), (3, 2, 0), (4, 3, 1), (4, 2, 2)):
+        for seed in range(40):
+            meet = (2, 4) if seed % 2 and workers - backup == 1 else ()
+            run = _Run(workers, servers, backup, 6, one_version=True, meet=meet)
             assert _random(run, seed) is None, (workers, servers, backup, seed, run.hang())
             assert len({s.version for s in run.shards}) == 1
             assert all(s.applied + s.dropped == workers * 6 for s in run.shards)
+
+
+@pytest.mark.xfail(strict=True, reason="known: with several servers, collectives (parks) and N - b >= 2, a server "
+                   "can still apply a version the others do not (a park counts on one server until that worker's "
+                   "next message, which another server has already handled)")
+def test_parks_with_two_gradients_per_version_do_not_hang() -> None:
+    for seed in range(40):
+        run = _Run(3, 2, 1, 6, one_version=True, meet=(2, 4))
+        assert _random(run, seed) is None, (seed, run.hang())
