@@ -6,7 +6,10 @@ reply goes only to a worker that is waiting for it. A pull that may not be answe
 ``backup``, ``ssp``: until the version the worker may read is applied; in ``ssp``, for a worker at clock
 ``c``, version ``c - s``: the mean of every worker's gradient of clock ``c - s - 1``) waits on the
 condition, which every push and every finished worker notifies; only that worker's thread waits, the
-others go on. ``serve`` returns once every worker has sent
+others go on. With several servers, applying a version meets the other servers (one all-reduce of the
+clipping norm); the thread releases the lock meanwhile, so this server's other workers' messages go on
+(pushes of that version are dropped, pulls that wait for it wait; see ``ShardState.applying``): a version
+another server applies may need one of them. ``serve`` returns once every worker has sent
 ``DONE``; a worker whose connection breaks first ends the server with a ``PsError`` naming it.
 
 Checkpoints: each worker sends ``SAVE`` (or ``LOAD``) with the checkpoint's path after its last push, so
@@ -42,6 +45,19 @@ class Server:
         self.checkpoints = 0  # checkpoint operations completed
         self.channels = [Channel(group, rank, k, "worker", slot=state.w.numel()) for k in range(num_workers)]
         self.cond = threading.Condition()
+        norm_sum = state.norm_sum
+
+        def unlocked_norm_sum(x: float) -> float:
+            # the servers meet (one all-reduce per version) without this server's lock, so the other workers'
+            # messages go on meanwhile (``ShardState.applying`` says what they may do); every caller holds the
+            # lock once (a ``with self.cond`` block)
+            self.cond.release()
+            try:
+                return norm_sum(x)
+            finally:
+                self.cond.acquire()
+
+        state.norm_sum = unlocked_norm_sum
         self.errors: list[BaseException] = []
         self.finished = 0
         self.initialized = threading.Event()
@@ -81,7 +97,8 @@ class Server:
 
     def _requested(self) -> bool:
         """Every worker still training has asked for the checkpoint operation (under the lock)."""
-        return bool(self.requests) and len(self.requests) == len(self.channels) - self.finished
+        return (bool(self.requests) and len(self.requests) == len(self.channels) - self.finished
+                and not self.state.applying)
 
     def _loop(self, worker: int) -> None:
         ch = self.channels[worker]

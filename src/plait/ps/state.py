@@ -16,7 +16,11 @@ Modes (``ps.mode``), for a gradient ``g`` that worker ``k`` computed on version 
   servers each shard takes the first ``N - b`` gradients that reach it (as TensorFlow's per-variable
   gradient accumulators in ``SyncReplicasOptimizer`` do), so shards may average different workers' gradients
   of one version; each shard's update is still the mean of ``N - b`` gradients of that version, and the
-  clipping norm is the applied update's (the shards' squared norms summed over the servers).
+  clipping norm is the applied update's (the shards' squared norms summed over the servers). In
+  ``sync`` and ``backup`` a push's ``version`` is the same to every server: the oldest shard version of the
+  parameters the worker read (the servers answer at different times, so a read can mix versions; such a
+  gradient is of the older one). So every server keeps or drops each push alike, and the servers apply
+  every version exactly once each, their all-reduces of the norm pairing up.
 - ``async``: each gradient is applied when it arrives, clipped by its own norm (the worker measured it
   over all shards), with staleness ``t = version - v``. With ``max_staleness >= 0`` a gradient with
   ``t > max_staleness`` is rejected and counted; with ``staleness_scaling = a`` the learning rate is
@@ -73,7 +77,8 @@ class ShardState:
 
     ``optimizer_cls``/``defaults``/``groups`` rebuild the user's optimizer over the shard's segments;
     ``norm_sum(x)`` returns ``x`` summed over all servers (identity with one server). Not thread-safe:
-    the server calls it under one lock.
+    the server calls it under one lock, which ``norm_sum`` may release while the servers meet (``applying``
+    is then set: the version's gradients are taken, pushes of it are dropped, pulls waiting for it wait).
     """
 
     def __init__(self, w: torch.Tensor, segments: list[Segment], optimizer_cls: type, defaults: dict[str, Any],
@@ -86,6 +91,9 @@ class ShardState:
         self.optimizer = optimizer_cls([{"params": [v], **h} for v, h in zip(self.views, hyper, strict=True)],
                                        **defaults)
         self.num_workers, self.cfg, self.grad_clip, self.norm_sum = num_workers, cfg, grad_clip, norm_sum
+        # a version's gradients are taken and its norm is being summed over the servers (``norm_sum`` may let
+        # other threads in meanwhile: pushes of that version are then dropped, pulls that wait for it wait)
+        self.applying = False
         self.version = 0
         self.clocks = [0] * num_workers
         self.done: set[int] = set()
@@ -139,7 +147,8 @@ class ShardState:
         clock = self.clocks[worker]
         self.clocks[worker] += 1
         self._note_clock_gap()
-        stale, at = self.version - version, self.version
+        at = self.version + self.applying  # while a version is being applied, pushes race with the next one
+        stale = at - version
         try:
             if self.cfg.mode in ("sync", "backup"):
                 outcome = self._push_sync(worker, version, grad, lrs)
@@ -155,7 +164,7 @@ class ShardState:
 
     def _push_sync(self, worker: int, version: int, grad: torch.Tensor | None, lrs: list[float]) -> str:
         self.last_push_version[worker] = version
-        if version < self.version:  # computed on an older version: it lost the race for that one
+        if version < self.version or (self.applying and version == self.version):  # it lost the race for it
             self.dropped += 1
             return "dropped"
         if version > self.version:
@@ -167,7 +176,7 @@ class ShardState:
 
     def maybe_apply_version(self) -> str:
         """Apply the pending version once it holds ``needed()`` gradients (also called when a worker ends)."""
-        if not self.pending or len(self.pending) < self.needed():
+        if self.applying or not self.pending or len(self.pending) < self.needed():
             return "pending"
         workers = sorted(self.pending)
         grads = [self.pending[k] for k in workers]
@@ -185,7 +194,7 @@ class ShardState:
         (None) or with none at all advances without a step."""
         if not grads or any(g is None for g in grads):
             # every server takes part in the same all-reduce per version (nothing of this shard: adds 0)
-            self.applied_norm_sq = self.norm_sum(float("inf") if grads else 0.0)
+            self.applied_norm_sq = self._sum_over_servers(float("inf") if grads else 0.0)
             self.nonfinite += 1 if grads else 0
             self.version += 1
             return "nonfinite" if grads else "rejected"
@@ -193,9 +202,18 @@ class ShardState:
         for g in grads[1:]:
             mean.add_(g)
         mean.div_(len(grads))
-        total = self.applied_norm_sq = self.norm_sum(float(mean.double().square().sum()))
+        total = self.applied_norm_sq = self._sum_over_servers(float(mean.double().square().sum()))
         self._step(self._clip(mean, total), lrs)
         return "applied"
+
+    def _sum_over_servers(self, x: float) -> float:
+        """``norm_sum(x)`` with ``applying`` set: the server releases its lock while the servers meet, so its
+        other workers' stale pushes, parks and ends (which another server's version may wait for) go on."""
+        self.applying = True
+        try:
+            return self.norm_sum(x)
+        finally:
+            self.applying = False
 
     def _push_ssp(self, worker: int, clock: int, version: int, grad: torch.Tensor | None, lrs: list[float]) -> str:
         if clock < self.version:
@@ -212,7 +230,7 @@ class ShardState:
         while True:
             c = self.version
             got = self.by_clock.get(c)
-            if not got or any(k not in got for k in self.active()):
+            if self.applying or not got or any(k not in got for k in self.active()):
                 return outcome
             del self.by_clock[c]
             grads, stale, lrs = [], [], got[min(got)][2]

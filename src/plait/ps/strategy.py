@@ -107,7 +107,9 @@ class ParameterServer(Strategy):
         if g.is_server:
             self.server = self._build_server(opt)
         else:
-            self.client = PsClient(self.flat, g.rank, g.server_ranks, g.p2p)
+            # sync and backup apply a version of the whole model: one version per push to every server
+            self.client = PsClient(self.flat, g.rank, g.server_ranks, g.p2p,
+                                   one_version=self.cfg.ps.mode in ("sync", "backup"))
             if g.rank == 0:
                 self.client.init_servers()
             self._install(self.client.pull())

@@ -24,8 +24,9 @@ from plait.ps.shard import FlatLayout
 class PsClient:
     """One worker's channels to the servers (global ranks ``server_ranks``), and its clock."""
 
-    def __init__(self, flat: FlatLayout, worker: int, server_ranks: list[int], group: Any) -> None:
-        self.flat, self.worker = flat, worker
+    def __init__(self, flat: FlatLayout, worker: int, server_ranks: list[int], group: Any,
+                 one_version: bool = False) -> None:
+        self.flat, self.worker, self.one_version = flat, worker, one_version
         self.channels = [Channel(group, worker, r, "parameter server", slot=hi - lo)
                          for r, (lo, hi) in zip(server_ranks, map(flat.shard_range, range(len(server_ranks))),
                                                 strict=True)]
@@ -63,11 +64,21 @@ class PsClient:
         flags = (FLAG_NONFINITE if grad is None else 0) | (FLAG_PULL if pull else 0)
         for s, ch in enumerate(self.channels):
             lo, hi = self.flat.shard_range(s)
-            h = Header(Op.PUSH, self.worker, s, self.versions[s], clock=self.clock, norm_sq=norm_sq, lrs=lrs,
+            h = Header(Op.PUSH, self.worker, s, self.push_version(s), clock=self.clock, norm_sq=norm_sq, lrs=lrs,
                        flags=flags)
             ch.send_framed(h, grad[lo:hi] if grad is not None else None)
         self.push_s += time.perf_counter() - t0
         return self._replies(time.perf_counter(), install) if pull else None
+
+    def push_version(self, server: int) -> int:
+        """The version a push to ``server`` says its gradient was computed on: that shard's version read, or
+        with ``one_version`` (sync, backup) the oldest shard version the parameters hold, the same to every
+        server. A read can mix versions (the replies of the servers come at different times); a gradient of
+        such parameters is of the older version, for every shard alike. So every server drops or takes each
+        push alike and applies each version exactly once with the others (their one all-reduce per version
+        pairs up); judged shard by shard, one server could apply a version that no push still to come lets
+        another apply, and wait in that all-reduce for ever."""
+        return min(self.versions) if self.one_version else self.versions[server]
 
     def pull(self) -> torch.Tensor:
         """The parameters of every shard, in the flat order (waits where the consistency mode says)."""
