@@ -231,9 +231,11 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def run_recovery(name: str, run: Path, kills: list, duration: float, ckpt_every: int) -> dict:
+def run_recovery(name: str, run: Path, kills: list, duration: float, ckpt_every: int,
+                 extra: list[str] | None = None) -> dict:
     replicas = name == "replicas"
-    cmd = [sys.executable, "-m", "plait.cli", "train", *RECOVERY, f"--checkpoint.every={ckpt_every}", *SYSTEMS[name],
+    cmd = [sys.executable, "-m", "plait.cli", "train", *RECOVERY, *(extra or []), f"--checkpoint.every={ckpt_every}",
+           *SYSTEMS[name],
            f"--run.dir={run}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
     log = open(run.parent / f"{name}.log", "w")
@@ -324,7 +326,7 @@ def recovery(args: argparse.Namespace) -> dict:
     root = Path(tempfile.mkdtemp(prefix="plait-chaos-recovery-"))
     results = {}
     for name in SYSTEMS:
-        results[name] = run_recovery(name, root / name, kills, duration, args.ckpt_every)
+        results[name] = run_recovery(name, root / name, kills, duration, args.ckpt_every, args.extra)
         print(f"{name}: {results[name]['steps']} steps, goodput {results[name]['goodput_steps_per_s']:.3f} steps/s",
               file=sys.stderr, flush=True)
     base = max(results["restart"]["goodput_steps_per_s"], 1e-9)
@@ -335,7 +337,8 @@ def recovery(args: argparse.Namespace) -> dict:
             "config": {"model": "default GPT (plait train defaults)", "workers": 2, "checkpoint_every_steps":
                        args.ckpt_every, "window_s": duration, "mean_gap_s": gap, "seed": args.seed,
                        "comm_timeout_s": 10, "log_every": 10, "kills": kills,
-                       "settings": RECOVERY + [f"--checkpoint.every={args.ckpt_every}"], "systems": SYSTEMS},
+                       "settings": RECOVERY + args.extra + [f"--checkpoint.every={args.ckpt_every}"],
+                       "systems": SYSTEMS},
             "results": results, "ratios": ratios,
             "target_replicas_1.5x_restart": ratios["replicas_over_restart"] >= 1.5,
             "load_avg_1m": os.getloadavg()[0], "work_dir": str(root)}
@@ -373,6 +376,9 @@ def main() -> None:
     ap.add_argument("--ckpt-every", type=int, default=None,
                     help=f"recovery: checkpoint every N steps (default plait's, {DEFAULT_EVERY}; --quick: 30)")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--extra", action="append", default=[], metavar="--SECTION.KEY=VALUE",
+                    help="recovery: a plait train setting for every system (repeat it), e.g. a larger model: the "
+                         "model's step time sets how many seconds a checkpoint interval of steps is")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     rec = args.compare == "recovery"
