@@ -276,8 +276,12 @@ def run_recovery(name: str, run: Path, kills: list, duration: float, ckpt_every:
             back = [t for t, n in ledgers.get(f"replica{f['rank']}", []) if t > at and n > before]
             f["rejoin_s"] = round(min(back) - at, 2) if back else None
         else:  # a restart's cost in two parts: until the workers resumed, and the steps they had to take again
-            resumed = [(t, n, src) for t, n, src in _resumes(run, start) if t > at]
-            if resumed:
+            # the resume of this restart: before the next kill (none when no checkpoint existed yet: from step 0)
+            until = min([g["at_s"] for g in applied if g["at_s"] > at] or [window])
+            resumed = [(t, n, src) for t, n, src in _resumes(run, start) if at < t < until]
+            if not resumed:
+                f.update(restart_s=None, resumed_from_step=0, steps_redone=before, loaded_from="nothing")
+            else:
                 t, n, src = resumed[0]
                 f.update(restart_s=round(t - at, 2), resumed_from_step=n, steps_redone=before - n, loaded_from=src)
     out: dict = {"steps": final, "window_s": round(window, 1), "startup_s": round(start - launched, 1),
