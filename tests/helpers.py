@@ -117,3 +117,46 @@ class CollectiveCounter(TorchDispatchMode):
         if getattr(func, "namespace", "") in ("c10d", "_c10d_functional"):
             self.calls += 1
         return func(*args, **(kwargs or {}))
+
+
+class NetnsPair:
+    """Two network namespaces joined by a veth pair, one address each (made on ``__enter__``, removed on
+    ``close``/``__exit__``, which kills every process in them); the names carry this process's id, so two test runs on
+    one machine each make their own. Skips the test with the reason where namespaces cannot be made."""
+
+    def __init__(self, ns: tuple[str, str], dev: tuple[str, str], addr: tuple[str, str]) -> None:
+        tag = os.getpid() % 100000
+        self.ns = (f"{ns[0]}{tag}", f"{ns[1]}{tag}")
+        self.dev = (f"{dev[0]}{tag}", f"{dev[1]}{tag}")  # device names: at most 15 characters
+        self.addr = addr
+
+    def __enter__(self) -> NetnsPair:
+        import pytest
+
+        if os.geteuid() != 0:
+            pytest.skip("network namespaces need root")
+        self.close()
+        steps = [["ip", "netns", "add", self.ns[0]], ["ip", "netns", "add", self.ns[1]],
+                 ["ip", "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1]]]
+        for ns, dev, addr in zip(self.ns, self.dev, self.addr, strict=True):
+            steps += [["ip", "-n", ns, "link", "set", "lo", "up"], ["ip", "link", "set", dev, "netns", ns],
+                      ["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev],
+                      ["ip", "-n", ns, "link", "set", dev, "up"]]
+        for cmd in steps:
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode:
+                self.close()
+                pytest.skip(f"network namespaces are not available here ({' '.join(cmd)}: {out.stderr.strip()})")
+        return self
+
+    def close(self, *exc: object) -> None:
+        import contextlib
+        import signal
+
+        for ns in self.ns:
+            for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    __exit__ = close

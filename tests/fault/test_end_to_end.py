@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_weights
+from helpers import NetnsPair, run_weights
 
 from plait.cli import main
 from plait.fault.restart import read_progress, worker_pids
@@ -230,44 +230,14 @@ def test_torchrun_max_restarts_resumes_the_same_way(tmp_path: Path, clean) -> No
     assert _same(_weights(run), clean)
 
 
-class TwoHosts:
-    """Two network namespaces joined by a veth pair: hosts 10.203.0.1 and 10.203.0.2 (made and removed here). Their
-    names carry this process's id: two test runs on one machine each make and remove their own (``close`` kills
-    every process in the namespaces it names)."""
+class TwoHosts(NetnsPair):
+    """Hosts 10.203.0.1 and 10.203.0.2 in two network namespaces (tests/helpers.NetnsPair)."""
 
-    TAG = os.getpid() % 100000
-    NS, DEV = (f"plait-fa{TAG}", f"plait-fb{TAG}"), (f"pltfa{TAG}", f"pltfb{TAG}")  # device names: 15 characters
-    ADDR = ("10.203.0.1", "10.203.0.2")
-
-    def __enter__(self) -> TwoHosts:
-        self.close()
-        steps = [["ip", "netns", "add", self.NS[0]], ["ip", "netns", "add", self.NS[1]],
-                 ["ip", "link", "add", self.DEV[0], "type", "veth", "peer", "name", self.DEV[1]]]
-        for ns, dev, addr in zip(self.NS, self.DEV, self.ADDR, strict=True):
-            steps += [["ip", "-n", ns, "link", "set", "lo", "up"], ["ip", "link", "set", dev, "netns", ns],
-                      ["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev],
-                      ["ip", "-n", ns, "link", "set", dev, "up"]]
-        for cmd in steps:
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode:
-                self.close()
-                pytest.skip(f"network namespaces are not available here ({' '.join(cmd)}: {out.stderr.strip()})")
-        return self
+    def __init__(self) -> None:
+        super().__init__(("plait-fa", "plait-fb"), ("pltfa", "pltfb"), ("10.203.0.1", "10.203.0.2"))
 
     def link(self, up: bool) -> None:
-        subprocess.run(["ip", "-n", self.NS[0], "link", "set", self.DEV[0], "up" if up else "down"], check=True)
-
-    def close(self, *exc: object) -> None:
-        for ns in self.NS:
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-    __exit__ = close
+        subprocess.run(["ip", "-n", self.ns[0], "link", "set", self.dev[0], "up" if up else "down"], check=True)
 
 
 def test_cut_cable_between_two_hosts(tmp_path: Path, clean) -> None:
@@ -279,11 +249,11 @@ def test_cut_cable_between_two_hosts(tmp_path: Path, clean) -> None:
     run = tmp_path / "hosts"
     with TwoHosts() as hosts:
         procs, logs = [], []
-        for i, (ns, dev, addr) in enumerate(zip(hosts.NS, hosts.DEV, hosts.ADDR, strict=True)):
+        for i, (ns, dev, addr) in enumerate(zip(hosts.ns, hosts.dev, hosts.addr, strict=True)):
             env = ["env", f"GLOO_SOCKET_IFNAME={dev}", "OMP_NUM_THREADS=1",
                    f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}"]
             cmd = ["ip", "netns", "exec", ns, *env, sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-                   "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts.ADDR[0]}:29533",
+                   "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts.addr[0]}:29533",
                    "--rdzv-id=plait-hosts", f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={addr}",
                    # restarts to spare: a host whose worker fails late (still in its timed-out collective when
                    # the link returns) can burn several quick attempts waiting for the other's address

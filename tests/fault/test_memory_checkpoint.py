@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_ranks, run_weights
+from helpers import NetnsPair, run_ranks, run_weights
 
 from plait.engine.host_copies import find_copies, holders_for
 from plait.fault.holder import ADDRESS_ENV, TOKEN_ENV, Client, Holders, facing, open_server, start
@@ -262,45 +262,18 @@ def test_a_killed_worker_restarts_from_memory_and_from_disk_without_the_holder(t
     assert _same(clean, tmp_path / "killed")
 
 
-class TwoMachines:
-    """Two network namespaces joined by a veth pair, hosts 10.205.0.1 and 10.205.0.2, named after this process (a
-    run beside this one makes its own); made and removed here, skipped with the reason where they cannot be."""
-
-    ADDR = ("10.205.0.1", "10.205.0.2")
+class TwoMachines(NetnsPair):
+    """Hosts 10.205.0.1 and 10.205.0.2 in two network namespaces (tests/helpers.NetnsPair)."""
 
     def __init__(self) -> None:
-        tag = os.getpid() % 100000
-        self.ns, self.dev = (f"plait-mc{tag}a", f"plait-mc{tag}b"), (f"plmc{tag}a", f"plmc{tag}b")
-
-    def __enter__(self) -> TwoMachines:
-        if os.geteuid() != 0:
-            pytest.skip("network namespaces need root")
-        steps = [["ip", "netns", "add", self.ns[0]], ["ip", "netns", "add", self.ns[1]],
-                 ["ip", "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1]]]
-        for ns, dev, addr in zip(self.ns, self.dev, self.ADDR, strict=True):
-            steps += [["ip", "-n", ns, "link", "set", "lo", "up"], ["ip", "link", "set", dev, "netns", ns],
-                      ["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev],
-                      ["ip", "-n", ns, "link", "set", dev, "up"]]
-        for cmd in steps:
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode:
-                self.__exit__()
-                pytest.skip(f"network namespaces are not available here ({' '.join(cmd)}: {out.stderr.strip()})")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for ns in self.ns:
-            for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        super().__init__(("plait-mca", "plait-mcb"), ("plmca", "plmcb"), ("10.205.0.1", "10.205.0.2"))
 
     def start(self, i: int, run: Path, log: Path, *extra: str) -> subprocess.Popen:
         """Machine ``i``'s ``plait train`` (agent, 1 worker, holder) in a session of its own, its output in ``log``."""
         env = ["env", f"GLOO_SOCKET_IFNAME={self.dev[i]}", "OMP_NUM_THREADS=1", "PYTHONUNBUFFERED=1",
                f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}"]
-        nodes = ["--nnodes", "2", "--rdzv-endpoint", f"{self.ADDR[0]}:29541", "--rdzv-id", "peer-copies",
-                 "--local-addr", self.ADDR[i],
+        nodes = ["--nnodes", "2", "--rdzv-endpoint", f"{self.addr[0]}:29541", "--rdzv-id", "peer-copies",
+                 "--local-addr", self.addr[i],
                  "--rdzv-conf", "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=10"]
         cmd = ["ip", "netns", "exec", self.ns[i], *env, sys.executable, "-m", "plait.cli", "train", *MACHINE_ARGS,
                *nodes, f"--run.dir={run}", *extra]
