@@ -156,7 +156,7 @@ class Plait(SmallCollectives):
     def model_whole(self) -> bool:
         """Whether the model ``setup`` returns runs whole on each rank (False under pipeline parallelism: it is
         split over ranks, and ``forward_backward`` runs each micro-step)."""
-        return self._strategy_cls.model_whole
+        return self._strategy_cls.layout_class(self.config).model_whole  # a layout inside replica groups: its own
 
     @property
     def wants_sample(self) -> bool:

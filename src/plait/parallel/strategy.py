@@ -441,6 +441,11 @@ class Strategy:
     def finish_load(self) -> None:
         """After a load's collective (a parameter server's workers pull the loaded weights)."""
 
+    def retie(self) -> None:
+        """After this rank's weights were written from outside the layout, each rank on its own (a replica group's
+        heal from a live peer): make the copies of a parameter the layout keeps on several ranks equal again (a
+        pipeline's tied embedding and head, on the first and last stage). Nothing by default: one copy each."""
+
     # weights of models larger than one process (plait.parallel.weights, plait.parallel.meta_init)
     @property
     def facts(self) -> ModelFacts:

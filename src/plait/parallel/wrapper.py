@@ -162,6 +162,9 @@ class Wrapper(Strategy):
     def finish_load(self) -> None:
         self.inner.finish_load()
 
+    def retie(self) -> None:
+        self.inner.retie()
+
     def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         return self.inner.full_model_state(rank0_only)
 

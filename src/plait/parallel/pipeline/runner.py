@@ -37,6 +37,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor
 
 from plait.parallel.pipeline.split import (
     FunctionPipeline,
@@ -170,6 +171,23 @@ class PipelineRunner:
                 dist.all_reduce(total, group=self.tie_group)
             for g in grads:
                 g.copy_(total)
+
+    @torch.no_grad()
+    def sync_tied_weights(self) -> None:
+        """Every copy of each tied parameter takes the first stage's value (the original's): after weights were
+        written into the stages from outside, each rank on its own (a heal from a live peer's same rank), so that
+        the copies start equal again. Communication: per tie held by more than one rank, one broadcast of the
+        (local shard of the) weight over the pp ranks from the first stage's rank (ranks without a copy receive
+        into a scratch tensor). Nothing when one rank holds every copy: they were written from one source."""
+        for tie in self.ties:
+            first = self._owner[min(tie.stages)]
+            if len({self._owner[s] for s in tie.stages}) == 1:
+                continue
+            copies = [p.to_local() if isinstance(p, DTensor) else p for p in tie.params]
+            value = copies[0].detach().clone() if copies else torch.zeros(tie.shape)
+            dist.broadcast(value, group=self.tie_group, group_src=first)
+            for c in copies:
+                c.copy_(value)
 
     @property
     def _owner(self) -> list[int]:

@@ -265,6 +265,10 @@ class Pipeline(ModelParallel):
         self.engine.finish()
         self.runner.sync_tied_grads()
 
+    def retie(self) -> None:
+        """The tied copies take the first stage's weight (``PipelineRunner.sync_tied_weights``)."""
+        self.runner.sync_tied_weights()
+
     def report(self, run_dir: Path | None, measured: dict[str, int] | None, device: torch.device) -> dict[str, Any]:
         """The memory block, bubble accounting of the last pipeline step and ``pipeline_trace.json``
         (collective over pp). Each stage's measured idle fraction (1 - busy / step span) next to the

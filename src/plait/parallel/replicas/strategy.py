@@ -69,7 +69,7 @@ from plait.parallel.strategy import PlaitError, Strategy, register_strategy, str
 from plait.parallel.units import batchnorm_buffers
 from plait.parallel.wrapper import Wrapper
 from plait.parallel.zero.optimizer import ZeroOptimizer
-from plait.topology import Topology, build_topology
+from plait.topology import AXIS_ORDER, MeshAxis, Topology, build_topology
 
 
 def _weights_only_transport(timeout: timedelta) -> Any:
@@ -88,6 +88,37 @@ def _weights_only_transport(timeout: timedelta) -> Any:
                 return _streaming_load(f, weights_only=True)
 
     return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
+
+
+def _mesh_axes(name: str) -> list[str]:
+    """The group topology's axes a DTensor mesh dimension spans: its own name, or a flattened one's parts
+    (``dp_replicate_dp_shard``: torch joins the flattened names with ``_``, which the names themselves contain)."""
+    axes, rest = [], name
+    while rest:
+        axis = next((a for a in sorted(map(str, AXIS_ORDER), key=len, reverse=True)
+                     if rest == a or rest.startswith(a + "_")), None)
+        if axis is None:
+            raise PlaitError(f"fault.mode=replicas: a parameter is laid out on a device mesh dimension {name!r} that "
+                             "is not one of the group topology's axes; build sharded models through Plait.setup")
+        axes.append(axis)
+        rest = rest[len(axis) + 1:]
+    return axes
+
+
+def _held_alike(topo: Topology, t: torch.Tensor) -> tuple[str, ...]:
+    """The mesh axes of the group's topology along which its ranks hold the same local ``t`` (in mesh order; empty:
+    no other rank does): every axis of more than one rank but the pipeline's (each stage holds entries of its
+    own), less those a DTensor is sharded on (a Megatron shard's tp, an FSDP shard's data-parallel axes)."""
+    sharded: set[str] = set()
+    if isinstance(t, DTensor):
+        names = t.device_mesh.mesh_dim_names
+        if names is None:
+            raise PlaitError("fault.mode=replicas: a parameter is laid out on a device mesh without axis names; build "
+                             "sharded models through Plait.setup")
+        for name, placement in zip(names, t.placements, strict=True):
+            if not placement.is_replicate():
+                sharded.update(_mesh_axes(name))
+    return tuple(str(a) for a in AXIS_ORDER if a != MeshAxis.PP and str(a) not in sharded and topo.degree(a) > 1)
 
 
 @dataclass
@@ -169,6 +200,10 @@ class Replicas(Wrapper):
         return cls.inner_class(cfg)
 
     @classmethod
+    def wants_sample(cls, cfg: Config) -> bool:
+        return cls.inner_class(cfg).wants_sample(cfg)
+
+    @classmethod
     def check(cls, cfg: Config, degrees: dict[str, int]) -> None:
         p, c, f = cfg.parallel, cfg.comm, cfg.fault
         if f.mode != "replicas":
@@ -177,8 +212,7 @@ class Replicas(Wrapper):
                                   "fault.mode=replicas; set fault.mode=replicas, or leave it 0 (hybrid sharding's "
                                   "replicas follow from parallel.dp_shard)")
             return
-        inside = [(f"parallel.tp={p.tp}", p.tp > 1), (f"parallel.pp={p.pp}", p.pp > 1),
-                  (f"parallel.ep={p.ep}", p.ep > 1), (f"parallel.cp={p.cp}", p.cp > 1),
+        inside = [(f"parallel.ep={p.ep}", p.ep > 1), (f"parallel.cp={p.cp}", p.cp > 1),
                   ("parallel.mode=ps", p.mode == "ps"), ("parallel.sync=diloco", p.sync == "diloco"),
                   ("parallel.impl=torch", p.impl == "torch"), ("parallel.sync_batchnorm", p.sync_batchnorm),
                   (f"comm.compress={c.compress}", c.compress != "none"),
@@ -186,18 +220,26 @@ class Replicas(Wrapper):
                   (f"parallel.strategy={p.strategy}", p.strategy not in ("auto", cls.name))]
         refused = [name for name, on in inside if on]
         if refused:
-            raise ConfigError(f"fault.mode=replicas trains each replica group data-parallel, with ZeRO-1/2 or with "
-                              f"FSDP2/HSDP inside it, its gradients averaged over the groups by torchft; it does not "
-                              f"compose with {', '.join(refused)} (no tensor, pipeline, expert or context "
-                              "parallelism inside a replica group): remove it, or set fault.mode=restart")
+            raise ConfigError(f"fault.mode=replicas trains each replica group data-parallel, with ZeRO-1/2, with "
+                              f"FSDP2/HSDP, with tensor or with pipeline parallelism inside it, its gradients averaged "
+                              f"over the groups by torchft; it does not compose with {', '.join(refused)} (no expert "
+                              "or context parallelism inside a replica group: their ranks hold entries torchft's "
+                              "per-rank averaging and healing do not pair up): remove it, or set fault.mode=restart")
         groups, ranks = degrees["dp_replicate"], degrees["dp_shard"]
-        if p.zero and ranks < 2:
+        model_par = p.tp * p.pp
+        if p.zero and ranks < 2 and model_par == 1:
             raise ConfigError(f"fault.mode=replicas with parallel.zero={p.zero} shards each replica group's state over "
                               f"its ranks, and a group here is one rank ({groups} groups): set parallel.dp_replicate "
                               "to fewer groups than parallel.nproc (each of nproc / dp_replicate ranks; plait run "
                               "--replicas G --nproc R), or parallel.zero=0")
+        if p.zero and ranks < 2:
+            raise ConfigError(f"fault.mode=replicas with parallel.zero={p.zero} shards each replica group's state over "
+                              f"its data-parallel ranks, and a group here has one (its {model_par} ranks are "
+                              f"tp={p.tp} x pp={p.pp}): give each group {2 * model_par} ranks or more (plait run "
+                              f"--replicas G --nproc {2 * model_par}), or set parallel.zero=0")
         if p.dp_shard and ranks % p.dp_shard:
-            raise ConfigError(f"parallel.dp_shard={p.dp_shard} must divide the {ranks} ranks of a replica group "
+            where = f"data-parallel ranks ({model_par} x {ranks} ranks: tp x pp x dp)" if model_par > 1 else "ranks"
+            raise ConfigError(f"parallel.dp_shard={p.dp_shard} must divide the {ranks} {where} of a replica group "
                               f"(HSDP inside each group); use dp_shard in "
                               f"{[n for n in range(2, ranks + 1) if ranks % n == 0]}, or 0 (FSDP over the group)")
         if f.min_replicas < 1 or f.min_replicas > groups:
@@ -206,9 +248,10 @@ class Replicas(Wrapper):
 
     @classmethod
     def resolve_degrees(cls, cfg: Config, world_size: int) -> dict[str, int]:
-        """``dp_replicate``: the replica groups, ``dp_shard``: the ranks of one group (whatever its layout inside),
-        so that ``dp`` counts every data-parallel rank. In a worker ``world_size`` is its group's ranks and the
-        launcher's environment names the groups; a launcher checking the config passes every rank of the run."""
+        """``dp_replicate``: the replica groups, ``dp_shard``: the data-parallel ranks of one group (whatever its
+        data-parallel layout inside), ``tp`` and ``pp``: the group's, so that ``dp`` counts every data-parallel rank
+        of every group. In a worker ``world_size`` is its group's ranks and the launcher's environment names the
+        groups; a launcher checking the config passes every rank of the run."""
         p = cfg.parallel
         found = replica_group()
         if found is not None:
@@ -216,13 +259,21 @@ class Replicas(Wrapper):
             if p.dp_replicate and p.dp_replicate != groups:
                 raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} but the launcher started {groups} replica "
                                   "groups: leave it 0 under plait run --replicas, or start as many groups")
-            return {"pp": 1, "dp_replicate": groups, "dp_shard": world_size, "ep": 1, "cp": 1, "tp": 1}
-        groups = p.dp_replicate or world_size
-        if world_size % groups:
-            raise ConfigError(f"parallel.dp_replicate={groups} replica groups must divide the {world_size} ranks "
-                              f"(parallel.nproc); use dp_replicate in "
-                              f"{[n for n in range(1, world_size + 1) if world_size % n == 0]}")
-        return {"pp": 1, "dp_replicate": groups, "dp_shard": world_size // groups, "ep": 1, "cp": 1, "tp": 1}
+            ranks = world_size
+        else:
+            groups = p.dp_replicate or world_size // (p.tp * p.pp) or 1
+            if world_size % groups:
+                raise ConfigError(f"parallel.dp_replicate={groups} replica groups must divide the {world_size} ranks "
+                                  f"(parallel.nproc); use dp_replicate in "
+                                  f"{[n for n in range(1, world_size + 1) if world_size % n == 0]}")
+            ranks = world_size // groups
+        model_par = p.tp * p.pp
+        if ranks % model_par:
+            raise ConfigError(f"a replica group of {ranks} ranks does not divide by parallel.tp={p.tp} x "
+                              f"parallel.pp={p.pp} = {model_par} (tensor and pipeline parallelism run inside each "
+                              f"group): give each group a multiple of {model_par} ranks (plait run --replicas G "
+                              f"--nproc {model_par}; plait train: parallel.nproc = dp_replicate x {model_par} x k)")
+        return {"pp": p.pp, "dp_replicate": groups, "dp_shard": ranks // model_par, "ep": 1, "cp": 1, "tp": p.tp}
 
     @classmethod
     def build_topology(cls, cfg: Config, device: torch.device) -> Topology:
@@ -312,14 +363,25 @@ class Replicas(Wrapper):
 
     @torch.no_grad()
     def _agree_in_group(self) -> None:
-        """After the first quorum, every entry each rank holds whole (not a DTensor shard) is group rank 0's: torchft
-        picks each group rank's heal source on its own (at the start of a run, rank k of every group may take group
-        k's state), which for a layout holding the whole model on every rank (data parallel, ZeRO-1/2) would leave
-        the ranks of one group with different weights. Communication: one broadcast per such entry over the group,
-        once, at setup."""
-        for t in self.inner.model_entries().values():
-            if not isinstance(t, DTensor):
-                dist.broadcast(t.data, src=0)
+        """After the first quorum, the ranks of one group that hold the same local tensor hold group rank 0's copy of
+        it: torchft picks each group rank's heal source on its own (at the start of a run, rank k of every group may
+        take group k's state), which would leave ranks of one group holding the same entry (the whole model under
+        data parallelism and ZeRO-1/2, a replicated norm under tensor parallelism, a shard under HSDP or next to
+        tensor parallelism) with different values. Which ranks hold the same tensor: those of the same pipeline
+        stage (each stage holds entries of its own) along the group's mesh axes the tensor is not sharded on
+        (``_held_alike``); a pipeline's tied copies (the embedding on the first stage, the head on the last) then take
+        the first stage's (``Strategy.retie``). Communication: one all-gather of the axis sets, then one broadcast
+        per entry over its ranks and one per tied weight over the pipeline, once, at setup."""
+        topo = self.topo
+        entries = [(_local(t).data, _held_alike(topo, t)) for t in self.inner.model_entries().values()]
+        mine = sorted({axes for _, axes in entries if axes})
+        every: list[Any] = [None] * topo.world_size
+        dist.all_gather_object(every, mine)
+        groups = {axes: topo.group(*axes) for axes in sorted({a for part in every for a in part})}  # same order
+        for t, axes in entries:  # the ranks of one stage hold the same entries in the same order
+            if axes:
+                dist.broadcast(t, group=groups[axes], group_src=0)
+        self.inner.retie()  # a pipeline's tied copies: each stage's rank healed from a source of its own
         for o in self.inner.optimizers:  # a separate master copy (parameters not fp32) follows its shard
             for b in o.buckets if isinstance(o, ZeroOptimizer) else []:
                 if b.master is not b.shard:
