@@ -27,7 +27,6 @@ from torch.utils.data import TensorDataset
 
 import plait
 
-
 MODEL_LAYOUTS = {"tp": {"tp": 2}, "pp": {"pp": 2, "microbatches": 2, "pp_balance": "count"}}
 GPT_SEQ, GPT_VOCAB = 16, 64
 

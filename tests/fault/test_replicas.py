@@ -212,7 +212,13 @@ def test_plait_train_replica_group_killed_and_healed(tmp_path: Path) -> None:
     ({"parallel": {"zero": 2}}, r"with parallel.zero=2 shards each replica group's state over its ranks, and a group "
                                 r"here is one rank \(2 groups\): set parallel.dp_replicate"),
     ({"parallel": {"zero": 3}}, "with parallel.zero=3 shards each replica group's state over its ranks"),
-    ({"parallel": {"pp": 2}, "train": {"global_batch_size": 8}}, r"does not compose with parallel.pp=2 \(no tensor"),
+    ({"parallel": {"cp": 2}}, r"does not compose with parallel.cp=2 \(no expert or context parallelism"),
+    # tensor and pipeline parallelism run inside a group: its ranks must hold whole model replicas
+    ({"parallel": {"tp": 2, "dp_replicate": 2}}, r"a replica group of 1 ranks does not divide by parallel.tp=2 x "
+                                                  r"parallel.pp=1 = 2"),
+    ({"parallel": {"pp": 2, "zero": 3}}, r"with parallel.zero=3 shards each replica group's state over its "
+                                         r"data-parallel ranks, and a group here has one \(its 2 ranks are tp=1 x "
+                                         r"pp=2\)"),
     ({"parallel": {"sync": "diloco"}}, "does not compose with parallel.sync=diloco"),
     ({"comm": {"compress": "int8"}}, "does not compose with comm.compress=int8"),
     ({"parallel": {"strategy": "zero"}}, "does not compose with parallel.strategy=zero"),
@@ -247,7 +253,13 @@ def test_replica_groups_of_several_ranks(monkeypatch: pytest.MonkeyPatch) -> Non
         Replicas.resolve_degrees(cfg, 2)
     cfg.parallel.dp_replicate = 0
     assert Replicas.resolve_degrees(cfg, 2) == {"pp": 1, "dp_replicate": 3, "dp_shard": 2, "ep": 1, "cp": 1, "tp": 1}
+    tp = from_sections({"train": {"global_batch_size": 8}, "parallel": {"tp": 2}})  # groups of 2: one replica each
+    tp.fault.mode = "replicas"
+    assert Replicas.resolve_degrees(tp, 2) == {"pp": 1, "dp_replicate": 3, "dp_shard": 1, "ep": 1, "cp": 1, "tp": 2}
     monkeypatch.delenv("PLAIT_REPLICA_GROUP")
+    tp.parallel.dp_replicate = 2  # 2 groups of 4 ranks: tp=2 x 2 data-parallel ranks each; 4 of them in all
+    assert Replicas.resolve_degrees(tp, 8) == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "ep": 1, "cp": 1, "tp": 2}
+    assert validate(tp, 8).parallel.dp == 4
     hsdp = from_sections({"train": {"global_batch_size": 12}, "parallel": {"dp_replicate": 2, "zero": 3,
                                                                             "dp_shard": 2}})
     hsdp.fault.mode = "replicas"

@@ -1,5 +1,6 @@
-"""Replica groups of several ranks, sharded inside (``fault.mode = "replicas"``, ``plait run --replicas 2 --nproc 2``:
-2 torchft replica groups x 2 ranks; tests/fault/replica_sharded_script.py is the user's loop).
+"""Replica groups of several ranks, sharded or model-parallel inside (``fault.mode = "replicas"``, ``plait run
+--replicas 2 --nproc 2``: 2 torchft replica groups x 2 ranks; tests/fault/replica_sharded_script.py is the user's
+loop).
 
 One launch for every test here (tests/fault/replica_sharded_script.py runs the failure-free runs, then the one with a
 failure; only the killed group's replacement skips to the latter). Failure-free, ZeRO-1, ZeRO-2 and FSDP2 (zero=3)
@@ -8,9 +9,14 @@ weights after the first quorum (group 0's where the ranks hold the whole model),
 single-process loop (AdamW on the 16 samples the four ranks read at each step, from those weights): the mean of the
 four ranks' losses within 1e-6 and every parameter after 4 steps within 1e-5 (float rounding: the group's reduction,
 then torchft's average over the groups, against one backward over the whole batch); the four ranks' full weights are
-bit-identical. Checkpoints: each group saves its own (sharded) one; a resumed run where group 1 loads an older
-checkpoint than group 0 heals group 1 at the load (weights, optimizer state, step and data position), and ends its
-next step where the uninterrupted run did (1e-6).
+bit-identical. Tensor parallelism (tp=2) and pipeline parallelism (pp=2, 1F1B) inside each group, on plait's tiny GPT
+(embedding and head tied): the two ranks of a group read the same samples (one data-parallel rank per group), the
+start is one model on every rank with its tie intact (under pp the head's copy on the last stage equals the
+embedding on the first, though torchft healed the two stages from different groups), and the run equals the plain
+loop: the mean of the groups' losses within 5e-6 and every parameter after 4 steps within 5e-5 (measured: 5e-7 and
+1.4e-5; one AdamW step at lr 1e-2 moves weights ~1e-2). Checkpoints: each group saves its own (sharded) one; a
+resumed run where group 1 loads an older checkpoint than group 0 heals group 1 at the load (weights, optimizer state,
+step and data position), and ends its next step where the uninterrupted run did (1e-6).
 
 A failure, ZeRO-2 inside each group: rank 1 of group 1 SIGKILLed mid-run. Group 0's processes are the same ones
 throughout (one pid per rank), its step count only goes up and it trains alone while group 1 is away; group 1's agent
@@ -39,6 +45,7 @@ pytest.importorskip("torchft", reason="fault.mode=replicas needs torchft (pip in
 SCRIPT = Path(__file__).with_name("replica_sharded_script.py")
 RANKS = [(g, r) for g in (0, 1) for r in (0, 1)]
 STEPS, KILL_AT, MIN_STEPS = 4, 6, 20
+ZEROS, MODEL_PARALLEL = ["0", "1", "2", "3"], ["tp", "pp"]
 
 
 def _records(path: Path) -> list[dict]:
@@ -75,21 +82,28 @@ def _launch(out: Path, *args: str, kill: tuple[str, int] | None = None) -> dict:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
     """One launch for every test here: the compared runs, then the run whose rank 1 of group 1 is killed."""
-    return _launch(tmp_path_factory.mktemp("replicas_sharded"), "0,1,2,3", str(STEPS), "2", str(MIN_STEPS),
+    return _launch(tmp_path_factory.mktemp("replicas_sharded"), ",".join(ZEROS + MODEL_PARALLEL), str(STEPS), "2",
+                   str(MIN_STEPS),
                    kill=("kill_g1r1.jsonl", KILL_AT))
 
 
-def _reference(start: dict[str, torch.Tensor], batches: list[list[int]]) -> tuple[list[float], dict]:
-    """The user's plain loop: one process, AdamW, each step's whole global batch."""
-    from replica_sharded_script import build, data
+def _reference(start: dict[str, torch.Tensor], batches: list[list[int]], gpt: bool = False
+               ) -> tuple[list[float], dict]:
+    """The user's plain loop: one process, AdamW, each step's whole global batch (the MLP's mean squared error, or
+    the GPT's next-token cross-entropy)."""
+    from replica_sharded_script import build, build_gpt, data, gpt_data
 
-    x, y, _ = data().tensors
-    model = build()
+    x, y, _ = (gpt_data() if gpt else data()).tensors
+    model = build_gpt() if gpt else build()
     model.load_state_dict(start)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for ids in batches:
-        loss = nn.functional.mse_loss(model(x[ids]), y[ids])
+        out = model(x[ids])
+        if gpt:
+            loss = nn.functional.cross_entropy(out.view(-1, out.size(-1)), y[ids].reshape(-1))  # (B T, V)
+        else:
+            loss = nn.functional.mse_loss(out, y[ids])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -126,19 +140,52 @@ def test_sharded_groups_equal_the_plain_loop(launched: dict, zero: int) -> None:
     assert max((fulls[0][k] - starts[0][k]).abs().max() for k in final) > 1e-3  # it trained
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_resumed_groups_heal_to_the_newest_checkpoint(launched: dict, zero: int) -> None:
+@pytest.mark.parametrize("layout", MODEL_PARALLEL)
+def test_model_parallel_groups_equal_the_plain_loop(launched: dict, layout: str) -> None:
+    """tp=2 or pp=2 inside each of 2 groups of 2 ranks against the plain loop (module docstring)."""
+    out = launched["out"]
+    assert launched["rc"] == 0, launched["log"][-3000:]
+    starts = [torch.load(out / f"{layout}_start_g{g}r{r}.pt") for g, r in RANKS]
+    assert all(torch.equal(s[k], starts[0][k]) for s in starts for k in starts[0])  # one start everywhere
+    assert torch.equal(starts[0]["head.weight"], starts[0]["tok_emb.weight"])  # the tie, across stages under pp
+    # Plait.reduce within a group: over its data-parallel ranks, one here (the two ranks are one model)
+    assert all(r["reduce"] == [1.0, 1.0, 1.0] for gr in RANKS
+               for r in _records(out / f"{layout}_g{gr[0]}r{gr[1]}.jsonl") if "joined_at" in r)
+    recs = {gr: [r for r in _records(out / f"{layout}_g{gr[0]}r{gr[1]}.jsonl") if "step" in r] for gr in RANKS}
+    assert all([r["step"] for r in rs] == list(range(1, STEPS + 1)) for rs in recs.values())
+    assert all(r["live"] == 2 for rs in recs.values() for r in rs)
+    for g in (0, 1):  # a group's two ranks read the same samples: one data-parallel rank
+        assert [r["ids"] for r in recs[(g, 0)]] == [r["ids"] for r in recs[(g, 1)]]
+    batches = [sorted(i for g in (0, 1) for i in recs[(g, 0)][s]["ids"]) for s in range(STEPS)]
+    assert all(len(set(b)) == 16 for b in batches) and len({i for b in batches for i in b}) == 16 * STEPS
+    if layout == "pp":  # the loss is the last stage's (rank 1): 0 on the first
+        assert all(r["loss"] == 0.0 for g in (0, 1) for r in recs[(g, 0)])
+    else:  # both tensor-parallel ranks compute the group's loss
+        assert all([r["loss"] for r in recs[(g, 0)]] == [r["loss"] for r in recs[(g, 1)]] for g in (0, 1))
+    losses, final = _reference(starts[0], batches, gpt=True)
+    mean = [sum(recs[(g, 1)][s]["loss"] for g in (0, 1)) / 2 for s in range(STEPS)]
+    assert mean == pytest.approx(losses, abs=5e-6)
+    fulls = [torch.load(out / f"{layout}_full_g{g}r{r}.pt") for g, r in RANKS]
+    assert all(torch.equal(f[k], fulls[0][k]) for f in fulls for k in fulls[0])
+    assert fulls[0].keys() == final.keys()
+    for k, v in final.items():
+        torch.testing.assert_close(fulls[0][k], v, rtol=0, atol=5e-5, msg=f"{k} after {STEPS} steps")
+    assert max((fulls[0][k] - starts[0][k]).abs().max() for k in final) > 1e-2  # it trained
+
+
+@pytest.mark.parametrize("layout", ZEROS + MODEL_PARALLEL)
+def test_resumed_groups_heal_to_the_newest_checkpoint(launched: dict, layout: str) -> None:
     """Each group loads its own checkpoint (group 1 an older one, into fresh weights of another seed): after the
     load every rank is at group 0's step and data position, and the last step taken again ends where the run that
     was not interrupted ended (within 1e-6)."""
-    out = launched["out"]
+    out, name = launched["out"], layout if layout in MODEL_PARALLEL else f"z{layout}"
     assert launched["rc"] == 0, launched["log"][-3000:]
-    resumed = [torch.load(out / f"z{zero}_resumed_g{g}r{r}.pt") for g, r in RANKS]
+    resumed = [torch.load(out / f"{name}_resumed_g{g}r{r}.pt") for g, r in RANKS]
     assert [(x["loaded"], x["steps"], x["live"]) for x in resumed] == [(STEPS - 1, STEPS, 2)] * 4
     for (g, r), x in zip(RANKS, resumed, strict=True):  # the data position is group 0's too: the same shares
-        last = [rec for rec in _records(out / f"z{zero}_g{g}r{r}.jsonl") if rec.get("step") == STEPS]
+        last = [rec for rec in _records(out / f"{name}_g{g}r{r}.jsonl") if rec.get("step") == STEPS]
         assert x["ids"] == last[0]["ids"]
-    full = torch.load(out / f"z{zero}_full_g0r0.pt")
+    full = torch.load(out / f"{name}_full_g0r0.pt")
     for k, v in full.items():
         assert all(torch.equal(x[k], resumed[0][k]) for x in resumed)
         torch.testing.assert_close(resumed[0][k], v, rtol=0, atol=1e-6, msg=f"{k} after the resumed step")
@@ -170,12 +217,13 @@ def test_killed_rank_of_a_sharded_group_heals_per_rank(launched: dict) -> None:
     assert len(launched["log"].split("healed from a live replica: joins at step")) >= 3  # the start, the heal
 
 
-def test_tensor_parallelism_inside_a_group_is_refused() -> None:
+@pytest.mark.parametrize("sections, refused", [({"ep": 2}, "parallel.ep=2"), ({"cp": 2}, "parallel.cp=2")])
+def test_expert_and_context_parallelism_inside_a_group_are_refused(sections: dict, refused: str) -> None:
     from plait.config import ConfigError, from_sections
     from plait.validate import validate
 
-    cfg = from_sections({"train": {"global_batch_size": 8}, "parallel": {"tp": 2, "dp_replicate": 2},
+    cfg = from_sections({"train": {"global_batch_size": 8}, "parallel": {**sections, "dp_replicate": 2},
                          "fault": {"mode": "replicas"}})
-    with pytest.raises(ConfigError, match=r"does not compose with parallel.tp=2 \(no tensor, pipeline, expert or "
-                                          r"context parallelism inside a replica group\)"):
+    with pytest.raises(ConfigError, match=rf"does not compose with {refused} \(no expert or context parallelism "
+                                          r"inside a replica group"):
         validate(cfg, 4)
