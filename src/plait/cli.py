@@ -176,15 +176,17 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def _train_replicas(argv: list[str], cfg: Config, written: Config, run_dir: Path, resume: bool = False) -> int:
-    """``plait train`` with fault.mode=replicas: parallel.dp_replicate torchft replica groups (one per rank when 0)
-    of nproc / dp_replicate workers each, group g training in RUN_DIR/replica<g> under its own elastic agent
-    (restarting its workers up to fault.max_restarts times). With ``--resume RUN_DIR`` each group continues from
-    the newest checkpoint in RUN_DIR/replica<g>, and a group that has none heals from the others at the first step."""
-    from plait.fault.replicas import launch_replica_groups
+    """``plait train`` with fault.mode=replicas: parallel.dp_replicate torchft replica groups (when 0, one per
+    model replica: per tp x pp ranks) of nproc / dp_replicate workers each, group g training in
+    RUN_DIR/replica<g> under its own elastic agent (restarting its workers up to fault.max_restarts times). With
+    ``--resume RUN_DIR`` each group continues from the newest checkpoint in RUN_DIR/replica<g>, and a group that
+    has none heals from the others at the first step."""
+    from plait.fault.replicas import default_groups, launch_replica_groups
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(written))
-    f, groups = cfg.fault, cfg.parallel.dp_replicate or cfg.parallel.nproc
+    p = cfg.parallel
+    f, groups = cfg.fault, p.dp_replicate or default_groups(p.nproc, p.tp * p.pp)
     if resume:  # each group from its own directory, with the run's saved config and this command's overrides
         from plait.components.checkpoint import latest_checkpoint
 

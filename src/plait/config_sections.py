@@ -223,7 +223,8 @@ class ParallelConfig:
     dp_shard: int = 0
     # fault.mode=replicas: the torchft replica groups the nproc ranks form, nproc / dp_replicate ranks each (every
     # group trains the whole model, data-parallel with plait's reducer or sharded inside by zero=1/2, FSDP2 or HSDP
-    # with dp_shard); 0: one group per rank. Elsewhere 0: the replicate degree follows from dp / dp_shard.
+    # with dp_shard, and split inside by tp and pp as set here; expert and context parallelism are refused); 0: one
+    # group per tp x pp ranks. Elsewhere 0: the replicate degree follows from dp / dp_shard.
     dp_replicate: int = 0
     # zero=3: free each block's gathered parameters after forward (false keeps them until backward).
     reshard_after_forward: bool = True

@@ -55,6 +55,12 @@ def replica_group() -> tuple[int, int] | None:
     return group, groups
 
 
+def default_groups(nproc: int, model_parallel: int) -> int:
+    """The replica groups of a run of ``nproc`` ranks when ``parallel.dp_replicate`` is 0: one per model replica, that
+    is per ``model_parallel`` (tp x pp) ranks; one rank each without tensor or pipeline parallelism."""
+    return max(1, nproc // model_parallel)
+
+
 def start_lighthouse(min_replicas: int = 1, join_timeout_ms: int = 1000,
                      heartbeat_timeout_ms: int = 2000) -> tuple[Any, str]:
     """A torchft Lighthouse bound to loopback on a free port, and its address (``http://127.0.0.1:PORT``). It forms

@@ -2,14 +2,18 @@
 death of one another without a restart or a rollback.
 
 Each data-parallel replica group is a torchft replica group of R ranks (``parallel.dp_replicate`` groups of
-``nproc / dp_replicate`` ranks; one rank each by default). The launcher runs each group as its own job
-(``plait.fault.replicas``), so inside a group the ranks are a world of their own, and the group trains with the
-layout its settings choose, built on that world as any run's would be: data parallelism with plait's reducer
-(``parallel.zero=0``), ZeRO-1/2 (plait's sharded optimizer), FSDP2 (``zero=3``) or HSDP (``zero=3`` with
-``parallel.dp_shard`` dividing R). ``Replicas`` wraps that strategy (``plait.parallel.wrapper``). Every rank runs a
-torchft ``Manager`` (its rank and world are its group's; group rank 0 hosts the group's manager server, the others
-reach it through the group's own store); torchft's process group pairs rank k of every live group, so each rank
-averages with its peers holding the same shards. Per optimizer step:
+``nproc / dp_replicate`` ranks; by default one group per ``tp x pp`` ranks, one rank each without them). The
+launcher runs each group as its own job (``plait.fault.replicas``), so inside a group the ranks are a world of their
+own, and the group trains with the layout its settings choose, built on that world as any run's would be: data
+parallelism with plait's reducer (``parallel.zero=0``), ZeRO-1/2 (plait's sharded optimizer), FSDP2 (``zero=3``) or
+HSDP (``zero=3`` with ``parallel.dp_shard`` dividing the group's data-parallel ranks), with tensor parallelism
+(``parallel.tp``) and pipeline parallelism (``parallel.pp``) inside it as well (torchtitan runs FSDP, tp and pp
+inside torchft replica groups the same way): a group of R ranks is ``tp x pp x`` its own data-parallel degree.
+``Replicas`` wraps that strategy (``plait.parallel.wrapper``). Every rank runs a torchft ``Manager`` (its rank and
+world are its group's; group rank 0 hosts the group's manager server, the others reach it through the group's own
+store); torchft's process group pairs rank k of every live group, and rank k of every group has the same place on
+its group's mesh, so each rank averages with its peers holding the same shards: the same tensor-parallel shard, the
+same pipeline stage, the same ZeRO or FSDP shard. Per optimizer step:
 
 * at the step boundary (``begin`` at the end of setup, then ``after_step``), ``start_quorum`` on every rank: the
   groups alive agree on who takes part; a group behind the others (a replacement, or one whose last step did not
@@ -18,30 +22,40 @@ averages with its peers holding the same shards. Per optimizer step:
   schedule, loss scale, the training loader's position: the group's), through torchft's checkpoint transport (HTTP
   between the two processes);
 * ``finish``: the group's own gradient synchronisation (the reducer's all-reduce, ZeRO's reduce-scatter, FSDP2's
-  reduce-scatter in backward), then one torchft all-reduce per rank of what the optimizer will read (the whole
-  gradients, ZeRO's gradient shards, FSDP2's local gradient shards; with BatchNorm running statistics) over the
+  reduce-scatter in backward; a pipeline's tied copies summed over its stages), then one torchft all-reduce per rank
+  of what the optimizer will read (the whole gradients, ZeRO's gradient shards, FSDP2's or tensor parallelism's
+  local gradient shards, a pipeline stage's gradients; with BatchNorm running statistics) over the
   groups in the quorum, divided by their number: the mean over the live replicas. A group that died takes no part:
   the step is the live groups' gradients' mean, not a restart and not a rollback;
 * ``step``: ``should_commit``, torchft's agreement (over every rank of the group) that the step's collectives
   succeeded; if not (a peer died during them), the update is skipped as a non-finite one would be, and the next
   quorum heals whoever is behind.
 
-The data: rank j of replica group g (of G, R ranks each) reads share ``g R + j`` of every global batch, as
-data-parallel rank ``g R + j`` of ``G R`` would; the shares of a dead group are not trained on while it is away.
+At the start of a run torchft names each group rank's heal source on its own (rank k of every group may take group
+k's state), so after the first quorum the ranks of a group that hold the same tensor take group rank 0's copy of it
+(those of one pipeline stage along the mesh axes the tensor is not sharded on), and a pipeline's tied copies take
+the first stage's (``_agree_in_group``): the groups then start from one model, whose tensor-parallel shards and
+pipeline stages may come from different groups' initial weights.
+
+The data: data-parallel rank j of replica group g (of G groups with D data-parallel ranks each: R / (tp x pp)) reads
+share ``g D + j`` of every global batch, as data-parallel rank ``g D + j`` of ``G D`` would (the ranks of one
+tensor-parallel group or pipeline read the same samples); the shares of a dead group are not trained on while it is
+away.
 
 Communication per step: the group's own (as its layout alone), then one all-reduce per rank over the live groups of
 its gradients or gradient shards (counted in ``comm_bytes`` as the ring model's ``2 (n - 1) / n`` of the buffer over
 ``n`` live groups), the quorum's messages to the Lighthouse and ``should_commit``'s to the group's manager server
 (small RPCs, not counted).
 
-Limits (refused with a message in ``Replicas.check``): tensor, pipeline, expert and context parallelism inside a
-group, a parameter server, DiLoCo, plait's reducer settings that act on a per-step collective of their own
-(``comm.compress``, ``comm.allreduce``, ``parallel.impl=torch``, ``sync_batchnorm``, ``fault.rebalance``), a named
-``parallel.strategy``, and ZeRO in groups of one rank. Checkpoints are each group's own (in its run directory,
-sharded as its layout shards them). A heal's state is read with ``torch.load(weights_only=True)`` (torchft's own
-transport would unpickle it with code execution). torchft's manager and its checkpoint server listen on every
-interface of the machine (torchft binds ``[::]`` and ``""``; only the Lighthouse plait starts is on loopback): run
-replica groups on a trusted network.
+Limits (refused with a message in ``Replicas.check``): expert and context parallelism inside a group (their ranks
+hold entries the per-rank averaging and healing would have to pair up differently), a parameter server, DiLoCo,
+plait's reducer settings that act on a per-step collective of their own (``comm.compress``, ``comm.allreduce``,
+``parallel.impl=torch``, ``sync_batchnorm``, ``fault.rebalance``), a named ``parallel.strategy``, ZeRO in groups of
+one data-parallel rank, and groups whose ranks ``tp x pp`` does not divide. Checkpoints are each group's own (in its
+run directory, sharded as its layout shards them). A heal's state is read with ``torch.load(weights_only=True)``
+(torchft's own transport would unpickle it with code execution). torchft's manager and its checkpoint server listen
+on every interface of the machine (torchft binds ``[::]`` and ``""``; only the Lighthouse plait starts is on
+loopback): run replica groups on a trusted network.
 """
 
 from __future__ import annotations
@@ -62,7 +76,7 @@ from torch.distributed.tensor import DTensor
 
 from plait.comm.collectives import Comm, ring_allreduce_bytes
 from plait.config import Config, ConfigError, ParallelConfig
-from plait.fault.replicas import LIGHTHOUSE_ENV, replica_group, require_torchft
+from plait.fault.replicas import LIGHTHOUSE_ENV, default_groups, replica_group, require_torchft
 from plait.observe.log import get_logger
 from plait.parallel.apply import ModelSpec
 from plait.parallel.strategy import PlaitError, Strategy, register_strategy, strategy_table
@@ -125,7 +139,8 @@ def _held_alike(topo: Topology, t: torch.Tensor) -> tuple[str, ...]:
 class ReplicaTopology(Topology):
     """The engine's topology of one replica group's rank: the group's own mesh (its ranks and process groups, the
     layout inside the group), and its place among the groups for the data: ``dp`` counts the data-parallel ranks of
-    every group, ``dp_rank`` is this rank's among them. The strategies get the group's plain topology."""
+    every group, ``dp_rank`` is this rank's among them (the ranks of one tensor-parallel group or pipeline share it:
+    they read the same samples). The strategies get the group's plain topology."""
 
     group_index: int = 0
     num_groups: int = 1
@@ -180,7 +195,7 @@ class Replicas(Wrapper):
 
     name = "replicas"
     is_wrapper = False  # chosen (by fault.mode), then built around the strategy the group's settings choose
-    priority = 95  # above every collective layout (it refuses to compose with model parallelism), below the ps
+    priority = 95  # above every collective layout (it builds the one a group's settings choose), below the ps
 
     @classmethod
     def chosen_for(cls, cfg: Config | ParallelConfig) -> bool:
@@ -188,7 +203,8 @@ class Replicas(Wrapper):
 
     @classmethod
     def inner_class(cls, cfg: Config) -> type[Strategy]:
-        """The strategy each group trains with: the one its [parallel] settings choose (data, ZeRO or FSDP2)."""
+        """The strategy each group trains with: the one its [parallel] settings choose (data, ZeRO, FSDP2, tensor or
+        pipeline parallelism)."""
         strategies, _ = strategy_table()
         for c in sorted(strategies.values(), key=lambda c: -c.priority):
             if c is not cls and c.chosen_for(cfg.parallel):
@@ -261,7 +277,7 @@ class Replicas(Wrapper):
                                   "groups: leave it 0 under plait run --replicas, or start as many groups")
             ranks = world_size
         else:
-            groups = p.dp_replicate or world_size // (p.tp * p.pp) or 1
+            groups = p.dp_replicate or default_groups(world_size, p.tp * p.pp)
             if world_size % groups:
                 raise ConfigError(f"parallel.dp_replicate={groups} replica groups must divide the {world_size} ranks "
                                   f"(parallel.nproc); use dp_replicate in "
