@@ -276,3 +276,16 @@ def test_without_the_launcher_it_says_how_to_start(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="plait run --replicas N SCRIPT"):
         plait.Plait(fault={"mode": "replicas"}, run={"dir": str(tmp_path)}, observe={"progress": False})
+
+
+def test_flattened_mesh_names_split_into_the_group_axes() -> None:
+    """The ranks holding the same tensor are found from its DTensor mesh's axis names: torch joins a flattened mesh's
+    names with ``_``, which the names themselves contain (``dp_replicate_dp_shard``: FSDP2 over both)."""
+    from plait.config import ConfigError
+    from plait.parallel.replicas.strategy import _mesh_axes
+
+    assert _mesh_axes("tp") == ["tp"]
+    assert _mesh_axes("dp_replicate_dp_shard") == ["dp_replicate", "dp_shard"]
+    assert _mesh_axes("dp_shard_ep_tp") == ["dp_shard", "ep", "tp"]
+    with pytest.raises(ConfigError, match="device mesh dimension 'dp_x' that is not one of the group topology's axes"):
+        _mesh_axes("dp_x")
