@@ -70,8 +70,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def make(out: str, name: str, parallel: dict[str, Any]) -> plait.Plait:
     group = int(os.environ["PLAIT_REPLICA_GROUP"])
     return plait.Plait(fault={"mode": "replicas"}, parallel=parallel, run={"dir": f"{out}/{name}/replica{group}"},
-                    comm={"timeout_s": 60}, train={"global_batch_size": 16, "micro_batch_size": 4 if "zero" in
-                                                   parallel else 8, "steps": 400},
+                    comm={"timeout_s": 60}, train={"global_batch_size": 16, "steps": 400},  # one micro-step
                     observe={"progress": False, "trackers": []})
 
 
