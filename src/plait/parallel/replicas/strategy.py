@@ -254,7 +254,7 @@ class Replicas(Wrapper):
                               f"tp={p.tp} x pp={p.pp}): give each group {2 * model_par} ranks or more (plait run "
                               f"--replicas G --nproc {2 * model_par}), or set parallel.zero=0")
         if p.dp_shard and ranks % p.dp_shard:
-            where = "ranks" if model_par == 1 else f"data-parallel ranks ({ranks * model_par} over tp x pp = {model_par})"
+            where = "ranks" if model_par == 1 else f"data-parallel ranks ({ranks * model_par} / tp x pp {model_par})"
             raise ConfigError(f"parallel.dp_shard={p.dp_shard} must divide the {ranks} {where} of a replica group "
                               f"(HSDP inside each group); use dp_shard in "
                               f"{[n for n in range(2, ranks + 1) if ranks % n == 0]}, or 0 (FSDP over the group)")
