@@ -18,10 +18,12 @@ loop: the mean of the groups' losses within 5e-6 and every parameter after 4 ste
 resumed run where group 1 loads an older checkpoint than group 0 heals group 1 at the load (weights, optimizer state,
 step and data position), and ends its next step where the uninterrupted run did (1e-6).
 
-A failure, ZeRO-2 inside each group: rank 1 of group 1 SIGKILLed mid-run. Group 0's processes are the same ones
-throughout (one pid per rank), its step count only goes up and it trains alone while group 1 is away; group 1's agent
-restarts both its ranks, each heals from the same rank of group 0 (joining at group 0's step, not 0), and at the end
-each rank's shards (the whole model and its ZeRO optimizer-state shard) are bit-identical to its peer's in group 0.
+A failure, ZeRO-2 inside each group (tp=2 or pp=2 with PLAIT_TEST_REPLICA_KILL_LAYOUT=tp or pp): rank 1 of group 1
+SIGKILLed mid-run. Group 0's processes are the same ones throughout (one pid per rank), its step count only goes up
+and it trains alone while group 1 is away; group 1's agent restarts both its ranks, each heals from the same rank of
+group 0 (joining at group 0's step, not 0), and at the end each rank's shards (the whole model and its optimizer-
+state shard, or its tensor-parallel shard or pipeline stage and their optimizer states) are bit-identical to its
+peer's in group 0.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ SCRIPT = Path(__file__).with_name("replica_sharded_script.py")
 RANKS = [(g, r) for g in (0, 1) for r in (0, 1)]
 STEPS, KILL_AT, MIN_STEPS = 4, 6, 20
 ZEROS, MODEL_PARALLEL = ["0", "1", "2", "3"], ["tp", "pp"]
+# the layout of the run with a failure: ZeRO-2 in the suite; tp or pp (the same checks pass) with this variable set
+KILL_LAYOUT = os.environ.get("PLAIT_TEST_REPLICA_KILL_LAYOUT", "2")
 
 
 def _records(path: Path) -> list[dict]:
@@ -82,9 +86,8 @@ def _launch(out: Path, *args: str, kill: tuple[str, int] | None = None) -> dict:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
     """One launch for every test here: the compared runs, then the run whose rank 1 of group 1 is killed."""
-    return _launch(tmp_path_factory.mktemp("replicas_sharded"), ",".join(ZEROS + MODEL_PARALLEL), str(STEPS), "2",
-                   str(MIN_STEPS),
-                   kill=("kill_g1r1.jsonl", KILL_AT))
+    return _launch(tmp_path_factory.mktemp("replicas_sharded"), ",".join(ZEROS + MODEL_PARALLEL), str(STEPS),
+                   KILL_LAYOUT, str(MIN_STEPS), kill=("kill_g1r1.jsonl", KILL_AT))
 
 
 def _reference(start: dict[str, torch.Tensor], batches: list[list[int]], gpt: bool = False
@@ -212,7 +215,7 @@ def test_killed_rank_of_a_sharded_group_heals_per_rank(launched: dict) -> None:
         a, b = torch.load(out / f"final_g0r{r}.pt"), torch.load(out / f"final_g1r{r}.pt")
         assert a.keys() == b.keys() and any(k.startswith("optim.") for k in a)
         assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
-    shards = [torch.load(out / f"final_g0r{r}.pt") for r in (0, 1)]  # ZeRO: each rank its own optimizer shard
+    shards = [torch.load(out / f"final_g0r{r}.pt") for r in (0, 1)]  # each rank its own optimizer shard (or stage)
     assert not torch.equal(shards[0]["optim.0.exp_avg"], shards[1]["optim.0.exp_avg"])
     assert len(launched["log"].split("healed from a live replica: joins at step")) >= 3  # the start, the heal
 
