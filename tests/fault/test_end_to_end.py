@@ -21,6 +21,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -227,6 +228,60 @@ def test_torchrun_max_restarts_resumes_the_same_way(tmp_path: Path, clean) -> No
     code, err = _finish(proc)
     assert code == 0 and killer.done, err[-3000:]
     assert "resumed from" in err, err[-3000:]
+    assert _same(_weights(run), clean)
+
+
+def _restart_count(pid: int) -> str:
+    """TORCHELASTIC_RESTART_COUNT in the environment of process ``pid``."""
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(v.split(b"=", 1)[1].decode() for v in env if v.startswith(b"TORCHELASTIC_RESTART_COUNT="))
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_two_machines_restart_after_one_machines_worker_dies(tmp_path: Path, clean) -> None:
+    """Two torchrun agents (two "machines" on loopback, one worker each, c10d rendezvous). Machine 0's worker is
+    stuck (SIGSTOP) when machine 1's worker is SIGKILLed: machine 1's agent counts a restart, machine 0's stops its
+    healthy-looking worker for the new rendezvous and starts it again with TORCHELASTIC_RESTART_COUNT=0. Both workers
+    continue the run (the run directory names the job) and meet under one key in the agents' shared store: the run
+    finishes with the fault-free parameters."""
+    run = tmp_path / "machines"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs, logs = [], []
+    try:
+        for i in range(2):
+            logs.append(tmp_path / f"machine{i}.log")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=plait-machines",
+                   f"--rdzv-conf=is_host={int(i == 0)}", "--local-addr=127.0.0.1", "--max-restarts=3",
+                   "-m", "plait.cli", "train", *ARGS, f"--run.dir={run}"]
+            procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL,
+                                          stderr=open(logs[-1], "w")))
+        _wait_for(lambda: _steps(run) >= 10, 120, "step 10")
+        stuck, dead = _pid(run, 0), _pid(run, 1)
+        os.kill(stuck, signal.SIGSTOP)
+        os.kill(dead, signal.SIGKILL)
+        # machine 0's agent stops its worker for the new rendezvous (SIGTERM, delivered once it runs again)
+        _wait_for(lambda: f"Sending process {stuck} closing signal" in logs[0].read_text(), 60, "machine 0's stop")
+        os.kill(stuck, signal.SIGCONT)
+        _wait_for(lambda: _pid(run, 0) not in (None, stuck) and _pid(run, 1) not in (None, dead), 60, "new workers")
+        counts = [_restart_count(_pid(run, r)) for r in (0, 1)]
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    text = [log.read_text() for log in logs]
+    assert codes == [0, 0], [t[-2000:] for t in text]
+    assert counts == ["0", "1"], counts  # the case this test is for: one agent did not count the restart
+    assert "resumed from" in text[0], text[0][-3000:]
     assert _same(_weights(run), clean)
 
 
