@@ -14,6 +14,11 @@ uniform in [-0.3, 0.3], the victim drawn too; all from
 * ``replicas``: ``fault.mode=replicas``: 2 torchft replica groups of 1 worker; the survivor trains on alone (on its
   half of each global batch) while the killed group's agent starts a replacement, which heals from it.
 
+``--replacement-s D`` models a lost machine that takes D seconds to replace: every system runs with
+``fault.restart_backoff_s=D``, so restart's launcher starts the group again D seconds after the failure (the job
+waits for its missing worker), and replicas' killed group waits D seconds before it joins (the survivor trains on
+meanwhile). Without it, a killed worker's replacement is a process started again at once (plait's 1 s backoff).
+
 Reported per system: ``goodput_steps_per_s`` (the steps in the final model's lineage at the end of the window over
 the window's length; for replicas the most advanced group's), ``goodput_samples_per_s`` (the same in samples: a step
 a replica group took alone counts its half of the global batch, from ``replicas_live`` at the log steps), per kill
@@ -32,7 +37,7 @@ goodput at least 1.3x the practice's; async saving blocks at most 20% as long as
 Prints JSON (``--out FILE`` also writes it).
 
     python bench/chaos.py [--quick] [--compare recovery|practice] [--minutes M] [--mean-gap S] [--seed 7]
-        [--ckpt-every N] [--out FILE]
+        [--ckpt-every N] [--replacement-s D] [--systems restart,replicas] [--extra=--SECTION.KEY=V] [--out FILE]
 """
 
 from __future__ import annotations
@@ -329,22 +334,26 @@ def recovery(args: argparse.Namespace) -> dict:
     kills = kill_schedule(args.seed, duration, gap)
     root = Path(tempfile.mkdtemp(prefix="plait-chaos-recovery-"))
     results = {}
-    for name in SYSTEMS:
+    for name in args.systems:
         results[name] = run_recovery(name, root / name, kills, duration, args.ckpt_every, args.extra)
         print(f"{name}: {results[name]['steps']} steps, goodput {results[name]['goodput_steps_per_s']:.3f} steps/s",
               file=sys.stderr, flush=True)
     base = max(results["restart"]["goodput_steps_per_s"], 1e-9)
     ratios = {f"{k}_over_restart": v["goodput_steps_per_s"] / base for k, v in results.items() if k != "restart"}
-    ratios["replicas_over_restart_samples"] = results["replicas"]["goodput_samples_per_s"] / max(
-        results["restart"]["goodput_samples_per_s"], 1e-9)
+    if "replicas" in results:
+        ratios["replicas_over_restart_samples"] = results["replicas"]["goodput_samples_per_s"] / max(
+            results["restart"]["goodput_samples_per_s"], 1e-9)
     return {"bench": "chaos", "compare": "recovery", "machine": _common.machine_info(), "quick": args.quick,
             "config": {"model": "default GPT (plait train defaults)", "workers": 2, "checkpoint_every_steps":
                        args.ckpt_every, "window_s": duration, "mean_gap_s": gap, "seed": args.seed,
                        "comm_timeout_s": 10, "log_every": 10, "kills": kills,
+                       "replacement_s": args.replacement_s if args.replacement_s is not None else "plait's backoff",
                        "settings": RECOVERY + args.extra + [f"--checkpoint.every={args.ckpt_every}"],
                        "systems": SYSTEMS},
             "results": results, "ratios": ratios,
-            "target_replicas_1.5x_restart": ratios["replicas_over_restart"] >= 1.5,
+            "target_replicas_1.5x_restart": (ratios["replicas_over_restart"] >= 1.5) if "replicas" in results else None,
+            "target_replicas_1.5x_restart_samples": (ratios["replicas_over_restart_samples"] >= 1.5
+                                                     if "replicas" in results else None),
             "load_avg_1m": os.getloadavg()[0], "work_dir": str(root)}
 
 
@@ -383,8 +392,18 @@ def main() -> None:
     ap.add_argument("--extra", action="append", default=[], metavar="--SECTION.KEY=VALUE",
                     help="recovery: a plait train setting for every system (repeat it), e.g. a larger model: the "
                          "model's step time sets how many seconds a checkpoint interval of steps is")
+    ap.add_argument("--replacement-s", type=float, default=None, metavar="D",
+                    help="recovery: a killed worker's replacement starts D seconds after the failure in every system "
+                         "(fault.restart_backoff_s=D: restart waits for it, replicas' survivor trains on), as when a "
+                         "lost machine must be replaced; default: plait's backoff (1 s), a process restarted at once")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="recovery: which systems (restart is required)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.replacement_s is not None:
+        args.extra.append(f"--fault.restart_backoff_s={args.replacement_s:g}")
+    args.systems = [x for x in args.systems.split(",") if x]
+    if "restart" not in args.systems or set(args.systems) - set(SYSTEMS):
+        ap.error(f"--systems: a comma list of {list(SYSTEMS)} that includes restart")
     rec = args.compare == "recovery"
     args.minutes = args.minutes if args.minutes is not None else (5.0 if rec else 10.0)
     args.mean_gap = args.mean_gap if args.mean_gap is not None else (120.0 if rec else 30.0)

@@ -37,6 +37,7 @@ from plait.runtime.args import split_args
 NODE_OPTIONS = ("--nnodes", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--local-addr")
 
 
+JOB_FILE = "job_id"  # the rendezvous id of the torchrun job that started a run (plait train under torchrun)
 REPLICA_RESUME_ENV = "PLAIT_REPLICA_RESUME"  # set by plait train --resume for its replica groups' workers
 
 
@@ -56,6 +57,14 @@ def _nodes_of(argv: list[str]) -> object:
     return parse_nodes(*(values.get(o) for o in NODE_OPTIONS))
 
 
+def _job_of(run_dir: Path) -> str | None:
+    """The rendezvous id of the torchrun job that started the run in ``run_dir`` (``JOB_FILE``), if noted."""
+    try:
+        return (run_dir / JOB_FILE).read_text().strip()
+    except OSError:
+        return None
+
+
 def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
     """Returns (validated config, config as written to the run dir, run dir, resume?). The written copy
     keeps inferred values unresolved (parallel.dp=0 stays 0) so a resumed run may change the world size."""
@@ -69,12 +78,15 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
     # a replica group's replacement heals from a live replica (or its own newest checkpoint), and a resumed replica
     # group continues from its own newest checkpoint: neither is a new run in a directory that holds one
     replacement = (restarted or os.environ.get(REPLICA_RESUME_ENV) == "1") and "PLAIT_REPLICA_GROUP" in os.environ
-    if not resume and restarted and not replacement:
-        # torchrun --max-restarts started this worker again: continue the run it was training
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if not resume and job and "PLAIT_REPLICA_GROUP" not in os.environ and launched_externally():
+        # torchrun started this worker again: continue the run it was training. Its agent may not have counted the
+        # restart (an agent whose workers were stopped for another machine's restart does not), so the run
+        # directory also says which job started it: the same rendezvous id continues it
         cfg0 = load_recipe_config(config_path, overrides)
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-        run_dir0 = Path(cfg0.run.dir or f"runs/plait-{run_id}")
-        if (run_dir0 / "config.toml").is_file():
+        run_dir0 = Path(cfg0.run.dir or f"runs/plait-{job}")
+        ours = job != "none" and _job_of(run_dir0) == job and latest_checkpoint(run_dir0) is not None
+        if (run_dir0 / "config.toml").is_file() and (restarted or ours):
             resume, config_path = str(run_dir0), None
     if resume:
         run_dir = Path(resume)
@@ -93,9 +105,11 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID")
         run_dir = Path(cfg.run.dir or f"runs/plait-{run_id or time.strftime('%Y%m%d-%H%M%S')}")
         if (run_dir / "checkpoints" / "latest").exists() and not replacement:
+            again = (" (a worker torchrun started again after another machine's failure continues its run when the "
+                     "launch names a --rdzv-id)") if os.environ.get("TORCHELASTIC_RUN_ID") == "none" else ""
             raise ConfigError(
                 f"{run_dir} already holds a run with checkpoints; continue it with --resume {run_dir}, "
-                "or choose another run.dir"
+                f"or choose another run.dir{again}"
             )
         cfg.run.dir = str(run_dir)
     world = external_world_size() if launched_externally() else cfg.parallel.nproc
@@ -128,6 +142,8 @@ def cmd_train(argv: list[str]) -> int:
     if is_rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(written))
+        if external and os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none" and not resume:
+            (run_dir / JOB_FILE).write_text(os.environ["TORCHELASTIC_RUN_ID"])
     if external:
         os.environ.setdefault(ERROR_DIR_ENV, str((run_dir / "errors").resolve()))
         if "PLAIT_REPLICA_GROUP" in os.environ and (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0

@@ -338,7 +338,7 @@ class FaultConfig:
     # (0: none). Not for errors a restart cannot fix (configuration, data, a failure before the first step).
     max_restarts: int = 3
     # Seconds before a restart; doubled over failures in quick succession (at most 60), reset by an attempt
-    # that ran for a minute.
+    # that ran for a minute. fault.mode=replicas: a replacement group waits this long before it joins (not doubled).
     restart_backoff_s: float = 1.0
     # Mean time between failures in seconds, for checkpoint.every=auto.
     mtbf_s: float = 3600.0

@@ -16,15 +16,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -230,6 +233,78 @@ def test_torchrun_max_restarts_resumes_the_same_way(tmp_path: Path, clean) -> No
     assert _same(_weights(run), clean)
 
 
+def _agent_cmd(endpoint: str, run: Path, machine: int, addr: str, rdzv_id: str, restarts: int) -> list[str]:
+    """One machine's torchrun agent (one worker, c10d rendezvous hosted by machine 0) training ``run``."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}", f"--rdzv-conf=is_host={int(machine == 0)}",
+            f"--local-addr={addr}", f"--max-restarts={restarts}", "-m", "plait.cli", "train", *ARGS,
+            f"--run.dir={run}"]
+
+
+@contextlib.contextmanager
+def _agents(tmp_path: Path, cmds: list[list[str]]) -> Iterator[tuple[list[subprocess.Popen], list[Path]]]:
+    """Start one process per command (stderr to ``agent<i>.log``); whatever still runs at the end is killed."""
+    procs, logs = [], []
+    try:
+        for i, cmd in enumerate(cmds):
+            logs.append(tmp_path / f"agent{i}.log")
+            procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL,
+                                          stderr=open(logs[-1], "w")))
+        yield procs, logs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def _all_finish(procs: list[subprocess.Popen], logs: list[Path]) -> list[str]:
+    """Wait for every agent; each must end with 0. Returns their logs."""
+    codes = [p.wait(timeout=240) for p in procs]
+    text = [log.read_text() for log in logs]
+    assert codes == [0] * len(procs), [t[-2000:] for t in text]
+    return text
+
+
+def _restart_count(pid: int) -> str:
+    """TORCHELASTIC_RESTART_COUNT in the environment of process ``pid``."""
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(v.split(b"=", 1)[1].decode() for v in env if v.startswith(b"TORCHELASTIC_RESTART_COUNT="))
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_two_machines_restart_after_one_machines_worker_dies(tmp_path: Path, clean) -> None:
+    """Two torchrun agents (two "machines" on loopback, one worker each, c10d rendezvous). Machine 0's worker is
+    stuck (SIGSTOP) when machine 1's worker is SIGKILLed: machine 1's agent counts a restart, machine 0's stops its
+    healthy-looking worker for the new rendezvous and starts it again with TORCHELASTIC_RESTART_COUNT=0. Both workers
+    continue the run (the run directory names the job) and meet under one key in the agents' shared store: the run
+    finishes with the fault-free parameters."""
+    run = tmp_path / "machines"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
+    cmds = [_agent_cmd(endpoint, run, i, "127.0.0.1", "plait-machines", 3) for i in range(2)]
+    with _agents(tmp_path, cmds) as (procs, logs):
+        _wait_for(lambda: _steps(run) >= 10, 120, "step 10")
+        stuck, dead = _pid(run, 0), _pid(run, 1)
+        os.kill(stuck, signal.SIGSTOP)
+        os.kill(dead, signal.SIGKILL)
+        # machine 0's agent stops its worker for the new rendezvous (SIGTERM, delivered once it runs again)
+        _wait_for(lambda: f"Sending process {stuck} closing signal" in logs[0].read_text(), 60, "machine 0's stop")
+        os.kill(stuck, signal.SIGCONT)
+        _wait_for(lambda: _pid(run, 0) not in (None, stuck) and _pid(run, 1) not in (None, dead), 60, "new workers")
+        counts = [_restart_count(_pid(run, r)) for r in (0, 1)]
+        text = _all_finish(procs, logs)
+    assert counts == ["0", "1"], counts  # the case this test is for: one agent did not count the restart
+    assert "resumed from" in text[0], text[0][-3000:]
+    assert _same(_weights(run), clean)
+
+
 class TwoHosts(NetnsPair):
     """Hosts 10.203.0.1 and 10.203.0.2 in two network namespaces (tests/helpers.NetnsPair)."""
 
@@ -248,32 +323,18 @@ def test_cut_cable_between_two_hosts(tmp_path: Path, clean) -> None:
         pytest.skip("network namespaces need root")
     run = tmp_path / "hosts"
     with TwoHosts() as hosts:
-        procs, logs = [], []
-        for i, (ns, dev, addr) in enumerate(zip(hosts.ns, hosts.dev, hosts.addr, strict=True)):
-            env = ["env", f"GLOO_SOCKET_IFNAME={dev}", "OMP_NUM_THREADS=1",
-                   f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}"]
-            cmd = ["ip", "netns", "exec", ns, *env, sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-                   "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts.addr[0]}:29533",
-                   "--rdzv-id=plait-hosts", f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={addr}",
-                   # restarts to spare: a host whose worker fails late (still in its timed-out collective when
-                   # the link returns) can burn several quick attempts waiting for the other's address
-                   "--max-restarts=8", "-m", "plait.cli", "train", *ARGS, f"--run.dir={run}"]
-            logs.append(tmp_path / f"host{i}.log")
-            procs.append(subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=open(logs[-1], "w")))
-        try:
-            deadline = time.time() + 120
-            while _steps(run) < 10 and time.time() < deadline:
-                time.sleep(0.05)
+        # restarts to spare: a host whose worker fails late (still in its timed-out collective when the link
+        # returns) can burn several quick attempts waiting for the other's address
+        cmds = [["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={dev}", "OMP_NUM_THREADS=1",
+                 f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}",
+                 *_agent_cmd(f"{hosts.addr[0]}:29533", run, i, addr, "plait-hosts", 8)]
+                for i, (ns, dev, addr) in enumerate(zip(hosts.ns, hosts.dev, hosts.addr, strict=True))]
+        with _agents(tmp_path, cmds) as (procs, logs):
+            _wait_for(lambda: _steps(run) >= 10, 120, "step 10")
             hosts.link(False)
             time.sleep(12)
             hosts.link(True)
-            codes = [p.wait(timeout=240) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        text = [log.read_text() for log in logs]
-        assert codes == [0, 0], [t[-2000:] for t in text]
+            text = _all_finish(procs, logs)
         named = [line for t in text for line in t.splitlines() if "CollectiveTimeout" in line]
         assert any("ranks [1] did not arrive" in x for x in named) or any("ranks [0] did not arrive" in x
                                                                        for x in named), named

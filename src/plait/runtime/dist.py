@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -66,6 +67,53 @@ def pick_backend(backend: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def attempt_key(store: dist.Store, rank: int, world: int, timeout_s: float, poll_s: float = 0.02) -> str:
+    """A key that the ``world`` ranks of this attempt agree on, in a store where earlier attempts left theirs.
+
+    Rank 0 publishes a fresh random key under ``plait/leader``; every other rank answers under ``plait/join/<rank>``
+    with the key it read and a fresh random key of its own; when every answer names rank 0's key, rank 0 lists the
+    ranks' own keys under ``plait/go/<key>``. A rank that read an earlier attempt's leader finds that attempt's list
+    without its own fresh key in it, reads the leader again and answers again: only fresh keys confirm anything, so
+    the stale values of a dead attempt are never taken for this one's. Store traffic: a few keys per rank, once per
+    attempt."""
+    import secrets
+
+    mine = secrets.token_hex(8)
+    deadline = time.monotonic() + timeout_s
+    if rank == 0:
+        store.set("plait/leader", mine)
+        waiting = [f"plait/join/{r}" for r in range(1, world)]
+        joined: dict[str, str] = {}
+        while waiting:
+            if store.check(waiting):
+                for k, v in zip(waiting, store.multi_get(waiting), strict=True):
+                    leader, _, theirs = v.decode().partition(":")
+                    if leader == mine:
+                        joined[k] = theirs
+                waiting = [k for k in waiting if k not in joined]
+            if waiting:
+                if time.monotonic() > deadline:  # name the ranks that have not answered this attempt's leader
+                    late = [k for k in waiting if not store.check([k]) or not store.get(k).decode().startswith(mine)]
+                    raise TimeoutError(f"ranks {sorted(int(k.rsplit('/', 1)[1]) for k in late)} did not join "
+                                       f"this attempt's process group within {timeout_s:g} s")
+                time.sleep(poll_s)
+        store.set(f"plait/go/{mine}", ",".join(joined.values()))
+        return mine
+    answered = ""
+    while True:
+        leader = store.get("plait/leader").decode()  # waits for the key (the store's timeout)
+        if leader != answered:
+            store.set(f"plait/join/{rank}", f"{leader}:{mine}")
+            answered = leader
+        go = f"plait/go/{leader}"
+        if store.check([go]) and mine in store.get(go).decode().split(","):
+            return leader
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not admit rank {rank} to this attempt's process group within "
+                               f"{timeout_s:g} s")
+        time.sleep(poll_s)
+
+
 def init_distributed(backend: str, timeout_s: float) -> bool:
     """Join the job's process group when a launcher started this process and none exists yet; returns
     whether a process group is initialised afterwards (False: a plain single process)."""
@@ -76,16 +124,16 @@ def init_distributed(backend: str, timeout_s: float) -> bool:
         return False
     timeout = timedelta(seconds=timeout_s)
     env = os.environ
-    restart = env.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is not None and "MASTER_ADDR" in env and env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True":
-        # After torchrun restarts a worker group, env:// rendezvous finds the dead attempt's gloo addresses
-        # in the agent's store, which outlives the attempt (torch 2.13: "connectFullMesh failed ... Connection
-        # refused"); a prefix per attempt keeps each attempt's keys apart. Only there: without the agent's store
-        # rank 0 hosts a new one each attempt, and the restart count, which each agent keeps for itself, differs
-        # between an agent that restarted and one that just joined, so ranks would wait under different prefixes.
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if "TORCHELASTIC_RESTART_COUNT" in env and "MASTER_ADDR" in env and shared:
+        # The agents' shared store outlives an attempt: env:// rendezvous would find the dead attempt's gloo
+        # addresses there (torch 2.13: "connectFullMesh failed ... Connection refused"), so each attempt's keys go
+        # under a prefix its ranks agree on (``attempt_key``). Not the restart count: each agent keeps its own, and
+        # an agent whose workers were stopped for another machine's restart does not count it.
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False, timeout=timeout)
-        dist.init_process_group(pick_backend(backend), store=dist.PrefixStore(f"plait/attempt_{restart}", store),
+        key = attempt_key(store, rank, world, timeout_s)
+        dist.init_process_group(pick_backend(backend), store=dist.PrefixStore(f"plait/attempt_{key}", store),
                                 rank=rank, world_size=world, timeout=timeout)
         return True
     dist.init_process_group(pick_backend(backend), timeout=timeout)

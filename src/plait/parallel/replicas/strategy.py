@@ -331,6 +331,13 @@ class Replicas(Wrapper):
         require_torchft()
         from torchft import Manager, ProcessGroupGloo
 
+        backoff = self.cfg.fault.restart_backoff_s
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and backoff > 0:
+            # a replacement (its agent restarted the group at once) waits as a restarted group would; the live
+            # groups train on meanwhile
+            self.logger.info("replica group %d: the replacement waits fault.restart_backoff_s=%g s before it joins",
+                             self.group_index, backoff)
+            time.sleep(backoff)
         self.inner.begin(run)
         self._run = run
         f, timeout = self.cfg.fault, timedelta(seconds=self.cfg.comm.timeout_s)
