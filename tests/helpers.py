@@ -8,9 +8,12 @@ subprocess (``plait_cli``, ``TINY_CLI``) and checks on finished runs.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,38 @@ def cli_env(**extra: str) -> dict[str, str]:
 def cli_argv(*args: str) -> list[str]:
     """The command line of ``plait ARGS`` run by this interpreter."""
     return [sys.executable, "-m", "plait.cli", *args]
+
+
+def jsonl_records(path: Path) -> list[dict]:
+    """The JSON lines of ``path`` (none when it does not exist yet)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def launch_replicas(out: Path, *args: str, kill: tuple[str, int] | None = None, timeout: float = 400) -> dict:
+    """``plait run ARGS`` (a replica-group launch) in ``out``; with ``kill`` (records file, step), SIGKILL the process
+    writing that file (its records carry ``pid`` and ``step``) once it recorded the step. Returns the exit code, the
+    (pid, step) killed and the launcher's log."""
+    log = open(out / "launcher.log", "w")
+    proc = subprocess.Popen(cli_argv("run", *args), env=cli_env(), stdout=log, stderr=subprocess.STDOUT, cwd=out,
+                            start_new_session=True)
+    killed = None
+    try:
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            if kill is not None and killed is None:
+                recs = [r for r in jsonl_records(out / kill[0]) if "step" in r]
+                if recs and recs[-1]["step"] >= kill[1]:
+                    killed = recs[-1]["pid"], recs[-1]["step"]
+                    os.kill(killed[0], signal.SIGKILL)
+            time.sleep(0.2)
+        rc = proc.poll()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    return {"out": out, "rc": rc, "killed": killed, "log": (out / "launcher.log").read_text()}
 
 
 def plait_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli_argv, cli_env
+from helpers import cli_argv, cli_env, jsonl_records, launch_replicas
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -34,12 +34,6 @@ pytest.importorskip("torchft", reason="fault.mode=replicas needs torchft (pip in
 
 SCRIPT = Path(__file__).with_name("replica_script.py")
 KILL_AT, MIN_STEPS = 8, 30
-
-
-def _records(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _whole_data_loss(model: nn.Module) -> float:
@@ -80,37 +74,20 @@ def _reference(steps: int, run_dir: Path) -> tuple[list[float], float, float]:
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("replicas")
-    log = open(out / "launcher.log", "w")
-    proc = subprocess.Popen(cli_argv("run", "--replicas", "2", "--max-restarts", "1", str(SCRIPT), str(out),
-                                     str(MIN_STEPS)), env=cli_env(), stdout=log, stderr=subprocess.STDOUT,
-                            cwd=out, start_new_session=True)
-    killed = None
-    try:
-        deadline = time.monotonic() + 400
-        while proc.poll() is None and time.monotonic() < deadline:
-            recs = [r for r in _records(out / "group1.jsonl") if "step" in r]
-            if killed is None and recs and recs[-1]["step"] >= KILL_AT:
-                killed = recs[-1]["pid"], recs[-1]["step"]
-                os.kill(killed[0], signal.SIGKILL)
-            time.sleep(0.2)
-        rc = proc.poll()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
-    return {"out": out, "rc": rc, "killed": killed, "log": (out / "launcher.log").read_text()}
+    return launch_replicas(out, "--replicas", "2", "--max-restarts", "1", str(SCRIPT), str(out), str(MIN_STEPS),
+                           kill=("group1.jsonl", KILL_AT))
 
 
 def test_survivor_keeps_training_and_the_replacement_heals(killed_run: dict) -> None:
     out = killed_run["out"]
     assert killed_run["rc"] == 0, killed_run["log"][-3000:]
     assert killed_run["killed"] is not None
-    survivor = [r for r in _records(out / "group0.jsonl") if "step" in r]
+    survivor = [r for r in jsonl_records(out / "group0.jsonl") if "step" in r]
     assert len({r["pid"] for r in survivor}) == 1  # never restarted
     steps = [r["step"] for r in survivor]
     assert steps == list(range(1, len(steps) + 1))  # one record per step, never going back
     assert any(r["live"] == 1 for r in survivor if r["step"] > killed_run["killed"][1])  # trained on alone
-    group1 = _records(out / "group1.jsonl")
+    group1 = jsonl_records(out / "group1.jsonl")
     pids = list(dict.fromkeys(r["pid"] for r in group1))
     assert len(pids) == 2 and pids[0] == killed_run["killed"][0]
     joined = next(r["joined_at"] for r in group1 if r.get("pid") == pids[1] and "joined_at" in r)
@@ -125,13 +102,13 @@ def test_survivor_keeps_training_and_the_replacement_heals(killed_run: dict) -> 
 
 
 def _starts(out: Path) -> list[dict]:
-    return [r for g in (0, 1) for r in _records(out / f"group{g}.jsonl") if "joined_at" in r]
+    return [r for g in (0, 1) for r in jsonl_records(out / f"group{g}.jsonl") if "joined_at" in r]
 
 
 def test_loss_curve_stays_near_the_failure_free_run(killed_run: dict, tmp_path: Path) -> None:
     out = killed_run["out"]
-    g0 = {r["step"]: r["loss"] for r in _records(out / "group0.jsonl") if "step" in r}
-    g1 = {r["step"]: r["loss"] for r in _records(out / "group1.jsonl") if "step" in r}
+    g0 = {r["step"]: r["loss"] for r in jsonl_records(out / "group0.jsonl") if "step" in r}
+    g1 = {r["step"]: r["loss"] for r in jsonl_records(out / "group1.jsonl") if "step" in r}
     steps = max(g0)
     ref, ref_start, ref_final = _reference(steps, tmp_path / "ref")
     before = range(1, killed_run["killed"][1])  # every step both groups took before the kill

@@ -28,17 +28,13 @@ peer's in group 0.
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli_argv, cli_env
+from helpers import jsonl_records, launch_replicas
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -52,42 +48,13 @@ ZEROS, MODEL_PARALLEL = ["0", "1", "2", "3"], ["tp", "pp"]
 KILL_LAYOUT = os.environ.get("PLAIT_TEST_REPLICA_KILL_LAYOUT", "2")
 
 
-def _records(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _launch(out: Path, *args: str, kill: tuple[str, int] | None = None) -> dict:
-    """``plait run --replicas 2 --nproc 2 SCRIPT OUT ARGS``; with ``kill`` (records file, step), SIGKILL the rank
-    writing that file once it recorded the step."""
-    log = open(out / "launcher.log", "w")
-    proc = subprocess.Popen(cli_argv("run", "--replicas", "2", "--nproc", "2", "--max-restarts", "1", str(SCRIPT),
-                                     str(out), *args), env=cli_env(), stdout=log, stderr=subprocess.STDOUT, cwd=out,
-                            start_new_session=True)
-    killed = None
-    try:
-        deadline = time.monotonic() + 400
-        while proc.poll() is None and time.monotonic() < deadline:
-            if kill is not None and killed is None:
-                recs = [r for r in _records(out / kill[0]) if "step" in r]
-                if recs and recs[-1]["step"] >= kill[1]:
-                    killed = recs[-1]["pid"], recs[-1]["step"]
-                    os.kill(killed[0], signal.SIGKILL)
-            time.sleep(0.2)
-        rc = proc.poll()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
-    return {"out": out, "rc": rc, "killed": killed, "log": (out / "launcher.log").read_text()}
-
-
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
     """One launch for every test here: the compared runs, then the run whose rank 1 of group 1 is killed."""
-    return _launch(tmp_path_factory.mktemp("replicas_sharded"), ",".join(ZEROS + MODEL_PARALLEL), str(STEPS),
-                   KILL_LAYOUT, str(MIN_STEPS), kill=("kill_g1r1.jsonl", KILL_AT))
+    out = tmp_path_factory.mktemp("replicas_sharded")
+    return launch_replicas(out, "--replicas", "2", "--nproc", "2", "--max-restarts", "1", str(SCRIPT), str(out),
+                           ",".join(ZEROS + MODEL_PARALLEL), str(STEPS), KILL_LAYOUT, str(MIN_STEPS),
+                           kill=("kill_g1r1.jsonl", KILL_AT))
 
 
 def _reference(start: dict[str, torch.Tensor], batches: list[list[int]], gpt: bool = False
@@ -127,8 +94,8 @@ def test_sharded_groups_equal_the_plain_loop(launched: dict, zero: int) -> None:
         assert all(torch.equal(v, starts[0][k]) for k, v in build().state_dict().items())
     # Plait.reduce within a group (2 ranks): a mean of ones is 1 (it was 1/2: divided by both groups' ranks)
     assert all(r["reduce"] == [1.0, 2.0, 1.0] for gr in RANKS
-               for r in _records(out / f"z{zero}_g{gr[0]}r{gr[1]}.jsonl") if "joined_at" in r)
-    recs = {gr: [r for r in _records(out / f"z{zero}_g{gr[0]}r{gr[1]}.jsonl") if "step" in r] for gr in RANKS}
+               for r in jsonl_records(out / f"z{zero}_g{gr[0]}r{gr[1]}.jsonl") if "joined_at" in r)
+    recs = {gr: [r for r in jsonl_records(out / f"z{zero}_g{gr[0]}r{gr[1]}.jsonl") if "step" in r] for gr in RANKS}
     assert all([r["step"] for r in rs] == list(range(1, STEPS + 1)) for rs in recs.values())
     assert all(r["live"] == 2 for rs in recs.values() for r in rs)
     batches = [sorted(i for rs in recs.values() for i in rs[s]["ids"]) for s in range(STEPS)]
@@ -153,8 +120,8 @@ def test_model_parallel_groups_equal_the_plain_loop(launched: dict, layout: str)
     assert torch.equal(starts[0]["head.weight"], starts[0]["tok_emb.weight"])  # the tie, across stages under pp
     # Plait.reduce within a group: over its data-parallel ranks, one here (the two ranks are one model)
     assert all(r["reduce"] == [1.0, 1.0, 1.0] for gr in RANKS
-               for r in _records(out / f"{layout}_g{gr[0]}r{gr[1]}.jsonl") if "joined_at" in r)
-    recs = {gr: [r for r in _records(out / f"{layout}_g{gr[0]}r{gr[1]}.jsonl") if "step" in r] for gr in RANKS}
+               for r in jsonl_records(out / f"{layout}_g{gr[0]}r{gr[1]}.jsonl") if "joined_at" in r)
+    recs = {gr: [r for r in jsonl_records(out / f"{layout}_g{gr[0]}r{gr[1]}.jsonl") if "step" in r] for gr in RANKS}
     assert all([r["step"] for r in rs] == list(range(1, STEPS + 1)) for rs in recs.values())
     assert all(r["live"] == 2 for rs in recs.values() for r in rs)
     for g in (0, 1):  # a group's two ranks read the same samples: one data-parallel rank
@@ -186,7 +153,7 @@ def test_resumed_groups_heal_to_the_newest_checkpoint(launched: dict, layout: st
     resumed = [torch.load(out / f"{name}_resumed_g{g}r{r}.pt") for g, r in RANKS]
     assert [(x["loaded"], x["steps"], x["live"]) for x in resumed] == [(STEPS - 1, STEPS, 2)] * 4
     for (g, r), x in zip(RANKS, resumed, strict=True):  # the data position is group 0's too: the same shares
-        last = [rec for rec in _records(out / f"{name}_g{g}r{r}.jsonl") if rec.get("step") == STEPS]
+        last = [rec for rec in jsonl_records(out / f"{name}_g{g}r{r}.jsonl") if rec.get("step") == STEPS]
         assert x["ids"] == last[0]["ids"]
     full = torch.load(out / f"{name}_full_g0r0.pt")
     for k, v in full.items():
@@ -200,12 +167,12 @@ def test_killed_rank_of_a_sharded_group_heals_per_rank(launched: dict) -> None:
     assert launched["killed"] is not None
     kill_step = launched["killed"][1]
     for r in (0, 1):
-        survivor = [x for x in _records(out / f"kill_g0r{r}.jsonl") if "step" in x]
+        survivor = [x for x in jsonl_records(out / f"kill_g0r{r}.jsonl") if "step" in x]
         assert len({x["pid"] for x in survivor}) == 1  # never restarted
         steps = [x["step"] for x in survivor]
         assert steps == list(range(1, len(steps) + 1))  # one record per step, never going back
         assert any(x["live"] == 1 for x in survivor if x["step"] > kill_step)  # trained on alone
-        group1 = _records(out / f"kill_g1r{r}.jsonl")
+        group1 = jsonl_records(out / f"kill_g1r{r}.jsonl")
         pids = list(dict.fromkeys(x["pid"] for x in group1))
         assert len(pids) == 2  # the agent restarted both ranks of group 1
         joined = next(x["joined_at"] for x in group1 if x.get("pid") == pids[1] and "joined_at" in x)
