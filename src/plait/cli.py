@@ -57,6 +57,13 @@ def _nodes_of(argv: list[str]) -> object:
     return parse_nodes(*(values.get(o) for o in NODE_OPTIONS))
 
 
+def _job_id() -> str | None:
+    """The rendezvous id of the torchrun job this worker belongs to; None outside torchrun and for torchrun's
+    default id (``none``), which names no job in particular."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return job if job != "none" else None
+
+
 def _job_of(run_dir: Path) -> str | None:
     """The rendezvous id of the torchrun job that started the run in ``run_dir`` (``JOB_FILE``), if noted."""
     try:
@@ -71,21 +78,21 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
     from plait.components.checkpoint import latest_checkpoint
     from plait.recipes import load_recipe_config
     from plait.recipes import validate_config as validate
-    from plait.runtime.dist import external_world_size, launched_externally
+    from plait.runtime.dist import external_world_size, launched_externally, restarted_by_agent
 
     config_path, resume, overrides = _split_train_args(argv)
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    restarted = restarted_by_agent()
     # a replica group's replacement heals from a live replica (or its own newest checkpoint), and a resumed replica
     # group continues from its own newest checkpoint: neither is a new run in a directory that holds one
     replacement = (restarted or os.environ.get(REPLICA_RESUME_ENV) == "1") and "PLAIT_REPLICA_GROUP" in os.environ
-    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if not resume and job and "PLAIT_REPLICA_GROUP" not in os.environ and launched_externally():
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if not resume and run_id and "PLAIT_REPLICA_GROUP" not in os.environ and launched_externally():
         # torchrun started this worker again: continue the run it was training. Its agent may not have counted the
         # restart (an agent whose workers were stopped for another machine's restart does not), so the run
         # directory also says which job started it: the same rendezvous id continues it
         cfg0 = load_recipe_config(config_path, overrides)
-        run_dir0 = Path(cfg0.run.dir or f"runs/plait-{job}")
-        ours = job != "none" and _job_of(run_dir0) == job and latest_checkpoint(run_dir0) is not None
+        run_dir0 = Path(cfg0.run.dir or f"runs/plait-{run_id}")
+        ours = _job_id() is not None and _job_of(run_dir0) == _job_id() and latest_checkpoint(run_dir0) is not None
         if (run_dir0 / "config.toml").is_file() and (restarted or ours):
             resume, config_path = str(run_dir0), None
     if resume:
@@ -128,7 +135,7 @@ def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
 def cmd_train(argv: list[str]) -> int:
     from plait.launch import Restarts, launch_local, run_worker
     from plait.recipes import train
-    from plait.runtime.dist import ERROR_DIR_ENV, launched_externally
+    from plait.runtime.dist import ERROR_DIR_ENV, launched_externally, restarted_by_agent
 
     cfg, written, run_dir, resume = _prepare_run(argv)
     if cfg.observe.report:  # before training, not after it: the run would end without its report
@@ -142,12 +149,11 @@ def cmd_train(argv: list[str]) -> int:
     if is_rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(written))
-        if external and os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none" and not resume:
-            (run_dir / JOB_FILE).write_text(os.environ["TORCHELASTIC_RUN_ID"])
+        if external and _job_id() is not None and not resume:
+            (run_dir / JOB_FILE).write_text(_job_id())
     if external:
         os.environ.setdefault(ERROR_DIR_ENV, str((run_dir / "errors").resolve()))
-        if "PLAIT_REPLICA_GROUP" in os.environ and (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-                                                    or os.environ.get(REPLICA_RESUME_ENV) == "1"):
+        if "PLAIT_REPLICA_GROUP" in os.environ and (restarted_by_agent() or os.environ.get(REPLICA_RESUME_ENV) == "1"):
             # a replica group's replacement heals from a live group, else continues from its own newest checkpoint;
             # a resumed group continues from its own newest checkpoint (one without heals from the others)
             from plait.components.checkpoint import latest_checkpoint
@@ -229,13 +235,11 @@ def _start_holder(run_dir: Path, nodes: Any) -> Any:
     machine it listens on loopback; on several, on ``--local-addr`` or else the address this machine uses toward
     the rendezvous host, where the other machines' workers put and find their second copies (its pid file then
     names this launcher: several launchers may share the run directory)."""
-    from plait.fault.holder import start
+    from plait.fault.holder import facing, start
 
     if not nodes.multi:
         holder = start(run_dir)
     else:
-        from plait.fault.holder import facing
-
         host = nodes.local_addr or facing(nodes.endpoint.rsplit(":", 1)[0].strip("[]"))
         holder = start(run_dir, host, f"holder.{os.getpid()}.pid")
     os.environ.update(holder.env())

@@ -87,6 +87,7 @@ class Plait(SmallCollectives):
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.benchmark = False
         self._strategy_cls = registry.select(cfg)
+        self._layout_cls = self._strategy_cls.layout_class(self.config)  # a layout inside replica groups: its own
         self.topology: Topology = self._strategy_cls.build_topology(cfg, self.device)
         self.group = self.topology.train_group  # the engine's own collectives run among the training ranks
         self.rank, self.world_size = self.topology.rank, self.topology.world_size
@@ -156,7 +157,7 @@ class Plait(SmallCollectives):
     def model_whole(self) -> bool:
         """Whether the model ``setup`` returns runs whole on each rank (False under pipeline parallelism: it is
         split over ranks, and ``forward_backward`` runs each micro-step)."""
-        return self._strategy_cls.layout_class(self.config).model_whole  # a layout inside replica groups: its own
+        return self._layout_cls.model_whole
 
     @property
     def wants_sample(self) -> bool:

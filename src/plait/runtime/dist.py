@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import time
 import traceback
 from datetime import timedelta
@@ -67,6 +68,12 @@ def pick_backend(backend: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def restarted_by_agent() -> bool:
+    """Whether torchrun's agent started this worker again after a failure it counted (``TORCHELASTIC_RESTART_COUNT``;
+    an agent whose workers were stopped for another machine's restart does not count it)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
 def attempt_key(store: dist.Store, rank: int, world: int, timeout_s: float, poll_s: float = 0.02) -> str:
     """A key that the ``world`` ranks of this attempt agree on, in a store where earlier attempts left theirs.
 
@@ -76,8 +83,6 @@ def attempt_key(store: dist.Store, rank: int, world: int, timeout_s: float, poll
     without its own fresh key in it, reads the leader again and answers again: only fresh keys confirm anything, so
     the stale values of a dead attempt are never taken for this one's. Store traffic: a few keys per rank, once per
     attempt."""
-    import secrets
-
     mine = secrets.token_hex(8)
     deadline = time.monotonic() + timeout_s
     if rank == 0:

@@ -83,6 +83,7 @@ from plait.parallel.strategy import PlaitError, Strategy, register_strategy, str
 from plait.parallel.units import batchnorm_buffers
 from plait.parallel.wrapper import Wrapper
 from plait.parallel.zero.optimizer import ZeroOptimizer
+from plait.runtime.dist import restarted_by_agent
 from plait.topology import AXIS_ORDER, MeshAxis, Topology, build_topology
 
 
@@ -332,7 +333,7 @@ class Replicas(Wrapper):
         from torchft import Manager, ProcessGroupGloo
 
         backoff = self.cfg.fault.restart_backoff_s
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and backoff > 0:
+        if restarted_by_agent() and backoff > 0:
             # a replacement (its agent restarted the group at once) waits as a restarted group would; the live
             # groups train on meanwhile
             self.logger.info("replica group %d: the replacement waits fault.restart_backoff_s=%g s before it joins",
@@ -393,14 +394,20 @@ class Replicas(Wrapper):
         tensor parallelism) with different values. Which ranks hold the same tensor: those of the same pipeline
         stage (each stage holds entries of its own) along the group's mesh axes the tensor is not sharded on
         (``_held_alike``); a pipeline's tied copies (the embedding on the first stage, the head on the last) then take
-        the first stage's (``Strategy.retie``). Communication: one all-gather of the axis sets, then one broadcast
-        per entry over its ranks and one per tied weight over the pipeline, once, at setup."""
+        the first stage's (``Strategy.retie``). Communication: one all-reduce of the axis sets (64 flags), then one
+        broadcast per entry over its ranks and one per tied weight over the pipeline, once, at setup."""
         topo = self.topo
         entries = [(_local(t).data, _held_alike(topo, t)) for t in self.inner.model_entries().values()]
-        mine = sorted({axes for _, axes in entries if axes})
-        every: list[Any] = [None] * topo.world_size
-        dist.all_gather_object(every, mine)
-        groups = {axes: topo.group(*axes) for axes in sorted({a for part in every for a in part})}  # same order
+        # the axis sets any rank of the group needs, one flag per subset of AXIS_ORDER (bit i: axis i), so that
+        # every rank makes the same process groups in the same order (raw flags: nothing received is unpickled)
+        needed = torch.zeros(1 << len(AXIS_ORDER), dtype=torch.int32, device=topo.device)
+        for _, axes in entries:
+            if axes:
+                needed[sum(1 << AXIS_ORDER.index(MeshAxis(a)) for a in axes)] = 1
+        dist.all_reduce(needed, op=dist.ReduceOp.MAX)
+        subsets = needed.nonzero().flatten().tolist()
+        groups = {axes: topo.group(*axes)
+                  for axes in (tuple(str(a) for i, a in enumerate(AXIS_ORDER) if m >> i & 1) for m in subsets)}
         for t, axes in entries:  # the ranks of one stage hold the same entries in the same order
             if axes:
                 dist.broadcast(t, group=groups[axes], group_src=0)
@@ -416,7 +423,7 @@ class Replicas(Wrapper):
         are in, for up to about ``comm.timeout_s`` (counted in tries, so that every rank of a group asks as often). A
         replacement (its agent restarted it) joins whoever is live at once."""
         self._quorum()
-        fresh = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        fresh = not restarted_by_agent()
         tries = int(self.cfg.comm.timeout_s / 0.2)
         while fresh and self._participants < self.num_groups and tries > 0:
             time.sleep(0.2)
