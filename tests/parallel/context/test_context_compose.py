@@ -51,7 +51,7 @@ def _train(run_dir: str, name: str, parallel: dict, train: dict) -> dict:
         if seen["first"]:
             return
         seen["first"] = True
-        zero = getattr(p.strategy, "inner", p.strategy).optimizer
+        zero = p.layout.optimizer
         if hasattr(zero, "buckets"):  # ZeRO-1/2: each rank holds its chunk of every flat bucket's gradient
             grads.update(_zero_grads(zero, names))
         for g in o.param_groups:
@@ -69,12 +69,11 @@ def _train(run_dir: str, name: str, parallel: dict, train: dict) -> dict:
         p.forward_backward(model, mine, num_items_in_batch=None if pp else p.num_items_in_batch([mine]))
         info = p.step(log=True)
         losses.append(info.global_loss)
-    strategy = p.strategy
-    inner = getattr(strategy, "inner", strategy)
+    layout = p.layout
     out = {"losses": losses, "grads": grads, "state": {k: full(v).detach().clone()
                                                        for k, v in p.full_state_dict(model).items()},
-           "layout": strategy.describe(), "numel": sum(q.numel() for q in model.parameters()),
-           "held": sum(seen["shards"]), "shard_ranks": inner.topo.shard_degree}
+           "layout": layout.describe(), "numel": sum(q.numel() for q in model.parameters()),
+           "held": sum(seen["shards"]), "shard_ranks": layout.topo.shard_degree}
     p.close()
     return out
 

@@ -29,9 +29,9 @@ What is plait's and what is PyTorch's:
   sees no key of a block weighs 0 in the log-sum-exp merge. Documents of any length, cut anywhere by the shards
   (torchtitan's packed-document cp needs multiples of 2 x cp). Grouped-query keys and values travel with their
   own heads under ``ring`` and ``allgather``.
-* ``strategy``: the ``ContextParallel`` wrapper (registered behind the strategy contract) around the
-  data-parallel strategy: the engine gives it whole micro-batches and it shards them; gradients are averaged
-  over dp x cp because the strategies below it see the topology with cp folded into their data-parallel axes
-  (``Topology.strategy_view``); the loss is one over the real tokens of the whole sequence (token counts of the
-  whole sequence, never a mean of the shards' means).
+* ``split``: context parallelism's step of the composition (``apply_context``: the attention routed) and its
+  micro-step (``ContextSplit``): the engine gives it whole micro-batches and it shards them; gradients are averaged
+  over dp x cp because the gradient-sync policy is given the ``dp_cp`` ranks (``plait.topology.FLATTENED``); the loss
+  is one over the real tokens of the whole sequence (token counts of the whole sequence, never a mean of the shards'
+  means).
 """
