@@ -36,7 +36,7 @@ from plait.parallel.compile import CompilePlan, compile_model
 from plait.parallel.grad_sync import GradSync, OptimizerFactory, scale_down, squares_by_groups
 from plait.parallel.meta_init import InitFn, ModelFacts, initialise
 from plait.parallel.prepare import route_forward
-from plait.parallel.tensor.plan import loss_context
+from plait.parallel.tensor.plan import local_value, loss_context
 from plait.parallel.tensor.strided import is_strided, strided_entries
 from plait.parallel.weights import export_weights, load_weights
 from plait.plan.memory import predict_setup_bytes
@@ -499,14 +499,13 @@ class Layout:
         full = None
         if self.experts is None and not self.stages.is_pipeline:
             full = self.policy.full_state(self.stages.holder, rank0_only)
-        if full is None:
+        if self.experts is not None and self.stages.is_pipeline:  # this stage's experts whole, then over pp
+            mine = {k: local_value(v) for k, v in self.stages.model_state().items()}
+            full = _gather_over_pp(self.topo, {**mine, **self.experts.full()})
+        elif self.experts is not None:
+            full = {**self.stages.full_state(), **self.experts.full()}
+        elif full is None:
             full = self.stages.full_state()
-        if self.experts is not None:
-            experts = self.experts.full()
-            if self.stages.is_pipeline:  # this stage's experts whole, brought to every stage with its entries
-                full = _gather_over_pp(self.topo, {**full, **experts})
-            else:
-                full = {**full, **experts}
         for d in self.drivers:
             full = d.entries(self, full)
         return full

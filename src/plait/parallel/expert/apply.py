@@ -23,7 +23,6 @@ def apply_expert(model: nn.Module, topo: Topology, dispatcher: str) -> nn.Module
 
 
 def check_expert(cfg: Config, degrees: dict[str, int]) -> None:
-    """Expert parallelism's own settings."""
-    if cfg.parallel.ep > 1:
-        check_expert_layout(cfg.moe, cfg.parallel)
-        check_compile(cfg.train.compile, degrees["ep"], cfg.moe.dispatcher)
+    """The MoE settings and expert parallelism's own (every config: an MoE model may run at ep = 1)."""
+    check_expert_layout(cfg.moe, cfg.parallel)
+    check_compile(cfg.train.compile, degrees["ep"], cfg.moe.dispatcher)
