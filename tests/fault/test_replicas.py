@@ -217,7 +217,7 @@ def test_replica_groups_of_several_ranks(monkeypatch: pytest.MonkeyPatch) -> Non
     launcher's environment say it; dp_replicate outside fault.mode=replicas and a dp_shard that does not divide a
     group are refused."""
     from plait.config import ConfigError, from_sections
-    from plait.parallel.replicas.driver import replica_degrees
+    from plait.parallel.replicas.topology import replica_degrees
     from plait.validate import validate
 
     cfg = from_sections({"train": {"global_batch_size": 8}, "parallel": {"dp_replicate": 2, "zero": 2}})

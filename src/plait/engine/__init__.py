@@ -55,9 +55,10 @@ from plait.observe.log import get_logger
 from plait.observe.memory import SetupMeter
 from plait.observe.prometheus import serve_metrics
 from plait.parallel import compose
+from plait.parallel.capabilities import Serving, agreement
 from plait.parallel.compile import compile_plan
 from plait.parallel.expert.dispatch import MoeMonitor
-from plait.parallel.layout import Layout, PlaitError, RankDone, Serving, agreement, check_loss
+from plait.parallel.layout import Layout, PlaitError, RankDone, check_loss
 from plait.parallel.meta_init import place
 from plait.parallel.prepare import unwrap_compiled
 from plait.parallel.spec import ModelSpec

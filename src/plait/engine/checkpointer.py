@@ -15,7 +15,7 @@ import torch.distributed as dist
 from plait.components.checkpoint import PendingSave, load_state, save_state
 from plait.components.memory_checkpoint import Decoded, load, pack
 from plait.observe.log import get_logger
-from plait.parallel.layout import CheckpointJoin, checkpoint_group
+from plait.parallel.capabilities import CheckpointJoin, checkpoint_group
 
 
 class Checkpointer:

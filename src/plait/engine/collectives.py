@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from plait.comm.guard import CollectiveTimeout
-from plait.parallel.layout import OwnPace, PlaitError
+from plait.parallel.capabilities import OwnPace
+from plait.parallel.layout import PlaitError
 from plait.runtime.dist import write_error
 
 

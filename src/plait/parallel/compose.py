@@ -32,6 +32,7 @@ from plait.config import Config, ConfigError, ParallelConfig
 from plait.nn.moe import moe_layers
 from plait.observe.log import get_logger
 from plait.parallel import float8
+from plait.parallel.capabilities import Driver
 from plait.parallel.checkpointing import apply_checkpointing
 from plait.parallel.compile import apply_compile
 from plait.parallel.context.split import ContextSplit, apply_context, check_context, route_stages
@@ -42,13 +43,14 @@ from plait.parallel.expert.hf import check_hf_experts, check_pipeline_router_los
 from plait.parallel.expert.sync import ExpertSync
 from plait.parallel.fsdp import sync as fsdp_sync  # noqa: F401
 from plait.parallel.grad_sync import GradSync, policies
-from plait.parallel.layout import Driver, Layout
+from plait.parallel.layout import Layout
 from plait.parallel.meta_init import ModelFacts, materialise
 from plait.parallel.pipeline.split import pipeline_adapter, stage_layer_ranges
 from plait.parallel.pipeline.stages import PipelineStages, check_pipeline
 from plait.parallel.plans import plan_for
 from plait.parallel.prepare import broadcast_weights, sync_batchnorm
-from plait.parallel.replicas.driver import Replicas, check_replicas, group_config, replica_degrees, replica_topology
+from plait.parallel.replicas.driver import Replicas
+from plait.parallel.replicas.topology import check_replicas, group_config, replica_degrees, replica_topology
 from plait.parallel.spec import ModelSpec
 from plait.parallel.stages import WholeModel
 from plait.parallel.tensor.apply import apply_tensor, check_tensor, tp_function

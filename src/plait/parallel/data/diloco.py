@@ -48,8 +48,9 @@ import torch
 from torch import nn
 
 from plait.config import Config, ConfigError, ParallelConfig
+from plait.parallel.capabilities import Driver
 from plait.parallel.grad_sync import LayoutError, reduce_in_place
-from plait.parallel.layout import Driver, Layout
+from plait.parallel.layout import Layout
 from plait.parallel.units import batchnorm_buffers
 
 
