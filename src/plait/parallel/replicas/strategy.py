@@ -66,6 +66,7 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -76,6 +77,7 @@ from torch.distributed.tensor import DTensor
 
 from plait.comm.collectives import Comm, ring_allreduce_bytes
 from plait.config import Config, ConfigError, ParallelConfig
+from plait.fault.replica_events import QuorumRecorder, ReplicaEvents
 from plait.fault.replicas import LIGHTHOUSE_ENV, default_groups, replica_group, require_torchft
 from plait.observe.log import get_logger
 from plait.parallel.apply import ModelSpec
@@ -83,7 +85,7 @@ from plait.parallel.strategy import PlaitError, Strategy, register_strategy, str
 from plait.parallel.units import batchnorm_buffers
 from plait.parallel.wrapper import Wrapper
 from plait.parallel.zero.optimizer import ZeroOptimizer
-from plait.runtime.dist import restarted_by_agent
+from plait.runtime.dist import agent_restarts, restarted_by_agent
 from plait.topology import AXIS_ORDER, MeshAxis, Topology, build_topology
 
 
@@ -316,6 +318,7 @@ class Replicas(Wrapper):
         self.logger = get_logger(self.topo.rank)
         self.manager: Any = None
         self._run: Any = None
+        self._quorums: QuorumRecorder | None = None  # the manager's client, keeping each quorum's result
         self._store: Any = None
         self._participants = 0  # the groups in the current quorum
         self._step_live = 0  # the groups whose gradients the last step averaged
@@ -323,6 +326,7 @@ class Replicas(Wrapper):
         self._in_step = False  # inside after_step: the engine counts the step just taken after it returns
         self._quorum_s = 0.0  # seconds this process waited on torchft's quorums (the first one included)
         self._commit_s = 0.0  # seconds in should_commit
+        self.events = ReplicaEvents(self.group_index, self.num_groups, agent_restarts())  # for the run's summary
 
     # -- joining -------------------------------------------------------------------------------------
     def begin(self, run: Any) -> None:
@@ -365,6 +369,8 @@ class Replicas(Wrapper):
                 connect_timeout=connect, rank=rank, world_size=ranks, store_addr=host, store_port=port[0],
                 lighthouse_addr=lighthouse, replica_id=f"plait_replica_{self.group_index}", hostname=host,
                 checkpoint_transport=self._transport)
+            # torchft's Manager keeps nothing of a quorum's result but its size: the record reads it at its client
+            self._quorums = self.manager._client = QuorumRecorder(self.manager._client)
             # torchft's step starts at the run's (a resumed group's is its checkpoint's): groups resumed from the
             # same checkpoint keep their own (equal) state, and a group behind the others heals from one ahead
             self.manager.load_state_dict({"step": int(run.state()["steps"]), "batches_committed": 0})
@@ -422,23 +428,25 @@ class Replicas(Wrapper):
         starting would otherwise miss the steps a faster one takes alone): quorums are asked again until all groups
         are in, for up to about ``comm.timeout_s`` (counted in tries, so that every rank of a group asks as often). A
         replacement (its agent restarted it) joins whoever is live at once."""
-        self._quorum()
+        self._quorum(start=True)
         fresh = not restarted_by_agent()
         tries = int(self.cfg.comm.timeout_s / 0.2)
         while fresh and self._participants < self.num_groups and tries > 0:
             time.sleep(0.2)
-            self._quorum()
+            self._quorum(start=True)
             tries -= 1
         if self._participants < self.num_groups:
             self.logger.warning("replica group %d starts with %d of %d groups live", self.group_index,
                                 self._participants, self.num_groups)
 
-    def _quorum(self) -> None:
-        """The quorum of this step (healing this rank first if its group is behind)."""
+    def _quorum(self, start: bool = False) -> None:
+        """The quorum of this step boundary (healing this rank first if its group is behind), recorded for the
+        summary (``start``: one of the run's first quorums, see ``ReplicaEvents.quorum``)."""
         t0 = time.perf_counter()
         self.manager.start_quorum()
         self._participants = self.manager.num_participants()
         self._quorum_s += time.perf_counter() - t0
+        self.events.quorum(self._quorums.last, self._run.steps + int(self._in_step), start)
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         """The torch optimizers holding this rank's optimizer state (ZeRO's inner one over its shards)."""
@@ -517,6 +525,7 @@ class Replicas(Wrapper):
         self.manager.allreduce(flat).wait()  # torchft divides by the live groups (ReduceOp.AVG)
         self.comm.stats.wait_s += time.perf_counter() - t0
         self._step_live = self._participants
+        self.events.trained(self._run.steps + 1, self._participants)
         self.comm.stats.bytes_sent += ring_allreduce_bytes(flat.numel() * 4, self._participants)
         self.comm.stats.calls += 1
         offset = 0
@@ -551,6 +560,11 @@ class Replicas(Wrapper):
         return {**self.inner.step_metrics(), "replicas_live": self._step_live, "replica_heals": self._healed,
                 "replica_step": self.manager.current_step(), "replica_quorum_s_total": round(self._quorum_s, 4),
                 "replica_commit_s_total": round(self._commit_s, 4)}
+
+    def report(self, run_dir: Path | None, measured: dict[str, int] | None, device: torch.device) -> dict[str, Any]:
+        """The group's layout's report, and the ``replicas`` block: the failures, heals and steps with fewer groups
+        this process saw (``plait.fault.replica_events``)."""
+        return {**self.inner.report(run_dir, measured, device), "replicas": self.events.summary()}
 
     def describe(self) -> str:
         inside = self.inner.describe()
