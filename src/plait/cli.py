@@ -203,6 +203,7 @@ def _train_replicas(argv: list[str], cfg: Config, written: Config, run_dir: Path
     RUN_DIR/replica<g> under its own elastic agent (restarting its workers up to fault.max_restarts times). With
     ``--resume RUN_DIR`` each group continues from the newest checkpoint in RUN_DIR/replica<g>, and a group that
     has none heals from the others at the first step."""
+    from plait.fault.replica_events import describe, run_summary
     from plait.fault.replicas import default_groups, launch_replica_groups
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -224,8 +225,10 @@ def _train_replicas(argv: list[str], cfg: Config, written: Config, run_dir: Path
     if rc:
         print(f"plait: a replica group failed (exit status {rc}); see {run_dir}/replica*/errors", file=sys.stderr)
         return rc
-    print(f"\nplait: trained {cfg.train.steps} steps in {groups} torchft replica groups: {run_dir}/replica0 .. "
-          f"replica{groups - 1} (each its own metrics, summary and checkpoints)")
+    summary = run_summary(run_dir, groups)
+    print(f"\nplait: trained {cfg.train.steps} steps in {groups} torchft replica groups: "
+          f"{describe(summary['replicas'])}\n  run directory: {run_dir}/replica0 .. replica{groups - 1} (each its own "
+          f"metrics, summary and checkpoints)\n  summary:       {run_dir / 'summary.json'}")
     return 0
 
 

@@ -1,7 +1,9 @@
 """A user's own loop under ``fault.mode = "replicas"`` (run by tests/fault/test_replicas.py through ``plait run
 --replicas 2``): each step's record (pid, step, loss, live groups) to OUT/group<g>.jsonl, the final weights to
-OUT/final<g>.pt. It trains at least MIN_STEPS steps, then until 5 steps in a row had every group live (so a killed
-group's replacement has come back), at most 400; every group decides at the same step, as they see the same quorums."""
+OUT/final<g>.pt, the ``replicas`` block of its report (failures, heals, steps with fewer groups) to
+OUT/replicas<g>.json. It trains at least MIN_STEPS steps, then until 5 steps in a row had every group live (so a
+killed group's replacement has come back), at most 400; every group decides at the same step, as they see the same
+quorums."""
 
 import json
 import os
@@ -62,4 +64,6 @@ if __name__ == "__main__":
                 continue
             break
     torch.save(model.state_dict(), f"{out}/final{group}.pt")
+    with open(f"{out}/replicas{group}.json", "w") as f:  # what plait train writes to the group's summary.json
+        json.dump(p.report()["replicas"], f)
     p.close()

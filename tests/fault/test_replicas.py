@@ -101,6 +101,31 @@ def test_survivor_keeps_training_and_the_replacement_heals(killed_run: dict) -> 
     assert [r["items"] for r in _starts(out)] == [24.0, 24.0, 24.0]
 
 
+def test_each_group_reports_the_failure_and_the_heal(killed_run: dict) -> None:
+    """Each group's ``replicas`` block (summary.json under plait train; Plait.report in a loop of one's own) counts
+    what its quorums said, and the run's (``combine``) counts each event once. The survivor: group 1 left the quorum
+    at the boundary before its first step alone (at or after the step group 1 was killed in), the replacement joined
+    healed at its first step's boundary, and the steps between are exactly those its records show with one live
+    group. The replacement: its own heal at the same step, no failure seen (it was not there), its agent's restart."""
+    from plait.fault.replica_events import combine
+
+    out = killed_run["out"]
+    assert killed_run["rc"] == 0, killed_run["log"][-3000:]
+    alone = [r["step"] for r in jsonl_records(out / "group0.jsonl") if "step" in r and r["live"] == 1]
+    joined = _starts(out)[-1]["joined_at"]  # the replacement's
+    assert alone == list(range(alone[0], joined + 1)) and alone[0] - 1 >= killed_run["killed"][1]
+    heal = {"step": joined, "count": 1, "groups": [1]}
+    s0, s1 = (json.loads((out / f"replicas{g}.json").read_text()) for g in (0, 1))
+    assert s0 == {"group": 0, "restarts": 0, "groups": 2, "failures": 1, "left": [{"group": 1, "step": alone[0] - 1}],
+                  "heals": 1, "healed": [heal], "fewer_groups_steps": len(alone), "fewer_groups": [[alone[0], joined]]}
+    assert s1 == {"group": 1, "restarts": 1, "groups": 2, "failures": 0, "left": [], "heals": 1, "healed": [heal],
+                  "fewer_groups_steps": 0, "fewer_groups": []}
+    run = combine([s0, s1])
+    assert {k: run[k] for k in ("restarts", "failures", "heals", "fewer_groups_steps")} == {
+        "restarts": 1, "failures": 1, "heals": 1, "fewer_groups_steps": len(alone)}
+    assert run["left"] == s0["left"] and run["healed"] == [heal]
+
+
 def _starts(out: Path) -> list[dict]:
     return [r for g in (0, 1) for r in jsonl_records(out / f"group{g}.jsonl") if "joined_at" in r]
 
@@ -143,7 +168,8 @@ def test_plait_train_replica_group_killed_and_healed(tmp_path: Path) -> None:
     """``plait train`` with fault.mode=replicas: its own launcher (one agent per group, a loopback Lighthouse),
     group 1's worker SIGKILLed at step 5 (steps slowed to ~0.3 s by fault.slow_factor, so that the survivor is
     still training when the replacement has started), the replacement healed through the trainer; both export the
-    same model."""
+    same model, and the groups' summaries and the run's (RUN_DIR/summary.json, printed) count the failure, the heal
+    and the steps the survivor trained alone."""
     from helpers import TINY_CLI
     from safetensors.torch import load_file
 
@@ -182,6 +208,22 @@ def test_plait_train_replica_group_killed_and_healed(tmp_path: Path) -> None:
     assert ones[-1] == 200 and joins[1] + 1 in ones and ones == sorted(ones)  # went on from the survivor's step
     a, b = (load_file(run / f"replica{g}" / "model" / "model.safetensors") for g in (0, 1))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # the summaries: group 1 left the survivor's quorum at or after the step it was killed at (5 or later) and
+    # healed at joins[1]; the survivor trained the steps between alone (at least one: the replacement takes seconds
+    # to start, the survivor's steps ~0.3 s). The run's summary counts each once, and plait train prints it.
+    s0, s1 = (json.loads((run / f"replica{g}" / "summary.json").read_text())["replicas"] for g in (0, 1))
+    (left,) = s0["left"]
+    heal = {"step": joins[1], "count": 1, "groups": [1]}
+    assert left["group"] == 1 and 5 <= left["step"] < joins[1] and s0["failures"] == 1
+    assert s0["healed"] == s1["healed"] == [heal] and s0["heals"] == s1["heals"] == 1
+    assert s0["fewer_groups"] == [[left["step"] + 1, joins[1]]] and s1["fewer_groups_steps"] == s1["failures"] == 0
+    assert (s0["restarts"], s1["restarts"]) == (0, 1)
+    top = json.loads((run / "summary.json").read_text())
+    assert {k: top["replicas"][k] for k in ("restarts", "failures", "heals", "fewer_groups_steps")} == {
+        "restarts": 1, "failures": 1, "heals": 1, "fewer_groups_steps": joins[1] - left["step"]}
+    assert [g["steps"] for g in top["groups"]] == [200, 200]
+    assert (f"1 replica failure(s) (group 1 at step {left['step']}), 1 heal(s) (step {joins[1]}), "
+            f"{joins[1] - left['step']} step(s) with fewer than 2 groups") in text
 
 
 @pytest.mark.parametrize("sections, message", [

@@ -21,6 +21,11 @@ import torch
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The lower-precision dtype ``precision`` computes in (bfloat16, float16), or None for fp32."""
+    return _DTYPES.get(precision)
+
+
 def autocast(precision: str, device: torch.device, enabled: bool = True) -> contextlib.AbstractContextManager:
     """Autocast context for ``precision``; fp32 (or ``enabled=False``) runs without one."""
     if precision == "fp32" or not enabled:

@@ -13,6 +13,11 @@ class RunAccess:
     def __init__(self, plait: Any) -> None:
         self._plait = plait
 
+    @property
+    def steps(self) -> int:
+        """The optimizer steps taken (a host counter: nothing is read or gathered)."""
+        return self._plait.stepper.steps
+
     def state(self) -> dict[str, Any]:
         """The step count, schedule, loss scale, hyperparameters and the training loader's position."""
         p = self._plait

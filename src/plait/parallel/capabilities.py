@@ -96,6 +96,10 @@ class Driver:
     def step_metrics(self) -> dict[str, Any]:
         return {}
 
+    def report(self) -> dict[str, Any]:
+        """The driver's blocks of the run summary."""
+        return {}
+
     def describe(self, inner: str) -> str:
         return inner
 

@@ -450,6 +450,8 @@ class Layout:
             out.update(self.experts.report())
         if self.split is not None:
             out.update(self.split.report(self.cfg.parallel.cp_impl))
+        for d in self.drivers:
+            out.update(d.report())
         return out
 
     def _memory(self, measured: dict[str, int] | None, device: torch.device) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 Before any layout is applied every rank must hold the same weights (tensor parallelism and FSDP shard
 whatever each rank holds), so rank 0's are broadcast. After it, the user's ``model(...)`` must run
 through the layout's wrapper where there is one (DDP) and under autocast where the precision asks for
-it, while the user keeps their own model object.
+it, and return in float32 what the lower precision made, while the user keeps their own model object.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from plait.comm.collectives import Comm
-from plait.components.precision import autocast
+from plait.components.precision import autocast, compute_dtype
 
 
 def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, Any]:
@@ -58,15 +59,31 @@ def sync_batchnorm(model: nn.Module, group: dist.ProcessGroup | None, device: to
     return convert_sync_batchnorm(model, group)
 
 
+def float32_outputs(out: Any, low: torch.dtype) -> Any:
+    """``out`` with every tensor of dtype ``low`` as float32, in tensors, tuples, lists, dicts and the containers
+    registered with torch's pytree (named tuples, transformers' ``ModelOutput``); integer tensors, tensors of any
+    other dtype and anything else unchanged."""
+    return tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype == low else t, out)
+
+
 def route_forward(model: nn.Module, wrapper: Callable[..., Any] | None, precision: str, amp: bool,
                   device: torch.device) -> None:
-    """Make ``model(...)`` run through ``wrapper`` (DDP) and under autocast (``amp``). The model object and its
-    state-dict keys stay the user's."""
-    if wrapper is not None or amp:
-        inner = wrapper if wrapper is not None else model.forward
+    """Make ``model(...)`` run through ``wrapper`` (DDP) and under autocast (``amp``), and return the outputs the
+    lower ``precision`` made (bf16 or fp16, by autocast or by FSDP2's mixed-precision policy) as float32
+    (``float32_outputs``), as the user's own loop gets them when its autocast region covers the loss: the loss
+    and whatever else the user computes from the outputs run in float32, where autocast would have run
+    cross-entropy. A model whose floating parameters all hold that dtype already (the user chose it: autocast
+    changes nothing) keeps its outputs. The model object and its state-dict keys stay the user's."""
+    low = compute_dtype(precision)
+    if low is not None and all(q.dtype == low for q in model.parameters() if q.is_floating_point()):
+        low = None
+    if wrapper is None and not amp and low is None:
+        return
+    inner = wrapper if wrapper is not None else model.forward
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with autocast(precision, device, amp):
-                return inner(*args, **kwargs)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with autocast(precision, device, amp):
+            out = inner(*args, **kwargs)
+        return out if low is None else float32_outputs(out, low)
 
-        model.forward = forward
+    model.forward = forward

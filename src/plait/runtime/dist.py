@@ -68,10 +68,16 @@ def pick_backend(backend: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def agent_restarts() -> int:
+    """How many times torchrun's agent started this worker's group again after a failure it counted
+    (``TORCHELASTIC_RESTART_COUNT``; an agent whose workers were stopped for another machine's restart does not count
+    it); 0 outside an agent."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def restarted_by_agent() -> bool:
-    """Whether torchrun's agent started this worker again after a failure it counted (``TORCHELASTIC_RESTART_COUNT``;
-    an agent whose workers were stopped for another machine's restart does not count it)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    """Whether torchrun's agent started this worker again after a failure it counted (``agent_restarts``)."""
+    return agent_restarts() > 0
 
 
 def attempt_key(store: dist.Store, rank: int, world: int, timeout_s: float, poll_s: float = 0.02) -> str:

@@ -74,13 +74,14 @@ from torch.distributed.tensor import DTensor
 
 from plait.comm.collectives import ring_allreduce_bytes
 from plait.config import Config
+from plait.fault.replica_events import QuorumRecorder, ReplicaEvents
 from plait.fault.replicas import LIGHTHOUSE_ENV, replica_group, require_torchft
 from plait.observe.log import get_logger
 from plait.parallel.capabilities import Driver
 from plait.parallel.layout import Layout, PlaitError
 from plait.parallel.units import batchnorm_buffers
 from plait.parallel.zero.optimizer import ZeroOptimizer
-from plait.runtime.dist import restarted_by_agent
+from plait.runtime.dist import agent_restarts, restarted_by_agent
 from plait.topology import AXIS_ORDER, MeshAxis, Topology
 
 
@@ -162,6 +163,7 @@ class Replicas(Driver):
         self.logger = get_logger(self.topo.rank)
         self.manager: Any = None
         self._run: Any = None
+        self._quorums: QuorumRecorder | None = None  # the manager's client, keeping each quorum's result
         self._store: Any = None
         self._participants = 0  # the groups in the current quorum
         self._step_live = 0  # the groups whose gradients the last step averaged
@@ -169,6 +171,7 @@ class Replicas(Driver):
         self._in_step = False  # inside after_step: the engine counts the step just taken after it returns
         self._quorum_s = 0.0  # seconds this process waited on torchft's quorums (the first one included)
         self._commit_s = 0.0  # seconds in should_commit
+        self.events = ReplicaEvents(self.group_index, self.num_groups, agent_restarts())  # for the run's summary
 
     # -- joining -------------------------------------------------------------------------------------
     def begin(self, layout: Layout, run: Any) -> None:
@@ -211,6 +214,8 @@ class Replicas(Driver):
                 connect_timeout=connect, rank=rank, world_size=ranks, store_addr=host, store_port=port[0],
                 lighthouse_addr=lighthouse, replica_id=f"plait_replica_{self.group_index}", hostname=host,
                 checkpoint_transport=self._transport)
+            # torchft's Manager keeps nothing of a quorum's result but its size: the record reads it at its client
+            self._quorums = self.manager._client = QuorumRecorder(self.manager._client)
             # torchft's step starts at the run's (a resumed group's is its checkpoint's): groups resumed from the
             # same checkpoint keep their own (equal) state, and a group behind the others heals from one ahead
             self.manager.load_state_dict({"step": int(run.state()["steps"]), "batches_committed": 0})
@@ -268,23 +273,25 @@ class Replicas(Driver):
         starting would otherwise miss the steps a faster one takes alone): quorums are asked again until all groups
         are in, for up to about ``comm.timeout_s`` (counted in tries, so that every rank of a group asks as often). A
         replacement (its agent restarted it) joins whoever is live at once."""
-        self._quorum()
+        self._quorum(start=True)
         fresh = not restarted_by_agent()
         tries = int(self.cfg.comm.timeout_s / 0.2)
         while fresh and self._participants < self.num_groups and tries > 0:
             time.sleep(0.2)
-            self._quorum()
+            self._quorum(start=True)
             tries -= 1
         if self._participants < self.num_groups:
             self.logger.warning("replica group %d starts with %d of %d groups live", self.group_index,
                                 self._participants, self.num_groups)
 
-    def _quorum(self) -> None:
-        """The quorum of this step (healing this rank first if its group is behind)."""
+    def _quorum(self, start: bool = False) -> None:
+        """The quorum of this step boundary (healing this rank first if its group is behind), recorded for the
+        summary (``start``: one of the run's first quorums, see ``ReplicaEvents.quorum``)."""
         t0 = time.perf_counter()
         self.manager.start_quorum()
         self._participants = self.manager.num_participants()
         self._quorum_s += time.perf_counter() - t0
+        self.events.quorum(self._quorums.last, self._run.steps + int(self._in_step), start)
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         """The torch optimizers holding this rank's optimizer state (ZeRO's inner one over its shards)."""
@@ -361,6 +368,7 @@ class Replicas(Driver):
         self.manager.allreduce(flat).wait()  # torchft divides by the live groups (ReduceOp.AVG)
         self.comm.stats.wait_s += time.perf_counter() - t0
         self._step_live = self._participants
+        self.events.trained(self._run.steps + 1, self._participants)
         self.comm.stats.bytes_sent += ring_allreduce_bytes(flat.numel() * 4, self._participants)
         self.comm.stats.calls += 1
         offset = 0
@@ -393,6 +401,11 @@ class Replicas(Driver):
         return {"replicas_live": self._step_live, "replica_heals": self._healed,
                 "replica_step": self.manager.current_step(), "replica_quorum_s_total": round(self._quorum_s, 4),
                 "replica_commit_s_total": round(self._commit_s, 4)}
+
+    def report(self) -> dict[str, Any]:
+        """The ``replicas`` block of the group's summary: the failures, heals and steps with fewer groups this process
+        saw (``plait.fault.replica_events``)."""
+        return {"replicas": self.events.summary()}
 
     def describe(self, inside: str) -> str:
         return f"torchft replica group {self.group_index} of {self.num_groups}" + (f" ({inside})" if inside else "")
