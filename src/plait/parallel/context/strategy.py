@@ -8,13 +8,18 @@ gives it whole micro-batches (the cp ranks of a group read the same ones) and it
 2. keeps this rank's load-balanced shard of every (B, T, ...) tensor (``sharding``) and gives the model the
    global ``position_ids`` of its tokens (a batch's own, packed ones are sharded the same way);
 3. runs the inner strategy's micro-step with the model's attention routed through the cp attention
-   (``attention``), and the loss divided by real-token counts of the whole sequence: the engine's
-   ``num_items_in_batch`` (over the optimizer step) or, without it, this micro-batch's count / cp, never a mean
-   of the shards' means;
+   (``attention``), and the loss divided by real-token counts of the whole sequence / cp: the engine's
+   ``num_items_in_batch`` (over the optimizer step; the value it has at cp=1, ``items_ranks``) or, without it,
+   this micro-batch's count, never a mean of the shards' means;
 4. gradients: the inner strategy averages them over dp x cp (its topology has cp folded in), which with the
    counts above is the gradient of one process on the whole sequence.
 
-Evaluation runs the same shards and sums the shards' (sum / count) over the cp group: one all-reduce of one number.
+The user's own loop (``model(...)``, ``p.backward(loss)``) cuts the batch in the model's forward instead
+(``user_forward``, installed by ``wrap_forward``); backward is then the inner strategy's. A padding
+``attention_mask`` becomes masking by ids in the cp attention (``sharding.padding_docs``) on both paths.
+
+A rank's loss is its shard's share (sum / (the whole count / cp)); ``reduce_loss`` averages it over the cp group
+into the whole sequence's: at log steps (``StepInfo.loss``), and for ``p.evaluate``, one all-reduce of the values.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from torch import nn
 from plait.components.losses import IGNORE_INDEX, Loss
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.parallel.context.attention import ContextAttention, route_gpt, route_hf
-from plait.parallel.context.sharding import ContextError, check_length, shard, shard_index
+from plait.parallel.context.sharding import ContextError, check_length, padding_docs, shard, shard_index
+from plait.parallel.context.user_forward import install
 from plait.parallel.pipeline.gpt import GPTStage
 from plait.parallel.strategy import register_strategy
 from plait.parallel.tensor.plan import local_value
@@ -44,6 +50,15 @@ class Shard(NamedTuple):
     args: tuple
     kwargs: dict
     target: torch.Tensor
+
+
+class Cut(NamedTuple):
+    """How a micro-batch was cut: this rank's global positions (S,), the whole sequence's document ids (B, T) or
+    None, and whether those stand for a padding mask (every layer masks by them) — ``ContextAttention.active``'s."""
+
+    index: torch.Tensor
+    docs: torch.Tensor | None
+    padded: bool
 
 
 class ShardLoss(Loss):
@@ -128,53 +143,68 @@ class ContextParallel(Wrapper):
             self._losses[id(loss)] = ShardLoss(loss)
         return self._losses[id(loss)]
 
-    def _split(self, batch: Any, loss: Any, divide: int) -> tuple[Shard, torch.Tensor, torch.Tensor, Any]:
-        """This rank's shard of ``batch``, its global positions, the divisor of its summed loss (the engine's
-        ``num_items_in_batch`` or the whole sequence's real tokens / ``divide``) and the whole sequence's
-        ``doc_ids`` (packed documents; None without), which the cp attention masks by."""
+    def wrap_forward(self, device: torch.device, plan: Any = None) -> None:
+        """The inner strategy's routing (DDP, autocast), then the user's ``model(...)`` cut into shards around it
+        (``user_forward``; a pipeline's stages run only under ``forward_backward``)."""
+        self.inner.wrap_forward(device, plan)
+        if self.inner.model_whole:
+            install(self.model, self.attention)
+
+    @property
+    def items_ranks(self) -> int:
+        """The data-parallel ranks only (not dp x cp): the cp ranks of a group read the same micro-batches, so
+        ``p.num_items_in_batch`` sums over dp and returns what it would at cp=1; a loss over a shard is divided by cp
+        here (``_split``, ``user_forward``), and a loss the user computes from the whole logits takes it as it is."""
+        return self.inner.items_ranks // self.cp
+
+    def _split(self, batch: Any, loss: Any) -> tuple[Shard, Cut, torch.Tensor]:
+        """This rank's shard of ``batch``, how it was cut, and the divisor of its summed loss: (the engine's
+        ``num_items_in_batch`` or the whole sequence's real tokens) / cp."""
         if not isinstance(loss, Loss) or not loss.counts_items:
             raise ContextError(f"parallel.cp > 1 needs a loss that counts its tokens, so the shards' losses add up to "
                                f"the whole sequence's: use loss causal_lm (got {getattr(loss, 'name', loss)!r})")
         args, kwargs, target = loss.split(batch)  # the causal-LM shift happens here, before the cut
-        if "attention_mask" in kwargs:
-            raise ContextError("parallel.cp > 1 does not take an attention_mask yet; leave it out of the batch")
         B, T = target.shape[:2]
         check_length(T, self.cp, "the batch's sequence length")
         index = shard_index(T, self.cp, self.cp_rank, device=target.device)  # (T / cp,)
-        items = loss.items
-        if items is None:
-            items = (target != IGNORE_INDEX).sum().float() / divide
-        docs = kwargs.get("doc_ids")
+        items = (loss.items if loss.items is not None else (target != IGNORE_INDEX).sum().float()) / self.cp
+        mask, docs = kwargs.pop("attention_mask", None), kwargs.get("doc_ids")
+        if mask is not None:
+            docs = padding_docs(mask, docs, T)
         kwargs = {k: shard(v, index, T) for k, v in kwargs.items()}
         if self.inner.model_whole:  # this rank's global positions (pipeline stages take theirs in __init__)
             kwargs.setdefault("position_ids", index if self.gpt else index.expand(B, -1))
         part = Shard(tuple(shard(a, index, T) for a in args), kwargs, shard(target, index, T))
-        return part, index, items, docs
+        return part, Cut(index, docs, mask is not None), items
 
     def forward_backward(self, model: nn.Module, batch: Any, loss: Any, scale: float,
                          before_backward: Callable[[float], None] | None = None,
                          times: dict[str, float] | None = None) -> torch.Tensor:
-        part, index, items, docs = self._split(batch, loss, divide=self.cp)
+        part, cut, items = self._split(batch, loss)
         # a pipeline averages its micro-batches' losses, which here are each already over the micro-step's items
         parts = getattr(self.inner, "loss_parts", 1)
-        with self.attention.active(index, docs), loss.per_items(items):
+        with self.attention.active(*cut), loss.per_items(items):
             value = self.inner.forward_backward(model, part, self._shard_loss(loss), scale * parts, before_backward,
                                                 times)
         return value * parts if parts != 1 else value
 
-    def backward(self, loss: torch.Tensor, scale: float) -> None:
-        raise ContextError("under parallel.cp > 1 plait splits each sequence itself: run each micro-step with "
-                           "p.forward_backward(model, batch), not model(...) and p.backward(loss)")
-
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batch: Any, loss: Any) -> torch.Tensor:
-        """The whole sequence's mean loss on every cp rank: each shard's sum / the whole count, summed over cp."""
-        part, index, items, docs = self._split(batch, loss, divide=1)
-        with self.attention.active(index, docs), loss.per_items(items):
-            value = local_value(self.inner.evaluate(model, part, self._shard_loss(loss))).float().reshape(1)
-        value *= getattr(self.inner, "loss_parts", 1)  # a pipeline's mean over its micro-batches (forward_backward)
-        dist.all_reduce(value, group=self.group)
-        return value[0]
+        """This rank's share of the whole sequence's mean loss (its shard's sum / (the whole count / cp)), as in
+        training: ``reduce_loss``, which ``p.evaluate`` applies, averages the shares over cp into the whole's."""
+        part, cut, items = self._split(batch, loss)
+        with self.attention.active(*cut), loss.per_items(items):
+            value = local_value(self.inner.evaluate(model, part, self._shard_loss(loss)))
+        return value * getattr(self.inner, "loss_parts", 1)  # a pipeline's mean over its micro-batches
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Losses (any shape) averaged over the cp group, then the inner strategy's: a rank's is its shard's share
+        of the whole sequence's loss, or the whole one where the user computed it from gathered logits (the same on
+        every cp rank), so the mean is the whole sequence's either way. One all-reduce, where the engine reduces
+        (log steps, ``p.evaluate``)."""
+        t = loss.detach().to(self.topo.device, torch.float64, copy=True)  # on the device NCCL reduces on
+        dist.all_reduce(t, group=self.group)
+        return self.inner.reduce_loss((t / self.cp).to(loss.device))
 
     def describe(self) -> str:
         inner = self.inner.describe()
