@@ -34,4 +34,8 @@ What is plait's and what is PyTorch's:
   over dp x cp because the strategies below it see the topology with cp folded into their data-parallel axes
   (``Topology.strategy_view``); the loss is one over the real tokens of the whole sequence (token counts of the
   whole sequence, never a mean of the shards' means).
+* ``user_forward``: the user's own loop (``model(...)``, ``p.backward(loss)``) on whole micro-batches: the forward
+  of the model ``setup`` returns cuts each call into this rank's shard as the strategy does (labels shifted
+  first, global positions, a padding mask as masking by ids), and without labels gathers the logits whole (its
+  backward sums their gradients onto the owners).
 """
