@@ -4,11 +4,12 @@ The loop is the user's: ``loss = model(input_ids=x, labels=y).loss`` (or a loss 
 ``model(input_ids=x).logits``, or ``cross_entropy(model(x), ...)`` for plait's GPT), ``p.backward(loss)``,
 ``p.step()``, on whole micro-batches; plait cuts them in the model's forward (``plait.parallel.context.user_forward``).
 
-On 2 ranks (cp=2): a Llama (GQA: 4 heads, 2 key-value heads) under ``ring`` and ``alltoall`` and a Qwen2 (q/k/v biases)
-under ``ring`` with labels; the Llama with a loss the user computes from the gathered logits; the Llama under
-``allgather`` with a padding ``attention_mask`` (one row padded on the right, one on the left, labels ``-100`` there);
+On 2 ranks (cp=2): a Llama (GQA: 4 heads, 2 key-value heads) and a Qwen2 (q/k/v biases) under ``ring`` and
+``alltoall`` with labels; the Llama with a loss the user computes from the gathered logits; the Llama under
+``allgather`` with a padding ``attention_mask`` (one row padded on the right, one on the left, labels ``-100`` there)
+and full activation checkpointing (backward recomputes the attention layers, under the cut of their forward);
 plait's GPT with the loss of ``test_context`` computed from its logits, and with its own loss (``model(x, targets)``,
-under ``alltoall``). On 4 ranks
+under ``alltoall``, selective checkpointing). On 4 ranks
 (cp=2 x dp=2): the Llama under ``ring`` with labels and under ``alltoall`` from the logits, both with
 ``p.num_items_in_batch`` (its value is the one at cp=1, so a loss over the whole logits takes it as it is). Labels
 hold ``-100`` over uneven prompts (differing per row, per dp rank and per cp shard).
@@ -44,12 +45,13 @@ from . import test_context as gpt_case
 from .test_context_hf import CLIP, GLOBAL, GRAD_ATOL, SEQ, adamw, batches, llama
 
 LOGITS_ATOL = 1e-6
-# (model, cp_impl, how the loss is made): "labels" model(..., labels=y).loss ("mask": with a padding mask),
-# "logits" the user's cross-entropy of model(x)'s logits, "targets" plait's GPT's own loss, model(x, targets)
-RUNS = {2: [("llama", "ring", "labels"), ("llama", "alltoall", "labels"), ("qwen2", "ring", "labels"),
-            ("llama", "ring", "logits"), ("llama", "allgather", "mask"), ("gpt", "ring", "logits"),
-            ("gpt", "alltoall", "targets")],
-        4: [("llama", "ring", "labels"), ("llama", "alltoall", "logits")]}
+# (model, cp_impl, how the loss is made, activation checkpointing): "labels" model(..., labels=y).loss ("mask": with
+# a padding mask), "logits" the user's cross-entropy of model(x)'s logits, "targets" plait's GPT's own loss
+RUNS = {2: [("llama", "ring", "labels", "none"), ("llama", "alltoall", "labels", "none"),
+            ("qwen2", "ring", "labels", "none"), ("qwen2", "alltoall", "labels", "none"),
+            ("llama", "ring", "logits", "none"), ("llama", "allgather", "mask", "full"),
+            ("gpt", "ring", "logits", "none"), ("gpt", "alltoall", "targets", "selective")],
+        4: [("llama", "ring", "labels", "none"), ("llama", "alltoall", "logits", "none")]}
 
 
 def padded(batch: dict) -> dict:
@@ -115,18 +117,19 @@ def reference(kind: str, how: str) -> dict:
             "eval": evaluated, "logits": logits}
 
 
-def _train(run_dir: str, dp: int, kind: str, impl: str, how: str) -> dict:
+def _train(run_dir: str, dp: int, kind: str, impl: str, how: str, checkpointing: str) -> dict:
     import plait
 
     global_batch = gpt_case.GLOBAL if kind == "gpt" else GLOBAL
     share = global_batch // dp
     p = plait.Plait(parallel={"cp": 2, "cp_impl": impl, "dp": dp}, optim={"grad_clip": CLIP},
-                    train={"global_batch_size": global_batch, "micro_batch_size": share},
+                    train={"global_batch_size": global_batch, "micro_batch_size": share,
+                           "activation_checkpointing": checkpointing},
                     run={"dir": f"{run_dir}/{kind}-{impl}-{how}-dp{dp}"}, observe={"progress": False, "trackers": []})
     model, opt = p.setup(gpt_case.gpt() if kind == "gpt" else llama(kind),
                          optimizer=gpt_case.adamw if kind == "gpt" else adamw)
     out = _evaluate(model, data(kind, how)[0], kind)  # before training: the reference's weights
-    names = {id(q): n for n, q in model.named_parameters()}
+    names = {id(q): n.replace("_checkpoint_wrapped_module.", "") for n, q in model.named_parameters()}
     grads: dict = {}
 
     def first_grads(o, args, kwargs) -> None:
@@ -195,9 +198,9 @@ def _max_diff(a: dict, b: dict) -> float:
 
 def _check(world: int, ranks: list[list[dict]]) -> None:
     refs: dict = {}
-    for i, (kind, impl, how) in enumerate(RUNS[world]):
+    for i, (kind, impl, how, checkpointing) in enumerate(RUNS[world]):
         ref = refs.setdefault((kind, how), reference(kind, how))
-        what = f"{kind} {impl} {how} world={world}"
+        what = f"{kind} {impl} {how} checkpointing={checkpointing} world={world}"
         for rank in ranks:
             run = rank[i]
             for losses in (run["losses"], run["global_losses"]):  # the whole sequence's, not a shard's share
@@ -216,7 +219,7 @@ def _check(world: int, ranks: list[list[dict]]) -> None:
 def test_context_parallel_user_loop_cp2(tmp_path: Path) -> None:
     ranks = run_ranks(_group, 2, str(tmp_path), timeout=600)
     _check(2, ranks)
-    mask, cache, length = ranks[0][RUNS[2].index(("llama", "ring", "logits"))]["errors"]
+    mask, cache, length = ranks[0][RUNS[2].index(("llama", "ring", "logits", "none"))]["errors"]
     assert "padding attention_mask of shape (batch, 128)" in mask and "(1, 1, 128, 128)" in mask, mask
     assert "use_cache=True" in cache and "parallel.cp=1" in cache, cache
     assert "2 x cp = 4 equal chunks" in length and "122" in length, length

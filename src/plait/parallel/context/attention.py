@@ -70,7 +70,8 @@ class ContextAttention:
         if self.positions is None:
             raise ContextError("under parallel.cp > 1 the model runs on sequence shards that plait makes in the "
                                "forward of the model p.setup returned: call that model (model(...), "
-                               "p.forward_backward, p.evaluate), not one of its submodules")
+                               "p.forward_backward, p.evaluate), not one of its submodules, and with activation "
+                               "checkpointing backpropagate each loss with p.backward(loss) after its forward")
         docs = None
         if self.padded:
             docs = self.docs

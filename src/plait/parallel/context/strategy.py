@@ -36,7 +36,7 @@ from plait.components.losses import IGNORE_INDEX, Loss
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.parallel.context.attention import ContextAttention, route_gpt, route_hf
 from plait.parallel.context.sharding import ContextError, check_length, padding_docs, shard, shard_index
-from plait.parallel.context.user_forward import install
+from plait.parallel.context.user_forward import UserForward, install
 from plait.parallel.pipeline.gpt import GPTStage
 from plait.parallel.strategy import register_strategy
 from plait.parallel.tensor.plan import local_value
@@ -121,6 +121,7 @@ class ContextParallel(Wrapper):
         self.group = self.topo.group(MeshAxis.CP)
         self.attention = ContextAttention(self.group, self.cfg.parallel.cp_impl)
         self._losses: dict[int, ShardLoss] = {}
+        self.user: UserForward | None = None  # the user's forward, cut into shards (wrap_forward)
         # plait's GPT takes its shard's positions as one (S,) row, which sequence parallelism splits over tp like
         # the (T,) positions it makes itself; Hugging Face decoders take (B, S)
         self.gpt = route_gpt(self.model, self.attention)
@@ -148,7 +149,18 @@ class ContextParallel(Wrapper):
         (``user_forward``; a pipeline's stages run only under ``forward_backward``)."""
         self.inner.wrap_forward(device, plan)
         if self.inner.model_whole:
-            install(self.model, self.attention)
+            self.user = install(self.model, self.attention)
+
+    def backward(self, loss: torch.Tensor, scale: float) -> None:
+        """The inner strategy's backward of a loss from the user's own forward, under that forward's cut: activation
+        checkpointing calls the attention layers again here, and they need its document ids."""
+        cut = self.user.last if self.user is not None else None
+        if cut is None:
+            self.inner.backward(loss, scale)
+            return
+        self.user.last = None
+        with self.attention.active(*cut):
+            self.inner.backward(loss, scale)
 
     @property
     def items_ranks(self) -> int:

@@ -29,6 +29,9 @@ and the call passes through; any other call is cut here:
    shards' sums over the whole count, one all-reduce of one number) and the logits are gathered whole, neither
    differentiable (plait's GPT given ``targets`` returns its loss so too).
 
+The cut of a training call is kept (``last``) for ``p.backward``: ``ContextParallel.backward`` runs under it, since
+activation checkpointing calls the attention layers again in backward and they need that call's document ids.
+
 Refused with one message each: a model that is neither (its class named), a 4-D ``attention_mask``, generation
 arguments (a cache, ``use_cache=True``, ``logits_to_keep``), per-layer outputs, ``return_dict=False``, and labels
 for a model whose loss function does not take ``shift_labels``.
@@ -102,6 +105,9 @@ class UserForward:
         self.group, self.cp, self.rank = attention.group, attention.ring.size, attention.ring.rank
         self.kind = _kind(model)
         self.signature = inspect.signature(type(model).forward)
+        # the cut of the last training forward: ``ContextParallel.backward`` runs its backward under it, where
+        # activation checkpointing calls the attention layers again (with its document ids)
+        self.last: tuple[torch.Tensor, Any, bool] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.attention.positions is not None:  # p.forward_backward / p.evaluate: the strategy cut the batch
@@ -139,6 +145,8 @@ class UserForward:
             part["position_ids"] = index if self.kind == "gpt" else index.expand(B, -1)
         else:
             part["position_ids"] = positions.index_select(positions.dim() - 1, index.to(positions.device))
+        if self.model.training and torch.is_grad_enabled():
+            self.last = (index, docs, mask is not None)
         return part, index, docs, mask is not None
 
     def _items(self, labels: torch.Tensor, given: Any, training: bool) -> Any:
@@ -220,11 +228,13 @@ class UserForward:
                                "use parallel.cp=1")
 
 
-def install(model: nn.Module, attention: ContextAttention) -> None:
-    """Route ``model(...)`` through ``UserForward`` (around whatever forward the layout set: DDP, autocast)."""
+def install(model: nn.Module, attention: ContextAttention) -> UserForward:
+    """Route ``model(...)`` through ``UserForward`` (around whatever forward the layout set: DDP, autocast); returns
+    it."""
     route = UserForward(model, attention, model.forward)
 
     def forward(*args: Any, **kwargs: Any) -> Any:  # a function: copy.deepcopy(model) shares it, copies no group
         return route(*args, **kwargs)
 
     model.forward = forward
+    return route
