@@ -130,9 +130,11 @@ class UserForward:
                 named.update(named.pop(name, {}))
         return named
 
-    def _cut(self, named: dict[str, Any], ids: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor, Any, bool]:
+    def _cut(self, named: dict[str, Any], ids: torch.Tensor, training: bool
+             ) -> tuple[dict[str, Any], torch.Tensor, Any, bool]:
         """This rank's shard of every (B, T, ...) argument, its global positions (the caller's, cut, or its own), the
-        whole sequence's document ids for the cp attention and whether they stand for a padding mask."""
+        whole sequence's document ids for the cp attention and whether they stand for a padding mask (kept for the
+        backward of a training call)."""
         B, T = ids.shape[:2]
         check_length(T, self.cp, "the batch's sequence length")
         index = shard_index(T, self.cp, self.rank, device=ids.device)  # (T / cp,)
@@ -145,7 +147,7 @@ class UserForward:
             part["position_ids"] = index if self.kind == "gpt" else index.expand(B, -1)
         else:
             part["position_ids"] = positions.index_select(positions.dim() - 1, index.to(positions.device))
-        if self.model.training and torch.is_grad_enabled():
+        if training:
             self.last = (index, docs, mask is not None)
         return part, index, docs, mask is not None
 
@@ -172,7 +174,7 @@ class UserForward:
         """plait's GPT: logits gathered whole, or with ``targets`` (already the next tokens) its mean cross-entropy
         over the targets that count, computed as the shards' sums / the whole count."""
         targets = named.pop("targets", None)
-        part, index, docs, padded = self._cut(named, named["idx"])
+        part, index, docs, padded = self._cut(named, named["idx"], training)
         with self.attention.active(index, docs, padded):
             logits = self.inner(**part)  # (B, S, V)
         if targets is None:
@@ -187,7 +189,8 @@ class UserForward:
         """A Hugging Face causal LM: its own loss on the shard over labels shifted whole (see the module docstring)."""
         name = type(self.model).__name__
         for arg, fine in _HF_REFUSED:
-            if named.get(arg, fine) not in (fine, None):
+            value = named.get(arg)
+            if isinstance(value, torch.Tensor) or value not in (fine, None):
                 raise ContextError(f"parallel.cp > 1 runs {name} on sequence shards for training and evaluation; "
                                    f"{arg}={named[arg]!r} (generation, per-layer outputs, tuple outputs) is not "
                                    "supported under cp: leave it out, or run it with parallel.cp=1")
@@ -202,7 +205,7 @@ class UserForward:
             self._check_loss(name)
             named["num_items_in_batch"] = self._items(shifted, named.get("num_items_in_batch"), training)
         named.setdefault("use_cache", False)  # a cache of a shard's keys serves no generation
-        part, index, docs, padded = self._cut(named, ids)
+        part, index, docs, padded = self._cut(named, ids, training)
         if shifted is not None:
             part["labels"] = part["shift_labels"] = shifted.index_select(1, index.to(shifted.device))
         with self.attention.active(index, docs, padded):
