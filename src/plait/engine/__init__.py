@@ -372,9 +372,10 @@ class Plait(SmallCollectives):
         transformers counts ``num_items_in_batch``. The counts are summed over the data-parallel ranks (one
         all-reduce of one number when dp > 1; the only collective, on the device, nothing read back) and divided
         by the micro-steps and ranks ``backward`` averages over (accumulation x the ranks gradients are averaged
-        over), so that ``loss = token_losses.sum() / n`` per micro-step, or a Hugging Face model's
-        ``model(**batch, num_items_in_batch=n).loss``, through ``backward`` weighs every real token of the step
-        ``1 / N``. Returns a 0-dim float32 tensor on this rank's device; every data-parallel rank must call it."""
+        over; under context parallelism the data-parallel ranks only, the value of cp=1: the model's forward divides
+        a shard's loss by cp itself), so that ``loss = token_losses.sum() / n`` per micro-step, or a Hugging Face
+        model's ``model(**batch, num_items_in_batch=n).loss``, through ``backward`` weighs every real token of the
+        step ``1 / N``. Returns a 0-dim float32 tensor on this rank's device; every data-parallel rank must call it."""
         strategy = self._require_strategy()
         if not self.model_whole:
             raise PlaitError("num_items_in_batch: under pipeline parallelism the last stage computes the loss per "
@@ -386,7 +387,7 @@ class Plait(SmallCollectives):
         if not items:
             raise PlaitError("num_items_in_batch() got no labels: pass every micro-batch's labels of the step")
         counts = [self._count_items(b, loss_fn, shift) for b in items]
-        ranks = strategy.items_ranks  # backward averages over these (dp, x cp if folded) and the micro-steps
+        ranks = strategy.items_ranks  # the data-parallel ranks backward averages over, and the micro-steps
         divisor = ranks * self.window.accumulation
         alone = self.dp == 1 or ranks == 1  # nothing to sum over the data-parallel group
         # Host counts are added on the host and filled in on the device (a kernel, not a copy that waits for the

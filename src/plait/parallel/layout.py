@@ -121,9 +121,10 @@ class Layout:
 
     @property
     def items_ranks(self) -> int:
-        """The ranks over which the gradients are averaged (``num_items_in_batch`` divides by them): every
-        data-parallel rank times cp."""
-        return self.topo.degree("dp_cp")
+        """The data-parallel ranks ``num_items_in_batch`` sums over and divides by (not dp x cp: the cp ranks of a
+        group read the same micro-batches, so it returns what it would at cp=1; a loss over a shard is divided by cp
+        by the context split, and a loss the user computes from the whole logits takes it as it is)."""
+        return self.topo.dp
 
     @property
     def composition(self) -> str:
@@ -174,6 +175,8 @@ class Layout:
         if plan is not None and plan.unit == "model":
             compile_model(self.model, plan.compiler)
             self.stages.compiler = plan.compiler
+        if self.split is not None:  # the user's model(...) cut into shards around that routing
+            self.split.install(self.model)
 
     # -- one micro-step ----------------------------------------------------------------------------
     def set_sync(self, enabled: bool) -> None:
@@ -210,8 +213,9 @@ class Layout:
         return stack
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """This rank's losses as values every rank of its model replica agrees on (a pipeline's last stage's)."""
-        return self.stages.reduce_loss(loss)
+        """This rank's losses as values every rank of its model replica agrees on (a pipeline's last stage's, the
+        whole sequence's under context parallelism)."""
+        return (self.split or self.stages).reduce_loss(loss)
 
     # -- one optimizer step ------------------------------------------------------------------------
     def finish(self) -> None:

@@ -20,8 +20,9 @@ Allowed: losses 2e-5, gradients 1e-7, parameters 3e-5 (the model-parallel tests'
 parameter ~1e-3).
 
 Bad input: a sequence length that 2 x cp does not divide, in the config and in a batch, gives one message
-naming both remedies; heads that cp does not divide under ``alltoall`` one naming ``ring``; calling the model
-outside ``forward_backward`` under cp is refused with the remedy.
+naming both remedies; heads that cp does not divide under ``alltoall`` one naming ``ring``; calling one of the
+model's blocks on a whole sequence under cp (the model's own forward cuts it: ``test_context_user_loop``) is refused
+with the remedy.
 """
 
 from __future__ import annotations
@@ -121,12 +122,12 @@ def _train(run_dir: str, cp: int, impl: str, dp: int, helper: bool) -> dict:
 
 
 def _bad_input(p, model) -> list[str]:
-    """The messages of a batch 2 x cp does not divide, and of the model called on a whole sequence."""
+    """The messages of a batch 2 x cp does not divide, and of a block of the model called on a whole sequence."""
     from plait.config import ConfigError
 
     errors = []
     for call in (lambda: p.forward_backward(model, {"input_ids": torch.zeros(1, SEQ - 6, dtype=torch.long)}),
-                 lambda: model(torch.zeros(1, SEQ, dtype=torch.long))):
+                 lambda: model.blocks[0](torch.zeros(1, SEQ, 32))):
         try:
             call()
         except ConfigError as e:
@@ -165,7 +166,7 @@ def test_context_parallel_gpt_equals_one_process(tmp_path: Path, world: int) -> 
     if world == 2:
         batch_error, call_error = ranks[0][0]["errors"]
         assert "2 x cp = 4 equal chunks" in batch_error and "250" in batch_error, batch_error
-        assert "p.forward_backward(model, batch)" in call_error, call_error
+        assert "call that model (model(...), p.forward_backward, p.evaluate)" in call_error, call_error
 
 
 def test_bad_config_is_one_message() -> None:
