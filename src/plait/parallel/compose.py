@@ -123,9 +123,11 @@ def compile_blocks_because(cfg: Config) -> str:
 def check_layout(cfg: Config, degrees: dict[str, int]) -> None:
     """Every dimension's, policy's and driver's own checks (each checks the settings it owns), before any process
     starts."""
+    for check in (check_replicas, check_diloco):  # the drivers first: they say what a replica can hold
+        check(cfg, degrees)
     for cls in policies().values():
         cls.check(cfg, degrees)
-    for check in (check_tensor, check_pipeline, check_expert, check_context, check_diloco, check_replicas):
+    for check in (check_tensor, check_pipeline, check_expert, check_context):
         check(cfg, degrees)
 
 

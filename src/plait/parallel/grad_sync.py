@@ -259,15 +259,27 @@ class GradSync:
         return state
 
     def load_optimizer_state(self, named: list[tuple[str, nn.Parameter]], state: dict[str, Any]) -> None:
-        """After a load into the tensors ``optimizer_state`` handed out: a rank holding several copies of a tied
+        """Load ``state`` (keyed like ``optimizer_state``) into the optimizer: values DCP already read into the
+        tensors handed out stay; others (an in-memory copy's) are copied in. A rank holding several copies of a tied
         parameter gives the later copies the first one's state."""
+        materialize_optimizer_state(self.optimizer)
         first: dict[str, nn.Parameter] = {}
         for name, p in named:
-            if name not in first:
-                first[name] = p
-            elif p is not first[name] and p in self.optimizer.state:
-                for k, v in self.optimizer.state[first[name]].items():
-                    self.optimizer.state[p][k].copy_(v)
+            if p not in self.optimizer.state:
+                continue
+            own = self.optimizer.state[p]
+            if name in first:
+                if p is not first[name]:
+                    for k, v in self.optimizer.state[first[name]].items():
+                        own[k].copy_(v) if isinstance(v, torch.Tensor) else own.__setitem__(k, v)
+                continue
+            first[name] = p
+            for k, v in state.get(name, {}).items():
+                if isinstance(v, torch.Tensor) and isinstance(own.get(k), torch.Tensor):
+                    if v is not own[k]:
+                        own[k].copy_(v)
+                else:
+                    own[k] = v
 
     def full_state(self, holder: nn.Module, rank0_only: bool) -> dict[str, torch.Tensor] | None:
         """The whole model's entries gathered from this policy's shards (None: the model's own entries, whole or
