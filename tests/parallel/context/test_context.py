@@ -33,7 +33,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import run_ranks
-from references import MP_LOSS_ATOL, MP_PARAM_ATOL
+from references import MP_LOSS_ATOL, MP_PARAM_ATOL, adam_slack
 
 SEQ, GLOBAL, STEPS, LR, CLIP = 256, 4, 3, 1e-3, 1.0
 GRAD_ATOL = 1e-7
@@ -71,14 +71,20 @@ def causal_loss(model, batch: dict) -> torch.Tensor:
     return F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1), ignore_index=-100)
 
 
-def reference() -> tuple[list[float], dict, dict, float]:
+def reference(slack: dict[str, torch.Tensor] | None = None) -> tuple[list[float], dict, dict, float]:
+    """The plain loop's losses, first gradients, final state and evaluated loss; ``slack`` (a dict) is filled with each
+    parameter's ``adam_slack`` for gradients off by ``GRAD_ATOL``, summed over the steps."""
     model, losses, first = gpt(), [], {}
     opt = adamw(model)
-    for batch in batches():
+    for step, batch in enumerate(batches(), 1):
         loss = causal_loss(model, batch)
         loss.backward()
         first = first or {n: q.grad.detach().clone() for n, q in model.named_parameters()}
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        if slack is not None:
+            with torch.no_grad():
+                for n, q in model.named_parameters():
+                    slack[n] = slack.get(n, 0.0) + adam_slack(opt, q, step, GRAD_ATOL)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
