@@ -38,8 +38,8 @@ def _trainers(name: str, overrides: list[str], root: str) -> dict:
         t = _common.make_trainer(overrides + [f"--parallel.impl={'torch' if impl == 'torch' else 'plait'}"],
                                  Path(root, f"{name}-{impl}"), 2)
         if impl == "compute_only":
-            t.layout.engine.require_sync = False  # its hooks never launch a collective
-            t.layout.engine = LocalGrads(t.model)
+            t.layout.policy.engine.require_sync = False  # its hooks never launch a collective
+            t.layout.policy.engine = LocalGrads(t.model)
         out[impl] = t
     return out
 
@@ -63,7 +63,7 @@ def _bench_config(name: str, overrides: list[str], rounds: int, per_round: int, 
     t0 = trainers["plait"]
     return {
         "config": " ".join(overrides), "num_params": t0.num_params,
-        "grad_bytes": t0.num_params * 4, "buckets": len(t0.layout.engine.buckets),
+        "grad_bytes": t0.num_params * 4, "buckets": len(t0.layout.policy.engine.buckets),
         "plait_step_s": med["plait"], "ddp_step_s": med["torch"], "compute_only_step_s": med["compute_only"],
         "ratio_plait_over_ddp": med["plait"] / med["torch"],
         "plait_exposed_comm_fraction": max(0.0, med["plait"] - med["compute_only"]) / med["plait"],

@@ -25,7 +25,7 @@ if TESTS not in sys.path:
 RANK_IMPORTS = [
     "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
     "torch.distributed.pipelining", "torch.distributed.elastic.multiprocessing",
-    "plait", "plait.engine", "plait.parallel.registry", "plait.train.trainer", "plait.recipes", "plait.models.tiny",
+    "plait", "plait.engine", "plait.parallel.compose", "plait.train.trainer", "plait.recipes", "plait.models.tiny",
     "transformers", *(f"transformers.models.{m}.modeling_{m}" for m in (
         "llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "t5", "bert", "gpt2",
         "deepseek_v3")),

@@ -93,6 +93,34 @@ def train_pipeline(cfg: ModelConfig, data, pp_group, schedule: str, microbatches
     return losses, runner
 
 
+def adam_slack(opt: torch.optim.Optimizer, p: torch.nn.Parameter, step: int, shift: float | torch.Tensor
+               ) -> torch.Tensor:
+    """How far AdamW's ``step``-th update of ``p`` (about to be taken from ``p.grad``) moves, element by element, when
+    that gradient is off by ``shift`` either way (sampled across the interval): the rounding a layout's other
+    summation order may leave in a gradient, amplified by AdamW's ``g / (|g| + eps)`` where the gradient is near 0
+    (its slope there is lr / eps). 0 where the gradient is exactly 0: no term was summed, no order changes it."""
+    group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+    (b1, b2), eps, lr = group["betas"], group["eps"], group["lr"]
+    state = opt.state.get(p, {})
+    m, v, g = state.get("exp_avg", torch.zeros_like(p)), state.get("exp_avg_sq", torch.zeros_like(p)), p.grad
+
+    def update(x: torch.Tensor) -> torch.Tensor:  # torch's AdamW step, its decoupled decay aside (the same in both)
+        v_hat = (b2 * v + (1 - b2) * x * x) / (1 - b2 ** step)
+        return lr * (b1 * m + (1 - b1) * x) / (1 - b1 ** step) / (v_hat.sqrt() + eps)
+
+    shifts = torch.linspace(-1, 1, 9).view(-1, *[1] * g.dim()) * shift  # (9, 1, ...)
+    moved = (update(g + shifts) - update(g)).abs().amax(0)
+    return torch.where(g == 0, 0.0, moved)
+
+
+def beyond_slack(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], slack: dict[str, torch.Tensor]
+                 ) -> float:
+    """The largest difference between ``state`` and ``ref`` beyond each element's ``slack`` (``adam_slack`` summed over
+    the steps; entries without one, buffers, have none)."""
+    assert state.keys() == ref.keys()
+    return max(float(((state[k].float() - ref[k].float()).abs() - slack.get(k, 0.0)).max()) for k in ref)
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 

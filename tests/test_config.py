@@ -123,18 +123,19 @@ def test_tensor_parallel_composes_with_zero3() -> None:
 @pytest.mark.parametrize(("args", "world", "degrees", "strategy"), [
     (["--parallel.zero=3", "--parallel.dp_shard=2"], 8, (1, 4, 2, 1, 1), "fsdp"),
     (["--parallel.zero=3", "--parallel.dp_shard=4"], 8, (1, 2, 4, 1, 1), "fsdp"),
-    (["--parallel.zero=3", "--parallel.dp_shard=2", "--parallel.tp=2"], 8, (1, 2, 2, 1, 2), "tensor_fsdp"),
-    (["--parallel.zero=3", "--parallel.dp_shard=2", "--parallel.pp=2"], 8, (2, 2, 2, 1, 1), "pipeline_fsdp"),
-    (["--parallel.zero=1", "--parallel.pp=2"], 4, (2, 2, 1, 1, 1), "pipeline_zero"),
-    (["--parallel.zero=2", "--parallel.pp=2"], 4, (2, 2, 1, 1, 1), "pipeline_zero"),
-    (["--parallel.zero=3", "--parallel.pp=2", "--parallel.tp=2"], 8, (2, 2, 1, 1, 2), "pipeline_fsdp"),
+    (["--parallel.zero=3", "--parallel.dp_shard=2", "--parallel.tp=2"], 8, (1, 2, 2, 1, 2), "fsdp"),
+    (["--parallel.zero=3", "--parallel.dp_shard=2", "--parallel.pp=2"], 8, (2, 2, 2, 1, 1), "fsdp"),
+    (["--parallel.zero=1", "--parallel.pp=2"], 4, (2, 2, 1, 1, 1), "zero"),
+    (["--parallel.zero=2", "--parallel.pp=2"], 4, (2, 2, 1, 1, 1), "zero"),
+    (["--parallel.zero=3", "--parallel.pp=2", "--parallel.tp=2"], 8, (2, 2, 1, 1, 2), "fsdp"),
 ])
 def test_hybrid_sharding_and_pipeline_zero_degrees(args: list[str], world: int, degrees: tuple, strategy: str) -> None:
-    """dp stays the total data-parallel degree; dp_replicate = dp / (ep x dp_shard) on the mesh."""
-    from plait.parallel.registry import select
+    """dp stays the total data-parallel degree; dp_replicate = dp / (ep x dp_shard) on the mesh; the gradient-sync
+    policy is the one the ZeRO stage names, whatever model-parallel dimensions run before it."""
+    from plait.parallel.compose import policy_class, resolve
 
     cfg = validate(load_config(overrides=[*args, "--train.micro_batch_size=4"]), world)
-    got = select(cfg.parallel).resolve_degrees(cfg, world)
+    got = resolve(cfg, world)
     assert tuple(got[a] for a in ("pp", "dp_replicate", "dp_shard", "ep", "tp")) == degrees
     assert cfg.parallel.dp == degrees[1] * degrees[2] * degrees[3]
-    assert select(cfg.parallel).name == strategy
+    assert policy_class(cfg).name == strategy

@@ -188,10 +188,10 @@ class ParallelConfig:
     # parameter server, the last ps.servers ranks hold the parameters and the optimizer, the others are
     # workers that push gradients and pull parameters (see [ps]).
     mode: Literal["collective", "ps"] = "collective"
-    # The training strategy: auto picks it from the settings below (ps for mode=ps, then pipeline with ZeRO-3,
-    # tensor-parallel with ZeRO-3, pipeline with ZeRO-1/2, pipeline, tensor-parallel, ZeRO-1/2, ZeRO-3 or HSDP,
-    # data parallel); a name picks a registered strategy, yours included
-    # (plait.parallel.strategy.register_strategy).
+    # The gradient-sync policy: auto picks it from the settings below (zero=0: plait's reducer, or DDP with
+    # impl=torch; zero=1/2: plait's sharded optimizer; zero=3: FSDP2, HSDP with dp_shard), whatever tensor, expert,
+    # context and pipeline parallelism run before it; a name picks a registered policy, yours included
+    # (plait.parallel.grad_sync.register_grad_sync).
     strategy: str = "auto"
     # Data-parallel degree, expert-parallel ranks included (ep divides it); 0 infers world size / (tp * pp * cp).
     dp: int = 0

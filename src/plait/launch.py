@@ -294,7 +294,7 @@ def _launch_config(nproc: int, error_dir: Path, nodes: Nodes | None = None, agen
 # every restart); where the platform has no fork server they are spawned.
 START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 WORKER_IMPORTS = ["torch", "torch.distributed", "plait.launch", "plait.engine", "plait.train.trainer",
-                  "plait.recipes", "plait.parallel.registry"]
+                  "plait.recipes", "plait.parallel.compose"]
 
 
 def _start_fork_server() -> None:

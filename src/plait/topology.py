@@ -9,7 +9,6 @@ explicitly; nothing reads a global process group deep inside a layer.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -88,9 +87,24 @@ def resolve_degrees(cfg: Config, world_size: int) -> dict[str, int]:
     return degrees
 
 
+# Named flattened axes (torchtitan's ParallelDims): the mesh axes each spans, in mesh order.
+FLATTENED: dict[str, tuple[str, ...]] = {
+    # the ranks that read different batches: expert-parallel ranks are data-parallel ranks
+    "dp": ("dp_replicate", "dp_shard", "ep"),
+    # the ranks whose gradients are averaged: the cp ranks hold different tokens of the same sequences
+    "dp_cp": ("dp_replicate", "dp_shard", "ep", "cp"),
+    # the ranks one shard group of hybrid sharding spans (its shards of dense parameters)
+    "dp_shard_cp": ("dp_shard", "ep", "cp"),
+    # the ranks holding the same experts (expert gradients are summed over them)
+    "edp": ("dp_replicate", "dp_shard", "cp"),
+}
+
+
 @dataclass
 class Topology:
-    """Mesh degrees, this rank's coordinates, and the device mesh with its per-axis groups."""
+    """Mesh degrees, this rank's coordinates, and the device mesh with its per-axis groups. ``degree``, ``coord``
+    and ``group`` take a mesh axis or a named flattened one (``FLATTENED``: ``dp``, ``dp_cp``, ``dp_shard_cp``,
+    ``edp``)."""
 
     degrees: dict[str, int]
     rank: int
@@ -98,41 +112,44 @@ class Topology:
     device: torch.device
     mesh: DeviceMesh | None = None
     _groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
-    # The strategies' view (``strategy_view``): the context-parallel axis folded into the data-parallel axes, so
-    # gradients are averaged (and ZeRO/FSDP shards) over dp x cp. The engine's own topology leaves it out: the
-    # cp ranks of a group read the same batches.
-    fold_cp: bool = False
+
+    def _axes(self, name: MeshAxis | str) -> tuple[str, ...]:
+        """The mesh axes ``name`` spans (itself, or a flattened name's)."""
+        return FLATTENED.get(str(name), (str(name),))
 
     @property
     def dp(self) -> int:
-        """Data-parallel degree: the ranks that process different micro-batches (expert-parallel included); in
-        the strategies' view (``fold_cp``) the ranks gradients are averaged over, dp x cp."""
-        n = self.degree("dp_replicate") * self.degree("dp_shard") * self.degree("ep")
-        return n * self.degree("cp") if self.fold_cp else n
+        """Data-parallel degree: the ranks that process different micro-batches (expert-parallel included)."""
+        return self.degree("dp")
 
     @property
     def ep(self) -> int:
         return self.degrees["ep"]
 
     def degree(self, axis: MeshAxis | str) -> int:
-        return self.degrees.get(str(axis), 1)  # an axis a topology does not name (a parameter server's cp) is 1
+        """The ranks along ``axis`` (a flattened one's: the product); an axis a topology does not name (a parameter
+        server's cp) is 1."""
+        return math.prod(self.degrees.get(a, 1) for a in self._axes(axis))
 
     def coord(self, axis: MeshAxis | str) -> int:
-        """This rank's index along ``axis`` (row-major over AXIS_ORDER)."""
+        """This rank's index along ``axis`` (row-major over AXIS_ORDER; a flattened axis: row-major over its
+        axes)."""
+        out = 0
+        for name in self._axes(axis):
+            out = out * self.degrees.get(name, 1) + self._coord(name)
+        return out
+
+    def _coord(self, axis: str) -> int:
         stride = 1
         for a in reversed(AXIS_ORDER):
             if a == axis:
                 return (self.rank // stride) % self.degree(a)
             stride *= self.degree(a)
-        raise KeyError(axis)
+        return 0  # an axis this topology does not lay out (a parameter server's cp)
 
-    def strategy_view(self) -> Topology:
-        """The topology the strategies get: this one, or with context parallelism the context-parallel axis folded
-        into the data-parallel axes (``fold_cp``; torchtitan's ``dp_shard_cp``): the cp ranks hold different
-        tokens of the same sequences, so their gradients are summed like those of different micro-batches."""
-        if self.degree("cp") == 1 or self.fold_cp:
-            return self
-        return dataclasses.replace(self, fold_cp=True, _groups={})
+    def live(self, axis: MeshAxis | str) -> tuple[str, ...]:
+        """The mesh axes of ``axis`` with more than one rank (the ones a collective over it spans)."""
+        return tuple(a for a in self._axes(axis) if self.degrees.get(a, 1) > 1)
 
     @property
     def train_group(self) -> dist.ProcessGroup | None:
@@ -142,34 +159,33 @@ class Topology:
 
     @property
     def dp_rank(self) -> int:
-        d = self.degrees
-        rank = ((self.coord(MeshAxis.DP_REPLICATE) * d["dp_shard"] + self.coord(MeshAxis.DP_SHARD)) * d["ep"]
-                + self.coord(MeshAxis.EP))
-        return rank * self.degree("cp") + self.coord(MeshAxis.CP) if self.fold_cp else rank
+        return self.coord("dp")
 
     def group(self, *axes: MeshAxis | str) -> dist.ProcessGroup | None:
-        """Process group spanning ``axes`` (None when there is no process group: one process)."""
-        key = "+".join(str(a) for a in axes)
+        """Process group spanning ``axes`` (mesh axes or flattened names; None when there is no process group:
+        one process). Axes of one rank add nothing; with none left it is the first axis's group (this rank alone)."""
+        every = [a for axis in axes for a in self._axes(axis)]
+        names = [a for a in every if self.degrees.get(a, 1) > 1] or every[:1]
+        key = "+".join(names)
         if key in self._groups:
             return self._groups[key]
         if self.mesh is None:
             return None
-        names = [str(a) for a in axes]
         sub = self.mesh[tuple(names)] if len(names) > 1 else self.mesh[names[0]]
         grp = sub._flatten().get_group() if len(names) > 1 else sub.get_group()
         self._groups[key] = grp
         return grp
 
-    @property
-    def dp_axes(self) -> tuple[str, ...]:
-        """The mesh axes of the data-parallel world (dense parameters reduce over them)."""
-        axes = [a for a in ("dp_replicate", "dp_shard", "ep", "cp") if self.degree(a) > 1
-                and (a != "cp" or self.fold_cp)]
-        return tuple(axes) or ("dp_replicate",)
+    def sub_mesh(self, axis: MeshAxis | str) -> DeviceMesh:
+        """The 1-D mesh over ``axis`` (a flattened one's axes flattened)."""
+        assert self.mesh is not None
+        names = list(self.live(axis)) or [self._axes(axis)[0]]
+        return self.mesh[names[0]] if len(names) == 1 else self.mesh[tuple(names)]._flatten()
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
-        return self.group(*self.dp_axes)
+        """The ranks that read different batches (``dp``)."""
+        return self.group("dp")
 
     @property
     def dp_reachable(self) -> int:
@@ -178,37 +194,33 @@ class Topology:
         return self.dp
 
     @property
-    def dp_mesh(self) -> DeviceMesh:
-        """The 1-D data-parallel mesh (the dp axes flattened): FSDP2 shards dense parameters over it."""
-        assert self.mesh is not None
-        axes = self.dp_axes
-        return self.mesh[axes[0]] if len(axes) == 1 else self.mesh[axes]._flatten()
-
-    @property
     def hybrid(self) -> bool:
         """Hybrid sharding (HSDP): shard groups of ``dp_shard`` ranks replicated ``dp_replicate`` times."""
         return self.degrees["dp_shard"] > 1 and self.degrees["dp_replicate"] > 1
 
     @property
     def shard_degree(self) -> int:
-        """The ranks ZeRO-3 shards a dense parameter over: ``dp_shard`` (x ep) under HSDP, else every dp rank."""
-        return self.degrees["dp_shard"] * self.degrees["ep"] if self.hybrid else self.dp
+        """The ranks ZeRO-3 shards a dense parameter over: a shard group (``dp_shard_cp``) under HSDP, else every
+        rank gradients are averaged over (``dp_cp``)."""
+        return self.degree("dp_shard_cp") if self.hybrid else self.degree("dp_cp")
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
-        """The mesh FSDP2 shards dense parameters over: the 1-D data-parallel mesh, or under hybrid sharding
-        the 2-D ``(dp_replicate, dp_shard)`` mesh (replicated along dim 0, sharded along dim 1: HSDP)."""
+        """The mesh FSDP2 shards dense parameters over: the 1-D ``dp_cp`` mesh, or under hybrid sharding the 2-D
+        ``(dp_replicate, dp_shard_cp)`` mesh (replicated along dim 0, sharded along dim 1: HSDP)."""
         assert self.mesh is not None
         if self.hybrid:
-            return self.mesh["dp_replicate", "dp_shard"]
-        return self.dp_mesh
+            shard = list(self.live("dp_shard_cp"))
+            if len(shard) == 1:
+                return self.mesh["dp_replicate", shard[0]]
+            self.mesh[tuple(shard)]._flatten("dp_shard_cp")  # registered on the root mesh, sliced with its name
+            return self.mesh["dp_replicate", "dp_shard_cp"]
+        return self.sub_mesh("dp_cp")
 
     @property
     def expert_dp_group(self) -> dist.ProcessGroup | None:
-        """Ranks holding the same experts (``dp / ep`` of them): expert gradients reduce over it."""
-        return self.group(MeshAxis.DP_REPLICATE) if self.degrees["dp_shard"] == 1 else self.group(
-            MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD
-        )
+        """Ranks holding the same experts (``dp_cp / ep`` of them): expert gradients reduce over it."""
+        return self.group("edp")
 
     @property
     def ep_group(self) -> dist.ProcessGroup | None:

@@ -16,8 +16,8 @@ from plait.observe.trackers import check_trackers
 from plait.parallel import float8
 from plait.parallel.checkpointing import check_checkpointing
 from plait.parallel.compile import compile_unit
+from plait.parallel.compose import check_layout, compile_blocks_because, resolve
 from plait.parallel.offload import check_offload
-from plait.parallel.registry import check_all, select
 
 
 def validate(cfg: Config, world_size: int, model_check: Callable[[Config, dict[str, int]], None] | None = None
@@ -25,9 +25,9 @@ def validate(cfg: Config, world_size: int, model_check: Callable[[Config, dict[s
     """Check ``cfg`` for ``world_size`` workers and fill inferred values (``parallel.dp``, and
     ``train.micro_batch_size`` when 0: global batch / dp); returns cfg.
 
-    The chosen strategy lays out the degrees; then every registered strategy checks the settings it owns
-    (``plait.parallel.registry.check_all``), and ``model_check(cfg, degrees)`` the model's and data's own
-    (``plait.recipes.validate_config`` passes the registered model's; a model given to ``Plait.setup`` is
+    The degrees come from ``plait.parallel.compose.resolve``; then every dimension, policy and driver checks the
+    settings it owns (``plait.parallel.compose.check_layout``), and ``model_check(cfg, degrees)`` the model's and
+    data's own (``plait.recipes.validate_config`` passes the registered model's; a model given to ``Plait.setup`` is
     checked there).
     """
     check_values(cfg)
@@ -35,18 +35,18 @@ def validate(cfg: Config, world_size: int, model_check: Callable[[Config, dict[s
     check_prometheus(cfg.observe.prometheus_port)
     resolve_vocab_size(cfg)  # model.vocab_size = 0: the tokenizer's
     t, p = cfg.train, cfg.parallel
-    degrees = select(cfg).resolve_degrees(cfg, world_size)
+    degrees = resolve(cfg, world_size)
     p.dp = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["ep"]
     if t.micro_batch_size == 0:  # one micro-step per optimizer step (a loader's own batch size may change it)
         if t.global_batch_size % p.dp:
             raise ConfigError(f"train.global_batch_size={t.global_batch_size} must divide over dp={p.dp} "
                               f"data-parallel ranks; choose a multiple of {p.dp}")
         t.micro_batch_size = t.global_batch_size // p.dp
-    check_all(cfg, degrees)
+    check_layout(cfg, degrees)
     check_checkpointing(t.activation_checkpointing, t.checkpoint_every_k, t.checkpoint_save_ops, t.activation_offload)
     check_offload(t.activation_offload, t.compile)
     float8.check_config(cfg)
-    compile_unit(cfg, select(cfg))  # train.compile=model where the layout needs blocks: refused here
+    compile_unit(cfg, compile_blocks_because(cfg))  # train.compile=model where the layout needs blocks: refused here
     if model_check is not None:
         model_check(cfg, degrees)
     per_step = t.micro_batch_size * p.dp

@@ -326,12 +326,12 @@ def test_fused_adamw_on_a_gpu_unless_overridden() -> None:
 def test_compile_unit_per_layout() -> None:
     from plait.config import load_config
     from plait.parallel.compile import CompileError, compile_unit
-    from plait.parallel.registry import select
+    from plait.parallel.compose import compile_blocks_because
     from plait.validate import validate
 
     def unit(*flags: str, world: int = 2) -> str | None:
         cfg = validate(load_config(overrides=list(flags)), world)
-        return compile_unit(cfg, select(cfg.parallel))[0]
+        return compile_unit(cfg, compile_blocks_because(cfg))[0]
 
     assert unit("--train.compile=false") is None
     for flags in ([], ["--parallel.impl=torch"], ["--parallel.zero=1"], ["--parallel.zero=2"]):
@@ -407,7 +407,7 @@ def _world2(rank: int, world: int, root: str) -> dict:
     out["extra_syncs"] = _syncs(step, 1) - _syncs(hand, 1)  # step 3
     with CollectiveCounter() as c:
         info = step()  # step 4
-    out["collectives"], out["buckets"] = c.calls, len(p.strategy.engine.buckets)
+    out["collectives"], out["buckets"] = c.calls, len(p.layout.policy.engine.buckets)
     with CollectiveCounter() as c:
         out["global_loss"] = info.global_loss  # read off a log step: the agreement now
     out["agreement_calls"] = c.calls
@@ -443,7 +443,7 @@ def _slow_steps(root: str, rank: int) -> dict:
         p.preemption.requested = rank == 1
         info4 = step()
         p.preemption.requested = False
-        out = {"collectives": c.calls, "buckets": len(p.strategy.engine.buckets),
+        out = {"collectives": c.calls, "buckets": len(p.layout.policy.engine.buckets),
                "preempted": [info3.preempted, info4.preempted]}
         p.close()
         return out

@@ -155,7 +155,7 @@ def test_unreachable_lighthouse_is_one_clear_error(tmp_path: Path, monkeypatch: 
     p = plait.Plait(fault={"mode": "replicas", "lighthouse": address}, comm={"timeout_s": 3},
                     run={"dir": str(tmp_path)}, observe={"progress": False, "trackers": []},
                     train={"global_batch_size": 4})
-    from plait.parallel.strategy import PlaitError
+    from plait.parallel.layout import PlaitError
 
     expected = f"no quorum through the torchft Lighthouse at {address} \\(it did not answer within 3 s"
     with pytest.raises(PlaitError, match=expected):
@@ -259,25 +259,25 @@ def test_replica_groups_of_several_ranks(monkeypatch: pytest.MonkeyPatch) -> Non
     launcher's environment say it; dp_replicate outside fault.mode=replicas and a dp_shard that does not divide a
     group are refused."""
     from plait.config import ConfigError, from_sections
-    from plait.parallel.replicas.strategy import Replicas
+    from plait.parallel.replicas.topology import replica_degrees
     from plait.validate import validate
 
     cfg = from_sections({"train": {"global_batch_size": 8}, "parallel": {"dp_replicate": 2, "zero": 2}})
     cfg.fault.mode = "replicas"
-    assert Replicas.resolve_degrees(cfg, 4)["dp_replicate"] == 2 and Replicas.resolve_degrees(cfg, 4)["dp_shard"] == 2
+    assert replica_degrees(cfg, 4)["dp_replicate"] == 2 and replica_degrees(cfg, 4)["dp_shard"] == 2
     assert validate(cfg, 4).parallel.dp == 4  # every data-parallel rank of every group reads its own share
     monkeypatch.setenv("PLAIT_REPLICA_GROUP", "1")
     monkeypatch.setenv("PLAIT_REPLICA_GROUPS", "3")
     with pytest.raises(ConfigError, match="parallel.dp_replicate=2 but the launcher started 3 replica groups"):
-        Replicas.resolve_degrees(cfg, 2)
+        replica_degrees(cfg, 2)
     cfg.parallel.dp_replicate = 0
-    assert Replicas.resolve_degrees(cfg, 2) == {"pp": 1, "dp_replicate": 3, "dp_shard": 2, "ep": 1, "cp": 1, "tp": 1}
+    assert replica_degrees(cfg, 2) == {"pp": 1, "dp_replicate": 3, "dp_shard": 2, "ep": 1, "cp": 1, "tp": 1}
     tp = from_sections({"train": {"global_batch_size": 8}, "parallel": {"tp": 2}})  # groups of 2: one replica each
     tp.fault.mode = "replicas"
-    assert Replicas.resolve_degrees(tp, 2) == {"pp": 1, "dp_replicate": 3, "dp_shard": 1, "ep": 1, "cp": 1, "tp": 2}
+    assert replica_degrees(tp, 2) == {"pp": 1, "dp_replicate": 3, "dp_shard": 1, "ep": 1, "cp": 1, "tp": 2}
     monkeypatch.delenv("PLAIT_REPLICA_GROUP")
     tp.parallel.dp_replicate = 2  # 2 groups of 4 ranks: tp=2 x 2 data-parallel ranks each; 4 of them in all
-    assert Replicas.resolve_degrees(tp, 8) == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "ep": 1, "cp": 1, "tp": 2}
+    assert replica_degrees(tp, 8) == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "ep": 1, "cp": 1, "tp": 2}
     assert validate(tp, 8).parallel.dp == 4
     hsdp = from_sections({"train": {"global_batch_size": 12}, "parallel": {"dp_replicate": 2, "zero": 3,
                                                                             "dp_shard": 2}})
@@ -301,7 +301,7 @@ def test_flattened_mesh_names_split_into_the_group_axes() -> None:
     """The ranks holding the same tensor are found from its DTensor mesh's axis names: torch joins a flattened mesh's
     names with ``_``, which the names themselves contain (``dp_replicate_dp_shard``: FSDP2 over both)."""
     from plait.config import ConfigError
-    from plait.parallel.replicas.strategy import _mesh_axes
+    from plait.parallel.replicas.driver import _mesh_axes
 
     assert _mesh_axes("tp") == ["tp"]
     assert _mesh_axes("dp_replicate_dp_shard") == ["dp_replicate", "dp_shard"]

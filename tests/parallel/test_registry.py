@@ -1,11 +1,11 @@
-"""A layout is one new class: a strategy defined here, in the test, registers itself and trains at world 2
-through ``plait.Plait`` with no change to any file of plait (``parallel.strategy = "toy_allreduce"``).
+"""A gradient-sync policy is one new class: a policy defined here, in the test, registers itself and trains at
+world 2 through ``plait.Plait`` with no change to any file of plait (``parallel.strategy = "toy_allreduce"``).
 
 The toy averages every gradient with one plain ``all_reduce`` per parameter after backward (no buckets, no
 overlap) and keeps the base class's defaults for everything else: optimizer, clipping, checkpoints, export.
 Against one process on the whole batch with the same weights and data: losses and parameters after 4 SGD
 steps within 1e-6 (the sum of two half-batch means in float32 differs from the whole batch's mean in the last
-bits only). Also: the registry refuses a second strategy under a taken name, selection by name and the toy's
+bits only). Also: the registry refuses a second policy under a taken name, selection by name and the toy's
 own check reach ``plait.validate``, and a checkpoint of the toy loads into plait's data parallelism.
 """
 
@@ -20,13 +20,13 @@ from helpers import run_ranks
 from torch import nn
 
 from plait.config import Config, ConfigError, ParallelConfig
-from plait.parallel.strategy import Strategy, register_strategy
+from plait.parallel.grad_sync import GradSync, register_grad_sync
 
 STEPS, LR = 4, 0.1
 
 
-@register_strategy
-class ToyAllReduce(Strategy):
+@register_grad_sync
+class ToyAllReduce(GradSync):
     """Data parallelism in a dozen lines: gradients averaged by one all-reduce each after backward."""
 
     name = "toy_allreduce"
@@ -38,11 +38,11 @@ class ToyAllReduce(Strategy):
             raise ConfigError("parallel.strategy=toy_allreduce replicates everything: set parallel.zero=0, tp=pp=1")
 
     def finish(self) -> None:
-        if self.topo.dp > 1:
-            for p in self.model.parameters():
+        if self.ranks > 1:
+            for p in self.params:
                 if p.grad is not None:
-                    dist.all_reduce(p.grad)
-                    p.grad /= self.topo.dp
+                    dist.all_reduce(p.grad, group=self.group)
+                    p.grad /= self.ranks
 
 
 def _model() -> nn.Module:
@@ -71,7 +71,7 @@ def _train(rank: int, world: int, run_dir: str) -> dict:
         losses.append(info.global_loss)
     p.save(f"{run_dir}/ckpt", model=model, optimizer=opt)
     out = {"losses": losses, "params": {k: v.clone() for k, v in p.full_state_dict(model).items()},
-           "strategy": type(p.strategy).__name__, "describe": p.strategy.describe()}
+           "strategy": type(p.layout.policy).__name__, "describe": p.layout.describe()}
     p.close()
     return out
 
@@ -84,7 +84,7 @@ def _load_into_data_parallel(rank: int, world: int, run_dir: str) -> dict:
     model, opt = p.setup(_model(), optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=LR))
     p.load(f"{run_dir}/ckpt", model=model, optimizer=opt)
     out = {"params": {k: v.clone() for k, v in p.full_state_dict(model).items()}, "steps": p.steps,
-           "strategy": type(p.strategy).__name__}
+           "strategy": type(p.layout.policy).__name__}
     p.close()
     return out
 
@@ -112,27 +112,27 @@ def test_toy_strategy_trains_at_world_2_like_one_process(tmp_path: Path) -> None
             torch.testing.assert_close(r["params"][k], v, atol=1e-6, rtol=0)
     loaded = run_ranks(_load_into_data_parallel, 2, str(tmp_path))
     for r in loaded:
-        assert r["strategy"] == "DataParallel" and r["steps"] == STEPS
+        assert r["strategy"] == "Reducer" and r["steps"] == STEPS
         for k, v in ranks[0]["params"].items():
             torch.testing.assert_close(r["params"][k], v, atol=0, rtol=0)
 
 
 def test_registry_selects_checks_and_refuses_a_taken_name() -> None:
-    from plait.parallel import registry
+    from plait.parallel.compose import policy_class
     from plait.recipes import validate_config as validate
 
-    assert registry.select(ParallelConfig(strategy="toy_allreduce")) is ToyAllReduce
-    assert registry.select(ParallelConfig()).name == "data"
-    assert registry.select(ParallelConfig(zero=3, tp=2)).name == "tensor_fsdp"
-    with pytest.raises(ConfigError, match="not a registered strategy.*toy_allreduce"):
-        registry.select(ParallelConfig(strategy="toy"))
+    assert policy_class(ParallelConfig(strategy="toy_allreduce")) is ToyAllReduce
+    assert policy_class(ParallelConfig()).name == "data"
+    assert policy_class(ParallelConfig(zero=3, tp=2)).name == "fsdp"  # one policy, whatever ran before it
+    with pytest.raises(ConfigError, match="not a registered gradient-sync policy.*toy_allreduce"):
+        policy_class(ParallelConfig(strategy="toy"))
     cfg = Config()
     cfg.parallel.strategy, cfg.parallel.zero = "toy_allreduce", 1
     with pytest.raises(ConfigError, match="toy_allreduce replicates everything"):
         validate(cfg, 2, model_checks=False)
 
-    class Other(Strategy):
+    class Other(GradSync):
         name = "toy_allreduce"
 
     with pytest.raises(ValueError, match="already registered"):
-        register_strategy(Other)
+        register_grad_sync(Other)

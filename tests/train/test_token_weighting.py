@@ -161,7 +161,7 @@ def _ranks(rank: int, world: int, run_dir: str) -> dict:
     trainer.train_step(log=True)
     with CollectiveCounter() as c:
         trainer.train_step(log=False)
-    out["windows_collectives"], out["windows_buckets"] = c.calls, len(trainer.p.strategy.engine.buckets)
+    out["windows_collectives"], out["windows_buckets"] = c.calls, len(trainer.p.layout.policy.engine.buckets)
     out["windows_items"] = [float(trainer.p.num_items_in_batch(consumed[i:i + 2], trainer.loss)) for i in (0, 2)]
     out["windows_known_items"] = float(trainer.p.num_items_known(trainer.items_per_step))
     trainer.p.close()

@@ -44,7 +44,7 @@ from plait.config import ConfigError
 
 
 class StatefulLayout(Protocol):
-    """What a checkpoint is written from and read into: a strategy (``plait.parallel.strategy``), or a
+    """What a checkpoint is written from and read into: a layout (``plait.parallel.layout.Layout``), or a
     parameter server's shard (``plait.ps.checkpoint.ServerCheckpoint``). The planners may be None (DCP's)."""
 
     def state_dicts(self) -> tuple[dict, dict]: ...

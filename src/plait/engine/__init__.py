@@ -10,8 +10,8 @@
     p.save("ckpt", model=model, optimizer=optimizer, dataloader=loader)
 
 It starts the process group itself under ``plait run``, ``torchrun`` or SLURM, and runs as one process
-otherwise. ``Plait`` is a facade: the layout is a strategy chosen from the config (``plait.parallel.registry``)
-and the engine talks only to its contract (``plait.parallel.strategy``); beside it are the accumulation window,
+otherwise. ``Plait`` is a facade: the layout is composed from the config (``plait.parallel.compose``) and the engine
+talks only to its contract (``plait.parallel.layout.Layout``); beside it are the accumulation window,
 the checkpointer, the run's files and its metrics. ``setup`` builds the optimizer after the layout is applied,
 so it holds the parameters the layout trains. The returned model is the user's own object (attributes and
 ``state_dict()`` keys unchanged); under pipeline parallelism ``forward_backward(model, batch)`` runs a step.
@@ -54,13 +54,14 @@ from plait.nn.moe import moe_layers
 from plait.observe.log import get_logger
 from plait.observe.memory import SetupMeter
 from plait.observe.prometheus import serve_metrics
-from plait.parallel import float8, registry
-from plait.parallel.apply import ModelSpec
+from plait.parallel import compose
+from plait.parallel.capabilities import Serving, agreement
 from plait.parallel.compile import compile_plan
 from plait.parallel.expert.dispatch import MoeMonitor
+from plait.parallel.layout import Layout, PlaitError, RankDone, check_loss
 from plait.parallel.meta_init import place
 from plait.parallel.prepare import unwrap_compiled
-from plait.parallel.strategy import PlaitError, RankDone, Strategy, check_loss
+from plait.parallel.spec import ModelSpec
 from plait.parallel.tensor.plan import local_value
 from plait.runtime.dist import init_distributed, write_error
 from plait.topology import Topology
@@ -86,9 +87,7 @@ class Plait(SmallCollectives):
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.benchmark = False
-        self._strategy_cls = registry.select(cfg)
-        self._layout_cls = self._strategy_cls.layout_class(self.config)  # a layout inside replica groups: its own
-        self.topology: Topology = self._strategy_cls.build_topology(cfg, self.device)
+        self.topology: Topology = compose.topology(cfg, self.device)
         self.group = self.topology.train_group  # the engine's own collectives run among the training ranks
         self.rank, self.world_size = self.topology.rank, self.topology.world_size
         self.logger = get_logger(self.rank)
@@ -131,14 +130,14 @@ class Plait(SmallCollectives):
         return self.topology.dp_rank
 
     @property
-    def strategy(self) -> Strategy | None:
-        """The strategy ``setup`` applied (None before)."""
-        return self.stepper.strategy
+    def layout(self) -> Layout | None:
+        """The layout ``setup`` composed (None before): ``plait.parallel.layout.Layout``."""
+        return self.stepper.layout
 
     @property
-    def layout(self) -> Strategy | None:
-        """The strategy (an older name, kept for scripts that read it)."""
-        return self.stepper.strategy
+    def strategy(self) -> Layout | None:
+        """The layout (an older name, kept for scripts that read it)."""
+        return self.stepper.layout
 
     # the step's state lives in the stepper (plait.engine.stepper); read here under the names scripts know
     window = _StepperAttr("window", "The accumulation window (``plait.engine.window``).")
@@ -157,12 +156,12 @@ class Plait(SmallCollectives):
     def model_whole(self) -> bool:
         """Whether the model ``setup`` returns runs whole on each rank (False under pipeline parallelism: it is
         split over ranks, and ``forward_backward`` runs each micro-step)."""
-        return self._layout_cls.model_whole
+        return compose.model_whole(self.config)
 
     @property
     def wants_sample(self) -> bool:
         """Whether ``setup`` uses a ``sample`` micro-batch (to balance pipeline stages by measured cost)."""
-        return self._strategy_cls.wants_sample(self.config)
+        return compose.wants_sample(self.config)
 
     @property
     def accumulation(self) -> int:
@@ -229,7 +228,7 @@ class Plait(SmallCollectives):
         check_setup_args(self.strategy, model, scheduler)
         self.phase("setup")
         model, user_compile = unwrap_compiled(model)
-        plan = compile_plan(self.config, self._strategy_cls, user_compile)
+        plan = compile_plan(self.config, compose.compile_blocks_because(self.config), user_compile)
         if plan is not None:
             self.logger.info("compile: %s (%s)", "the whole model, with the loss in forward_backward, as one region"
                              if plan.unit == "model" else "block by block, and the loss", plan.why)
@@ -242,11 +241,9 @@ class Plait(SmallCollectives):
                          compile=plan if plan is not None else False)
         moe = moe_layers(model)  # the whole model's, the same on every rank (a pipeline stage keeps some)
         meter = SetupMeter(self.device).start()  # this rank's peak memory of setup, reported with the prediction
-        if self.config.train.precision == "fp8":  # before any layout: FSDP2 gathers the float8 weights
-            float8.convert(model, self.device, fsdp=self.config.parallel.zero == 3, logger=self.logger)
         with self.rng.active():  # what setup draws (a pipeline stage's cost measurement) is plait's, not the user's
-            self.stepper.strategy = strategy = registry.build(self._strategy_cls, place(model, self.device),
-                                                              self.topology, self.config, self.comm, spec)
+            self.stepper.layout = strategy = compose.parallelize(place(model, self.device), self.topology,
+                                                                 self.config, self.comm, spec)
             strategy.prepare_weights(weights, init_fn, self.config.train.seed, self.group)
             if moe:
                 self.stepper.moe = MoeMonitor(strategy.model, self.topology, self.comm, self.config.train.log_every,
@@ -269,11 +266,14 @@ class Plait(SmallCollectives):
         self.stepper.start_step()
         return strategy.model, opt
 
-    def _start(self, strategy: Strategy) -> None:
-        """The strategy's start (a parameter server's servers serve there until every worker has finished,
+    def _start(self, layout: Layout) -> None:
+        """A serving part's start (a parameter server's servers serve there until every worker has finished,
         then end with ``RankDone``: their part of the run is over, and this object is closed)."""
+        serving = layout.capability(Serving)
+        if serving is None:
+            return
         try:
-            strategy.start(self.watchdog.close)
+            serving.start(self.watchdog.close)
         except RankDone:
             self.close()
             raise
@@ -316,7 +316,7 @@ class Plait(SmallCollectives):
         return to_device(batch, self.device) if self.device.type != "cpu" else batch
 
     # -- one step ----------------------------------------------------------------------------------
-    def _require_strategy(self) -> Strategy:
+    def _require_strategy(self) -> Layout:
         if self.strategy is None:
             raise PlaitError("call p.setup(model, ...) first")
         return self.strategy
@@ -372,9 +372,10 @@ class Plait(SmallCollectives):
         transformers counts ``num_items_in_batch``. The counts are summed over the data-parallel ranks (one
         all-reduce of one number when dp > 1; the only collective, on the device, nothing read back) and divided
         by the micro-steps and ranks ``backward`` averages over (accumulation x the ranks gradients are averaged
-        over), so that ``loss = token_losses.sum() / n`` per micro-step, or a Hugging Face model's
-        ``model(**batch, num_items_in_batch=n).loss``, through ``backward`` weighs every real token of the step
-        ``1 / N``. Returns a 0-dim float32 tensor on this rank's device; every data-parallel rank must call it."""
+        over; under context parallelism the data-parallel ranks only, the value of cp=1: the model's forward divides
+        a shard's loss by cp itself), so that ``loss = token_losses.sum() / n`` per micro-step, or a Hugging Face
+        model's ``model(**batch, num_items_in_batch=n).loss``, through ``backward`` weighs every real token of the
+        step ``1 / N``. Returns a 0-dim float32 tensor on this rank's device; every data-parallel rank must call it."""
         strategy = self._require_strategy()
         if not self.model_whole:
             raise PlaitError("num_items_in_batch: under pipeline parallelism the last stage computes the loss per "
@@ -386,7 +387,7 @@ class Plait(SmallCollectives):
         if not items:
             raise PlaitError("num_items_in_batch() got no labels: pass every micro-batch's labels of the step")
         counts = [self._count_items(b, loss_fn, shift) for b in items]
-        ranks = strategy.items_ranks  # backward averages over these (dp, x cp if folded) and the micro-steps
+        ranks = strategy.items_ranks  # the data-parallel ranks backward averages over, and the micro-steps
         divisor = ranks * self.window.accumulation
         alone = self.dp == 1 or ranks == 1  # nothing to sum over the data-parallel group
         # Host counts are added on the host and filled in on the device (a kernel, not a copy that waits for the
@@ -420,7 +421,7 @@ class Plait(SmallCollectives):
         """Whether ``num_items_in_batch`` applies: the model runs whole on each rank (not a pipeline) and the
         data-parallel ranks meet at every step (not an asynchronous parameter server)."""
         strategy = self._require_strategy()
-        return self.model_whole and (self.dp == 1 or strategy.agreement_group(self.group)[0])
+        return self.model_whole and (self.dp == 1 or agreement(strategy, self.group)[0])
 
     def _count_items(self, batch: Any, loss_fn: Any, shift: bool) -> torch.Tensor:
         """One micro-batch's items: labels counted (HF convention), or what the loss counts in a batch."""
@@ -579,7 +580,7 @@ class Plait(SmallCollectives):
         self.stepper.start_step()
         return meta.get("extra", {})
 
-    def _check_objects(self, model: Any, optimizer: Any) -> Strategy:
+    def _check_objects(self, model: Any, optimizer: Any) -> Layout:
         strategy = self._require_strategy()
         if model is not None and model is not strategy.model:
             raise PlaitError("save/load got a model other than the one setup() returned; pass that one")

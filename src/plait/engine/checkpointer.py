@@ -1,5 +1,6 @@
 """Checkpoints of one run: complete, reshardable saves (synchronous or asynchronous) and loads, through
-the strategy's state and hooks (``plait.components.checkpoint`` writes and reads the files)."""
+the layout's state (``plait.components.checkpoint`` writes and reads the files); a part of the layout whose other
+ranks join a checkpoint (a parameter server's servers: ``plait.parallel.layout.CheckpointJoin``) is asked first."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from plait.components.checkpoint import PendingSave, load_state, save_state
 from plait.components.memory_checkpoint import Decoded, load, pack
 from plait.observe.log import get_logger
+from plait.parallel.capabilities import CheckpointJoin, checkpoint_group
 
 
 class Checkpointer:
@@ -38,10 +40,12 @@ class Checkpointer:
              shared: dict[str, Any], step: int, on_complete: Callable[[Path], None] | None, is_main: bool) -> Path:
         """Write the checkpoint (see ``Plait.save``); returns its final path."""
         t0 = time.perf_counter()
-        strategy.begin_save(path)
+        join = strategy.capability(CheckpointJoin)
+        if join is not None:
+            join.begin_save(path)
         default = self.own_group if self.own_group is not None else self.train_group
         pending = save_state(path, strategy, meta, rank, rank_state, shared, async_=self.async_save,
-                             group=strategy.checkpoint_group(default))
+                             group=checkpoint_group(strategy, default))
         if self.host_copy is not None:  # only a save pays for it: serialise and send this rank's copies
             t1 = time.perf_counter()
             failed = self.host_copy.put(rank, step, int(meta["world_size"]), pack(strategy, meta, rank_state, shared))
@@ -88,7 +92,9 @@ class Checkpointer:
         same_world = True
         if meta_path.is_file():
             same_world = json.loads(meta_path.read_text()).get("world_size") == world_size
-        strategy.begin_load(Path(path), verify)
+        join = strategy.capability(CheckpointJoin)
+        if join is not None:
+            join.begin_load(Path(path), verify)
         meta, rank_state, shared = load_state(Path(path), strategy, rank, restore_rank=same_world, verify=verify,
-                                              group=strategy.checkpoint_group(self.train_group))
+                                              group=checkpoint_group(strategy, self.train_group))
         return meta, rank_state, shared, same_world

@@ -1,6 +1,7 @@
-"""The small collectives of ``Plait`` (a mixin: ``reduce``, ``gather``, ``barrier``) over the training ranks,
-each preceded by the strategy's ``before_collective`` (a parameter server's worker parks a backup version), and
-``explain``, which turns a collective's timeout or lost peer into the error naming the ranks that did not arrive."""
+"""The small collectives of ``Plait`` (a mixin: ``reduce``, ``gather``, ``barrier``) over the training ranks, each
+preceded by the layout's ``before_collective`` where a part has its own pace (a parameter server's worker parks a backup
+version), and ``explain``, which turns a collective's timeout or lost peer into the error naming the ranks that did not
+arrive."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from plait.comm.guard import CollectiveTimeout
-from plait.parallel.strategy import PlaitError
+from plait.parallel.capabilities import OwnPace
+from plait.parallel.layout import PlaitError
 from plait.runtime.dist import write_error
 
 
@@ -49,8 +51,9 @@ class SmallCollectives:
     files: Any
 
     def _meet(self) -> None:
-        if self.strategy is not None:
-            self.strategy.before_collective()
+        pace = self.strategy.capability(OwnPace) if self.strategy is not None else None
+        if pace is not None:
+            pace.before_collective()
 
     @explained
     def reduce(self, value: float | torch.Tensor, op: str = "mean", over: str = "dp") -> Any:

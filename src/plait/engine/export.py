@@ -11,7 +11,7 @@ import torch
 
 from plait.components.export import export_safetensors
 from plait.components.hf_checkpoint import INDEX
-from plait.parallel.strategy import PlaitError, Strategy
+from plait.parallel.layout import Layout, PlaitError
 
 
 def export_weights(plait: Any, model: Any, path: Path, max_shard_bytes: int) -> Path:
@@ -24,9 +24,9 @@ def export_weights(plait: Any, model: Any, path: Path, max_shard_bytes: int) -> 
     return export_directory(strategy, path, plait.group, plait.is_main, plait.barrier, max_shard_bytes)
 
 
-def export_directory(strategy: Strategy, path: Path, group: Any, is_main: bool, barrier: Callable[[], None],
+def export_directory(strategy: Layout, path: Path, group: Any, is_main: bool, barrier: Callable[[], None],
                      max_shard_bytes: int) -> Path:
-    """Write the model at directory ``path`` (``Strategy.export_weights``); an earlier export's files there are
+    """Write the model at directory ``path`` (``Layout.export_weights``); an earlier export's files there are
     removed first, so the directory holds one checkpoint. Every rank calls it."""
     if path.is_file():  # checked on every rank: the same answer everywhere, no rank left waiting
         raise PlaitError(f"export to {path}: a file is there; give a directory, or a path ending in .safetensors "

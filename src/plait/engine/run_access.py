@@ -1,4 +1,4 @@
-"""What a strategy may read and restore of the engine's run (``Strategy.begin``): a replica that heals from a live
+"""What a layout's driver may read and restore of the engine's run (``Layout.begin``): a replica that heals from a live
 peer takes the peer's step count, schedule, loss scale and training-loader position with its weights."""
 
 from __future__ import annotations

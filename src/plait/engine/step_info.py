@@ -46,7 +46,9 @@ class StepInfo:
 
     step: int
     # this rank's mean loss over the accumulation window (NaN when backward had no loss); under pipeline
-    # parallelism the last stage's, on every stage, at log steps (other steps: each rank's own, 0 off the last stage)
+    # parallelism the last stage's, on every stage, at log steps (other steps: each rank's own, 0 off the last stage);
+    # under context parallelism the whole sequence's at log steps (other steps: this rank's own, a shard's share
+    # where the model computed the loss on its shard; their mean over cp, ``global_loss``, is the whole's)
     loss: float = _Read(float("nan"))
     grad_norm: float = _Read(float("nan"))
     # the update was skipped: the gradients held NaN/inf

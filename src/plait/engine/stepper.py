@@ -1,12 +1,12 @@
 """One optimizer step's mechanics behind ``Plait.backward``, ``forward_backward`` and ``step``: micro-steps
-through the strategy inside the accumulation window, loss scaling, then at the window's end the gradient
+through the layout inside the accumulation window, loss scaling, then at the window's end the gradient
 synchronisation, clipping and update, the schedule, the step's record and the agreement of every rank on
 the loss and on a stop request.
 
 The hot path is sacred (DESIGN.md, rule 11): a step that does not log reads nothing from the device, writes
 no file and runs no collective beyond the gradients' own. Its loss, gradient norm and non-finite flag stay on
 the device (``StepInfo`` reads one when the caller does); the update of a non-finite step is skipped on the
-device by optimizers that take torch's ``found_inf`` (``Strategy.step_unless``). A log step (step 1, every
+device by optimizers that take torch's ``found_inf`` (``Layout.step_unless``). A log step (step 1, every
 ``train.log_every``-th, the last of ``train.steps``, or ``step(log=True)``) reads every value since the previous
 one in one transfer and, over several ranks, agrees on the losses and on a stop request in one all-reduce:
 a SIGTERM is seen by every rank at the first log step after it arrived. Where steps are slow, that could outlast
@@ -46,8 +46,9 @@ from plait.engine.window import AccumulationWindow
 from plait.fault.preempt import PreemptionFlag
 from plait.observe.log import get_logger
 from plait.observe.memory import measure_model_state_bytes
+from plait.parallel.capabilities import agreement
 from plait.parallel.expert.dispatch import MoeMonitor
-from plait.parallel.strategy import PlaitError, Strategy
+from plait.parallel.layout import Layout, PlaitError
 from plait.parallel.tensor.plan import local_value
 
 PROGRESS_EVERY_S = 30.0  # progress.json at least this often between log steps (a clock read per step, no I/O)
@@ -94,7 +95,7 @@ class Stepper:
         self.scaler = LossScaler(enabled=config.train.precision == "fp16", device=self.device)
         self.clip = config.optim.grad_clip if config.optim.grad_clip > 0 else float("inf")
         self.log_every = max(1, config.train.log_every)
-        self.strategy: Strategy | None = None
+        self.layout: Layout | None = None
         self.moe: MoeMonitor | None = None  # when the model has MoE layers
         self.scheduler: Any = None
         self.steps = 0
@@ -124,7 +125,7 @@ class Stepper:
         """Bookkeeping before a micro-step's backward; returns the loss's scale (loss scale / accumulation)."""
         self.enter_window()
         self.announce()
-        self.strategy.set_sync(self.window.begin())
+        self.layout.set_sync(self.window.begin())
         return self.scaler.loss_factor() / self.window.accumulation
 
     def announce(self) -> None:
@@ -140,7 +141,7 @@ class Stepper:
 
     def end_micro(self, loss: torch.Tensor) -> None:
         self.window.end(local_value(loss))  # tensor parallelism's loss is a (replicated) DTensor
-        self.strategy.set_sync(self.window.sync_gradients)  # DDP reads it in the next forward
+        self.layout.set_sync(self.window.sync_gradients)  # DDP reads it in the next forward
 
     def weight(self, num_samples: int | None) -> float:
         """With uneven shares (``Plait.set_shares``) a micro-batch's mean loss counts in proportion to its
@@ -151,28 +152,28 @@ class Stepper:
         return num_samples * dp * self.window.accumulation / self.config.train.global_batch_size
 
     def _data_ranks(self) -> int:
-        """The ranks that read different batches (the strategy's dp also counts context-parallel ranks)."""
-        return (self.topology or self.strategy.topo).dp
+        """The ranks that read different batches (the layout's dp also counts context-parallel ranks)."""
+        return (self.topology or self.layout.topo).dp
 
     def backward(self, loss: torch.Tensor, num_samples: int | None) -> None:
         """Backward of a loss the user's own forward computed."""
-        with self.strategy.context():
+        with self.layout.context():
             scale = self.begin_micro() * self.weight(num_samples)
             if self.moe is not None:  # the auxiliary losses get the main loss's scale in this backward
                 self.moe.set_grad_scale(scale)
             t0 = time.perf_counter()
-            self.strategy.backward(loss, scale)
+            self.layout.backward(loss, scale)
             self.window.times["backward_s"] += time.perf_counter() - t0
             self.end_micro(loss)
 
     def forward_backward(self, model: Any, batch: Any, loss: Any, num_samples: int | None) -> torch.Tensor:
-        """Forward, loss and backward of one micro-batch through the strategy; returns the loss, detached."""
+        """Forward, loss and backward of one micro-batch through the layout; returns the loss, detached."""
         self.enter_window()
         rng = self.rng.for_model(model.training) if self.rng is not None else contextlib.nullcontext()
-        with self.strategy.context(), rng:
+        with self.layout.context(), rng:
             scale = self.begin_micro() * self.weight(num_samples)
             before: Callable[[float], None] | None = self.moe.set_grad_scale if self.moe is not None else None
-            value = self.strategy.forward_backward(model, batch, loss, scale, before, self.window.times)
+            value = self.layout.forward_backward(model, batch, loss, scale, before, self.window.times)
             self.end_micro(value)
         return value
 
@@ -183,7 +184,7 @@ class Stepper:
         self.comm.step = self.steps + 1  # named by a collective timeout
         self.in_window = False
         self.enter_window()
-        counting = self.strategy is not None and self.strategy.torch_collectives
+        counting = self.layout is not None and self.layout.torch_collectives
         mode = self.config.observe.count_torch_collectives if counting else "off"
         if mode == "every_step" or (mode == "first_step" and self._torch_bytes is None):
             self._counter = TorchCollectiveCounter(CommStats())
@@ -204,31 +205,31 @@ class Stepper:
 
     def step(self, log: bool | None = None) -> StepInfo | None:
         """See ``Plait.step``."""
-        strategy = self.strategy
+        layout = self.layout
         if not self.window.complete:
             return None
         self._slow_down_for_tests()
         t0 = time.perf_counter()
-        strategy.finish()
+        layout.finish()
         exposed = time.perf_counter() - t0
         self.watchdog.enter(self.steps + 1, "optimizer")
         self.in_window = False
         t1 = time.perf_counter()
-        lr = self._lr(strategy.scheduler_target())
-        norm, skipped = strategy.clip_and_step(self.clip, self.scaler, self._measure_memory_once)
+        lr = self._lr(layout.scheduler_target())
+        norm, skipped = layout.clip_and_step(self.clip, self.scaler, self._measure_memory_once)
         if skipped is True:  # decided on the host: say so now (a device flag is read at the next log step)
             self.logger.warning("step %d: gradient norm is %s; update skipped", self.steps + 1, norm)
         if self.scheduler is not None:  # every step, skipped or not: the host does not know which yet
             self.scheduler.step()
         self.scaler.update(skipped)
-        strategy.after_step()
+        layout.after_step()
         moe = self.moe.after_step(self.steps + 1) if self.moe is not None else None
-        strategy.zero_grad()
+        layout.zero_grad()
         self.at_boundary()
         now = time.perf_counter()
         info = self._finish_step(norm, skipped, lr, exposed, now - t1, now - self._boundary_t, log)
         info.moe = moe
-        info.strategy_metrics = strategy.step_metrics()
+        info.strategy_metrics = layout.step_metrics()
         if self.prometheus is not None:
             self.prometheus.step_done(self._exported(info))
         self._boundary_t = now
@@ -269,9 +270,9 @@ class Stepper:
     def _measure_memory_once(self) -> None:
         """Parameters, reduced gradients and optimizer states all exist only just before an update, from
         the second one on: measure what this rank holds once."""
-        if not self.memory and getattr(self.strategy.optimizer, "state", None):
-            opts = self.strategy.optimizers
-            self.memory = measure_model_state_bytes(self.strategy.model, opts if len(opts) > 1 else opts[0])
+        if not self.memory and getattr(self.layout.optimizer, "state", None):
+            opts = self.layout.optimizers
+            self.memory = measure_model_state_bytes(self.layout.model, opts if len(opts) > 1 else opts[0])
 
     def _finish_step(self, norm: Any, skipped: Any, lr: Any, exposed: float, optimizer_s: float, step_s: float,
                      log: bool | None) -> StepInfo:
@@ -282,8 +283,8 @@ class Stepper:
             stats.bytes_sent += self._torch_bytes
         losses, times = self.window.close()
         loss = (losses[0] if len(losses) == 1 else torch.stack(losses).mean()) if losses else None
-        if loss is not None and self.strategy.reduce_loss_every_step:  # a pipeline: the last stage's, everywhere
-            loss = self.strategy.reduce_loss(loss)
+        if loss is not None and self.layout.reduce_loss_every_step:  # a pipeline: the last stage's, everywhere
+            loss = self.layout.reduce_loss(loss)
         self._pending.append(_Pending(self.steps, loss, norm, skipped, step_s))
         info = StepInfo(step=self.steps, lr=lr, comm_bytes=stats.bytes_sent, comm_wait_s=stats.wait_s,
                         comm_exposed_s=exposed, optimizer_s=optimizer_s, step_s=step_s, **times)
@@ -293,7 +294,7 @@ class Stepper:
         else:  # the values stay on the device; reading one of them is the caller's request
             own = loss if loss is not None else float("nan")
             info.loss, info.grad_norm, info.skipped = own, norm, skipped
-            meet, group = self.strategy.agreement_group(self.group)
+            meet, group = agreement(self.layout, self.group)
             if self.world_size == 1 or not meet:  # nothing to agree on: this rank's own values
                 info.global_loss, info.preempted = own, self.preemption.requested
             else:  # agreed only if read (a collective then: every rank reads it)
@@ -305,14 +306,14 @@ class Stepper:
         if info.logged or first or time.monotonic() - self._progress_t >= PROGRESS_EVERY_S:
             self.write_progress()
         if self.auto is not None and self.auto.observe(self.steps, exposed, step_s, stats.bytes_sent, stats.wait_s):
-            decision = self.auto.decide(self.comm, self.strategy.topo.dp_group)
+            decision = self.auto.decide(self.comm, self.layout.topo.group("dp_cp"))
             self.logger.info("comm.compress=auto after step %d: %s", self.steps, decision["reason"])
         return info
 
     def _settle(self, info: StepInfo) -> None:
         """A log step: the values of every step since the previous one, agreed and read in one go. Over several
-        ranks the losses (brought to every pipeline stage by the strategy) are averaged over the replicas, a stop
-        request and the step times summed: one all-reduce over the training ranks, where the strategy has them
+        ranks the losses (brought to every pipeline stage by the layout) are averaged over the replicas, a stop
+        request and the step times summed: one all-reduce over the training ranks, where the layout has them
         meet (every rank of a replica holds the replica's loss, so the sum / their number is the mean over
         replicas)."""
         pending, self._pending = self._pending, []
@@ -320,9 +321,9 @@ class Stepper:
         f64 = {"dtype": torch.float64, "device": self.device}
         nan = torch.full((), float("nan"), **f64)
         local = torch.stack([nan if p.loss is None else p.loss.to(**f64) for p in pending])
-        if not self.strategy.reduce_loss_every_step:
-            local = self.strategy.reduce_loss(local)
-        meet, group = self.strategy.agreement_group(self.group)
+        if not self.layout.reduce_loss_every_step:
+            local = self.layout.reduce_loss(local)
+        meet, group = agreement(self.layout, self.group)
         met = self.world_size > 1 and meet
         mine = torch.tensor([float(self.preemption.requested), sum(p.step_s for p in pending)], **f64)
         agreed = torch.cat([local, mine])
@@ -341,7 +342,7 @@ class Stepper:
         for p, h in zip(pending, info.history, strict=True):
             if h["skipped"] and not isinstance(p.skipped, bool):  # a host decision was logged at its step
                 if h["grad_norm"] == h["grad_norm"] and abs(h["grad_norm"]) != float("inf"):  # not the norm's doing
-                    self.logger.warning("step %d: update skipped by the strategy (gradient norm %s, finite)", p.step,
+                    self.logger.warning("step %d: update skipped by the layout (gradient norm %s, finite)", p.step,
                                         h["grad_norm"])
                 else:
                     self.logger.warning("step %d: gradient norm is %s; update skipped", p.step, h["grad_norm"])
@@ -386,18 +387,18 @@ class Stepper:
 
     # -- checkpoints -------------------------------------------------------------------------------------
     def run_state(self, scheduler: Any, dataloader: Any) -> dict[str, Any]:
-        """What a checkpoint keeps of the run besides the strategy's tensors: the schedule, the loader's
+        """What a checkpoint keeps of the run besides the layout's tensors: the schedule, the loader's
         position, the loss scale, the step counters, the optimizer's hyperparameters, the compression choice."""
         sched = scheduler or self.scheduler
         return {"scheduler": sched.state_dict() if sched is not None else None,
                 "dataloader": checkpoint_state(dataloader, self.group) if dataloader is not None else None,
                 "scaler": self.scaler.state_dict(), "steps": self.steps, "skipped_steps": self.skipped_steps,
-                "micro": self.window.micro, "param_groups": hyperparameters(self.strategy.scheduler_target()),
+                "micro": self.window.micro, "param_groups": hyperparameters(self.layout.scheduler_target()),
                 "auto": self.auto.state_dict() if self.auto is not None else None}
 
     def restore(self, shared: dict[str, Any], scheduler: Any, dataloader: Any, path: Any) -> None:
-        """The inverse of ``run_state`` (the strategy's tensors are already loaded)."""
-        target = self.strategy.scheduler_target()
+        """The inverse of ``run_state`` (the layout's tensors are already loaded)."""
+        target = self.layout.scheduler_target()
         set_hyperparameters(target, shared.get("param_groups"))
         sched = scheduler or self.scheduler
         if sched is not None and shared.get("scheduler") is not None:

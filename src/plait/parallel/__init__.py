@@ -1,6 +1,7 @@
-"""Parallel layouts behind one contract (``strategy``) and their registry (``registry``), one package per dimension:
-``data``, ``zero``, ``fsdp``, ``tensor``, ``pipeline``, ``expert``. Beside them, what every layout uses: the
-composition order (``apply``), preparing a user's model (``prepare``), per-class plans (``plans``), repeated units
-(``units``), activation checkpointing (``checkpointing``), compilation (``compile``), activation memory
-(``memory``), meta-device models (``meta_init``) and checkpoint weights (``weights``), and the wrapper base
-(``wrapper``)."""
+"""Parallel layouts, composed by one function (``compose.parallelize``) behind one contract (``layout.Layout``): one
+package per dimension (``tensor``, ``expert``, ``context``, ``pipeline``) and per gradient-sync policy (``data``,
+``zero``, ``fsdp``; the base and registry in ``grad_sync``), the drivers beside them (``data.diloco``, ``replicas``).
+Beside them, what every layout uses: how a rank runs its part of the model (``stages``), what a layout needs to know
+about a model (``spec``), preparing a user's model (``prepare``), per-class plans (``plans``), repeated units
+(``units``), activation checkpointing (``checkpointing``), compilation (``compile``), activation memory (``memory``),
+meta-device models (``meta_init``) and checkpoint weights (``weights``)."""

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
 
-from plait.config import ConfigError
+from plait.config import ConfigError, TrainConfig
+from plait.parallel.offload import offload_activations
 from plait.parallel.tensor.regather import keep_gathered
 from plait.parallel.units import find_blocks, replace_module
 
@@ -173,3 +174,13 @@ def wrapped_block_indices(model: nn.Module) -> list[int]:
     """Indices of the blocks currently wrapped for recomputation (for logs and tests)."""
     return [i for i, (n, b) in enumerate(find_blocks(model))
             if isinstance(b, CheckpointWrapper) or n.endswith("_checkpoint_wrapped_module")]
+
+
+def apply_checkpointing(model: nn.Module, t: TrainConfig) -> nn.Module:
+    """The composition's activation step: checkpointing (full, selective, every k-th block) and activation offload
+    (``plait.parallel.offload``); the model unchanged when both are off."""
+    model = apply_activation_checkpointing(model, t.activation_checkpointing, t.checkpoint_every_k,
+                                           t.checkpoint_save_ops)
+    if t.activation_offload:
+        offload_activations(model)
+    return model

@@ -18,11 +18,11 @@ Two units (``train.compile = "auto" | "model" | "blocks" | false``; true is "aut
   gathered around the block), activation checkpointing (which recomputes each block: dynamo traces
   ``torch.utils.checkpoint``), tensor parallelism (DTensor blocks) and pipeline parallelism (stages hold blocks)
   need: composition order tensor parallel -> activation checkpointing -> **compile** -> pipeline split ->
-  data/ZeRO/FSDP wrapping (``plait.parallel.apply``).
+  data/ZeRO/FSDP wrapping (``plait.parallel.compose``).
 
-"auto" picks "model" wherever the layout allows (a strategy's ``compile_blocks_because`` is empty and activation
-checkpointing is off: one rank, plait's reducer, DDP, ZeRO-1/2, a parameter server's worker), else "blocks"; the
-choice and its reason are logged at ``setup``. "model" where the layout needs blocks is refused before any process
+"auto" picks "model" wherever the layout allows (``plait.parallel.compose.compile_blocks_because`` is empty:
+activation checkpointing off, one rank, plait's reducer, DDP, ZeRO-1/2, a parameter server's worker), else "blocks";
+the choice and its reason are logged at ``setup``. "model" where the layout needs blocks is refused before any process
 starts. tests/parallel/test_compile.py checks each layout against eager single-process training.
 
 A model the user compiled (``torch.compile(model, backend=..., mode=..., options=...)``) is unwrapped (no
@@ -89,21 +89,13 @@ class CompilePlan:
     why: str
 
 
-def blocks_needed(cfg: Config, strategy_cls: Any) -> str:
-    """Why this layout compiles block by block (empty: the whole model may be one region)."""
-    if cfg.train.activation_checkpointing != "none":
-        return "activation checkpointing recomputes each block"
-    layout = strategy_cls.layout_class(cfg) if hasattr(strategy_cls, "layout_class") else strategy_cls
-    return getattr(layout, "compile_blocks_because", "")
-
-
-def compile_unit(cfg: Config, strategy_cls: Any, asked: Any = None) -> tuple[str | None, str]:
-    """(unit, reason): what ``asked`` (default ``train.compile``) means for this layout; ``CompileError`` for
-    "model" where the layout needs blocks."""
+def compile_unit(cfg: Config, blocks: str, asked: Any = None) -> tuple[str | None, str]:
+    """(unit, reason): what ``asked`` (default ``train.compile``) means for this layout, which compiles block by block
+    because of ``blocks`` (``plait.parallel.compose.compile_blocks_because``; empty: the whole model may be one
+    region); ``CompileError`` for "model" where the layout needs blocks."""
     asked = cfg.train.compile if asked is None else asked
     if asked is False:
         return None, ""
-    blocks = blocks_needed(cfg, strategy_cls)
     if asked in (True, "auto"):
         if blocks:
             return "blocks", f"auto: {blocks}"
@@ -120,13 +112,13 @@ def plait_compiler(t: TrainConfig) -> Compiler:
     return functools.partial(torch.compile, backend=t.compile_backend, mode=mode)
 
 
-def compile_plan(cfg: Config, strategy_cls: Any, user_ctx: Any = None) -> CompilePlan | None:
+def compile_plan(cfg: Config, blocks: str, user_ctx: Any = None) -> CompilePlan | None:
     """The compilation ``setup`` applies: ``train.compile``'s, or, for a model the user compiled (``user_ctx``:
     its dynamo context), the user's own backend, mode and options at the unit the layout allows (None: eager)."""
     if user_ctx is not None:
-        unit, why = compile_unit(cfg, strategy_cls, "auto")
+        unit, why = compile_unit(cfg, blocks, "auto")
         return CompilePlan(unit, user_ctx, f"the model came compiled: the user's torch.compile options, {why}")
-    unit, why = compile_unit(cfg, strategy_cls)
+    unit, why = compile_unit(cfg, blocks)
     if unit is None:
         return None
     return CompilePlan(unit, plait_compiler(cfg.train), f"train.compile={cfg.train.compile}: {why}")
@@ -179,3 +171,13 @@ def compile_loss(loss: Any, p: ParallelConfig, compiler: Compiler | None = None,
         loss.loss = (compiler if compiler is not None else functools.partial(torch.compile, **options))(loss.loss)
         loss._plait_compiled = True
     return loss
+
+
+def apply_compile(model: nn.Module, t: TrainConfig, plan: CompilePlan | None | bool) -> nn.Module:
+    """The composition's compile step: the blocks compiled in place (a whole-model plan is applied by the layout's
+    ``wrap_forward``, around the forward routing); ``plan`` False: eager."""
+    if plan and plan.unit == "blocks":
+        compile_blocks(model, plan.compiler)
+    elif plan is None and t.compile:
+        compile_blocks(model, backend=t.compile_backend)
+    return model

@@ -1,11 +1,11 @@
 """Models built on the meta device: what the model is (recorded before any layout), its materialisation on
 this rank, and its initialisation without weights.
 
-A model built under ``torch.device("meta")`` has shapes and no storage. ``Strategy.apply`` applies the layout
-to it while it is still on the meta device (tensor-parallel plan, pipeline split, FSDP2 sharding all work on
-meta tensors), then ``materialise`` allocates what this rank holds: its tp/FSDP shards as DTensor local
-tensors, its pipeline stages' layers; never the whole model (data parallelism and ZeRO-1/2 hold the whole
-model on every rank by design, so there it is allocated whole).
+A model built under ``torch.device("meta")`` has shapes and no storage. ``plait.parallel.compose.parallelize`` applies
+the layout to it while it is still on the meta device (tensor-parallel plan, pipeline split, FSDP2 sharding all work on
+meta tensors), then ``materialise`` allocates what this rank holds: its tp/FSDP shards as DTensor local tensors, its
+pipeline stages' layers; never the whole model (data parallelism and ZeRO-1/2 hold the whole model on every rank by
+design, so there it is allocated whole).
 
 ``ModelFacts`` records, before the layout changes anything, what every rank needs to agree on: every
 state-dict name with its shape and dtype, which names are one tied tensor, the non-persistent buffers, the
@@ -232,7 +232,7 @@ def _check_initialisable(facts: ModelFacts, names: list[str], init_fn: InitFn | 
 def initialise(facts: ModelFacts, entries: dict[str, torch.Tensor], seed: int, init_fn: InitFn | None = None,
                buffers_only: bool = False) -> None:
     """Fill this rank's tensors of a meta-built model (see the module docstring). ``entries``: this rank's
-    state-dict entries under the single-process names (``Strategy.model_entries``), plain tensors or DTensors;
+    state-dict entries under the single-process names (``Layout.model_entries``), plain tensors or DTensors;
     the non-persistent buffers of the modules this rank holds are recomputed too. ``buffers_only``: only those
     (the parameters came from a checkpoint)."""
     if not facts.meta:

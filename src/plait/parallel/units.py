@@ -8,7 +8,7 @@ Batch normalisation: the running statistics of a model's BatchNorm layers, for a
 Tied weights: the modules that share one parameter (``tied_uses``), found by identity, for every layout that
 rebuilds or shards the model's modules (tensor plans, pipeline stages, FSDP units) and must keep them one tensor.
 Expert-parallel parameters: marked by ``plait.parallel.expert.dispatch.shard_experts``; the data-parallel engines
-(reducer, DDP, ZeRO, FSDP) leave them to ``plait.parallel.expert.strategy.ExpertParallel``.
+(reducer, DDP, ZeRO, FSDP) leave them to ``plait.parallel.expert.sync.ExpertSync``.
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ from plait.components.optim import adamw
 from plait.config import Config, ConfigError
 from plait.data.tokenize import resolve_vocab_size
 from plait.models.gpt import GPT
-from plait.parallel.apply import ModelSpec, _tp_function
 from plait.parallel.checkpointing import apply_activation_checkpointing
+from plait.parallel.spec import ModelSpec
+from plait.parallel.tensor.apply import tp_function
 from plait.parallel.tensor.plan import loss_context
 from plait.plan.derive import Collective, OperatorCounts
 from plait.plan.shapes import ModelShape, gpt_shape, shape_from_model, with_moe
@@ -119,7 +120,7 @@ def _scaled_config(cfg: Config, layers: int, models: Any = None) -> tuple[Config
 def tensor_parallel(cfg: Config, model: nn.Module, mesh: Any) -> tuple[nn.Module, Any]:
     """``model`` with the tensor-parallel plan ``plait train`` applies for ``cfg`` over ``mesh`` (a ``fake_world``
     mesh on cpu or meta tensors), and the context its loss runs in (loss parallelism)."""
-    model = _tp_function(model, cfg.parallel, ModelSpec(tp_plan=cfg.parallel.tp_plan))(model, mesh)
+    model = tp_function(model, cfg.parallel, ModelSpec(tp_plan=cfg.parallel.tp_plan))(model, mesh)
     return model, loss_context(model)
 
 

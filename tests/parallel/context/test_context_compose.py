@@ -14,7 +14,11 @@ Compared: the logged loss of every step, every parameter's gradient at step 1 (g
 shards it: FSDP's and tensor parallelism's DTensors with ``full_tensor``, ZeRO-1/2's reduced flat chunks by one
 all-gather per bucket; a pipeline rank its stage's, every parameter on some rank), and every
 parameter after 3 steps (``p.full_state_dict``). float32; tolerances those of ``test_context``: losses 2e-5,
-gradients 1e-7, parameters 3e-5.
+gradients 1e-7, parameters 3e-5 beyond each element's AdamW slack (``references.adam_slack``: how far AdamW moves an
+element whose gradient is off by the 1e-7 the gradients are held to; near a zero gradient its first update's slope
+is lr / eps, so a rounding difference of tp's other summation order moves an element whose step-1 gradient cancels
+to ~1e-9 by up to ~6e-5, measured for tp and tp-sp at cp=2, the same on torch 2.13 with and without plait's
+changes).
 
 Not composed yet and refused with one message (tested): expert parallelism, hybrid sharding (``dp_shard`` with
 ``dp_replicate``), a Hugging Face decoder's pipeline (its stages make their own positions; refused at setup).
@@ -27,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import run_ranks
-from references import MP_LOSS_ATOL, MP_PARAM_ATOL, full
+from references import MP_LOSS_ATOL, MP_PARAM_ATOL, beyond_slack, full
 
 from .test_context import CLIP, GLOBAL, GRAD_ATOL, adamw, batches, gpt, reference
 
@@ -51,7 +55,7 @@ def _train(run_dir: str, name: str, parallel: dict, train: dict) -> dict:
         if seen["first"]:
             return
         seen["first"] = True
-        zero = getattr(p.strategy, "inner", p.strategy).optimizer
+        zero = p.layout.optimizer
         if hasattr(zero, "buckets"):  # ZeRO-1/2: each rank holds its chunk of every flat bucket's gradient
             grads.update(_zero_grads(zero, names))
         for g in o.param_groups:
@@ -69,12 +73,11 @@ def _train(run_dir: str, name: str, parallel: dict, train: dict) -> dict:
         p.forward_backward(model, mine, num_items_in_batch=None if pp else p.num_items_in_batch([mine]))
         info = p.step(log=True)
         losses.append(info.global_loss)
-    strategy = p.strategy
-    inner = getattr(strategy, "inner", strategy)
+    layout = p.layout
     out = {"losses": losses, "grads": grads, "state": {k: full(v).detach().clone()
                                                        for k, v in p.full_state_dict(model).items()},
-           "layout": strategy.describe(), "numel": sum(q.numel() for q in model.parameters()),
-           "held": sum(seen["shards"]), "shard_ranks": inner.topo.shard_degree}
+           "layout": layout.describe(), "numel": sum(q.numel() for q in model.parameters()),
+           "held": sum(seen["shards"]), "shard_ranks": layout.topo.shard_degree}
     p.close()
     return out
 
@@ -135,7 +138,8 @@ LAYOUTS = {
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_composes(tmp_path: Path, world: int) -> None:
     ranks = run_ranks(_group, world, str(tmp_path), LAYOUTS[world], timeout=600)
-    ref_losses, ref_grads, ref_state, _ = reference()
+    slack: dict = {}
+    ref_losses, ref_grads, ref_state, _ = reference(slack)
     if world == 4:  # refused on every rank, with the remedy
         for r in ranks:
             assert "parallel.cp > 1 with parallel.pp > 1 runs plait's GPT" in r[-1]["hf-pp"], r[-1]
@@ -151,7 +155,7 @@ def test_context_parallel_composes(tmp_path: Path, world: int) -> None:
                 assert run["grads"].keys() == ref_grads.keys(), (name, sorted(set(run["grads"]) ^ set(ref_grads)))
             assert _max_diff(run["grads"], ref_grads) < GRAD_ATOL, name
             assert run["state"].keys() == ref_state.keys(), name
-            assert _max_diff(run["state"], ref_state) < MP_PARAM_ATOL, name
+            assert beyond_slack(run["state"], ref_state, slack) < MP_PARAM_ATOL, name
             if parallel.get("zero"):  # ZeRO and FSDP shard over dp x cp: each rank holds 1 / (dp x cp)
                 ranks_sharded = parallel.get("dp", 1) * 2
                 assert run["shard_ranks"] == ranks_sharded or parallel["zero"] < 3, name

@@ -101,7 +101,7 @@ def _run(run_dir: str, cp: int, impl: str, train: bool) -> dict:
                     run={"dir": f"{run_dir}/{impl}-cp{cp}"}, observe={"progress": False, "trackers": []})
     model, opt = p.setup(gpt(), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.1,
                                                                       foreach=False), loss_fn="causal_lm")
-    index = shard_index(SEQ, cp, p.strategy.cp_rank)
+    index = shard_index(SEQ, cp, p.layout.split.cp_rank)
     seen: list[torch.Tensor] = []
     hook = model.head.register_forward_hook(lambda m, args, out: seen.append(out.detach().clone()))
     logits = []

@@ -118,7 +118,7 @@ def _count_sent(p, impl: str) -> list[int]:
 
     sent: list[int] = []
     if impl == "ring":
-        ring = p.strategy.attention.ring
+        ring = p.layout.split.attention.ring
         shift = ring.shift
         ring.shift = lambda t, tag=0: (sent.append(t.numel()) if tag == 0 else None, shift(t, tag))[1]
     elif impl == "allgather":

@@ -49,7 +49,7 @@ def _train_variants(rank: int, world: int, root: str, variants: dict[str, list[s
         run_dir.mkdir(parents=True, exist_ok=True)
         trainer = build_trainer(cfg)
         if name == "plait_small_buckets":
-            out["num_buckets"] = len(trainer.layout.engine.buckets)
+            out["num_buckets"] = len(trainer.layout.policy.engine.buckets)
         trainer.fit()
         out[name] = str(run_dir)
     return out

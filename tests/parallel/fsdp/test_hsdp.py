@@ -40,7 +40,7 @@ def _layout(p, model) -> dict:
         shards[name] = {"placements": tuple(_placement(pl) for pl in q.placements), "shape": tuple(q.shape),
                         "local": q.to_local().detach().clone(), "mesh": (q.device_mesh.mesh_dim_names,
                                                                           tuple(q.device_mesh.shape))}
-    return {"strategy": type(p.strategy).__name__, "describe": p.strategy.describe(), "shards": shards,
+    return {"strategy": p.layout.composition, "describe": p.strategy.describe(), "shards": shards,
             "coords": (p.topology.coord("dp_replicate"), p.topology.coord("dp_shard")),
             "memory": p.report()["memory"], "measured": dict(p.memory)}
 
@@ -86,7 +86,7 @@ def test_hsdp_shards_every_parameter_over_two_ranks_and_replicates_twice(runs, k
     views = [r[kind]["inspect"] for r in runs["ranks"]]
     assert [v["coords"] for v in views] == [(0, 0), (0, 1), (1, 0), (1, 1)]  # rank = replica x 2 + shard
     for v in views:
-        assert v["strategy"] == "Fsdp" and v["describe"] == "HSDP"
+        assert v["strategy"] == "WholeModel/Fsdp" and v["describe"] == "HSDP"
     for name, first in views[0]["shards"].items():
         assert first["mesh"] == (("dp_replicate", "dp_shard"), (2, 2)), name
         assert first["placements"] == ("replicate", "shard0"), name

@@ -23,7 +23,7 @@ def _mesh(p, model) -> dict:
     s = p.strategy
     meshes = {(q.device_mesh.mesh_dim_names, tuple(q.device_mesh.shape)) for _, q in s.named_parameters()
               if isinstance(q, DTensor)}
-    return {"strategy": type(s).__name__, "describe": s.describe(), "meshes": meshes}
+    return {"strategy": s.composition, "describe": s.describe(), "meshes": meshes}
 
 
 def _worker(rank: int, world: int, tmp: str) -> dict:
@@ -40,10 +40,10 @@ def test_hsdp_with_tensor_and_pipeline_parallelism_matches_single_process(tmp_pa
             assert r[name]["losses"] == pytest.approx(ref_losses, abs=MP_LOSS_ATOL), name
             assert state_diff(r[name]["state"], ref_states[2]) < MP_PARAM_ATOL, name
     tp = ranks[0]["tp2-hsdp"]["inspect"]
-    assert tp["strategy"] == "TensorFsdp" and tp["describe"] == "tensor-parallel/HSDP"
+    assert tp["strategy"] == "WholeModel/Fsdp" and tp["describe"] == "tensor-parallel/HSDP"
     assert (("dp_replicate", "dp_shard", "tp"), (2, 2, 2)) in tp["meshes"]  # the 3-D mesh of tp weights
     pp = ranks[0]["pp2-hsdp"]["inspect"]
-    assert pp["strategy"] == "PipelineFsdp" and pp["describe"] == "pipeline/HSDP"
+    assert pp["strategy"] == "PipelineStages/Fsdp" and pp["describe"] == "pipeline/HSDP"
     assert pp["meshes"] == {(("dp_replicate", "dp_shard"), (2, 2))}
     ptf = ranks[0]["pp2-tp2-zero3"]["inspect"]
-    assert ptf["strategy"] == "PipelineFsdp" and ptf["describe"] == "tensor-parallel/pipeline/FSDP"
+    assert ptf["strategy"] == "PipelineStages/Fsdp" and ptf["describe"] == "tensor-parallel/pipeline/FSDP"

@@ -41,7 +41,7 @@ CASES = {  # name: (model, parallel, what each of the stages holds: (layers, emb
 
 def _parts(p, model) -> dict[int, tuple[int, bool, bool]]:
     """This rank's stages: stage index -> (layers, holds the embedding, holds the head)."""
-    runner = p.strategy.runner
+    runner = p.layout.stages.runner
     out = {}
     for s, m in zip(runner.stage_ids, runner.modules, strict=True):
         holder = getattr(m, getattr(m, "prefix", ""), m)

@@ -36,8 +36,8 @@ def _layout(p, model) -> dict:
     from torch.distributed.tensor import DTensor
 
     s = p.strategy
-    out = {"strategy": type(s).__name__, "describe": s.describe(), "pp": p.topology.coord("pp")}
-    out["received"] = {str(info.buffer.dtype) for stage in s.runner.stages  # what the stages send each other
+    out = {"strategy": s.composition, "describe": s.describe(), "pp": p.topology.coord("pp")}
+    out["received"] = {str(info.buffer.dtype) for stage in s.stages.runner.stages  # what the stages send each other
                        for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
                        for info in infos if isinstance(getattr(info, "buffer", None), torch.Tensor)}
     if hasattr(s.optimizer, "buckets"):  # ZeRO-1/2: this rank's chunk of every flat bucket
@@ -87,10 +87,10 @@ def test_pipeline_with_zero_matches_single_process(runs, name) -> None:
     views = [r[name]["inspect"] for r in runs["ranks"]]
     assert [v["pp"] for v in views] == [0, 0, 1, 1]  # pp outermost: ranks 0, 1 hold stage 0
     if parallel["zero"] in (1, 2):
-        assert {v["strategy"] for v in views} == {"PipelineZero"}
+        assert {v["strategy"] for v in views} == {"PipelineStages/Zero"}
         assert all(v["describe"] == "pipeline/ZeRO" and 2 * v["chunk"] == v["bucket"] for v in views)
     else:  # every stage parameter sharded in half over the stage's two data-parallel ranks
-        assert {v["strategy"] for v in views} == {"PipelineFsdp"}
+        assert {v["strategy"] for v in views} == {"PipelineStages/Fsdp"}
         for v in views:
             assert v["describe"] == "pipeline/FSDP" and len(v["dtensors"]) == v["params"] > 0
             assert all(size == 2 and local == half for size, local, half in v["dtensors"])
@@ -119,4 +119,4 @@ def test_pipeline_with_zero3_in_bf16_computes_through_fsdp2_policy(runs) -> None
         got = r["llama-zero3-bf16"]
         assert got["losses"] == pytest.approx(ref_losses, abs=BF16_LOSS_ATOL)
         assert got["inspect"]["received"] == {"torch.bfloat16"}
-        assert got["inspect"]["strategy"] == "PipelineFsdp"
+        assert got["inspect"]["strategy"] == "PipelineStages/Fsdp"

@@ -24,14 +24,18 @@ What is plait's and what is PyTorch's:
 * ``allgather``: keys and values all-gathered (Megatron's simplest form), the reference; backward gathers them
   again (only the shard's are kept) and reduces their gradients back to their owners.
 * Packed documents (plait's GPT with ``document_mask``): every rank has the whole sequence's ``doc_ids`` (the
-  strategy slices them from the batch; no collective) and each implementation builds the document mask of each
+  context split slices them from the batch; no collective) and each implementation builds the document mask of each
   block or piece it computes from them, in forward and again in backward, never a (T, T) one; a query row that
   sees no key of a block weighs 0 in the log-sum-exp merge. Documents of any length, cut anywhere by the shards
   (torchtitan's packed-document cp needs multiples of 2 x cp). Grouped-query keys and values travel with their
   own heads under ``ring`` and ``allgather``.
-* ``strategy``: the ``ContextParallel`` wrapper (registered behind the strategy contract) around the
-  data-parallel strategy: the engine gives it whole micro-batches and it shards them; gradients are averaged
-  over dp x cp because the strategies below it see the topology with cp folded into their data-parallel axes
-  (``Topology.strategy_view``); the loss is one over the real tokens of the whole sequence (token counts of the
-  whole sequence, never a mean of the shards' means).
+* ``split``: context parallelism's step of the composition (``apply_context``: the attention routed) and its
+  micro-step (``ContextSplit``): the engine gives it whole micro-batches and it shards them; gradients are averaged
+  over dp x cp because the gradient-sync policy is given the ``dp_cp`` ranks (``plait.topology.FLATTENED``); the loss
+  is one over the real tokens of the whole sequence (token counts of the whole sequence, never a mean of the shards'
+  means).
+* ``user_forward``: the user's own loop (``model(...)``, ``p.backward(loss)``) on whole micro-batches: the forward
+  of the model ``setup`` returns cuts each call into this rank's shard as the context split does (labels shifted
+  first, global positions, a padding mask as masking by ids), and without labels gathers the logits whole (its
+  backward sums their gradients onto the owners).
 """

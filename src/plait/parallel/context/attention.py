@@ -5,18 +5,20 @@ positions; ``route_gpt`` makes every ``CausalSelfAttention`` of plait's GPT call
 ``scaled_dot_product_attention`` (its projections and head split unchanged: the model's code stays as it is);
 when the GPT masks by document (``document_mask``) its layers ask for the document mask (``document_marker``
 stands for it: the GPT builds no mask of the shard) and the cp attention builds each block's from the whole
-sequence's ``doc_ids`` the strategy gives ``active``.
+sequence's ``doc_ids`` the context split gives ``active``.
 ``route_hf`` does the same for Hugging Face decoders (Llama, Qwen2, Mistral): their attention layers pick their
 attention function by name from ``config._attn_implementation``, so each recognised layer gets its own copy of the
 config naming plait's (``plait_context``, registered with transformers' ``AttentionInterface``), which calls this
 layer's ``ContextAttention``. The model's own config (its mask construction, ``save_pretrained``) is untouched; the
 causal mask it builds for the shard's local positions is not used (the cp attention masks by global position), and
-a padding ``attention_mask`` is refused before the model runs. Keys and values of grouped-query attention travel
+a padding ``attention_mask`` is taken out of the model's call and given to ``active`` as document ids
+(``sharding.padding_docs``) by which every routed layer masks. Keys and values of grouped-query attention travel
 with their own heads under ``ring`` and ``allgather`` (repeated to the query heads per block, after the transfer);
 ``alltoall`` splits heads, so it repeats them first (its transfers carry ``H / H_kv`` times the model's keys and
 values).
-Outside a step the strategy runs (``active``), calling the routed model raises: a whole sequence given to a
-rank that holds a shard would be attended as if it were one.
+Outside ``active`` (the context split's micro-steps, and the forward of the model ``setup`` returns:
+``user_forward``) a routed layer raises: a whole sequence given to a rank that holds a shard would be attended as
+if it were one.
 """
 
 from __future__ import annotations
@@ -44,35 +46,43 @@ class ContextAttention:
         self.ring = Ring(group)
         self.positions: torch.Tensor | None = None  # this step's shard positions (S,), set by ``active``
         self.docs: torch.Tensor | None = None  # this step's whole-sequence document ids (B, T), when the batch has them
+        self.padded = False  # ``docs`` stand for a padding mask: every routed layer masks by them
 
     @contextlib.contextmanager
-    def active(self, positions: torch.Tensor, docs: torch.Tensor | None = None) -> Iterator[None]:
+    def active(self, positions: torch.Tensor, docs: torch.Tensor | None = None, padded: bool = False
+               ) -> Iterator[None]:
         """Inside: the routed layers attend over the shard at ``positions`` (global, (S,)); ``docs``: the whole
-        sequence's document ids (B, T) of packed documents, for the layers that mask by document."""
-        self.positions, self.docs = positions, docs
+        sequence's document ids (B, T) of packed documents, for the layers that mask by document, or with
+        ``padded`` those of a padding mask (``sharding.padding_docs``), by which every layer masks."""
+        self.positions, self.docs, self.padded = positions, docs, padded
         try:
             yield
         finally:
             self.positions = self.docs = None
+            self.padded = False
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: bool = False) -> torch.Tensor:
         """q (B, H, S, D), k and v (B, H_kv, S, D), H_kv dividing H, of this rank's shard -> (B, H, S, D);
-        ``documents``: attend inside each packed document only (by the document ids given to ``active``).
+        ``documents``: attend inside each packed document only (by the document ids given to ``active``); with a
+        padding mask (``active(..., padded=True)``) every call masks by its ids, whatever ``documents`` says.
         ``ring`` and ``allgather`` move the H_kv key/value heads and repeat them per block; ``alltoall`` splits
         heads, so it repeats them first (its transfers then carry H heads of keys and values)."""
         if self.positions is None:
-            raise ContextError("under parallel.cp > 1 the model runs on sequence shards that plait makes: run each "
-                               "micro-step with p.forward_backward(model, batch) and evaluate with p.evaluate(model, "
-                               "batch), not model(...) on a whole sequence")
+            raise ContextError("under parallel.cp > 1 the model runs on sequence shards that plait makes in the "
+                               "forward of the model p.setup returned: call that model (model(...), "
+                               "p.forward_backward, p.evaluate), not one of its submodules, and with activation "
+                               "checkpointing backpropagate each loss with p.backward(loss) after its forward")
         docs = None
-        if documents:
+        if self.padded:
+            docs = self.docs
+        elif documents:
             if self.docs is None:
                 raise ContextError("the model masks attention by document, but the batch has no doc_ids; give "
                                    "plait's GPT packed batches with doc_ids (data.pack) or build it with "
                                    "document_mask=False")
-            if self.docs.device != q.device:  # once per step, not per layer
-                self.docs = self.docs.to(q.device)
             docs = self.docs
+        if docs is not None and docs.device != q.device:  # once per step, not per layer
+            self.docs = docs = docs.to(q.device)
         scale = 1.0 / math.sqrt(q.size(-1))
         if self.impl == "ring":
             return ring_attention(q, k, v, self.ring, scale, docs)

@@ -42,3 +42,18 @@ def shard(value: Any, index: torch.Tensor, seq_len: int) -> Any:
     if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.size(1) == seq_len:
         return value.index_select(1, index.to(value.device))
     return value
+
+
+def padding_docs(mask: Any, docs: torch.Tensor | None, seq_len: int) -> torch.Tensor:
+    """A padding ``attention_mask`` (B, T), nonzero where a token counts, as the document ids the cp attention masks
+    by: real tokens keep their document (``docs``; one document without), each padding token is its own (a
+    negative id no real document has), so no query sees a padding key but itself: real tokens' outputs are those
+    of the model's own key-padding mask, and a padding query sees one key (finite, unlike a fully masked row)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.size(1) != seq_len:
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ContextError(f"parallel.cp > 1 takes a padding attention_mask of shape (batch, {seq_len}), 1 where a "
+                           f"token counts, but got {shape} (a 4-D mask of packed documents or a custom pattern cannot "
+                           "be split into shards); pass a (batch, sequence) padding mask, or use parallel.cp=1")
+    own = -torch.arange(1, seq_len + 1, device=mask.device).expand(mask.size(0), -1)  # (B, T)
+    real = docs.to(mask.device) if docs is not None else torch.zeros_like(own)
+    return torch.where(mask.bool(), real, own)

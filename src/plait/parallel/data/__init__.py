@@ -1,2 +1,2 @@
-"""Data parallelism: plait's bucketed, overlapped gradient reducer and PyTorch DDP (``reducer``), and the
-``DataParallel`` strategy that trains with either (``strategy``)."""
+"""Data parallelism: plait's bucketed, overlapped gradient reducer and PyTorch DDP (``reducer``) as gradient-sync
+policies (``sync``), and DiLoCo's outer loop around any layout (``diloco``, a driver)."""

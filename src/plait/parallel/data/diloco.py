@@ -33,8 +33,9 @@ of the last synchronisation, with the outer momentum: a resume, or a rollback, s
 optimizer state of the first replica. Use a
 ``checkpoint.every`` and a ``train.steps`` that are multiples of H to lose nothing.
 
-A replica is one rank with the whole model: ZeRO, FSDP, tensor, pipeline and expert parallelism, a parameter
-server and PyTorch DDP are refused with a message (see ``DiLoCo.check``).
+DiLoCo is a driver (``plait.parallel.layout.Driver``): it wraps the step of the layout inside each replica from
+outside, after the optimizer step. A replica is one rank with the whole model here: ZeRO, FSDP, tensor, pipeline and
+expert parallelism, a parameter server and PyTorch DDP are refused with a message (see ``check_diloco``).
 """
 
 from __future__ import annotations
@@ -46,13 +47,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.comm.collectives import Comm
 from plait.config import Config, ConfigError, ParallelConfig
-from plait.parallel.apply import ModelSpec
-from plait.parallel.data.reducer import LocalGrads
-from plait.parallel.data.strategy import DataParallel, reduce_in_place
-from plait.parallel.strategy import LayoutError, OptimizerFactory, Strategy, register_strategy
-from plait.topology import Topology
+from plait.parallel.capabilities import Driver
+from plait.parallel.grad_sync import LayoutError, reduce_in_place
+from plait.parallel.layout import Layout
+from plait.parallel.units import batchnorm_buffers
 
 
 def _check_settings(p: ParallelConfig) -> None:
@@ -119,31 +118,22 @@ def split_fragments(sizes: list[int], num: int) -> list[tuple[int, int, int, int
     return out
 
 
-@register_strategy
-class DiLoCo(DataParallel):
-    """DiLoCo over whole-model replicas, one per rank (see the module docstring)."""
+def check_diloco(cfg: Config, degrees: dict[str, int]) -> None:
+    """DiLoCo's settings, and the layouts its replicas cannot take."""
+    if cfg.parallel.sync != "diloco":
+        return
+    _check_settings(cfg.parallel)
+    _check_layout(cfg, degrees)
 
-    name = "diloco"
-    priority = 90  # above every collective layout (it refuses to compose with them), below the parameter server
 
-    @classmethod
-    def applies(cls, p: ParallelConfig) -> bool:
-        return p.sync == "diloco"
+class DiLoCo(Driver):
+    """DiLoCo over whole-model replicas (see the module docstring): ``group`` holds the ``replicas`` that synchronise
+    every H steps."""
 
-    @classmethod
-    def check(cls, cfg: Config, degrees: dict[str, int]) -> None:
-        if cfg.parallel.sync != "diloco":
-            return
-        _check_settings(cfg.parallel)
-        _check_layout(cfg, degrees)
-
-    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm,
-                 spec: ModelSpec | None = None) -> None:
-        Strategy.__init__(self, model, cfg, topo, comm, spec)
+    def __init__(self, cfg: Config, comm: Any, group: Any, replicas: int) -> None:
         p = cfg.parallel
-        self.engine = LocalGrads(model)  # the inner steps: this replica's own gradients, nothing communicated
-        self.torch_collectives = False
-        self._track_batchnorm(model, cfg, topo)  # averaged at each synchronisation, not at each step
+        self.comm, self.group, self.replicas = comm, group, replicas
+        self.sync_batchnorm = p.sync_batchnorm
         self.inner_steps, self.outer_lr = p.diloco_inner_steps, p.diloco_outer_lr
         self.momentum, self.nesterov = p.diloco_outer_momentum, p.diloco_nesterov
         self.num_fragments = p.diloco_fragments
@@ -153,36 +143,37 @@ class DiLoCo(DataParallel):
         self._fragments: list[tuple[int, int, int, int]] = []  # (first param, end param, first value, end value)
         # comm.compress: the pseudo-gradient's all-reduce through plait's compressor (error feedback kept in the
         # checkpoint's per-rank state, as for gradient buckets)
-        self.compressor = comm.make_compressor() if topo.dp > 1 else None
+        self.compressor = comm.make_compressor() if replicas > 1 else None
         self._anchor: torch.Tensor | None = None  # (P,) float32: the weights at the start of the period
         self._momentum: torch.Tensor | None = None  # (P,) float32: the outer optimizer's momentum buffer
+        self._params: list[nn.Parameter] = []
+        self._bn: list[torch.Tensor] = []
 
     # -- building ------------------------------------------------------------------------------------
-    def build_optimizer(self, factory: OptimizerFactory) -> Any:
-        """The inner optimizer from the user's factory; the start weights of the first period are taken here
-        (after the weights were broadcast, loaded or initialised)."""
-        params = self.trainable()
-        wrong = sorted({str(q.dtype) for q in params if q.dtype != torch.float32})
+    def begin(self, layout: Layout, run: Any) -> None:
+        """The start weights of the first period, taken at the end of setup (after the weights were broadcast,
+        loaded or initialised)."""
+        self._params = layout.trainable()
+        self._bn = batchnorm_buffers(layout.model) if self.replicas > 1 and not self.sync_batchnorm else []
+        wrong = sorted({str(q.dtype) for q in self._params if q.dtype != torch.float32})
         if wrong:
             raise LayoutError(f"parallel.sync=diloco keeps its outer state in float32 like the model's weights; this "
                               f"model has {', '.join(wrong)} parameters: keep the weights in float32 and choose the "
                               "compute precision with train.precision")
-        optimizer = super().build_optimizer(factory)
-        self._anchor = torch.cat([q.detach().reshape(-1) for q in params]).float()
+        self._anchor = torch.cat([q.detach().reshape(-1) for q in self._params]).float()
         self._momentum = torch.zeros_like(self._anchor)  # torch's first SGD step (buffer = gradient) is 0 * m + g
-        self._fragments = split_fragments([q.numel() for q in params], self.num_fragments)
-        return optimizer
+        self._fragments = split_fragments([q.numel() for q in self._params], self.num_fragments)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat`` cut into tensors shaped like the trainable parameters, in their order."""
         out, offset = [], 0
-        for q in self.trainable():
+        for q in self._params:
             out.append(flat[offset:offset + q.numel()].view_as(q))
             offset += q.numel()
         return out
 
     # -- the step ------------------------------------------------------------------------------------
-    def after_step(self) -> None:
+    def after_step(self, layout: Layout) -> None:
         """At fragment f's step of each period of H steps, (f + 1) x H / fragments (every H-th step with one
         fragment): its synchronisation. Communication: one all-reduce of that fragment's pseudo-gradient (float32)
         and, with BatchNorm, one of its running statistics; none on other steps."""
@@ -198,17 +189,17 @@ class DiLoCo(DataParallel):
         """The outer step of one fragment (see the module docstring): every replica's weights of that fragment
         become its updated start weights."""
         first, end, lo, hi = self._fragments[fragment]
-        params = self.trainable()[first:end]
+        params = self._params[first:end]
         anchor, momentum = self._anchor[lo:hi], self._momentum[lo:hi]
         delta = torch.cat([q.detach().reshape(-1) for q in params]).float()  # (P_f,) the weights now
         torch.sub(anchor, delta, out=delta)  # the pseudo-gradient: start minus now
         if self.compressor is not None:  # the compressed mean, identical on every replica
             name = f"diloco pseudo-gradient ({self.compressor.name})"
-            work = self.comm.run_async(name, self.topo.dp_group, lambda: self._compressed_mean(delta, fragment))
+            work = self.comm.run_async(name, self.group, lambda: self._compressed_mean(delta, fragment))
             self.comm.wait(work)
-        elif self.topo.dp > 1:
-            self.comm.all_reduce_sum(delta, self.topo.dp_group, name="diloco pseudo-gradient")
-            delta /= self.topo.dp
+        elif self.replicas > 1:
+            self.comm.all_reduce_sum(delta, self.group, name="diloco pseudo-gradient")
+            delta /= self.replicas
         update = delta
         if self.momentum > 0:  # torch.optim.SGD with dampening 0
             momentum.mul_(self.momentum).add_(delta)
@@ -217,25 +208,25 @@ class DiLoCo(DataParallel):
         for q, start in zip(params, self._views(self._anchor)[first:end], strict=True):
             q.copy_(start)
         if self._bn and fragment == self.num_fragments - 1:  # once per period
-            reduce_in_place(self._bn, self.comm, self.topo.dp_group, self.topo.dp, "batchnorm statistics")
+            reduce_in_place(self._bn, self.comm, self.group, self.replicas, "batchnorm statistics")
         self.syncs += 1
 
     def _compressed_mean(self, delta: torch.Tensor, fragment: int) -> int:
         """On the comm thread: ``delta`` replaced by its compressed mean over the replicas; returns wire bytes."""
         before = self.compressor.wire_bytes
         first, end, _, _ = self._fragments[fragment]
-        shapes = [q.shape for q in self.trainable()[first:end]]  # PowerSGD approximates each matrix on its own
-        delta.copy_(self.compressor.allreduce_mean(fragment, delta, self.topo.dp_group, shapes=shapes))
+        shapes = [q.shape for q in self._params[first:end]]  # PowerSGD approximates each matrix on its own
+        delta.copy_(self.compressor.allreduce_mean(fragment, delta, self.group, shapes=shapes))
         return self.compressor.wire_bytes - before
 
     @contextlib.contextmanager
-    def evaluation(self) -> Iterator[None]:
+    def evaluation(self, layout: Layout) -> Iterator[None]:
         """The synchronised weights (the start weights of the period: what checkpoints and exports hold) in the model
         while an evaluation runs, this replica's own put back after it: between synchronisations each replica's
         weights differ, and the ranks would score different models, none of them the one that is saved. Right after
         a synchronisation of the whole model they are the same values and nothing is copied. No communication; two
         copies of the trainable weights at each evaluation, none on a training step."""
-        params = self.trainable()
+        params = self._params
         if self._anchor is None or (self.num_fragments == 1 and self.since_start % self.inner_steps == 0):
             yield
             return
@@ -253,35 +244,25 @@ class DiLoCo(DataParallel):
     def step_metrics(self) -> dict[str, Any]:
         return {"diloco_synced": bool(self._synced), "diloco_fragments_synced": len(self._synced)}
 
-    def describe(self) -> str:
-        return f"DiLoCo (H={self.inner_steps})" if self.topo.dp > 1 else ""
+    def describe(self, inner: str) -> str:
+        return f"DiLoCo (H={self.inner_steps})" if self.replicas > 1 else ""
 
     # -- state: the weights every replica agrees on ---------------------------------------------------
-    def _synchronised(self, sd: dict[str, Any]) -> dict[str, Any]:
+    def entries(self, layout: Layout, sd: dict[str, Any]) -> dict[str, Any]:
         """``sd`` (a model state dict) with every trainable parameter's entry replaced by its start weights (views
         of the start weights: loading into them loads the start weights)."""
         if self._anchor is None:  # before the optimizer: no period has begun
             return sd
-        starts = {q.data_ptr(): v for q, v in zip(self.trainable(), self._views(self._anchor), strict=True)}
+        starts = {q.data_ptr(): v for q, v in zip(self._params, self._views(self._anchor), strict=True)}
         return {k: starts.get(v.data_ptr(), v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
 
-    def state_dicts(self) -> tuple[dict, dict]:
-        model_sd, optim_sd = super().state_dicts()
-        names = [n for n, _ in self.named_parameters()]
+    def state(self, layout: Layout, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
+        names = [n for n, _ in layout.named_parameters()]
         momentum = dict(zip(names, self._views(self._momentum), strict=True))
-        return self._synchronised(model_sd), {**optim_sd, "diloco_outer_momentum": momentum}
+        return self.entries(layout, model_sd), {**optim_sd, "diloco_outer_momentum": momentum}
 
-    def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
-        """The checkpoint's start weights (already read into ours) into the model; a new period starts."""
-        inner = {k: v for k, v in optim_sd.items() if k != "diloco_outer_momentum"}
-        super().load_state_dicts(model_sd, inner)
-        with torch.no_grad():
-            for q, start in zip(self.trainable(), self._views(self._anchor), strict=True):
-                q.copy_(start)
+    def load(self, layout: Layout, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
+        """The checkpoint's start weights were read into ours (and load into the model next); a new period
+        starts."""
         self.since_start = 0
-
-    def model_entries(self) -> dict[str, torch.Tensor]:
-        return self._synchronised(super().model_entries())
-
-    def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        return self._synchronised(super().full_model_state(rank0_only))
+        return model_sd, {k: v for k, v in optim_sd.items() if k != "diloco_outer_momentum"}

@@ -14,7 +14,7 @@ torch.compile keeps one graph. ``SplitAllToAllDispatcher`` sends variable splits
 read per layer). ``AllGatherDispatcher`` is the reference path: every rank gathers
 all ranks' assignments, computes those for its own experts, and one all-reduce sums the results.
 
-Gradient reduction (``plait.parallel.expert.strategy.ExpertParallel.finish``), so that every gradient
+Gradient reduction (``plait.parallel.expert.sync.ExpertSync.finish``), so that every gradient
 equals one process training on the whole global batch (the mean over the ``dp`` ranks' losses):
 
 * dense parameters: averaged over the whole data-parallel world including ``ep`` (the layout's reducer,
@@ -31,7 +31,7 @@ Checkpoints: expert weights and their optimizer states are saved as ``DTensor`` 
 ``(E, ...)`` tensors on the ``ep`` mesh, keyed by the single-process names, so DCP reshards them to any
 other ``ep`` (1 included) on load. The balancing bias is a buffer, the same on every rank.
 
-Compositions (``plait.parallel.expert.strategy.ExpertParallel`` around the strategy of the dense parameters):
+Compositions (``plait.parallel.expert.sync.ExpertSync`` beside the gradient-sync policy of the dense parameters):
 plait's data-parallel reducer, PyTorch DDP, one-rank data parallelism; ZeRO 1-3 (the experts keep their own
 optimizer, and are sharded like the dense parameters over the remaining data-parallel axis, the ``dp / ep``
 ranks holding the same experts: their optimizer states and gradients by a second ``ZeroOptimizer`` at stages
@@ -272,7 +272,7 @@ def fsdp_shard_experts(model: nn.Module, topo: Any, *, param_dtype: torch.dtype 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
 
-    mesh = topo.mesh["dp_replicate"]
+    mesh = topo.sub_mesh("edp")
     n = mesh.size()
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for ex, names in _expert_modules(model):
@@ -289,7 +289,7 @@ def fsdp_shard_experts(model: nn.Module, topo: Any, *, param_dtype: torch.dtype 
         # sum, then divide by dp (one process's gradient, not the group's mean); a plain SUM runs on gloo too,
         # where the fused PREMUL_SUM FSDP2 would otherwise pick does not exist
         ex.set_force_sum_reduction_for_comms(True)
-        ex.set_gradient_divide_factor(float(topo.dp))
+        ex.set_gradient_divide_factor(float(topo.degree("dp_cp")))
         for name in names:  # FSDP made new parameters: mark them again
             q = getattr(ex, name)
             setattr(q, EXPERT_ATTR, True)

@@ -9,7 +9,7 @@ top_k_weights (N, k))``, which returns the weighted sum of each token's experts 
 
 What plait changes (``shard_hf_experts``). Only the experts module: rank ``i`` of the ``ep`` group keeps the
 experts ``[i E/ep, (i+1) E/ep)`` (marked as expert-parallel parameters with their global shape, so
-``plait.parallel.expert.strategy.ExpertParallel`` reduces their gradients and checkpoints them as global
+``plait.parallel.expert.sync.ExpertSync`` reduces their gradients and checkpoints them as global
 DTensors), and its forward becomes: the model's own routing (unchanged, computed by the model's own router
 before the call) as one assignment per (token, choice), plait's dispatcher (``moe.dispatcher``: the
 all-to-all of ``plait.parallel.expert.dispatch``, or the all-gather reference) moves each assignment to the rank

@@ -1,2 +1,2 @@
 """ZeRO-3 and hybrid sharding on FSDP2: ``fully_shard`` per block and at the root (``shard``) and the ``Fsdp``
-strategy (``strategy``)."""
+gradient-sync policy (``sync``)."""

@@ -1,3 +1,3 @@
-"""Tensor and sequence parallelism on DTensor: plans and their checks (``plan``), plait's GPT plan (``gpt``),
-Hugging Face plans as transformers means them (``hf``), checkpoint entries of strided shards (``strided``), and
-the ``Tensor`` / ``TensorFsdp`` strategies with what every model-parallel strategy shares (``strategy``)."""
+"""Tensor and sequence parallelism on DTensor: the composition's step and check (``apply``), plans and their checks
+(``plan``), plait's GPT plan (``gpt``), Hugging Face plans as transformers means them (``hf``, ``hf_sequence``), and
+checkpoint entries of strided shards (``strided``)."""

@@ -1,2 +1,2 @@
 """ZeRO stages 1-2: plait's sharded optimizer (``optimizer``), its canonical checkpoint form (``state``) and the
-``Zero`` strategy (``strategy``)."""
+``Zero`` gradient-sync policy (``sync``)."""

@@ -1,22 +1,20 @@
-"""Pipeline parallelism as a strategy (``plait.parallel.strategy``), composed with data parallelism.
-
-``Pipeline``: the (possibly tensor-parallel) model split into stages over the ``pp`` axis and driven by a
-``torch.distributed.pipelining`` schedule; each accumulation micro-batch is one schedule step over
-``parallel.microbatches`` pipeline micro-batches. The loss exists only on the last stage's rank; it is summed
-over the pp group so every rank can log it. The user cannot call the stages as one model:
+"""Pipeline parallelism's stages (``PipelineStages``): the (possibly tensor-parallel, expert-sharded, context-routed)
+model split over the ``pp`` axis and driven by a ``torch.distributed.pipelining`` schedule; each accumulation
+micro-batch is one schedule step over ``parallel.microbatches`` pipeline micro-batches. The loss exists only on the last
+stage's rank; it is summed over the pp group so every rank can log it. The user cannot call the stages as one model:
 ``Plait.forward_backward`` runs a step.
 
-Over the data-parallel ranks of each stage (the ranks holding the same stage), the stage's gradients are
-synchronised by plait's reducer here (``parallel.zero = 0``), by ZeRO-1/2 or by FSDP2/HSDP
-(``plait.parallel.pipeline.sharded``): the composition order is tensor parallel, then the pipeline split, then
-the data-parallel wrapping of each stage, then the optimizer. The three hooks a data-parallel composition
-overrides are ``prepare_stage`` (a stage module before it becomes a ``PipelineStage``), ``init_data_parallel``
-(the engine over this rank's stages) and ``stage_no_sync`` (the context a schedule step runs in).
+The gradient-sync policy (``plait.parallel.grad_sync``) is applied to each stage module before it becomes a
+``PipelineStage`` (``GradSync.wrap``: FSDP2's units), then to this rank's stages together (``attach``); a schedule step
+runs in the policy's ``schedule_context`` (every pipeline micro-batch runs its own backward, so a policy that reduces at
+the end of backward reduces in ``finish`` instead). The tied copies of a parameter on several stages (a GPT's embedding
+and head) have their gradients summed over pp once per optimizer step, before the reduction where the policy keeps
+every micro-batch's gradient in its own buffers (``ties_first``: ZeRO-1/2), after it otherwise.
 """
 
 from __future__ import annotations
 
-import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,26 +24,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.comm.collectives import Comm
 from plait.components.precision import autocast
-from plait.config import Config, ConfigError, ParallelConfig
+from plait.config import ConfigError
 from plait.observe.log import get_logger
-from plait.parallel.apply import ModelSpec
+from plait.parallel.layout import PlaitError
 from plait.parallel.meta_init import is_meta, materialise
 from plait.parallel.pipeline.runner import build_pipeline, measure_layer_costs
 from plait.parallel.pipeline.trace import bubble_summary, write_chrome_trace
-from plait.parallel.strategy import PlaitError, register_strategy
 from plait.parallel.tensor.plan import local_value, loss_context
-from plait.parallel.tensor.strategy import ModelParallel
+from plait.parallel.units import find_blocks
 from plait.plan.schedule import NATURAL_VIRTUAL, check_pipeline_layout
-from plait.topology import Topology
 
 
 @dataclass
 class ScaledLoss:
     """The pipeline's loss function: the user's ``loss(output, target)`` times ``factor`` (1 / (accumulation
-    x pipeline micro-batches) x loss scale), set by the layout before each schedule step. With ``record``
-    set, the unscaled losses are also appended to it."""
+    x pipeline micro-batches) x loss scale), set before each schedule step. With ``record`` set, the unscaled
+    losses are also appended to it."""
 
     loss: Callable[[Any, Any], torch.Tensor]
     factor: float = 1.0
@@ -84,46 +79,41 @@ class PipelineModel(nn.Module):
                            "loss = p.forward_backward(model, batch) instead of model(...) and p.backward(loss)")
 
 
-@register_strategy
-class Pipeline(ModelParallel):
-    """The model (tensor-parallel already, or not) split into pipeline stages over the pp axis."""
+def check_pipeline(cfg: Any, degrees: dict[str, int]) -> None:
+    """The pipeline's own settings: the schedule's layout and the micro-batch split."""
+    p, t = cfg.parallel, cfg.train
+    if p.pp == 1:
+        return
+    virtual = p.pp_virtual_stages or NATURAL_VIRTUAL.get(p.pp_schedule, 1)
+    try:
+        check_pipeline_layout(p.pp_schedule, p.pp, p.microbatches, virtual)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if t.micro_batch_size % p.microbatches:
+        raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} must divide into parallel.microbatches="
+                          f"{p.microbatches} pipeline micro-batches; make it a multiple of {p.microbatches}")
+    if p.zero and p.ep > 1:
+        raise ConfigError(f"parallel.pp={p.pp} with parallel.ep={p.ep} composes with plait's data-parallel reducer "
+                          f"only in this build (parallel.zero={p.zero}); set parallel.zero=0")
+    if p.zero == 3 and p.pp_schedule == "zbv":
+        # the zero-bubble schedule's weight pass computes gradients for the parameters a stage module registers,
+        # which under FSDP2 are the shards, not the gathered tensors the forward used
+        raise ConfigError("parallel.pp_schedule=zbv does not compose with parallel.zero=3 in this build (its "
+                          "weight-gradient pass misses FSDP2's gathered parameters); use pp_schedule=1f1b, "
+                          "gpipe or interleaved, or zero=1 or 2")
 
-    name = "pipeline"
-    compile_blocks_because = "the model is split into pipeline stages"
-    reduce_loss_every_step = True  # StepInfo.loss: the last stage's, on every stage, at every step (as ever)
-    priority = 40
+
+class PipelineStages:
+    """This rank's pipeline stages (see the module docstring)."""
+
     model_whole = False
-    shards_meta = True
+    is_pipeline = True
+    reduce_loss_every_step = True  # StepInfo.loss: the last stage's, on every stage, at every step
 
-    @classmethod
-    def wants_sample(cls, cfg: Config) -> bool:
-        return cfg.parallel.pp_balance == "cost"
-
-    @classmethod
-    def applies(cls, p: ParallelConfig) -> bool:
-        return p.pp > 1
-
-    @classmethod
-    def check(cls, cfg: Config, degrees: dict[str, int]) -> None:
-        p, t = cfg.parallel, cfg.train
-        if p.pp == 1:
-            return
-        virtual = p.pp_virtual_stages or NATURAL_VIRTUAL.get(p.pp_schedule, 1)
-        try:
-            check_pipeline_layout(p.pp_schedule, p.pp, p.microbatches, virtual)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if t.micro_batch_size % p.microbatches:
-            raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} must divide into parallel.microbatches="
-                              f"{p.microbatches} pipeline micro-batches; make it a multiple of {p.microbatches}")
-        if p.zero and p.ep > 1:
-            raise ConfigError(f"parallel.pp={p.pp} with parallel.ep={p.ep} composes with plait's data-parallel reducer "
-                              f"only in this build (parallel.zero={p.zero}); set parallel.zero=0")
-
-    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm,
-                 spec: ModelSpec | None = None) -> None:
-        super().__init__(model, cfg, topo, comm, spec)
+    def __init__(self, model: nn.Module, topo: Any, cfg: Any, spec: Any, sync: Any) -> None:
         p = cfg.parallel
+        self.topo, self.cfg, self.sync = topo, cfg, sync
+        self.precision, self.device = cfg.train.compute_precision, topo.device
         loss, sample, split, stage_fn = spec.loss, spec.sample, spec.pp_split, spec.stage_fn
         costs = None
         timed = p.pp_balance == "cost" and sample is not None and stage_fn is None and not split
@@ -138,47 +128,51 @@ class Pipeline(ModelParallel):
         self.loss_fn = ScaledLoss(loss.loss)
         self.loss = loss
         self.schedule = p.pp_schedule
+        blocks = {id(m) for _, m in find_blocks(model)}  # found on the whole model: a stage holds some
+
+        def prepare(stage: nn.Module) -> nn.Module:
+            return sync.wrap(stage, [m for m in stage.modules() if id(m) in blocks])
+
         self.runner = build_pipeline(model, topo.mesh["pp"], schedule=p.pp_schedule, microbatches=p.microbatches,
                                      virtual_stages_per_rank=p.pp_virtual_stages or None, loss_fn=self.loss_fn,
                                      costs=costs, scale_grads=False, split=split or None, stage_fn=stage_fn,
-                                     prepare_stage=self.stage_preparation(model), device=topo.device,
+                                     prepare_stage=prepare if sync.wraps_modules else None, device=topo.device,
                                      embedding_unit=p.pp_split_embedding, head_unit=p.pp_split_head)
         self.model = PipelineModel(self.runner)
-        self.named = self.runner.named_parameters()
-        self.tied_copies = set(self.runner.copy_names)
+        self.tied_copies = frozenset(self.runner.copy_names)
         materialise(self.model, topo.device)  # a meta model: this rank's stages only (the reducer needs storage)
-        self.init_data_parallel()
+        local_shape = getattr(sync, "local_shape", None)
+        if local_shape is not None:  # a rank adding zeros for a copy it lacks needs the shard's shape
+            for tie in self.runner.ties:
+                if not tie.params:
+                    tie.shape = local_shape(tie.shape)
 
-    # -- the data-parallel composition (plait.parallel.pipeline.sharded overrides these) ---------------------
-    def stage_preparation(self, model: nn.Module) -> Callable[[nn.Module], nn.Module] | None:
-        """What each of this rank's stage modules goes through before it becomes a ``PipelineStage``, given
-        the whole (tensor-parallel) model before the split; None: nothing."""
-        return None
+    @property
+    def holder(self) -> nn.Module:
+        return self.model.stages
 
-    def init_data_parallel(self) -> None:
-        """The data-parallel engine over this rank's stages: plait's reducer (all-reduce after the step)."""
-        self._init_reducer(self.model.stages)
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return self.runner.named_parameters()
 
-    def stage_no_sync(self) -> contextlib.AbstractContextManager:
-        """The context one schedule step runs in. Every pipeline micro-batch runs its own backward, so the
-        reducer's end-of-backward callback would fire after the first one: gradients are reduced in
-        ``finish()`` instead, after the whole step (no overlap of the data-parallel reduction with the
-        pipeline's backward)."""
-        return self.engine.no_sync()
+    def entries(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.runner.state_dict().items() if isinstance(v, torch.Tensor)}
+
+    def model_state(self) -> dict[str, Any]:
+        return self.runner.state_dict()
+
+    def load_model_state(self, sd: dict[str, Any]) -> None:
+        self.runner.load_state_dict(sd)
 
     @property
     def loss_parts(self) -> int:
         """The pipeline micro-batches a micro-step's loss is averaged over (each gradient is scaled by 1 / that):
-        a wrapper whose loss is already one over the micro-step's items (context parallelism) scales it back."""
+        a loss already over the micro-step's items (context parallelism) is scaled back."""
         return self.runner.microbatches
 
-    def wrap_forward(self, device: torch.device, plan: Any = None) -> None:
-        """Nothing: the stages run inside the schedule (under autocast there where ``uses_autocast``), never through
-        ``model(...)``."""
-
+    # -- one micro-step ------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, scale: float) -> None:
         raise PlaitError("with parallel.pp > 1 forward and backward interleave over pipeline micro-batches: "
-                          "use loss = p.forward_backward(model, batch) instead of model(...) and p.backward")
+                         "use loss = p.forward_backward(model, batch) instead of model(...) and p.backward")
 
     def forward_backward(self, model: nn.Module, batch: Any, loss: Any, scale: float,
                          before_backward: Callable[[float], None] | None = None,
@@ -186,24 +180,25 @@ class Pipeline(ModelParallel):
         """One schedule step over the micro-batch (the stages' loss is the one given to setup); returns the
         unscaled mean loss (0 on ranks without the last stage). Forward and backward interleave, so the
         whole step counts as backward time."""
-        import time
-
         t0 = time.perf_counter()
         if before_backward is not None:  # each pipeline micro-batch's auxiliary losses, scaled like its loss
             before_backward(scale / self.runner.microbatches)
-        with autocast(self.precision, self.topo.device, self.uses_autocast()):
+        with autocast(self.precision, self.device, self.uses_autocast()):
             value = self._schedule_step(batch, scale, loss)
         if times is not None:
             times["backward_s"] += time.perf_counter() - t0
         return value
 
+    def uses_autocast(self) -> bool:
+        return self.precision != "fp32" and not (self.precision == "bf16" and self.sync.casts_bf16)
+
     def evaluate(self, model: nn.Module, batch: Any, loss: Any) -> torch.Tensor:
-        with autocast(self.precision, self.topo.device, self.uses_autocast()):
+        with autocast(self.precision, self.device, self.uses_autocast()):
             return self._evaluate(batch, loss)
 
     def _split(self, batch: Any, loss: Any = None) -> tuple[tuple, Any]:
         """The stages' positional inputs and the target, split by the loss given to setup, or by ``loss`` where it
-        takes a batch a wrapper has split already (``presplit``: context parallelism's shard)."""
+        takes a batch split already (``presplit``: context parallelism's shard)."""
         args, kwargs, target = (loss if getattr(loss, "presplit", False) else self.loss).split(batch)
         if kwargs:
             raise ValueError(f"pipeline stages take positional inputs only; the batch gives keyword inputs "
@@ -211,14 +206,12 @@ class Pipeline(ModelParallel):
         return args, target
 
     def _schedule_step(self, batch: Any, factor: float, loss: Any = None) -> torch.Tensor:
-        """One schedule step over the micro-batch; returns the unscaled mean loss (0 on ranks without the
-        last stage)."""
         args, target = self._split(batch, loss)
         # The schedule does not average over pipeline micro-batches (scale_grads=False): the loss does.
         self.loss_fn.factor = factor / self.runner.microbatches
-        with self.stage_no_sync():
-            loss = self.runner.step(args, target, sync_tied=False)  # tied copies: once per optimizer step
-        return loss / self.loss_fn.factor if loss is not None else torch.zeros(())
+        with self.sync.schedule_context():
+            value = self.runner.step(args, target, sync_tied=False)  # tied copies: once per optimizer step
+        return value / self.loss_fn.factor if value is not None else torch.zeros(())
 
     @torch.no_grad()
     def _evaluate(self, batch: Any, loss: Any = None) -> torch.Tensor:
@@ -244,40 +237,57 @@ class Pipeline(ModelParallel):
         this stage doesn't have backward"), so evaluation runs a full step with the loss multiplied by 0,
         records the unscaled losses, and drops the (zero) gradients: twice the cost of a forward pass,
         same numbers. Gradients already accumulated are kept aside and put back."""
-        kept = {id(p): p.grad for _, p in self.named}
-        for _, p in self.named:
+        named = self.named_parameters()
+        kept = {id(p): p.grad for _, p in named}
+        for _, p in named:
             p.grad = None
         self.loss_fn.factor, self.loss_fn.record = 0.0, []
         try:
-            with torch.enable_grad(), self.stage_no_sync():
+            with torch.enable_grad(), self.sync.schedule_context():
                 self.runner.step(args, target, sync_tied=False)
             values = self.loss_fn.record
         finally:
             self.loss_fn.factor, self.loss_fn.record = 1.0, None
-            for _, p in self.named:
+            for _, p in named:
                 p.grad = kept[id(p)]
         return torch.stack(values).mean() if values else torch.zeros(())
 
-    def finish(self) -> None:
-        """Data-parallel reduction, then the tied copies' gradients summed across stages: once per
-        optimizer step, after all accumulation micro-steps (both are sums, so their order does not
-        matter)."""
-        self.engine.finish()
-        self.runner.sync_tied_grads()
+    def reduce_loss(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the pp group (any shape): brings the last stage's losses to every pipeline rank."""
+        t = t.detach().double().clone()
+        dist.all_reduce(t, group=self.topo.group("pp"))
+        return t
+
+    # -- the tied copies around the reduction --------------------------------------------------------
+    def before_reduction(self, sync: Any) -> None:
+        """A policy keeping every micro-batch's gradient in its own buffers sums the tied copies there first."""
+        if sync.ties_first:
+            sync.gather_local()
+            self.runner.sync_tied_grads(sync.local_grad)
+
+    def after_reduction(self, sync: Any) -> None:
+        """Otherwise the reduced gradients (or FSDP2's reduced shards) of the tied copies are summed over pp."""
+        if not sync.ties_first:
+            self.runner.sync_tied_grads()
 
     def retie(self) -> None:
         """The tied copies take the first stage's weight (``PipelineRunner.sync_tied_weights``)."""
         self.runner.sync_tied_weights()
 
-    def report(self, run_dir: Path | None, measured: dict[str, int] | None, device: torch.device) -> dict[str, Any]:
-        """The memory block, bubble accounting of the last pipeline step and ``pipeline_trace.json``
-        (collective over pp). Each stage's measured idle fraction (1 - busy / step span) next to the
-        theoretical (p-1)/(v*m+p-1); the trace holds every forward/backward of every micro-batch on every stage."""
-        out = self._bubble(run_dir)
-        out.update(super().report(run_dir, measured, device))
-        return out
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Full weights gathered to every rank: stage entries all-gathered over pp, tp shards gathered."""
+        mine = {k: local_value(v).detach().cpu() for k, v in self.runner.state_dict().items()}
+        parts: list = [None] * self.topo.degree("pp")
+        dist.all_gather_object(parts, mine, group=self.topo.group("pp"))
+        full: dict[str, torch.Tensor] = {}
+        for part in parts:
+            full.update(part)
+        return full
 
-    def _bubble(self, run_dir: Path | None) -> dict[str, Any]:
+    def report(self, run_dir: Path | None) -> dict[str, Any]:
+        """Bubble accounting of the last pipeline step and ``pipeline_trace.json`` (collective over pp). Each
+        stage's measured idle fraction (1 - busy / step span) next to the theoretical (p-1)/(v*m+p-1); the trace
+        holds every forward/backward of every micro-batch on every stage."""
         if self.runner.span is None:
             return {}
         gathered = self.runner.gather_timeline()
@@ -291,22 +301,3 @@ class Pipeline(ModelParallel):
             write_chrome_trace(run_dir / "pipeline_trace.json", events, spans)
             out["trace"] = "pipeline_trace.json"
         return {"pipeline": out}
-
-    def reduce_loss(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the pp group (any shape): brings the last stage's losses to every pipeline rank."""
-        t = t.detach().double().clone()
-        dist.all_reduce(t, group=self.topo.group("pp"))
-        return t
-
-    def model_state(self) -> dict:
-        return self.runner.state_dict()
-
-    def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """Full weights gathered to every rank: stage entries all-gathered over pp, tp shards gathered."""
-        mine = {k: local_value(v).detach().cpu() for k, v in self.runner.state_dict().items()}
-        parts: list = [None] * self.topo.degree("pp")
-        dist.all_gather_object(parts, mine, group=self.topo.group("pp"))
-        full: dict[str, torch.Tensor] = {}
-        for part in parts:
-            full.update(part)
-        return full

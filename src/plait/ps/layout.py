@@ -1,4 +1,7 @@
-"""``ParameterServer``: the strategy for ``parallel.mode = "ps"``, on workers and on servers.
+"""``ParameterServer``: the layout of ``parallel.mode = "ps"``, on workers and on servers: data parallelism with its own
+consistency (``ps.mode``), so it composes with no collective gradient-sync policy and no model-parallel dimension
+(``plait.ps.roles.check_ps``); a ``plait.parallel.layout.Layout`` of its own whose serving ranks, pace and part in a
+checkpoint are the layout's optional capabilities (``Serving``, ``OwnPace``, ``CheckpointJoin``).
 
 Its topology spans the workers only (``plait.ps.roles``): the engine's collectives (logging, evaluation,
 the step agreement in sync modes) run among them, while the servers serve from ``start`` (called by
@@ -36,11 +39,12 @@ from plait.comm.collectives import Comm
 from plait.components.checkpoint import load_state, save_state
 from plait.components.dcp_pieces import PiecesSavePlanner
 from plait.components.optim import optimizer_recipe
-from plait.config import Config, ParallelConfig
+from plait.config import Config
 from plait.observe.log import get_logger
-from plait.parallel.apply import ModelSpec
-from plait.parallel.strategy import LayoutError, OptimizerFactory, Strategy, register_strategy
-from plait.parallel.zero.strategy import ELEMENTWISE
+from plait.parallel.grad_sync import ELEMENTWISE, GradSync, LayoutError, OptimizerFactory
+from plait.parallel.layout import Layout
+from plait.parallel.meta_init import ModelFacts
+from plait.parallel.stages import WholeModel
 from plait.ps.checkpoint import ServerCheckpoint, param_names, untrained_state
 from plait.ps.protocol import Op
 from plait.ps.roles import PsTopology, ServerDone, check_ps, make_groups, merge_stats, ps_topology
@@ -51,38 +55,27 @@ from plait.ps.worker import PsClient, grad_norm_sq
 from plait.topology import Topology
 
 
-@register_strategy
-class ParameterServer(Strategy):
-    """Parameter-server training (see the module docstring); the topology's ``groups`` say who serves."""
+def ps_layout_topology(cfg: Config, device: torch.device) -> Topology:
+    """The topology of a parameter-server run: the workers are the data-parallel ranks; the servers hold no batch."""
+    return ps_topology(make_groups(cfg.ps.servers), device)
 
-    name = "ps"
-    priority = 100
 
-    @classmethod
-    def applies(cls, p: ParallelConfig) -> bool:
-        return p.mode == "ps"
+def ps_degrees(cfg: Config, world_size: int) -> dict[str, int]:
+    """The workers are the data-parallel ranks; the servers hold no batch."""
+    return {"pp": 1, "dp_replicate": check_ps(cfg, world_size), "dp_shard": 1, "ep": 1, "tp": 1}
 
-    @classmethod
-    def resolve_degrees(cls, cfg: Config, world_size: int) -> dict[str, int]:
-        """The workers are the data-parallel ranks; the servers hold no batch."""
-        return {"pp": 1, "dp_replicate": check_ps(cfg, world_size), "dp_shard": 1, "ep": 1, "tp": 1}
 
-    @classmethod
-    def build_topology(cls, cfg: Config, device: torch.device) -> Topology:
-        return ps_topology(make_groups(cfg.ps.servers), device)
+class ParameterServer(Layout):
+    """Parameter-server training (see the module docstring); the topology's ``groups`` say who serves. No
+    composition (``check_ps`` allows data parallelism over the workers only) and no broadcast: worker 0's weights go
+    to the servers in ``build_optimizer`` and every worker pulls them."""
 
-    @classmethod
-    def apply(cls, model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec: ModelSpec) -> Strategy:
-        """No composition (``check_ps`` allows data parallelism over the workers only) and no broadcast:
-        worker 0's weights go to the servers in ``build_optimizer`` and every worker pulls them."""
-        return cls(model, cfg, topo, comm, spec)
-
-    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm,
-                 spec: ModelSpec | None = None) -> None:
-        super().__init__(model, cfg, topo, comm, spec)
+    def __init__(self, model: nn.Module, cfg: Config, topo: Topology, comm: Comm) -> None:
         assert isinstance(topo, PsTopology)
+        policy = GradSync(cfg, topo, comm, None, 1)  # nothing is communicated in backward: the push is the step
+        super().__init__(WholeModel(model, cfg.train.compute_precision, topo.device), policy, cfg, topo, comm,
+                         ModelFacts.of(model))
         self.groups = topo.groups
-        self._bn: list[torch.Tensor] = []
         self.client: PsClient | None = None
         self.server: Any = None
         self._acc: torch.Tensor | None = None
@@ -91,9 +84,13 @@ class ParameterServer(Strategy):
         self._pushed = False
         self._grad_norm_sq: float | None = None
 
+    @property
+    def items_ranks(self) -> int:
+        return self.topo.dp
+
     # -- building ---------------------------------------------------------------------------------
     def build_optimizer(self, factory: OptimizerFactory) -> Any:
-        self.optimizer = opt = factory(self.model)
+        self.policy.optimizer = opt = factory(self.model)
         cls = type(opt)
         if cls.__name__ not in ELEMENTWISE or not cls.__module__.startswith("torch.optim"):
             raise LayoutError(f"parallel.mode=ps runs the optimizer on flat shards of the parameters, which computes "
@@ -150,7 +147,7 @@ class ParameterServer(Strategy):
 
     # -- one step ---------------------------------------------------------------------------------
     # gradients stay local until ``step`` and nothing is in flight after backward (the push is the step):
-    # set_sync, no_sync and finish keep the base class's nothing-to-do defaults
+    # set_sync and finish are the no-op policy's
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """The norm of this step's gradient (the servers clip what they apply); accumulates the push."""
@@ -180,7 +177,7 @@ class ParameterServer(Strategy):
         now: the learning rates sent are this step's, since the engine steps the LR scheduler once this returns.
         Returns (norm, skipped): the applied update's where the workers meet at every step (see the module
         docstring), else this worker's own."""
-        norm, skipped = super().clip_and_step(max_norm, scaler, before_step)
+        norm, skipped = super().clip_and_step(max_norm, scaler, before_step)  # clip_grad_norm measures, step marks
         applied = self._push()
         if applied is not None and self.agreement_group(None)[0]:
             norm = applied ** 0.5
@@ -311,6 +308,9 @@ class ParameterServer(Strategy):
 
     def export_weights(self, out: Path, group: Any, coordinator: bool, max_shard_bytes: int) -> Path:
         """The servers hold the current weights: pulled fresh into this worker's model, then written as any
-        whole model is (``Strategy.export_weights``)."""
+        whole model is (``Layout.export_weights``)."""
         self._install(self.client.pull())
         return super().export_weights(out, group, coordinator, max_shard_bytes)
+
+    def describe(self) -> str:
+        return "data-parallel" if self.topo.dp > 1 else ""

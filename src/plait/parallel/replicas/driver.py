@@ -9,11 +9,11 @@ parallelism with plait's reducer (``parallel.zero=0``), ZeRO-1/2 (plait's sharde
 HSDP (``zero=3`` with ``parallel.dp_shard`` dividing the group's data-parallel ranks), with tensor parallelism
 (``parallel.tp``) and pipeline parallelism (``parallel.pp``) inside it as well (torchtitan runs FSDP, tp and pp
 inside torchft replica groups the same way): a group of R ranks is ``tp x pp x`` its own data-parallel degree.
-``Replicas`` wraps that strategy (``plait.parallel.wrapper``). Every rank runs a torchft ``Manager`` (its rank and
-world are its group's; group rank 0 hosts the group's manager server, the others reach it through the group's own
-store); torchft's process group pairs rank k of every live group, and rank k of every group has the same place on
-its group's mesh, so each rank averages with its peers holding the same shards: the same tensor-parallel shard, the
-same pipeline stage, the same ZeRO or FSDP shard. Per optimizer step:
+``Replicas`` is a driver around that layout (``plait.parallel.layout.Driver``): it wraps the step from outside. Every
+rank runs a torchft ``Manager`` (its rank and world are its group's; group rank 0 hosts the group's manager server, the
+others reach it through the group's own store); torchft's process group pairs rank k of every live group, and rank k of
+every group has the same place on its group's mesh, so each rank averages with its peers holding the same shards: the
+same tensor-parallel shard, the same pipeline stage, the same ZeRO or FSDP shard. Per optimizer step:
 
 * at the step boundary (``begin`` at the end of setup, then ``after_step``), ``start_quorum`` on every rank: the
   groups alive agree on who takes part; a group behind the others (a replacement, or one whose last step did not
@@ -47,7 +47,7 @@ its gradients or gradient shards (counted in ``comm_bytes`` as the ring model's 
 ``n`` live groups), the quorum's messages to the Lighthouse and ``should_commit``'s to the group's manager server
 (small RPCs, not counted).
 
-Limits (refused with a message in ``Replicas.check``): expert and context parallelism inside a group (their ranks
+Limits (refused with a message in ``check_replicas``): expert and context parallelism inside a group (their ranks
 hold entries the per-rank averaging and healing would have to pair up differently), a parameter server, DiLoCo,
 plait's reducer settings that act on a per-step collective of their own (``comm.compress``, ``comm.allreduce``,
 ``parallel.impl=torch``, ``sync_batchnorm``, ``fault.rebalance``), a named ``parallel.strategy``, ZeRO in groups of
@@ -60,13 +60,10 @@ loopback): run replica groups on a trusted network.
 
 from __future__ import annotations
 
-import copy
 import os
 import socket
 import time
-from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -75,18 +72,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from plait.comm.collectives import Comm, ring_allreduce_bytes
-from plait.config import Config, ConfigError, ParallelConfig
+from plait.comm.collectives import ring_allreduce_bytes
+from plait.config import Config
 from plait.fault.replica_events import QuorumRecorder, ReplicaEvents
-from plait.fault.replicas import LIGHTHOUSE_ENV, default_groups, replica_group, require_torchft
+from plait.fault.replicas import LIGHTHOUSE_ENV, replica_group, require_torchft
 from plait.observe.log import get_logger
-from plait.parallel.apply import ModelSpec
-from plait.parallel.strategy import PlaitError, Strategy, register_strategy, strategy_table
+from plait.parallel.capabilities import Driver
+from plait.parallel.layout import Layout, PlaitError
 from plait.parallel.units import batchnorm_buffers
-from plait.parallel.wrapper import Wrapper
 from plait.parallel.zero.optimizer import ZeroOptimizer
 from plait.runtime.dist import agent_restarts, restarted_by_agent
-from plait.topology import AXIS_ORDER, MeshAxis, Topology, build_topology
+from plait.topology import AXIS_ORDER, MeshAxis, Topology
 
 
 def _weights_only_transport(timeout: timedelta) -> Any:
@@ -138,42 +134,6 @@ def _held_alike(topo: Topology, t: torch.Tensor) -> tuple[str, ...]:
     return tuple(str(a) for a in AXIS_ORDER if a != MeshAxis.PP and str(a) not in sharded and topo.degree(a) > 1)
 
 
-@dataclass
-class ReplicaTopology(Topology):
-    """The engine's topology of one replica group's rank: the group's own mesh (its ranks and process groups, the
-    layout inside the group), and its place among the groups for the data: ``dp`` counts the data-parallel ranks of
-    every group, ``dp_rank`` is this rank's among them (the ranks of one tensor-parallel group or pipeline share it:
-    they read the same samples). The strategies get the group's plain topology."""
-
-    group_index: int = 0
-    num_groups: int = 1
-
-    @property
-    def dp(self) -> int:
-        return self.num_groups * Topology.dp.fget(self)
-
-    @property
-    def dp_rank(self) -> int:
-        return self.group_index * Topology.dp.fget(self) + Topology.dp_rank.fget(self)
-
-    @property
-    def dp_reachable(self) -> int:
-        """This group's data-parallel ranks: the groups' values meet only in torchft's gradient all-reduce."""
-        return Topology.dp.fget(self)
-
-    def strategy_view(self) -> Topology:
-        return Topology(degrees=self.degrees, rank=self.rank, world_size=self.world_size, device=self.device,
-                        mesh=self.mesh, _groups=self._groups)
-
-
-def _group_config(cfg: Config) -> Config:
-    """``cfg`` for the layout inside one group: its data-parallel degree inferred from the group's world."""
-    out = copy.copy(cfg)
-    out.parallel = copy.copy(cfg.parallel)
-    out.parallel.dp, out.parallel.dp_replicate = 0, 0
-    return out
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: a DTensor's local shard (a view: writing it writes the DTensor), else ``t``."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -192,129 +152,14 @@ def _optimizer_template(o: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[st
     return {"state": state, "param_groups": sd["param_groups"]}
 
 
-@register_strategy
-class Replicas(Wrapper):
+class Replicas(Driver):
     """Data-parallel replica groups on torchft around the layout inside each group (see the module docstring)."""
 
-    name = "replicas"
-    is_wrapper = False  # chosen (by fault.mode), then built around the strategy the group's settings choose
-    priority = 95  # above every collective layout (it builds the one a group's settings choose), below the ps
-
-    @classmethod
-    def chosen_for(cls, cfg: Config | ParallelConfig) -> bool:
-        return isinstance(cfg, Config) and cfg.fault.mode == "replicas"
-
-    @classmethod
-    def inner_class(cls, cfg: Config) -> type[Strategy]:
-        """The strategy each group trains with: the one its [parallel] settings choose (data, ZeRO, FSDP2, tensor or
-        pipeline parallelism)."""
-        strategies, _ = strategy_table()
-        for c in sorted(strategies.values(), key=lambda c: -c.priority):
-            if c is not cls and c.chosen_for(cfg.parallel):
-                return c
-        raise ConfigError("fault.mode=replicas: no registered strategy applies to this [parallel] section")
-
-    @classmethod
-    def layout_class(cls, cfg: Config) -> type[Strategy]:
-        return cls.inner_class(cfg)
-
-    @classmethod
-    def wants_sample(cls, cfg: Config) -> bool:
-        return cls.inner_class(cfg).wants_sample(cfg)
-
-    @classmethod
-    def check(cls, cfg: Config, degrees: dict[str, int]) -> None:
-        p, c, f = cfg.parallel, cfg.comm, cfg.fault
-        if f.mode != "replicas":
-            if p.dp_replicate:
-                raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} sets the torchft replica groups of "
-                                  "fault.mode=replicas; set fault.mode=replicas, or leave it 0 (hybrid sharding's "
-                                  "replicas follow from parallel.dp_shard)")
-            return
-        inside = [(f"parallel.ep={p.ep}", p.ep > 1), (f"parallel.cp={p.cp}", p.cp > 1),
-                  ("parallel.mode=ps", p.mode == "ps"), ("parallel.sync=diloco", p.sync == "diloco"),
-                  ("parallel.impl=torch", p.impl == "torch"), ("parallel.sync_batchnorm", p.sync_batchnorm),
-                  (f"comm.compress={c.compress}", c.compress != "none"),
-                  (f"comm.allreduce={c.allreduce}", c.allreduce != "backend"), ("fault.rebalance", f.rebalance),
-                  (f"parallel.strategy={p.strategy}", p.strategy not in ("auto", cls.name))]
-        refused = [name for name, on in inside if on]
-        if refused:
-            raise ConfigError(f"fault.mode=replicas trains each replica group data-parallel, with ZeRO-1/2, with "
-                              f"FSDP2/HSDP, with tensor or with pipeline parallelism inside it, its gradients averaged "
-                              f"over the groups by torchft; it does not compose with {', '.join(refused)} (no expert "
-                              "or context parallelism inside a replica group: their ranks hold entries torchft's "
-                              "per-rank averaging and healing do not pair up): remove it, or set fault.mode=restart")
-        groups, ranks = degrees["dp_replicate"], degrees["dp_shard"]
-        model_par = p.tp * p.pp
-        if p.zero and ranks < 2 and model_par == 1:
-            raise ConfigError(f"fault.mode=replicas with parallel.zero={p.zero} shards each replica group's state over "
-                              f"its ranks, and a group here is one rank ({groups} groups): set parallel.dp_replicate "
-                              "to fewer groups than parallel.nproc (each of nproc / dp_replicate ranks; plait run "
-                              "--replicas G --nproc R), or parallel.zero=0")
-        if p.zero and ranks < 2:
-            raise ConfigError(f"fault.mode=replicas with parallel.zero={p.zero} shards each replica group's state over "
-                              f"its data-parallel ranks, and a group here has one (its {model_par} ranks are "
-                              f"tp={p.tp} x pp={p.pp}): give each group {2 * model_par} ranks or more (plait run "
-                              f"--replicas G --nproc {2 * model_par}), or set parallel.zero=0")
-        if p.dp_shard and ranks % p.dp_shard:
-            where = "ranks" if model_par == 1 else f"data-parallel ranks ({ranks * model_par} / tp x pp {model_par})"
-            raise ConfigError(f"parallel.dp_shard={p.dp_shard} must divide the {ranks} {where} of a replica group "
-                              f"(HSDP inside each group); use dp_shard in "
-                              f"{[n for n in range(2, ranks + 1) if ranks % n == 0]}, or 0 (FSDP over the group)")
-        if f.min_replicas < 1 or f.min_replicas > groups:
-            raise ConfigError(f"fault.min_replicas must lie in 1..{groups} (the replica groups); got {f.min_replicas}")
-        require_torchft()
-
-    @classmethod
-    def resolve_degrees(cls, cfg: Config, world_size: int) -> dict[str, int]:
-        """``dp_replicate``: the replica groups, ``dp_shard``: the data-parallel ranks of one group (whatever its
-        data-parallel layout inside), ``tp`` and ``pp``: the group's, so that ``dp`` counts every data-parallel rank
-        of every group. In a worker ``world_size`` is its group's ranks and the launcher's environment names the
-        groups; a launcher checking the config passes every rank of the run."""
-        p = cfg.parallel
+    def __init__(self, cfg: Config, topo: Topology, model: nn.Module) -> None:
         found = replica_group()
-        if found is not None:
-            groups = found[1]
-            if p.dp_replicate and p.dp_replicate != groups:
-                raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} but the launcher started {groups} replica "
-                                  "groups: leave it 0 under plait run --replicas, or start as many groups")
-            ranks = world_size
-        else:
-            groups = p.dp_replicate or default_groups(world_size, p.tp * p.pp)
-            if world_size % groups:
-                raise ConfigError(f"parallel.dp_replicate={groups} replica groups must divide the {world_size} ranks "
-                                  f"(parallel.nproc); use dp_replicate in "
-                                  f"{[n for n in range(1, world_size + 1) if world_size % n == 0]}")
-            ranks = world_size // groups
-        model_par = p.tp * p.pp
-        if ranks % model_par:
-            raise ConfigError(f"a replica group of {ranks} ranks does not divide by parallel.tp={p.tp} x "
-                              f"parallel.pp={p.pp} = {model_par} (tensor and pipeline parallelism run inside each "
-                              f"group): give each group a multiple of {model_par} ranks (plait run --replicas G "
-                              f"--nproc {model_par}; plait train: parallel.nproc = dp_replicate x {model_par} x k)")
-        return {"pp": p.pp, "dp_replicate": groups, "dp_shard": ranks // model_par, "ep": 1, "cp": 1, "tp": p.tp}
-
-    @classmethod
-    def build_topology(cls, cfg: Config, device: torch.device) -> Topology:
-        found = replica_group()
-        if found is None:
-            raise ConfigError("fault.mode=replicas runs each replica group as its own job: start the script with "
-                              "plait run --replicas N SCRIPT (or plait train), which also starts a torchft "
-                              "Lighthouse")
-        group = build_topology(_group_config(cfg), device)  # the group's own world: its ranks, its mesh
-        return ReplicaTopology(degrees=group.degrees, rank=group.rank, world_size=group.world_size, device=device,
-                               mesh=group.mesh, group_index=found[0], num_groups=found[1])
-
-    @classmethod
-    def apply(cls, model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec: ModelSpec) -> Strategy:
-        """The group's own strategy around ``model`` (on the group's topology), with this one around it."""
-        return cls(cls.inner_class(cfg).apply(model, topo, _group_config(cfg), comm, spec))
-
-    def __init__(self, inner: Strategy) -> None:
-        super().__init__(inner)
-        found = replica_group()
+        self.cfg, self.topo = cfg, topo
         self.group_index, self.num_groups = found if found is not None else (0, 1)
-        self._bn = batchnorm_buffers(inner.model)
+        self._bn = batchnorm_buffers(model)
         self.logger = get_logger(self.topo.rank)
         self.manager: Any = None
         self._run: Any = None
@@ -329,7 +174,7 @@ class Replicas(Wrapper):
         self.events = ReplicaEvents(self.group_index, self.num_groups, agent_restarts())  # for the run's summary
 
     # -- joining -------------------------------------------------------------------------------------
-    def begin(self, run: Any) -> None:
+    def begin(self, layout: Layout, run: Any) -> None:
         """The torchft manager of this rank, then the first quorum: a replacement heals from a live peer here,
         before its first step; at the start of a run every group takes the first group's state (torchft's
         init_sync)."""
@@ -343,7 +188,7 @@ class Replicas(Wrapper):
             self.logger.info("replica group %d: the replacement waits fault.restart_backoff_s=%g s before it joins",
                              self.group_index, backoff)
             time.sleep(backoff)
-        self.inner.begin(run)
+        self.layout, self.comm = layout, layout.comm
         self._run = run
         f, timeout = self.cfg.fault, timedelta(seconds=self.cfg.comm.timeout_s)
         lighthouse = f.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
@@ -400,10 +245,10 @@ class Replicas(Wrapper):
         tensor parallelism) with different values. Which ranks hold the same tensor: those of the same pipeline
         stage (each stage holds entries of its own) along the group's mesh axes the tensor is not sharded on
         (``_held_alike``); a pipeline's tied copies (the embedding on the first stage, the head on the last) then take
-        the first stage's (``Strategy.retie``). Communication: one all-reduce of the axis sets (64 flags), then one
+        the first stage's (``Layout.retie``). Communication: one all-reduce of the axis sets (64 flags), then one
         broadcast per entry over its ranks and one per tied weight over the pipeline, once, at setup."""
         topo = self.topo
-        entries = [(_local(t).data, _held_alike(topo, t)) for t in self.inner.model_entries().values()]
+        entries = [(_local(t).data, _held_alike(topo, t)) for t in self.layout.model_entries().values()]
         # the axis sets any rank of the group needs, one flag per subset of AXIS_ORDER (bit i: axis i), so that
         # every rank makes the same process groups in the same order (raw flags: nothing received is unpickled)
         needed = torch.zeros(1 << len(AXIS_ORDER), dtype=torch.int32, device=topo.device)
@@ -417,8 +262,8 @@ class Replicas(Wrapper):
         for t, axes in entries:  # the ranks of one stage hold the same entries in the same order
             if axes:
                 dist.broadcast(t, group=groups[axes], group_src=0)
-        self.inner.retie()  # a pipeline's tied copies: each stage's rank healed from a source of its own
-        for o in self.inner.optimizers:  # a separate master copy (parameters not fp32) follows its shard
+        self.layout.retie()  # a pipeline's tied copies: each stage's rank healed from a source of its own
+        for o in self.layout.optimizers:  # a separate master copy (parameters not fp32) follows its shard
             for b in o.buckets if isinstance(o, ZeroOptimizer) else []:
                 if b.master is not b.shard:
                     b.master.copy_(b.shard)
@@ -450,7 +295,7 @@ class Replicas(Wrapper):
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         """The torch optimizers holding this rank's optimizer state (ZeRO's inner one over its shards)."""
-        return [o.optimizer if isinstance(o, ZeroOptimizer) else o for o in self.inner.optimizers]
+        return [o.optimizer if isinstance(o, ZeroOptimizer) else o for o in self.layout.optimizers]
 
     def _heal_state(self) -> dict[str, Any]:
         """What rank k of a replacement needs to continue as rank k of this group (read on torchft's thread while
@@ -459,7 +304,7 @@ class Replicas(Wrapper):
         copy), and the run state."""
         run = self._run.state()
         run["steps"] += int(self._in_step)  # the steps completed at this boundary
-        model = {k: _local(v).detach() for k, v in self.inner.model_entries().items()}
+        model = {k: _local(v).detach() for k, v in self.layout.model_entries().items()}
         held = {t.untyped_storage().data_ptr() for t in model.values()}
         optim = []
         for o in self._optimizers():
@@ -474,7 +319,7 @@ class Replicas(Wrapper):
     @torch.no_grad()
     def _heal(self, state: dict[str, Any]) -> None:
         t0 = time.perf_counter()
-        entries = self.inner.model_entries()
+        entries = self.layout.model_entries()
         if set(entries) != set(state["model"]):
             raise PlaitError("fault.mode=replicas: a live replica's model has other entries than this one's; every "
                              "replica group must train the same model")
@@ -492,10 +337,9 @@ class Replicas(Wrapper):
         self.logger.info("replica group %d healed from a live replica: joins at step %d (%.2f s to load)",
                          self.group_index, int(state["run"]["steps"]), time.perf_counter() - t0)
 
-    def finish_load(self) -> None:
+    def after_load(self, layout: Layout) -> None:
         """After a checkpoint load (a resumed run): torchft's step becomes the loaded one, and a quorum at once, so
         that a group which loaded an older checkpoint, or none, heals from one ahead before its next step."""
-        self.inner.finish_load()
         if self.manager is not None:
             # what this rank served at the last quorum is stale now: a peer asking before this quorum stages the
             # new state must wait for it (should_commit does the same at every step)
@@ -508,17 +352,16 @@ class Replicas(Wrapper):
         """What this rank averages over the groups: the gradients (or gradient shards) the optimizer reads, a
         parameter without one this step given zeros (every group must send the same layout), and the BatchNorm
         running statistics."""
-        if not isinstance(self.inner.optimizer, ZeroOptimizer):  # ZeRO's shards always exist; p.grad stays None
-            for q in self.inner.trainable():
+        if not isinstance(self.layout.optimizer, ZeroOptimizer):  # ZeRO's shards always exist; p.grad stays None
+            for q in self.layout.trainable():
                 if q.grad is None:
                     q.grad = torch.zeros_like(q)
-        return [_local(g) for g in self.inner.grads()] + self._bn
+        return [_local(g) for g in self.layout.grads()] + self._bn
 
-    def finish(self) -> None:
-        """Communication: the group's own gradient synchronisation, then one all-reduce (torchft's, over the
+    def after_finish(self, layout: Layout) -> None:
+        """Communication: after the group's own gradient synchronisation, one all-reduce (torchft's, over the
         groups in this step's quorum) of this rank's gradients (or shards) and BatchNorm running statistics,
         flattened in float32, divided by the number of live groups. No backward."""
-        self.inner.finish()
         tensors = self._averaged()
         flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
         t0 = time.perf_counter()
@@ -534,22 +377,20 @@ class Replicas(Wrapper):
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
 
-    def step_unless(self, found: torch.Tensor) -> None:
-        """torchft's commit first (every rank of every group asks at every step): a step whose collectives failed
-        skips its update like a non-finite one (``found`` set), and the next quorum heals whoever is behind."""
+    def commit(self, layout: Layout) -> bool:
+        """torchft's commit (every rank of every group asks at every step): a step whose collectives failed skips
+        its update like a non-finite one, and the next quorum heals whoever is behind."""
         t0 = time.perf_counter()
         committed = self.manager.should_commit()
         self._commit_s += time.perf_counter() - t0
         if not committed:
             self.logger.warning("replica group %d: step not committed (a replica was lost during it); update "
                                 "skipped", self.group_index)
-            found.fill_(1.0)
-        super().step_unless(found)
+        return committed
 
-    def after_step(self) -> None:
-        """The group's own after-step work (BatchNorm statistics averaged inside it), then the next step's quorum,
+    def after_step(self, layout: Layout) -> None:
+        """After the group's own after-step work (BatchNorm statistics averaged inside it), the next step's quorum,
         at this step boundary (where a replacement joins)."""
-        self.inner.after_step()
         self._in_step = True
         try:
             self._quorum()
@@ -557,17 +398,16 @@ class Replicas(Wrapper):
             self._in_step = False
 
     def step_metrics(self) -> dict[str, Any]:
-        return {**self.inner.step_metrics(), "replicas_live": self._step_live, "replica_heals": self._healed,
+        return {"replicas_live": self._step_live, "replica_heals": self._healed,
                 "replica_step": self.manager.current_step(), "replica_quorum_s_total": round(self._quorum_s, 4),
                 "replica_commit_s_total": round(self._commit_s, 4)}
 
-    def report(self, run_dir: Path | None, measured: dict[str, int] | None, device: torch.device) -> dict[str, Any]:
-        """The group's layout's report, and the ``replicas`` block: the failures, heals and steps with fewer groups
-        this process saw (``plait.fault.replica_events``)."""
-        return {**self.inner.report(run_dir, measured, device), "replicas": self.events.summary()}
+    def report(self) -> dict[str, Any]:
+        """The ``replicas`` block of the group's summary: the failures, heals and steps with fewer groups this process
+        saw (``plait.fault.replica_events``)."""
+        return {"replicas": self.events.summary()}
 
-    def describe(self) -> str:
-        inside = self.inner.describe()
+    def describe(self, inside: str) -> str:
         return f"torchft replica group {self.group_index} of {self.num_groups}" + (f" ({inside})" if inside else "")
 
     def close(self) -> None:
@@ -576,4 +416,3 @@ class Replicas(Wrapper):
             # server's loop has a mangled name), which a process that goes on (a second Plait) keeps, locked
             self.manager.shutdown(wait=True)
             self.manager = None
-        self.inner.close()

@@ -1,0 +1,137 @@
+"""``fault.mode=replicas``'s topology and checks: each replica group is a job of its own (``plait.fault.replicas``
+launches them), so a worker's world and mesh are its group's; ``ReplicaTopology`` places it among the groups for the
+data, ``group_config`` is the config the layout inside a group is built from, and ``check_replicas`` what a replica
+group cannot hold (``plait.parallel.replicas.driver``'s docstring)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from plait.config import Config, ConfigError
+from plait.fault.replicas import default_groups, replica_group, require_torchft
+from plait.topology import Topology, build_topology
+
+
+@dataclass
+class ReplicaTopology(Topology):
+    """The engine's topology of one replica group's rank: the group's own mesh (its ranks and process groups, the
+    layout inside the group), and its place among the groups for the data: ``dp`` counts the data-parallel ranks of
+    every group, ``dp_rank`` is this rank's among them (the ranks of one tensor-parallel group or pipeline share it:
+    they read the same samples). The strategies get the group's plain topology."""
+
+    group_index: int = 0
+    num_groups: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.num_groups * Topology.dp.fget(self)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.group_index * Topology.dp.fget(self) + Topology.dp_rank.fget(self)
+
+    @property
+    def dp_reachable(self) -> int:
+        """This group's data-parallel ranks: the groups' values meet only in torchft's gradient all-reduce."""
+        return Topology.dp.fget(self)
+
+    def group_topology(self) -> Topology:
+        """The group's own topology: the layout inside the group is built on it."""
+        return Topology(degrees=self.degrees, rank=self.rank, world_size=self.world_size, device=self.device,
+                        mesh=self.mesh, _groups=self._groups)
+
+
+def group_config(cfg: Config) -> Config:
+    """``cfg`` for the layout inside one group: its data-parallel degree inferred from the group's world."""
+    out = copy.copy(cfg)
+    out.parallel = copy.copy(cfg.parallel)
+    out.parallel.dp, out.parallel.dp_replicate = 0, 0
+    return out
+
+
+def check_replicas(cfg: Config, degrees: dict[str, int]) -> None:
+    """``fault.mode=replicas``'s settings and what a replica group cannot hold (module docstring)."""
+    p, c, f = cfg.parallel, cfg.comm, cfg.fault
+    if f.mode != "replicas":
+        if p.dp_replicate:
+            raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} sets the torchft replica groups of "
+                              "fault.mode=replicas; set fault.mode=replicas, or leave it 0 (hybrid sharding's "
+                              "replicas follow from parallel.dp_shard)")
+        return
+    inside = [(f"parallel.ep={p.ep}", p.ep > 1), (f"parallel.cp={p.cp}", p.cp > 1),
+              ("parallel.mode=ps", p.mode == "ps"), ("parallel.sync=diloco", p.sync == "diloco"),
+              ("parallel.impl=torch", p.impl == "torch"), ("parallel.sync_batchnorm", p.sync_batchnorm),
+              (f"comm.compress={c.compress}", c.compress != "none"),
+              (f"comm.allreduce={c.allreduce}", c.allreduce != "backend"), ("fault.rebalance", f.rebalance),
+              (f"parallel.strategy={p.strategy}", p.strategy != "auto")]
+    refused = [name for name, on in inside if on]
+    if refused:
+        raise ConfigError(f"fault.mode=replicas trains each replica group data-parallel, with ZeRO-1/2, with "
+                          f"FSDP2/HSDP, with tensor or with pipeline parallelism inside it, its gradients averaged "
+                          f"over the groups by torchft; it does not compose with {', '.join(refused)} (no expert "
+                          "or context parallelism inside a replica group: their ranks hold entries torchft's "
+                          "per-rank averaging and healing do not pair up): remove it, or set fault.mode=restart")
+    groups, ranks = degrees["dp_replicate"], degrees["dp_shard"]
+    model_par = p.tp * p.pp
+    if p.zero and ranks < 2 and model_par == 1:
+        raise ConfigError(f"fault.mode=replicas with parallel.zero={p.zero} shards each replica group's state over "
+                          f"its ranks, and a group here is one rank ({groups} groups): set parallel.dp_replicate "
+                          "to fewer groups than parallel.nproc (each of nproc / dp_replicate ranks; plait run "
+                          "--replicas G --nproc R), or parallel.zero=0")
+    if p.zero and ranks < 2:
+        raise ConfigError(f"fault.mode=replicas with parallel.zero={p.zero} shards each replica group's state over "
+                          f"its data-parallel ranks, and a group here has one (its {model_par} ranks are "
+                          f"tp={p.tp} x pp={p.pp}): give each group {2 * model_par} ranks or more (plait run "
+                          f"--replicas G --nproc {2 * model_par}), or set parallel.zero=0")
+    if p.dp_shard and ranks % p.dp_shard:
+        where = "ranks" if model_par == 1 else f"data-parallel ranks ({ranks * model_par} / tp x pp {model_par})"
+        raise ConfigError(f"parallel.dp_shard={p.dp_shard} must divide the {ranks} {where} of a replica group "
+                          f"(HSDP inside each group); use dp_shard in "
+                          f"{[n for n in range(2, ranks + 1) if ranks % n == 0]}, or 0 (FSDP over the group)")
+    if f.min_replicas < 1 or f.min_replicas > groups:
+        raise ConfigError(f"fault.min_replicas must lie in 1..{groups} (the replica groups); got {f.min_replicas}")
+    require_torchft()
+
+
+def replica_degrees(cfg: Config, world_size: int) -> dict[str, int]:
+    """``dp_replicate``: the replica groups, ``dp_shard``: the data-parallel ranks of one group (whatever its
+    data-parallel layout inside), ``tp`` and ``pp``: the group's, so that ``dp`` counts every data-parallel rank
+    of every group. In a worker ``world_size`` is its group's ranks and the launcher's environment names the
+    groups; a launcher checking the config passes every rank of the run."""
+    p = cfg.parallel
+    found = replica_group()
+    if found is not None:
+        groups = found[1]
+        if p.dp_replicate and p.dp_replicate != groups:
+            raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} but the launcher started {groups} replica "
+                              "groups: leave it 0 under plait run --replicas, or start as many groups")
+        ranks = world_size
+    else:
+        groups = p.dp_replicate or default_groups(world_size, p.tp * p.pp)
+        if world_size % groups:
+            raise ConfigError(f"parallel.dp_replicate={groups} replica groups must divide the {world_size} ranks "
+                              f"(parallel.nproc); use dp_replicate in "
+                              f"{[n for n in range(1, world_size + 1) if world_size % n == 0]}")
+        ranks = world_size // groups
+    model_par = p.tp * p.pp
+    if ranks % model_par:
+        raise ConfigError(f"a replica group of {ranks} ranks does not divide by parallel.tp={p.tp} x "
+                          f"parallel.pp={p.pp} = {model_par} (tensor and pipeline parallelism run inside each "
+                          f"group): give each group a multiple of {model_par} ranks (plait run --replicas G "
+                          f"--nproc {model_par}; plait train: parallel.nproc = dp_replicate x {model_par} x k)")
+    return {"pp": p.pp, "dp_replicate": groups, "dp_shard": ranks // model_par, "ep": 1, "cp": 1, "tp": p.tp}
+
+
+def replica_topology(cfg: Config, device: torch.device) -> Topology:
+    """This rank's topology: its group's own world and mesh, its place among the groups for the data."""
+    found = replica_group()
+    if found is None:
+        raise ConfigError("fault.mode=replicas runs each replica group as its own job: start the script with "
+                          "plait run --replicas N SCRIPT (or plait train), which also starts a torchft "
+                          "Lighthouse")
+    group = build_topology(group_config(cfg), device)  # the group's own world: its ranks, its mesh
+    return ReplicaTopology(degrees=group.degrees, rank=group.rank, world_size=group.world_size, device=device,
+                           mesh=group.mesh, group_index=found[0], num_groups=found[1])
