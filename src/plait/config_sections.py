@@ -178,6 +178,13 @@ class OptimConfig:
     # also skips a non-finite step on the device (no host read). Both are deterministic; they round differently in
     # the last bit.
     fused: bool | Literal["auto"] = "auto"
+    # Skip the update of a step whose gradient norm is NaN or infinite. auto: where it costs nothing, that is where
+    # every optimizer takes torch's found_inf (fused AdamW/Adam/SGD/Adagrad: plait's AdamW on a GPU) and under fp16
+    # (the loss scaler's overflow skip, which a GradScaler loop makes too); elsewhere the update is applied, as in
+    # your own loop, and the non-finite norm is reported at the next log step. true: skip always (an optimizer without
+    # found_inf then reads one flag on the host per step). false: never (refused with fp16). plait train's recipes set
+    # true.
+    skip_nonfinite: bool | Literal["auto"] = "auto"
 
 
 @dataclass

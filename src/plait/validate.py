@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from plait.components.precision import check_skip
 from plait.config import Config, ConfigError, check_values
 from plait.data.tokenize import resolve_vocab_size
 from plait.observe.prometheus import check_prometheus
@@ -46,6 +47,7 @@ def validate(cfg: Config, world_size: int, model_check: Callable[[Config, dict[s
     check_checkpointing(t.activation_checkpointing, t.checkpoint_every_k, t.checkpoint_save_ops, t.activation_offload)
     check_offload(t.activation_offload, t.compile)
     float8.check_config(cfg)
+    check_skip(t.precision, cfg.optim.skip_nonfinite)
     compile_unit(cfg, compile_blocks_because(cfg))  # train.compile=model where the layout needs blocks: refused here
     if model_check is not None:
         model_check(cfg, degrees)

@@ -340,6 +340,11 @@ class Stepper:
         info.history = [{"step": p.step, "loss": own[i], "global_loss": agreed_losses[i], "grad_norm": norms[i],
                          "skipped": flags[i] > 0} for i, p in enumerate(pending)]
         for p, h in zip(pending, info.history, strict=True):
+            finite = h["grad_norm"] == h["grad_norm"] and abs(h["grad_norm"]) != float("inf")
+            if not h["skipped"] and not finite:  # optim.skip_nonfinite: the optimizer could not skip it for free
+                self.logger.warning("step %d: gradient norm is %s; the update was applied (optim.skip_nonfinite=%s: "
+                                    "set it true to skip such steps)", p.step, h["grad_norm"],
+                                    self.config.optim.skip_nonfinite)
             if h["skipped"] and not isinstance(p.skipped, bool):  # a host decision was logged at its step
                 if h["grad_norm"] == h["grad_norm"] and abs(h["grad_norm"]) != float("inf"):  # not the norm's doing
                     self.logger.warning("step %d: update skipped by the layout (gradient norm %s, finite)", p.step,

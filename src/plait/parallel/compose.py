@@ -106,6 +106,13 @@ def wants_sample(cfg: Config) -> bool:
     return not model_whole(cfg) and cfg.parallel.pp_balance == "cost"
 
 
+def copies_state_per_rank(cfg: Config) -> bool:
+    """Whether every training rank holds its own part of the state a checkpoint saves, so that a copy of it can be
+    kept in host memory at each save (``fault.memory_checkpoint``): not under a parameter server, whose servers hold
+    the parameters and optimizer states outside the training ranks."""
+    return cfg.parallel.mode != "ps"
+
+
 def compile_blocks_because(cfg: Config) -> str:
     """Why ``train.compile`` compiles this layout's model block by block (empty: the whole model may be one region)."""
     p = cfg.parallel

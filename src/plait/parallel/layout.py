@@ -279,10 +279,9 @@ class Layout:
             return norm, skipped
         found = nonfinite(norm)
         before_step()
-        if not all(d.commit(self) for d in self.drivers):  # a replica's step whose collectives failed
-            found.fill_(1.0)
-        self.step_unless(found)
-        return norm, found
+        if not all(d.commit(self) for d in self.drivers):  # a replica's step whose collectives failed: no update
+            return norm, found.fill_(1.0)
+        return norm, self.step_unless(found)
 
     def torch_optimizers(self) -> list[torch.optim.Optimizer] | None:
         """The torch optimizers ``step`` runs (a ZeRO optimizer's inner one), or None where one is not a torch
@@ -300,12 +299,24 @@ class Layout:
         opts = self.torch_optimizers()
         return bool(opts) and all(getattr(o, "_step_supports_amp_scaling", False) for o in opts)
 
-    def step_unless(self, found: torch.Tensor) -> None:
-        """``step``, unless ``found`` (a 0-dim float tensor on the device) is 1. Optimizers that take torch's
-        ``found_inf`` (fused Adam/AdamW/SGD/Adagrad: plait's AdamW on a GPU) skip on the device, parameters,
-        states and step counts untouched: the host reads nothing. Any other optimizer needs the decision on the
-        host: one read of ``found`` per step (on a GPU, a wait for the gradients)."""
+    def skips_on_host(self) -> bool:
+        """Whether a non-finite step is skipped by a decision on the host (``optim.skip_nonfinite``): asked for
+        (true), or fp16's loss scaling, where an overflow must not update (auto). Otherwise an optimizer that cannot
+        skip on the device applies the update, as the user's own loop would."""
+        mode = self.cfg.optim.skip_nonfinite
+        return mode is True or (mode == "auto" and self.cfg.train.precision == "fp16")
+
+    def step_unless(self, found: torch.Tensor) -> torch.Tensor | bool:
+        """``step``, unless ``found`` (a 0-dim float tensor on the device) is 1; returns whether the update was
+        skipped (a device tensor or a host bool). Optimizers that take torch's ``found_inf`` (fused
+        Adam/AdamW/SGD/Adagrad: plait's AdamW on a GPU) skip on the device, parameters, states and step counts
+        untouched: the host reads nothing. Any other optimizer skips only by a decision on the host, one read of
+        ``found`` per step (on a GPU, a wait for the gradients), made where ``skips_on_host``; elsewhere it steps
+        (``optim.skip_nonfinite=false`` never skips)."""
         opts = self.torch_optimizers()
+        if self.cfg.optim.skip_nonfinite is False:
+            self.step()
+            return False
         if self.skips_on_device():
             for o in opts:
                 o.found_inf = found
@@ -314,8 +325,13 @@ class Layout:
             finally:
                 for o in opts:
                     del o.found_inf
-        elif not bool(found):
+            return found
+        if not self.skips_on_host():
+            self.step()  # as the user's own loop: a non-finite norm is reported at the next log step
+            return False
+        if not bool(found):
             self.step()
+        return found
 
     def after_step(self) -> None:
         """After every optimizer step, stepped or skipped, once the LR scheduler has stepped."""

@@ -236,8 +236,10 @@ def check_recipe(cfg: Config, degrees: dict[str, int]) -> None:
 
 
 # The recipes keep the gradient clipping their other defaults were tuned with (a user's own loop gets none
-# unless it asks: optim.grad_clip defaults to 0).
-CLIPPED = {"optim": {"grad_clip": 1.0}}
+# unless it asks: optim.grad_clip defaults to 0), and skip a step whose gradient is not finite (plait's loop: a read
+# of one flag per step where the optimizer cannot skip on the device, which a user's own loop does not pay unless
+# it asks: optim.skip_nonfinite defaults to auto).
+CLIPPED = {"optim": {"grad_clip": 1.0, "skip_nonfinite": True}}
 register_model("gpt", ModelRecipe(build=gpt.build_model, data="text", loss="causal_lm", check=gpt.check_model,
                                   describe="plait's GPT (pre-LayerNorm decoder, tied embeddings)", defaults=CLIPPED))
 register_data("text", DataRecipe(build=gpt.build_text, check=gpt.check_text,

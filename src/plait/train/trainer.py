@@ -151,10 +151,11 @@ class Trainer:
         self.token_weighted = self.loss.counts_items_for(model) and p.weighs_tokens
         # A data set whose every sample holds the same number of counted targets (plait's token windows: no -100)
         # read in whole global batches: this rank's count over a step is known (its samples x targets_per_sample),
-        # and so the step's, so nothing is counted or all-reduced per step
+        # and so the step's, so nothing is counted or all-reduced per step (the cp ranks of a group read the same
+        # samples: the count is the same as at cp = 1, and the context split divides its shard's loss by cp)
         per = getattr(train_data, "targets_per_sample", None)
         self.items_per_step = (cfg.train.global_batch_size // p.dp * per if self.token_weighted and per is not None
-                               and isinstance(self.loss, CausalLMLoss) and cfg.parallel.cp == 1 else None)
+                               and isinstance(self.loss, CausalLMLoss) else None)
         self.peak = self._peak()
         self.state = RunState(step=p.steps)  # above 0 where setup joined live replicas at a later step
         self.state.skipped_steps = lambda: p.skipped_steps  # read from the engine only when looked up
