@@ -80,9 +80,10 @@ def settings(names: tuple[str, ...] | list[str]) -> tuple[list[str], int]:
     if d.get("parallel.mode") == "ps":
         world = 3  # a server and 2 workers
         over[-2] = "--train.global_batch_size=8"
-    if d.get("fault.mode") == "replicas":  # 2 groups of what the layout inside needs
+    if d.get("fault.mode") == "replicas":  # 2 groups, each of what the layout inside needs
         over.append("--parallel.dp_replicate=2")
-        world *= 2 if dp == 2 else 1
+        over[over.index(f"--train.global_batch_size={4 * dp}")] = f"--train.global_batch_size={8 * dp}"
+        world *= 2
     return over, world
 
 
