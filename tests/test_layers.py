@@ -20,7 +20,7 @@ PLAN_MODEL = ("buckets", "derive", "flops", "hardware", "kernels", "layouts", "m
               "ops", "ops_moe", "params", "planner", "rank_memory", "schedule", "shapes", "simulate", "stages",
               "timeline", "trace", "wire", "workload")
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("runtime", ("plait.runtime", "plait.config", "plait.config_sections", "plait.topology")),
+    ("runtime", ("plait.runtime", "plait.config", "plait.config_sections", "plait.config_layout", "plait.topology")),
     # the pure cost and memory model: above the runtime (it reads a Config's sections and raises ConfigError)
     ("plan/model", tuple(f"plait.plan.{m}" for m in PLAN_MODEL)),
     ("components", ("plait.components",)),
