@@ -246,7 +246,9 @@ class Plait(SmallCollectives):
                                                                  self.config, self.comm, spec)
             strategy.prepare_weights(weights, init_fn, self.config.train.seed, self.group)
             if moe:
-                self.stepper.moe = MoeMonitor(strategy.model, self.topology, self.comm, self.config.train.log_every,
+                # the layout's topology: a bias balances the loads of the ranks that step together (one DiLoCo
+                # replica's)
+                self.stepper.moe = MoeMonitor(strategy.model, strategy.topo, self.comm, self.config.train.log_every,
                                               bias=any(layer.balance == "bias" for layer in moe))
             opt = strategy.build_optimizer(factory)
         strategy.setup_memory = meter.stop()
@@ -401,7 +403,8 @@ class Plait(SmallCollectives):
             total += c.to(device=self.device, dtype=torch.float64)
         if not alone:
             self._meet()
-            self.comm.all_reduce_sum(total, self.topology.dp_group, name="num_items_in_batch")
+            # the layout's data-parallel ranks (one DiLoCo replica's; every one otherwise)
+            self.comm.all_reduce_sum(total, strategy.topo.dp_group, name="num_items_in_batch")
         return (total[0] / divisor).float()
 
     def num_items_known(self, per_rank: int) -> torch.Tensor:
