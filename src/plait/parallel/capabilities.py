@@ -54,7 +54,7 @@ class CheckpointJoin(Protocol):
 class ReplicaMean(Protocol):
     """A driver that averages values over the replicas it manages (torchft's live replica groups)."""
 
-    def replica_mean(self, flat: torch.Tensor, name: str) -> bool:
+    def replica_mean(self, flat: torch.Tensor) -> bool:
         """``flat`` (1-D float32, this rank's part) replaced by its mean over the live replicas (rank k of each
         replica sends the same part), then the ranks of this replica agree whether it arrived everywhere (False:
         discard it). Collective over this replica's ranks and its peers in the others."""

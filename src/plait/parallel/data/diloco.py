@@ -207,7 +207,6 @@ class DiLoCo(Driver):
         self._anchor: torch.Tensor | None = None  # (P,) float32: this rank's part of the weights at the period's start
         self._momentum: torch.Tensor | None = None  # (P,) float32: the outer optimizer's momentum buffer
         self._params: list[nn.Parameter] = []
-        self._locals: list[torch.Tensor] = []  # this rank's part of each parameter (views: writing them writes it)
         self._bn: list[torch.Tensor] = []
 
     # -- building ------------------------------------------------------------------------------------
@@ -216,7 +215,6 @@ class DiLoCo(Driver):
         loaded or initialised)."""
         self.outer = next((d for d in layout.drivers if isinstance(d, ReplicaMean)), None)
         self._params = layout.trainable()
-        self._locals = [_local(q) for q in self._params]
         self._bn = batchnorm_buffers(layout.model) if self.replicas > 1 and not self.sync_batchnorm else []
         wrong = sorted({str(q.dtype) for q in self._locals if q.dtype != torch.float32})
         if wrong:
@@ -226,6 +224,12 @@ class DiLoCo(Driver):
         self._anchor = torch.cat([q.detach().reshape(-1) for q in self._locals]).float()
         self._momentum = torch.zeros_like(self._anchor)  # torch's first SGD step (buffer = gradient) is 0 * m + g
         self._fragments = split_fragments([q.numel() for q in self._locals], self.num_fragments)
+
+    @property
+    def _locals(self) -> list[torch.Tensor]:
+        """This rank's part of each trainable parameter (views: writing them writes it), asked each time: FSDP2 may
+        give a parameter new local storage after setup."""
+        return [_local(q) for q in self._params]
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat`` cut into tensors shaped like this rank's part of each trainable parameter, in their order."""
@@ -279,7 +283,7 @@ class DiLoCo(Driver):
         torchft's groups did not agree that it arrived (nothing is then to be applied)."""
         if self.outer is not None:  # torchft's live groups: one all-reduce of both, then the group's agreement
             flat = torch.cat([delta, *(t.reshape(-1).float() for t in bn)])
-            if not self.outer.replica_mean(flat, "diloco pseudo-gradient"):
+            if not self.outer.replica_mean(flat):
                 return False
             _unflatten(flat, [delta, *bn])
             return True
@@ -315,13 +319,14 @@ class DiLoCo(Driver):
         if self._anchor is None or (self.num_fragments == 1 and self.since_start % self.inner_steps == 0):
             yield
             return
-        own = [q.detach().clone() for q in self._locals]
+        locals_ = self._locals
+        own = [q.detach().clone() for q in locals_]
         self._restart()
         try:
             yield
         finally:
             with torch.no_grad():
-                for q, mine in zip(self._locals, own, strict=True):
+                for q, mine in zip(locals_, own, strict=True):
                     q.copy_(mine)
 
     def step_metrics(self) -> dict[str, Any]:

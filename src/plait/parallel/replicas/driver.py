@@ -305,8 +305,14 @@ class Replicas(Driver):
         t0 = time.perf_counter()
         self.manager.start_quorum()
         self._participants = self.manager.num_participants()
+        result = self._quorums.last
+        if self.outer_loop and result.replica_world_size > result.max_world_size:
+            # a group heals here, and under DiLoCo the groups meet again only at the next synchronisation: every
+            # group of the quorum waits until it has fetched its state (served as it is: the next inner step would
+            # change it). Per step the gradient all-reduce waits for it anyway.
+            self.manager.allreduce(torch.zeros(1)).wait()
         self._quorum_s += time.perf_counter() - t0
-        self.events.quorum(self._quorums.last, self._run.steps + int(self._in_step), start)
+        self.events.quorum(result, self._run.steps + int(self._in_step), start)
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         """The torch optimizers holding this rank's optimizer state (ZeRO's inner one over its shards)."""
@@ -401,7 +407,7 @@ class Replicas(Driver):
         self.comm.stats.bytes_sent += ring_allreduce_bytes(flat.numel() * 4, self._participants)
         self.comm.stats.calls += 1
 
-    def replica_mean(self, flat: torch.Tensor, name: str) -> bool:
+    def replica_mean(self, flat: torch.Tensor) -> bool:
         """DiLoCo's outer all-reduce (``plait.parallel.capabilities.ReplicaMean``): ``flat`` averaged over the live
         groups, then this step's vote (``should_commit``: every rank of the group agrees whether the all-reduce
         succeeded everywhere; False: drop it). Communication: one torchft all-reduce of ``flat``."""
