@@ -12,8 +12,10 @@
     layout = Layout(stages, policy, experts, split, drivers)   # drivers wrap the step from outside: DiLoCo, replicas
 
 float8 converts the model's linear layers first (before any layout: FSDP2 gathers the float8 weights, tensor
-parallelism shards them). A parameter server is data parallelism with its own consistency: its own layout
-(``plait.ps.layout``), composed with nothing.
+parallelism shards them). Under DiLoCo the layout is composed on the topology inside one replica (``Topology.within``
+the ``dp_replicate`` axis: the policy and the experts' sync average over the replica's ranks only) and its driver on
+the whole run's, whose ``dp_replicate`` axis holds the replicas. A parameter server is data parallelism with its own
+consistency: its own layout (``plait.ps.layout``), composed with nothing.
 
 Besides ``parallelize``, what the engine asks of a config before any model exists: the degrees (``resolve``), the
 topology, whether the model runs whole on each rank, whether setup wants a sample micro-batch, why compile must go
