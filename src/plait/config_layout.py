@@ -47,7 +47,9 @@ class ParallelConfig:
     offload: Literal["none", "optimizer", "params"] = "none"
     # zero=3: ranks per shard group (hybrid sharding, HSDP): parameters, gradients and optimizer states are
     # sharded over groups of dp_shard ranks and replicated across the dp / (ep x dp_shard) groups; 0 shards
-    # over every data-parallel rank (FSDP). Must divide dp / ep; needs zero=3.
+    # over every data-parallel rank (FSDP). Must divide dp / ep; needs zero=3. With sync=diloco, any zero: the
+    # data-parallel ranks of one DiLoCo replica (0: one), the dp / (ep x dp_shard) replicas synchronising every
+    # diloco_inner_steps steps.
     dp_shard: int = 0
     # fault.mode=replicas: the torchft replica groups the nproc ranks form, nproc / dp_replicate ranks each (every
     # group trains the whole model, data-parallel with plait's reducer or sharded inside by zero=1/2, FSDP2 or HSDP

@@ -238,7 +238,6 @@ def test_plait_train_replica_group_killed_and_healed(tmp_path: Path) -> None:
     ({"parallel": {"pp": 2, "zero": 3}}, r"with parallel.zero=3 shards each replica group's state over its "
                                          r"data-parallel ranks, and a group here has one \(its 2 ranks are tp=1 x "
                                          r"pp=2\)"),
-    ({"parallel": {"sync": "diloco"}}, "does not compose with parallel.sync=diloco"),
     ({"comm": {"compress": "int8"}}, "does not compose with comm.compress=int8"),
     ({"parallel": {"strategy": "zero"}}, "does not compose with parallel.strategy=zero"),
     ({"fault": {"min_replicas": 3}}, r"fault.min_replicas must lie in 1..2"),

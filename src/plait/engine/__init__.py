@@ -246,7 +246,9 @@ class Plait(TokenCounting, Persistence, SmallCollectives):
                                                                  self.config, self.comm, spec)
             strategy.prepare_weights(weights, init_fn, self.config.train.seed, self.group)
             if moe:
-                self.stepper.moe = MoeMonitor(strategy.model, self.topology, self.comm, self.config.train.log_every,
+                # the layout's topology: a bias balances the loads of the ranks that step together (one DiLoCo
+                # replica's)
+                self.stepper.moe = MoeMonitor(strategy.model, strategy.topo, self.comm, self.config.train.log_every,
                                               bias=any(layer.balance == "bias" for layer in moe))
             opt = strategy.build_optimizer(factory)
         strategy.setup_memory = meter.stop()

@@ -64,7 +64,8 @@ class TokenCounting:
             total += c.to(device=self.device, dtype=torch.float64)
         if not alone:
             self._meet()
-            self.comm.all_reduce_sum(total, self.topology.dp_group, name="num_items_in_batch")
+            # the layout's data-parallel ranks (one DiLoCo replica's; every one otherwise)
+            self.comm.all_reduce_sum(total, strategy.topo.dp_group, name="num_items_in_batch")
         return (total[0] / divisor).float()
 
     def num_items_known(self, per_rank: int) -> torch.Tensor:

@@ -12,8 +12,10 @@
     layout = Layout(stages, policy, experts, split, drivers)   # drivers wrap the step from outside: DiLoCo, replicas
 
 float8 converts the model's linear layers first (before any layout: FSDP2 gathers the float8 weights, tensor
-parallelism shards them). A parameter server is data parallelism with its own consistency: its own layout
-(``plait.ps.layout``), composed with nothing.
+parallelism shards them). Under DiLoCo the layout is composed on the topology inside one replica (``Topology.within``
+the ``dp_replicate`` axis: the policy and the experts' sync average over the replica's ranks only) and its driver on
+the whole run's, whose ``dp_replicate`` axis holds the replicas. A parameter server is data parallelism with its own
+consistency: its own layout (``plait.ps.layout``), composed with nothing.
 
 Besides ``parallelize``, what the engine asks of a config before any model exists: the degrees (``resolve``), the
 topology, whether the model runs whole on each rank, whether setup wants a sample micro-batch, why compile must go
@@ -37,7 +39,7 @@ from plait.parallel.checkpointing import apply_checkpointing
 from plait.parallel.compile import apply_compile
 from plait.parallel.context.split import ContextSplit, apply_context, check_context, route_stages
 from plait.parallel.data import sync as data_sync  # noqa: F401 - the built-in policies register themselves
-from plait.parallel.data.diloco import DiLoCo, check_diloco
+from plait.parallel.data.diloco import DiLoCo, check_diloco, diloco_replicas, replica_degrees_inside, replica_inside
 from plait.parallel.expert.apply import apply_expert, check_expert
 from plait.parallel.expert.hf import check_hf_experts, check_pipeline_router_loss
 from plait.parallel.expert.sync import ExpertSync
@@ -132,6 +134,7 @@ def check_layout(cfg: Config, degrees: dict[str, int]) -> None:
     starts."""
     for check in (check_replicas, check_diloco):  # the drivers first: they say what a replica can hold
         check(cfg, degrees)
+    degrees = replica_degrees_inside(cfg, degrees)  # DiLoCo: each replica's own layout
     for cls in policies().values():
         cls.check(cfg, degrees)
     for check in (check_tensor, check_pipeline, check_expert, check_context):
@@ -171,20 +174,19 @@ def _registered(model: nn.Module) -> bool:
 
 
 def _policy(cfg: Config, topo: Topology, comm: Comm) -> GradSync:
-    """The policy over the ranks whose gradients are averaged every step: every data-parallel rank (x cp), or under
-    DiLoCo those inside one replica (its outer loop averages the replicas)."""
-    cls = policy_class(cfg)
-    if cfg.parallel.sync == "diloco":
-        cp = topo.degree("cp")
-        return cls(cfg, topo, comm, topo.group("cp") if cp > 1 else None, cp, None)
-    return cls(cfg, topo, comm, topo.group("dp_cp"), topo.degree("dp_cp"),
-               topo.fsdp_mesh if topo.mesh is not None else None)
+    """The policy over the ranks whose gradients are averaged every step: every data-parallel rank (x cp) of
+    ``topo`` (under DiLoCo, the topology inside one replica: its outer loop averages the replicas)."""
+    return policy_class(cfg)(cfg, topo, comm, topo.group("dp_cp"), topo.degree("dp_cp"),
+                             topo.fsdp_mesh if topo.mesh is not None else None)
 
 
 def _drivers(cfg: Config, topo: Topology, comm: Comm, model: nn.Module) -> list[Driver]:
+    """The drivers around the layout; ``topo`` is the whole run's (DiLoCo's replicas are its ``dp_replicate``
+    axis; under torchft replica groups, the groups themselves)."""
     drivers: list[Driver] = []
-    if cfg.parallel.sync == "diloco":  # each data-parallel rank a replica (its cp ranks one with it)
-        drivers.append(DiLoCo(cfg, comm, topo.dp_group if topo.dp > 1 else None, topo.dp))
+    if cfg.parallel.sync == "diloco":
+        group, replicas = diloco_replicas(cfg, topo)
+        drivers.append(DiLoCo(cfg, comm, group, replicas))
     if cfg.fault.mode == "replicas":
         drivers.append(Replicas(cfg, topo, model))
     return drivers
@@ -200,6 +202,7 @@ def parallelize(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec:
         return ParameterServer(model, cfg, topo, comm)
     if cfg.fault.mode == "replicas":  # the layout inside one group: its ranks, its data-parallel degree
         cfg, topo = group_config(cfg), topo.group_topology()
+    whole, topo = topo, replica_inside(cfg, topo)  # DiLoCo: the layout inside one replica
     p = cfg.parallel
     check_model(model, topo, p, spec)
     facts = ModelFacts.of(model)
@@ -229,4 +232,4 @@ def parallelize(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec:
     policy.attach(stages.holder, [q for _, q in named if q.requires_grad and not is_expert(q)])
     experts = ExpertSync(policy, named, [q for _, q in named if is_expert(q)]) if topo.ep > 1 else None
     split = ContextSplit(attention, topo, stages) if attention is not None else None
-    return Layout(stages, policy, cfg, topo, comm, facts, experts, split, _drivers(cfg, topo, comm, stages.model))
+    return Layout(stages, policy, cfg, topo, comm, facts, experts, split, _drivers(cfg, whole, comm, stages.model))

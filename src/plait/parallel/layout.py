@@ -424,12 +424,21 @@ class Layout:
 
     def export_weights(self, out: Path, group: Any, coordinator: bool, max_shard_bytes: int) -> Path:
         """Write the model as a Hugging Face directory, as ``save_pretrained`` names it: every rank writes its own
-        shards; collective over ``group``."""
-        return export_weights(self.facts, self.model_entries(), out, group, coordinator, max_shard_bytes)
+        shards; collective over ``group``. The weights are those every replica agrees on (``evaluation``)."""
+        with self.evaluation():
+            return export_weights(self.facts, self.model_entries(), out, group, coordinator, max_shard_bytes)
 
     def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights under the single-process names; every rank calls it. With ``rank0_only`` other
-        ranks may get an empty dict (layouts that gather save the memory)."""
+        ranks may get an empty dict (layouts that gather save the memory). The weights are those every replica
+        agrees on: gathered inside ``evaluation`` (DiLoCo's start weights in the model while they are), copied where
+        a driver may put other weights back after it."""
+        if not self.drivers:
+            return self._full_model_state(rank0_only)
+        with self.evaluation():
+            return {k: v.clone() for k, v in self._full_model_state(rank0_only).items()}
+
+    def _full_model_state(self, rank0_only: bool) -> dict[str, torch.Tensor]:
         full = None
         if self.experts is None and not self.stages.is_pipeline:
             full = self.policy.full_state(self.stages.holder, rank0_only)
@@ -440,8 +449,6 @@ class Layout:
             full = {**self.stages.full_state(), **self.experts.full()}
         elif full is None:
             full = self.stages.full_state()
-        for d in self.drivers:
-            full = d.entries(self, full)
         return full
 
     # -- reporting ---------------------------------------------------------------------------------

@@ -72,6 +72,8 @@ def settings(names: tuple[str, ...] | list[str]) -> tuple[list[str], int]:
     d: dict[str, Any] = {}
     for n in names:
         d.update(FEATURES[n][0])
+    if d.get("parallel.sync") == "diloco" and d.get("parallel.zero") and d.get("fault.mode") != "replicas":
+        d.setdefault("parallel.dp_shard", 2)  # DiLoCo's replicas of 2 ranks each, sharded inside
     tp, pp, cp = d.get("parallel.tp", 1), d.get("parallel.pp", 1), d.get("parallel.cp", 1)
     dp = 4 if d.get("parallel.dp_shard") else 2  # HSDP: 2 shard groups of 2; DiLoCo, ZeRO, ep: 2 ranks
     world = tp * pp * cp * dp
@@ -82,8 +84,9 @@ def settings(names: tuple[str, ...] | list[str]) -> tuple[list[str], int]:
         over[-2] = "--train.global_batch_size=8"
     if d.get("fault.mode") == "replicas":  # 2 groups, each of what the layout inside needs
         over.append("--parallel.dp_replicate=2")
-        over[over.index(f"--train.global_batch_size={4 * dp}")] = f"--train.global_batch_size={8 * dp}"
-        world *= 2
+        if dp == 2:  # twice the data-parallel ranks: twice the global batch
+            world *= 2
+            over[over.index(f"--train.global_batch_size={4 * dp}")] = f"--train.global_batch_size={8 * dp}"
     return over, world
 
 

@@ -11,7 +11,8 @@ reduction during the micro-batches' backwards, one reduce-scatter (and, under HS
 after a step's last backward. ``train.precision = "bf16"`` computes through FSDP2's mixed-precision policy (fp32
 sharded parameters, each unit gathered in bf16, gradients reduced in fp32) instead of autocast.
 
-Its check owns ``parallel.dp_shard`` for every layout that shards with FSDP2.
+Its check owns ``parallel.dp_shard`` for every layout that shards with FSDP2 (under DiLoCo, the data-parallel ranks of
+one replica, inside which it shards over them: ``plait.parallel.data.diloco``).
 """
 
 from __future__ import annotations
@@ -123,17 +124,19 @@ def shard_shape(shape: torch.Size, n: int, index: int) -> torch.Size:
 
 def check_dp_shard(p: ParallelConfig) -> None:
     """``parallel.dp_shard`` (hybrid sharding) needs ZeRO-3 and more than one rank per shard group; its divisibility
-    is the topology's (``plait.topology.resolve_degrees``)."""
+    is the topology's (``plait.topology.resolve_degrees``). Under DiLoCo it is the data-parallel ranks of one replica
+    (``plait.parallel.data.diloco``), whatever the ZeRO stage inside it, one included."""
+    diloco = p.sync == "diloco"
     if not p.dp_shard:
         return
-    if p.zero != 3:
+    if p.zero != 3 and not diloco:
         raise ConfigError(f"parallel.dp_shard={p.dp_shard} sets the shard groups of hybrid sharding, which shards "
                           f"parameters with FSDP2 (ZeRO-3); set parallel.zero=3, or parallel.dp_shard=0 with "
                           f"parallel.zero={p.zero}")
-    if p.dp_shard == 1:
+    if p.dp_shard == 1 and not diloco:
         raise ConfigError("parallel.dp_shard=1 makes shard groups of one rank, which shard nothing: use "
                           "parallel.zero=0 to replicate, or dp_shard >= 2 (0 shards over every data-parallel rank)")
-    if p.ep > 1:
+    if p.ep > 1 and p.zero == 3 and p.dp_shard > 1:
         raise ConfigError(f"parallel.dp_shard={p.dp_shard} with parallel.ep={p.ep}: hybrid sharding does not compose "
                           "with expert parallelism in this build; set parallel.dp_shard=0 (ZeRO-3 over every "
                           "data-parallel rank)")

@@ -47,8 +47,16 @@ its gradients or gradient shards (counted in ``comm_bytes`` as the ring model's 
 ``n`` live groups), the quorum's messages to the Lighthouse and ``should_commit``'s to the group's manager server
 (small RPCs, not counted).
 
+Under DiLoCo (``parallel.sync = "diloco"``) each group is one DiLoCo replica: ``finish`` averages nothing over the
+groups (each trains alone for H steps); DiLoCo's outer all-reduce of the pseudo-gradients goes through this driver
+(``replica_mean``: torchft's all-reduce over the groups in the quorum, then ``should_commit``, so that a
+synchronisation some peer did not finish is dropped by every rank of the group); the vote of an inner step comes after
+it (nothing of torchft ran before it) and keeps torchft's step count the run's; and a heal carries DiLoCo's own state
+(``plait.parallel.capabilities.Healing``: the outer momentum, the place in the period; the model's entries are its
+start weights).
+
 Limits (refused with a message in ``check_replicas``): expert and context parallelism inside a group (their ranks
-hold entries the per-rank averaging and healing would have to pair up differently), a parameter server, DiLoCo,
+hold entries the per-rank averaging and healing would have to pair up differently), a parameter server,
 plait's reducer settings that act on a per-step collective of their own (``comm.compress``, ``comm.allreduce``,
 ``parallel.impl=torch``, ``sync_batchnorm``, ``fault.rebalance``), a named ``parallel.strategy``, ZeRO in groups of
 one data-parallel rank, and groups whose ranks ``tp x pp`` does not divide. Checkpoints are each group's own (in its
@@ -77,7 +85,7 @@ from plait.config import Config
 from plait.fault.replica_events import QuorumRecorder, ReplicaEvents
 from plait.fault.replicas import LIGHTHOUSE_ENV, replica_group, require_torchft
 from plait.observe.log import get_logger
-from plait.parallel.capabilities import Driver
+from plait.parallel.capabilities import Driver, Healing
 from plait.parallel.layout import Layout, PlaitError
 from plait.parallel.units import batchnorm_buffers
 from plait.parallel.zero.optimizer import ZeroOptimizer
@@ -159,6 +167,10 @@ class Replicas(Driver):
         found = replica_group()
         self.cfg, self.topo = cfg, topo
         self.group_index, self.num_groups = found if found is not None else (0, 1)
+        # DiLoCo: each group one replica; no per-step average, the outer all-reduce through replica_mean
+        self.outer_loop = cfg.parallel.sync == "diloco"
+        self._voted = False  # this step's should_commit already asked (DiLoCo's synchronisation asked it)
+        self._healers: list[Any] = []  # drivers whose own state a heal carries
         self._bn = batchnorm_buffers(model)
         self.logger = get_logger(self.topo.rank)
         self.manager: Any = None
@@ -190,6 +202,7 @@ class Replicas(Driver):
             time.sleep(backoff)
         self.layout, self.comm = layout, layout.comm
         self._run = run
+        self._healers = [d for d in layout.drivers if isinstance(d, Healing)]
         f, timeout = self.cfg.fault, timedelta(seconds=self.cfg.comm.timeout_s)
         lighthouse = f.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
         if not lighthouse:
@@ -263,6 +276,8 @@ class Replicas(Driver):
             if axes:
                 dist.broadcast(t, group=groups[axes], group_src=0)
         self.layout.retie()  # a pipeline's tied copies: each stage's rank healed from a source of its own
+        for d in self._healers:  # the entries written were theirs (DiLoCo's start weights): the model follows
+            d.heal(None)
         for o in self.layout.optimizers:  # a separate master copy (parameters not fp32) follows its shard
             for b in o.buckets if isinstance(o, ZeroOptimizer) else []:
                 if b.master is not b.shard:
@@ -290,8 +305,14 @@ class Replicas(Driver):
         t0 = time.perf_counter()
         self.manager.start_quorum()
         self._participants = self.manager.num_participants()
+        result = self._quorums.last
+        if self.outer_loop and result.replica_world_size > result.max_world_size:
+            # a group heals here, and under DiLoCo the groups meet again only at the next synchronisation: every
+            # group of the quorum waits until it has fetched its state (served as it is: the next inner step would
+            # change it). Per step the gradient all-reduce waits for it anyway.
+            self.manager.allreduce(torch.zeros(1)).wait()
         self._quorum_s += time.perf_counter() - t0
-        self.events.quorum(self._quorums.last, self._run.steps + int(self._in_step), start)
+        self.events.quorum(result, self._run.steps + int(self._in_step), start)
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         """The torch optimizers holding this rank's optimizer state (ZeRO's inner one over its shards)."""
@@ -314,7 +335,7 @@ class Replicas(Driver):
             params = [None if _local(q).untyped_storage().data_ptr() in held else _local(q).detach()
                       for g in o.param_groups for q in g["params"]]
             optim.append({"state": state, "param_groups": sd["param_groups"], "params": params})
-        return {"model": model, "optim": optim, "run": run}
+        return {"model": model, "optim": optim, "run": run, "drivers": [d.heal_state() for d in self._healers]}
 
     @torch.no_grad()
     def _heal(self, state: dict[str, Any]) -> None:
@@ -330,6 +351,8 @@ class Replicas(Driver):
             for q, value in zip([q for g in o.param_groups for q in g["params"]], sd["params"], strict=True):
                 if value is not None:
                     _local(q).copy_(value)
+        for d, own in zip(self._healers, state["drivers"], strict=True):
+            d.heal(own)
         run = dict(state["run"])
         run["steps"] -= int(self._in_step)  # the engine adds the step it is finishing
         self._run.restore(run)
@@ -361,41 +384,69 @@ class Replicas(Driver):
     def after_finish(self, layout: Layout) -> None:
         """Communication: after the group's own gradient synchronisation, one all-reduce (torchft's, over the
         groups in this step's quorum) of this rank's gradients (or shards) and BatchNorm running statistics,
-        flattened in float32, divided by the number of live groups. No backward."""
+        flattened in float32, divided by the number of live groups. No backward. Under DiLoCo nothing: each group
+        trains alone between its synchronisations."""
+        if self.outer_loop:
+            return
         tensors = self._averaged()
         flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-        t0 = time.perf_counter()
-        self.manager.allreduce(flat).wait()  # torchft divides by the live groups (ReduceOp.AVG)
-        self.comm.stats.wait_s += time.perf_counter() - t0
-        self._step_live = self._participants
+        self._allreduce(flat)
         self.events.trained(self._run.steps + 1, self._participants)
-        self.comm.stats.bytes_sent += ring_allreduce_bytes(flat.numel() * 4, self._participants)
-        self.comm.stats.calls += 1
         offset = 0
         with torch.no_grad():
             for t in tensors:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
 
-    def commit(self, layout: Layout) -> bool:
-        """torchft's commit (every rank of every group asks at every step): a step whose collectives failed skips
-        its update like a non-finite one, and the next quorum heals whoever is behind."""
+    def _allreduce(self, flat: torch.Tensor) -> None:
+        """``flat`` averaged over the groups in the quorum (torchft divides by them: ReduceOp.AVG), counted."""
+        t0 = time.perf_counter()
+        self.manager.allreduce(flat).wait()
+        self.comm.stats.wait_s += time.perf_counter() - t0
+        self._step_live = self._participants
+        self.comm.stats.bytes_sent += ring_allreduce_bytes(flat.numel() * 4, self._participants)
+        self.comm.stats.calls += 1
+
+    def replica_mean(self, flat: torch.Tensor) -> bool:
+        """DiLoCo's outer all-reduce (``plait.parallel.capabilities.ReplicaMean``): ``flat`` averaged over the live
+        groups, then this step's vote (``should_commit``: every rank of the group agrees whether the all-reduce
+        succeeded everywhere; False: drop it). Communication: one torchft all-reduce of ``flat``."""
+        self._allreduce(flat)
+        self.events.trained(self._run.steps + 1, self._participants)  # within after_step: the step taken
+        return self._vote("the synchronisation is dropped: every rank back at its start weights")
+
+    def _vote(self, dropped: str) -> bool:
+        """torchft's ``should_commit`` for this step, once; ``dropped`` says what a failed one means."""
         t0 = time.perf_counter()
         committed = self.manager.should_commit()
         self._commit_s += time.perf_counter() - t0
+        self._voted = True
         if not committed:
-            self.logger.warning("replica group %d: step not committed (a replica was lost during it); update "
-                                "skipped", self.group_index)
+            self.logger.warning("replica group %d: step not committed (a replica was lost during it); %s",
+                                self.group_index, dropped)
         return committed
 
+    def commit(self, layout: Layout) -> bool:
+        """torchft's commit (every rank of every group asks at every step): a step whose collectives failed skips
+        its update like a non-finite one, and the next quorum heals whoever is behind. Under DiLoCo no torchft
+        collective ran before the update: the vote comes after it (``after_step``, or DiLoCo's synchronisation)."""
+        if self.outer_loop:
+            self._step_live = self._participants
+            return True
+        return self._vote("update skipped")
+
     def after_step(self, layout: Layout) -> None:
-        """After the group's own after-step work (BatchNorm statistics averaged inside it), the next step's quorum,
-        at this step boundary (where a replacement joins)."""
+        """After the group's own after-step work (BatchNorm statistics averaged inside it) and the other drivers'
+        (DiLoCo's synchronisation), the step's vote where none was asked yet, then the next step's quorum, at this
+        step boundary (where a replacement joins)."""
         self._in_step = True
         try:
+            if self.outer_loop and not self._voted:
+                self._vote("its inner update stays, and the next quorum heals the group if it is behind")
             self._quorum()
         finally:
             self._in_step = False
+            self._voted = False
 
     def step_metrics(self) -> dict[str, Any]:
         return {"replicas_live": self._step_live, "replica_heals": self._healed,

@@ -62,7 +62,7 @@ def check_replicas(cfg: Config, degrees: dict[str, int]) -> None:
                               "replicas follow from parallel.dp_shard)")
         return
     inside = [(f"parallel.ep={p.ep}", p.ep > 1), (f"parallel.cp={p.cp}", p.cp > 1),
-              ("parallel.mode=ps", p.mode == "ps"), ("parallel.sync=diloco", p.sync == "diloco"),
+              ("parallel.mode=ps", p.mode == "ps"),
               ("parallel.impl=torch", p.impl == "torch"), ("parallel.sync_batchnorm", p.sync_batchnorm),
               (f"comm.compress={c.compress}", c.compress != "none"),
               (f"comm.allreduce={c.allreduce}", c.allreduce != "backend"), ("fault.rebalance", f.rebalance),
@@ -70,10 +70,11 @@ def check_replicas(cfg: Config, degrees: dict[str, int]) -> None:
     refused = [name for name, on in inside if on]
     if refused:
         raise ConfigError(f"fault.mode=replicas trains each replica group data-parallel, with ZeRO-1/2, with "
-                          f"FSDP2/HSDP, with tensor or with pipeline parallelism inside it, its gradients averaged "
-                          f"over the groups by torchft; it does not compose with {', '.join(refused)} (no expert "
-                          "or context parallelism inside a replica group: their ranks hold entries torchft's "
-                          "per-rank averaging and healing do not pair up): remove it, or set fault.mode=restart")
+                          f"FSDP2/HSDP, with tensor or with pipeline parallelism inside it, its gradients (or "
+                          f"DiLoCo's pseudo-gradients) averaged over the groups by torchft; it does not compose with "
+                          f"{', '.join(refused)} (no expert or context parallelism inside a replica group: their "
+                          "ranks hold entries torchft's per-rank averaging and healing do not pair up): remove it, "
+                          "or set fault.mode=restart")
     groups, ranks = degrees["dp_replicate"], degrees["dp_shard"]
     model_par = p.tp * p.pp
     if p.zero and ranks < 2 and model_par == 1:

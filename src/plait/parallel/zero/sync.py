@@ -47,11 +47,16 @@ class Zero(GradSync):
         import torch.cuda
 
         p = cfg.parallel  # every stage's and offload's arithmetic (ZeRO-3's too: the ranks it shards over)
-        # the ranks the state is sharded over: every rank whose gradients are averaged (dp x cp)
+        # the ranks the state is sharded over: every rank whose gradients are averaged (dp x cp; under DiLoCo the
+        # degrees are one replica's)
         dp = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["ep"] * degrees.get("cp", 1)
         try:
             validate_zero(p.zero, dp, p.offload, "cuda" if torch.cuda.is_available() else "cpu")
         except ValueError as e:
+            if p.sync == "diloco" and dp < 2:
+                raise ConfigError(f"parallel.zero={p.zero} shards each DiLoCo replica's state over its data-parallel "
+                                  "ranks, and a replica here has one: set parallel.dp_shard=N for N data-parallel "
+                                  "ranks per replica (N >= 2), or parallel.zero=0") from None
             raise ConfigError(str(e)) from None
 
     def build_optimizer(self, factory: OptimizerFactory, model: nn.Module) -> Any:
