@@ -10,6 +10,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0 numpy
 	$(PY) -m pip install -q -e '.[dev]'
+	# torchtitan's own Llama 3 (tests/parallel/test_torchtitan.py), kept out of the dev extra's resolution: torchtitan
+	# 0.3.0 pins datasets<4.8, which would downgrade the datasets and huggingface_hub every other test runs against.
+	# So it goes in without its dependencies, after only what importing its models needs: triton (its expert-parallel
+	# kernels, imported even on the CPU), tyro (its config manager) and spmd_types (its ParallelDims). `pip check`
+	# then names torchtitan's other requirements (datasets<4.8, tensorboard, pillow, ...), which its models never import
+	$(PY) -m pip install -q triton==3.9.0 tyro==1.0.17 spmd_types==0.2.3
+	$(PY) -m pip install -q --no-deps torchtitan==0.3.0
 	touch $@
 
 train: $(VENV)/.installed
