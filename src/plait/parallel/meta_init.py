@@ -24,7 +24,7 @@ models, plait's GPT). The temporaries start as NaN, so what an init leaves unwri
 built again on the CPU (``_rebuilt``: its class called with its own attributes as the constructor's arguments, for
 a module without parameters); a tied tensor takes the value of the first of its owners whose init writes it (a
 torchtitan embedding tied to its head skips its own init: the head's gives it); anything still unwritten is
-refused (``UninitialisedError``, on every rank, before the first step) naming the tensor and the fix. So
+refused (``MetaInitError``, on every rank, before the first step) naming the tensor and the fix. So
 computed buffers come out as construction makes them. So the weights are a function of (seed, module
 name, module), the same at every layout and world size: *equal*, bit for bit, to ``initialise_like(model,
 seed)`` run on the whole model in one process (``tests/engine/test_big_models.py`` checks this at zero=3 and
