@@ -9,7 +9,8 @@ process; a module whose construction cannot be re-run is refused on every rank b
 State-dict hooks: ``full_state_dict`` (before and after training), ``save`` and ``load`` go through the model's own
 hooks at every layout (the checkpoint holds ``wq``/``wk``/``wv``, never ``wqkv``); the ZeRO-3 checkpoint resumes at
 tp=2 and the tp=2 one at pp=2 and train on like the reference; a directory export at ZeRO-3 and tp=2 loads into a
-fresh CPU model through its load hook. A save that fails leaves no directory and the earlier checkpoint loads.
+fresh CPU model through its load hook, and, given as ``weights=``, into the meta-built model at dp=2 and pp=2. A save
+that fails leaves no directory and the earlier checkpoint loads.
 
 Tolerances: the initial weights are equal across layouts and to ``initialise_like`` exactly (one function of seed
 and module name); the losses and the parameters after 2 AdamW steps (lr 1e-3, clipped at 1.0) within ``ATOL`` of
@@ -32,6 +33,7 @@ PP = {"pp": 2, "microbatches": 2, "pp_schedule": "gpipe"}
 LAYOUTS = {"dp2": ({}, 4), "zero2": ({"zero": 2}, 4), "zero3": ({"zero": 3}, 4), "tp2": ({"tp": 2}, 8),
            "pp2": (PP, 8)}
 RESUME = {"zero3": "tp2", "tp2": "pp2"}  # checkpoint saved at -> resumed at
+WEIGHTS_AT = ("dp2", "pp2")  # layouts set up from the ZeRO-3 export (weights=PATH)
 
 
 class Stage(nn.Module):
@@ -100,6 +102,21 @@ def train(name: str, root: str, load: str | None = None) -> dict:
     return out
 
 
+def from_weights(name: str, root: str) -> dict:
+    """The meta-built model set up at layout ``name`` from the ZeRO-3 export (``weights=``, a Hugging Face
+    directory under the state dict's names): its whole state."""
+    parallel, micro = LAYOUTS[name]
+    p = _plait(parallel, micro, f"{root}/run-{name}-weights")
+    pp = "pp" in parallel
+    with torch.device("meta"):
+        built = FusedDecoder()
+    model, _ = p.setup(built, weights=f"{root}/export-zero3", tp_plan=TP_PLAN if "tp" in parallel else None,
+                       stage_fn=stage_fn if pp else None, loss_fn="causal_lm" if pp else None)
+    state = p.full_state_dict(model)
+    p.close()
+    return state
+
+
 class Unbuildable(nn.Module):
     """A cache made in ``__init__`` from an argument the module does not keep: nothing can compute it again."""
 
@@ -125,6 +142,7 @@ def refused(root: str) -> str:
 def _worker(rank: int, world: int, root: str) -> dict:
     out = {name: train(name, root) for name in LAYOUTS}
     out.update({("resume", saved): train(at, root, load=f"{root}/ckpt-{saved}") for saved, at in RESUME.items()})
+    out.update({("weights", at): from_weights(at, root) for at in WEIGHTS_AT})
     out["refused"] = refused(root)
     return out
 
@@ -211,6 +229,14 @@ def test_export_loads_into_a_fresh_model(group) -> None:
         fresh = FusedDecoder()
         fresh.load_state_dict(weights)  # strict: every name the model's state dict has, merged by its hook
         _close(fresh.state_dict(), group["results"][0][name]["state"], 0.0)
+
+
+def test_weights_load_through_the_hooks(group) -> None:
+    """``weights=`` names ``wq``/``wk``/``wv``, which the model's load hook merges into its ``wqkv``: every layout
+    holds exactly the exported (trained) weights."""
+    for result in group["results"]:
+        for at in WEIGHTS_AT:
+            _close(result["weights", at], group["results"][0]["zero3"]["state"], 0.0)
 
 
 def test_uninitialisable_buffer_refused_on_every_rank(group) -> None:

@@ -385,10 +385,8 @@ class Layout:
 
     def model_entries(self) -> dict[str, torch.Tensor]:
         """This rank's state-dict entries under the single-process model's names: DTensors where sharded; the
-        model's own tensors, so writing into them writes the model (entries a state-dict hook made are its copies:
-        ``plait.parallel.weights.load_renamed``). Besides, under their attribute paths, the model's own parameters
-        and buffers the state dict names otherwise or not at all (a hook's renaming, non-persistent buffers): what
-        initialisation writes."""
+        model's own tensors, so writing into them writes the model (a state-dict hook's entries are its copies), and
+        its tensors the state dict names otherwise or not at all (``plait.parallel.stages.own_entries``)."""
         entries = self.stages.entries()
         if self.experts is not None:
             entries = self.experts.entries(entries)
@@ -400,9 +398,8 @@ class Layout:
         """Fill this rank's part of the model before the optimizer is built: from the checkpoint at ``weights``
         (each rank reads its own slices; ``group`` is the training ranks'), else, for a model built on the meta
         device, by ``plait.parallel.meta_init.initialise`` (``init_fn(module)`` or the modules' own init, seeded
-        by ``seed`` and module name). A model built normally keeps its weights. The entries a state-dict hook made
-        go back through the model's ``load_state_dict`` (``plait.parallel.weights.load_renamed``); a meta-built
-        model with any tensor left unwritten is refused on every rank (``MetaInitError`` naming it)."""
+        by ``seed`` and module name). A model built normally keeps its weights. A state-dict hook's entries load
+        through ``load_state_dict`` (``load_renamed``); a tensor left unwritten is refused on every rank."""
         missing: list[str] = []
         if weights is not None:
             entries = self.model_entries()
