@@ -128,6 +128,8 @@ class PendingSave:
         else:
             self._complete()
         if self._error is not None:
+            if self.rank == 0:  # nothing half-written is left: the previous checkpoint stays the newest
+                shutil.rmtree(self.tmp, ignore_errors=True)
             raise self._error
         if self.rank == 0:
             if self.path.exists():
@@ -170,21 +172,27 @@ def save_state(path: Path, layout: StatefulLayout, meta: dict[str, Any], rank: i
         tmp.mkdir(parents=True)
     _barrier(group)
     _test_kill(path, rank, "before")
-    model_sd, optim_sd = layout.state_dicts()
-    state = {"model": model_sd, "optim": optim_sd}
-    planner = layout.save_planner()  # a layout's own chunks, or None for DCP's default
     future = None
-    with _quiet_single_process():
-        if async_ and _distributed():
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group, planner=planner)
-        elif async_:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), no_dist=True, planner=planner)
-        else:
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed(), process_group=group, planner=planner)
-    _test_kill(path, rank, "between")
-    torch.save({**rng_state(), "rank_state": rank_state}, tmp / f"rank{rank}.pt")
-    if rank == 0:
-        torch.save(shared or {}, tmp / "state.pt")
+    try:
+        model_sd, optim_sd = layout.state_dicts()
+        state = {"model": model_sd, "optim": optim_sd}
+        planner = layout.save_planner()  # a layout's own chunks, or None for DCP's default
+        with _quiet_single_process():
+            if async_ and _distributed():
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group, planner=planner)
+            elif async_:
+                future = dcp.async_save(state, checkpoint_id=str(tmp), no_dist=True, planner=planner)
+            else:
+                dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed(), process_group=group,
+                         planner=planner)
+        _test_kill(path, rank, "between")
+        torch.save({**rng_state(), "rank_state": rank_state}, tmp / f"rank{rank}.pt")
+        if rank == 0:
+            torch.save(shared or {}, tmp / "state.pt")
+    except Exception:  # a save that fails leaves no directory behind: the previous checkpoint stays the newest
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _test_kill(path, rank, "after")
     pending = PendingSave(path, tmp, meta_text, rank, future, group)
     if not async_:

@@ -35,11 +35,11 @@ from plait.observe.memory import memory_report
 from plait.parallel.capabilities import Driver
 from plait.parallel.compile import CompilePlan, compile_model
 from plait.parallel.grad_sync import GradSync, OptimizerFactory, scale_down, squares_by_groups
-from plait.parallel.meta_init import InitFn, ModelFacts, initialise
+from plait.parallel.meta_init import InitFn, ModelFacts, initialise, refuse_uninitialised
 from plait.parallel.prepare import route_forward
 from plait.parallel.tensor.plan import local_value, loss_context
 from plait.parallel.tensor.strided import is_strided, strided_entries
-from plait.parallel.weights import export_weights, load_weights
+from plait.parallel.weights import export_weights, load_renamed, load_weights
 from plait.plan.memory import predict_setup_bytes
 from plait.topology import Topology
 
@@ -401,7 +401,8 @@ class Layout:
 
     def model_entries(self) -> dict[str, torch.Tensor]:
         """This rank's state-dict entries under the single-process model's names: DTensors where sharded; the
-        model's own tensors, so writing into them writes the model."""
+        model's own tensors, so writing into them writes the model (a state-dict hook's entries are its copies), and
+        its tensors the state dict names otherwise or not at all (``plait.parallel.stages.own_entries``)."""
         entries = self.stages.entries()
         if self.experts is not None:
             entries = self.experts.entries(entries)
@@ -413,11 +414,17 @@ class Layout:
         """Fill this rank's part of the model before the optimizer is built: from the checkpoint at ``weights``
         (each rank reads its own slices; ``group`` is the training ranks'), else, for a model built on the meta
         device, by ``plait.parallel.meta_init.initialise`` (``init_fn(module)`` or the modules' own init, seeded
-        by ``seed`` and module name). A model built normally keeps its weights."""
+        by ``seed`` and module name). A model built normally keeps its weights. A state-dict hook's entries load
+        through ``load_state_dict`` (``load_renamed``); a tensor left unwritten is refused on every rank."""
+        missing: list[str] = []
         if weights is not None:
-            load_weights(self.facts, self.model_entries(), weights, group, self.facts.kind)
+            entries = self.model_entries()
+            missing = load_weights(self.facts, entries, weights, group, self.facts.kind)
+            load_renamed(self.model, entries)
         elif self.facts.meta:
-            initialise(self.facts, self.model_entries(), seed, init_fn)
+            missing = initialise(self.facts, self.model_entries(), seed, init_fn)
+        if self.facts.meta:  # nothing left as empty memory: refused on every rank before the first step
+            refuse_uninitialised(missing, group, self.topo.device)
         elif init_fn is not None:
             raise PlaitError("init_fn initialises a model built on the meta device (under torch.device('meta')); "
                              "this model has its weights already: drop init_fn, or build it on the meta device")

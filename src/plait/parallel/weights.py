@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from plait.components.hf_checkpoint import (
     DEFAULT_SHARD_BYTES,
@@ -52,10 +53,11 @@ def check_weights(model: torch.nn.Module, path: str | Path) -> None:
 
 
 def load_weights(facts: ModelFacts, entries: dict[str, torch.Tensor], path: str | Path, group: Any,
-                 what: str) -> None:
+                 what: str) -> list[str]:
     """Fill ``entries`` (this rank's) from the checkpoint at ``path``; no collective (``group`` is the one an
     override may use). A meta-built model's non-persistent buffers (rotary ``inv_freq``) are then computed as
-    construction would."""
+    construction would: returns those nothing computed (``plait.parallel.meta_init.initialise``). Entries a
+    state-dict hook made are filled, not yet the model: ``load_renamed`` loads them."""
     ckpt = _open(facts, path)
     chosen = match_names(facts.groups(), facts.shapes, facts.dtypes, ckpt, prefix=facts.base_prefix,
                          ignore=facts.ignore_unexpected, what=what)
@@ -76,8 +78,24 @@ def load_weights(facts: ModelFacts, entries: dict[str, torch.Tensor], path: str 
     with torch.no_grad():
         for t, key in copies:
             _local(t).copy_(_local(state[key]))
-    if facts.meta:
-        initialise(facts, entries, seed=0, buffers_only=True)
+    return initialise(facts, entries, seed=0, buffers_only=True)
+
+
+def load_renamed(model: nn.Module, loaded: dict[str, torch.Tensor]) -> None:
+    """Load into ``model`` the entries of ``loaded`` (its state dict's names, filled by DCP or from a checkpoint)
+    that its state-dict hooks made rather than handed out (torchtitan's ``wq``/``wk``/``wv``, split from its fused
+    ``wqkv``): through ``model.load_state_dict``, whose load hooks merge them back. Every other entry is the
+    model's own storage, filled in place already. Collective where the hooks are (a DTensor gathered)."""
+    own = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+    made = {k: loaded[k] for k, v in model.state_dict(keep_vars=True).items()
+            if k in loaded and isinstance(v, torch.Tensor) and storage_key(v) not in own}
+    if not made:
+        return
+    result = model.load_state_dict(made, strict=False)
+    if result.unexpected_keys:
+        raise ConfigError(f"{type(model).__name__}'s state dict names {', '.join(result.unexpected_keys[:3])}, which "
+                          "its load_state_dict does not take back (its load hooks leave them unused): give the "
+                          "module a load_state_dict pre-hook that merges what its state_dict hook splits")
 
 
 def export_weights(facts: ModelFacts, entries: dict[str, torch.Tensor], out: Path, group: Any, coordinator: bool,

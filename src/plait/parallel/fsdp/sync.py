@@ -21,6 +21,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.parallel.expert.dispatch import fsdp_shard_experts
@@ -103,13 +104,17 @@ class Fsdp(GradSync):
         return shard_shape(shape, mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1))
 
     def full_state(self, holder: nn.Module, rank0_only: bool) -> dict[str, torch.Tensor] | None:
+        """Each entry of the model's ``state_dict()`` (its hooks applied) gathered in turn; with ``rank0_only`` kept
+        only on rank 0, in its CPU memory, so no rank ever holds more than one whole tensor besides."""
         if self.root is None:
             return None
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        # cpu_offload: torch gathers the full tensors to rank 0's CPU memory only
-        return get_model_state_dict(self.root, options=StateDictOptions(full_state_dict=True,
-                                                                        cpu_offload=rank0_only))
+        keep = not rank0_only or self.topo.rank == 0
+        out = {}
+        for name, t in self.root.state_dict().items():
+            whole = t.full_tensor() if isinstance(t, DTensor) else t
+            if keep:
+                out[name] = whole.cpu() if rank0_only else whole
+        return out
 
     def describe(self) -> str:
         return self.kind

@@ -15,7 +15,7 @@ every micro-batch's gradient in its own buffers (``ties_first``: ZeRO-1/2), afte
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from plait.components.precision import autocast
 from plait.config import ConfigError
@@ -31,6 +32,7 @@ from plait.parallel.layout import PlaitError
 from plait.parallel.meta_init import is_meta, materialise
 from plait.parallel.pipeline.runner import build_pipeline, measure_layer_costs
 from plait.parallel.pipeline.trace import bubble_summary, write_chrome_trace
+from plait.parallel.stages import own_entries
 from plait.parallel.tensor.plan import local_value, loss_context
 from plait.parallel.units import find_blocks
 from plait.plan.schedule import NATURAL_VIRTUAL, check_pipeline_layout
@@ -72,6 +74,17 @@ class PipelineModel(nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self._runner[0].state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Each stage takes the entries it holds (keys of the whole model), through its own load hooks; a key is
+        unexpected when no stage takes it."""
+        found = [m.load_state_dict(state_dict, strict=False, assign=assign) for m in self._runner[0].modules]
+        missing = [k for r in found for k in r.missing_keys]
+        unexpected = [k for k in state_dict if all(k in r.unexpected_keys for r in found)]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"this pipeline stage's load_state_dict: missing {missing[:5]}, unexpected "
+                               f"{unexpected[:5]}")
+        return _IncompatibleKeys(missing, unexpected)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("under pipeline parallelism (parallel.pp > 1) the model is split over ranks and "
@@ -155,7 +168,7 @@ class PipelineStages:
         return self.runner.named_parameters()
 
     def entries(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.runner.state_dict().items() if isinstance(v, torch.Tensor)}
+        return own_entries(self.runner.state_dict(), self.runner.modules)
 
     def model_state(self) -> dict[str, Any]:
         return self.runner.state_dict()

@@ -27,7 +27,8 @@ def tp_function(model: nn.Module, p: ParallelConfig, spec: ModelSpec) -> Callabl
         if hf is not None:
             return hf
     return resolve_tp(model, spec.tp_plan, spec.parallelize_fn,
-                      (lambda m, mesh: registered(m, mesh, p)) if registered is not None else None)
+                      (lambda m, mesh: registered(m, mesh, p)) if registered is not None else None,
+                      sequence_parallel=p.sequence_parallel)
 
 
 def apply_tensor(model: nn.Module, topo: Topology, p: ParallelConfig, spec: ModelSpec) -> nn.Module:
