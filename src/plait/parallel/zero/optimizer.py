@@ -1,15 +1,16 @@
 """ZeRO stages 1 and 2: plait's sharded optimizer over the data-parallel ranks.
 
 Layout. Trainable parameters are packed, in reverse definition order (roughly the order backward
-produces their gradients), into buckets of about ``bucket_mb``; a bucket never mixes param groups.
-Each bucket is one flat buffer padded to a multiple of the world size, and the model's parameters
-become views into it (``p.data = flat[a:b].view_as(p)``), so the all-gather after the step updates
-the model in place with no copy. Rank ``r`` owns the ``r``-th 1/N of every bucket: every rank owns
-exactly the same number of elements, and each bucket's reduce-scatter lands directly in its owner's
-slot. The inner ``torch.optim`` optimizer is built on the rank's chunks (one tensor per bucket, one
-param group per trainer group with its hyperparameters); elementwise optimizers (AdamW, SGD) then
-compute exactly what they compute unsharded. The chunk of the fp32 flat buffer is itself the fp32
-master copy; a separate fp32 master is kept only when parameters are not fp32 or are offloaded.
+produces their gradients), into buckets of about ``bucket_mb``; a bucket never mixes param groups, nor
+sharding patterns (see tensor parallelism below). Each bucket is one flat buffer padded to a multiple of
+the world size, and the model's parameters become views into it (``p.data = flat[a:b].view_as(p)``), so
+the all-gather after the step updates the model in place with no copy. Rank ``r`` owns the ``r``-th
+1/N of every bucket: every rank owns exactly the same number of elements, and each bucket's
+reduce-scatter lands directly in its owner's slot. The inner ``torch.optim`` optimizer is built on the
+rank's chunks (one tensor per bucket, one param group per trainer group with its hyperparameters);
+elementwise optimizers (AdamW, SGD) then compute exactly what they compute unsharded. The chunk of the
+fp32 flat buffer is itself the fp32 master copy; a separate fp32 master is kept only when parameters
+are not fp32 or are offloaded.
 
 Gradients. Autograd accumulates each parameter's gradient as usual; a post-accumulate-grad hook adds
 it into the bucket's flat gradient buffer and drops ``p.grad``. Stage 1 keeps the full local gradient
@@ -23,6 +24,18 @@ gradients alive are a few buckets', and only the reduced 1/N shard survives back
 transient gradient memory thus scales with ``bucket_mb``, not the model: it needs buckets much smaller
 than the model. Reduce-scatter rather than all-reduce at stage 2: each rank only needs its own shard,
 and it moves half the bytes.
+
+Tensor (and sequence) parallelism. A parameter may be a DTensor (a tensor-parallel shard, or a norm
+replicated over tp): ZeRO works on its local tensor, which becomes the view into the flat buffer
+(``p._local_tensor``, as FSDP2 does with its shards), so the parameter stays the DTensor the tp plan's
+forward needs and the all-gather still updates it in place. A gradient with other placements than its
+parameter (a replicated norm's ``Partial`` gradient under sequence parallelism) is redistributed like the
+parameter before it enters the bucket (``plait.parallel.data.reducer.local_grad``: an all-reduce over tp,
+the gradient's own). The ZeRO group then holds ranks of one tp coordinate, whose local shards have the
+same shapes. The global norm sums each bucket's squares over the ZeRO group and, for a bucket of tp
+shards, over tp too (a bucket of tp-replicated or plain parameters counts once): a bucket holds one
+sharding pattern (``_Bucket.shard_groups``), so its squares have one set of groups. Checkpoint states of
+a DTensor parameter are DTensors of its global tensor (``plait.parallel.zero.state``).
 
 Communication layer. ``use_comm(comm)`` routes every collective through plait's ``Comm`` (counted
 in ``comm_bytes``, guarded by the hang timeout). With compression on, a bucket is reduced with the
@@ -46,8 +59,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from plait.comm.collectives import Comm, all_gather_flat, ring_allreduce_bytes, ring_half_bytes
+from plait.parallel.data.reducer import local_grad
+from plait.parallel.grad_sync import shard_groups
 from plait.parallel.units import is_expert
 from plait.parallel.zero.state import gather_state_dict, scatter_state_dict
 from plait.plan.buckets import MAX_FULL_IN_FLIGHT, padded, zero_groups
@@ -104,38 +120,63 @@ def validate_zero(stage: int, dp: int, offload: str, device_type: str) -> None:
 
 
 class _Bucket:
-    """One flat parameter buffer, its gradient buffers and this rank's chunk of it."""
+    """One flat parameter buffer, its gradient buffers and this rank's chunk of it. Each parameter's slice holds
+    its local tensor (a DTensor's shard); ``shard_groups``: the process groups the parameters are sharded over
+    besides ZeRO's (tp for tensor-parallel shards; empty for plain and tp-replicated parameters)."""
 
     def __init__(self, params: list[nn.Parameter], group_index: int, world: int, rank: int) -> None:
         self.params = params
         self.group_index = group_index
+        self.shard_groups = shard_groups(params[0])  # the same for every parameter of the bucket
+        local = [_local(p) for p in params]
+        self.local_shapes = [tuple(t.shape) for t in local]
+        self.sizes = [t.numel() for t in local]
         self.offsets: list[int] = []
         total = 0
-        for p in params:
+        for n in self.sizes:
             self.offsets.append(total)
-            total += p.numel()
+            total += n
         self.numel = padded(total, world)  # so the N chunks are equal
         # What the flat buffer holds, padding included: PowerSGD compresses each matrix on its own.
-        self.shapes = [tuple(p.shape) for p in params] + ([(self.numel - total,)] if self.numel > total else [])
+        self.shapes = self.local_shapes + ([(self.numel - total,)] if self.numel > total else [])
         self.chunk = self.numel // world
-        ref = params[0]
-        self.flat = torch.zeros(self.numel, dtype=ref.dtype, device=ref.device)
+        self.flat = torch.zeros(self.numel, dtype=local[0].dtype, device=local[0].device)
         with torch.no_grad():
-            for p, off in zip(params, self.offsets, strict=True):
-                self.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
-                p.data = self.flat[off:off + p.numel()].view_as(p)
+            for i, (p, t) in enumerate(zip(params, local, strict=True)):
+                view = self.view(i, self.flat)
+                view.copy_(t.detach())
+                _set_local(p, view)
         self.shard = self.flat[rank * self.chunk:(rank + 1) * self.chunk]  # view: updated in place
         self.grad_full: torch.Tensor | None = None  # local (unreduced) gradient, (numel,)
-        self.grad_shard = torch.zeros(self.chunk, dtype=torch.float32, device=ref.device)
+        self.grad_shard = torch.zeros(self.chunk, dtype=torch.float32, device=self.flat.device)
         self.master: torch.Tensor = self.shard
         self.ready: set[int] = set()
         self.work: Any = None
         self.launched = False
 
+    def view(self, index: int, flat: torch.Tensor) -> torch.Tensor:
+        """Parameter ``index``'s slice of a (numel,) buffer of this bucket, shaped like its local tensor."""
+        off = self.offsets[index]
+        return flat[off:off + self.sizes[index]].view(self.local_shapes[index])
+
     def ensure_grad_full(self) -> torch.Tensor:
         if self.grad_full is None:
             self.grad_full = torch.zeros(self.numel, dtype=torch.float32, device=self.flat.device)
         return self.grad_full
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The tensor a rank holds of ``p``: a DTensor's local shard, else ``p`` itself."""
+    return p._local_tensor if isinstance(p, DTensor) else p
+
+
+def _set_local(p: nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``view`` the storage of ``p``: a DTensor's local tensor (it stays the DTensor its plan made), a plain
+    parameter's data."""
+    if isinstance(p, DTensor):
+        p._local_tensor = view
+    else:
+        p.data = view
 
 
 class ZeroOptimizer:
@@ -199,6 +240,13 @@ class ZeroOptimizer:
         self.comm = comm
         self.compressor = comm.make_compressor()
 
+    def _sum(self, t: torch.Tensor, group: Any) -> None:
+        """All-reduce (sum) ``t`` in place over ``group``, through the comm layer when there is one."""
+        if self.comm is not None:
+            self.comm.all_reduce_sum(t, group, name="zero gradient norm")
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+
     def _wait(self, work: Any) -> None:
         if self.comm is not None:
             self.comm.wait(work)
@@ -253,22 +301,25 @@ class ZeroOptimizer:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm to ``max_norm``; return the (pre-clip) total norm.
 
-        Communication: one all-reduce (sum) of a scalar, the local shard's sum of squares, over the
-        group; no backward. Each element is owned by exactly one rank, so the sum over ranks is the
-        full gradient's squared norm. A non-finite norm is returned unchanged and nothing is scaled,
-        so the trainer can skip the step. Nothing is read on the host: the coefficient stays on the device
-        (``max_norm`` inf: the norm only).
+        Communication: one all-reduce (sum) of a scalar, the local shards' sum of squares, over the
+        group (and one more over the tp group for the buckets of tensor-parallel shards); no backward.
+        Each element is owned by exactly one rank of the group (of the group and tp for a tp shard), so
+        the sum is the full gradient's squared norm. A non-finite norm is returned unchanged and nothing
+        is scaled, so the trainer can skip the step. Nothing is read on the host: the coefficient stays
+        on the device (``max_norm`` inf: the norm only).
         """
         self._ensure_reduced()
-        dev = self.buckets[0].grad_shard.device
-        sq = torch.zeros((), dtype=torch.float32, device=dev)
+        squares: dict[tuple[int, ...], list[Any]] = {}  # one sum per sharding pattern: [squares, its groups]
         for b in self.buckets:
-            sq += b.grad_shard.pow(2).sum()
-        if self.comm is not None:
-            self.comm.all_reduce_sum(sq, self.group, name="zero gradient norm")
-        else:
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
-        total = sq.sqrt()
+            entry = squares.setdefault(tuple(id(g) for g in b.shard_groups), [b.grad_shard.new_zeros(()),
+                                                                              b.shard_groups])
+            entry[0] += b.grad_shard.pow(2).sum()
+        total = self.buckets[0].grad_shard.new_zeros(())
+        for sq, groups in squares.values():
+            for g in (self.group, *groups):
+                self._sum(sq, g)
+            total += sq
+        total = total.sqrt()
         if not math.isinf(max_norm):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # same formula as torch's clip
             coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
@@ -318,13 +369,11 @@ class ZeroOptimizer:
 
     # -- gradient synchronisation -------------------------------------------------------------------
     def _make_hook(self, bucket: _Bucket, index: int):
-        off, n = bucket.offsets[index], bucket.params[index].numel()
-
         def hook(p: torch.Tensor) -> None:
             if bucket.launched:
                 raise RuntimeError("a gradient arrived for a bucket already reduced in this step; "
                                    "call zero_grad()/step() between backward passes")
-            bucket.ensure_grad_full()[off:off + n].add_(p.grad.reshape(-1))
+            bucket.view(index, bucket.ensure_grad_full()).add_(local_grad(p))  # laid out like p's local tensor
             p.grad = None  # the bucket buffer holds it now
             if self._sync:
                 bucket.ready.add(index)
@@ -473,6 +522,11 @@ def _build_buckets(model: nn.Module, groups: list[dict[str, Any]], bucket_mb: fl
     kinds = {(p.dtype, p.device) for p in trainable}
     if len(kinds) != 1:
         raise ValueError(f"ZeroOptimizer needs one dtype and device for all parameters; got {kinds}")
+    # A bucket holds one param group and one sharding pattern (its squares are summed over one set of groups).
+    patterns: dict[tuple[int, ...], int] = {}
+    keys = [(owner[p], patterns.setdefault(tuple(id(g) for g in shard_groups(p)), len(patterns))) for p in trainable]
+    index = {k: i for i, k in enumerate(sorted(set(keys)))}  # by param group first: the order of one pattern
+    key_of = {i: k for k, i in index.items()}
     limit = max(1, int(bucket_mb * 2**20 / trainable[0].element_size()))
-    groups = zero_groups([p.numel() for p in trainable], [owner[p] for p in trainable], limit)
-    return [_Bucket([trainable[i] for i in index], gi, world, rank) for gi, index in groups]
+    groups = zero_groups([_local(p).numel() for p in trainable], [index[k] for k in keys], limit)
+    return [_Bucket([trainable[i] for i in members], key_of[gi][0], world, rank) for gi, members in groups]
