@@ -31,11 +31,13 @@ replicated over tp): ZeRO works on its local tensor, which becomes the view into
 forward needs and the all-gather still updates it in place. A gradient with other placements than its
 parameter (a replicated norm's ``Partial`` gradient under sequence parallelism) is redistributed like the
 parameter before it enters the bucket (``plait.parallel.data.reducer.local_grad``: an all-reduce over tp,
-the gradient's own). The ZeRO group then holds ranks of one tp coordinate, whose local shards have the
-same shapes. The global norm sums each bucket's squares over the ZeRO group and, for a bucket of tp
-shards, over tp too (a bucket of tp-replicated or plain parameters counts once): a bucket holds one
-sharding pattern (``_Bucket.shard_groups``), so its squares have one set of groups. Checkpoint states of
-a DTensor parameter are DTensors of its global tensor (``plait.parallel.zero.state``).
+the gradient's own); a ``Partial`` one stays in ``.grad`` through the accumulation micro-steps (autograd
+sums it there), so it is summed over tp once per optimizer step. The ZeRO group then holds ranks of one tp
+coordinate, whose local shards have the same shapes. The global norm sums each bucket's squares over the
+ZeRO group and, for a bucket of tp shards, over tp too (a bucket of tp-replicated or plain parameters
+counts once): a bucket holds one sharding pattern (``_Bucket.shard_groups``), so its squares have one set
+of groups. Checkpoint states of a DTensor parameter are DTensors of its global tensor
+(``plait.parallel.zero.state``).
 
 Communication layer. ``use_comm(comm)`` routes every collective through plait's ``Comm`` (counted
 in ``comm_bytes``, guarded by the hang timeout). With compression on, a bucket is reduced with the
@@ -163,6 +165,11 @@ class _Bucket:
         if self.grad_full is None:
             self.grad_full = torch.zeros(self.numel, dtype=torch.float32, device=self.flat.device)
         return self.grad_full
+
+
+def _partial(g: torch.Tensor | None) -> bool:
+    """Whether gradient ``g`` is a DTensor still to be summed over a mesh axis (``Partial``)."""
+    return isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -373,14 +380,32 @@ class ZeroOptimizer:
             if bucket.launched:
                 raise RuntimeError("a gradient arrived for a bucket already reduced in this step; "
                                    "call zero_grad()/step() between backward passes")
-            bucket.view(index, bucket.ensure_grad_full()).add_(local_grad(p))  # laid out like p's local tensor
-            p.grad = None  # the bucket buffer holds it now
+            if not self._sync and _partial(p.grad):
+                return  # autograd sums it in p.grad over the micro-steps; it is summed over tp once, at the last
+            self._take(bucket, index)
             if self._sync:
                 bucket.ready.add(index)
                 if self.stage == 2:
                     self._launch_ready()
                     self._release_reduced()
         return hook
+
+    @staticmethod
+    def _take(b: _Bucket, index: int) -> None:
+        """Move parameter ``index``'s ``.grad`` into the bucket's local gradient buffer, laid out like its local
+        tensor (a DTensor gradient first redistributed like its parameter: a ``Partial`` one summed over tp)."""
+        p = b.params[index]
+        if p.grad is not None:
+            b.view(index, b.ensure_grad_full()).add_(local_grad(p))
+            p.grad = None
+
+    def gather_local(self) -> None:
+        """Every gradient still in a parameter's ``.grad`` into its bucket: one assigned rather than accumulated
+        (torch's zero-bubble weight pass), or a ``Partial`` one kept there through accumulation micro-steps.
+        Communication: a tp all-reduce of each ``Partial`` gradient (the gradient's own sum)."""
+        for b in self.buckets:
+            for i in range(len(b.params)):
+                self._take(b, i)
 
     def _release_reduced(self) -> None:
         """Stage 2, during backward: free the full local buffer of every launched bucket whose
@@ -413,6 +438,8 @@ class ZeroOptimizer:
         gradient buffer, at twice the reduce-scatter's bytes).
         """
         self._reduced = False
+        for i in range(len(b.params)):  # what no hook moved this step (see gather_local)
+            self._take(b, i)
         index, full = self._next_launch, b.ensure_grad_full()
         stage1 = self.stage == 1
 

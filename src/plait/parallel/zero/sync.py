@@ -29,7 +29,6 @@ from torch import nn
 
 from plait.components.optim import optimizer_recipe
 from plait.config import Config, ConfigError, ParallelConfig
-from plait.parallel.data.reducer import local_grad
 from plait.parallel.grad_sync import GradSync, NormPiece, OptimizerFactory, check_elementwise, register_grad_sync
 from plait.parallel.zero.optimizer import ZeroOptimizer, validate_zero
 
@@ -81,11 +80,7 @@ class Zero(GradSync):
         return self.optimizer.no_sync()
 
     def gather_local(self) -> None:
-        for b in self.optimizer.buckets:
-            for i, q in enumerate(b.params):
-                if q.grad is not None:
-                    b.view(i, b.ensure_grad_full()).add_(local_grad(q))
-                    q.grad = None
+        self.optimizer.gather_local()
 
     def local_grad(self, p: nn.Parameter) -> torch.Tensor | None:
         """``p``'s local (unreduced) gradient: its slice of its bucket's flat buffer, shaped like its local tensor."""
