@@ -35,9 +35,9 @@ the gradient's own); a ``Partial`` one stays in ``.grad`` through the accumulati
 sums it there), so it is summed over tp once per optimizer step. The ZeRO group then holds ranks of one tp
 coordinate, whose local shards have the same shapes. The global norm sums each bucket's squares over the
 ZeRO group and, for a bucket of tp shards, over tp too (a bucket of tp-replicated or plain parameters
-counts once): a bucket holds one sharding pattern (``_Bucket.shard_groups``), so its squares have one set
-of groups. Checkpoint states of a DTensor parameter are DTensors of its global tensor
-(``plait.parallel.zero.state``).
+counts once): a bucket holds one sharding pattern (``Bucket.shard_groups``, ``plait.parallel.zero.buckets``),
+so its squares have one set of groups. Checkpoint states of a DTensor parameter are DTensors of its global
+tensor (``plait.parallel.zero.state``).
 
 Communication layer. ``use_comm(comm)`` routes every collective through plait's ``Comm`` (counted
 in ``comm_bytes``, guarded by the hang timeout). With compression on, a bucket is reduced with the
@@ -61,14 +61,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from plait.comm.collectives import Comm, all_gather_flat, ring_allreduce_bytes, ring_half_bytes
 from plait.parallel.data.reducer import local_grad
-from plait.parallel.grad_sync import shard_groups
-from plait.parallel.units import is_expert
+from plait.parallel.zero.buckets import Bucket, build_buckets, normalize_groups, param_fqns, partial_grad
 from plait.parallel.zero.state import gather_state_dict, scatter_state_dict
-from plait.plan.buckets import MAX_FULL_IN_FLIGHT, padded, zero_groups
+from plait.plan.buckets import MAX_FULL_IN_FLIGHT
 
 OFFLOAD_CHOICES = ("none", "optimizer", "params")
 # Stage 2: launched buckets that may still hold their full local gradient during backward (those whose
@@ -121,78 +119,15 @@ def validate_zero(stage: int, dp: int, offload: str, device_type: str) -> None:
         )
 
 
-class _Bucket:
-    """One flat parameter buffer, its gradient buffers and this rank's chunk of it. Each parameter's slice holds
-    its local tensor (a DTensor's shard); ``shard_groups``: the process groups the parameters are sharded over
-    besides ZeRO's (tp for tensor-parallel shards; empty for plain and tp-replicated parameters)."""
-
-    def __init__(self, params: list[nn.Parameter], group_index: int, world: int, rank: int) -> None:
-        self.params = params
-        self.group_index = group_index
-        self.shard_groups = shard_groups(params[0])  # the same for every parameter of the bucket
-        local = [_local(p) for p in params]
-        self.local_shapes = [tuple(t.shape) for t in local]
-        self.sizes = [t.numel() for t in local]
-        self.offsets: list[int] = []
-        total = 0
-        for n in self.sizes:
-            self.offsets.append(total)
-            total += n
-        self.numel = padded(total, world)  # so the N chunks are equal
-        # What the flat buffer holds, padding included: PowerSGD compresses each matrix on its own.
-        self.shapes = self.local_shapes + ([(self.numel - total,)] if self.numel > total else [])
-        self.chunk = self.numel // world
-        self.flat = torch.zeros(self.numel, dtype=local[0].dtype, device=local[0].device)
-        with torch.no_grad():
-            for i, (p, t) in enumerate(zip(params, local, strict=True)):
-                view = self.view(i, self.flat)
-                view.copy_(t.detach())
-                _set_local(p, view)
-        self.shard = self.flat[rank * self.chunk:(rank + 1) * self.chunk]  # view: updated in place
-        self.grad_full: torch.Tensor | None = None  # local (unreduced) gradient, (numel,)
-        self.grad_shard = torch.zeros(self.chunk, dtype=torch.float32, device=self.flat.device)
-        self.master: torch.Tensor = self.shard
-        self.ready: set[int] = set()
-        self.work: Any = None
-        self.launched = False
-
-    def view(self, index: int, flat: torch.Tensor) -> torch.Tensor:
-        """Parameter ``index``'s slice of a (numel,) buffer of this bucket, shaped like its local tensor."""
-        off = self.offsets[index]
-        return flat[off:off + self.sizes[index]].view(self.local_shapes[index])
-
-    def ensure_grad_full(self) -> torch.Tensor:
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(self.numel, dtype=torch.float32, device=self.flat.device)
-        return self.grad_full
-
-
-def _partial(g: torch.Tensor | None) -> bool:
-    """Whether gradient ``g`` is a DTensor still to be summed over a mesh axis (``Partial``)."""
-    return isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements)
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """The tensor a rank holds of ``p``: a DTensor's local shard, else ``p`` itself."""
-    return p._local_tensor if isinstance(p, DTensor) else p
-
-
-def _set_local(p: nn.Parameter, view: torch.Tensor) -> None:
-    """Make ``view`` the storage of ``p``: a DTensor's local tensor (it stays the DTensor its plan made), a plain
-    parameter's data."""
-    if isinstance(p, DTensor):
-        p._local_tensor = view
-    else:
-        p.data = view
-
-
 class ZeroOptimizer:
     """ZeRO-1/2 sharded optimizer wrapping any elementwise ``torch.optim`` optimizer.
 
     Contract: ``params`` are the trainer's param groups (dicts with ``"params"`` and per-group
     hyperparameters, or a plain iterable of parameters) covering every trainable parameter of
-    ``model`` exactly once; all must share one dtype and device. Construction rewrites the model's
-    parameters as views of flat buffers (same values) and registers gradient hooks; build it after
+    ``model`` exactly once; all must share one dtype and device. Parameters may be DTensors (tensor
+    parallelism): ``group`` is then the data-parallel ranks of one tp coordinate. Construction rewrites
+    the model's parameters as views of flat buffers (same values; a DTensor's local tensor), places them in
+    buckets (``plait.parallel.zero.buckets``) and registers gradient hooks; build it after
     the model is final (checkpointing applied) and before training. Per step: backward (wrap
     non-final accumulation micro-steps in ``no_sync()``), optionally ``clip_grad_norm_``, ``step()``,
     ``zero_grad()``. Gradients are summed over ``group`` and divided by ``grad_divisor`` (default: the
@@ -216,9 +151,9 @@ class ZeroOptimizer:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.divisor = grad_divisor or self.world
-        groups = _normalize_groups(params)
-        self._fqn = _param_fqns(model)
-        self.buckets = _build_buckets(model, groups, bucket_mb, self.world, self.rank, experts)
+        groups = normalize_groups(params)
+        self._fqn = param_fqns(model)
+        self.buckets = build_buckets(model, groups, bucket_mb, self.world, self.rank, experts)
         self._group_fqns = [[self._fqn[p] for p in g["params"]] for g in groups]
         self.offload = offload
         for b in self.buckets:
@@ -362,7 +297,7 @@ class ZeroOptimizer:
             self._wait(w)
         self._reset_sync_state()
 
-    def _all_gather(self, index: int, b: _Bucket) -> Any:
+    def _all_gather(self, index: int, b: Bucket) -> Any:
         # The input is a copy: gloo does not promise in-place all-gather when input aliases output.
         shard = b.shard.clone()
 
@@ -375,12 +310,12 @@ class ZeroOptimizer:
         return self.comm.issue_async(f"zero all-gather bucket {index}", self.group, issue, nbytes)
 
     # -- gradient synchronisation -------------------------------------------------------------------
-    def _make_hook(self, bucket: _Bucket, index: int):
+    def _make_hook(self, bucket: Bucket, index: int):
         def hook(p: torch.Tensor) -> None:
             if bucket.launched:
                 raise RuntimeError("a gradient arrived for a bucket already reduced in this step; "
                                    "call zero_grad()/step() between backward passes")
-            if not self._sync and _partial(p.grad):
+            if not self._sync and partial_grad(p.grad):
                 return  # autograd sums it in p.grad over the micro-steps; it is summed over tp once, at the last
             self._take(bucket, index)
             if self._sync:
@@ -391,7 +326,7 @@ class ZeroOptimizer:
         return hook
 
     @staticmethod
-    def _take(b: _Bucket, index: int) -> None:
+    def _take(b: Bucket, index: int) -> None:
         """Move parameter ``index``'s ``.grad`` into the bucket's local gradient buffer, laid out like its local
         tensor (a DTensor gradient first redistributed like its parameter: a ``Partial`` one summed over tp)."""
         p = b.params[index]
@@ -429,7 +364,7 @@ class ZeroOptimizer:
                 return
             self._launch(b)
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, b: Bucket) -> None:
         """Sum bucket ``b``'s local gradient over the group into this rank's shard; async.
 
         Communication (no autograd involvement): stage 2, one reduce-scatter of ``numel`` elements
@@ -461,7 +396,7 @@ class ZeroOptimizer:
         b.launched = True
         self._next_launch += 1
 
-    def _compressed_shard(self, index: int, b: _Bucket, full: torch.Tensor) -> int:
+    def _compressed_shard(self, index: int, b: Bucket, full: torch.Tensor) -> int:
         """Comm thread: compressed average of the whole bucket, this rank's slice kept as a sum (the
         caller divides every shard by the world size). Returns the bytes put on the wire."""
         before = self.compressor.wire_bytes
@@ -510,50 +445,3 @@ def _master_copy(t: torch.Tensor, offload: bool) -> torch.Tensor:
     to and from the GPU can be asynchronous; a CPU-only build cannot pin), else on ``t``'s device."""
     out = t.detach().to(device="cpu" if offload else t.device, dtype=torch.float32, copy=True)
     return out.pin_memory() if offload and torch.cuda.is_available() else out
-
-
-def _normalize_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
-    items = list(params)
-    if not items:
-        raise ValueError("ZeroOptimizer got no parameters; pass the model's trainable parameters")
-    if not isinstance(items[0], dict):
-        items = [{"params": items}]
-    return [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in items]
-
-
-def _param_fqns(model: nn.Module) -> dict[nn.Parameter, str]:
-    """First name of each parameter (a tied weight keeps its first name, as torch's state dicts do)."""
-    # Activation checkpointing inserts a wrapper level into module names; state dicts do not show it.
-    out: dict[nn.Parameter, str] = {}
-    for name, p in model.named_parameters():
-        out.setdefault(p, name.replace("_checkpoint_wrapped_module.", ""))
-    return out
-
-
-def _build_buckets(model: nn.Module, groups: list[dict[str, Any]], bucket_mb: float, world: int,
-                   rank: int, experts: bool = False) -> list[_Bucket]:
-    owner: dict[nn.Parameter, int] = {}
-    for gi, g in enumerate(groups):
-        for p in g["params"]:
-            if p in owner:
-                raise ValueError("a parameter appears in two param groups; list each parameter once")
-            owner[p] = gi
-    # Dense and expert-parallel parameters are sharded by two instances over two groups
-    # (plait.parallel.expert.dispatch).
-    trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad
-                 and is_expert(p) == experts]
-    missing = [p for p in trainable if p not in owner]
-    if missing or len(owner) != len(trainable):
-        raise ValueError("the param groups must cover the model's trainable parameters exactly "
-                         f"({len(trainable)} in the model, {len(owner)} in the groups)")
-    kinds = {(p.dtype, p.device) for p in trainable}
-    if len(kinds) != 1:
-        raise ValueError(f"ZeroOptimizer needs one dtype and device for all parameters; got {kinds}")
-    # A bucket holds one param group and one sharding pattern (its squares are summed over one set of groups).
-    patterns: dict[tuple[int, ...], int] = {}
-    keys = [(owner[p], patterns.setdefault(tuple(id(g) for g in shard_groups(p)), len(patterns))) for p in trainable]
-    index = {k: i for i, k in enumerate(sorted(set(keys)))}  # by param group first: the order of one pattern
-    key_of = {i: k for k, i in index.items()}
-    limit = max(1, int(bucket_mb * 2**20 / trainable[0].element_size()))
-    groups = zero_groups([_local(p).numel() for p in trainable], [index[k] for k in keys], limit)
-    return [_Bucket([trainable[i] for i in members], key_of[gi][0], world, rank) for gi, members in groups]

@@ -25,9 +25,10 @@ from torch.distributed.tensor import DTensor
 
 from plait.comm.collectives import all_gather_flat
 from plait.components.optim import materialize_optimizer_state
+from plait.parallel.zero.buckets import Bucket
 
-# (the ZeroOptimizer and its buckets, plait.parallel.zero.optimizer, which imports this module)
-ZeroOptimizer = _Bucket = Any
+# (the ZeroOptimizer, plait.parallel.zero.optimizer, which imports this module)
+ZeroOptimizer = Any
 
 
 def init_state(zopt: ZeroOptimizer) -> None:
@@ -36,7 +37,7 @@ def init_state(zopt: ZeroOptimizer) -> None:
     materialize_optimizer_state(zopt.optimizer, keep_grads=False)
 
 
-def _is_sharded(value: Any, bucket: _Bucket) -> bool:
+def _is_sharded(value: Any, bucket: Bucket) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == bucket.chunk
 
 
