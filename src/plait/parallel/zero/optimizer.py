@@ -370,7 +370,8 @@ class ZeroOptimizer:
         Communication (no autograd involvement): stage 2, one reduce-scatter of ``numel`` elements
         into the separate shard buffer; stage 1, one in-place all-reduce of the full local buffer,
         whose slice is the shard (the full buffer is kept at stage 1 anyway, so this holds no second
-        gradient buffer, at twice the reduce-scatter's bytes).
+        gradient buffer, at twice the reduce-scatter's bytes). Before it, a tp all-reduce of any ``Partial``
+        gradient the bucket still holds in ``.grad`` (``gather_local``).
         """
         self._reduced = False
         for i in range(len(b.params)):  # what no hook moved this step (see gather_local)
