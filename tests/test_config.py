@@ -93,8 +93,6 @@ def test_config_sections_complete() -> None:
 
 
 @pytest.mark.parametrize(("args", "world", "message"), [
-    (["--parallel.tp=2", "--parallel.zero=2"], 4, r"parallel.zero=2 .* does not take tensor-parallel .* use "
-                                                  r"parallel.zero=3"),
     (["--parallel.pp=2", "--parallel.zero=3", "--parallel.ep=2", "--moe.num_experts=2"], 4,
      r"parallel.pp=2 with parallel.ep=2 composes with plait's data-parallel reducer only"),
     (["--parallel.zero=3", "--parallel.dp_shard=3"], 4, r"parallel.dp_shard=3 does not divide the 4 data-parallel "
@@ -115,9 +113,10 @@ def test_model_parallel_with_zero_combinations(args: list[str], world: int, mess
         validate(load_config(overrides=args), world)
 
 
-def test_tensor_parallel_composes_with_zero3() -> None:
-    cfg = validate(load_config(overrides=["--parallel.tp=2", "--parallel.zero=3"]), 4)
-    assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.zero) == (2, 2, 3)
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_tensor_parallel_composes_with_zero(zero: int) -> None:
+    cfg = validate(load_config(overrides=["--parallel.tp=2", f"--parallel.zero={zero}"]), 4)
+    assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.zero) == (2, 2, zero)
 
 
 @pytest.mark.parametrize(("args", "world", "degrees", "strategy"), [

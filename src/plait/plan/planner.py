@@ -12,7 +12,7 @@ of the experts).
 
 Pruned, each family with its reason: degrees that do not divide the devices, the heads, the MLP width,
 the vocabulary or the sequence; a global batch that does not split over dp; combinations plait refuses
-(``plait.validate``: ZeRO-1/2 with tp, hybrid sharding with ep, the zbv schedule with ZeRO-3;
+(``plait.validate``: hybrid sharding with ep, the zbv schedule with ZeRO-3;
 ``plait.parallel.expert.dispatch``: ZeRO-3 with ep whose expert weights do not split evenly over the dp / ep
 replicas; the planner also leaves MoE models with tp or pp out of its search); layouts whose predicted
 peak memory exceeds the device's usable memory (with the bytes).
@@ -151,9 +151,6 @@ def _variants(shape: ModelShape, batch: int, tp: int, pp: int, dp: int, pruned: 
     per_replica = batch // dp
     sps = [sp for sp in space.sequence_parallel if not sp or (tp > 1 and shape.seq_len % tp == 0)]
     zeros = [z for z in space.zeros if z == 0 or dp > 1]
-    if tp > 1 and dp > 1:
-        pruned["zero=1/2 with tp>1"] = "plait's flat-buffer ZeRO-1/2 does not take tensor-parallel parameters"
-        zeros = [z for z in zeros if z in (0, 3)]
     eps = [e for e in _divisors(dp) if shape.num_experts and shape.num_experts % e == 0] or [1]
     # ZeRO-3 over every data-parallel rank (dp_shard=1) or hybrid: shard groups of n ranks, dp / n replicas
     shards = [1] + ([n for n in _divisors(dp) if 1 < n < dp] if space.hybrid and not shape.num_experts else [])

@@ -89,7 +89,7 @@ def check_expert_layout(m: MoeConfig, p: ParallelConfig) -> None:
     if m.num_experts and p.tp > 1 and (p.sequence_parallel or p.zero == 3):
         raise ConfigError(f"MoE layers with tp={p.tp} and {'sequence_parallel' if p.sequence_parallel else 'zero=3'} "
                           "are not available in this build: MoE blocks compose with plain tensor parallelism "
-                          "(sequence_parallel=false, zero=0) and with expert parallelism (parallel.ep)")
+                          "(sequence_parallel=false, zero=0, 1 or 2) and with expert parallelism (parallel.ep)")
 
 
 # -- dispatchers ----------------------------------------------------------------------------------

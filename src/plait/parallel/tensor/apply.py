@@ -46,9 +46,3 @@ def check_tensor(cfg: Config, degrees: dict[str, int]) -> None:
     p = cfg.parallel
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
-    if p.tp > 1 and p.zero in (1, 2):
-        raise ConfigError(
-            f"parallel.zero={p.zero} (plait's flat-buffer sharded optimizer) does not take tensor-parallel "
-            f"parameters; with parallel.tp={p.tp} use parallel.zero=3 (FSDP2 over dp on top of tp: 2-D; add "
-            "parallel.reshard_after_forward=false for ZeRO-2's memory, parameters kept whole through backward) "
-            "or 0")
