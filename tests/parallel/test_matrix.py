@@ -25,8 +25,7 @@ PENDING = {frozenset(p) for p in [
     ("cp_alltoall", "ep"), ("cp_alltoall", "fp8"), ("cp_alltoall", "hsdp"), ("cp_alltoall", "replicas"),
     ("cp_ring", "ep"), ("cp_ring", "fp8"), ("cp_ring", "hsdp"), ("cp_ring", "replicas"), ("ep", "fp8"),
     ("ep", "hsdp"), ("ep", "replicas"), ("ep", "sp"), ("fp8", "interleaved"), ("fp8", "offload"), ("fp8", "sp"),
-    ("fp8", "tp"), ("fp8", "zbv"), ("hsdp", "zbv"), ("powersgd", "replicas"), ("sp", "zero1"), ("sp", "zero2"),
-    ("tp", "zero1"), ("tp", "zero2"), ("zbv", "zero3"),
+    ("fp8", "tp"), ("fp8", "zbv"), ("hsdp", "zbv"), ("powersgd", "replicas"), ("zbv", "zero3"),
 ]}
 
 
