@@ -93,7 +93,8 @@ def check_context(cfg: Config, degrees: dict[str, int]) -> None:
                           f"parallelism, pipelines and activation checkpointing; {', '.join(unsupported)} with "
                           "context parallelism is not supported yet: set parallel.cp=1, or leave those at their "
                           "defaults")
-    if degrees.get("dp_shard", 1) > 1 and degrees.get("dp_replicate", 1) > 1:
+    # parallel.dp_shard, not the degree: under fault.mode=replicas dp_replicate counts torchft's groups, not HSDP's
+    if p.dp_shard > 1 and degrees.get("dp_replicate", 1) > 1:
         raise ConfigError(f"parallel.dp_shard={p.dp_shard} (hybrid sharding) with parallel.cp={p.cp} is not "
                           "supported yet: set parallel.dp_shard=0 (ZeRO-3 then shards over every dp x cp rank)")
 
