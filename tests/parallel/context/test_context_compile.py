@@ -1,13 +1,14 @@
 """Context parallelism under ``train.compile`` equals one eager process on the whole sequence.
 
-One spawned group of 2 ranks (cp=2), four runs that cover each of ring and all-to-all attention with both compile
-units (``train.compile=true``: the whole model, and with the loss under ``p.forward_backward``, in one region; and
-"blocks"), both ways of running the micro-step (``p.forward_backward`` and the user's own ``model(...)`` and
-``p.backward(loss)``, cut in the model's forward) and both models (plait's GPT at sequence 256, the test_context
-batches; a Hugging Face Llama with grouped-query attention at 128, the test_context_hf batches):
+One spawned group of 2 ranks (cp=2), six runs in which each pair of ring or all-to-all attention, compile unit
+(``train.compile=true``: the whole model, and with the loss under ``p.forward_backward``, in one region; or
+"blocks"), micro-step (``p.forward_backward``, or the user's own ``model(...)`` and ``p.backward(loss)``, cut in the
+model's forward) and model (plait's GPT at sequence 256, the test_context batches; a Hugging Face Llama with
+grouped-query attention at 128, the test_context_hf batches) occurs:
 
-    gpt    ring      forward_backward   whole model         llama  ring      user loop (labels)   whole model
-    gpt    alltoall  user loop (logits) blocks              llama  alltoall  forward_backward     blocks
+    gpt    ring      forward_backward    whole model        gpt    alltoall  forward_backward    whole model
+    gpt    ring      user loop (logits)  blocks             gpt    alltoall  user loop (logits)  blocks
+    llama  ring      user loop (labels)  whole model        llama  alltoall  forward_backward    blocks
 
 ``backend="aot_eager"`` (dynamo and AOTAutograd, no C++ compiler). Each run trains 3 AdamW steps (clip 1.0) and is
 compared with plain eager PyTorch in one process over the whole batch: the logged loss of every step, every
@@ -37,8 +38,8 @@ from . import test_context_hf as hf_case
 
 CLIP, GRAD_ATOL = gpt_case.CLIP, gpt_case.GRAD_ATOL
 # (model, cp_impl, the micro-step: "fb" p.forward_backward or "user" the user's loop, train.compile)
-RUNS = [("gpt", "ring", "fb", True), ("gpt", "alltoall", "user", "blocks"),
-        ("llama", "ring", "user", True), ("llama", "alltoall", "fb", "blocks")]
+RUNS = [("gpt", "ring", "fb", True), ("gpt", "ring", "user", "blocks"), ("gpt", "alltoall", "fb", True),
+        ("gpt", "alltoall", "user", "blocks"), ("llama", "ring", "user", True), ("llama", "alltoall", "fb", "blocks")]
 
 
 def _case(kind: str):
@@ -95,6 +96,7 @@ def _train(run_dir: str, kind: str, impl: str, how: str, compile_: bool | str) -
         if not grads:
             grads.update({names[id(q)]: q.grad.detach().clone() for g in o.param_groups for q in g["params"]})
     opt.register_step_pre_hook(first_grads)
+    torch._dynamo.reset()  # this run's own graphs: a cached one from an earlier run would count no frame
     dynamo.counters.clear()
     losses = []
     for batch in case.batches():

@@ -51,8 +51,8 @@ sequence); the shares of a dead group are not trained on while it is away.
 
 Communication per step: the group's own (as its layout alone), then one all-reduce per rank over the live groups of
 its gradients or gradient shards (counted in ``comm_bytes`` as the ring model's ``2 (n - 1) / n`` of the buffer over
-``n`` live groups; one more of the expert loads under bias balancing), the quorum's messages to the Lighthouse and ``should_commit``'s to the group's manager server
-(small RPCs, not counted).
+``n`` live groups; one more of the expert loads under bias balancing), the quorum's messages to the Lighthouse and
+``should_commit``'s to the group's manager server (small RPCs, not counted).
 
 Limits (refused with a message in ``check_replicas``): a parameter server, DiLoCo, plait's reducer settings that act
 on a per-step collective of their own (``comm.compress``, ``comm.allreduce``, ``parallel.impl=torch``,
