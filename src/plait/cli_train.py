@@ -179,17 +179,18 @@ def cmd_train(argv: list[str]) -> int:
 
 def _train_replicas(argv: list[str], cfg: Config, written: Config, run_dir: Path, resume: bool = False) -> int:
     """``plait train`` with fault.mode=replicas: parallel.dp_replicate torchft replica groups (when 0, one per
-    model replica: per tp x pp ranks) of nproc / dp_replicate workers each, group g training in
+    model replica: per tp x pp x cp x ep ranks) of nproc / dp_replicate workers each, group g training in
     RUN_DIR/replica<g> under its own elastic agent (restarting its workers up to fault.max_restarts times). With
     ``--resume RUN_DIR`` each group continues from the newest checkpoint in RUN_DIR/replica<g>, and a group that
     has none heals from the others at the first step."""
     from plait.fault.replica_events import describe, run_summary
     from plait.fault.replicas import default_groups, launch_replica_groups
+    from plait.parallel.replicas.topology import smallest_group
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(written))
     p = cfg.parallel
-    f, groups = cfg.fault, p.dp_replicate or default_groups(p.nproc, p.tp * p.pp)
+    f, groups = cfg.fault, p.dp_replicate or default_groups(p.nproc, smallest_group(p))
     if resume:  # each group from its own directory, with the run's saved config and this command's overrides
         from plait.components.checkpoint import latest_checkpoint
 

@@ -231,10 +231,14 @@ def test_plait_train_replica_group_killed_and_healed(tmp_path: Path) -> None:
     ({"parallel": {"zero": 2}}, r"with parallel.zero=2 shards each replica group's state over its ranks, and a group "
                                 r"here is one rank \(2 groups\): set parallel.dp_replicate"),
     ({"parallel": {"zero": 3}}, "with parallel.zero=3 shards each replica group's state over its ranks"),
-    ({"parallel": {"cp": 2}}, r"does not compose with parallel.cp=2 \(no expert or context parallelism"),
-    # tensor and pipeline parallelism run inside a group: its ranks must hold whole model replicas
+    # tensor, pipeline, context and expert parallelism run inside a group: its ranks must hold whole model replicas
     ({"parallel": {"tp": 2, "dp_replicate": 2}}, r"a replica group of 1 ranks does not divide by parallel.tp=2 x "
-                                                  r"parallel.pp=1 = 2"),
+                                                  r"parallel.pp=1 x parallel.cp=1 x parallel.ep=1 = 2"),
+    ({"parallel": {"cp": 2, "dp_replicate": 2}}, r"a replica group of 1 ranks does not divide by .* x "
+                                                  r"parallel.cp=2 x parallel.ep=1 = 2"),
+    ({"parallel": {"ep": 2, "dp_replicate": 2}, "moe": {"num_experts": 4}},
+     r"does not divide by .* x parallel.ep=2 = 2 \(tensor, pipeline, context and expert parallelism run inside each "
+     r"group; expert-parallel ranks are data-parallel ranks\)"),
     ({"parallel": {"pp": 2, "zero": 3}}, r"with parallel.zero=3 shards each replica group's state over its "
                                          r"data-parallel ranks, and a group here has one \(its 2 ranks are tp=1 x "
                                          r"pp=2\)"),

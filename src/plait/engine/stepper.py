@@ -222,8 +222,10 @@ class Stepper:
         if self.scheduler is not None:  # every step, skipped or not: the host does not know which yet
             self.scheduler.step()
         self.scaler.update(skipped)
-        layout.after_step()
+        # the step's MoE bias moves before the layout's step boundary, where a driver's quorum may hand this state
+        # to a replacement (fault.mode=replicas)
         moe = self.moe.after_step(self.steps + 1) if self.moe is not None else None
+        layout.after_step()
         layout.zero_grad()
         self.at_boundary()
         now = time.perf_counter()

@@ -116,7 +116,9 @@ def copies_state_per_rank(cfg: Config) -> bool:
 
 
 def compile_blocks_because(cfg: Config) -> str:
-    """Why ``train.compile`` compiles this layout's model block by block (empty: the whole model may be one region)."""
+    """Why ``train.compile`` compiles this layout's model block by block (empty: the whole model may be one region).
+    Context parallelism needs no blocks: dynamo traces its cut and its all-to-all and all-gather attention, and the
+    ring attention runs eagerly between the graphs (``plait.parallel.context.split``'s docstring)."""
     p = cfg.parallel
     if cfg.train.activation_checkpointing != "none":
         return "activation checkpointing recomputes each block"

@@ -76,17 +76,17 @@ def settings(names: tuple[str, ...] | list[str]) -> tuple[list[str], int]:
         d.setdefault("parallel.dp_shard", 2)  # DiLoCo's replicas of 2 ranks each, sharded inside
     tp, pp, cp = d.get("parallel.tp", 1), d.get("parallel.pp", 1), d.get("parallel.cp", 1)
     dp = 4 if d.get("parallel.dp_shard") else 2  # HSDP: 2 shard groups of 2; DiLoCo, ZeRO, ep: 2 ranks
+    replicas = d.get("fault.mode") == "replicas"
+    if replicas and dp == 2:  # 2 groups of what the layout inside needs (HSDP's 2 shard groups: 2 groups of 2)
+        dp *= 2
     world = tp * pp * cp * dp
     over = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in d.items()]
     over += ["--train.micro_batch_size=4", f"--train.global_batch_size={4 * dp}", "--parallel.microbatches=4"]
     if d.get("parallel.mode") == "ps":
         world = 3  # a server and 2 workers
         over[-2] = "--train.global_batch_size=8"
-    if d.get("fault.mode") == "replicas":  # 2 groups, each of what the layout inside needs
+    if replicas:
         over.append("--parallel.dp_replicate=2")
-        if dp == 2:  # twice the data-parallel ranks: twice the global batch
-            world *= 2
-            over[over.index(f"--train.global_batch_size={4 * dp}")] = f"--train.global_batch_size={8 * dp}"
     return over, world
 
 

@@ -17,6 +17,13 @@ micro-batches (the cp ranks of a group read the same ones) and ``ContextSplit``:
 4. gradients: the gradient-sync policy averages them over dp x cp (the composition gives it the ``dp_cp`` ranks),
    which with the counts above is the gradient of one process on the whole sequence.
 
+Compiled (``train.compile``: the whole model, and with the loss under ``forward_backward``, or its blocks): the cp
+attention composes at either unit, so cp does not ask for blocks (``compose.compile_blocks_because``). Dynamo
+traces the cut of the user's forward and the ``alltoall`` and ``allgather`` attention (it rewrites their c10d
+collectives into functional ones, forward and backward: no graph break; plait's GPT under ``alltoall`` is one graph
+with its loss); the ring's point-to-point transfers are not traceable, so the ring attention runs eagerly between
+the graphs, one break per attention layer (``ring.ring_attention``).
+
 The user's own loop (``model(...)``, ``p.backward(loss)``) cuts the batch in the model's forward instead
 (``user_forward``, installed by ``install``); backward then runs under that forward's cut. A rank's loss is its
 shard's share (sum / (the whole count / cp)); ``reduce_loss`` averages it over the cp group into the whole
@@ -86,12 +93,10 @@ def check_context(cfg: Config, degrees: dict[str, int]) -> None:
                           f"parallelism, pipelines and activation checkpointing; {', '.join(unsupported)} with "
                           "context parallelism is not supported yet: set parallel.cp=1, or leave those at their "
                           "defaults")
-    if degrees.get("dp_shard", 1) > 1 and degrees.get("dp_replicate", 1) > 1:
+    # parallel.dp_shard, not the degree: under fault.mode=replicas dp_replicate counts torchft's groups, not HSDP's
+    if p.dp_shard > 1 and degrees.get("dp_replicate", 1) > 1:
         raise ConfigError(f"parallel.dp_shard={p.dp_shard} (hybrid sharding) with parallel.cp={p.cp} is not "
                           "supported yet: set parallel.dp_shard=0 (ZeRO-3 then shards over every dp x cp rank)")
-    if cfg.train.compile:
-        raise ConfigError(f"train.compile={cfg.train.compile!r} with parallel.cp > 1 is not supported yet; set "
-                          "train.compile=false")
 
 
 def apply_context(model: nn.Module, topo: Topology, cfg: Config, whole: bool) -> ContextAttention | None:

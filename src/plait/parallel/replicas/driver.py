@@ -7,13 +7,16 @@ launcher runs each group as its own job (``plait.fault.replicas``), so inside a 
 own, and the group trains with the layout its settings choose, built on that world as any run's would be: data
 parallelism with plait's reducer (``parallel.zero=0``), ZeRO-1/2 (plait's sharded optimizer), FSDP2 (``zero=3``) or
 HSDP (``zero=3`` with ``parallel.dp_shard`` dividing the group's data-parallel ranks), with tensor parallelism
-(``parallel.tp``) and pipeline parallelism (``parallel.pp``) inside it as well (torchtitan runs FSDP, tp and pp
-inside torchft replica groups the same way): a group of R ranks is ``tp x pp x`` its own data-parallel degree.
+(``parallel.tp``), pipeline parallelism (``parallel.pp``), context parallelism (``parallel.cp``) and expert
+parallelism (``parallel.ep``, the experts spread over the group's data-parallel ranks) inside it as well
+(torchtitan runs FSDP, tp, pp and cp inside torchft replica groups the same way): a group of R ranks is
+``tp x pp x cp x`` its own data-parallel degree, which ep divides.
 ``Replicas`` is a driver around that layout (``plait.parallel.layout.Driver``): it wraps the step from outside. Every
 rank runs a torchft ``Manager`` (its rank and world are its group's; group rank 0 hosts the group's manager server, the
 others reach it through the group's own store); torchft's process group pairs rank k of every live group, and rank k of
 every group has the same place on its group's mesh, so each rank averages with its peers holding the same shards: the
-same tensor-parallel shard, the same pipeline stage, the same ZeRO or FSDP shard. Per optimizer step:
+same tensor-parallel shard, the same pipeline stage, the same ZeRO or FSDP shard, the same experts, the same shard
+of each sequence. Per optimizer step:
 
 * at the step boundary (``begin`` at the end of setup, then ``after_step``), ``start_quorum`` on every rank: the
   groups alive agree on who takes part; a group behind the others (a replacement, or one whose last step did not
@@ -22,10 +25,13 @@ same tensor-parallel shard, the same pipeline stage, the same ZeRO or FSDP shard
   schedule, loss scale, the training loader's position: the group's), through torchft's checkpoint transport (HTTP
   between the two processes);
 * ``finish``: the group's own gradient synchronisation (the reducer's all-reduce, ZeRO's reduce-scatter, FSDP2's
-  reduce-scatter in backward; a pipeline's tied copies summed over its stages), then one torchft all-reduce per rank
-  of what the optimizer will read (the whole gradients, ZeRO's gradient shards, FSDP2's or tensor parallelism's
-  local gradient shards, a pipeline stage's gradients; with BatchNorm running statistics) over the
-  groups in the quorum, divided by their number: the mean over the live replicas. A group that died takes no part:
+  reduce-scatter in backward, over the group's data-parallel x cp ranks; a pipeline's tied copies summed over its
+  stages; the experts' gradients summed over the ranks holding the same experts), then one torchft all-reduce per
+  rank of what the optimizer will read (the whole gradients, ZeRO's gradient shards, FSDP2's or tensor
+  parallelism's local gradient shards, a pipeline stage's gradients, this rank's experts' gradients or shards; with
+  BatchNorm running statistics) over the groups in the quorum, divided by their number: the mean over the live
+  replicas; with MoE layers balanced by bias, their expert loads summed over the groups too (every group then moves
+  its biases alike, after the step and before the next quorum, as one process would). A group that died takes no part:
   the step is the live groups' gradients' mean, not a restart and not a rollback;
 * ``step``: ``should_commit``, torchft's agreement (over every rank of the group) that the step's collectives
   succeeded; if not (a peer died during them), the update is skipped as a non-finite one would be, and the next
@@ -33,19 +39,20 @@ same tensor-parallel shard, the same pipeline stage, the same ZeRO or FSDP shard
 
 At the start of a run torchft names each group rank's heal source on its own (rank k of every group may take group
 k's state), so after the first quorum the ranks of a group that hold the same tensor take group rank 0's copy of it
-(those of one pipeline stage along the mesh axes the tensor is not sharded on), and a pipeline's tied copies take
+(those of one pipeline stage along the mesh axes the tensor is not sharded on: every axis for a dense weight
+without tensor parallelism, cp's included; not ep for an expert weight), and a pipeline's tied copies take
 the first stage's (``_agree_in_group``): the groups then start from one model, whose tensor-parallel shards and
 pipeline stages may come from different groups' initial weights.
 
-The data: data-parallel rank j of replica group g (of G groups with D data-parallel ranks each: R / (tp x pp)) reads
-share ``g D + j`` of every global batch, as data-parallel rank ``g D + j`` of ``G D`` would (the ranks of one
-tensor-parallel group or pipeline read the same samples); the shares of a dead group are not trained on while it is
-away.
+The data: data-parallel rank j of replica group g (of G groups with D data-parallel ranks each: R / (tp x pp x cp),
+ep's ranks among them) reads share ``g D + j`` of every global batch, as data-parallel rank ``g D + j`` of ``G D``
+would (the ranks of one tensor-parallel group, pipeline or cp group read the same samples; the cp ranks cut each
+sequence); the shares of a dead group are not trained on while it is away.
 
 Communication per step: the group's own (as its layout alone), then one all-reduce per rank over the live groups of
 its gradients or gradient shards (counted in ``comm_bytes`` as the ring model's ``2 (n - 1) / n`` of the buffer over
-``n`` live groups), the quorum's messages to the Lighthouse and ``should_commit``'s to the group's manager server
-(small RPCs, not counted).
+``n`` live groups; one more of the expert loads under bias balancing), the quorum's messages to the Lighthouse and
+``should_commit``'s to the group's manager server (small RPCs, not counted).
 
 Under DiLoCo (``parallel.sync = "diloco"``) each group is one DiLoCo replica: ``finish`` averages nothing over the
 groups (each trains alone for H steps); DiLoCo's outer all-reduce of the pseudo-gradients goes through this driver
@@ -55,12 +62,11 @@ it (nothing of torchft ran before it) and keeps torchft's step count the run's; 
 (``plait.parallel.capabilities.Healing``: the outer momentum, the place in the period; the model's entries are its
 start weights).
 
-Limits (refused with a message in ``check_replicas``): expert and context parallelism inside a group (their ranks
-hold entries the per-rank averaging and healing would have to pair up differently), a parameter server,
-plait's reducer settings that act on a per-step collective of their own (``comm.compress``, ``comm.allreduce``,
-``parallel.impl=torch``, ``sync_batchnorm``, ``fault.rebalance``), a named ``parallel.strategy``, ZeRO in groups of
-one data-parallel rank, and groups whose ranks ``tp x pp`` does not divide. Checkpoints are each group's own (in its
-run directory, sharded as its layout shards them). A heal's state is read with ``torch.load(weights_only=True)``
+Limits (refused with a message in ``check_replicas``): a parameter server, plait's reducer settings that act on a
+per-step collective of their own (``comm.compress``, ``comm.allreduce``, ``parallel.impl=torch``,
+``sync_batchnorm``, ``fault.rebalance``), a named ``parallel.strategy``, ZeRO in groups of one rank to shard over,
+and groups whose ranks ``tp x pp x cp x ep`` does not divide. Checkpoints are each group's own (in its run
+directory, sharded as its layout shards them). A heal's state is read with ``torch.load(weights_only=True)``
 (torchft's own transport would unpickle it with code execution). torchft's manager and its checkpoint server listen
 on every interface of the machine (torchft binds ``[::]`` and ``""``; only the Lighthouse plait starts is on
 loopback): run replica groups on a trusted network.
@@ -84,6 +90,7 @@ from plait.comm.collectives import ring_allreduce_bytes
 from plait.config import Config
 from plait.fault.replica_events import QuorumRecorder, ReplicaEvents
 from plait.fault.replicas import LIGHTHOUSE_ENV, replica_group, require_torchft
+from plait.nn.moe import moe_layers
 from plait.observe.log import get_logger
 from plait.parallel.capabilities import Driver, Healing
 from plait.parallel.layout import Layout, PlaitError
@@ -129,7 +136,10 @@ def _mesh_axes(name: str) -> list[str]:
 def _held_alike(topo: Topology, t: torch.Tensor) -> tuple[str, ...]:
     """The mesh axes of the group's topology along which its ranks hold the same local ``t`` (in mesh order; empty:
     no other rank does): every axis of more than one rank but the pipeline's (each stage holds entries of its
-    own), less those a DTensor is sharded on (a Megatron shard's tp, an FSDP shard's data-parallel axes)."""
+    own), less those a DTensor is sharded on (a Megatron shard's tp, an FSDP shard's data-parallel axes, an expert
+    weight's ep: ``ExpertSync.entries`` gives it as the ``Shard(0)`` of the global ``(E, ...)`` tensor over ep, so it
+    is the same only along the expert-data-parallel axes). Along cp every rank holds the same entries: the cp ranks
+    cut the sequence, not the model."""
     sharded: set[str] = set()
     if isinstance(t, DTensor):
         names = t.device_mesh.mesh_dim_names
@@ -172,6 +182,7 @@ class Replicas(Driver):
         self._voted = False  # this step's should_commit already asked (DiLoCo's synchronisation asked it)
         self._healers: list[Any] = []  # drivers whose own state a heal carries
         self._bn = batchnorm_buffers(model)
+        self._biased = [m for m in moe_layers(model) if m.balance == "bias"]  # MoE layers balanced by their loads
         self.logger = get_logger(self.topo.rank)
         self.manager: Any = None
         self._run: Any = None
@@ -374,7 +385,9 @@ class Replicas(Driver):
     def _averaged(self) -> list[torch.Tensor]:
         """What this rank averages over the groups: the gradients (or gradient shards) the optimizer reads, a
         parameter without one this step given zeros (every group must send the same layout), and the BatchNorm
-        running statistics."""
+        running statistics. The experts' are among them (``Layout.grads``: ``ExpertSync.grads``, already summed over
+        the group's ranks holding the same experts and divided by its data-parallel x cp degree, the group's mean
+        as the dense gradients are), and rank k of every group holds the same experts."""
         if not isinstance(self.layout.optimizer, ZeroOptimizer):  # ZeRO's shards always exist; p.grad stays None
             for q in self.layout.trainable():
                 if q.grad is None:
@@ -384,8 +397,9 @@ class Replicas(Driver):
     def after_finish(self, layout: Layout) -> None:
         """Communication: after the group's own gradient synchronisation, one all-reduce (torchft's, over the
         groups in this step's quorum) of this rank's gradients (or shards) and BatchNorm running statistics,
-        flattened in float32, divided by the number of live groups. No backward. Under DiLoCo nothing: each group
-        trains alone between its synchronisations."""
+        flattened in float32, divided by the number of live groups; with MoE layers balanced by bias, one more of
+        their expert loads (``_sum_loads``). No backward. Under DiLoCo nothing: each group trains alone between its
+        synchronisations."""
         if self.outer_loop:
             return
         tensors = self._averaged()
@@ -397,6 +411,26 @@ class Replicas(Driver):
             for t in tensors:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
+        if self._biased:
+            self._sum_loads()
+
+    @torch.no_grad()
+    def _sum_loads(self) -> None:
+        """Bias balancing moves every expert's bias by the sign of its load against the mean, the loads summed over
+        every data-parallel rank (``plait.parallel.expert.dispatch.MoeMonitor``, over the group's after the step):
+        each rank's loads are summed here with rank k's of the live groups first, so that every group moves its
+        biases alike, as one process would. A step whose collectives failed (a peer died during them) moves no bias:
+        its loads are zeroed (torchft leaves a failed all-reduce's tensor undefined) and its update is skipped
+        (``commit``). Communication: one all-reduce (torchft's, a sum) of the loads, float64 (exact counts)."""
+        loads = [m.load for m in self._biased]
+        flat = torch.cat(loads)
+        self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            flat.zero_()
+        self.comm.stats.bytes_sent += ring_allreduce_bytes(flat.numel() * 8, self._participants)
+        self.comm.stats.calls += 1
+        for t, v in zip(loads, flat.split([t.numel() for t in loads]), strict=True):
+            t.copy_(v)
 
     def _allreduce(self, flat: torch.Tensor) -> None:
         """``flat`` averaged over the groups in the quorum (torchft divides by them: ReduceOp.AVG), counted."""
