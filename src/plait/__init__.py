@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from plait.components import losses
     from plait.config import Config, ConfigError, load_config
     from plait.engine import Plait, StepInfo
+    from plait.parallel.errors import PlaitError
     from plait.parallel.plans import register_plan
     from plait.train.trainer import Trainer
 
@@ -22,8 +23,10 @@ _EXPORTS = {
     "load_config": ("plait.config", "load_config"), "Plait": ("plait.engine", "Plait"),
     "StepInfo": ("plait.engine", "StepInfo"), "Trainer": ("plait.train.trainer", "Trainer"),
     "losses": ("plait.components.losses", None), "register_plan": ("plait.parallel.plans", "register_plan"),
+    "PlaitError": ("plait.parallel.errors", "PlaitError"),
 }
-__all__ = ["Config", "ConfigError", "Plait", "StepInfo", "Trainer", "load_config", "losses", "register_plan"]
+__all__ = ["Config", "ConfigError", "Plait", "PlaitError", "StepInfo", "Trainer", "load_config", "losses",
+           "register_plan"]
 
 
 def __getattr__(name: str) -> Any:

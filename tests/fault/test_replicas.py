@@ -155,7 +155,7 @@ def test_unreachable_lighthouse_is_one_clear_error(tmp_path: Path, monkeypatch: 
     p = plait.Plait(fault={"mode": "replicas", "lighthouse": address}, comm={"timeout_s": 3},
                     run={"dir": str(tmp_path)}, observe={"progress": False, "trackers": []},
                     train={"global_batch_size": 4})
-    from plait.parallel.layout import PlaitError
+    from plait.parallel.errors import PlaitError
 
     expected = f"no quorum through the torchft Lighthouse at {address} \\(it did not answer within 3 s"
     with pytest.raises(PlaitError, match=expected):

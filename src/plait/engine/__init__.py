@@ -57,8 +57,9 @@ from plait.observe.prometheus import serve_metrics
 from plait.parallel import compose
 from plait.parallel.capabilities import Serving
 from plait.parallel.compile import compile_plan
+from plait.parallel.errors import PlaitError, RankDone, check_loss
 from plait.parallel.expert.dispatch import MoeMonitor
-from plait.parallel.layout import Layout, PlaitError, RankDone, check_loss
+from plait.parallel.layout import Layout
 from plait.parallel.meta_init import place
 from plait.parallel.prepare import unwrap_compiled
 from plait.parallel.spec import ModelSpec

@@ -11,7 +11,8 @@ import torch
 
 from plait.components.export import export_safetensors
 from plait.components.hf_checkpoint import INDEX
-from plait.parallel.layout import Layout, PlaitError
+from plait.parallel.errors import PlaitError
+from plait.parallel.layout import Layout
 
 
 def export_weights(plait: Any, model: Any, path: Path, max_shard_bytes: int) -> Path:

@@ -15,7 +15,8 @@ from plait.config import Config
 from plait.engine.collectives import explained
 from plait.engine.export import export_weights
 from plait.parallel import compose
-from plait.parallel.layout import Layout, PlaitError
+from plait.parallel.errors import PlaitError
+from plait.parallel.layout import Layout
 
 
 class Persistence:

@@ -12,7 +12,7 @@ from torch import nn
 
 from plait.components.losses import Loss, infer_loss, resolve_loss
 from plait.config import Config, from_sections, load_config
-from plait.parallel.layout import PlaitError
+from plait.parallel.errors import PlaitError
 
 
 def coerce_config(config: Config | str | Path | None, sections: dict[str, Any]) -> Config:

@@ -47,8 +47,9 @@ from plait.fault.preempt import PreemptionFlag
 from plait.observe.log import get_logger
 from plait.observe.memory import measure_model_state_bytes
 from plait.parallel.capabilities import agreement
+from plait.parallel.errors import PlaitError
 from plait.parallel.expert.dispatch import MoeMonitor
-from plait.parallel.layout import Layout, PlaitError
+from plait.parallel.layout import Layout
 from plait.parallel.tensor.plan import local_value
 
 PROGRESS_EVERY_S = 30.0  # progress.json at least this often between log steps (a clock read per step, no I/O)

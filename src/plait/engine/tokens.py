@@ -11,7 +11,7 @@ import torch
 from plait.components.losses import IGNORE_INDEX, resolve_loss
 from plait.engine.collectives import explained
 from plait.parallel.capabilities import agreement
-from plait.parallel.layout import PlaitError
+from plait.parallel.errors import PlaitError
 
 
 class TokenCounting:

@@ -30,51 +30,24 @@ from torch import nn
 from plait.comm.collectives import Comm
 from plait.components.dcp_pieces import PiecesLoadPlanner, PiecesSavePlanner
 from plait.components.precision import LossScaler
-from plait.config import Config, ConfigError
-from plait.observe.memory import memory_report
+from plait.config import Config
+from plait.observe.memory import layout_memory
 from plait.parallel.capabilities import Driver
 from plait.parallel.compile import CompilePlan, compile_model
+from plait.parallel.errors import PlaitError
 from plait.parallel.grad_sync import GradSync, OptimizerFactory, scale_down, squares_by_groups
 from plait.parallel.meta_init import InitFn, ModelFacts, initialise, refuse_uninitialised
 from plait.parallel.prepare import route_forward
 from plait.parallel.tensor.plan import local_value, loss_context
 from plait.parallel.tensor.strided import is_strided, strided_entries
 from plait.parallel.weights import export_weights, load_renamed, load_weights
-from plait.plan.memory import predict_setup_bytes
 from plait.topology import Topology
-
-
-class PlaitError(ConfigError):
-    """The API was used in a way that cannot work; the message says what to do instead (``plait.PlaitError``)."""
-
-
-class RankDone(SystemExit):
-    """Raised by ``Plait.setup`` on a rank whose part of the run ends there (a parameter server's server
-    ranks, once every worker has finished): the process exits with status 0 unless the caller catches it.
-    ``stats`` is that rank's summary, under ``key`` in what ``plait train`` returns."""
-
-    key = "rank_done"
-
-    def __init__(self, stats: dict[str, Any]) -> None:
-        super().__init__(0)
-        self.stats = stats
 
 
 def nonfinite(norm: torch.Tensor) -> torch.Tensor:
     """1.0 where ``norm`` is NaN or infinite, else 0.0: a 0-dim float32 tensor on the norm's device (torch's
     ``found_inf``), computed without reading it."""
     return torch.logical_not(torch.isfinite(norm)).to(torch.float32)
-
-
-def check_loss(loss: Any) -> None:
-    """A clear error for a loss that cannot be backpropagated: not a scalar, or not from the model."""
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise PlaitError(f"backward() needs a scalar loss; got {shape}. Reduce it first (loss.mean()), or "
-                         "check the loss function returns one number per batch")
-    if not loss.requires_grad:
-        raise PlaitError("the loss does not require grad: compute it from the model returned by setup(), "
-                         "outside torch.no_grad()")
 
 
 class Layout:
@@ -489,21 +462,9 @@ class Layout:
         return out
 
     def _memory(self, measured: dict[str, int] | None, device: torch.device) -> dict[str, Any]:
-        unique = {id(p): p for _, p in self.named_parameters()}.values()
-        params = sum(p.numel() for p in unique)
-        precision = "bf16" if self.precision != "fp32" else "fp32"
-        data_parallel_only = self.topo.degree("tp") == self.topo.degree("pp") == 1
-        t, p = self.topo, self.cfg.parallel
-        setup = None
-        if data_parallel_only:  # the whole model given on every rank, or (meta-built) each rank allocating its part
-            setup = predict_setup_bytes(sum(q.numel() * q.element_size() for q in unique),
-                                        sum(b.numel() * b.element_size() for b in self.model.buffers()),
-                                        world=t.world_size, zero=p.zero, dp=t.degree("dp_cp"),
-                                        shard=t.shard_degree,
-                                        bucket_mb=p.bucket_mb, source="shards" if self.facts.meta else "whole")
-        # ZeRO shards over the shard group: every data-parallel rank, or dp_shard of them under HSDP
-        return {"memory": memory_report(params, p.zero, t.shard_degree, precision, measured or None, device,
-                                        predict=data_parallel_only, setup=self.setup_memory, setup_predicted=setup)}
+        unique = list({id(p): p for _, p in self.named_parameters()}.values())
+        return {"memory": layout_memory(unique, list(self.model.buffers()), self.topo, self.cfg.parallel,
+                                        self.precision, self.facts.meta, measured, device, self.setup_memory)}
 
     def close(self) -> None:
         """At the end of the run (a parameter server's worker tells the servers it is done; a replica group leaves)."""

@@ -22,7 +22,7 @@ from torch import nn
 
 from plait.components.precision import autocast
 from plait.parallel.compile import fusable, fused_loss
-from plait.parallel.layout import check_loss
+from plait.parallel.errors import check_loss
 from plait.parallel.tensor.plan import local_value
 
 CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."

@@ -294,7 +294,7 @@ def build_trainer(cfg: Config, trainer_class: type[Trainer] | None = None) -> Tr
 def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:
     """``plait train`` on this worker: the configured model and data through ``Trainer`` (the process
     group, if any, is already initialised)."""
-    from plait.parallel.layout import RankDone
+    from plait.parallel.errors import RankDone
 
     cfg.run.dir = str(run_dir)
     try:

@@ -28,7 +28,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from plait.components.precision import autocast
 from plait.config import ConfigError
 from plait.observe.log import get_logger
-from plait.parallel.layout import PlaitError
+from plait.parallel.errors import PlaitError
 from plait.parallel.meta_init import is_meta, materialise
 from plait.parallel.pipeline.runner import build_pipeline, measure_layer_costs
 from plait.parallel.pipeline.trace import bubble_summary, write_chrome_trace

@@ -93,7 +93,8 @@ from plait.fault.replicas import LIGHTHOUSE_ENV, replica_group, require_torchft
 from plait.nn.moe import moe_layers
 from plait.observe.log import get_logger
 from plait.parallel.capabilities import Driver, Healing
-from plait.parallel.layout import Layout, PlaitError
+from plait.parallel.errors import PlaitError
+from plait.parallel.layout import Layout
 from plait.parallel.units import batchnorm_buffers
 from plait.parallel.zero.optimizer import ZeroOptimizer
 from plait.runtime.dist import agent_restarts, restarted_by_agent
