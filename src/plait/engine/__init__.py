@@ -247,7 +247,8 @@ class Plait(SmallCollectives):
             strategy.prepare_weights(weights, init_fn, self.config.train.seed, self.group)
             if moe:
                 self.stepper.moe = MoeMonitor(strategy.model, self.topology, self.comm, self.config.train.log_every,
-                                              bias=any(layer.balance == "bias" for layer in moe))
+                                              bias=any(layer.balance == "bias" for layer in moe),
+                                              sequence_parallel=p.sequence_parallel)
             opt = strategy.build_optimizer(factory)
         strategy.setup_memory = meter.stop()
         if self.device.type == "cuda" and not strategy.skips_on_device():

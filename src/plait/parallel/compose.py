@@ -202,7 +202,7 @@ def parallelize(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec:
     if p.sync_batchnorm and policy.ranks > 1:
         model = sync_batchnorm(model, policy.group, topo.device)
     model = apply_tensor(model, topo, p, spec)
-    model = apply_expert(model, topo, cfg.moe.dispatcher)
+    model = apply_expert(model, topo, cfg.moe.dispatcher, p.sequence_parallel)
     attention = apply_context(model, topo, cfg, whole=p.pp == 1)
     model = apply_checkpointing(model, cfg.train)
     model = apply_compile(model, cfg.train, spec.compile)

@@ -80,15 +80,11 @@ def check_context(cfg: Config, degrees: dict[str, int]) -> None:
     p = cfg.parallel
     if p.cp <= 1:
         return
-    unsupported = [f"parallel.{k}={v}" for k, v, off in (("ep", p.ep, 1), ("mode", p.mode, "collective")) if v != off]
-    if unsupported:
-        raise ConfigError(f"parallel.cp={p.cp} composes with data parallelism, ZeRO 1-3, tensor (and sequence) "
-                          f"parallelism, pipelines and activation checkpointing; {', '.join(unsupported)} with "
-                          "context parallelism is not supported yet: set parallel.cp=1, or leave those at their "
-                          "defaults")
-    if degrees.get("dp_shard", 1) > 1 and degrees.get("dp_replicate", 1) > 1:
-        raise ConfigError(f"parallel.dp_shard={p.dp_shard} (hybrid sharding) with parallel.cp={p.cp} is not "
-                          "supported yet: set parallel.dp_shard=0 (ZeRO-3 then shards over every dp x cp rank)")
+    if p.mode != "collective":
+        raise ConfigError(f"parallel.cp={p.cp} composes with data parallelism, ZeRO 1-3, HSDP, tensor (and sequence), "
+                          f"pipeline and expert parallelism and activation checkpointing; parallel.mode={p.mode} with "
+                          "context parallelism is not supported yet: set parallel.cp=1, or leave parallel.mode at its "
+                          "default")
     if cfg.train.compile:
         raise ConfigError(f"train.compile={cfg.train.compile!r} with parallel.cp > 1 is not supported yet; set "
                           "train.compile=false")

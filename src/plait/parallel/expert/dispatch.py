@@ -44,6 +44,7 @@ together is refused with a message naming the alternative. """
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -86,10 +87,9 @@ def check_expert_layout(m: MoeConfig, p: ParallelConfig) -> None:
         fits = [e for e in range(1, m.num_experts + 1) if m.num_experts % e == 0]
         raise ConfigError(f"moe.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep}: every "
                           f"expert-parallel rank holds the same number of experts; use ep in {fits}")
-    if m.num_experts and p.tp > 1 and (p.sequence_parallel or p.zero == 3):
-        raise ConfigError(f"MoE layers with tp={p.tp} and {'sequence_parallel' if p.sequence_parallel else 'zero=3'} "
-                          "are not available in this build: MoE blocks compose with plain tensor parallelism "
-                          "(sequence_parallel=false, zero=0) and with expert parallelism (parallel.ep)")
+    if m.num_experts and p.tp > 1 and p.zero == 3:
+        raise ConfigError(f"MoE layers with tp={p.tp} and zero=3 are not available in this build: MoE blocks compose "
+                          "with tensor (and sequence) parallelism at zero=0, and with expert parallelism (parallel.ep)")
 
 
 # -- dispatchers ----------------------------------------------------------------------------------
@@ -306,11 +306,17 @@ class MoeMonitor:
     balancing the counts are summed over the ranks every step on the device (one small all-reduce) and the
     biases moved there; the reported figures cover the steps since the last report."""
 
-    def __init__(self, model: nn.Module, topo: Any, comm: Any, every: int = 1, bias: bool | None = None) -> None:
+    def __init__(self, model: nn.Module, topo: Any, comm: Any, every: int = 1, bias: bool | None = None,
+                 sequence_parallel: bool = False) -> None:
         """``model``: this rank's part (a pipeline stage may hold no MoE layer); ``bias``: whether any MoE layer
-        of the whole model balances by bias (the same on every stage; default: this part's layers)."""
+        of the whole model balances by bias (the same on every stage; default: this part's layers);
+        ``sequence_parallel``: the tp ranks' MoE layers route their own sequence shards (their counts add too)."""
         self.layers: list[MoE] = moe_layers(model)
         self.topo, self.comm = topo, comm
+        # the ranks routing different tokens: the data-parallel ranks, the cp ranks' shards, sp's tp ranks' shards
+        axes = ("dp_cp", "tp") if sequence_parallel and topo.degree("tp") > 1 else ("dp_cp",)
+        self.ranks = math.prod(topo.degree(a) for a in axes)
+        self.group = topo.group(*axes) if self.ranks > 1 else None
         self.every = max(1, every)
         self.bias = any(layer.balance == "bias" for layer in self.layers) if bias is None else bias
         self.stages = topo.degree("pp") if topo.mesh is not None else 1  # figures gathered over the stages
@@ -337,8 +343,8 @@ class MoeMonitor:
     def _balance(self) -> None:
         """The step's loads summed over the data-parallel ranks and the biases moved, on the device."""
         flat = torch.cat([layer.load for layer in self.layers])
-        if self.topo.dp > 1:
-            self.comm.all_reduce_sum(flat, self.topo.dp_group, name="moe loads")
+        if self.ranks > 1:
+            self.comm.all_reduce_sum(flat, self.group, name="moe loads")
         for layer, load in zip(self.layers, flat.split([layer.num_experts for layer in self.layers]), strict=True):
             layer.update_bias(load)
             layer.load.zero_()
@@ -350,8 +356,8 @@ class MoeMonitor:
         if not self.bias:
             parts = [layer.load for layer in self.layers] + parts
         flat = torch.cat(parts)
-        if self.topo.dp > 1:
-            self.comm.all_reduce_sum(flat, self.topo.dp_group, name="moe statistics")
+        if self.ranks > 1:
+            self.comm.all_reduce_sum(flat, self.group, name="moe statistics")
         if self.bias:
             loads = self._loads if self._loads is not None else torch.zeros(sum(sizes), dtype=torch.float64)
             self._loads = None

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from plait.components.optim import materialize_optimizer_state, optimizer_recipe
 from plait.parallel.expert.dispatch import ExpertParallelError
@@ -49,6 +50,9 @@ class ExpertSync:
         self.mode = "replicated" if edp == 1 or not self.sharded else "fsdp" if self.fsdp else "zero"
         if not experts:  # a pipeline stage with no MoE layer (the same on every rank of the stage)
             self.mode = "none"
+        # under sequence parallelism each tp rank's experts saw its own tokens: replicated DTensors over tp whose
+        # gradients are partial sums (plait.parallel.tensor.local_tokens), summed with the expert-data-parallel ranks
+        self.over_tp = self.mode == "replicated" and isinstance(experts[0], DTensor)
         self.optimizer: Any = None
         self._group_of: list[int] = []  # expert group i -> the factory's group index
 
@@ -105,17 +109,22 @@ class ExpertSync:
         for p in self.experts:  # an expert no token reached still has a zero gradient
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        return [p.grad for p in self.experts]
+        return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.experts]
 
     def finish(self) -> None:
-        """Expert gradients summed over the expert-data-parallel group and divided by the whole data-parallel
-        degree: reduce-scattered by the expert ``ZeroOptimizer`` or FSDP2 under sharding, all-reduced here
-        otherwise."""
+        """Expert gradients summed over the expert-data-parallel group (and over tp, where each tp rank routed its
+        own sequence shard) and divided by the whole data-parallel degree: reduce-scattered by the expert
+        ``ZeroOptimizer`` or FSDP2 under sharding, all-reduced here otherwise."""
         if self.mode == "zero":
             self.optimizer.finish_grad_sync()
         elif self.mode == "replicated":
-            group = self.topo.expert_dp_group if self.dp > self.topo.ep else None  # None: no replica
-            reduce_in_place(self.grads(), self.comm, group, self.dp, "expert gradients")
+            axes = ("edp", "tp") if self.over_tp else ("edp",)
+            many = self.dp > self.topo.ep or self.over_tp
+            reduce_in_place(self.grads(), self.comm, self.topo.group(*axes) if many else None, self.dp,
+                            "expert gradients")
+            if self.over_tp:  # the partial sums are whole now: replicated like the parameters
+                for p in self.experts:
+                    p.grad = DTensor.from_local(p.grad.to_local(), p.device_mesh, p.placements, run_check=False)
 
     def norm_pieces(self) -> list[NormPiece]:
         """The expert gradients' squares, summed over the ``ep`` ranks (each holds different experts) and over the
@@ -141,26 +150,26 @@ class ExpertSync:
         """A weight or optimizer state of ``p``'s shape as a DTensor of the global ``(E, ...)`` tensor:
         ``Shard(0)`` over ``ep``, and under ZeRO-3 ``Shard(1)`` over the expert-data-parallel ranks
         (the FSDP2 shard this rank holds). Other entries (a step counter) are returned as they are."""
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import Shard
 
         if t.shape != p.shape or self.topo.mesh is None:
             return t
         shape = torch.Size(p.global_shape)
         stride = torch.empty(shape, device="meta").stride()
+        local = t.to_local() if isinstance(t, DTensor) else t
         if self.mode == "fsdp":  # mesh axes in topology order: dp_replicate (dim 1), then ep (dim 0)
-            return DTensor.from_local(t.to_local(), self.topo.mesh["dp_replicate", "ep"], [Shard(1), Shard(0)],
+            return DTensor.from_local(local, self.topo.mesh["dp_replicate", "ep"], [Shard(1), Shard(0)],
                                       run_check=False, shape=shape, stride=stride)
-        return DTensor.from_local(t, self.topo.mesh["ep"], [Shard(0)], run_check=False, shape=shape, stride=stride)
+        return DTensor.from_local(local, self.topo.mesh["ep"], [Shard(0)], run_check=False, shape=shape,
+                                  stride=stride)
 
     def _from_dtensor(self, v: Any, p: nn.Parameter) -> Any:
         """Inverse of ``_to_dtensor`` after a load: this rank's part, in the form ``p`` holds it."""
         if not hasattr(v, "to_local"):
             return v
         local = v.to_local()
-        if self.mode != "fsdp" or v.dim() != p.dim():
+        if not isinstance(p, DTensor) or v.dim() != p.dim():
             return local
-        from torch.distributed.tensor import DTensor
-
         return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride())
 
@@ -227,7 +236,7 @@ class ExpertSync:
         after its FSDP shards over the expert-data-parallel group under ZeRO-3."""
         experts = {}
         for name, p in self._names.items():
-            mine = p.detach().full_tensor() if self.mode == "fsdp" else p.detach()
+            mine = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
             parts = [torch.empty_like(mine) for _ in range(self.topo.ep)]
             dist.all_gather(parts, mine.contiguous(), group=self.topo.ep_group)
             experts[name] = torch.cat(parts)

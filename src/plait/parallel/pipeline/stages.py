@@ -92,15 +92,6 @@ def check_pipeline(cfg: Any, degrees: dict[str, int]) -> None:
     if t.micro_batch_size % p.microbatches:
         raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} must divide into parallel.microbatches="
                           f"{p.microbatches} pipeline micro-batches; make it a multiple of {p.microbatches}")
-    if p.zero and p.ep > 1:
-        raise ConfigError(f"parallel.pp={p.pp} with parallel.ep={p.ep} composes with plait's data-parallel reducer "
-                          f"only in this build (parallel.zero={p.zero}); set parallel.zero=0")
-    if p.zero == 3 and p.pp_schedule == "zbv":
-        # the zero-bubble schedule's weight pass computes gradients for the parameters a stage module registers,
-        # which under FSDP2 are the shards, not the gathered tensors the forward used
-        raise ConfigError("parallel.pp_schedule=zbv does not compose with parallel.zero=3 in this build (its "
-                          "weight-gradient pass misses FSDP2's gathered parameters); use pp_schedule=1f1b, "
-                          "gpipe or interleaved, or zero=1 or 2")
 
 
 class PipelineStages:

@@ -1,0 +1,186 @@
+"""Experts and hybrid sharding composed with the other dimensions: plait's GPT with an MoE block in each of its 2
+blocks, trained through ``plait.Plait.forward_backward``, equals the user's own loop in one plain PyTorch process.
+
+Layouts (two spawned groups, several layouts each; ``LAYOUTS``): on 4 ranks, ep=2 x cp=2 (ring; all-to-all under
+ZeRO-3, the experts then sharded over their cp replicas), ep=2 x tp=2 with sequence parallelism (each tp rank's MoE
+layers route its own sequence shard), ep=2 x pp=2 x ZeRO-3 (FSDP2 per stage with the experts' own units), and the
+zero-bubble V schedule over ZeRO-3 stages; on 8 ranks, HSDP (2 replicas of 2-rank shard groups) x cp=2 (ring and
+all-to-all), HSDP x ep=2 (experts sharded over their shard group, replicated over the replicas), and zbv over HSDP.
+
+The model's balancing terms are all on, with large coefficients (Switch aux 0.3, DeepSeek-V3's sequence-wise 0.3,
+z-loss 0.01), so a statistic taken over a shard of the sequence instead of the whole, or a misscaled auxiliary
+gradient, moves the routers far beyond the tolerance. The reference is the user's loop: each data-parallel rank's
+micro-batch (each pipeline micro-batch of it, under a pipeline: the balancing losses are per micro-batch) one
+accumulation micro-step of a single process on whole sequences, then clipping at 1.0 and AdamW.
+
+Compared: the logged loss and gradient norm of every step, every parameter's gradient at step 1 (after the
+reduction, gathered whole: FSDP's and tensor parallelism's DTensors with ``full_tensor``, expert slices over ep; a
+pipeline rank its stage's), and every parameter after 3 steps (``p.full_state_dict``). float32; the layouts sum in
+other orders (all-to-all, ring attention's blocks, reduce-scatters), so results differ by rounding: losses within
+``MP_LOSS_ATOL``, gradients within ``GRAD_ATOL``, parameters within ``MP_PARAM_ATOL`` beyond each element's AdamW slack
+(``references.adam_slack`` for gradients off by ``GRAD_ATOL``: AdamW's first update has slope lr / eps where a
+gradient cancels to near zero).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import run_ranks
+from references import MP_LOSS_ATOL, MP_PARAM_ATOL, adam_slack, beyond_slack
+
+V, T, GLOBAL, STEPS, LR, CLIP = 64, 16, 8, 3, 1e-3, 0.5
+GRAD_ATOL = 1e-7
+MODEL = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", f"--model.seq_len={T}",
+         f"--model.vocab_size={V}", "--model.dropout=0.0", "--moe.num_experts=4", "--moe.top_k=2", "--moe.every=1",
+         "--moe.aux_loss_coef=0.3", "--moe.seq_aux_loss_coef=0.3", "--moe.z_loss_coef=0.01"]
+
+
+def gpt():
+    from plait.config import load_config
+    from plait.models.tiny import seeded_gpt
+
+    cfg = load_config(overrides=MODEL)
+    return seeded_gpt(cfg.model, 0, cfg.moe)
+
+
+def batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, V, (GLOBAL, T), generator=g) for _ in range(STEPS)]
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False)
+
+
+def reference(chunks: int, slack: dict | None = None) -> dict:
+    """The user's loop in one process: each of the ``chunks`` micro-batches of a global batch one accumulation
+    micro-step (the MoE layers' balancing gradients scaled like the loss), clip, AdamW. ``slack``: filled with each
+    parameter's AdamW slack for gradients off by ``GRAD_ATOL``, summed over the steps."""
+    from plait.nn import moe_layers
+
+    model = gpt()
+    opt = adamw(model)
+    for layer in moe_layers(model):
+        layer.grad_scale = 1.0 / chunks
+    losses, norms, first = [], [], {}
+    for step, batch in enumerate(batches(), 1):
+        total = 0.0
+        for x in batch.chunk(chunks):
+            logits = model(x)
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), x[:, 1:].reshape(-1))
+            (loss / chunks).backward()
+            total += loss.item() / chunks
+        first = first or {n: q.grad.detach().clone() for n, q in model.named_parameters()}
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        if slack is not None:
+            with torch.no_grad():
+                for n, q in model.named_parameters():
+                    slack[n] = slack.get(n, 0.0) + adam_slack(opt, q, step, GRAD_ATOL)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "norms": norms, "grads": first,
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _whole_grads(p, model) -> dict[str, torch.Tensor]:
+    """This rank's reduced gradients as whole tensors (collective: every rank of a stage in the same order)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from plait.parallel.units import is_expert
+
+    out = {}
+    for n, q in p.layout.named_parameters():
+        g = q.grad
+        if isinstance(g, DTensor):
+            g = g.full_tensor()
+        if is_expert(q) and p.topology.ep > 1:
+            parts = [torch.empty_like(g) for _ in range(p.topology.ep)]
+            dist.all_gather(parts, g.contiguous(), group=p.topology.ep_group)
+            g = torch.cat(parts)
+        out[n] = g.detach().clone()
+    return out
+
+
+def _train(run_dir: str, name: str, parallel: dict) -> dict:
+    import plait
+    from plait.config import load_config
+
+    pp = parallel.get("pp", 1)
+    cfg = load_config(overrides=MODEL + [f"--parallel.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                                         for k, v in parallel.items()] + [
+        f"--train.global_batch_size={GLOBAL}", f"--run.dir={run_dir}/{name}", f"--optim.grad_clip={CLIP}",
+        "--observe.progress=false", "--observe.trackers=[]"])
+    p = plait.Plait(cfg)
+    model, _ = p.setup(gpt(), optimizer=adamw, loss_fn="causal_lm")
+    grads: dict = {}
+    finish = p.layout.finish
+
+    def capture() -> None:  # the first step's reduced gradients, before clipping
+        finish()
+        if not grads:
+            grads.update(_whole_grads(p, model))
+
+    p.layout.finish = capture
+    micro = GLOBAL // p.topology.dp
+    losses, norms = [], []
+    for batch in batches():
+        p.forward_backward(model, batch[p.dp_rank * micro:(p.dp_rank + 1) * micro])
+        info = p.step(log=True)
+        losses.append(info.global_loss)
+        norms.append(info.grad_norm)
+    out = {"losses": losses, "norms": norms, "grads": grads, "chunks": p.topology.dp * (parallel.get(
+        "microbatches", 1) if pp > 1 else 1), "state": {k: v.clone() for k, v in p.full_state_dict(model).items()},
+        "layout": p.layout.describe(), "report": p.layout.report(None, None, p.device).get("expert_parallel")}
+    p.close()
+    return out
+
+
+# (name, parallel settings); each group's world size fixes dp. The zero-bubble V schedule's 4 stages: the embedding
+# alone, one block each, the head alone (no MoE layer on the first and the last)
+ALONE = {"pp_split_embedding": True, "pp_split_head": True}
+LAYOUTS = {
+    4: [("ep2-cp2-ring", {"ep": 2, "cp": 2, "cp_impl": "ring"}),
+        ("ep2-cp2-alltoall-zero3", {"ep": 2, "cp": 2, "cp_impl": "alltoall", "dp": 2, "zero": 3}),
+        ("ep2-tp2-sp", {"ep": 2, "tp": 2, "sequence_parallel": True}),
+        ("tp2-sp-cp2", {"tp": 2, "sequence_parallel": True, "cp": 2}),
+        ("ep2-pp2-zero3", {"ep": 2, "pp": 2, "zero": 3, "microbatches": 2, "pp_schedule": "1f1b"}),
+        ("zbv-zero3", {"pp": 2, "zero": 3, "microbatches": 2, "pp_schedule": "zbv", **ALONE})],
+    8: [("hsdp-cp2-ring", {"cp": 2, "cp_impl": "ring", "zero": 3, "dp_shard": 2}),
+        ("hsdp-cp2-alltoall", {"cp": 2, "cp_impl": "alltoall", "zero": 3, "dp_shard": 2}),
+        ("hsdp-ep2", {"ep": 2, "zero": 3, "dp_shard": 2}),
+        ("zbv-hsdp", {"pp": 2, "zero": 3, "dp_shard": 2, "microbatches": 2, "pp_schedule": "zbv", **ALONE})],
+}
+
+
+def _group(rank: int, world: int, run_dir: str, layouts: list) -> list[dict]:
+    return [_train(run_dir, name, parallel) for name, parallel in layouts]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_experts_and_hybrid_sharding_compose(tmp_path: Path, world: int) -> None:
+    ranks = run_ranks(_group, world, str(tmp_path), LAYOUTS[world], timeout=900)
+    refs: dict = {}
+    for i, (name, parallel) in enumerate(LAYOUTS[world]):
+        chunks = ranks[0][i]["chunks"]
+        if chunks not in refs:
+            slack: dict = {}
+            refs[chunks] = (reference(chunks, slack), slack)
+        ref, slack = refs[chunks]
+        held = set().union(*(r[i]["grads"] for r in ranks))
+        assert held == ref["grads"].keys(), (name, sorted(held ^ set(ref["grads"])))
+        for run in (r[i] for r in ranks):
+            assert max(abs(a - b) for a, b in zip(run["losses"], ref["losses"], strict=True)) < MP_LOSS_ATOL, name
+            assert run["norms"] == pytest.approx(ref["norms"], rel=1e-5), name
+            assert _max_diff(run["grads"], ref["grads"]) < GRAD_ATOL, name
+            assert run["state"].keys() == ref["state"].keys(), name
+            assert beyond_slack(run["state"], ref["state"], slack) < MP_PARAM_ATOL, name
