@@ -149,11 +149,11 @@ LAYOUTS = {
         ("ep2-cp2-alltoall-zero3", {"ep": 2, "cp": 2, "cp_impl": "alltoall", "dp": 2, "zero": 3}),
         ("ep2-tp2-sp", {"ep": 2, "tp": 2, "sequence_parallel": True}),
         ("tp2-sp-cp2", {"tp": 2, "sequence_parallel": True, "cp": 2}),
-        ("ep2-pp2-zero3", {"ep": 2, "pp": 2, "zero": 3, "microbatches": 2, "pp_schedule": "1f1b"}),
         ("zbv-zero3", {"pp": 2, "zero": 3, "microbatches": 2, "pp_schedule": "zbv", **ALONE})],
     8: [("hsdp-cp2-ring", {"cp": 2, "cp_impl": "ring", "zero": 3, "dp_shard": 2}),
         ("hsdp-cp2-alltoall", {"cp": 2, "cp_impl": "alltoall", "zero": 3, "dp_shard": 2}),
         ("hsdp-ep2", {"ep": 2, "zero": 3, "dp_shard": 2}),
+        ("ep2-pp2-zero3", {"ep": 2, "pp": 2, "zero": 3, "microbatches": 2, "pp_schedule": "1f1b"}),
         ("zbv-hsdp", {"pp": 2, "zero": 3, "dp_shard": 2, "microbatches": 2, "pp_schedule": "zbv", **ALONE})],
 }
 

@@ -266,14 +266,15 @@ def fsdp_shard_experts(model: nn.Module, topo: Any, *, param_dtype: torch.dtype 
                        reshard_after_forward: bool = True) -> None:
     """ZeRO-3 for the experts: each module of local experts (plait's ``GroupedExperts``, a Hugging Face
     experts module) becomes an FSDP2 unit over the expert-data-parallel ranks (the ``dp / ep`` ranks holding
-    the same experts), every weight sharded on its dim 1 (``C`` of ``w1``, ``H`` of ``w2``; dim 0, the expert
-    index, is already split over ``ep``), the reduce-scatter divided by the whole data-parallel degree ``dp``.
+    the same experts; under hybrid sharding, sharded over those of a shard group and replicated over the replicas:
+    ``Topology.expert_fsdp_mesh``), every weight sharded on its dim 1 (``C`` of ``w1``, ``H`` of ``w2``; dim 0, the
+    expert index, is already split over ``ep``), the reduction divided by the whole data-parallel degree ``dp``.
     Call before the dense FSDP units are built (they then leave these parameters to the nested unit)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
 
-    mesh = topo.sub_mesh("edp")
-    n = mesh.size()
+    mesh = topo.expert_fsdp_mesh
+    n = mesh.size(mesh.ndim - 1)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for ex, names in _expert_modules(model):
         shapes = {name: getattr(getattr(ex, name), "global_shape", tuple(getattr(ex, name).shape)) for name in names}
@@ -281,8 +282,8 @@ def fsdp_shard_experts(model: nn.Module, topo: Any, *, param_dtype: torch.dtype 
             size = getattr(ex, name).size(1)
             if size % n:
                 raise ExpertParallelError(
-                    f"parallel.zero=3 shards each expert weight's dim 1 over the {n} ranks holding the same "
-                    f"experts (dp / ep), but {name} has {size} there; choose parallel.ep so that dp / ep divides "
+                    f"parallel.zero=3 shards each expert weight's dim 1 over {n} of the ranks holding the same "
+                    f"experts (dp / ep), but {name} has {size} there; choose parallel.ep so that they divide "
                     f"both the model width and the expert width (e.g. ep = dp), or use parallel.zero=1 or 2")
         fully_shard(ex, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
                     shard_placement_fn=lambda _p: Shard(1))

@@ -132,7 +132,10 @@ class ExpertSync:
         if self.mode == "none":  # a stage without experts: nothing to sum (its peers in the stage have none either)
             return []
         sq = sum((g.double().pow(2).sum() for g in self.grads()), torch.zeros((), dtype=torch.float64))
-        group = self.topo.ep_group if self.mode == "replicated" else self.topo.group("dp_cp")
+        if self.mode == "replicated":
+            group = self.topo.ep_group
+        else:  # the shards: every expert-data-parallel rank's, or under hybrid sharding a shard group's
+            group = self.topo.group("dp_shard_cp" if self.mode == "fsdp" and self.topo.hybrid else "dp_cp")
         return [(sq, (group,))]
 
     def zero_grad(self) -> None:
@@ -148,19 +151,22 @@ class ExpertSync:
     # -- state --------------------------------------------------------------------------------------
     def _to_dtensor(self, t: torch.Tensor, p: nn.Parameter) -> Any:
         """A weight or optimizer state of ``p``'s shape as a DTensor of the global ``(E, ...)`` tensor:
-        ``Shard(0)`` over ``ep``, and under ZeRO-3 ``Shard(1)`` over the expert-data-parallel ranks
-        (the FSDP2 shard this rank holds). Other entries (a step counter) are returned as they are."""
-        from torch.distributed.tensor import Shard
+        ``Shard(0)`` over ``ep``, and under ZeRO-3 ``Shard(1)`` over the expert-data-parallel axes (the FSDP2 shard
+        this rank holds: row-major over those axes, as FSDP2's flattened mesh orders them; under hybrid sharding
+        replicated over ``dp_replicate``). Other entries (a step counter) are returned as they are."""
+        from torch.distributed.tensor import Replicate, Shard
 
         if t.shape != p.shape or self.topo.mesh is None:
             return t
         shape = torch.Size(p.global_shape)
         stride = torch.empty(shape, device="meta").stride()
         local = t.to_local() if isinstance(t, DTensor) else t
-        if self.mode == "fsdp":  # mesh axes in topology order: dp_replicate (dim 1), then ep (dim 0)
-            return DTensor.from_local(local, self.topo.mesh["dp_replicate", "ep"], [Shard(1), Shard(0)],
-                                      run_check=False, shape=shape, stride=stride)
-        return DTensor.from_local(local, self.topo.mesh["ep"], [Shard(0)], run_check=False, shape=shape,
+        axes = ["ep"]
+        if self.mode == "fsdp":  # the live expert-data-parallel axes beside ep, in mesh order
+            axes = [a for a in ("dp_replicate", "dp_shard", "ep", "cp") if a == "ep" or self.topo.degree(a) > 1]
+        kinds = {"ep": Shard(0), "dp_replicate": Replicate() if self.topo.hybrid else Shard(1)}
+        mesh = self.topo.mesh[tuple(axes)] if len(axes) > 1 else self.topo.mesh["ep"]
+        return DTensor.from_local(local, mesh, [kinds.get(a, Shard(1)) for a in axes], run_check=False, shape=shape,
                                   stride=stride)
 
     def _from_dtensor(self, v: Any, p: nn.Parameter) -> Any:

@@ -133,7 +133,3 @@ def check_dp_shard(p: ParallelConfig) -> None:
     if p.dp_shard == 1:
         raise ConfigError("parallel.dp_shard=1 makes shard groups of one rank, which shard nothing: use "
                           "parallel.zero=0 to replicate, or dp_shard >= 2 (0 shards over every data-parallel rank)")
-    if p.ep > 1:
-        raise ConfigError(f"parallel.dp_shard={p.dp_shard} with parallel.ep={p.ep}: hybrid sharding does not compose "
-                          "with expert parallelism in this build; set parallel.dp_shard=0 (ZeRO-3 over every "
-                          "data-parallel rank)")
