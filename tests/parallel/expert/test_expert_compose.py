@@ -107,17 +107,20 @@ def _whole_grads(p, model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _train(run_dir: str, name: str, parallel: dict) -> dict:
+def _train(run_dir: str, name: str, parallel: dict, accum: int) -> dict:
+    """Three steps of ``parallel``, each of ``accum`` micro-steps per data-parallel rank."""
     import plait
     from plait.config import load_config
 
-    pp = parallel.get("pp", 1)
+    dp = parallel["dp"]
+    micro = GLOBAL // dp // accum
     cfg = load_config(overrides=MODEL + [f"--parallel.{k}={str(v).lower() if isinstance(v, bool) else v}"
                                          for k, v in parallel.items()] + [
-        f"--train.global_batch_size={GLOBAL}", f"--run.dir={run_dir}/{name}", f"--optim.grad_clip={CLIP}",
-        "--observe.progress=false", "--observe.trackers=[]"])
+        f"--train.global_batch_size={GLOBAL}", f"--train.micro_batch_size={micro}", f"--run.dir={run_dir}/{name}",
+        f"--optim.grad_clip={CLIP}", "--observe.progress=false", "--observe.trackers=[]"])
     p = plait.Plait(cfg)
     model, _ = p.setup(gpt(), optimizer=adamw, loss_fn="causal_lm")
+    assert p.topology.dp == dp
     grads: dict = {}
     finish = p.layout.finish
 
@@ -127,39 +130,49 @@ def _train(run_dir: str, name: str, parallel: dict) -> dict:
             grads.update(_whole_grads(p, model))
 
     p.layout.finish = capture
-    micro = GLOBAL // p.topology.dp
     losses, norms = [], []
     for batch in batches():
-        p.forward_backward(model, batch[p.dp_rank * micro:(p.dp_rank + 1) * micro])
-        info = p.step(log=True)
+        mine = batch[p.dp_rank * micro * accum:(p.dp_rank + 1) * micro * accum]
+        for i in range(accum):
+            p.forward_backward(model, mine[i * micro:(i + 1) * micro])
+            info = p.step(log=True)
         losses.append(info.global_loss)
         norms.append(info.grad_norm)
-    out = {"losses": losses, "norms": norms, "grads": grads, "chunks": p.topology.dp * (parallel.get(
-        "microbatches", 1) if pp > 1 else 1), "state": {k: v.clone() for k, v in p.full_state_dict(model).items()},
-        "layout": p.layout.describe(), "report": p.layout.report(None, None, p.device).get("expert_parallel")}
+    out = {"losses": losses, "norms": norms, "grads": grads,
+           "state": {k: v.clone() for k, v in p.full_state_dict(model).items()}, "layout": p.layout.describe(),
+           "report": p.layout.report(None, None, p.device).get("expert_parallel")}
     p.close()
     return out
 
 
-# (name, parallel settings); each group's world size fixes dp. The zero-bubble V schedule's 4 stages: the embedding
+# (name, parallel settings, micro-steps per optimizer step). The zero-bubble V schedule's 4 stages: the embedding
 # alone, one block each, the head alone (no MoE layer on the first and the last)
 ALONE = {"pp_split_embedding": True, "pp_split_head": True}
+PP = {"pp": 2, "microbatches": 2}
 LAYOUTS = {
-    4: [("ep2-cp2-ring", {"ep": 2, "cp": 2, "cp_impl": "ring"}),
-        ("ep2-cp2-alltoall-zero3", {"ep": 2, "cp": 2, "cp_impl": "alltoall", "dp": 2, "zero": 3}),
-        ("ep2-tp2-sp", {"ep": 2, "tp": 2, "sequence_parallel": True}),
-        ("tp2-sp-cp2", {"tp": 2, "sequence_parallel": True, "cp": 2}),
-        ("zbv-zero3", {"pp": 2, "zero": 3, "microbatches": 2, "pp_schedule": "zbv", **ALONE})],
-    8: [("hsdp-cp2-ring", {"cp": 2, "cp_impl": "ring", "zero": 3, "dp_shard": 2}),
-        ("hsdp-cp2-alltoall", {"cp": 2, "cp_impl": "alltoall", "zero": 3, "dp_shard": 2}),
-        ("hsdp-ep2", {"ep": 2, "zero": 3, "dp_shard": 2}),
-        ("ep2-pp2-zero3", {"ep": 2, "pp": 2, "zero": 3, "microbatches": 2, "pp_schedule": "1f1b"}),
-        ("zbv-hsdp", {"pp": 2, "zero": 3, "dp_shard": 2, "microbatches": 2, "pp_schedule": "zbv", **ALONE})],
+    4: [("ep2-cp2-ring", {"dp": 2, "ep": 2, "cp": 2, "cp_impl": "ring"}, 2),
+        ("ep2-cp2-alltoall-zero3", {"dp": 2, "ep": 2, "cp": 2, "cp_impl": "alltoall", "zero": 3}, 1),
+        ("ep2-tp2-sp", {"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}, 1),
+        ("tp2-sp-cp2", {"dp": 1, "tp": 2, "sequence_parallel": True, "cp": 2}, 1),
+        ("ep2-tp2-zero3", {"dp": 2, "ep": 2, "tp": 2, "zero": 3}, 1),
+        ("ep2-tp2-sp-zero3", {"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True, "zero": 3}, 2),
+        ("zbv-zero3", {"dp": 2, "zero": 3, "pp_schedule": "zbv", **PP, **ALONE}, 1)],
+    8: [("hsdp-cp2-ring", {"dp": 4, "cp": 2, "cp_impl": "ring", "zero": 3, "dp_shard": 2}, 1),
+        ("hsdp-cp2-alltoall", {"dp": 4, "cp": 2, "cp_impl": "alltoall", "zero": 3, "dp_shard": 2}, 1),
+        ("hsdp-ep2", {"dp": 8, "ep": 2, "zero": 3, "dp_shard": 2}, 1),
+        ("zbv-hsdp", {"dp": 4, "zero": 3, "dp_shard": 2, "pp_schedule": "zbv", **PP, **ALONE}, 1),
+        ("ep2-pp2-cp2-zero3", {"dp": 2, "ep": 2, "cp": 2, "zero": 3, "pp_schedule": "1f1b", **PP}, 1),
+        ("ep2-tp2-sp-cp2-zero3", {"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True, "cp": 2, "zero": 3}, 1)],
 }
 
 
+def _chunks(parallel: dict, accum: int) -> int:
+    """The reference's micro-batches per step: every rank's micro-steps, each pipeline micro-batch of them."""
+    return parallel["dp"] * accum * parallel.get("microbatches", 1)
+
+
 def _group(rank: int, world: int, run_dir: str, layouts: list) -> list[dict]:
-    return [_train(run_dir, name, parallel) for name, parallel in layouts]
+    return [_train(run_dir, *layout) for layout in layouts]
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -170,8 +183,8 @@ def _max_diff(a: dict, b: dict) -> float:
 def test_experts_and_hybrid_sharding_compose(tmp_path: Path, world: int) -> None:
     ranks = run_ranks(_group, world, str(tmp_path), LAYOUTS[world], timeout=900)
     refs: dict = {}
-    for i, (name, parallel) in enumerate(LAYOUTS[world]):
-        chunks = ranks[0][i]["chunks"]
+    for i, (name, parallel, accum) in enumerate(LAYOUTS[world]):
+        chunks = _chunks(parallel, accum)
         if chunks not in refs:
             slack: dict = {}
             refs[chunks] = (reference(chunks, slack), slack)

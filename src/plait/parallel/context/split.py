@@ -158,11 +158,14 @@ class ContextSplit:
                          before_backward: Callable[[float], None] | None = None,
                          times: dict[str, float] | None = None) -> torch.Tensor:
         part, cut, items = self._split(batch, loss)
-        # a pipeline averages its micro-batches' losses, which here are each already over the micro-step's items
+        # a pipeline averages its micro-batches' losses, which here are each already over the micro-step's items; the
+        # MoE balancing losses of each pipeline micro-batch keep their 1 / parts
         parts = getattr(self.stages, "loss_parts", 1)
+        balance = before_backward
+        if before_backward is not None and parts != 1:
+            balance = lambda s: before_backward(s / parts)  # noqa: E731
         with self.attention.active(*cut), loss.per_items(items):
-            value = self.stages.forward_backward(model, part, self._shard_loss(loss), scale * parts, before_backward,
-                                                 times)
+            value = self.stages.forward_backward(model, part, self._shard_loss(loss), scale * parts, balance, times)
         return value * parts if parts != 1 else value
 
     def backward(self, loss: torch.Tensor, scale: float) -> None:

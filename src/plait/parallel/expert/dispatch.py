@@ -87,9 +87,6 @@ def check_expert_layout(m: MoeConfig, p: ParallelConfig) -> None:
         fits = [e for e in range(1, m.num_experts + 1) if m.num_experts % e == 0]
         raise ConfigError(f"moe.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep}: every "
                           f"expert-parallel rank holds the same number of experts; use ep in {fits}")
-    if m.num_experts and p.tp > 1 and p.zero == 3:
-        raise ConfigError(f"MoE layers with tp={p.tp} and zero=3 are not available in this build: MoE blocks compose "
-                          "with tensor (and sequence) parallelism at zero=0, and with expert parallelism (parallel.ep)")
 
 
 # -- dispatchers ----------------------------------------------------------------------------------

@@ -143,10 +143,9 @@ class ExpertSync:
             self.optimizer.zero_grad()
         elif self.mode == "fsdp":
             self.optimizer.zero_grad(set_to_none=True)
-        else:
+        else:  # none, not zeros: a zero gradient kept would take the next backward's partial sums over tp as whole
             for p in self.experts:
-                if p.grad is not None:
-                    p.grad.zero_()
+                p.grad = None
 
     # -- state --------------------------------------------------------------------------------------
     def _to_dtensor(self, t: torch.Tensor, p: nn.Parameter) -> Any:
