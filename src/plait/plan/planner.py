@@ -133,7 +133,8 @@ def _layouts(shape: ModelShape, batch: int, gpus: int, per_node: int, pruned: di
                 continue
             variants = _variants(shape, batch, tp, pp, dp, pruned, space)
             if cp > 1 and any(lay.hybrid for lay in variants):
-                pruned["dp_shard with cp"] = "plait does not compose hybrid sharding with context parallelism"
+                pruned["dp_shard with cp"] = ("the planner does not search hybrid sharding with context parallelism "
+                                              "(plait trains it: the shard groups span dp_shard x cp)")
             out += [replace(lay, cp=cp) for lay in variants if cp == 1 or not lay.hybrid]
     return out
 
@@ -173,10 +174,6 @@ def _variants(shape: ModelShape, batch: int, tp: int, pp: int, dp: int, pruned: 
                     m = per_replica // pm
                     for schedule, v in SCHEDULE_CHOICES:
                         if schedule not in space.schedules or pp * v > shape.n_layer or (v > 1 and m < pp):
-                            continue
-                        if schedule == "zbv" and zero == 3:
-                            pruned["zbv with zero=3"] = "the zero-bubble schedule's weight pass misses FSDP2's " \
-                                                        "gathered parameters (plait.parallel.pipeline.sharded)"
                             continue
                         if schedule == "interleaved" and m % max(1, m // pp):
                             continue

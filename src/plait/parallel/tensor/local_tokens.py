@@ -17,7 +17,6 @@ parameters (FSDP2 units prepend their own hook, which gathers the parameters fir
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -31,18 +30,19 @@ class LocalTokens(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for m in module.modules():
-            for name, q in list(m.named_parameters(recurse=False)):
+            own = list(m.named_parameters(recurse=False))
+            for name, q in own:
                 if not isinstance(q, DTensor):
                     m.register_parameter(name, nn.Parameter(
                         DTensor.from_local(q.data, device_mesh, [Replicate()], run_check=False),
                         requires_grad=q.requires_grad))
-            if m is not module:  # acts once the submodule is an FSDP2 unit (its own hook gathers it first)
-                m.register_forward_pre_hook(lambda unit, _args: _use_local([unit]) if _is_unit(unit) else None)
-                m.register_forward_hook(lambda unit, _args, _out: _put_back([unit]) if _is_unit(unit) else None)
-        # the module's own parameters and those of every submodule outside a nested FSDP2 unit (the module may read
-        # them without calling the submodule: an MoE's router weight)
+            if own and m is not module:  # acts once the submodule is an FSDP2 unit (its own hook gathers it first)
+                m.register_forward_pre_hook(lambda unit, _args: _use_local(unit) if _is_unit(unit) else None)
+                m.register_forward_hook(lambda unit, _args, _out: _put_back(unit) if _is_unit(unit) else None)
+        # the parameters outside nested FSDP2 units, the module's own included (the module may read a submodule's
+        # without calling it: an MoE's router weight)
         module.register_forward_pre_hook(lambda _m, args: _enter(module, args))
-        module.register_forward_hook(lambda _m, _args, _out: _put_back(_outside_units(module)))
+        module.register_forward_hook(lambda _m, _args, _out: _put_back(module))
         return module
 
 
@@ -63,14 +63,15 @@ def _outside_units(module: nn.Module) -> list[nn.Module]:
 
 
 def _enter(module: nn.Module, args: tuple) -> tuple:
-    _use_local(_outside_units(module))
+    _use_local(module)
     return tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
 
 
-def _use_local(modules: list[nn.Module]) -> None:
-    """Each replicated parameter (or the gathered one an FSDP2 unit registered) as its local tensor whose gradient is
-    a partial sum over tp; the parameters are kept to be put back after the forward."""
-    for m in modules:
+def _use_local(module: nn.Module) -> None:
+    """Each replicated parameter of ``module`` and of its submodules outside nested FSDP2 units (or the gathered one a
+    unit registered) as its local tensor whose gradient is a partial sum over tp; the parameters are kept to be put
+    back after the forward."""
+    for m in _outside_units(module):
         held = {}
         for name, q in m._parameters.items():
             if isinstance(q, DTensor):
@@ -79,8 +80,8 @@ def _use_local(modules: list[nn.Module]) -> None:
         m._plait_held = held
 
 
-def _put_back(modules: list[nn.Module]) -> None:
-    for m in modules:
+def _put_back(module: nn.Module) -> None:
+    for m in _outside_units(module):
         m._parameters.update(m.__dict__.pop("_plait_held", {}))
 
 
