@@ -39,12 +39,12 @@ MODEL = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", f"--mode
          "--moe.aux_loss_coef=0.3", "--moe.seq_aux_loss_coef=0.3", "--moe.z_loss_coef=0.01"]
 
 
-def gpt():
+def gpt(seed: int = 0):
     from plait.config import load_config
     from plait.models.tiny import seeded_gpt
 
     cfg = load_config(overrides=MODEL)
-    return seeded_gpt(cfg.model, 0, cfg.moe)
+    return seeded_gpt(cfg.model, seed, cfg.moe)
 
 
 def batches() -> list[torch.Tensor]:
@@ -107,18 +107,24 @@ def _whole_grads(p, model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _train(run_dir: str, name: str, parallel: dict, accum: int) -> dict:
-    """Three steps of ``parallel``, each of ``accum`` micro-steps per data-parallel rank."""
+def _plait(run_dir: str, name: str, parallel: dict, accum: int = 1):
     import plait
     from plait.config import load_config
 
-    dp = parallel["dp"]
-    micro = GLOBAL // dp // accum
+    micro = GLOBAL // parallel["dp"] // accum
     cfg = load_config(overrides=MODEL + [f"--parallel.{k}={str(v).lower() if isinstance(v, bool) else v}"
                                          for k, v in parallel.items()] + [
         f"--train.global_batch_size={GLOBAL}", f"--train.micro_batch_size={micro}", f"--run.dir={run_dir}/{name}",
         f"--optim.grad_clip={CLIP}", "--observe.progress=false", "--observe.trackers=[]"])
-    p = plait.Plait(cfg)
+    return plait.Plait(cfg)
+
+
+def _train(run_dir: str, name: str, parallel: dict, accum: int) -> dict:
+    """Three steps of ``parallel``, each of ``accum`` micro-steps per data-parallel rank; saved where ``RESUME`` loads
+    it."""
+    dp = parallel["dp"]
+    micro = GLOBAL // dp // accum
+    p = _plait(run_dir, name, parallel, accum)
     model, _ = p.setup(gpt(), optimizer=adamw, loss_fn="causal_lm")
     assert p.topology.dp == dp
     grads: dict = {}
@@ -141,6 +147,18 @@ def _train(run_dir: str, name: str, parallel: dict, accum: int) -> dict:
     out = {"losses": losses, "norms": norms, "grads": grads,
            "state": {k: v.clone() for k, v in p.full_state_dict(model).items()}, "layout": p.layout.describe(),
            "report": p.layout.report(None, None, p.device).get("expert_parallel")}
+    if any(saved == name for saved, _ in RESUME.get(p.topology.world_size, [])):
+        p.save(f"{run_dir}/{name}-ckpt", model=model)
+    p.close()
+    return out
+
+
+def _resume(run_dir: str, saved: str, parallel: dict) -> dict:
+    """The checkpoint of ``saved`` loaded at ``parallel`` into other initial weights: the whole state after the load."""
+    p = _plait(run_dir, f"{saved}-resumed", parallel)
+    model, _ = p.setup(gpt(seed=5), optimizer=adamw, loss_fn="causal_lm")
+    p.load(f"{run_dir}/{saved}-ckpt", model=model)
+    out = {k: v.clone() for k, v in p.full_state_dict(model).items()}
     p.close()
     return out
 
@@ -171,8 +189,16 @@ def _chunks(parallel: dict, accum: int) -> int:
     return parallel["dp"] * accum * parallel.get("microbatches", 1)
 
 
+# each group's checkpoints loaded elsewhere: (the layout that saved it, where it is loaded); expert weights are saved as
+# global (E, ...) DTensors: here from replicated DTensors over tp (sequence parallelism) and from shards over a shard
+# group replicated over the replicas (HSDP), loaded as ep=4 slices (FSDP2-sharded over the expert replicas at 8 ranks)
+RESUME = {4: [("ep2-tp2-sp", {"dp": 4, "ep": 4})],
+          8: [("hsdp-ep2", {"dp": 8, "ep": 4, "zero": 3})]}
+
+
 def _group(rank: int, world: int, run_dir: str, layouts: list) -> list[dict]:
-    return [_train(run_dir, *layout) for layout in layouts]
+    trained = [_train(run_dir, *layout) for layout in layouts]
+    return trained + [_resume(run_dir, saved, parallel) for saved, parallel in RESUME[world]]
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -197,3 +223,7 @@ def test_experts_and_hybrid_sharding_compose(tmp_path: Path, world: int) -> None
             assert _max_diff(run["grads"], ref["grads"]) < GRAD_ATOL, name
             assert run["state"].keys() == ref["state"].keys(), name
             assert beyond_slack(run["state"], ref["state"], slack) < MP_PARAM_ATOL, name
+    names = [name for name, _, _ in LAYOUTS[world]]
+    for j, (saved, _) in enumerate(RESUME[world]):  # the weights moved exactly, on every rank
+        for r in ranks:
+            assert _max_diff(r[len(names) + j], r[names.index(saved)]["state"]) == 0.0, saved
