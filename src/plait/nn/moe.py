@@ -13,16 +13,22 @@ zeros, so the model's residual connection passes it through unchanged.
 
 Balancing, ``balance``:
 * ``aux``: the Switch load-balancing loss ``aux_loss_coef x E x sum_e f_e x P_e`` (``routing.switch_aux_loss``),
-  per forward (per micro-batch), per layer, on the local tokens. Under accumulation each micro-batch's aux loss
-  enters that micro-batch's scaled loss, so a step's aux loss is the mean over its micro-batches, as the main
-  loss is; over data-parallel ranks the gradients average, so it is the mean over ranks too. (GShard and
-  Megatron normalise alike; DeepSpeed counts f_e over top-1 only.)
+  per forward (per micro-batch), per layer, on the micro-batch's whole sequences. Under accumulation each
+  micro-batch's aux loss enters that micro-batch's scaled loss, so a step's aux loss is the mean over its
+  micro-batches, as the main loss is; over data-parallel ranks the gradients average, so it is the mean over
+  ranks too. (GShard and Megatron normalise alike; DeepSpeed counts f_e over top-1 only.)
 * ``bias``: auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for
   selection, moved after every optimizer step by ``bias_update_rate`` towards the experts that got fewer
-  tokens than the mean (``update_bias``, with the counts summed over the data-parallel world).
+  tokens than the mean (``update_bias``, with the counts summed over every rank routing other tokens).
 * ``none``.
 ``seq_aux_loss_coef`` adds DeepSeek-V3's sequence-wise balance loss (any ``balance``; DeepSeek-V3 pairs it with
 ``bias`` at a tiny coefficient) and ``z_loss_coef`` the router z-loss.
+
+Where a rank holds one shard of every sequence (context parallelism; sequence parallelism's tensor-parallel ranks),
+``tokens`` (installed by ``plait.parallel.expert.apply``; ``WholeTokens`` by default) sums the expert counts over the
+shards in the forward: each shard's term of the Switch and sequence-wise losses is then the shard's part of the whole
+sequences' loss, whose mean over the shards is that loss (and the z-loss a mean over tokens already), so the losses
+and their gradients equal one process's on the whole sequences. Capacity stays per rank's tokens.
 
 The balancing losses reach the router through the backward pass without being added to the value the model
 returns (Megatron's ``MoEAuxLossAutoScaler``): the layer's output carries them, and its backward gives them

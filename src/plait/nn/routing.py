@@ -26,6 +26,11 @@ Balancing losses (each a scalar that reaches the router through the backward pas
   or pipeline micro-batches that keeps sequences whole leaves each sequence's term unchanged.
 * ``z_loss`` (ST-MoE, Zoph et al., arXiv:2202.08906 eq. 5): ``coef x mean_tokens(logsumexp(logits)^2)``.
 
+A layer holding one of ``shards`` equal shards of each sequence (context or sequence parallelism) passes the whole
+sequences' counts (``switch_aux_loss``'s ``counts``, ``sequence_aux_loss``'s ``whole``): each loss is then this shard's
+term, ``f_e`` over the whole and ``P_e`` over the shard, and the mean of the terms over the shards is the loss of one
+process on the whole sequences (``P_e`` of the whole is the mean of the shards').
+
 Aux-loss-free balancing (``balance = "bias"``, DeepSeek-V3 section 2.1.2, Wang et al. arXiv:2408.15664): the
 per-expert bias moves after each optimizer step by ``rate x sign(mean load - load_e)`` from the load observed
 over the whole data-parallel world (``plait.nn.moe.MoE.update_bias``).

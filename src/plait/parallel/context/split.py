@@ -14,8 +14,10 @@ micro-batches (the cp ranks of a group read the same ones) and ``ContextSplit``:
    real-token counts of the whole sequence / cp: the engine's ``num_items_in_batch`` (over the optimizer step; the
    value it has at cp=1, ``Layout.items_ranks``) or, without it, this micro-batch's count, never a mean of the
    shards' means;
-4. gradients: the gradient-sync policy averages them over dp x cp (the composition gives it the ``dp_cp`` ranks),
-   which with the counts above is the gradient of one process on the whole sequence.
+4. gradients: the gradient-sync policy averages them over dp x cp (the composition gives it the ``dp_cp`` ranks; under
+   HSDP its shard groups span ``dp_shard x cp``), which with the counts above is the gradient of one process on the
+   whole sequence; expert gradients are summed over the ranks holding the same experts, cp's included, and MoE
+   balancing statistics over the shards of each sequence (``plait.parallel.expert``).
 
 The user's own loop (``model(...)``, ``p.backward(loss)``) cuts the batch in the model's forward instead
 (``user_forward``, installed by ``install``); backward then runs under that forward's cut. A rank's loss is its

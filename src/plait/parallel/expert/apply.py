@@ -4,6 +4,8 @@ gradients of the experts are ``plait.parallel.expert.sync``'s."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
@@ -46,7 +48,7 @@ def apply_expert(model: nn.Module, topo: Topology, dispatcher: str, sequence_par
         shard = shard_experts if layers else shard_hf_experts
         shard(model, topo.ep, topo.coord("ep"), topo.ep_group, dispatcher)
     axes = token_axes(topo, sequence_parallel)
-    shards = topo.degree(axes[0]) * (topo.degree(axes[1]) if len(axes) > 1 else 1)
+    shards = math.prod(topo.degree(a) for a in axes)
     if shards > 1:
         tokens = ShardedTokens(topo.group(*axes), shards, shards // topo.degree("cp"))
         for layer in layers:

@@ -32,15 +32,19 @@ Checkpoints: expert weights and their optimizer states are saved as ``DTensor`` 
 other ``ep`` (1 included) on load. The balancing bias is a buffer, the same on every rank.
 
 Compositions (``plait.parallel.expert.sync.ExpertSync`` beside the gradient-sync policy of the dense parameters):
-plait's data-parallel reducer, PyTorch DDP, one-rank data parallelism; ZeRO 1-3 (the experts keep their own
-optimizer, and are sharded like the dense parameters over the remaining data-parallel axis, the ``dp / ep``
+plait's data-parallel reducer, PyTorch DDP, one-rank data parallelism; ZeRO 1-3 and HSDP (the experts keep their own
+optimizer, and are sharded like the dense parameters over the remaining data-parallel axes, the ``dp / ep``
 ranks holding the same experts: their optimizer states and gradients by a second ``ZeroOptimizer`` at stages
-1-2, their weights too by FSDP2 at stage 3; checkpoints then hold ``(ep, dp / ep)``-sharded DTensors of the
-global ``(E, ...)`` tensors); tensor parallelism (attention and dense MLPs tensor-parallel, MoE blocks whole
-on every tp rank: experts whole, not expert-tensor-parallel; ep groups are the ranks with the same tp
-coordinate); pipeline parallelism (each stage's MoE layers dispatch within the ranks of that stage; the same
-schedule on every ep rank keeps the all-to-alls in step). MoE with sequence parallelism or with tp and ZeRO-3
-together is refused with a message naming the alternative. """
+1-2, their weights too by FSDP2 at stage 3, under HSDP over a shard group's ``dp_shard x cp`` of them and replicated
+across the replicas; checkpoints then hold DTensors of the global ``(E, ...)`` tensors sharded over ep and those
+axes); tensor parallelism (attention and dense MLPs tensor-parallel, MoE blocks whole on every tp rank: experts
+whole, not expert-tensor-parallel; ep groups are the ranks with the same tp coordinate), at every ZeRO stage tp
+takes; sequence parallelism (each tp rank's MoE layers route its own sequence shard: ``plait.parallel.tensor.
+local_tokens``; their gradients summed over tp, the experts' with the expert-data-parallel ranks); context
+parallelism (each rank's shard of the tokens dispatched like any other; the expert-data-parallel ranks include cp);
+pipeline parallelism (each stage's MoE layers dispatch within the ranks of that stage; the same schedule on every ep
+rank keeps the all-to-alls in step). Under cp and sp the balancing statistics are summed over the shards of each
+sequence (``plait.parallel.expert.apply.ShardedTokens``). """
 
 from __future__ import annotations
 
@@ -298,7 +302,8 @@ def fsdp_shard_experts(model: nn.Module, topo: Any, *, param_dtype: torch.dtype 
 class MoeMonitor:
     """What the engine does for MoE layers around each step: the auxiliary losses' gradient scale before a
     backward, and after the optimizer step the bias balancing and the metrics (tokens per expert, MaxVio,
-    dropped fraction, aux/z/sequence losses, all-to-all bytes), summed over the data-parallel world.
+    dropped fraction, aux/z/sequence losses, all-to-all bytes), summed over the ranks routing different tokens
+    (the data-parallel ranks, cp's shards of the sequences, and sequence parallelism's tp ranks).
 
     Nothing is read to the host except on a reporting step (``every``: the log steps, and step 1). Under bias
     balancing the counts are summed over the ranks every step on the device (one small all-reduce) and the

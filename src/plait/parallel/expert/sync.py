@@ -9,9 +9,11 @@ ranks holding the same experts) and divided by the data-parallel degree, here. U
 already divided ``ep`` ways, are sharded the same way over the expert-data-parallel ranks (``mode``):
 
 * ``"zero"`` (ZeRO-1/2): a second ``ZeroOptimizer`` over the expert parameters and the expert-data-parallel group;
-* ``"fsdp"`` (ZeRO-3): the experts are FSDP2 units over that group (``fsdp_shard_experts``, made by the policy's wrap);
+* ``"fsdp"`` (ZeRO-3): the experts are FSDP2 units over that group (``fsdp_shard_experts``, made by the policy's wrap;
+  under HSDP sharded over a shard group's part of it and replicated across the replicas);
 * ``"replicated"``: no sharding, or nothing left to shard over: whole local experts, their gradients summed over the
-  expert-data-parallel group and divided by the data-parallel degree in ``finish``;
+  expert-data-parallel group and divided by the data-parallel degree in ``finish`` (under sequence parallelism the
+  experts are replicated DTensors over tp whose gradients are partial sums: summed over tp in the same all-reduce);
 * ``"none"``: a pipeline stage holding no MoE layer (every rank of that stage alike): nothing to do.
 
 Under a sharding policy the experts have their own optimizer of the same class, groups and hyperparameters (the

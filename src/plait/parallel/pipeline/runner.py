@@ -17,7 +17,8 @@ single-process tied model. Every copy's key is in the checkpoint, as in the full
 
 Schedules: ``gpipe`` (ScheduleGPipe), ``1f1b`` (Schedule1F1B), ``interleaved``
 (ScheduleInterleaved1F1B, v >= 2 stages per rank placed round-robin) and ``zbv``
-(ScheduleZBVZeroBubble, exactly 2 stages per rank in a V: rank r holds stages r and 2p-1-r).
+(ScheduleZBVZeroBubble, exactly 2 stages per rank in a V: rank r holds stages r and 2p-1-r; its split backward takes
+FSDP2's gathered parameters where a stage is sharded, ``_Stage``).
 """
 
 from __future__ import annotations

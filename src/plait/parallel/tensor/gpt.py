@@ -21,7 +21,8 @@ Tensor-parallel layout on a ``tp`` mesh of size t (Megatron, on DTensor):
   positions. Before attention/MLP an all-gather restores the full sequence (backward: a
   reduce-scatter); after ``proj`` a reduce-scatter replaces the all-reduce (backward: all-gather).
   q, k, v and fc keep only their input's sequence shard for backward and gather it again there
-  (``plait.parallel.tensor.regather``): one more all-gather per block input in backward.
+  (``plait.parallel.tensor.regather``): one more all-gather per block input in backward. An MoE feed-forward
+  runs on the rank's own sequence shard, no gather (``plait.parallel.tensor.local_tokens``).
 
 Dropout: tensor-parallel ranks of a model replica share one random stream (the engine seeds them
 alike), so dropout on replicated activations draws the same mask on all of them, as it must. Attention
