@@ -87,16 +87,28 @@ def reference(chunks: int, slack: dict | None = None) -> dict:
             "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def _whole_grads(p, model) -> dict[str, torch.Tensor]:
-    """This rank's reduced gradients as whole tensors (collective: every rank of a stage in the same order)."""
+def _whole_grads(p) -> dict[str, torch.Tensor]:
+    """This rank's reduced gradients as whole tensors (collective: every rank of a stage in the same order): ZeRO-1/2's
+    reduced chunks gathered over their group (the dense optimizer's and the experts'), FSDP's and tensor parallelism's
+    DTensors with ``full_tensor``, then expert slices over ep."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from plait.parallel.units import is_expert
 
+    named = p.layout.named_parameters()
+    names = {id(q): n for n, q in named}
     out = {}
-    for n, q in p.layout.named_parameters():
-        g = q.grad
+    experts = p.layout.experts
+    for zero in (p.layout.policy.optimizer, experts.optimizer if experts is not None else None):
+        for b in getattr(zero, "buckets", []):
+            parts = [torch.empty_like(b.grad_shard) for _ in range(zero.world)]
+            dist.all_gather(parts, b.grad_shard, group=zero.group)
+            flat = torch.cat(parts)
+            out.update({names[id(q)]: flat[off:off + q.numel()].view(q.shape).clone()
+                        for q, off in zip(b.params, b.offsets, strict=True)})
+    for n, q in named:
+        g = out.get(n, q.grad)
         if isinstance(g, DTensor):
             g = g.full_tensor()
         if is_expert(q) and p.topology.ep > 1:
@@ -133,7 +145,7 @@ def _train(run_dir: str, name: str, parallel: dict, accum: int) -> dict:
     def capture() -> None:  # the first step's reduced gradients, before clipping
         finish()
         if not grads:
-            grads.update(_whole_grads(p, model))
+            grads.update(_whole_grads(p))
 
     p.layout.finish = capture
     losses, norms = [], []
@@ -180,6 +192,7 @@ LAYOUTS = {
         ("hsdp-ep2", {"dp": 8, "ep": 2, "zero": 3, "dp_shard": 2}, 1),
         ("zbv-hsdp", {"dp": 4, "zero": 3, "dp_shard": 2, "pp_schedule": "zbv", **PP, **ALONE}, 1),
         ("ep2-pp2-cp2-zero3", {"dp": 2, "ep": 2, "cp": 2, "zero": 3, "pp_schedule": "1f1b", **PP}, 1),
+        ("ep2-zbv-zero1", {"dp": 4, "ep": 2, "zero": 1, "pp_schedule": "zbv", **PP, **ALONE}, 1),
         ("ep2-tp2-sp-cp2-zero3", {"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True, "cp": 2, "zero": 3}, 1)],
 }
 

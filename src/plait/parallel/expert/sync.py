@@ -102,6 +102,10 @@ class ExpertSync:
             return self.optimizer.no_sync()
         return contextlib.nullcontext()
 
+    def schedule_context(self) -> contextlib.AbstractContextManager:
+        """A pipeline schedule step: the experts' ZeRO optimizer reduces once, in ``finish`` (as the policy's)."""
+        return self.no_sync()
+
     def grads(self) -> list[torch.Tensor]:
         """This rank's expert gradients: whole local experts, or its shards of them under a sharding policy."""
         if self.mode == "zero":
@@ -118,6 +122,7 @@ class ExpertSync:
         own sequence shard) and divided by the whole data-parallel degree: reduce-scattered by the expert
         ``ZeroOptimizer`` or FSDP2 under sharding, all-reduced here otherwise."""
         if self.mode == "zero":
+            self.optimizer.gather_grads()  # a zero-bubble weight pass's, written straight into .grad
             self.optimizer.finish_grad_sync()
         elif self.mode == "replicated":
             axes = ("edp", "tp") if self.over_tp else ("edp",)

@@ -239,6 +239,15 @@ class ZeroOptimizer:
         finally:
             self._sync = prev
 
+    def gather_grads(self) -> None:
+        """Gradients written straight into ``.grad`` (torch's zero-bubble weight pass, which no accumulation hook
+        sees) added to their buckets' local buffers, before the reduction."""
+        for b in self.buckets:
+            for q, off in zip(b.params, b.offsets, strict=True):
+                if q.grad is not None:
+                    b.ensure_grad_full()[off:off + q.numel()].add_(q.grad.reshape(-1))
+                    q.grad = None
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear local gradient accumulation; stage 1 keeps (zeroes) its full buffers, stage 2 frees them."""
         for b in self.buckets:

@@ -75,11 +75,7 @@ class Zero(GradSync):
         return self.optimizer.no_sync()
 
     def gather_local(self) -> None:
-        for b in self.optimizer.buckets:
-            for q, off in zip(b.params, b.offsets, strict=True):
-                if q.grad is not None:
-                    b.ensure_grad_full()[off:off + q.numel()].add_(q.grad.reshape(-1))
-                    q.grad = None
+        self.optimizer.gather_grads()
 
     def local_grad(self, p: nn.Parameter) -> torch.Tensor | None:
         """``p``'s local (unreduced) gradient: its slice of its bucket's flat buffer."""
