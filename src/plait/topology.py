@@ -230,6 +230,20 @@ class Topology:
         return self.sub_mesh("dp_cp")
 
     @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards expert weights over, the ranks holding the same experts (``edp``): 1-D, or under
+        hybrid sharding 2-D (``dp_replicate``, then the shard group's ``dp_shard`` x ``cp`` ranks), as dense
+        parameters are."""
+        assert self.mesh is not None
+        if not self.hybrid:
+            return self.sub_mesh("edp")
+        shard = [a for a in ("dp_shard", "cp") if self.degrees[a] > 1]
+        if len(shard) == 1:
+            return self.mesh["dp_replicate", shard[0]]
+        self.mesh[tuple(shard)]._flatten("edp_shard")  # registered on the root mesh, sliced with its name
+        return self.mesh["dp_replicate", "edp_shard"]
+
+    @property
     def expert_dp_group(self) -> dist.ProcessGroup | None:
         """Ranks holding the same experts (``dp_cp / ep`` of them): expert gradients reduce over it."""
         return self.group("edp")

@@ -141,8 +141,6 @@ def test_bias_balancing_moves_towards_the_underloaded_experts() -> None:
     (["--moe.num_experts=6", "--parallel.ep=4", "--parallel.nproc=4"], "not divisible by parallel.ep=4"),
     (["--moe.num_experts=4", "--moe.top_k=5"], "moe.top_k=5 exceeds moe.num_experts=4"),
     (["--moe.num_experts=8", "--parallel.ep=4", "--parallel.nproc=6"], "does not divide the data-parallel degree"),
-    (["--moe.num_experts=8", "--parallel.tp=2", "--parallel.sequence_parallel=true"],
-     "compose with plain tensor parallelism"),
 ])
 def test_bad_moe_config_is_named(overrides, needle) -> None:
     cfg = load_config(overrides=overrides + ["--train.global_batch_size=24", "--train.micro_batch_size=1"])

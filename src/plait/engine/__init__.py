@@ -250,7 +250,8 @@ class Plait(TokenCounting, Persistence, SmallCollectives):
                 # the layout's topology: a bias balances the loads of the ranks that step together (one DiLoCo
                 # replica's)
                 self.stepper.moe = MoeMonitor(strategy.model, strategy.topo, self.comm, self.config.train.log_every,
-                                              bias=any(layer.balance == "bias" for layer in moe))
+                                              bias=any(layer.balance == "bias" for layer in moe),
+                                              sequence_parallel=p.sequence_parallel)
             opt = strategy.build_optimizer(factory)
         strategy.setup_memory = meter.stop()
         if not strategy.skips_on_device() and self.config.optim.skip_nonfinite is not False:

@@ -214,7 +214,7 @@ def parallelize(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec:
     if p.sync_batchnorm and policy.ranks > 1:
         model = sync_batchnorm(model, policy.group, topo.device)
     model = apply_tensor(model, topo, p, spec)
-    model = apply_expert(model, topo, cfg.moe.dispatcher)
+    model = apply_expert(model, topo, cfg.moe.dispatcher, p.sequence_parallel)
     attention = apply_context(model, topo, cfg, whole=p.pp == 1)
     model = apply_checkpointing(model, cfg.train)
     model = apply_compile(model, cfg.train, spec.compile)
@@ -233,5 +233,7 @@ def parallelize(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec:
     named = stages.named_parameters()
     policy.attach(stages.holder, [q for _, q in named if q.requires_grad and not is_expert(q)])
     experts = ExpertSync(policy, named, [q for _, q in named if is_expert(q)]) if topo.ep > 1 else None
+    if experts is not None and p.pp > 1:  # a schedule step keeps the experts' reduction for finish, as the policy's
+        stages.beside.append(experts)
     split = ContextSplit(attention, topo, stages) if attention is not None else None
     return Layout(stages, policy, cfg, topo, comm, facts, experts, split, _drivers(cfg, whole, comm, stages.model))

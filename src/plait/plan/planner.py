@@ -12,10 +12,10 @@ of the experts).
 
 Pruned, each family with its reason: degrees that do not divide the devices, the heads, the MLP width,
 the vocabulary or the sequence; a global batch that does not split over dp; combinations plait refuses
-(``plait.validate``: hybrid sharding with ep, the zbv schedule with ZeRO-3;
-``plait.parallel.expert.dispatch``: ZeRO-3 with ep whose expert weights do not split evenly over the dp / ep
-replicas; the planner also leaves MoE models with tp or pp out of its search); layouts whose predicted
-peak memory exceeds the device's usable memory (with the bytes).
+(``plait.parallel.expert.dispatch``: ZeRO-3 with ep whose expert weights do
+not split evenly over the dp / ep replicas); what the planner does not search though plait trains it (MoE models
+with tp, pp, hybrid sharding or cp; hybrid sharding with cp); layouts whose predicted peak memory exceeds the
+device's usable memory (with the bytes).
 
 Ranked in two passes: a closed-form screen (``estimate``: the stages' summed costs, the pipeline bubble
 ``(p-1)/(v m)``, exposed gradient communication, the optimizer), then the full simulation
@@ -28,7 +28,7 @@ point-to-point hops, no bubble to lose to a straggler; Narayanan et al.'s rule: 
 a node, then pipelining), then the fastest; a ZeRO-3 layout in the band that is not itself the fastest
 comes after the band's others (``preference``). Context parallelism (``cp``, ring attention: the sequence split
 over cp ranks inside tp, priced as ``Workload.rank_view`` plus the ring's shifts) is enumerated for sequences of
-``LONG_SEQUENCE`` tokens or more, without pipelining (not searched with cp) or experts (not composed), at every
+``LONG_SEQUENCE`` tokens or more, without pipelining or experts (not searched with cp), at every
 degree that divides the devices left by tp and splits the sequence into 2 x cp chunks; within the band fewer cp
 ranks are preferred after fewer pipeline stages.
 """
@@ -133,7 +133,8 @@ def _layouts(shape: ModelShape, batch: int, gpus: int, per_node: int, pruned: di
                 continue
             variants = _variants(shape, batch, tp, pp, dp, pruned, space)
             if cp > 1 and any(lay.hybrid for lay in variants):
-                pruned["dp_shard with cp"] = "plait does not compose hybrid sharding with context parallelism"
+                pruned["dp_shard with cp"] = ("the planner does not search hybrid sharding with context parallelism "
+                                              "(plait trains it: the shard groups span dp_shard x cp)")
             out += [replace(lay, cp=cp) for lay in variants if cp == 1 or not lay.hybrid]
     return out
 
@@ -170,10 +171,6 @@ def _variants(shape: ModelShape, batch: int, tp: int, pp: int, dp: int, pruned: 
                     m = per_replica // pm
                     for schedule, v in SCHEDULE_CHOICES:
                         if schedule not in space.schedules or pp * v > shape.n_layer or (v > 1 and m < pp):
-                            continue
-                        if schedule == "zbv" and zero == 3:
-                            pruned["zbv with zero=3"] = "the zero-bubble schedule's weight pass misses FSDP2's " \
-                                                        "gathered parameters (plait.parallel.pipeline.sharded)"
                             continue
                         if schedule == "interleaved" and m % max(1, m // pp):
                             continue

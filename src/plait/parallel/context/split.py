@@ -14,8 +14,10 @@ micro-batches (the cp ranks of a group read the same ones) and ``ContextSplit``:
    real-token counts of the whole sequence / cp: the engine's ``num_items_in_batch`` (over the optimizer step; the
    value it has at cp=1, ``Layout.items_ranks``) or, without it, this micro-batch's count, never a mean of the
    shards' means;
-4. gradients: the gradient-sync policy averages them over dp x cp (the composition gives it the ``dp_cp`` ranks),
-   which with the counts above is the gradient of one process on the whole sequence.
+4. gradients: the gradient-sync policy averages them over dp x cp (the composition gives it the ``dp_cp`` ranks; under
+   HSDP its shard groups span ``dp_shard x cp``), which with the counts above is the gradient of one process on the
+   whole sequence; expert gradients are summed over the ranks holding the same experts, cp's included, and MoE
+   balancing statistics over the shards of each sequence (``plait.parallel.expert``).
 
 Compiled (``train.compile``: the whole model, and with the loss under ``forward_backward``, or its blocks): the cp
 attention composes at either unit, so cp does not ask for blocks (``compose.compile_blocks_because``). Dynamo
@@ -87,16 +89,11 @@ def check_context(cfg: Config, degrees: dict[str, int]) -> None:
     p = cfg.parallel
     if p.cp <= 1:
         return
-    unsupported = [f"parallel.{k}={v}" for k, v, off in (("ep", p.ep, 1), ("mode", p.mode, "collective")) if v != off]
-    if unsupported:
-        raise ConfigError(f"parallel.cp={p.cp} composes with data parallelism, ZeRO 1-3, tensor (and sequence) "
-                          f"parallelism, pipelines and activation checkpointing; {', '.join(unsupported)} with "
-                          "context parallelism is not supported yet: set parallel.cp=1, or leave those at their "
-                          "defaults")
-    # parallel.dp_shard, not the degree: under fault.mode=replicas dp_replicate counts torchft's groups, not HSDP's
-    if p.dp_shard > 1 and degrees.get("dp_replicate", 1) > 1:
-        raise ConfigError(f"parallel.dp_shard={p.dp_shard} (hybrid sharding) with parallel.cp={p.cp} is not "
-                          "supported yet: set parallel.dp_shard=0 (ZeRO-3 then shards over every dp x cp rank)")
+    if p.mode != "collective":
+        raise ConfigError(f"parallel.cp={p.cp} composes with data parallelism, ZeRO 1-3, HSDP, tensor (and sequence), "
+                          f"pipeline and expert parallelism, activation checkpointing and compile; parallel.mode="
+                          f"{p.mode} (a parameter server) with context parallelism is not supported: set "
+                          "parallel.cp=1, or leave parallel.mode at its default")
 
 
 def apply_context(model: nn.Module, topo: Topology, cfg: Config, whole: bool) -> ContextAttention | None:
@@ -167,11 +164,14 @@ class ContextSplit:
                          before_backward: Callable[[float], None] | None = None,
                          times: dict[str, float] | None = None) -> torch.Tensor:
         part, cut, items = self._split(batch, loss)
-        # a pipeline averages its micro-batches' losses, which here are each already over the micro-step's items
+        # a pipeline averages its micro-batches' losses, which here are each already over the micro-step's items; the
+        # MoE balancing losses of each pipeline micro-batch keep their 1 / parts
         parts = getattr(self.stages, "loss_parts", 1)
+        balance = before_backward
+        if before_backward is not None and parts != 1:
+            balance = lambda s: before_backward(s / parts)  # noqa: E731
         with self.attention.active(*cut), loss.per_items(items):
-            value = self.stages.forward_backward(model, part, self._shard_loss(loss), scale * parts, before_backward,
-                                                 times)
+            value = self.stages.forward_backward(model, part, self._shard_loss(loss), scale * parts, balance, times)
         return value * parts if parts != 1 else value
 
     def backward(self, loss: torch.Tensor, scale: float) -> None:

@@ -5,11 +5,13 @@ built over the DTensor shards.
 It wraps whatever it is given: the whole model (its repeated blocks one unit each, the rest the root unit), or each
 pipeline stage before it becomes a ``PipelineStage`` (the model's blocks that stage holds, then the stage's root),
 tensor-parallel DTensors included (2-D: dim 0 sharded over dp, the Megatron placement kept over tp). Expert-parallel
-parameters are sharded again over the ranks holding the same experts (``fsdp_shard_experts``) where there are
-several, else left out and reduced by the expert sync. Under a pipeline, torch's schedules drive FSDP2 themselves: no
-reduction during the micro-batches' backwards, one reduce-scatter (and, under HSDP, the all-reduce across replicas)
-after a step's last backward. ``train.precision = "bf16"`` computes through FSDP2's mixed-precision policy (fp32
-sharded parameters, each unit gathered in bf16, gradients reduced in fp32) instead of autocast.
+parameters are sharded again over the ranks holding the same experts (``fsdp_shard_experts``; under HSDP over those of
+a shard group, replicated across the replicas) where there are several, else left out and reduced by the expert sync.
+Under a pipeline, torch's schedules drive FSDP2 themselves (every schedule, the zero-bubble V one included:
+``plait.parallel.pipeline.runner``): no reduction during the micro-batches' backwards, one reduce-scatter (and, under
+HSDP, the all-reduce across replicas) after a step's last backward. ``train.precision = "bf16"`` computes through
+FSDP2's mixed-precision policy (fp32 sharded parameters, each unit gathered in bf16, gradients reduced in fp32) instead
+of autocast.
 
 Its check owns ``parallel.dp_shard`` for every layout that shards with FSDP2 (under DiLoCo, the data-parallel ranks of
 one replica, inside which it shards over them: ``plait.parallel.data.diloco``).
@@ -141,7 +143,3 @@ def check_dp_shard(p: ParallelConfig) -> None:
     if p.dp_shard == 1 and not diloco:
         raise ConfigError("parallel.dp_shard=1 makes shard groups of one rank, which shard nothing: use "
                           "parallel.zero=0 to replicate, or dp_shard >= 2 (0 shards over every data-parallel rank)")
-    if p.ep > 1 and p.zero == 3 and p.dp_shard > 1:
-        raise ConfigError(f"parallel.dp_shard={p.dp_shard} with parallel.ep={p.ep}: hybrid sharding does not compose "
-                          "with expert parallelism in this build; set parallel.dp_shard=0 (ZeRO-3 over every "
-                          "data-parallel rank)")

@@ -6,14 +6,16 @@ stage's rank; it is summed over the pp group so every rank can log it. The user 
 
 The gradient-sync policy (``plait.parallel.grad_sync``) is applied to each stage module before it becomes a
 ``PipelineStage`` (``GradSync.wrap``: FSDP2's units), then to this rank's stages together (``attach``); a schedule step
-runs in the policy's ``schedule_context`` (every pipeline micro-batch runs its own backward, so a policy that reduces at
-the end of backward reduces in ``finish`` instead). The tied copies of a parameter on several stages (a GPT's embedding
+runs in the policy's ``schedule_context`` and in those of the syncs ``beside`` it (the experts' under a sharding policy;
+every pipeline micro-batch runs its own backward, so a sync that reduces at the end of backward reduces in ``finish``
+instead). The tied copies of a parameter on several stages (a GPT's embedding
 and head) have their gradients summed over pp once per optimizer step, before the reduction where the policy keeps
 every micro-batch's gradient in its own buffers (``ties_first``: ZeRO-1/2), after it otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -105,15 +107,6 @@ def check_pipeline(cfg: Any, degrees: dict[str, int]) -> None:
     if t.micro_batch_size % p.microbatches:
         raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} must divide into parallel.microbatches="
                           f"{p.microbatches} pipeline micro-batches; make it a multiple of {p.microbatches}")
-    if p.zero and p.ep > 1:
-        raise ConfigError(f"parallel.pp={p.pp} with parallel.ep={p.ep} composes with plait's data-parallel reducer "
-                          f"only in this build (parallel.zero={p.zero}); set parallel.zero=0")
-    if p.zero == 3 and p.pp_schedule == "zbv":
-        # the zero-bubble schedule's weight pass computes gradients for the parameters a stage module registers,
-        # which under FSDP2 are the shards, not the gathered tensors the forward used
-        raise ConfigError("parallel.pp_schedule=zbv does not compose with parallel.zero=3 in this build (its "
-                          "weight-gradient pass misses FSDP2's gathered parameters); use pp_schedule=1f1b, "
-                          "gpipe or interleaved, or zero=1 or 2")
 
 
 class PipelineStages:
@@ -138,6 +131,7 @@ class PipelineStages:
             args, _, target = loss.split(sample)
             mb = max(1, args[0].size(0) // p.microbatches)
             costs = measure_layer_costs(model, tuple(a[:mb] for a in args), target[:mb], loss=loss.loss, repeats=2)
+        self.beside: list[Any] = []  # syncs beside the policy (the experts'), whose schedule contexts a step enters too
         self.loss_fn = ScaledLoss(loss.loss)
         self.loss = loss
         self.schedule = p.pp_schedule
@@ -222,9 +216,15 @@ class PipelineStages:
         args, target = self._split(batch, loss)
         # The schedule does not average over pipeline micro-batches (scale_grads=False): the loss does.
         self.loss_fn.factor = factor / self.runner.microbatches
-        with self.sync.schedule_context():
+        with self._schedule_context():
             value = self.runner.step(args, target, sync_tied=False)  # tied copies: once per optimizer step
         return value / self.loss_fn.factor if value is not None else torch.zeros(())
+
+    def _schedule_context(self) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        for sync in (self.sync, *self.beside):
+            stack.enter_context(sync.schedule_context())
+        return stack
 
     @torch.no_grad()
     def _evaluate(self, batch: Any, loss: Any = None) -> torch.Tensor:
@@ -256,7 +256,7 @@ class PipelineStages:
             p.grad = None
         self.loss_fn.factor, self.loss_fn.record = 0.0, []
         try:
-            with torch.enable_grad(), self.sync.schedule_context():
+            with torch.enable_grad(), self._schedule_context():
                 self.runner.step(args, target, sync_tied=False)
             values = self.loss_fn.record
         finally:
