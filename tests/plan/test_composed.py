@@ -225,3 +225,60 @@ def test_pure_diloco_sends_one_hth_of_the_gradient_bytes():
     assert every.exposed()["dp"] > 0 and "dp" not in sim.exposed()  # (exposed seconds are rounded to 1 us)
     assert sim.exposed()["diloco"] == pytest.approx(sim.diloco["mean_s_per_step"], abs=1e-6)
     assert sim.step_s < every.step_s
+
+
+def test_the_planner_enumerates_what_composes():
+    from plait.plan.planner import Space, _layouts
+
+    long = gpt_shape(4, 512, 8, 16384, 1024)
+    pruned: dict[str, str] = {}
+    layouts = _layouts(long, 16, 16, 8, pruned, Space())
+    assert any(lay.cp > 1 and lay.pp > 1 for lay in layouts)
+    assert any(lay.cp > 1 and lay.hybrid for lay in layouts)
+    assert any(lay.tp > 1 and lay.zero in (1, 2) for lay in layouts)
+    assert not {"zero=1/2 with tp>1", "dp_shard with cp"} & set(pruned)
+    moe = replace(long, num_experts=4, top_k=2, expert_hidden=1024)
+    assert any(lay.cp > 1 and lay.ep > 1 for lay in _layouts(moe, 16, 8, 8, {}, Space()))
+    # DiLoCo: dp_shard is the data-parallel ranks of one replica, at every ZeRO stage
+    diloco = _layouts(SHAPE, 8, 8, 8, {}, Space(), diloco=True)
+    assert {(lay.zero, lay.dp_shard) for lay in diloco if lay.dp == 8} >= {(0, 1), (1, 2), (2, 4), (3, 8), (0, 8)}
+
+
+def test_the_planner_returns_cp_x_pp_where_it_is_best():
+    """A 56B GPT at 131,072 tokens on 32 H200s (four nodes), without ZeRO (a space that leaves it out): tp over the
+    node alone cannot hold its states (2 x 56B bytes per device at tp=8), two pipeline stages without cp cannot hold
+    a whole sequence's activations beside them, and of the layouts that fit, cp=2 x pp=2 x tp=8 is the fastest
+    (faster than four stages without cp, whose bubble is larger). With ZeRO in the space the planner shards the
+    states over the data-parallel ranks instead (docs/simulate.md)."""
+    from plait.plan.planner import Space, plan
+
+    h200 = load_profile("h200-sxm")
+    shape = gpt_shape(68, 8192, 64, 131072, 32000)
+    space = Space(zeros=(0,), recomputes=("full",), sequence_parallel=(True,))
+    result = plan(shape, h200, 32, 4, base=Workload(shape, Layout(), 4, precision="bf16"), top=3, space=space)
+    best = result.best.work.layout
+    assert (best.tp, best.cp, best.pp) == (8, 2, 2) and result.best.fits(), best.describe()
+    assert "GiB" in result.pruned["tp=8 pp=1 zero=0"]  # tp alone
+    assert all(sim.step_s > result.best.step_s for sim in result.ranked[1:])
+    assert not any(sim.work.layout.cp == 1 and sim.work.layout.pp <= 2 for sim in result.ranked)  # none fits
+
+
+def test_the_planner_keeps_fp8_and_diloco_and_writes_them(tmp_path):
+    from plait.config import load_config
+    from plait.plan.planner import Space, plan, write_config
+
+    shape = gpt_shape(8, 2048, 16, 2048, 32000)
+    space = Space(recomputes=("none",), micro_batches=(1,), sequence_parallel=(False,), hybrid=False)
+    best = {p: plan(shape, H100, 8, 16, base=Workload(shape, Layout(), 16, precision=p), top=1, space=space).best
+            for p in ("bf16", "fp8")}
+    assert best["fp8"].work.precision == "fp8" and best["fp8"].step_s < best["bf16"].step_s
+    with pytest.raises(ConfigError, match="fp8"):
+        plan(shape, A100, 8, 16, base=Workload(shape, Layout(), 16, precision="fp8"), top=1, space=space)
+    base = Workload(shape, Layout(sync="diloco", diloco_inner_steps=20), 16, precision="bf16")
+    result = plan(shape, H100, 8, 16, base=base, top=4, space=space)
+    assert all(s.work.layout.sync == "diloco" and s.diloco["inner_steps"] == 20 for s in result.ranked)
+    sim = result.best
+    write_config(sim, load_config(None, []), str(tmp_path / "best.toml"))
+    p = load_config(tmp_path / "best.toml").parallel
+    lay = sim.work.layout
+    assert (p.sync, p.diloco_inner_steps, p.dp_shard or 1) == ("diloco", 20, lay.dp_shard)

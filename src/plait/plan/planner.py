@@ -333,7 +333,7 @@ def preference(ranked: list[Simulation]) -> Any:
     def key(sim: Simulation) -> tuple:
         lay = sim.work.layout
         in_band = sim.step_s <= fastest * (1 + TOLERANCE)
-        doubted = in_band and lay.zero == 3 and lay.dp > 1 and sim.step_s > fastest
+        doubted = in_band and lay.zero == 3 and lay.dp * lay.cp > 1 and sim.step_s > fastest
         return (not in_band, doubted, lay.pp, lay.cp, sim.step_s)
 
     return key
