@@ -22,7 +22,8 @@ keeps them for backward), and checkpointed activations distributed over the tens
 (``--distribute-checkpointed-activations``: a block keeps ``1/t`` of its input and all-gathers it before
 recomputing). Both hold half-precision parameters (no autocast).
 
-Mixture of experts (``BlockOps(..., moe=True)``): ``plait.plan.ops_moe``.
+Mixture of experts (``BlockOps(..., moe=True)``): ``plait.plan.ops_moe``. Float8 Linears (``train.precision = "fp8"``,
+``Setup.float8``): ``plait.plan.ops_float8``, applied to a block's forward and backward lists.
 
 Saved tensors, as the code that runs them keeps them (each term checked against
 ``torch.autograd.graph.saved_tensors_hooks`` counts on plait's GPT and a Hugging Face Llama in

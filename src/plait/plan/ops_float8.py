@@ -7,7 +7,8 @@ attention output, the MLP's, a MoE block's shared experts) whose two dimensions 
 float32) or a MoE block's routed experts (batched weights, not Linears): those stay as bf16 prices them.
 
 Per float8 Linear ``(M, K) x (K, N)`` under torchao's default recipe (dynamic tensorwise scales, eager kernels: an
-amax reduction and a cast per operand, each reading it):
+amax reduction and a cast per operand, each reading it; under ``torch.compile`` they fuse with their neighbours and
+cost less, which is not modelled, so small matmuls can come out slower in fp8 than in bf16):
 
 * forward: the bf16 input's amax and cast (reads ``2 MK`` bytes twice, writes ``MK``: ``5 MK``); the fp32 weight's
   (``9 NK``), unless FSDP2 gathered it in float8 already (ZeRO-3: torchao's float8 all-gather casts the shard before

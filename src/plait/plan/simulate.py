@@ -7,6 +7,11 @@ time, throughput, MFU and HFU, per-rank peak memory with its breakdown, exposed 
 pipeline bubble and the scaling efficiency (the layout's throughput per device over one device's
 compute-only throughput on the same micro-batch). ``plait.plan.configured.simulate_config`` does the same
 for a plait config, deriving what it can from the code that trains (``plait.plan.record``).
+
+A context-parallel rank is simulated as a data-parallel rank of its shard of the sequence, and a DiLoCo layout as one
+replica's layout with the outer synchronisation added (``Workload.replica_view``, ``rank_view``; ``_diloco``): its
+step is the mean step, carrying ``1 / H`` of a period's synchronisations. Under fp8 the float8 Linears run at the
+profile's fp8 peak (``plait.plan.ops_float8``) and MFU stays against the bf16 peak.
 """
 
 from __future__ import annotations
