@@ -124,7 +124,7 @@ def test_context_parallelism_is_simulated_and_planned_for_long_sequences(monkeyp
         "comm_bytes_per_step"]
     assert len(piped["comm_bytes_per_step_by_pipeline_rank"]) == 2 and min(piped[
         "comm_bytes_per_step_by_pipeline_rank"]) > 0
-    with pytest.raises(ConfigError, match="cp=2 is simulated without expert parallelism"):
+    with pytest.raises(ConfigError, match="cp=2 is simulated with the flash attention kernel"):
         simulate(Workload(shape, Layout(dp=1, cp=2, micro_batch_size=1), 1, attention="unfused"), Cluster.of(A100, 2))
     with pytest.raises(ConfigError, match="needs zero=3"):
         simulate(Workload(shape, Layout(dp=4, zero=2, dp_shard=2, micro_batch_size=1), 4), Cluster.of(A100, 4))
