@@ -122,6 +122,8 @@ def compile_blocks_because(cfg: Config) -> str:
     p = cfg.parallel
     if cfg.train.activation_checkpointing != "none":
         return "activation checkpointing recomputes each block"
+    if cfg.train.activation_offload:
+        return "activation offload opens each block's saved-tensor hooks around it"
     if p.mode == "ps":
         return ""
     if p.pp > 1:

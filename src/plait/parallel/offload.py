@@ -17,8 +17,11 @@ nothing.
 
 ``OffloadStats`` counts the bytes moved each way and the host bytes alive; the planner prices the same
 figure (``plait.plan.stages``: every block's saved bytes, its host-link transfer against its compute).
-The offloaded forward is not compiled (``train.compile`` is refused with it: dynamo does not trace these
-hooks).
+Compiled blocks (``train.compile``) keep it: the hooks that open and close each block's saved-tensor context run
+eagerly around the block's compiled region (``torch.compiler.disable``), and the compiled graph's saved tensors go
+through the context as any autograd function's do (AOTAutograd saves what its backward needs; the same path moves
+them). A whole-model region would hold the hooks inside it, so the layout compiles block by block
+(``plait.parallel.compose.compile_blocks_because``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
-from plait.config import ConfigError
 from plait.parallel.units import find_blocks
 
 
@@ -88,6 +90,7 @@ class ActivationOffload:
         self._stream: Any = None
 
     # -- forward: the hooks around each block --------------------------------------------------------------
+    @torch.compiler.disable
     def enter(self, index: int, module: nn.Module) -> None:
         group = _Group(index, module, prev=self._last.get(index - 1))
         self._last[index] = weakref.ref(group)
@@ -95,6 +98,7 @@ class ActivationOffload:
         hooks.__enter__()
         self._active.append((hooks, group))
 
+    @torch.compiler.disable
     def leave(self) -> None:
         hooks, group = self._active.pop()
         hooks.__exit__(None, None, None)
@@ -175,13 +179,6 @@ class ActivationOffload:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def check_offload(offload: bool, compile_: bool) -> None:
-    """Raise ``ConfigError`` for ``train.activation_offload`` with ``train.compile`` (module docstring)."""
-    if offload and compile_:
-        raise ConfigError("train.activation_offload=true runs each block's forward under saved-tensor hooks, which "
-                          "torch.compile does not trace; set train.compile=false or train.activation_offload=false")
 
 
 def offload_activations(model: nn.Module) -> ActivationOffload:
