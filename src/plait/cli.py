@@ -113,7 +113,7 @@ def _run_replicas(script: str, args: list[str], replicas: int, nproc: int, max_r
 def cmd_sample(argv: list[str]) -> int:
     import torch
 
-    from plait.components.export import load_safetensors
+    from plait.checkpoint.single_file import load_safetensors
     from plait.models.gpt import GPT
 
     ap = argparse.ArgumentParser(prog="plait sample", description="Generate text from a trained run.")
@@ -198,7 +198,7 @@ def cmd_launch(argv: list[str]) -> int:
 def cmd_checkpoint(argv: list[str]) -> int:
     """``plait checkpoint verify RUN_DIR|CHECKPOINT``: every checkpoint checked against its SHA-256 manifest;
     exit 0 when all are whole, 1 when one is damaged (each problem printed)."""
-    from plait.components.integrity import checkpoints_newest_first, verify
+    from plait.checkpoint.integrity import checkpoints_newest_first, verify
 
     if len(argv) != 2 or argv[0] != "verify":
         raise ConfigError("usage: plait checkpoint verify RUN_DIR (or the path of one checkpoint)")

@@ -55,7 +55,7 @@ def _job_of(run_dir: Path) -> str | None:
 def _prepare_run(argv: list[str]) -> tuple[Config, Config, Path, bool]:
     """Returns (validated config, config as written to the run dir, run dir, resume?). The written copy
     keeps inferred values unresolved (parallel.dp=0 stays 0) so a resumed run may change the world size."""
-    from plait.components.checkpoint import latest_checkpoint
+    from plait.checkpoint.dcp import latest_checkpoint
     from plait.recipes import load_recipe_config
     from plait.recipes import validate_config as validate
     from plait.runtime.dist import external_world_size, launched_externally, restarted_by_agent
@@ -136,7 +136,7 @@ def cmd_train(argv: list[str]) -> int:
         if "PLAIT_REPLICA_GROUP" in os.environ and (restarted_by_agent() or os.environ.get(REPLICA_RESUME_ENV) == "1"):
             # a replica group's replacement heals from a live group, else continues from its own newest checkpoint;
             # a resumed group continues from its own newest checkpoint (one without heals from the others)
-            from plait.components.checkpoint import latest_checkpoint
+            from plait.checkpoint.dcp import latest_checkpoint
 
             resume = latest_checkpoint(run_dir) is not None
         summary = run_worker(train, (cfg, run_dir, resume), cfg.comm.backend, cfg.comm.timeout_s)
@@ -192,7 +192,7 @@ def _train_replicas(argv: list[str], cfg: Config, written: Config, run_dir: Path
     p = cfg.parallel
     f, groups = cfg.fault, p.dp_replicate or default_groups(p.nproc, smallest_group(p))
     if resume:  # each group from its own directory, with the run's saved config and this command's overrides
-        from plait.components.checkpoint import latest_checkpoint
+        from plait.checkpoint.dcp import latest_checkpoint
 
         missing = [g for g in range(groups) if latest_checkpoint(run_dir / f"replica{g}") is None]
         if missing:  # it would start from fresh weights while the others resume: the groups must start equal
@@ -239,7 +239,7 @@ def train_worker(cfg: Config, run_dir: Path, resume: bool) -> dict:
     one group see different counts (0 on the machine that joined). A launch without ``--resume`` started into a
     run directory with no checkpoint (``_prepare_run`` refuses one that has), so any checkpoint found here was
     saved by this job: its workers stopped for a new rendezvous, every one of them, before any restarted."""
-    from plait.components.checkpoint import latest_checkpoint
+    from plait.checkpoint.dcp import latest_checkpoint
     from plait.recipes import train
 
     return train(cfg, run_dir, resume or latest_checkpoint(run_dir) is not None)

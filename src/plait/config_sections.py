@@ -119,7 +119,7 @@ class TrainConfig:
     # Recompute transformer blocks in backward instead of keeping their activations: none, full (every
     # block), every_k (every checkpoint_every_k-th block) or selective (every block keeps the outputs of the
     # operators in checkpoint_save_ops and recomputes the rest: norms, activations, casts, tensor-parallel
-    # all-gathers; torch's selective checkpointing, plait.parallel.checkpointing).
+    # all-gathers; torch's selective checkpointing, plait.parallel.activation_checkpoint).
     activation_checkpointing: Literal["none", "full", "every_k", "selective"] = "none"
     # k for activation_checkpointing=every_k.
     checkpoint_every_k: int = 2

@@ -15,7 +15,7 @@ from plait.data.tokenize import resolve_vocab_size
 from plait.observe.prometheus import check_prometheus
 from plait.observe.trackers import check_trackers
 from plait.parallel import float8
-from plait.parallel.checkpointing import check_checkpointing
+from plait.parallel.activation_checkpoint import check_checkpointing
 from plait.parallel.compile import compile_unit
 from plait.parallel.compose import check_layout, compile_blocks_because, resolve
 

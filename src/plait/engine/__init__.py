@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.checkpoint.checkpointer import Checkpointer
 from plait.comm.auto import AutoCompress
 from plait.comm.collectives import comm_from_config
 from plait.comm.watchdog import StepWatchdog
@@ -37,7 +38,6 @@ from plait.components.optim import optimizer_factory
 from plait.components.rng import RngStream, run_forward_in
 from plait.config import Config
 from plait.data.loader import to_device
-from plait.engine.checkpointer import Checkpointer
 from plait.engine.collectives import SmallCollectives, explained
 from plait.engine.loaders import distributed_loader
 from plait.engine.metrics import MetricsSink

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.components.hf_checkpoint import DEFAULT_SHARD_BYTES
+from plait.checkpoint.export import export_weights
+from plait.checkpoint.hf import DEFAULT_SHARD_BYTES
 from plait.config import Config
 from plait.engine.collectives import explained
-from plait.engine.export import export_weights
 from plait.parallel import compose
 from plait.parallel.errors import PlaitError
 from plait.parallel.layout import Layout
@@ -92,7 +92,7 @@ class Persistence:
         into its layout, of one same step that ``accept(step)`` takes on every rank, at this world size; None
         otherwise, or with no holder (then every rank reads the disk). Collective (one all-reduce of six numbers
         over every rank); ``load(path, memory=held.decoded)`` then loads it."""
-        from plait.components.memory_checkpoint import decode
+        from plait.checkpoint.memory import decode
         from plait.engine.host_copies import find_copies
 
         strategy = self._require_strategy()
@@ -150,5 +150,5 @@ class Persistence:
 
     def export(self, model: nn.Module | None, path: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
         """Write the weights under the single-process names (every rank calls it): ``*.safetensors`` is one file on
-        rank 0; any other path a Hugging Face directory written shard by shard (``plait.parallel.weights``)."""
+        rank 0; any other path a Hugging Face directory written shard by shard (``plait.checkpoint.weights``)."""
         return export_weights(self, model, Path(path), max_shard_bytes)

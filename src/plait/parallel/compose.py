@@ -34,8 +34,8 @@ from plait.config import Config, ConfigError, ParallelConfig
 from plait.nn.moe import moe_layers
 from plait.observe.log import get_logger
 from plait.parallel import float8
+from plait.parallel.activation_checkpoint import apply_checkpointing
 from plait.parallel.capabilities import Driver
-from plait.parallel.checkpointing import apply_checkpointing
 from plait.parallel.compile import apply_compile
 from plait.parallel.context.split import ContextSplit, apply_context, check_context, route_stages
 from plait.parallel.data import sync as data_sync  # noqa: F401 - the built-in policies register themselves

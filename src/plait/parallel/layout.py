@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.checkpoint.pieces import PiecesLoadPlanner, PiecesSavePlanner
+from plait.checkpoint.weights import export_weights, load_renamed, load_weights
 from plait.comm.collectives import Comm
-from plait.components.dcp_pieces import PiecesLoadPlanner, PiecesSavePlanner
 from plait.components.precision import LossScaler
 from plait.config import Config
 from plait.observe.memory import layout_memory
@@ -40,7 +41,6 @@ from plait.parallel.meta_init import InitFn, ModelFacts, initialise, refuse_unin
 from plait.parallel.prepare import route_forward
 from plait.parallel.tensor.plan import local_value, loss_context
 from plait.parallel.tensor.strided import is_strided, strided_entries
-from plait.parallel.weights import export_weights, load_renamed, load_weights
 from plait.topology import Topology
 
 

@@ -151,7 +151,7 @@ class ModelFacts:
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelFacts:
-        from plait.components.hf_convert import model_conversions
+        from plait.checkpoint.hf_convert import model_conversions
 
         facts = cls(meta=is_meta(model), config=getattr(model, "config", None),
                     ignore_unexpected=list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
@@ -396,8 +396,8 @@ def refuse_uninitialised(missing: list[str], group: Any, device: torch.device) -
 def write_slice(dest: torch.Tensor, full: torch.Tensor) -> None:
     """Copy this rank's part of ``full`` (the whole tensor) into ``dest``: a DTensor's local shard (its offset
     from the placements: tp's Megatron shards, FSDP2's dim-0 shards, both at once; tp's packed expert weights
-    block by block: ``plait.components.hf_checkpoint.local_boxes``), or a plain tensor whole."""
-    from plait.components.hf_checkpoint import local_boxes
+    block by block: ``plait.checkpoint.hf.local_boxes``), or a plain tensor whole."""
+    from plait.checkpoint.hf import local_boxes
 
     for view, offset in local_boxes(dest):
         view.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, view.shape, strict=True))])

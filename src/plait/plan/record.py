@@ -21,7 +21,7 @@ from plait.components.optim import adamw
 from plait.config import Config, ConfigError
 from plait.data.tokenize import resolve_vocab_size
 from plait.models.gpt import GPT
-from plait.parallel.checkpointing import apply_activation_checkpointing
+from plait.parallel.activation_checkpoint import apply_activation_checkpointing
 from plait.parallel.spec import ModelSpec
 from plait.parallel.tensor.apply import tp_function
 from plait.parallel.tensor.plan import loss_context

@@ -11,7 +11,7 @@ operator what DTensor adds, and each tensor-parallel collective the host work me
 (``plait.plan.calibrate_paths``). Activation checkpointing keeps only a
 checkpointed block's input and adds one block's activations while it is recomputed; plait's recomputation
 stops after the last operator whose input the block saves (torch's early stop). ``selective`` is
-what each stack runs: plait's (``plait.parallel.checkpointing``, torch's selective checkpointing with the
+what each stack runs: plait's (``plait.parallel.activation_checkpoint``, torch's selective checkpointing with the
 default policy) keeps the block's input and the outputs of its matmuls and attention kernel (``Op.out``) and
 recomputes every other forward operator up to the last one that saves a tensor (norms, activations, rotary,
 autocast's casts, the tensor-parallel all-gathers and reduce-scatters: their collectives run again in

@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.checkpoint.dcp import load_state, save_state
+from plait.checkpoint.pieces import PiecesSavePlanner
 from plait.comm.collectives import Comm
-from plait.components.checkpoint import load_state, save_state
-from plait.components.dcp_pieces import PiecesSavePlanner
 from plait.components.optim import optimizer_recipe
 from plait.config import Config
 from plait.observe.log import get_logger

@@ -251,10 +251,10 @@ register_data("digits", DataRecipe(build=cnn.build_digits, describe="scikit-lear
 
 def check_weights(cfg: Config) -> None:
     """``model.weights`` against the model the config names, before any worker starts: the model is built on the
-    meta device (shapes only) and the checkpoint's headers are read (``plait.parallel.weights.check_weights``)."""
+    meta device (shapes only) and the checkpoint's headers are read (``plait.checkpoint.weights.check_weights``)."""
     import torch  # lazily, as every training import here: plait --help imports no torch
 
-    from plait.parallel.weights import check_weights as check
+    from plait.checkpoint.weights import check_weights as check
 
     with torch.device("meta"):
         model = build_model(cfg)

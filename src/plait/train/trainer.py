@@ -10,7 +10,7 @@ each phase; ``comm_exposed_s`` is the time spent waiting for gradient communicat
 finished, the part that overlap did not hide. Every ``train.eval_every`` steps the evaluation set is
 scored, every ``checkpoint.every`` steps a checkpoint is saved (``RUN_DIR/checkpoints/step_N``, the
 newest named by ``latest``), and at the end the run is evaluated, saved, exported as ``model/`` (a Hugging
-Face directory, written shard by shard: ``plait.parallel.weights``) and summarised in ``summary.json``.
+Face directory, written shard by shard: ``plait.checkpoint.weights``) and summarised in ``summary.json``.
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ class Trainer:
     def resume(self) -> bool:
         """Continue from the run directory's newest good checkpoint (damaged ones, and those of loss-spike
         steps, are skipped with a warning naming the problem); False when it has none."""
-        from plait.components.integrity import newest_good
+        from plait.checkpoint.integrity import newest_good
 
         if self.p.steps > 0:  # setup joined live replicas (fault.mode=replicas): their state is newer than any save
             self.log.info("joined the live replicas at step %d: their state, not a checkpoint, is continued",
@@ -255,8 +255,8 @@ class Trainer:
         """``fault.memory_checkpoint``: load the newest checkpoint from the holders' copies when every rank finds its
         copy of it, whole (the disk's newest complete checkpoint, not a loss spike's), in its own machine's holder
         or a peer machine's; else say why not."""
-        from plait.components.checkpoint import step_dir
-        from plait.components.integrity import checkpoints_newest_first, spike_steps
+        from plait.checkpoint.dcp import step_dir
+        from plait.checkpoint.integrity import checkpoints_newest_first, spike_steps
 
         holders = self.p.checkpointer.host_copy
         if holders is None:
@@ -302,7 +302,7 @@ class Trainer:
             self.p.truncate_metrics(step)
 
     def save(self) -> Path:
-        from plait.components.checkpoint import point_latest, step_dir
+        from plait.checkpoint.dcp import point_latest, step_dir
 
         s = self.state
         extra = {"step": s.step, "skipped_steps": s.skipped_steps, "tokens_seen": s.tokens_seen,

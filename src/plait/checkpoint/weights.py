@@ -5,7 +5,7 @@ Every strategy gives ``model_entries()``: this rank's state-dict entries under t
 names (DTensors where sharded), the tensors the model trains. Loading maps each tied group of names to the
 one checkpoint name it is read from (checked against the whole model's ``ModelFacts`` first, identically on
 every rank, so a bad checkpoint raises on all of them), then reads each rank's slices through
-``plait.components.hf_checkpoint``. Exporting writes every entry under every name
+``plait.checkpoint.hf``. Exporting writes every entry under every name
 (a tied tensor under each of its names, as ``state_dict()`` has them, so ``from_pretrained`` finds no key
 missing or unexpected) through DCP's Hugging Face writer, files cut at ``max_shard_bytes`` in model order.
 """
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.components.hf_checkpoint import (
+from plait.checkpoint.hf import (
     DEFAULT_SHARD_BYTES,
     Checkpoint,
     candidates,
@@ -28,8 +28,8 @@ from plait.components.hf_checkpoint import (
     match_names,
     open_checkpoint,
 )
-from plait.components.hf_checkpoint import save_from as _save_from
-from plait.components.hf_convert import converted
+from plait.checkpoint.hf import save_from as _save_from
+from plait.checkpoint.hf_convert import converted
 from plait.config import ConfigError
 from plait.parallel.meta_init import ModelFacts, initialise, storage_key
 
@@ -40,7 +40,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _open(facts: ModelFacts, path: str | Path) -> Checkpoint:
     """The checkpoint's headers under the model's names: renamed and merged as ``from_pretrained`` would
-    (``plait.components.hf_convert``)."""
+    (``plait.checkpoint.hf_convert``)."""
     names = {c for n in facts.shapes for c in candidates(n, facts.base_prefix)}
     return converted(open_checkpoint(path), facts.conversions, names.__contains__)
 

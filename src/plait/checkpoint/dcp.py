@@ -5,7 +5,7 @@
     PATH/                  DCP shards of {"model", "optim"}
         rank<r>.pt         each rank's own state: RNG, compressor residuals
         state.pt           state every rank shares: scheduler, data position, loss scale, counters
-        manifest.json      SHA-256 and size of every file above (``plait.components.integrity``)
+        manifest.json      SHA-256 and size of every file above (``plait.checkpoint.integrity``)
         meta.json          what the caller saved in ``extra`` plus the world size; written last
 
 Every rank writes into ``PATH.tmp``; after a barrier rank 0 writes the manifest and ``meta.json`` and
@@ -114,7 +114,7 @@ class PendingSave:
                 self.future.result()
             _barrier(self.group)
             if self.rank == 0:
-                from plait.components.integrity import write_manifest
+                from plait.checkpoint.integrity import write_manifest
 
                 write_manifest(self.tmp)
                 (self.tmp / "meta.json").write_text(self.meta_text)
@@ -202,7 +202,7 @@ def save_state(path: Path, layout: StatefulLayout, meta: dict[str, Any], rank: i
 
 def _verified_on_rank0(path: Path, group: Any = None) -> list[str]:
     """The manifest check, done once (rank 0 reads every file) and shared with every rank of ``group``."""
-    from plait.components.integrity import verify
+    from plait.checkpoint.integrity import verify
 
     problems = [verify(path)] if not _distributed() or dist.get_rank() == 0 else [None]
     if _distributed():

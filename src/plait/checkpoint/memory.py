@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from plait.components.checkpoint import rng_state, set_rng_state
+from plait.checkpoint.dcp import rng_state, set_rng_state
 
 
 def _local(tree: Any) -> Any:
@@ -82,7 +82,7 @@ def decode(payload: bytes | bytearray, strategy: Any) -> Decoded:
 
 def load(decoded: Decoded, strategy: Any) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
     """Load a decoded copy into ``strategy`` and this rank's RNG; returns (meta, rank_state, shared) as
-    ``plait.components.checkpoint.load_state`` does."""
+    ``plait.checkpoint.dcp.load_state`` does."""
     strategy.load_state_dicts(decoded.model_sd, decoded.optim_sd)
     set_rng_state(decoded.saved["rng"])
     return decoded.saved["meta"], decoded.saved["rank_state"], decoded.saved["shared"]

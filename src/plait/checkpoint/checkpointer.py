@@ -1,5 +1,5 @@
 """Checkpoints of one run: complete, reshardable saves (synchronous or asynchronous) and loads, through
-the layout's state (``plait.components.checkpoint`` writes and reads the files); a part of the layout whose other
+the layout's state (``plait.checkpoint.dcp`` writes and reads the files); a part of the layout whose other
 ranks join a checkpoint (a parameter server's servers: ``plait.parallel.layout.CheckpointJoin``) is asked first."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from plait.components.checkpoint import PendingSave, load_state, save_state
-from plait.components.memory_checkpoint import Decoded, load, pack
+from plait.checkpoint.dcp import PendingSave, load_state, save_state
+from plait.checkpoint.memory import Decoded, load, pack
 from plait.observe.log import get_logger
 from plait.parallel.capabilities import CheckpointJoin, checkpoint_group
 
@@ -84,7 +84,7 @@ class Checkpointer:
              memory: Decoded | None = None) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any], bool]:
         """Read a checkpoint into ``strategy``: (meta, this rank's own state or None, the shared state,
         whether it was saved at this world size). ``memory``: this rank's in-memory copy of the same checkpoint
-        (``plait.components.memory_checkpoint``), read instead of the disk."""
+        (``plait.checkpoint.memory``), read instead of the disk."""
         if memory is not None:
             meta, rank_state, shared = load(memory, strategy)
             return meta, rank_state, shared, True

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from plait.components.export import export_safetensors
-from plait.components.hf_checkpoint import INDEX
+from plait.checkpoint.hf import INDEX
+from plait.checkpoint.single_file import export_safetensors
 from plait.parallel.errors import PlaitError
 from plait.parallel.layout import Layout
 
