@@ -12,7 +12,7 @@
     layout = Layout(stages, policy, experts, split, drivers)   # drivers wrap the step from outside: DiLoCo, replicas
 
 float8 converts the model's linear layers first (before any layout: FSDP2 gathers the float8 weights, tensor
-parallelism shards them). A parameter server is data parallelism with its own consistency: its own layout
+parallelism shards them with torchao's float8 styles, a pipeline splits them into stages). A parameter server is data parallelism with its own consistency: its own layout
 (``plait.ps.layout``), composed with nothing.
 
 Besides ``parallelize``, what the engine asks of a config before any model exists: the degrees (``resolve``), the
@@ -187,7 +187,7 @@ def parallelize(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec:
     """The layout around ``model`` (on this rank's device), in the order of the module docstring. The model is
     checked against the layout before any collective; then rank 0's weights are broadcast (a meta model has none:
     each rank fills its part later, ``Layout.prepare_weights``)."""
-    if cfg.train.precision == "fp8":  # before any layout: FSDP2 gathers the float8 weights
+    if cfg.train.precision == "fp8":  # before any layout: tp shards, pp splits, FSDP2 gathers the Float8Linears
         float8.convert(model, topo.device, fsdp=cfg.parallel.zero == 3, logger=get_logger(topo.rank))
     if cfg.parallel.mode == "ps":
         return ParameterServer(model, cfg, topo, comm)

@@ -17,8 +17,9 @@ in bf16; the log names what stays in bf16.
 The conversion is the first step of the composition (``plait.parallel.compose.parallelize``), before any layout,
 so every dimension sees the Float8Linears: tensor and sequence parallelism shard them with torchao's float8 styles
 (``plait.parallel.tensor.float8``: scales over the whole tensor, float8 all-gathers), a pipeline splits the
-converted model into stages (the zero-bubble schedule's separate weight pass recomputes nothing float8-specific:
-torchao's matmul saves its high-precision operands), expert parallelism places the experts, which are not Linears,
+converted model into stages (under the zero-bubble schedule its input pass and its weight pass each run torchao's
+backward whole, as a Python autograd Function computes all its gradients in one call: the same gradients, the
+float8 Linears' backward matmuls twice), expert parallelism places the experts, which are not Linears,
 context parallelism routes the attention, which is not a Linear (each rank's Linears then scale their own sequence
 shard, as a data-parallel rank its own micro-batch), activation offload moves what the Linears save for backward
 (torchao's float8 tensors by their inner tensors), and under ZeRO-3 (FSDP2) the weights are all-gathered in float8

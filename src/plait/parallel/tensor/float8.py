@@ -19,16 +19,21 @@ share (plait's ``PrepareGatheredInput``,        and, under sequence parallelism,
 
 The float8 form is taken where every Linear child of such a module is a Float8Linear the plan shards (attention's
 q, k, v and proj; an MLP's fc and proj); a module whose input another Linear reads (an MoE router) keeps its input in
-high precision. Everything else (embeddings, norms, the bf16 head) keeps its style.
+high precision. Everything else (embeddings, norms, the bf16 head) keeps its style. Two departures from torchao's
+styles, each for the single-process numerics: a Linear with a bias keeps its output's gradient in high precision
+until its own matmul casts it (torchao casts it where it leaves the module, so the bias's gradient would be summed
+from float8_e5m2 values), and the input is first cast to the autocast dtype where ``Float8Linear`` itself would
+(under CUDA autocast), so its scale is that of the same tensor.
 
-Numerics: each dynamic per-tensor scale is computed on the DTensor, over the whole tensor (the max reduced over tp
-where the tensor is sharded), so each float8 cast of a tensor the single-process model also has gives the same
+Numerics: each dynamic per-tensor scale is computed on the DTensor, over the whole tensor (where the tensor is
+sharded, one all-reduce of its max over tp: the communication float8 adds), so each float8 cast of a tensor the single-process model also has gives the same
 float8 values. What differs is the order of sums: a row-parallel Linear's partial outputs are added over tp in its
 output dtype (bf16 under autocast), and input gradients summed over tp; a rounding difference there moves an element
 that a later float8 cast puts near a rounding boundary by one float8 step (tests/parallel/test_float8_compose.py
 bounds this by float8's own rounding). Under sequence parallelism the column-parallel float8 Linears keep the
 gathered float8 input for backward (1 byte per element of the whole sequence) instead of the bf16 shard that
-``ColwiseRegather`` keeps and gathers again (2 / tp bytes): equal at tp = 2.
+``ColwiseRegather`` keeps and gathers again (2 / tp bytes): equal at tp = 2. On the CPU (gloo has no float8 type) the
+sequence is gathered in high precision and cast after: the same float8 values, twice the bytes.
 
 A user's ``parallelize_fn`` is applied as it is (it chooses its styles, torchao's among them, as torchtitan's does).
 """
