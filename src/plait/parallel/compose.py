@@ -12,10 +12,11 @@
     layout = Layout(stages, policy, experts, split, drivers)   # drivers wrap the step from outside: DiLoCo, replicas
 
 float8 converts the model's linear layers first (before any layout: FSDP2 gathers the float8 weights, tensor
-parallelism shards them). Under DiLoCo the layout is composed on the topology inside one replica (``Topology.within``
-the ``dp_replicate`` axis: the policy and the experts' sync average over the replica's ranks only) and its driver on
-the whole run's, whose ``dp_replicate`` axis holds the replicas. A parameter server is data parallelism with its own
-consistency: its own layout (``plait.ps.layout``), composed with nothing.
+parallelism shards them with torchao's float8 styles, a pipeline splits them into stages). Under DiLoCo the layout
+is composed on the topology inside one replica (``Topology.within`` the ``dp_replicate`` axis: the policy and the
+experts' sync average over the replica's ranks only) and its driver on the whole run's, whose ``dp_replicate`` axis
+holds the replicas. A parameter server is data parallelism with its own consistency: its own layout
+(``plait.ps.layout``), composed with nothing.
 
 Besides ``parallelize``, what the engine asks of a config before any model exists: the degrees (``resolve``), the
 topology, whether the model runs whole on each rank, whether setup wants a sample micro-batch, why compile must go
@@ -200,7 +201,7 @@ def parallelize(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec:
     """The layout around ``model`` (on this rank's device), in the order of the module docstring. The model is
     checked against the layout before any collective; then rank 0's weights are broadcast (a meta model has none:
     each rank fills its part later, ``Layout.prepare_weights``)."""
-    if cfg.train.precision == "fp8":  # before any layout: FSDP2 gathers the float8 weights
+    if cfg.train.precision == "fp8":  # before any layout: tp shards, pp splits, FSDP2 gathers the Float8Linears
         float8.convert(model, topo.device, fsdp=cfg.parallel.zero == 3, logger=get_logger(topo.rank))
     if cfg.parallel.mode == "ps":
         return ParameterServer(model, cfg, topo, comm)

@@ -6,7 +6,8 @@ memory when it is saved and copied back when backward needs it, so between a blo
 the device holds none of its activations. What is moved: each distinct storage once per block and forward
 (a tensor saved by three operators, or a view of one, is one copy), parameters never (they stay on the device;
 autocast's half-precision copies of them are activations and move). A DTensor's local shard moves and the
-DTensor is rebuilt around it.
+DTensor is rebuilt around it; a tensor subclass (torchao's float8 tensors under tensor parallelism and FSDP2)
+moves the tensors it is made of and is rebuilt from them (``__tensor_flatten__`` / ``__tensor_unflatten__``).
 
 On a GPU the host buffers are pinned and the copies run on a side stream: a block's copies to the host overlap
 the forward that follows (the device memory is kept until its copy has finished, ``record_stream``), and when
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from plait.parallel.units import find_blocks
 
@@ -111,7 +113,11 @@ class ActivationOffload:
         if isinstance(local, AsyncCollectiveTensor):  # a functional collective's result: the tensor it wraps
             local = local.trigger_wait()
         if group.params is None:
-            group.params = {_local(p).untyped_storage().data_ptr() for p in group.module.parameters()}
+            group.params = {x.untyped_storage().data_ptr() for p in group.module.parameters() for x in _plain(p)}
+        if is_traceable_wrapper_subclass(local):  # torchao's float8 tensors: what they are made of moves
+            names, ctx = local.__tensor_flatten__()  # type: ignore[attr-defined]
+            inner = {n: self._pack(group, getattr(local, n)) for n in names}
+            return _Wrapped(type(local), inner, ctx, local.size(), local.stride(), spec)
         storage = local.untyped_storage()
         key = storage.data_ptr()
         if key in group.params or storage.nbytes() == 0:
@@ -140,6 +146,10 @@ class ActivationOffload:
 
     # -- backward: bring a group back, and the one before it ahead of time ------------------------------
     def _unpack(self, handle: Any) -> torch.Tensor:
+        if isinstance(handle, _Wrapped):
+            inner = {n: self._unpack(h) for n, h in handle.inner.items()}
+            return _rebuild(handle.cls.__tensor_unflatten__(inner, handle.ctx, handle.size, handle.stride),
+                            handle.spec)
         if not isinstance(handle, _Handle):
             return handle
         group = handle.group
@@ -154,10 +164,7 @@ class ActivationOffload:
             raw.record_stream(torch.cuda.current_stream())
         t = torch.empty(0, dtype=handle.dtype, device=raw.device).set_(
             raw.untyped_storage(), handle.offset, handle.size, handle.stride)
-        if handle.spec is not None:
-            mesh, placements, shape, stride = handle.spec
-            t = DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
-        return t
+        return _rebuild(t, handle.spec)
 
     def _bring_back(self, group: _Group) -> None:
         if not group.host:
@@ -177,8 +184,32 @@ class ActivationOffload:
         group.host = {}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+class _Wrapped:
+    """A saved tensor subclass (``__tensor_flatten__``): its class and context, and its inner tensors, each packed."""
+
+    __slots__ = ("cls", "inner", "ctx", "size", "stride", "spec")
+
+    def __init__(self, cls: type, inner: dict[str, Any], ctx: Any, size: torch.Size, stride: tuple[int, ...],
+                 spec: Any) -> None:
+        self.cls, self.inner, self.ctx, self.size, self.stride, self.spec = cls, inner, ctx, size, stride, spec
+
+
+def _rebuild(t: torch.Tensor, spec: Any) -> torch.Tensor:
+    """``t`` again as the DTensor it was saved as (``spec``), or as it is."""
+    if spec is None:
+        return t
+    mesh, placements, shape, stride = spec
+    return DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s data: a DTensor's local shard, a tensor subclass's inner tensors, or ``t``."""
+    if isinstance(t, DTensor):
+        return _plain(t._local_tensor)
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        return [x for n in names for x in _plain(getattr(t, n))]
+    return [t]
 
 
 def offload_activations(model: nn.Module) -> ActivationOffload:

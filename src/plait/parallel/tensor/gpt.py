@@ -47,6 +47,7 @@ from torch.distributed.tensor.parallel import (
 from plait.config import ParallelConfig
 from plait.models.gpt import GPT
 from plait.nn.moe import MoE
+from plait.parallel.tensor.float8 import float8_plan
 from plait.parallel.tensor.local_tokens import LocalTokens
 from plait.parallel.tensor.plan import PrepareGatheredInput, TensorParallelError, mark_loss_parallel
 from plait.parallel.tensor.regather import ColwiseRegather, GatherSequence
@@ -148,7 +149,8 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
         _shard_position_embedding(model.pos_emb, tp_mesh)
     stream = tp_mesh.get_local_rank() + 1
     for block in model.blocks:
-        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel, isinstance(block.mlp, MoE)))
+        plan = _block_plan(sequence_parallel, isinstance(block.mlp, MoE))
+        parallelize_module(block, tp_mesh, float8_plan(block, plan))  # torchao's styles on its Float8Linears
         block.attn.n_head = cfg.n_head // tp  # local heads; the forward reshapes with -1 anyway
         block.attn.dropout_stream = stream  # this rank's heads: masks of their own
         if sequence_parallel:

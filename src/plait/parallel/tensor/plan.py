@@ -60,6 +60,7 @@ from torch.distributed.tensor.parallel import (
 
 from plait.config import ConfigError
 from plait.parallel.data.reducer import local_grad
+from plait.parallel.tensor.float8 import float8_plan
 from plait.parallel.units import tied_uses
 
 _LOSS_PARALLEL_ATTR = "_plait_loss_parallel"
@@ -231,20 +232,22 @@ def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan) -> nn.Modul
     an error, since the tie would break.
     """
     tp = tp_mesh.size()
-    resolved = validate_plan(model, plan, tp)
+    resolved = {name: style for pattern, style in validate_plan(model, plan, tp).items()
+                for name, _ in matched_modules(model, pattern)}  # every pattern matches (validated)
+    resolved = float8_plan(model, resolved)  # torchao's styles on its Float8Linears
     tied = tied_names(model)
-    for pattern, style in resolved.items():
+    for name, style in resolved.items():
         if style is None:
             continue
-        for name, module in matched_modules(model, pattern):
-            for pname, _ in module.named_parameters(recurse=False):
-                others = tied.get(f"{name}.{pname}")
-                if others and not all(any(_matches(p, o.rsplit(".", 1)[0]) and resolved[p] is not None
-                                          for p in resolved) for o in others):
-                    raise TensorParallelError(
-                        f"{name}.{pname} is tied to {', '.join(others)}, which the plan does not shard alike; "
-                        f"shard both or neither (drop {pattern!r} from the plan, or untie the weights)")
-            parallelize_module(module, tp_mesh, style)
+        module = model.get_submodule(name)
+        for pname, _ in module.named_parameters(recurse=False):
+            others = tied.get(f"{name}.{pname}")
+            if others and not all(resolved.get(o.rsplit(".", 1)[0]) is not None for o in others):
+                pattern = next(p for p in plan if _matches(p, name))
+                raise TensorParallelError(
+                    f"{name}.{pname} is tied to {', '.join(others)}, which the plan does not shard alike; "
+                    f"shard both or neither (drop {pattern!r} from the plan, or untie the weights)")
+        parallelize_module(module, tp_mesh, style)
     retie(model, tied)
     return model
 
