@@ -177,11 +177,6 @@ def check_hf_experts(model: nn.Module, ep: int, p: ParallelConfig) -> list[MoeBl
             fits = [e for e in range(1, b.num_experts + 1) if b.num_experts % e == 0]
             raise ExpertParallelError(f"{b.name} has {b.num_experts} experts, not divisible by parallel.ep={ep}: "
                                       f"every expert-parallel rank holds the same number of experts; use ep in {fits}")
-    if p.tp > 1 and (p.sequence_parallel or p.zero == 3):
-        raise ExpertParallelError(
-            f"MoE layers with tp={p.tp} and {'sequence_parallel' if p.sequence_parallel else 'zero=3'} are not "
-            "available in this build: MoE blocks compose with plain tensor parallelism (sequence_parallel=false, "
-            "zero=0) and with expert parallelism (parallel.ep)")
     return blocks
 
 

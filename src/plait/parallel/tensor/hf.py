@@ -36,16 +36,17 @@ parameter entries of such a module  the weight as a DTensor: ``colwise`` ``Shard
                                     split): its forward runs with those parameters' local shards
 ==================================  ==========================================================================
 
-Families whose shipped plan leaves attention out get it from ``ADDED_PLANS``, the entries transformers ships for
-the same attention in a relative (DeepSeek-V3's multi-head latent attention: DeepSeek-V2's; GPT-OSS's attention
-with sinks: Granite-SWA's). Patterns of a shipped plan that match nothing in this model are skipped, as
-transformers skips them (Qwen3-MoE's
-dense-MLP entries when every layer is sparse). Under expert parallelism (``parallel.ep > 1``) the entries inside
-recognised MoE blocks (``plait.parallel.expert.hf``) are left out: those blocks stay whole on every tp rank and
-their experts are sharded over ep. A plan with a style plait does not apply (``REFUSED``, or a packed style on a
-module) is refused, with the reason, before anything is sharded or communicated; ``plan_refusals`` judges a plan
-alone. Encoders without a shipped plan (BERT, RoBERTa) get ``ENCODER_PLAN``: attention query/key/value
-colwise and its output rowwise, the intermediate dense colwise and the output dense rowwise.
+Families whose shipped plan leaves attention out get it from ``ADDED_PLANS``, the entries transformers ships for the
+same attention in a relative (DeepSeek-V3's multi-head latent attention: DeepSeek-V2's; GPT-OSS's attention with
+sinks: Granite-SWA's). Patterns of a shipped plan that match nothing in this model are skipped, as transformers
+skips them (Qwen3-MoE's dense-MLP entries when every layer is sparse). Under expert parallelism (``parallel.ep >
+1``) or sequence parallelism the entries inside recognised MoE blocks (``plait.parallel.expert.hf``) are left out:
+those blocks stay whole on every tp rank (their experts sharded over ep where ep > 1; under sequence parallelism
+each tp rank routes its own sequence shard through them, ``plait.parallel.tensor.hf_sequence``). A plan with a style
+plait does not apply (``REFUSED``, or a packed style on a module) is refused, with the reason, before anything is
+sharded or communicated; ``plan_refusals`` judges a plan alone. Encoders without a shipped plan (BERT, RoBERTa) get
+``ENCODER_PLAN``: attention query/key/value colwise and its output rowwise, the intermediate dense colwise and the
+output dense rowwise.
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ class HFPlan:
                 f"{type(model).__name__}'s tensor-parallel plan has a style plait does not apply ({refusals[0]}). "
                 "Set parallel.tp_plan to a table of module patterns -> plait's styles, pass parallelize_fn="
                 "fn(model, tp_mesh) to setup, or use parallel.tp=1")
-        skip = [b.name for b in find_moe_blocks(model)] if self.skip_moe else []
+        skip = [b.name for b in find_moe_blocks(model)] if self.skip_moe or self.sp else []
         modules = {n: m for n, m in model.named_modules() if n}
         experts_patterns = {k for k, v in self.plan.items() if v == EXPERTS}
         local_patterns = {k for k, v in self.plan.items() if v == LOCAL}
@@ -229,7 +230,8 @@ class HFPlan:
             if self.strict and len(found) < len(matched):
                 raise TensorParallelError(
                     f"tp plan pattern {pattern!r} names modules inside MoE blocks ({matched[0]}), which expert "
-                    "parallelism keeps whole on every tp rank (their experts sharded over parallel.ep); drop it")
+                    "and sequence parallelism keep whole on every tp rank (their experts sharded over parallel.ep, "
+                    "or each tp rank routing its own tokens); drop it")
             if style == EXPERTS:
                 experts += [(modules[n], self._placements(n, modules[n], tp)) for n in found]
             elif style == GRAD_SUM:
