@@ -154,7 +154,7 @@ def check_model(model: nn.Module, topo: Topology, p: ParallelConfig, spec: Model
     raises the same one, before any collective."""
     tp, pp = topo.degree("tp"), topo.degree("pp")
     if topo.ep > 1 and not moe_layers(model):  # a Hugging Face MoE model: its blocks recognised, or an error
-        check_hf_experts(model, topo.ep, p)
+        check_hf_experts(model, topo.ep)
     if tp > 1 and spec.parallelize_fn is None:
         fn = tp_function(model, p, spec)  # raises when no plan applies
         plan = spec.tp_plan if isinstance(spec.tp_plan, dict) else None

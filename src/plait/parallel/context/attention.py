@@ -6,16 +6,17 @@ positions; ``route_gpt`` makes every ``CausalSelfAttention`` of plait's GPT call
 when the GPT masks by document (``document_mask``) its layers ask for the document mask (``document_marker``
 stands for it: the GPT builds no mask of the shard) and the cp attention builds each block's from the whole
 sequence's ``doc_ids`` the context split gives ``active``.
-``route_hf`` does the same for Hugging Face decoders (Llama, Qwen2, Mistral): their attention layers pick their
-attention function by name from ``config._attn_implementation``, so each recognised layer gets its own copy of the
-config naming plait's (``plait_context``, registered with transformers' ``AttentionInterface``), which calls this
-layer's ``ContextAttention``. The model's own config (its mask construction, ``save_pretrained``) is untouched; the
-causal mask it builds for the shard's local positions is not used (the cp attention masks by global position), and
-a padding ``attention_mask`` is taken out of the model's call and given to ``active`` as document ids
-(``sharding.padding_docs``) by which every routed layer masks. Keys and values of grouped-query attention travel
-with their own heads under ``ring`` and ``allgather`` (repeated to the query heads per block, after the transfer);
-``alltoall`` splits heads, so it repeats them first (its transfers carry ``H / H_kv`` times the model's keys and
-values).
+``route_hf`` does the same for Hugging Face decoders (``HF_ATTENTION``: Llama, Qwen2, Mistral, and the attention of the
+Mixtral and Qwen3-MoE mixtures of experts, Qwen3-MoE's with per-head q/k norms applied before the call, so unchanged
+under cp): their attention layers pick their attention function by name from ``config._attn_implementation``, so each
+recognised layer gets its own copy of the config naming plait's (``plait_context``, registered with transformers'
+``AttentionInterface``), which calls this layer's ``ContextAttention``. The model's own config (its mask construction,
+``save_pretrained``) is untouched; the causal mask it builds for the shard's local positions is not used (the cp
+attention masks by global position), and a padding ``attention_mask`` is taken out of the model's call and given to
+``active`` as document ids (``sharding.padding_docs``) by which every routed layer masks. Keys and values of
+grouped-query attention travel with their own heads under ``ring`` and ``allgather`` (repeated to the query heads per
+block, after the transfer); ``alltoall`` splits heads, so it repeats them first (its transfers carry ``H / H_kv`` times
+the model's keys and values).
 Outside ``active`` (the context split's micro-steps, and the forward of the model ``setup`` returns:
 ``user_forward``) a routed layer raises: a whole sequence given to a rank that holds a shard would be attended as
 if it were one.
@@ -105,7 +106,9 @@ def _gpt_attention_forward(attention: ContextAttention) -> Any:
     return forward
 
 
-HF_ATTENTION = ("LlamaAttention", "Qwen2Attention", "MistralAttention")  # the layers ``route_hf`` recognises
+# the layers ``route_hf`` recognises: each computes q, k, v (and any per-head norm, rotary) itself, then calls the
+# attention function ``config._attn_implementation`` names with transformers' signature
+HF_ATTENTION = ("LlamaAttention", "Qwen2Attention", "MistralAttention", "MixtralAttention", "Qwen3MoeAttention")
 HF_NAME = "plait_context"
 
 

@@ -2,8 +2,8 @@
 sequence split over the context-parallel ranks.
 
 ``apply_context`` routes the model's attention layers through the cp attention (``attention``: plait's GPT, Hugging
-Face Llama, Qwen2 and Mistral; a pipeline's GPT stages take their shard's positions). The engine gives whole
-micro-batches (the cp ranks of a group read the same ones) and ``ContextSplit``:
+Face Llama, Qwen2, Mistral, Mixtral and Qwen3-MoE; a pipeline's GPT stages take their shard's positions). The engine
+gives whole micro-batches (the cp ranks of a group read the same ones) and ``ContextSplit``:
 
 1. splits the batch with the loss's own ``split``, so the causal-LM labels are shifted *before* the sequence is
    cut (no target crosses a shard);

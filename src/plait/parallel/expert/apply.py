@@ -1,10 +1,18 @@
 """Expert parallelism's step of the composition (``apply_expert``: this rank's slice of the experts, and the shards of
 each sequence the MoE layers' balancing statistics are summed over) and its config check (``check_expert``); the
-gradients of the experts are ``plait.parallel.expert.sync``'s."""
+gradients of the experts are ``plait.parallel.expert.sync``'s.
+
+A Hugging Face MoE model computes its auxiliary load-balancing loss in its own forward from every layer's router
+logits, as means over the tokens it saw. Where a rank sees a shard of each sequence (context parallelism; sequence
+parallelism's tp ranks, whose MoE blocks route their own shards: ``plait.parallel.tensor.hf_sequence``) that would be
+the shard's balance, not the sequence's: ``WholeRouterLogits`` gathers each layer's router logits over the shards
+(one all-gather of ``N x E`` values per layer, only when the model outputs them: ``output_router_logits``), so the
+model's own loss is the whole sequence's on every rank."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,7 +23,7 @@ from plait.config import Config
 from plait.nn.moe import moe_layers
 from plait.parallel.compile import check_compile
 from plait.parallel.expert.dispatch import check_expert_layout, shard_experts
-from plait.parallel.expert.hf import shard_hf_experts
+from plait.parallel.expert.hf import find_moe_blocks, shard_hf_experts
 from plait.topology import Topology
 
 
@@ -31,6 +39,45 @@ class ShardedTokens:
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         return fc.all_reduce(t, "sum", self.group)
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: every rank's rows ``(N, ...)`` of ``group`` concatenated in rank order (an all-gather). Backward: the
+    gradients of every rank summed, divided by ``summed``, and this rank's rows kept (an all-reduce and a slice: gloo
+    has no reduce-scatter). The ranks of a context-parallel group each hold a share of the loss that the gradient sync
+    averages, so their sum is the whole sequence's gradient of the rows; the ``summed`` ranks of sequence parallelism's
+    tp group compute the same loss, whose gradient each counts once."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, summed: int) -> torch.Tensor:
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x, group=group)
+        mine = dist.get_rank(group) * len(x)
+        ctx.group, ctx.summed, ctx.rows = group, summed, slice(mine, mine + len(x))
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rows] / ctx.summed, None, None
+
+
+class WholeRouterLogits:
+    """A forward hook on a Hugging Face MoE model's base model: its ``router_logits`` (one ``(N, E)`` tensor per layer,
+    of this rank's tokens) replaced by those of every shard of the same sequences (``_GatherRows`` over ``tokens``),
+    from which the model computes its auxiliary loss (the module docstring). Rows in rank order: the loss takes means
+    over them, which order does not change."""
+
+    def __init__(self, tokens: ShardedTokens) -> None:
+        self.tokens = tokens
+
+    def __call__(self, module: nn.Module, args: Any, out: Any) -> Any:
+        logits = getattr(out, "router_logits", None)
+        if isinstance(logits, tuple):
+            out.router_logits = tuple(_GatherRows.apply(t, self.tokens.group, self.tokens.summed) for t in logits)
+        return out
 
 
 def token_axes(topo: Topology, sequence_parallel: bool) -> tuple[str, ...]:
@@ -53,6 +100,8 @@ def apply_expert(model: nn.Module, topo: Topology, dispatcher: str, sequence_par
         tokens = ShardedTokens(topo.group(*axes), shards, shards // topo.degree("cp"))
         for layer in layers:
             layer.tokens = tokens
+        if not layers and find_moe_blocks(model):
+            getattr(model, "base_model", model).register_forward_hook(WholeRouterLogits(tokens))
     return model
 
 
