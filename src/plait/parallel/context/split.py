@@ -118,9 +118,10 @@ def route_stages(model: nn.Module, attention: ContextAttention) -> None:
     """A pipeline's stages under cp: routed by the spec of the model's class (their first stage takes its shard's
     positions from the cp attention), which must route them."""
     if attention.routing is None or not attention.routing.route(model, attention):
-        raise ContextError("parallel.cp > 1 with parallel.pp > 1 runs a model whose registered spec routes its "
-                           "pipeline stages (plait's GPT: they embed each shard's global positions); the model's "
-                           "stages are not routed: use parallel.pp=1 with cp, or parallel.cp=1")
+        raise ContextError("parallel.cp > 1 with parallel.pp > 1 runs plait's GPT, or a model whose registered spec "
+                           "routes its pipeline stages (they embed each shard's global positions); "
+                           f"{type(model).__name__}'s stages are not routed: use parallel.pp=1 with cp, or "
+                           "parallel.cp=1")
 
 
 class ContextSplit:
