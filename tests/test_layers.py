@@ -17,8 +17,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Bottom first. A module belongs to the first layer with a prefix that matches its dotted name (longest
 # prefix wins within a layer list; the package ``plait`` itself is the public API at the top).
 PLAN_MODEL = ("buckets", "derive", "flops", "hardware", "kernels", "layouts", "memory", "nccl", "network", "opcore",
-              "ops", "ops_float8", "ops_moe", "params", "planner", "rank_memory", "schedule", "shapes", "simulate", "stages",
-              "timeline", "trace", "wire", "workload")
+              "ops", "ops_float8", "ops_moe", "params", "planner", "rank_memory", "schedule", "shapes", "simulate",
+              "stages", "timeline", "trace", "wire", "workload")
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("runtime", ("plait.runtime", "plait.config", "plait.config_sections", "plait.config_layout", "plait.topology")),
     # the pure cost and memory model: above the runtime (it reads a Config's sections and raises ConfigError)
