@@ -71,8 +71,8 @@ def train_pipeline(cfg: ModelConfig, data, pp_group, schedule: str, microbatches
                    tp_mesh=None) -> tuple[list[float | None], Any]:
     """The tiny GPT pipelined over ``pp_group`` (tensor-parallel first over ``tp_mesh``, gradients averaged over
     ``dp_group``), trained on ``data``: the losses this rank sees (None off the last stage) and the runner."""
+    from plait.models.gpt.parallelize import apply_tensor_parallel
     from plait.parallel.pipeline.runner import build_pipeline
-    from plait.parallel.tensor.gpt import apply_tensor_parallel
 
     model = seeded_gpt(cfg)
     if tp_mesh is not None:

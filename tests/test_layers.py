@@ -28,7 +28,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("components", ("plait.components", "plait.checkpoint")),
     ("data observe", ("plait.data", "plait.observe")),
     ("comm fault nn", ("plait.comm", "plait.fault", "plait.nn", "plait.models")),
-    ("strategies", ("plait.parallel", "plait.ps", "plait.validate", "plait.checkpoint.weights")),
+    # a model's folder: the model itself with the layers above (plait.models); what adapts it to each dimension
+    # and its spec, which registers them, with the strategies
+    ("strategies", ("plait.parallel", "plait.ps", "plait.validate", "plait.checkpoint.weights",
+                    *(f"plait.models.gpt.{m}" for m in ("parallelize", "pipeline", "context", "spec")))),
     ("engine", ("plait.engine", "plait.checkpoint.checkpointer", "plait.checkpoint.export")),
     ("trainer", ("plait.train",)),
     ("calibrate", ("plait.plan",)),

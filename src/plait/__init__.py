@@ -15,18 +15,21 @@ if TYPE_CHECKING:
     from plait.config import Config, ConfigError, load_config
     from plait.engine import Plait, StepInfo
     from plait.parallel.errors import PlaitError
-    from plait.parallel.plans import register_plan
+    from plait.parallel.model_specs import register_train_spec
+    from plait.parallel.train_spec import TrainSpec
     from plait.train.trainer import Trainer
 
 _EXPORTS = {
     "Config": ("plait.config", "Config"), "ConfigError": ("plait.config", "ConfigError"),
     "load_config": ("plait.config", "load_config"), "Plait": ("plait.engine", "Plait"),
     "StepInfo": ("plait.engine", "StepInfo"), "Trainer": ("plait.train.trainer", "Trainer"),
-    "losses": ("plait.components.losses", None), "register_plan": ("plait.parallel.plans", "register_plan"),
+    "losses": ("plait.components.losses", None),
+    "register_train_spec": ("plait.parallel.model_specs", "register_train_spec"),
+    "TrainSpec": ("plait.parallel.train_spec", "TrainSpec"),
     "PlaitError": ("plait.parallel.errors", "PlaitError"),
 }
-__all__ = ["Config", "ConfigError", "Plait", "PlaitError", "StepInfo", "Trainer", "load_config", "losses",
-           "register_plan"]
+__all__ = ["Config", "ConfigError", "Plait", "PlaitError", "StepInfo", "TrainSpec", "Trainer", "load_config", "losses",
+           "register_train_spec"]
 
 
 def __getattr__(name: str) -> Any:

@@ -8,6 +8,8 @@ a ``ModuleDict``, as torchtitan keeps them) take effect or are refused (2 ranks,
   checkpointing wraps each one for recomputation; trained like one process.
 * a Linear or Embedding style on a module whose forward is its own (torchtitan's ``Embedding`` reads
   ``weight.to_local()`` itself) is refused by name, before any collective.
+* a spec registered for the user's class (``plait.register_train_spec``) gives ``parallel.tp_plan = "auto"`` its
+  tensor-parallel plan: called once per rank with the tp mesh and the parallel config, and trained like one process.
 
 Reference: the same model, seeded, trained in plain PyTorch over the global batches plait's loader forms; losses
 and parameters after 2 AdamW steps within ``tests/fused_model.py``'s bounds (sums in another order).
@@ -39,12 +41,29 @@ from torch import nn
 from plait.config import ConfigError
 
 CASES = {"tp2-sp": ({"tp": 2, "sequence_parallel": True}, 8, "sp"),
-         "zero3-ac": ({"zero": 3}, 4, None)}
+         "zero3-ac": ({"zero": 3}, 4, None),
+         "tp2-spec": ({"tp": 2}, 8, "registered")}
 
 
-def seeded() -> FusedDecoder:
+class RegisteredDecoder(FusedDecoder):
+    """The same model under a class of its own, for which the test registers a spec."""
+
+
+CALLS: list[tuple[int, int]] = []  # (tp mesh size, parallel.tp) of each call of the registered plan
+
+
+def registered_plan(model: nn.Module, tp_mesh, p) -> nn.Module:
+    """``TP_PLAN`` as torch's own styles, the way a user's spec writes its plan."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    CALLS.append((tp_mesh.size(), p.tp))
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    return parallelize_module(model, tp_mesh, {name: styles[style]() for name, style in TP_PLAN.items()})
+
+
+def seeded(cls: type = FusedDecoder) -> FusedDecoder:
     torch.manual_seed(0)
-    return FusedDecoder()
+    return cls()
 
 
 class Lines(logging.Handler):
@@ -66,11 +85,15 @@ def train(name: str, root: str) -> dict:
                     observe={"progress": False, "trackers": []})
     lines = Lines()
     logging.getLogger("plait").addHandler(lines)
-    model = seeded()
+    if plan == "registered":
+        plait.register_train_spec(RegisteredDecoder, plait.TrainSpec(parallelize=registered_plan))
+    model = seeded(RegisteredDecoder if plan == "registered" else FusedDecoder)
     seen: list[tuple[int, ...]] = []  # the first norm's input as this rank holds it
     model.layers["0"].attention_norm.register_forward_pre_hook(lambda m, args: seen.append(tuple(args[0].shape)))
     model, _ = p.setup(model, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR),
                        tp_plan=sp_plan() if plan == "sp" else None)
+    wqkv = model.layers["0"].attention.qkv.wqkv.weight
+    wqkv = tuple(wqkv.to_local().shape if hasattr(wqkv, "to_local") else wqkv.shape)
     logging.getLogger("plait").removeHandler(lines)
     losses = []
     for batch in p.setup_dataloader(dataset()):
@@ -86,7 +109,7 @@ def train(name: str, root: str) -> dict:
     layers = list(model.layers.values())
     out = {"losses": losses, "state": p.full_state_dict(model), "seen": seen[0], "log": lines.lines,
            "units": [isinstance(b, FSDPModule) for b in layers],
-           "recomputed": [isinstance(b, CheckpointWrapper) for b in layers]}
+           "recomputed": [isinstance(b, CheckpointWrapper) for b in layers], "calls": list(CALLS), "wqkv": wqkv}
     p.close()
     return out
 
@@ -152,6 +175,12 @@ def test_sequence_parallel_splits_the_users_plan(results) -> None:
         assert r["tp2-sp"]["seen"] == (micro, SEQ // 2, 32)  # this rank's half of the sequence
         assert r["zero3-ac"]["seen"] == (CASES["zero3-ac"][1], SEQ, 32)
         assert "splits no sequence" in r["refused"] and "sequence_parallel=false" in r["refused"]
+
+
+def test_registered_spec_gives_the_plan(results) -> None:
+    for r in results:
+        assert r["tp2-sp"]["calls"] == [] and r["tp2-spec"]["calls"] == [(2, 2)]
+        assert r["tp2-spec"]["wqkv"] == (3 * 32 // 2, 32)  # this rank's half of the fused q, k, v rows
 
 
 def test_module_dict_blocks_are_units(results) -> None:

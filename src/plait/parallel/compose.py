@@ -48,9 +48,9 @@ from plait.parallel.fsdp import sync as fsdp_sync  # noqa: F401
 from plait.parallel.grad_sync import GradSync, policies
 from plait.parallel.layout import Layout
 from plait.parallel.meta_init import ModelFacts, materialise
+from plait.parallel.model_specs import spec_for
 from plait.parallel.pipeline.split import pipeline_adapter, stage_layer_ranges
 from plait.parallel.pipeline.stages import PipelineStages, check_pipeline
-from plait.parallel.plans import plan_for
 from plait.parallel.prepare import broadcast_weights, sync_batchnorm
 from plait.parallel.replicas.driver import Replicas
 from plait.parallel.replicas.topology import check_replicas, group_config, replica_degrees, replica_topology
@@ -174,8 +174,7 @@ def check_model(model: nn.Module, topo: Topology, p: ParallelConfig, spec: Model
 
 
 def _registered(model: nn.Module) -> bool:
-    plan = plan_for(model)
-    return plan is not None and plan.parallelize is not None
+    return getattr(spec_for(model), "parallelize", None) is not None
 
 
 def _policy(cfg: Config, topo: Topology, comm: Comm) -> GradSync:

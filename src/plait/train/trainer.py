@@ -186,11 +186,11 @@ class Trainer:
     # -- utilisation ------------------------------------------------------------------------------
     def _model_flops(self, model: nn.Module, sample: Any) -> Any:
         """Rank 0 (the rank that logs): the model's FLOPs per token or sample (``plait.train.mfu``)."""
-        from plait.train.mfu import dense_gpt, model_flops_per_item
+        from plait.train.mfu import formula_flops_per_token, model_flops_per_item
 
         if not self.rank0:
             return None
-        if sample is None and not dense_gpt(model):
+        if sample is None and formula_flops_per_token(model) is None:
             sample = self._peek()
         tokens, samples = _items(sample, self.loss) if sample is not None else (0, 0)
         return model_flops_per_item(model, self.loss, sample, tokens, samples)

@@ -1,9 +1,10 @@
 """Context parallelism's model side (``apply_context``) and its micro-step (``ContextSplit``): each micro-batch's
 sequence split over the context-parallel ranks.
 
-``apply_context`` routes the model's attention layers through the cp attention (``attention``: plait's GPT, Hugging
-Face Llama, Qwen2, Mistral, Mixtral and Qwen3-MoE; a pipeline's GPT stages take their shard's positions). The engine
-gives whole micro-batches (the cp ranks of a group read the same ones) and ``ContextSplit``:
+``apply_context`` routes the model's attention layers through the cp attention: by the ``ContextRouting`` of the spec
+registered for its class (plait's GPT, whose pipeline stages also take their shard's positions from it;
+``plait.parallel.train_spec``), else Hugging Face Llama, Qwen2, Mistral, Mixtral and Qwen3-MoE (``attention.route_hf``).
+The engine gives whole micro-batches (the cp ranks of a group read the same ones) and ``ContextSplit``:
 
 1. splits the batch with the loss's own ``split``, so the causal-LM labels are shifted *before* the sequence is
    cut (no target crosses a shard);
@@ -43,10 +44,10 @@ from torch import nn
 
 from plait.components.losses import IGNORE_INDEX, Loss
 from plait.config import Config, ConfigError
-from plait.parallel.context.attention import ContextAttention, route_gpt, route_hf
+from plait.parallel.context.attention import ContextAttention, route_hf
 from plait.parallel.context.sharding import ContextError, check_length, padding_docs, shard, shard_index
 from plait.parallel.context.user_forward import UserForward, install
-from plait.parallel.pipeline.gpt import GPTStage
+from plait.parallel.model_specs import spec_for
 from plait.parallel.tensor.plan import local_value
 from plait.topology import MeshAxis, Topology
 
@@ -90,9 +91,8 @@ def check_context(cfg: Config, degrees: dict[str, int]) -> None:
     if p.cp <= 1:
         return
     if p.mode != "collective":
-        raise ConfigError(f"parallel.cp={p.cp} composes with data parallelism, ZeRO 1-3, HSDP, tensor (and sequence), "
-                          f"pipeline and expert parallelism, activation checkpointing and compile; parallel.mode="
-                          f"{p.mode} (a parameter server) with context parallelism is not supported: set "
+        raise ConfigError(f"parallel.mode={p.mode} with context parallelism is not supported: a parameter server is "
+                          "data parallelism with its own consistency, composed with no other layout; set "
                           "parallel.cp=1, or leave parallel.mode at its default")
 
 
@@ -102,23 +102,25 @@ def apply_context(model: nn.Module, topo: Topology, cfg: Config, whole: bool) ->
     if topo.degree(MeshAxis.CP) == 1:
         return None
     attention = ContextAttention(topo.group(MeshAxis.CP), cfg.parallel.cp_impl)
-    attention.gpt = route_gpt(model, attention)
-    if whole and not (attention.gpt or route_hf(model, attention)):
-        raise ContextError(f"parallel.cp > 1 routes the attention of plait's GPT and of Hugging Face Llama, Qwen2 "
-                           f"and Mistral; {type(model).__name__} has no attention layer plait recognises: use one "
-                           "of those models or parallel.cp=1")
+    # the routing of the model's class; kept for its stages after a pipeline split and for its position ids' form
+    attention.routing = getattr(spec_for(model), "context", None)
+    routed = attention.routing.route(model, attention) if attention.routing is not None else 0
+    if whole and not (routed or route_hf(model, attention)):
+        raise ContextError(f"parallel.cp > 1 routes the attention of plait's GPT, of Hugging Face Llama, Qwen2 and "
+                           f"Mistral and of a class whose registered spec routes it (plait.register_train_spec); "
+                           f"{type(model).__name__} has no attention layer plait recognises: use one of those models "
+                           "or parallel.cp=1")
     return attention
 
 
 def route_stages(model: nn.Module, attention: ContextAttention) -> None:
-    """A pipeline's stages under cp: plait's GPT stages only (they take their shard's positions from here)."""
-    stages = [m for m in model.modules() if isinstance(m, GPTStage)]
-    if not stages:
-        raise ContextError("parallel.cp > 1 with parallel.pp > 1 runs plait's GPT (its pipeline stages embed each "
-                           f"shard's global positions); {type(model).__name__}'s stages are not plait's GPT: use "
-                           "parallel.pp=1 with cp, or parallel.cp=1")
-    for stage in stages:  # positional inputs only: the first stage reads its shard's positions here
-        stage.positions = lambda: attention.positions
+    """A pipeline's stages under cp: routed by the spec of the model's class (their first stage takes its shard's
+    positions from the cp attention), which must route them."""
+    if attention.routing is None or not attention.routing.route(model, attention):
+        raise ContextError("parallel.cp > 1 with parallel.pp > 1 runs plait's GPT, or a model whose registered spec "
+                           "routes its pipeline stages (they embed each shard's global positions); "
+                           f"{type(model).__name__}'s stages are not routed: use parallel.pp=1 with cp, or "
+                           "parallel.cp=1")
 
 
 class ContextSplit:
@@ -156,7 +158,8 @@ class ContextSplit:
             docs = padding_docs(mask, docs, T)
         kwargs = {k: shard(v, index, T) for k, v in kwargs.items()}
         if self.stages.model_whole:  # this rank's global positions (pipeline stages take theirs from the attention)
-            kwargs.setdefault("position_ids", index if self.attention.gpt else index.expand(B, -1))
+            row = self.attention.routing is not None and self.attention.routing.row_positions
+            kwargs.setdefault("position_ids", index if row else index.expand(B, -1))
         part = Shard(tuple(shard(a, index, T) for a in args), kwargs, shard(target, index, T))
         return part, Cut(index, docs, mask is not None), items
 

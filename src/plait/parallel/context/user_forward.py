@@ -1,14 +1,15 @@
 """The user's own forward under ``parallel.cp > 1``: ``model(...)`` on the whole micro-batch the loader gave.
 
-``install`` wraps the forward of the model ``setup`` returns (plait's GPT, or a Hugging Face causal LM whose
-attention ``attention.route_hf`` routes), as torchtitan's and Accelerate's cp keep the user's forward. Inside
+``install`` wraps the forward of the model ``setup`` returns (a class whose registered spec routes it, plait's
+GPT (``plait.parallel.train_spec.ContextRouting``: the names of its token ids and targets), or a Hugging Face causal
+LM whose attention ``attention.route_hf`` routes), as torchtitan's and Accelerate's cp keep the user's forward. Inside
 ``p.forward_backward`` and ``p.evaluate`` the context split has already cut the batch (the cp attention is ``active``)
 and the call passes through; any other call is cut here:
 
-1. its tensors are taken by name (``input_ids``/``inputs_embeds`` or GPT's ``idx``, ``labels``/``shift_labels`` or
-   GPT's ``targets``, ``attention_mask``, ``position_ids``, ``doc_ids``); Hugging Face labels are shifted on the
-   whole sequence and passed as ``shift_labels`` (transformers' own argument for labels shifted by the caller, what
-   Accelerate's cp passes), so no target crosses a shard;
+1. its tensors are taken by name (``input_ids``/``inputs_embeds`` or the spec's (GPT's ``idx``), ``labels``/
+   ``shift_labels`` or the spec's (GPT's ``targets``), ``attention_mask``, ``position_ids``, ``doc_ids``); Hugging
+   Face labels are shifted on the whole sequence and passed as ``shift_labels`` (transformers' own argument for labels
+   shifted by the caller, what Accelerate's cp passes), so no target crosses a shard;
 2. every (B, T, ...) tensor is cut to this rank's load-balanced shard (``sharding``), the model gets the global
    ``position_ids`` of its tokens, and a padding ``attention_mask`` becomes masking by ids in the cp attention
    (``sharding.padding_docs``; the model itself gets none);
@@ -53,6 +54,7 @@ from plait.components.losses import IGNORE_INDEX
 from plait.parallel.context.allgather import _gather, _reduce_to_owners
 from plait.parallel.context.attention import ContextAttention
 from plait.parallel.context.sharding import ContextError, check_length, padding_docs, shard, shard_index
+from plait.parallel.model_specs import spec_for
 
 # Hugging Face arguments whose results a shard cannot give: (name, the value that is fine)
 _HF_REFUSED = (("cache", None), ("past_key_values", None), ("use_cache", False), ("logits_to_keep", 0),
@@ -85,11 +87,10 @@ def gather_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def _kind(model: nn.Module) -> str | None:
-    """"gpt" (plait's GPT), "hf" (a transformers model taking input_ids, position_ids and labels), or None."""
-    from plait.models.gpt import GPT
-
-    if isinstance(model, GPT):
-        return "gpt"
+    """"spec" (a class whose registered spec routes it: plait's GPT), "hf" (a transformers model taking input_ids,
+    position_ids and labels), or None."""
+    if getattr(spec_for(model), "context", None) is not None:
+        return "spec"
     params = inspect.signature(type(model).forward).parameters
     transformers = any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
     if transformers and {"input_ids", "position_ids", "labels"} <= set(params):
@@ -104,6 +105,7 @@ class UserForward:
         self.model, self.attention, self.inner = model, attention, inner
         self.group, self.cp, self.rank = attention.group, attention.ring.size, attention.ring.rank
         self.kind = _kind(model)
+        self.routing = spec_for(model).context if self.kind == "spec" else None
         self.signature = inspect.signature(type(model).forward)
         # the cut of the last training forward: ``ContextSplit.backward`` runs its backward under it, where
         # activation checkpointing calls the attention layers again (with its document ids)
@@ -119,7 +121,7 @@ class UserForward:
                                "p.forward_backward(model, batch) and evaluate with p.evaluate(model, batch)")
         named = self._named(args, kwargs)
         training = self.model.training and torch.is_grad_enabled()
-        return self._gpt(named, training) if self.kind == "gpt" else self._hf(named, training)
+        return self._own(named, training) if self.kind == "spec" else self._hf(named, training)
 
     def _named(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """The call's arguments by name (``**kwargs`` merged in)."""
@@ -143,8 +145,9 @@ class UserForward:
             docs = padding_docs(mask, docs, T)
         positions = named.pop("position_ids", None)
         part = {k: shard(v, index, T) for k, v in named.items()}
-        if positions is None:  # plait's GPT takes one (S,) row, Hugging Face decoders (B, S)
-            part["position_ids"] = index if self.kind == "gpt" else index.expand(B, -1)
+        if positions is None:  # plait's GPT takes one (S,) row (``row_positions``), Hugging Face decoders (B, S)
+            part["position_ids"] = index if self.routing is not None and self.routing.row_positions \
+                else index.expand(B, -1)
         else:
             part["position_ids"] = positions.index_select(positions.dim() - 1, index.to(positions.device))
         if training:
@@ -170,11 +173,11 @@ class UserForward:
         with torch.no_grad():
             return gather_sequence(logits.detach(), self.group)
 
-    def _gpt(self, named: dict[str, Any], training: bool) -> torch.Tensor:
-        """plait's GPT: logits gathered whole, or with ``targets`` (already the next tokens) its mean cross-entropy
-        over the targets that count, computed as the shards' sums / the whole count."""
-        targets = named.pop("targets", None)
-        part, index, docs, padded = self._cut(named, named["idx"], training)
+    def _own(self, named: dict[str, Any], training: bool) -> torch.Tensor:
+        """A model its spec routes (plait's GPT): logits gathered whole, or with its targets (already the next
+        tokens) its mean cross-entropy over the targets that count, computed as the shards' sums / the whole count."""
+        targets = named.pop(self.routing.targets, None)
+        part, index, docs, padded = self._cut(named, named[self.routing.inputs], training)
         with self.attention.active(index, docs, padded):
             logits = self.inner(**part)  # (B, S, V)
         if targets is None:

@@ -1,7 +1,7 @@
 """Tensor (and sequence) parallelism's step of the composition (``apply_tensor``) and its config check
-(``check_tensor``). Which plan applies (``tp_function``): a user's ``parallelize_fn``, a plan registered for the model's
-class (plait's GPT, ``plait.parallel.plans``), a Hugging Face model's shipped plan as transformers means it
-(``plait.parallel.tensor.hf``), or a dict / "auto" plan (``plait.parallel.tensor.plan``)."""
+(``check_tensor``). Which plan applies (``tp_function``): a user's ``parallelize_fn``, the ``parallelize`` of the spec
+registered for the model's class (plait's GPT; ``plait.parallel.train_spec``), a Hugging Face model's shipped plan as
+transformers means it (``plait.parallel.tensor.hf``), or a dict / "auto" plan (``plait.parallel.tensor.plan``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from plait.config import Config, ConfigError, ParallelConfig
-from plait.parallel.plans import plan_for
+from plait.parallel.model_specs import spec_for
 from plait.parallel.spec import ModelSpec
 from plait.parallel.tensor.hf import hf_tp_function
 from plait.parallel.tensor.plan import resolve_tp, retie, tied_names
@@ -20,8 +20,7 @@ from plait.topology import Topology
 
 def tp_function(model: nn.Module, p: ParallelConfig, spec: ModelSpec) -> Callable[[nn.Module, Any], nn.Module]:
     """The function that shards ``model`` over a tp mesh (see the module docstring); raises when no plan applies."""
-    plan = plan_for(model)
-    registered = plan.parallelize if plan is not None else None
+    registered = getattr(spec_for(model), "parallelize", None)
     if spec.parallelize_fn is None and registered is None:  # a Hugging Face plan, as transformers means it
         hf = hf_tp_function(model, spec.tp_plan, p.ep > 1, p.sequence_parallel)
         if hf is not None:

@@ -23,8 +23,8 @@ style               forward / backward communication                modules
 Hugging Face names are accepted too (``colwise_gather_output``, ``rowwise_split_input``,
 ``embedding_rowwise``), so ``parallel.tp_plan = "auto"`` can use the plan a Hugging Face model ships:
 ``model._tp_plan`` (the full model's, with its prefix), else ``config.base_model_tp_plan`` under the
-model's ``base_model_prefix``. A class registered with ``plait.parallel.plans.register_plan`` (plait's
-GPT) uses its own function instead. ``validate_plan`` checks a plan before any collective: every
+model's ``base_model_prefix``. A class whose registered spec has a ``parallelize`` (plait's GPT;
+``plait.parallel.train_spec``) uses that function instead. ``validate_plan`` checks a plan before any collective: every
 pattern matches a module, the modules are of a supported kind, their widths, attention heads and
 key-value heads divide by the tp degree. The Linear and Embedding styles assume torch's own forward of those
 modules (``F.linear`` / ``F.embedding`` on the sharded DTensor weight): a subclass with a forward of its own

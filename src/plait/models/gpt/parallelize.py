@@ -1,5 +1,5 @@
-"""plait's GPT under tensor parallelism: the hook ``plait.parallel.plans`` registers for the GPT class (the
-model itself knows nothing of parallelism; its pipeline stages are ``plait.parallel.pipeline.gpt``).
+"""plait's GPT under tensor parallelism: the plan its spec (``plait.models.gpt.spec``) registers for the GPT class
+(the model itself knows nothing of parallelism; its pipeline stages are ``plait.models.gpt.pipeline``).
 
 Tensor-parallel layout on a ``tp`` mesh of size t (Megatron, on DTensor):
 
@@ -27,7 +27,7 @@ Tensor-parallel layout on a ``tp`` mesh of size t (Megatron, on DTensor):
 Dropout: tensor-parallel ranks of a model replica share one random stream (the engine seeds them
 alike), so dropout on replicated activations draws the same mask on all of them, as it must. Attention
 dropout over a rank's own heads, and with sequence parallelism the residual dropout over its own
-sequence slice, draw from a per-rank stream instead (``plait.models.gpt.dropout_stream``).
+sequence slice, draw from a per-rank stream instead (``plait.models.gpt.model.dropout_stream``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from plait.config import ParallelConfig
-from plait.models.gpt import GPT
+from plait.models.gpt.model import GPT
 from plait.nn.moe import MoE
 from plait.parallel.tensor.float8 import float8_plan
 from plait.parallel.tensor.local_tokens import LocalTokens
@@ -163,6 +163,6 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
 
 
 def parallelize(model: GPT, tp_mesh: DeviceMesh, p: ParallelConfig) -> GPT:
-    """The registered tensor-parallel hook: ``apply_tensor_parallel`` with the config's sp/loss options."""
+    """The spec's tensor-parallel plan: ``apply_tensor_parallel`` with the config's sp/loss options."""
     return apply_tensor_parallel(model, tp_mesh, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
 
