@@ -248,8 +248,9 @@ def test_plait_train_replica_group_killed_and_healed(tmp_path: Path) -> None:
     ({"parallel": {"sync_batchnorm": True}, "comm": {"allreduce": "ring"}},
      r"comm.allreduce=ring, parallel.sync_batchnorm acts on each replica group's own gradient synchronisation"),
     ({"parallel": {"impl": "torch"}}, r"parallel.impl=torch acts on each replica group's own"),
-    ({"parallel": {"strategy": "zero"}}, r"with parallel.strategy=zero shards each replica group's state over its ranks, "
-                                         r"and a group here is one rank .* or parallel.strategy=auto"),
+    ({"parallel": {"strategy": "zero"}},
+     r"with parallel.strategy=zero shards each replica group's state over its ranks, and a group here is one rank .* "
+     r"or parallel.strategy=auto"),
     # for a reason of meaning
     ({"fault": {"rebalance": True}}, r"fault.rebalance moves shares of every global batch between data-parallel ranks"),
     ({"parallel": {"mode": "ps"}}, r"a parameter server \(parallel.mode=ps\) is data parallelism with its own"),

@@ -1,7 +1,9 @@
 """``fault.mode=replicas``'s topology and checks: each replica group is a job of its own (``plait.fault.replicas``
 launches them), so a worker's world and mesh are its group's; ``ReplicaTopology`` places it among the groups for the
 data, ``group_config`` is the config the layout inside a group is built from, and ``check_replicas`` what a replica
-group cannot hold (``plait.parallel.replicas.driver``'s docstring)."""
+group cannot hold (``plait.parallel.replicas.driver``'s docstring): the settings of a group's own gradient
+synchronisation (compression, plait's all-reduce algorithms, DDP, SyncBatchNorm, a policy by name) take effect inside
+each group and are refused only where a group has one data-parallel rank."""
 
 from __future__ import annotations
 
