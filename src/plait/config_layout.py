@@ -86,7 +86,8 @@ class ParallelConfig:
     # colwise_rep, rowwise_rep, vocab, sequence_parallel, replicate.
     tp_plan: str | dict[str, str] = "auto"
     # BatchNorm statistics over the whole data-parallel batch (SyncBatchNorm) instead of each rank's own;
-    # without it, running statistics are averaged over the data-parallel ranks after every step.
+    # without it, running statistics are averaged over the data-parallel ranks after every step. Under
+    # fault.mode=replicas: over each replica group's batch (the groups meet only in the gradient average).
     sync_batchnorm: bool = False
     # How data-parallel replicas synchronise: every_step all-reduces the gradients of every step; diloco
     # (DiLoCo, local SGD) lets each replica take diloco_inner_steps steps with its own optimizer and no
@@ -120,7 +121,8 @@ class CommConfig:
     # Ranks per node for the hierarchical all-reduce (0: LOCAL_WORLD_SIZE from the launcher).
     ranks_per_node: int = 0
     # Gradient compression of the data-parallel reduction; auto measures the first steps and turns it on
-    # only when communication is exposed.
+    # only when communication is exposed. Under fault.mode=replicas: each group's own reduction (torchft's
+    # average over the groups stays float32), as for allreduce.
     compress: Literal["none", "auto", "fp16", "bf16", "int8", "int4", "topk", "randomk", "powersgd"] = "none"
     # Kept fraction for topk and randomk.
     compress_ratio: float = 0.01

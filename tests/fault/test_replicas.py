@@ -242,8 +242,18 @@ def test_plait_train_replica_group_killed_and_healed(tmp_path: Path) -> None:
     ({"parallel": {"pp": 2, "zero": 3}}, r"with parallel.zero=3 shards each replica group's state over its "
                                          r"data-parallel ranks, and a group here has one \(its 2 ranks are tp=1 x "
                                          r"pp=2\)"),
-    ({"comm": {"compress": "int8"}}, "does not compose with comm.compress=int8"),
-    ({"parallel": {"strategy": "zero"}}, "does not compose with parallel.strategy=zero"),
+    # settings of the group's own gradient synchronisation: a group of one rank has none
+    ({"comm": {"compress": "int8"}}, r"comm.compress=int8 acts on each replica group's own gradient synchronisation, "
+                                     r"and a group here has one data-parallel rank, so there is none"),
+    ({"parallel": {"sync_batchnorm": True}, "comm": {"allreduce": "ring"}},
+     r"comm.allreduce=ring, parallel.sync_batchnorm acts on each replica group's own gradient synchronisation"),
+    ({"parallel": {"impl": "torch"}}, r"parallel.impl=torch acts on each replica group's own"),
+    ({"parallel": {"strategy": "zero"}},
+     r"with parallel.strategy=zero shards each replica group's state over its ranks, and a group here is one rank .* "
+     r"or parallel.strategy=auto"),
+    # for a reason of meaning
+    ({"fault": {"rebalance": True}}, r"fault.rebalance moves shares of every global batch between data-parallel ranks"),
+    ({"parallel": {"mode": "ps"}}, r"a parameter server \(parallel.mode=ps\) is data parallelism with its own"),
     ({"fault": {"min_replicas": 3}}, r"fault.min_replicas must lie in 1..2"),
     ({"parallel": {"dp_replicate": 3}}, r"parallel.dp_replicate=3 replica groups must divide the 2 ranks"),
 ])

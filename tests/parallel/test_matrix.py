@@ -20,7 +20,6 @@ from plait.parallel.matrix import FEATURES, MEANING, markdown, matrix, pairs
 DOC = Path(__file__).resolve().parents[2] / "docs" / "layouts.md"
 # refused today outside MEANING; empty once every dimension composes
 PENDING = {frozenset(p) for p in [
-    ("powersgd", "replicas"),
 ]}
 
 

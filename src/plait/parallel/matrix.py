@@ -53,7 +53,7 @@ MEANING: dict[frozenset[str], str] = {
                                            "interleaved", "zbv", "ep", "cp_ring", "cp_alltoall", "fp8",
                                            "powersgd", "diloco", "replicas")},
     **{frozenset(("ddp", f)): _DDP for f in ("zero1", "zero2", "zero3", "hsdp", "tp", "sp", "1f1b", "interleaved",
-                                             "zbv", "powersgd", "diloco", "replicas")},
+                                             "zbv", "powersgd", "diloco")},
     **{frozenset((c, "offload")): _RECOMPUTE for c in ("ckpt_full", "ckpt_selective")},
     **{frozenset((z, "powersgd")): _FSDP for z in ("zero3", "hsdp")},
 }

@@ -33,7 +33,8 @@ through that compressor instead, with its error feedback (kept in checkpoints as
 
 torchft replica groups (``fault.mode = "replicas"``): each group is one replica (its layout inside as that mode
 builds it, synchronised at every step inside the group); the outer all-reduce goes over torchft's live groups through
-the ``Replicas`` driver (``ReplicaMean``: the mean over the groups in the quorum, then the group's agreement that it
+the ``Replicas`` driver (``ReplicaMean``: the mean over the groups in the quorum, in float32 (``comm.compress`` then
+compresses the group's per-step all-reduce inside it), then the group's agreement that it
 arrived: a synchronisation that failed is dropped, every rank back at its start weights), torchft's per-step gradient
 average is off, and a heal carries the start weights (the model's entries are them), the outer momentum and the place
 in the period (``Healing``).

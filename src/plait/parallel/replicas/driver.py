@@ -62,14 +62,17 @@ it (nothing of torchft ran before it) and keeps torchft's step count the run's; 
 (``plait.parallel.capabilities.Healing``: the outer momentum, the place in the period; the model's entries are its
 start weights).
 
-Limits (refused with a message in ``check_replicas``): a parameter server, plait's reducer settings that act on a
-per-step collective of their own (``comm.compress``, ``comm.allreduce``, ``parallel.impl=torch``,
-``sync_batchnorm``, ``fault.rebalance``), a named ``parallel.strategy``, ZeRO in groups of one rank to shard over,
-and groups whose ranks ``tp x pp x cp x ep`` does not divide. Checkpoints are each group's own (in its run
-directory, sharded as its layout shards them). A heal's state is read with ``torch.load(weights_only=True)``
-(torchft's own transport would unpickle it with code execution). torchft's manager and its checkpoint server listen
-on every interface of the machine (torchft binds ``[::]`` and ``""``; only the Lighthouse plait starts is on
-loopback): run replica groups on a trusted network.
+Settings of the group's own gradient synchronisation act inside it, before this average: ``comm.compress``,
+``comm.allreduce``, ``parallel.impl=torch`` (DDP), ``sync_batchnorm`` (over the group's batch: the groups never meet in
+a forward), a named ``parallel.strategy``. Compression state is not healed: a replacement group starts it afresh (zero
+residuals, PowerSGD's Q from the seed), as a run's first step; a peer's residuals are its own unsent gradients. Limits
+(refused in ``check_replicas``): a parameter server and ``fault.rebalance`` (for what they mean: the groups meet only in
+this average, each with its fixed share), the settings above in groups of one data-parallel rank (no synchronisation of
+their own), ZeRO in groups of one rank to shard over, and groups whose ranks ``tp x pp x cp x ep`` does not divide.
+Checkpoints are each group's own (in its run directory, sharded as its layout shards them). A heal's state is read with
+``torch.load(weights_only=True)`` (torchft's own transport would unpickle it with code execution). torchft's manager and
+its checkpoint server listen on every interface of the machine (torchft binds ``[::]`` and ``""``; only the Lighthouse
+plait starts is on loopback): run replica groups on a trusted network.
 """
 
 from __future__ import annotations

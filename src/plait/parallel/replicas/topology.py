@@ -1,7 +1,9 @@
 """``fault.mode=replicas``'s topology and checks: each replica group is a job of its own (``plait.fault.replicas``
 launches them), so a worker's world and mesh are its group's; ``ReplicaTopology`` places it among the groups for the
 data, ``group_config`` is the config the layout inside a group is built from, and ``check_replicas`` what a replica
-group cannot hold (``plait.parallel.replicas.driver``'s docstring)."""
+group cannot hold (``plait.parallel.replicas.driver``'s docstring): the settings of a group's own gradient
+synchronisation (compression, plait's all-reduce algorithms, DDP, SyncBatchNorm, a policy by name) take effect inside
+each group and are refused only where a group has one data-parallel rank."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.fault.replicas import default_groups, replica_group, require_torchft
+from plait.parallel.grad_sync import policies
 from plait.topology import Topology, build_topology
 
 
@@ -61,30 +64,43 @@ def check_replicas(cfg: Config, degrees: dict[str, int]) -> None:
                               "fault.mode=replicas; set fault.mode=replicas, or leave it 0 (hybrid sharding's "
                               "replicas follow from parallel.dp_shard)")
         return
-    inside = [("parallel.mode=ps", p.mode == "ps"),
-              ("parallel.impl=torch", p.impl == "torch"), ("parallel.sync_batchnorm", p.sync_batchnorm),
-              (f"comm.compress={c.compress}", c.compress != "none"),
-              (f"comm.allreduce={c.allreduce}", c.allreduce != "backend"), ("fault.rebalance", f.rebalance),
-              (f"parallel.strategy={p.strategy}", p.strategy != "auto")]
-    refused = [name for name, on in inside if on]
-    if refused:
-        raise ConfigError(f"fault.mode=replicas trains each replica group with the layout its settings choose "
-                          f"(data, ZeRO-1/2, FSDP2/HSDP, tensor, pipeline, expert and context parallelism inside "
-                          f"it), its gradients (or DiLoCo's pseudo-gradients) averaged over the groups by torchft; it "
-                          f"does not compose with {', '.join(refused)}: remove it, or set fault.mode=restart")
+    if p.mode == "ps":
+        raise ConfigError("fault.mode=replicas averages the gradients of collective data-parallel replica groups; a "
+                          "parameter server (parallel.mode=ps) is data parallelism with its own consistency: set "
+                          "fault.mode=restart with it, or parallel.mode=collective")
+    if f.rebalance:
+        raise ConfigError("fault.rebalance moves shares of every global batch between data-parallel ranks by their "
+                          "speed, agreed by every rank of the run; torchft replica groups are jobs of their own that "
+                          "meet only in the gradient average, each reading its fixed share (untrained while it is "
+                          "away), weighted alike: set fault.rebalance=false, or fault.mode=restart")
     groups, ranks = degrees["dp_replicate"], degrees["dp_shard"]  # ranks: a group's data-parallel ranks / ep
     model_par = p.tp * p.pp * p.cp
-    shards = ranks * p.ep * p.cp  # the ranks ZeRO and FSDP shard a group's state over (dp x cp)
-    if p.zero and shards < 2 and model_par == 1:
-        raise ConfigError(f"fault.mode=replicas with parallel.zero={p.zero} shards each replica group's state over "
+    shards = ranks * p.ep * p.cp  # the ranks a group's gradient synchronisation averages over (dp x cp)
+    # settings that act on the group's own gradient synchronisation (module docstring of the driver): with one rank
+    # it has none, and torchft's average over the groups stays its own float32 all-reduce
+    own = [name for name, on in (
+        (f"comm.compress={c.compress}", c.compress != "none"), (f"comm.allreduce={c.allreduce}",
+                                                                 c.allreduce != "backend"),
+        ("parallel.impl=torch", p.impl == "torch"), ("parallel.sync_batchnorm", p.sync_batchnorm)) if on]
+    if own and shards < 2:
+        raise ConfigError(f"{', '.join(own)} acts on each replica group's own gradient synchronisation, and a group "
+                          f"here has one data-parallel rank, so there is none (torchft's average over the groups is "
+                          f"its own float32 all-reduce): give each group 2 data-parallel ranks or more (plait run "
+                          f"--replicas G --nproc {2 * model_par * p.ep}), or remove it")
+    named = policies().get(p.strategy) if p.strategy != "auto" else None  # a policy by name, ZeRO's or FSDP's too
+    shard, unset = (f"parallel.zero={p.zero}", "parallel.zero=0") if p.zero else (
+        (f"parallel.strategy={p.strategy}", "parallel.strategy=auto") if named is not None and named.shards_gradients
+        else ("", ""))
+    if shard and shards < 2 and model_par == 1:
+        raise ConfigError(f"fault.mode=replicas with {shard} shards each replica group's state over "
                           f"its ranks, and a group here is one rank ({groups} groups): set parallel.dp_replicate "
                           "to fewer groups than parallel.nproc (each of nproc / dp_replicate ranks; plait run "
-                          "--replicas G --nproc R), or parallel.zero=0")
-    if p.zero and shards < 2:
-        raise ConfigError(f"fault.mode=replicas with parallel.zero={p.zero} shards each replica group's state over "
+                          f"--replicas G --nproc R), or {unset}")
+    if shard and shards < 2:
+        raise ConfigError(f"fault.mode=replicas with {shard} shards each replica group's state over "
                           f"its data-parallel ranks, and a group here has one (its {model_par} ranks are "
                           f"tp={p.tp} x pp={p.pp}): give each group {2 * model_par} ranks or more (plait run "
-                          f"--replicas G --nproc {2 * model_par}), or set parallel.zero=0")
+                          f"--replicas G --nproc {2 * model_par}), or set {unset}")
     if p.dp_shard and ranks % p.dp_shard:
         least = model_par * p.ep
         where = "ranks" if least == 1 else f"data-parallel ranks per ep rank ({ranks * least} / tp x pp x cp x ep)"
