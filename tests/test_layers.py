@@ -17,8 +17,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Bottom first. A module belongs to the first layer with a prefix that matches its dotted name (longest
 # prefix wins within a layer list; the package ``plait`` itself is the public API at the top).
 PLAN_MODEL = ("buckets", "derive", "flops", "hardware", "kernels", "layouts", "memory", "nccl", "network", "opcore",
-              "ops", "ops_float8", "ops_moe", "params", "planner", "rank_memory", "schedule", "shapes", "simulate", "stages",
-              "timeline", "trace", "wire", "workload")
+              "ops", "ops_float8", "ops_moe", "params", "planner", "rank_memory", "schedule", "shapes", "simulate",
+              "stages", "timeline", "trace", "wire", "workload")
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("runtime", ("plait.runtime", "plait.config", "plait.config_sections", "plait.config_layout", "plait.topology")),
     # the pure cost and memory model: above the runtime (it reads a Config's sections and raises ConfigError)
@@ -26,7 +26,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("components", ("plait.components", "plait.checkpoint")),
     ("data observe", ("plait.data", "plait.observe")),
     ("comm fault nn", ("plait.comm", "plait.fault", "plait.nn", "plait.models")),
-    ("strategies", ("plait.parallel", "plait.ps", "plait.validate", "plait.checkpoint.weights")),
+    ("strategies", ("plait.parallel", "plait.ps", "plait.validate", "plait.checkpoint.weights",
+                    "plait.checkpoint.layout_state")),
     ("engine", ("plait.engine", "plait.checkpoint.checkpointer", "plait.checkpoint.export")),
     ("trainer", ("plait.train",)),
     ("calibrate", ("plait.plan",)),

@@ -245,7 +245,7 @@ class Plait(TokenCounting, Persistence, SmallCollectives):
         with self.rng.active():  # what setup draws (a pipeline stage's cost measurement) is plait's, not the user's
             self.stepper.layout = strategy = compose.parallelize(place(model, self.device), self.topology,
                                                                  self.config, self.comm, spec)
-            strategy.prepare_weights(weights, init_fn, self.config.train.seed, self.group)
+            strategy.state.prepare_weights(weights, init_fn, self.config.train.seed, self.group)
             if moe:
                 # the layout's topology: a bias balances the loads of the ranks that step together (one DiLoCo
                 # replica's)
@@ -254,8 +254,9 @@ class Plait(TokenCounting, Persistence, SmallCollectives):
                                               sequence_parallel=p.sequence_parallel)
             opt = strategy.build_optimizer(factory)
         strategy.setup_memory = meter.stop()
-        if not strategy.skips_on_device() and self.config.optim.skip_nonfinite is not False:
-            self.logger.info(skip_note(strategy.skips_on_host(), self.device))
+        skips = strategy.nonfinite_skip()
+        if skips != "device" and self.config.optim.skip_nonfinite is not False:
+            self.logger.info(skip_note(skips == "host", self.device))
         self._start(strategy)
         if scheduler is not None:
             self.stepper.scheduler = scheduler(strategy.scheduler_target())
