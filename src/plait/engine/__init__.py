@@ -11,7 +11,7 @@
 
 It starts the process group itself under ``plait run``, ``torchrun`` or SLURM, and runs as one process
 otherwise. ``Plait`` is a facade: the layout is composed from the config (``plait.parallel.compose``) and the engine
-talks only to its contract (``plait.parallel.layout.Layout``); beside it are the accumulation window,
+talks only to its contract (``plait.parallel.layout.LayoutContract``); beside it are the accumulation window,
 the checkpointer, the run's files and its metrics. ``setup`` builds the optimizer after the layout is applied,
 so it holds the parameters the layout trains. The returned model is the user's own object (attributes and
 ``state_dict()`` keys unchanged); under pipeline parallelism ``forward_backward(model, batch)`` runs a step.
