@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # a model's folder: the model itself with the layers above (plait.models); what adapts it to each dimension
     # and its spec, which registers them, with the strategies
     ("strategies", ("plait.parallel", "plait.ps", "plait.validate", "plait.checkpoint.weights",
+                    "plait.checkpoint.layout_state",
                     *(f"plait.models.gpt.{m}" for m in ("parallelize", "pipeline", "context", "spec")))),
     ("engine", ("plait.engine", "plait.checkpoint.checkpointer", "plait.checkpoint.export")),
     ("trainer", ("plait.train",)),

@@ -150,7 +150,7 @@ def test_a_non_logging_step_reads_nothing_the_hand_loop_does_not(tmp_path: Path,
     device: the same count. The plain AdamW (plait's default on the CPU) does not: with ``optim.skip_nonfinite=auto``
     (the default) plait applies its update as the hand loop does (no skip: the same count); asked to skip it
     (``optim.skip_nonfinite=true``) plait decides on the host, one read of the step's non-finite flag
-    (``Layout.step_unless``), and that read is the only difference: with ``step_unless`` stepping unconditionally the
+    (``Layout._step_unless``), and that read is the only difference: with ``_step_unless`` stepping unconditionally the
     counts are equal."""
     hand_model = _gpt()
     hand_opt = torch.optim.AdamW(hand_model.parameters(), lr=LR, fused=fused)
@@ -168,7 +168,7 @@ def test_a_non_logging_step_reads_nothing_the_hand_loop_does_not(tmp_path: Path,
     hand = _syncs(lambda: _gpt_hand_step(hand_model, hand_opt, data), 2)
     assert hand >= sum(1 for _ in model.parameters())  # the optimizer's own reads, on both sides
     assert _syncs(step, 2) - hand == (1 if skip is True and not fused else 0)
-    monkeypatch.setattr(p.layout, "step_unless", lambda found: p.layout.step())
+    monkeypatch.setattr(p.layout, "_step_unless", lambda found: p.layout._step())
     assert _syncs(step, 2) == hand  # the one extra read is the skip's decision, nothing else
     monkeypatch.undo()
     info = step()

@@ -174,7 +174,7 @@ def kill(out: str, which: str, min_steps: int) -> None:
     inner = opt.optimizer if hasattr(opt, "buckets") else opt
     state = {f"optim.{i}.{k}": local(v) for i, s in inner.state_dict()["state"].items() for k, v in s.items()
              if isinstance(v, torch.Tensor)}
-    model_sd = {f"model.{k}": local(v) for k, v in p.strategy.model_entries().items()}
+    model_sd = {f"model.{k}": local(v) for k, v in p.strategy.state.model_entries().items()}
     torch.save({**model_sd, **state}, f"{out}/final_g{group}r{p.rank}.pt")
     p.close()
 

@@ -193,20 +193,20 @@ def _train(p, model, rank: int, steps: int, start: int = 0, main: float = 1.0) -
     """Steps on this rank's rows of each global batch; the first step's reduced gradients, captured just
     before the optimizer step (no clipping: optim.grad_clip=0)."""
     losses, grads = [], {}
-    step = p.layout.step
+    step = p.layout._step
 
     def capture() -> None:
         if not grads:
             grads.update({n: q.grad.detach().clone() for n, q in model.named_parameters() if q.grad is not None})
         step()
 
-    p.layout.step = capture
+    p.layout._step = capture
     for s in range(start, start + steps):
         rows = batches(s)[rank * B:(rank + 1) * B]
         p.backward(loss_of(model, rows, main))
         info = p.step()
         losses.append(info.global_loss)
-    p.layout.step = step
+    p.layout._step = step
     return losses, grads
 
 

@@ -169,7 +169,7 @@ def _train(rank: int, root: str, name: str) -> dict[str, Any]:
     model, _ = p.setup(_gpt(moe), optimizer=_adamw, loss_fn="causal_lm")
     inputs = _float8_inputs(model) if "tp" in parallel else {}
     grads: dict[str, torch.Tensor] = {}
-    step = p.layout.step
+    step = p.layout._step
 
     def first_grads() -> None:  # the reduced gradients the first update reads
         if not grads:
@@ -177,7 +177,7 @@ def _train(rank: int, root: str, name: str) -> dict[str, Any]:
                           for n, q in model.named_parameters() if q.grad is not None})
         step()
 
-    p.layout.step = first_grads
+    p.layout._step = first_grads
     losses = []
     for x in _batches():
         mine = x.chunk(dp)[p.dp_rank]

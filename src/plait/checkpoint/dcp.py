@@ -14,7 +14,7 @@ untouched), and a file damaged later is caught by the manifest before anything i
 ``async_`` the shards are written by DCP's background thread while training goes on; the returned
 ``PendingSave`` completes the checkpoint (manifest, meta, rename) when ``finish()`` is called, on every
 rank at the same point. Model
-and optimizer states come from the layout (``Layout.state_dicts``), keyed by the single-process
+and optimizer states come from the layout's state (``Layout.state.state_dicts``), keyed by the single-process
 model's parameter names whatever the sharding, so DCP can load them at another world size, ZeRO stage
 or layout (a layout with chunks of its own, a parameter server's, also gives DCP planners for them:
 ``save_planner()`` / ``load_planner()``). Nothing is ever unpickled: DCP reads tensors, ``*.pt`` files
@@ -44,8 +44,9 @@ from plait.config import ConfigError
 
 
 class StatefulLayout(Protocol):
-    """What a checkpoint is written from and read into: a layout (``plait.parallel.layout.Layout``), or a
-    parameter server's shard (``plait.ps.checkpoint.ServerCheckpoint``). The planners may be None (DCP's)."""
+    """What a checkpoint is written from and read into: a layout's state (``Layout.state``:
+    ``plait.checkpoint.layout_state``), or a parameter server's shard (``plait.ps.checkpoint.ServerCheckpoint``).
+    The planners may be None (DCP's)."""
 
     def state_dicts(self) -> tuple[dict, dict]: ...
 

@@ -25,7 +25,7 @@ shard at 2 ranks (``bench/bigmodel.py``). plait reads each slice's contiguous ru
 What plait adds, and why:
 
 * **Which tensors a rank holds, under which names.** Reading and writing take this rank's entries under the
-  single-process model's names (``Layout.model_entries``): a pipeline stage's layers only, an expert-parallel
+  single-process model's names (``LayoutState.model_entries``): a pipeline stage's layers only, an expert-parallel
   rank's experts as a slice of the global tensor, a later stage's copy of a tied embedding under the name the
   checkpoint has; each DTensor's placements say which slice (FSDP2's dim-0 shards, Megatron row and column
   shards, both at once). torch's classes know files, not layouts.

@@ -1,7 +1,7 @@
 """A rank's part of the model filled from a checkpoint, by initialisation, and written out shard by shard: the
-default behind the strategy contract's ``prepare_weights`` and ``export_weights``.
+default behind a layout state's ``prepare_weights`` and ``export_weights`` (``plait.checkpoint.layout_state``).
 
-Every strategy gives ``model_entries()``: this rank's state-dict entries under the single-process model's
+Every layout's state gives ``model_entries()``: this rank's state-dict entries under the single-process model's
 names (DTensors where sharded), the tensors the model trains. Loading maps each tied group of names to the
 one checkpoint name it is read from (checked against the whole model's ``ModelFacts`` first, identically on
 every rank, so a bad checkpoint raises on all of them), then reads each rank's slices through

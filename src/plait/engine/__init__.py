@@ -11,7 +11,7 @@
 
 It starts the process group itself under ``plait run``, ``torchrun`` or SLURM, and runs as one process
 otherwise. ``Plait`` is a facade: the layout is composed from the config (``plait.parallel.compose``) and the engine
-talks only to its contract (``plait.parallel.layout.Layout``); beside it are the accumulation window,
+talks only to its contract (``plait.parallel.layout.LayoutContract``); beside it are the accumulation window,
 the checkpointer, the run's files and its metrics. ``setup`` builds the optimizer after the layout is applied,
 so it holds the parameters the layout trains. The returned model is the user's own object (attributes and
 ``state_dict()`` keys unchanged); under pipeline parallelism ``forward_backward(model, batch)`` runs a step.
@@ -245,7 +245,7 @@ class Plait(TokenCounting, Persistence, SmallCollectives):
         with self.rng.active():  # what setup draws (a pipeline stage's cost measurement) is plait's, not the user's
             self.stepper.layout = strategy = compose.parallelize(place(model, self.device), self.topology,
                                                                  self.config, self.comm, spec)
-            strategy.prepare_weights(weights, init_fn, self.config.train.seed, self.group)
+            strategy.state.prepare_weights(weights, init_fn, self.config.train.seed, self.group)
             if moe:
                 # the layout's topology: a bias balances the loads of the ranks that step together (one DiLoCo
                 # replica's)
@@ -254,8 +254,9 @@ class Plait(TokenCounting, Persistence, SmallCollectives):
                                               sequence_parallel=p.sequence_parallel)
             opt = strategy.build_optimizer(factory)
         strategy.setup_memory = meter.stop()
-        if not strategy.skips_on_device() and self.config.optim.skip_nonfinite is not False:
-            self.logger.info(skip_note(strategy.skips_on_host(), self.device))
+        skips = strategy.nonfinite_skip()
+        if skips != "device" and self.config.optim.skip_nonfinite is not False:
+            self.logger.info(skip_note(skips == "host", self.device))
         self._start(strategy)
         if scheduler is not None:
             self.stepper.scheduler = scheduler(strategy.scheduler_target())

@@ -97,7 +97,7 @@ class Persistence:
 
         strategy = self._require_strategy()
         return find_copies(self.checkpointer.host_copy, self.rank, self.world_size, accept,
-                           lambda payload: decode(payload, strategy),
+                           lambda payload: decode(payload, strategy.state),
                            lambda t: self.reduce(t, op="sum", over="world"), self.logger)
 
     @explained
@@ -116,7 +116,7 @@ class Persistence:
         meta, rank_state, shared, same_world = self.checkpointer.load(Path(path), strategy, self.rank,
                                                                       self.world_size, check, memory)
         self.stepper.restore(shared, scheduler, dataloader, path)
-        strategy.finish_load()
+        strategy.state.finish_load()
         if rank_state is not None:  # compressor residuals and the model's stream: the resumed run continues exactly
             self.comm.load_state_dict(rank_state["comm"])
             if "rng" in rank_state:
@@ -146,7 +146,7 @@ class Persistence:
         Collective: gathers FSDP, tensor-parallel and pipeline shards."""
         strategy = self._check_objects(model, None)
         self.phase("export")
-        return {k: v.detach().cpu() for k, v in strategy.full_model_state(rank0_only).items()}
+        return {k: v.detach().cpu() for k, v in strategy.state.full_model_state(rank0_only).items()}
 
     def export(self, model: nn.Module | None, path: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
         """Write the weights under the single-process names (every rank calls it): ``*.safetensors`` is one file on

@@ -6,7 +6,7 @@ the loss and on a stop request.
 The hot path is sacred (DESIGN.md, rule 11): a step that does not log reads nothing from the device, writes
 no file and runs no collective beyond the gradients' own. Its loss, gradient norm and non-finite flag stay on
 the device (``StepInfo`` reads one when the caller does); the update of a non-finite step is skipped on the
-device by optimizers that take torch's ``found_inf`` (``Layout.step_unless``). A log step (step 1, every
+device by optimizers that take torch's ``found_inf`` (``Layout.clip_and_step``). A log step (step 1, every
 ``train.log_every``-th, the last of ``train.steps``, or ``step(log=True)``) reads every value since the previous
 one in one transfer and, over several ranks, agrees on the losses and on a stop request in one all-reduce:
 a SIGTERM is seen by every rank at the first log step after it arrived. Where steps are slow, that could outlast
@@ -158,20 +158,19 @@ class Stepper:
 
     def backward(self, loss: torch.Tensor, num_samples: int | None) -> None:
         """Backward of a loss the user's own forward computed."""
-        with self.layout.context():
-            scale = self.begin_micro() * self.weight(num_samples)
-            if self.moe is not None:  # the auxiliary losses get the main loss's scale in this backward
-                self.moe.set_grad_scale(scale)
-            t0 = time.perf_counter()
-            self.layout.backward(loss, scale)
-            self.window.times["backward_s"] += time.perf_counter() - t0
-            self.end_micro(loss)
+        scale = self.begin_micro() * self.weight(num_samples)
+        if self.moe is not None:  # the auxiliary losses get the main loss's scale in this backward
+            self.moe.set_grad_scale(scale)
+        t0 = time.perf_counter()
+        self.layout.backward(loss, scale)  # under the layout's context (tensor parallelism's loss parallelism)
+        self.window.times["backward_s"] += time.perf_counter() - t0
+        self.end_micro(loss)
 
     def forward_backward(self, model: Any, batch: Any, loss: Any, num_samples: int | None) -> torch.Tensor:
         """Forward, loss and backward of one micro-batch through the layout; returns the loss, detached."""
         self.enter_window()
         rng = self.rng.for_model(model.training) if self.rng is not None else contextlib.nullcontext()
-        with self.layout.context(), rng:
+        with rng:
             scale = self.begin_micro() * self.weight(num_samples)
             before: Callable[[float], None] | None = self.moe.set_grad_scale if self.moe is not None else None
             value = self.layout.forward_backward(model, batch, loss, scale, before, self.window.times)

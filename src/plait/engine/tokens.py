@@ -50,7 +50,7 @@ class TokenCounting:
         if not items:
             raise PlaitError("num_items_in_batch() got no labels: pass every micro-batch's labels of the step")
         counts = [self._count_items(b, loss_fn, shift) for b in items]
-        ranks = strategy.items_ranks  # the data-parallel ranks backward averages over, and the micro-steps
+        ranks = _items_ranks(strategy)
         divisor = ranks * self.window.accumulation
         alone = self.dp == 1 or ranks == 1  # nothing to sum over the data-parallel group
         # Host counts are added on the host and filled in on the device (a kernel, not a copy that waits for the
@@ -73,11 +73,11 @@ class TokenCounting:
         rank over the optimizer step's micro-steps, the same on every rank whose counts ``num_items_in_batch``
         would sum (e.g. whole batches of a data set whose every target counts). Nothing is counted or
         communicated: one fill on this rank's device."""
-        return self._items_fill(per_rank * self._require_strategy().items_ranks)
+        return self._items_fill(per_rank * _items_ranks(self._require_strategy()))
 
     def _items_fill(self, total: int) -> torch.Tensor:
         """The divisor for ``total`` items summed over the ranks and micro-steps backward averages over."""
-        divisor = self._require_strategy().items_ranks * self.window.accumulation
+        divisor = _items_ranks(self._require_strategy()) * self.window.accumulation
         return torch.full((), total / divisor, dtype=torch.float32, device=self.device)
 
     @property
@@ -101,3 +101,11 @@ class TokenCounting:
             raise PlaitError("num_items_in_batch: cannot count the items of a batch of type "
                              f"{type(batch).__name__}; pass the labels tensors (-100 where a token does not count)")
         return count
+
+
+def _items_ranks(layout: Any) -> int:
+    """The data-parallel ranks ``num_items_in_batch`` sums over and divides by: the layout's (one DiLoCo replica's),
+    not dp x cp: the cp ranks of a group read the same micro-batches, so it is what it would be at cp=1 (a loss over
+    a shard is divided by cp by the context split; a loss the user computes from the whole logits takes it as it
+    is)."""
+    return layout.topo.dp

@@ -1,6 +1,6 @@
-"""What a layout may have beyond its contract (``plait.parallel.layout.Layout``): drivers that wrap the step from
-outside (``Driver``: DiLoCo's outer loop, torchft replica groups), and optional capabilities, small protocols a part
-of a layout implements and the engine finds with ``Layout.capability``: ``Serving`` (ranks that serve instead of
+"""What a layout may have beyond its contract (``plait.parallel.layout.LayoutContract``): drivers that wrap the step
+from outside (``Driver``: DiLoCo's outer loop, torchft replica groups), and optional capabilities, small protocols a
+part of a layout implements and the engine finds with ``Layout.capability``: ``Serving`` (ranks that serve instead of
 running the loop), ``OwnPace`` (ranks that do not meet at every step), ``CheckpointJoin`` (other ranks join a
 checkpoint's collectives). Between drivers: ``ReplicaMean`` (a driver that averages over the replicas it manages:
 torchft's live groups, which DiLoCo's outer all-reduce goes through) and ``Healing`` (a driver whose own state a

@@ -199,7 +199,7 @@ def _drivers(cfg: Config, topo: Topology, comm: Comm, model: nn.Module) -> list[
 def parallelize(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec: ModelSpec) -> Layout:
     """The layout around ``model`` (on this rank's device), in the order of the module docstring. The model is
     checked against the layout before any collective; then rank 0's weights are broadcast (a meta model has none:
-    each rank fills its part later, ``Layout.prepare_weights``)."""
+    each rank fills its part later, ``LayoutState.prepare_weights``)."""
     if cfg.train.precision == "fp8":  # before any layout: tp shards, pp splits, FSDP2 gathers the Float8Linears
         float8.convert(model, topo.device, fsdp=cfg.parallel.zero == 3, logger=get_logger(topo.rank))
     if cfg.parallel.mode == "ps":

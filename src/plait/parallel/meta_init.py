@@ -328,7 +328,7 @@ def _check_initialisable(facts: ModelFacts, init_fn: InitFn | None) -> None:
 def initialise(facts: ModelFacts, entries: dict[str, torch.Tensor], seed: int, init_fn: InitFn | None = None,
                buffers_only: bool = False) -> list[str]:
     """Fill this rank's tensors of a meta-built model (see the module docstring). ``entries``: this rank's
-    state-dict entries under the single-process names (``Layout.model_entries``), plain tensors or DTensors;
+    state-dict entries under the single-process names (``LayoutState.model_entries``), plain tensors or DTensors;
     the model's own tensors that no entry names (a state-dict hook renamed them) are taken from their modules.
     The non-persistent buffers of the modules this rank holds are computed too. ``buffers_only``: only those (the
     parameters came from a checkpoint). Returns the names of this rank's tensors nothing initialised (the caller

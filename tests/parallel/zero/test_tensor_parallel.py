@@ -136,7 +136,7 @@ def _train(kind: str, parallel: dict, run_dir: str, micro: int, save: str | None
 
 def _optimizer_state(p: Any) -> dict[str, dict[str, torch.Tensor]]:
     """The layout's optimizer states (the checkpoint's ``optim`` entries), each gathered whole (collective)."""
-    _, optim = p.layout.state_dicts()
+    _, optim = p.layout.state.state_dicts()
     return {n: {k: full(v).detach().clone() for k, v in st.items()} for n, st in sorted(optim["state"].items())}
 
 

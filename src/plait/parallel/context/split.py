@@ -13,7 +13,7 @@ The engine gives whole micro-batches (the cp ranks of a group read the same ones
    ``attention_mask`` becomes masking by ids in the cp attention (``sharding.padding_docs``);
 3. runs the stages' micro-step with the model's attention routed through the cp attention, and the loss divided by
    real-token counts of the whole sequence / cp: the engine's ``num_items_in_batch`` (over the optimizer step; the
-   value it has at cp=1, ``Layout.items_ranks``) or, without it, this micro-batch's count, never a mean of the
+   value it has at cp=1, ``plait.engine.tokens``) or, without it, this micro-batch's count, never a mean of the
    shards' means;
 4. gradients: the gradient-sync policy averages them over dp x cp (the composition gives it the ``dp_cp`` ranks; under
    HSDP its shard groups span ``dp_shard x cp``), which with the counts above is the gradient of one process on the

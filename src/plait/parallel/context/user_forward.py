@@ -15,7 +15,7 @@ and the call passes through; any other call is cut here:
    (``sharding.padding_docs``; the model itself gets none);
 3. the loss is the model's sum over the shard's tokens divided by ``num_items_in_batch`` / cp, where
    ``num_items_in_batch`` is the caller's (from ``p.num_items_in_batch``, the value it has at cp=1: the cp ranks of
-   a group read the same micro-batches, ``Layout.items_ranks``) or the whole micro-batch's real tokens,
+   a group read the same micro-batches, ``plait.engine.tokens``) or the whole micro-batch's real tokens,
    counted on the device (nothing read back). Backward's average over dp x cp then gives one process's gradient.
    The loss a rank returns is its shard's share; their mean over cp is the whole sequence's loss, what
    ``StepInfo.loss`` (at log steps), ``global_loss`` and ``p.evaluate`` report (``ContextSplit.reduce_loss``);

@@ -273,10 +273,10 @@ class Replicas(Driver):
         tensor parallelism) with different values. Which ranks hold the same tensor: those of the same pipeline
         stage (each stage holds entries of its own) along the group's mesh axes the tensor is not sharded on
         (``_held_alike``); a pipeline's tied copies (the embedding on the first stage, the head on the last) then take
-        the first stage's (``Layout.retie``). Communication: one all-reduce of the axis sets (64 flags), then one
+        the first stage's (``LayoutState.retie``). Communication: one all-reduce of the axis sets (64 flags), then one
         broadcast per entry over its ranks and one per tied weight over the pipeline, once, at setup."""
         topo = self.topo
-        entries = [(_local(t).data, _held_alike(topo, t)) for t in self.layout.model_entries().values()]
+        entries = [(_local(t).data, _held_alike(topo, t)) for t in self.layout.state.model_entries().values()]
         # the axis sets any rank of the group needs, one flag per subset of AXIS_ORDER (bit i: axis i), so that
         # every rank makes the same process groups in the same order (raw flags: nothing received is unpickled)
         needed = torch.zeros(1 << len(AXIS_ORDER), dtype=torch.int32, device=topo.device)
@@ -290,7 +290,7 @@ class Replicas(Driver):
         for t, axes in entries:  # the ranks of one stage hold the same entries in the same order
             if axes:
                 dist.broadcast(t, group=groups[axes], group_src=0)
-        self.layout.retie()  # a pipeline's tied copies: each stage's rank healed from a source of its own
+        self.layout.state.retie()  # a pipeline's tied copies: each stage's rank healed from a source of its own
         for d in self._healers:  # the entries written were theirs (DiLoCo's start weights): the model follows
             d.heal(None)
         for o in self.layout.optimizers:  # a separate master copy (parameters not fp32) follows its shard
@@ -340,7 +340,7 @@ class Replicas(Driver):
         copy), and the run state."""
         run = self._run.state()
         run["steps"] += int(self._in_step)  # the steps completed at this boundary
-        model = {k: _local(v).detach() for k, v in self.layout.model_entries().items()}
+        model = {k: _local(v).detach() for k, v in self.layout.state.model_entries().items()}
         held = {t.untyped_storage().data_ptr() for t in model.values()}
         optim = []
         for o in self._optimizers():
@@ -355,7 +355,7 @@ class Replicas(Driver):
     @torch.no_grad()
     def _heal(self, state: dict[str, Any]) -> None:
         t0 = time.perf_counter()
-        entries = self.layout.model_entries()
+        entries = self.layout.state.model_entries()
         if set(entries) != set(state["model"]):
             raise PlaitError("fault.mode=replicas: a live replica's model has other entries than this one's; every "
                              "replica group must train the same model")
