@@ -314,7 +314,7 @@ def test_flattened_mesh_names_split_into_the_group_axes() -> None:
     """The ranks holding the same tensor are found from its DTensor mesh's axis names: torch joins a flattened mesh's
     names with ``_``, which the names themselves contain (``dp_replicate_dp_shard``: FSDP2 over both)."""
     from plait.config import ConfigError
-    from plait.parallel.replicas.driver import _mesh_axes
+    from plait.parallel.replicas.heal import mesh_axes as _mesh_axes
 
     assert _mesh_axes("tp") == ["tp"]
     assert _mesh_axes("dp_replicate_dp_shard") == ["dp_replicate", "dp_shard"]

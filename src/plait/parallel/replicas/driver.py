@@ -87,7 +87,6 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from plait.comm.collectives import ring_allreduce_bytes
 from plait.config import Config
@@ -98,80 +97,11 @@ from plait.observe.log import get_logger
 from plait.parallel.capabilities import Driver, Healing
 from plait.parallel.errors import PlaitError
 from plait.parallel.layout import Layout
+from plait.parallel.replicas.heal import held_alike, local_part, optimizer_template, weights_only_transport
 from plait.parallel.units import batchnorm_buffers
 from plait.parallel.zero.optimizer import ZeroOptimizer
 from plait.runtime.dist import agent_restarts, restarted_by_agent
 from plait.topology import AXIS_ORDER, MeshAxis, Topology
-
-
-def _weights_only_transport(timeout: timedelta) -> Any:
-    """torchft's HTTP checkpoint transport, reading a peer's state with ``torch.load(weights_only=True)``: torchft's
-    own reads it with pickle's code execution (``weights_only=False``), which plait never does. What a heal sends
-    (tensors, numbers, strings, lists, tuples, dicts) needs nothing more."""
-    import urllib.request
-
-    from torchft.checkpointing._serialization import _streaming_load
-    from torchft.checkpointing.http_transport import HTTPTransport
-
-    class WeightsOnlyHTTPTransport(HTTPTransport):
-        @classmethod
-        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
-            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
-                return _streaming_load(f, weights_only=True)
-
-    return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
-
-
-def _mesh_axes(name: str) -> list[str]:
-    """The group topology's axes a DTensor mesh dimension spans: its own name, or a flattened one's parts
-    (``dp_replicate_dp_shard``: torch joins the flattened names with ``_``, which the names themselves contain)."""
-    axes, rest = [], name
-    while rest:
-        axis = next((a for a in sorted(map(str, AXIS_ORDER), key=len, reverse=True)
-                     if rest == a or rest.startswith(a + "_")), None)
-        if axis is None:
-            raise PlaitError(f"fault.mode=replicas: a parameter is laid out on a device mesh dimension {name!r} that "
-                             "is not one of the group topology's axes; build sharded models through Plait.setup")
-        axes.append(axis)
-        rest = rest[len(axis) + 1:]
-    return axes
-
-
-def _held_alike(topo: Topology, t: torch.Tensor) -> tuple[str, ...]:
-    """The mesh axes of the group's topology along which its ranks hold the same local ``t`` (in mesh order; empty:
-    no other rank does): every axis of more than one rank but the pipeline's (each stage holds entries of its
-    own), less those a DTensor is sharded on (a Megatron shard's tp, an FSDP shard's data-parallel axes, an expert
-    weight's ep: ``ExpertSync.entries`` gives it as the ``Shard(0)`` of the global ``(E, ...)`` tensor over ep, so it
-    is the same only along the expert-data-parallel axes). Along cp every rank holds the same entries: the cp ranks
-    cut the sequence, not the model."""
-    sharded: set[str] = set()
-    if isinstance(t, DTensor):
-        names = t.device_mesh.mesh_dim_names
-        if names is None:
-            raise PlaitError("fault.mode=replicas: a parameter is laid out on a device mesh without axis names; build "
-                             "sharded models through Plait.setup")
-        for name, placement in zip(names, t.placements, strict=True):
-            if not placement.is_replicate():
-                sharded.update(_mesh_axes(name))
-    return tuple(str(a) for a in AXIS_ORDER if a != MeshAxis.PP and str(a) not in sharded and topo.degree(a) > 1)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: a DTensor's local shard (a view: writing it writes the DTensor), else ``t``."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _optimizer_template(o: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
-    """A peer's optimizer state of plain local tensors, made loadable into ``o``: state entries of a DTensor
-    parameter's local shape become DTensors laid out like it."""
-    params = [p for g in o.param_groups for p in g["params"]]
-    state = {}
-    for i, entries in sd["state"].items():
-        p = params[int(i)]
-        state[i] = {k: (DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-                        if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and k != "step"
-                        and v.shape == p.to_local().shape else v) for k, v in entries.items()}
-    return {"state": state, "param_groups": sd["param_groups"]}
 
 
 class Replicas(Driver):
@@ -234,7 +164,7 @@ class Replicas(Driver):
         if ranks > 1:  # once, at setup: the group's ranks learn where its store is
             dist.broadcast_object_list(port, src=0)
         connect = timedelta(seconds=min(30.0, self.cfg.comm.timeout_s))
-        self._transport = _weights_only_transport(timeout)
+        self._transport = weights_only_transport(timeout)
         try:
             self.manager = Manager(
                 pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._heal, state_dict=self._heal_state,
@@ -272,11 +202,11 @@ class Replicas(Driver):
         data parallelism and ZeRO-1/2, a replicated norm under tensor parallelism, a shard under HSDP or next to
         tensor parallelism) with different values. Which ranks hold the same tensor: those of the same pipeline
         stage (each stage holds entries of its own) along the group's mesh axes the tensor is not sharded on
-        (``_held_alike``); a pipeline's tied copies (the embedding on the first stage, the head on the last) then take
+        (``heal.held_alike``); a pipeline's tied copies (the embedding on the first stage, the head on the last) then take
         the first stage's (``LayoutState.retie``). Communication: one all-reduce of the axis sets (64 flags), then one
         broadcast per entry over its ranks and one per tied weight over the pipeline, once, at setup."""
         topo = self.topo
-        entries = [(_local(t).data, _held_alike(topo, t)) for t in self.layout.state.model_entries().values()]
+        entries = [(local_part(t).data, held_alike(topo, t)) for t in self.layout.state.model_entries().values()]
         # the axis sets any rank of the group needs, one flag per subset of AXIS_ORDER (bit i: axis i), so that
         # every rank makes the same process groups in the same order (raw flags: nothing received is unpickled)
         needed = torch.zeros(1 << len(AXIS_ORDER), dtype=torch.int32, device=topo.device)
@@ -340,14 +270,14 @@ class Replicas(Driver):
         copy), and the run state."""
         run = self._run.state()
         run["steps"] += int(self._in_step)  # the steps completed at this boundary
-        model = {k: _local(v).detach() for k, v in self.layout.state.model_entries().items()}
+        model = {k: local_part(v).detach() for k, v in self.layout.state.model_entries().items()}
         held = {t.untyped_storage().data_ptr() for t in model.values()}
         optim = []
         for o in self._optimizers():
             sd = o.state_dict()
-            state = {i: {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            state = {i: {k: local_part(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                      for i, s in sd["state"].items()}
-            params = [None if _local(q).untyped_storage().data_ptr() in held else _local(q).detach()
+            params = [None if local_part(q).untyped_storage().data_ptr() in held else local_part(q).detach()
                       for g in o.param_groups for q in g["params"]]
             optim.append({"state": state, "param_groups": sd["param_groups"], "params": params})
         return {"model": model, "optim": optim, "run": run, "drivers": [d.heal_state() for d in self._healers]}
@@ -360,12 +290,12 @@ class Replicas(Driver):
             raise PlaitError("fault.mode=replicas: a live replica's model has other entries than this one's; every "
                              "replica group must train the same model")
         for k, t in entries.items():
-            _local(t).copy_(state["model"][k])
+            local_part(t).copy_(state["model"][k])
         for o, sd in zip(self._optimizers(), state["optim"], strict=True):
-            o.load_state_dict(_optimizer_template(o, sd))
+            o.load_state_dict(optimizer_template(o, sd))
             for q, value in zip([q for g in o.param_groups for q in g["params"]], sd["params"], strict=True):
                 if value is not None:
-                    _local(q).copy_(value)
+                    local_part(q).copy_(value)
         for d, own in zip(self._healers, state["drivers"], strict=True):
             d.heal(own)
         run = dict(state["run"])
@@ -396,7 +326,7 @@ class Replicas(Driver):
             for q in self.layout.trainable():
                 if q.grad is None:
                     q.grad = torch.zeros_like(q)
-        return [_local(g) for g in self.layout.grads()] + self._bn
+        return [local_part(g) for g in self.layout.grads()] + self._bn
 
     def after_finish(self, layout: Layout) -> None:
         """Communication: after the group's own gradient synchronisation, one all-reduce (torchft's, over the
