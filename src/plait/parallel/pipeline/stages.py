@@ -204,9 +204,12 @@ class PipelineStages:
             return self._evaluate(batch, loss)
 
     def _split(self, batch: Any, loss: Any = None) -> tuple[tuple, Any]:
-        """The stages' positional inputs and the target, split by the loss given to setup, or by ``loss`` where it
-        takes a batch split already (``presplit``: context parallelism's shard)."""
-        args, kwargs, target = (loss if getattr(loss, "presplit", False) else self.loss).split(batch)
+        """The stages' positional inputs and the target, split by this micro-step's loss (the one the engine resolved
+        for it, context parallelism's shard loss, or the one given to setup), which the last stage then computes:
+        a ``loss_fn`` given to ``forward_backward`` or ``evaluate`` is the one the schedule runs."""
+        loss = loss if loss is not None else self.loss
+        self.loss_fn.loss = loss.loss
+        args, kwargs, target = loss.split(batch)
         if kwargs:
             raise ValueError(f"pipeline stages take positional inputs only; the batch gives keyword inputs "
                              f"{sorted(kwargs)}: pass (inputs, target) batches, or a loss whose split gives them")

@@ -199,12 +199,12 @@ class Replicas(Driver):
         """After the first quorum, the ranks of one group that hold the same local tensor hold group rank 0's copy of
         it: torchft picks each group rank's heal source on its own (at the start of a run, rank k of every group may
         take group k's state), which would leave ranks of one group holding the same entry (the whole model under
-        data parallelism and ZeRO-1/2, a replicated norm under tensor parallelism, a shard under HSDP or next to
-        tensor parallelism) with different values. Which ranks hold the same tensor: those of the same pipeline
-        stage (each stage holds entries of its own) along the group's mesh axes the tensor is not sharded on
-        (``heal.held_alike``); a pipeline's tied copies (the embedding on the first stage, the head on the last) then take
-        the first stage's (``LayoutState.retie``). Communication: one all-reduce of the axis sets (64 flags), then one
-        broadcast per entry over its ranks and one per tied weight over the pipeline, once, at setup."""
+        data parallelism and ZeRO-1/2, a replicated norm under tensor parallelism, a shard under HSDP or next to tensor
+        parallelism) with different values. Which ranks hold the same tensor: those of the same pipeline stage (each
+        stage holds entries of its own) along the group's mesh axes the tensor is not sharded on (``heal.held_alike``);
+        a pipeline's tied copies (the embedding on the first stage, the head on the last) then take the first stage's
+        (``LayoutState.retie``). Communication: one all-reduce of the axis sets (64 flags), then one broadcast per entry
+        over its ranks and one per tied weight over the pipeline, once, at setup."""
         topo = self.topo
         entries = [(local_part(t).data, held_alike(topo, t)) for t in self.layout.state.model_entries().values()]
         # the axis sets any rank of the group needs, one flag per subset of AXIS_ORDER (bit i: axis i), so that
