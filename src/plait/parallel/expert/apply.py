@@ -6,8 +6,9 @@ A Hugging Face MoE model computes its auxiliary load-balancing loss in its own f
 logits, as means over the tokens it saw. Where a rank sees a shard of each sequence (context parallelism; sequence
 parallelism's tp ranks, whose MoE blocks route their own shards: ``plait.parallel.tensor.hf_sequence``) that would be
 the shard's balance, not the sequence's: ``WholeRouterLogits`` gathers each layer's router logits over the shards
-(one all-gather of ``N x E`` values per layer, only when the model outputs them: ``output_router_logits``), so the
-model's own loss is the whole sequence's on every rank."""
+(one all-gather of ``N x E`` values per layer, only when the model outputs them: ``output_router_logits``) and puts
+them in the sequences' token order, so the model's own loss is the whole sequence's on every rank, a padding
+``attention_mask`` (which the model takes for that loss, whole: ``plait.parallel.context.user_forward``) included."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch import nn
 from plait.config import Config
 from plait.nn.moe import moe_layers
 from plait.parallel.compile import check_compile
+from plait.parallel.context.sharding import shard_index
 from plait.parallel.expert.dispatch import check_expert_layout, shard_experts
 from plait.parallel.expert.hf import find_moe_blocks, shard_hf_experts
 from plait.topology import Topology
@@ -65,19 +67,41 @@ class _GatherRows(torch.autograd.Function):
 
 
 class WholeRouterLogits:
-    """A forward hook on a Hugging Face MoE model's base model: its ``router_logits`` (one ``(N, E)`` tensor per layer,
-    of this rank's tokens) replaced by those of every shard of the same sequences (``_GatherRows`` over ``tokens``),
-    from which the model computes its auxiliary loss (the module docstring). Rows in rank order: the loss takes means
-    over them, which order does not change."""
+    """A forward hook on a Hugging Face MoE model's base model: its ``router_logits`` (one ``(B x S, E)`` tensor per
+    layer, of this rank's S tokens of each of the B sequences) replaced by those of the whole sequences, ``(B x T,
+    E)`` in token order as one process has them (gathered by ``_GatherRows`` over ``tokens``, then reordered), from
+    which the model computes its auxiliary loss (the module docstring): the order matters where the model weights
+    the rows by a padding mask. ``cp``: the context-parallel degree, whose load-balanced split (``shard_index``)
+    the reorder undoes; the tp ranks of sequence parallelism hold contiguous slices of their cp rank's shard."""
 
-    def __init__(self, tokens: ShardedTokens) -> None:
-        self.tokens = tokens
+    def __init__(self, tokens: ShardedTokens, cp: int) -> None:
+        self.tokens, self.cp = tokens, cp
 
     def __call__(self, module: nn.Module, args: Any, out: Any) -> Any:
         logits = getattr(out, "router_logits", None)
         if isinstance(logits, tuple):
-            out.router_logits = tuple(_GatherRows.apply(t, self.tokens.group, self.tokens.summed) for t in logits)
+            batch = out.last_hidden_state.shape[0]
+            rows = [_GatherRows.apply(t, self.tokens.group, self.tokens.summed) for t in logits]
+            order = self._order(rows[0].size(0) // batch, rows[0].device) if rows else None
+            out.router_logits = tuple(self._in_order(r, batch, order) for r in rows)
         return out
+
+    def _order(self, seq_len: int, device: torch.device) -> torch.Tensor | None:
+        """Where each of the T token positions sits in the gathered rows of a sequence (None: already in order).
+        The group's ranks are cp-major (the mesh's order): their shards of a sequence, side by side, hold the
+        positions of cp rank 0's shard, then rank 1's..."""
+        if self.cp == 1:
+            return None
+        held = torch.cat([shard_index(seq_len, self.cp, c, device=device) for c in range(self.cp)])  # (T,)
+        return held.argsort()
+
+    def _in_order(self, rows: torch.Tensor, batch: int, order: torch.Tensor | None) -> torch.Tensor:
+        """(shards x B x S, E) gathered rows -> (B x T, E) rows of sequence b, token t at b x T + t."""
+        shards, E = self.tokens.shards, rows.size(-1)
+        whole = rows.view(shards, batch, -1, E).transpose(0, 1).reshape(batch, -1, E)  # (B, T, E) in rank order
+        if order is not None:
+            whole = whole.index_select(1, order)
+        return whole.reshape(-1, E)
 
 
 def token_axes(topo: Topology, sequence_parallel: bool) -> tuple[str, ...]:
@@ -101,7 +125,7 @@ def apply_expert(model: nn.Module, topo: Topology, dispatcher: str, sequence_par
         for layer in layers:
             layer.tokens = tokens
         if not layers and find_moe_blocks(model):
-            getattr(model, "base_model", model).register_forward_hook(WholeRouterLogits(tokens))
+            getattr(model, "base_model", model).register_forward_hook(WholeRouterLogits(tokens, topo.degree("cp")))
     return model
 
 
