@@ -13,8 +13,8 @@ weights from seed g before the first quorum), saving the full model it starts fr
 two steps before the end (both groups) and one step before it (group 0); then a resumed run from those checkpoints
 (group 1 from its older one) takes the last step again (OUT/<run>_resumed_g<g>r<j>.pt). Then the run at KILL_ZERO the
 test kills a rank of: at least MIN_STEPS steps, then until 5 steps in a row had every group live (the killed group's
-replacement, which starts here, came back), at most 400; each rank saves its own shards of the model and of the
-optimizer state (OUT/final_g<g>r<j>.pt)."""
+replacement, which starts here once the survivor has stepped alone, came back), at most MAX_STEPS; each rank saves
+its own shards of the model and of the optimizer state (OUT/final_g<g>r<j>.pt)."""
 
 import json
 import os
@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 import torch
+from replica_script import MAX_STEPS, wait_until_stepped_alone
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
@@ -80,7 +81,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def make(out: str, name: str, parallel: dict[str, Any]) -> plait.Plait:
     group = int(os.environ["PLAIT_REPLICA_GROUP"])
     return plait.Plait(fault={"mode": "replicas"}, parallel=parallel, run={"dir": f"{out}/{name}/replica{group}"},
-                    comm={"timeout_s": 60}, train={"global_batch_size": 16, "steps": 400},  # one micro-step
+                    comm={"timeout_s": 60}, train={"global_batch_size": 16, "steps": MAX_STEPS},  # one micro-step
                     observe={"progress": False, "trackers": []})
 
 
@@ -132,7 +133,7 @@ def run(out: str, which: str, min_steps: int, until_all_live: bool, saves: dict[
                     time.sleep(0.05)
                 done = p.steps >= min_steps and (not until_all_live or (
                     len(live) >= 5 and all(n == groups for n in live[-5:])))
-                if done or p.steps >= 400:
+                if done or p.steps >= MAX_STEPS:
                     break
             else:
                 continue
@@ -186,7 +187,7 @@ if __name__ == "__main__":
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
         compare(out, layouts.split(","), steps)
     else:
-        # the killed group's replacement goes straight to the run it left; a moment late (a new machine would be),
-        # so that the survivor steps alone
-        time.sleep(1)
+        # the killed group's replacement goes straight to the run it left, once the survivor has stepped alone (a new
+        # machine would take a while to arrive; one that came at once would find the survivor never alone)
+        wait_until_stepped_alone(f"{out}/kill_g0r0.jsonl")
     kill(out, kill_layout, min_steps)

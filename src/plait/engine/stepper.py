@@ -23,8 +23,10 @@ plait reports it is exact; after a kill (SIGKILL, a crash of the process) it lag
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -114,6 +116,7 @@ class Stepper:
         self._torch_bytes: int | None = None
         self.in_window = False
         self.announced: int | None = None  # the accumulation last logged
+        self._recent_compute: collections.deque[float] = collections.deque(maxlen=5)  # fault.slow_rank's base
 
     # -- micro-steps ---------------------------------------------------------------------------------
     def enter_window(self) -> None:
@@ -257,13 +260,16 @@ class Stepper:
         return out
 
     def _slow_down_for_tests(self) -> None:
-        """Testing aid (``fault.slow_rank``): a slower worker, as on mixed hardware. A stop request cuts the extra
-        time short: scaled from a compute time that a loaded machine can stretch many times over, one such step
-        could otherwise outlast the grace the agent gives a stopped worker to save."""
+        """Testing aid (``fault.slow_rank``): a slower worker, as on mixed hardware. The extra time is scaled from
+        the median compute time of the last 5 steps, not this step's alone: a loaded machine can stall one step for
+        seconds, which ``slow_factor`` would multiply (a 3.4 s stall made one step of a test at slow_factor 40 last
+        132 s). A stop request cuts the extra time short: one slowed step could otherwise outlast the grace the agent
+        gives a stopped worker to save."""
         f = self.config.fault
         if self.rank == f.slow_rank and f.slow_factor > 1:
             times = self.window.times
-            extra = (f.slow_factor - 1) * (times["forward_s"] + times["backward_s"])
+            self._recent_compute.append(times["forward_s"] + times["backward_s"])
+            extra = (f.slow_factor - 1) * statistics.median(self._recent_compute)
             start = time.monotonic()
             while not self.preemption.requested and (left := start + extra - time.monotonic()) > 0:
                 time.sleep(min(left, 0.1))
