@@ -6,10 +6,18 @@ PY := $(VENV)/bin/python
 
 .PHONY: train test lint bench
 
-$(VENV)/.installed: pyproject.toml
+# torchtitan's own Llama 3 (tests/parallel/test_torchtitan.py) is kept out of the dev extra's resolution: torchtitan
+# 0.3.0 pins datasets<4.8, which would downgrade the datasets and huggingface_hub every other test runs against. So it
+# goes in without its dependencies, after only what importing its models needs: triton (its expert-parallel kernels,
+# imported even on the CPU), tyro (its config manager) and spmd_types (its ParallelDims). `pip check` then reports
+# torchtitan's other requirements (einops, torch-checkpointing, datasets<4.8), which importing its models never needs.
+# The install runs again when this file changes, so an existing venv gets these too.
+$(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0 numpy
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q triton==3.9.0 tyro==1.0.17 spmd_types==0.2.3
+	$(PY) -m pip install -q --no-deps torchtitan==0.3.0
 	touch $@
 
 train: $(VENV)/.installed

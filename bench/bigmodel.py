@@ -6,7 +6,7 @@ change it), saved once with ``save_pretrained(max_shard_size="500MB")``. Each va
 spawned group of gloo ranks (one CPU thread each), so no variant's memory leaks into another's:
 
   plait      built under ``torch.device("meta")``, ``Plait.setup(model, weights=CKPT)``: each rank allocates and
-             reads only its shard (``plait.parallel.meta_init``, ``plait.parallel.weights``)
+             reads only its shard (``plait.parallel.meta_init``, ``plait.checkpoint.weights``)
   full       (a) the path without this feature: ``from_pretrained`` on every rank, then ``Plait.setup(model)``
              (the whole model on every rank, rank 0's weights broadcast, then sharded)
   by_hand    (b) ``from_pretrained`` on every rank, then FSDP2 ``fully_shard`` per decoder layer and at the root by

@@ -73,8 +73,8 @@ def _build(impl: str, cfg, batch: tuple[torch.Tensor, torch.Tensor], rank: int) 
 
     from plait.comm.collectives import Comm
     from plait.models.gpt import GPT
+    from plait.models.gpt.parallelize import apply_tensor_parallel
     from plait.parallel.data.reducer import GradReducer
-    from plait.parallel.tensor.gpt import apply_tensor_parallel
     from plait.parallel.tensor.plan import local_value, loss_context
 
     torch.manual_seed(0)

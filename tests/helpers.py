@@ -122,7 +122,7 @@ def logged_losses(run_dir: str) -> list[float]:
 
 def run_weights(run_dir: Any) -> dict:
     """The weights a run exported at its end (``RUN_DIR/model/``, a Hugging Face directory), whole."""
-    from plait.components.hf_checkpoint import read_weights
+    from plait.checkpoint.hf import read_weights
 
     return read_weights(run_dir)
 

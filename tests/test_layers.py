@@ -10,24 +10,30 @@ circle here too.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+ARCHITECTURE = SRC.parent / "docs" / "architecture.md"
 
 # Bottom first. A module belongs to the first layer with a prefix that matches its dotted name (longest
 # prefix wins within a layer list; the package ``plait`` itself is the public API at the top).
 PLAN_MODEL = ("buckets", "derive", "flops", "hardware", "kernels", "layouts", "memory", "nccl", "network", "opcore",
-              "ops", "ops_moe", "params", "planner", "rank_memory", "schedule", "shapes", "simulate", "stages",
-              "timeline", "trace", "wire", "workload")
+              "ops", "ops_float8", "ops_moe", "params", "planner", "rank_memory", "schedule", "shapes", "simulate",
+              "stages", "timeline", "trace", "wire", "workload")
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("runtime", ("plait.runtime", "plait.config", "plait.config_sections", "plait.topology")),
+    ("runtime", ("plait.runtime", "plait.config", "plait.config_sections", "plait.config_layout", "plait.topology")),
     # the pure cost and memory model: above the runtime (it reads a Config's sections and raises ConfigError)
     ("plan/model", tuple(f"plait.plan.{m}" for m in PLAN_MODEL)),
-    ("components", ("plait.components",)),
+    ("components", ("plait.components", "plait.checkpoint")),
     ("data observe", ("plait.data", "plait.observe")),
     ("comm fault nn", ("plait.comm", "plait.fault", "plait.nn", "plait.models")),
-    ("strategies", ("plait.parallel", "plait.ps", "plait.validate")),
-    ("engine", ("plait.engine",)),
+    # a model's folder: the model itself with the layers above (plait.models); what adapts it to each dimension
+    # and its spec, which registers them, with the strategies
+    ("strategies", ("plait.parallel", "plait.ps", "plait.validate", "plait.checkpoint.weights",
+                    "plait.checkpoint.layout_state",
+                    *(f"plait.models.gpt.{m}" for m in ("parallelize", "pipeline", "context", "spec")))),
+    ("engine", ("plait.engine", "plait.checkpoint.checkpointer", "plait.checkpoint.export")),
     ("trainer", ("plait.train",)),
     ("calibrate", ("plait.plan",)),
     ("recipes", ("plait.recipes",)),
@@ -143,3 +149,21 @@ def test_the_checker_sees_hidden_circles_and_upward_edges(tmp_path: Path) -> Non
     edges = imports(mods)
     assert cycles(edges) == [["plait.a", "plait.b"]]
     assert layer_of("plait.config") < layer_of("plait.engine") < layer_of("plait.cli")
+
+
+def test_the_architecture_page_lists_the_tree() -> None:
+    """docs/architecture.md names every package and top-level module of ``src/plait``, every module of ``plan/`` and
+    of ``parallel/``'s top level (each in backticks), and every module its ``parallel/`` paragraph names exists."""
+    text = ARCHITECTURE.read_text()
+    named = {n.rstrip("/").rpartition("/")[2] for n in re.findall(r"`([A-Za-z0-9_/]+)`", text)}
+    plait = SRC / "plait"
+    wanted = {f.stem for f in plait.glob("*.py")} | {d.name for d in plait.iterdir() if (d / "__init__.py").exists()}
+    wanted |= {f.stem for f in (plait / "plan").glob("*.py")} | {f.stem for f in (plait / "parallel").glob("*.py")}
+    wanted -= {"__init__", "__main__"}
+    assert not wanted - named, f"docs/architecture.md does not name: {sorted(wanted - named)}"
+    paragraph = text[text.index("`src/plait/parallel/` holds"):]
+    paragraph = paragraph[:paragraph.index("\n\n")]
+    parallel = plait / "parallel"
+    listed = {n for n in re.findall(r"`([a-z0-9_]+)`", paragraph)}
+    missing = {n for n in listed if not (parallel / f"{n}.py").exists() and not (parallel / n).is_dir()}
+    assert not missing, f"docs/architecture.md's parallel/ paragraph names modules that do not exist: {sorted(missing)}"

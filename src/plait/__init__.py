@@ -14,16 +14,22 @@ if TYPE_CHECKING:
     from plait.components import losses
     from plait.config import Config, ConfigError, load_config
     from plait.engine import Plait, StepInfo
-    from plait.parallel.plans import register_plan
+    from plait.parallel.errors import PlaitError
+    from plait.parallel.model_specs import register_train_spec
+    from plait.parallel.train_spec import TrainSpec
     from plait.train.trainer import Trainer
 
 _EXPORTS = {
     "Config": ("plait.config", "Config"), "ConfigError": ("plait.config", "ConfigError"),
     "load_config": ("plait.config", "load_config"), "Plait": ("plait.engine", "Plait"),
     "StepInfo": ("plait.engine", "StepInfo"), "Trainer": ("plait.train.trainer", "Trainer"),
-    "losses": ("plait.components.losses", None), "register_plan": ("plait.parallel.plans", "register_plan"),
+    "losses": ("plait.components.losses", None),
+    "register_train_spec": ("plait.parallel.model_specs", "register_train_spec"),
+    "TrainSpec": ("plait.parallel.train_spec", "TrainSpec"),
+    "PlaitError": ("plait.parallel.errors", "PlaitError"),
 }
-__all__ = ["Config", "ConfigError", "Plait", "StepInfo", "Trainer", "load_config", "losses", "register_plan"]
+__all__ = ["Config", "ConfigError", "Plait", "PlaitError", "StepInfo", "TrainSpec", "Trainer", "load_config", "losses",
+           "register_train_spec"]
 
 
 def __getattr__(name: str) -> Any:

@@ -301,7 +301,7 @@ def _start_fork_server() -> None:
     if START_METHOD == "forkserver":
         from multiprocessing import forkserver
 
-        multiprocessing.set_forkserver_preload(WORKER_IMPORTS)
+        multiprocessing.set_forkserver_preload([*WORKER_IMPORTS, "plait.runtime.gc_freeze"])  # last (its docstring)
         forkserver.ensure_running()
 
 

@@ -9,6 +9,7 @@ explicitly; nothing reads a global process group deep inside a layer.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -104,7 +105,7 @@ FLATTENED: dict[str, tuple[str, ...]] = {
 class Topology:
     """Mesh degrees, this rank's coordinates, and the device mesh with its per-axis groups. ``degree``, ``coord``
     and ``group`` take a mesh axis or a named flattened one (``FLATTENED``: ``dp``, ``dp_cp``, ``dp_shard_cp``,
-    ``edp``)."""
+    ``edp``). ``outside``: mesh axes whose ranks train apart (``within``): the flattened axes leave them out."""
 
     degrees: dict[str, int]
     rank: int
@@ -112,10 +113,20 @@ class Topology:
     device: torch.device
     mesh: DeviceMesh | None = None
     _groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
+    outside: tuple[str, ...] = ()
 
     def _axes(self, name: MeshAxis | str) -> tuple[str, ...]:
-        """The mesh axes ``name`` spans (itself, or a flattened name's)."""
-        return FLATTENED.get(str(name), (str(name),))
+        """The mesh axes ``name`` spans (itself, or a flattened name's less the axes ``outside``)."""
+        if str(name) not in FLATTENED:
+            return (str(name),)
+        return tuple(a for a in FLATTENED[str(name)] if a not in self.outside)
+
+    def within(self, *outside: MeshAxis | str) -> Topology:
+        """This topology as seen inside one replica along the ``outside`` axes (DiLoCo's ``dp_replicate``: replicas
+        that train apart and meet every H steps): the same ranks, mesh and groups, but the flattened axes (``dp``,
+        ``dp_cp``, ``dp_shard_cp``, ``edp``) span only the replica's ranks, so a gradient-sync policy, the experts'
+        sync and every degree read from them stay inside it."""
+        return dataclasses.replace(self, outside=tuple(str(a) for a in outside))
 
     @property
     def dp(self) -> int:
@@ -195,8 +206,9 @@ class Topology:
 
     @property
     def hybrid(self) -> bool:
-        """Hybrid sharding (HSDP): shard groups of ``dp_shard`` ranks replicated ``dp_replicate`` times."""
-        return self.degrees["dp_shard"] > 1 and self.degrees["dp_replicate"] > 1
+        """Hybrid sharding (HSDP): shard groups of ``dp_shard`` ranks replicated ``dp_replicate`` times (inside
+        ``within("dp_replicate")`` there is one replica: not hybrid)."""
+        return self.degrees["dp_shard"] > 1 and "dp_replicate" in self.live("dp_cp")
 
     @property
     def shard_degree(self) -> int:
@@ -216,6 +228,20 @@ class Topology:
             self.mesh[tuple(shard)]._flatten("dp_shard_cp")  # registered on the root mesh, sliced with its name
             return self.mesh["dp_replicate", "dp_shard_cp"]
         return self.sub_mesh("dp_cp")
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards expert weights over, the ranks holding the same experts (``edp``): 1-D, or under
+        hybrid sharding 2-D (``dp_replicate``, then the shard group's ``dp_shard`` x ``cp`` ranks), as dense
+        parameters are."""
+        assert self.mesh is not None
+        if not self.hybrid:
+            return self.sub_mesh("edp")
+        shard = [a for a in ("dp_shard", "cp") if self.degrees[a] > 1]
+        if len(shard) == 1:
+            return self.mesh["dp_replicate", shard[0]]
+        self.mesh[tuple(shard)]._flatten("edp_shard")  # registered on the root mesh, sliced with its name
+        return self.mesh["dp_replicate", "edp_shard"]
 
     @property
     def expert_dp_group(self) -> dist.ProcessGroup | None:

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from plait.components.precision import check_skip
 from plait.config import Config, ConfigError, check_values
 from plait.data.tokenize import resolve_vocab_size
 from plait.observe.prometheus import check_prometheus
 from plait.observe.trackers import check_trackers
 from plait.parallel import float8
-from plait.parallel.checkpointing import check_checkpointing
+from plait.parallel.activation_checkpoint import check_checkpointing
 from plait.parallel.compile import compile_unit
 from plait.parallel.compose import check_layout, compile_blocks_because, resolve
-from plait.parallel.offload import check_offload
 
 
 def validate(cfg: Config, world_size: int, model_check: Callable[[Config, dict[str, int]], None] | None = None
@@ -44,8 +44,8 @@ def validate(cfg: Config, world_size: int, model_check: Callable[[Config, dict[s
         t.micro_batch_size = t.global_batch_size // p.dp
     check_layout(cfg, degrees)
     check_checkpointing(t.activation_checkpointing, t.checkpoint_every_k, t.checkpoint_save_ops, t.activation_offload)
-    check_offload(t.activation_offload, t.compile)
     float8.check_config(cfg)
+    check_skip(t.precision, cfg.optim.skip_nonfinite)
     compile_unit(cfg, compile_blocks_because(cfg))  # train.compile=model where the layout needs blocks: refused here
     if model_check is not None:
         model_check(cfg, degrees)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from plait.components import checkpoint as ckpt
+from plait.checkpoint import dcp as ckpt
 from plait.data.corpus import DataError, load_splits
 from plait.engine import Plait
 

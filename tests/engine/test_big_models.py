@@ -131,7 +131,7 @@ def train(family: str, parallel: dict, micro: int, run_dir: str, weights: str | 
 
 def bad_inputs(root: str, family: str) -> dict[str, str]:
     """Each bad checkpoint's message (every rank gets one; none hangs: the group goes on to the next)."""
-    from plait.components.hf_checkpoint import WeightsError
+    from plait.checkpoint.hf import WeightsError
 
     out = {}
     for case in sorted(MESSAGES):
@@ -354,8 +354,8 @@ def test_checkpoint_conversion_plait_cannot_read_in_blocks_is_refused(root) -> N
     slice at a time: one ``WeightsError`` names the model's tensor and the operation, before anything is read."""
     from transformers.core_model_loading import MergeModulelist, Transpose, WeightConverter, WeightRenaming
 
-    from plait.components.hf_checkpoint import WeightsError, open_checkpoint
-    from plait.components.hf_convert import converted
+    from plait.checkpoint.hf import WeightsError, open_checkpoint
+    from plait.checkpoint.hf_convert import converted
 
     ckpt = open_checkpoint(root / "mixtral")
     conversions = [WeightRenaming(".block_sparse_moe.", ".mlp."),
@@ -461,7 +461,7 @@ def test_setup_memory_per_rank(results) -> None:
 def test_plait_train_from_weights_exports_a_directory(root, tmp_path) -> None:
     """``plait train --model.weights=CKPT`` (the model built on the meta device) trains at zero=3 on 2 ranks and
     leaves ``RUN_DIR/model/``, which ``from_pretrained`` loads and ``weights=RUN_DIR`` resolves to."""
-    from plait.components.hf_checkpoint import checkpoint_files
+    from plait.checkpoint.hf import checkpoint_files
 
     (tmp_path / "hfmodels.py").write_text("import transformers\n\ndef llama():\n    return transformers."
                                           f"LlamaForCausalLM(transformers.LlamaConfig(**{SMALL!r}))\n")
@@ -521,7 +521,7 @@ def test_export_names_its_files_as_save_pretrained_does(tmp_path) -> None:
     ``from_pretrained`` (no missing or unexpected key, the same weights) and with plait's reader. A model with a
     tensor that is not floating point (BatchNorm's step counter, which torch's consolidation leaves out) has it
     in those files too, not in one more."""
-    from plait.components.hf_checkpoint import read_weights
+    from plait.checkpoint.hf import read_weights
 
     torch.manual_seed(0)
     build("llama").save_pretrained(tmp_path / "reference")

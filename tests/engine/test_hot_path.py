@@ -138,23 +138,23 @@ def test_a_non_logging_trainer_step_writes_no_file(tmp_path: Path) -> None:
 
 
 # -- device reads ------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fused", [True, False], ids=["fused_adamw", "adamw"])
-def test_a_non_logging_step_reads_nothing_the_hand_loop_does_not(tmp_path: Path, fused: bool,
+@pytest.mark.parametrize(("fused", "skip"), [(True, "auto"), (False, "auto"), (False, True)],
+                         ids=["fused_adamw", "adamw", "adamw_skip_asked"])
+def test_a_non_logging_step_reads_nothing_the_hand_loop_does_not(tmp_path: Path, fused: bool, skip: Any,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A small decoder in the keep-your-loop API at world 1 (``p.backward(cross_entropy(model(x), y))``,
     ``p.step()``, ``optim.grad_clip = 1.0``, plait's AdamW from ``[optim]``) against the same loop by hand with
-X; the count is the same at every step). On the CPU both AdamWs read their own step counters
-    (one per parameter, fused or not), on both sides. Fused AdamW takes ``found_inf``, so plait skips a non-finite
-    step on the device: the same count. The plain AdamW (plait's default on the CPU) does not: plait decides the
-    skip on the host, one read of the step's non-finite flag (``Strategy.step_unless``), which the hand loop does
-    not make because it does not skip at all. That read is the only difference: with ``step_unless`` stepping
-    unconditionally the counts are equal. It stays: skipping without it would take a copy of the parameters and
-    both moments before every update and a ``torch.where`` back (about as long as the AdamW step itself: 10 ms
-    against 12 ms for 0.8M parameters here, against 1 us for reading a flag that lives in host memory), and on a
-    GPU plait's AdamW is the fused one (a user's non-fused optimizer there is named at setup, with the fix)."""
+    ``clip_grad_norm_`` (``aten::_local_scalar_dense``, every read of a tensor's value on the host, counted over two
+    steps each; the count is the same at every step). On the CPU both AdamWs read their own step counters (one per
+    parameter, fused or not), on both sides. Fused AdamW takes ``found_inf``, so plait skips a non-finite step on the
+    device: the same count. The plain AdamW (plait's default on the CPU) does not: with ``optim.skip_nonfinite=auto``
+    (the default) plait applies its update as the hand loop does (no skip: the same count); asked to skip it
+    (``optim.skip_nonfinite=true``) plait decides on the host, one read of the step's non-finite flag
+    (``Layout._step_unless``), and that read is the only difference: with ``_step_unless`` stepping unconditionally the
+    counts are equal."""
     hand_model = _gpt()
     hand_opt = torch.optim.AdamW(hand_model.parameters(), lr=LR, fused=fused)
-    p = _plait(tmp_path, optim={"grad_clip": 1.0, "lr": LR, "fused": fused},
+    p = _plait(tmp_path, optim={"grad_clip": 1.0, "lr": LR, "fused": fused, "skip_nonfinite": skip},
                train={"global_batch_size": 8, "micro_batch_size": 8})
     model, _ = p.setup(_gpt())
     data = TensorDataset(torch.randint(0, 256, (64, SEQ)), torch.randint(0, 256, (64, SEQ)))
@@ -167,8 +167,8 @@ X; the count is the same at every step). On the CPU both AdamWs read their own s
         _gpt_hand_step(hand_model, hand_opt, data), step()
     hand = _syncs(lambda: _gpt_hand_step(hand_model, hand_opt, data), 2)
     assert hand >= sum(1 for _ in model.parameters())  # the optimizer's own reads, on both sides
-    assert _syncs(step, 2) - hand == (0 if fused else 1)
-    monkeypatch.setattr(p.strategy, "step_unless", lambda found: p.strategy.step())
+    assert _syncs(step, 2) - hand == (1 if skip is True and not fused else 0)
+    monkeypatch.setattr(p.layout, "_step_unless", lambda found: p.layout._step())
     assert _syncs(step, 2) == hand  # the one extra read is the skip's decision, nothing else
     monkeypatch.undo()
     info = step()

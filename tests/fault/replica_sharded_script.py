@@ -1,18 +1,20 @@
 """A user's own loop under ``fault.mode = "replicas"`` with replica groups of several ranks (run by
-tests/fault/test_replicas_sharded.py through ``plait run --replicas 2 --nproc 2``), each group sharded inside by ZeRO
-or FSDP2 (a small MLP), or split by tensor or pipeline parallelism (plait's tiny GPT, its embedding and head tied).
+tests/fault/test_replicas_sharded.py and test_replicas_inside.py through ``plait run --replicas 2 --nproc 2``), each
+group sharded inside by ZeRO or FSDP2 (a small MLP), or split by tensor, pipeline, context or expert parallelism
+(plait's tiny GPT, its embedding and head tied; with MoE blocks under ep).
 Every rank writes its records to OUT/<run>_g<g>r<j>.jsonl: per step its pid, step, loss, live groups and the sample
 ids it trained on.
 
 ``OUT LAYOUTS STEPS KILL_ZERO MIN_STEPS``. First, for each layout in LAYOUTS (comma-separated: a ZeRO stage 0-3, or
-tp (parallel.tp=2) or pp (parallel.pp=2, 1F1B over 2 pipeline micro-batches)), one run of STEPS steps (group g's
+tp (parallel.tp=2), pp (parallel.pp=2, 1F1B over 2 pipeline micro-batches), cp_ring or cp_alltoall (parallel.cp=2)
+or ep (parallel.ep=2, 4 experts per MoE block, balanced by bias)), one run of STEPS steps (group g's
 weights from seed g before the first quorum), saving the full model it starts from and ends with
 (OUT/<run>_start_..., OUT/<run>_full_g<g>r<j>.pt, gathered in its group; <run> is z<zero>, tp or pp) and checkpoints
 two steps before the end (both groups) and one step before it (group 0); then a resumed run from those checkpoints
 (group 1 from its older one) takes the last step again (OUT/<run>_resumed_g<g>r<j>.pt). Then the run at KILL_ZERO the
 test kills a rank of: at least MIN_STEPS steps, then until 5 steps in a row had every group live (the killed group's
-replacement, which starts here, came back), at most 400; each rank saves its own shards of the model and of the
-optimizer state (OUT/final_g<g>r<j>.pt)."""
+replacement, which starts here once the survivor has stepped alone, came back), at most MAX_STEPS; each rank saves
+its own shards of the model and of the optimizer state (OUT/final_g<g>r<j>.pt)."""
 
 import json
 import os
@@ -21,13 +23,16 @@ import time
 from typing import Any
 
 import torch
+from replica_script import MAX_STEPS, wait_until_stepped_alone
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
 
 import plait
 
-MODEL_LAYOUTS = {"tp": {"tp": 2}, "pp": {"pp": 2, "microbatches": 2, "pp_balance": "count"}}
+MODEL_LAYOUTS = {"tp": {"tp": 2}, "pp": {"pp": 2, "microbatches": 2, "pp_balance": "count"},
+                 "cp_ring": {"cp": 2, "cp_impl": "ring"}, "cp_alltoall": {"cp": 2, "cp_impl": "alltoall"},
+                 "ep": {"ep": 2}}
 GPT_SEQ, GPT_VOCAB = 16, 64
 
 
@@ -46,16 +51,22 @@ def gpt_data() -> TensorDataset:
     return TensorDataset(tokens[:, :-1], tokens[:, 1:], torch.arange(512))
 
 
-def build_gpt() -> nn.Module:
+def build_gpt(moe: bool = False) -> nn.Module:
+    """plait's tiny GPT; ``moe``: each block's MLP a mixture of 4 experts, 2 per token, balanced by bias (the loads
+    summed over every data-parallel rank move each expert's bias after every step), with DeepSeek-V3's sequence-wise
+    balance loss."""
+    from plait.config import MoeConfig
     from plait.models.tiny import GPT, tiny_config
 
-    return GPT(tiny_config(n_layer=2, d_model=32, n_head=4, seq_len=GPT_SEQ, vocab_size=GPT_VOCAB))
+    return GPT(tiny_config(n_layer=2, d_model=32, n_head=4, seq_len=GPT_SEQ, vocab_size=GPT_VOCAB),
+               MoeConfig(num_experts=4, top_k=2, balance="bias", bias_update_rate=0.01, seq_aux_loss_coef=0.01)
+               if moe else None)
 
 
 def layout(name: str) -> tuple[dict[str, Any], Any, Any]:
     """(the [parallel] section, the model's builder, the data set's) of a layout's name."""
     if name in MODEL_LAYOUTS:
-        return MODEL_LAYOUTS[name], build_gpt, gpt_data
+        return MODEL_LAYOUTS[name], (lambda: build_gpt(moe=name == "ep")), gpt_data
     return {"zero": int(name)}, build, data
 
 
@@ -70,7 +81,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def make(out: str, name: str, parallel: dict[str, Any]) -> plait.Plait:
     group = int(os.environ["PLAIT_REPLICA_GROUP"])
     return plait.Plait(fault={"mode": "replicas"}, parallel=parallel, run={"dir": f"{out}/{name}/replica{group}"},
-                    comm={"timeout_s": 60}, train={"global_batch_size": 16, "steps": 400},  # one micro-step
+                    comm={"timeout_s": 60}, train={"global_batch_size": 16, "steps": MAX_STEPS},  # one micro-step
                     observe={"progress": False, "trackers": []})
 
 
@@ -122,7 +133,7 @@ def run(out: str, which: str, min_steps: int, until_all_live: bool, saves: dict[
                     time.sleep(0.05)
                 done = p.steps >= min_steps and (not until_all_live or (
                     len(live) >= 5 and all(n == groups for n in live[-5:])))
-                if done or p.steps >= 400:
+                if done or p.steps >= MAX_STEPS:
                     break
             else:
                 continue
@@ -164,7 +175,7 @@ def kill(out: str, which: str, min_steps: int) -> None:
     inner = opt.optimizer if hasattr(opt, "buckets") else opt
     state = {f"optim.{i}.{k}": local(v) for i, s in inner.state_dict()["state"].items() for k, v in s.items()
              if isinstance(v, torch.Tensor)}
-    model_sd = {f"model.{k}": local(v) for k, v in p.strategy.model_entries().items()}
+    model_sd = {f"model.{k}": local(v) for k, v in p.strategy.state.model_entries().items()}
     torch.save({**model_sd, **state}, f"{out}/final_g{group}r{p.rank}.pt")
     p.close()
 
@@ -176,7 +187,7 @@ if __name__ == "__main__":
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
         compare(out, layouts.split(","), steps)
     else:
-        # the killed group's replacement goes straight to the run it left; a moment late (a new machine would be),
-        # so that the survivor steps alone
-        time.sleep(1)
+        # the killed group's replacement goes straight to the run it left, once the survivor has stepped alone (a new
+        # machine would take a while to arrive; one that came at once would find the survivor never alone)
+        wait_until_stepped_alone(f"{out}/kill_g0r0.jsonl")
     kill(out, kill_layout, min_steps)

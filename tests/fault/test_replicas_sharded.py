@@ -185,15 +185,3 @@ def test_killed_rank_of_a_sharded_group_heals_per_rank(launched: dict) -> None:
     shards = [torch.load(out / f"final_g0r{r}.pt") for r in (0, 1)]  # each rank its own optimizer shard (or stage)
     assert not torch.equal(shards[0]["optim.0.exp_avg"], shards[1]["optim.0.exp_avg"])
     assert len(launched["log"].split("healed from a live replica: joins at step")) >= 3  # the start, the heal
-
-
-@pytest.mark.parametrize("sections, refused", [({"ep": 2}, "parallel.ep=2"), ({"cp": 2}, "parallel.cp=2")])
-def test_expert_and_context_parallelism_inside_a_group_are_refused(sections: dict, refused: str) -> None:
-    from plait.config import ConfigError, from_sections
-    from plait.validate import validate
-
-    cfg = from_sections({"train": {"global_batch_size": 8}, "parallel": {**sections, "dp_replicate": 2},
-                         "fault": {"mode": "replicas"}})
-    with pytest.raises(ConfigError, match=rf"does not compose with {refused} \(no expert or context parallelism "
-                                          r"inside a replica group"):
-        validate(cfg, 4)

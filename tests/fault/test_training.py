@@ -31,7 +31,7 @@ def _nan_worker(rank: int, world: int, root: str) -> dict:
     import plait
 
     p = plait.Plait(run={"dir": root}, train={"global_batch_size": 8, "micro_batch_size": 4},
-                    observe={"progress": False, "trackers": []})
+                    optim={"skip_nonfinite": True}, observe={"progress": False, "trackers": []})
     torch.manual_seed(0)
     model, _ = p.setup(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)))
     g = torch.Generator().manual_seed(rank)

@@ -71,6 +71,22 @@ def browser() -> Iterator[Any]:
             b.close()
 
 
+def _screenshot(page: Any, shot: Path, tries: int = 4) -> None:
+    """The whole page as a PNG. Headless Chromium without a GPU sometimes produces no compositor frame before its own
+    capture deadline on a loaded machine ("Unable to capture screenshot", seen under 2 cores at load 30): the page is
+    unchanged, so the capture is asked for again after a pause; any other error, or failing every time, fails."""
+    from playwright.sync_api import Error
+
+    for attempt in range(tries):
+        try:
+            page.screenshot(path=str(shot), full_page=True, animations="disabled")
+            return
+        except Error as e:
+            if "Unable to capture screenshot" not in str(e) or attempt == tries - 1:
+                raise
+            page.wait_for_timeout(500 * (attempt + 1))
+
+
 def _open(browser: Any, html: Path, shot: Path) -> dict[str, Any]:
     """Load the page offline; returns console errors, requests other than the page, figure sizes."""
     page = browser.new_page(viewport={"width": 1200, "height": 900})
@@ -87,7 +103,7 @@ def _open(browser: Any, html: Path, shot: Path) -> dict[str, Any]:
                 marks: svg ? svg.querySelectorAll('path, image, rect, use').length : 0};
     })""")
     verdict = page.evaluate("() => [...document.querySelectorAll('.verdict')].map(v => v.dataset.bound)")
-    page.screenshot(path=str(shot), full_page=True)
+    _screenshot(page, shot)
     page.close()
     return {"errors": errors, "requests": [r for r in requests if r != url], "verdict": verdict,
             "figures": {f["id"]: f for f in figures}}

@@ -13,7 +13,7 @@ from references import SHARDED_LLAMA, dp_batches, dp_model, saved_activation_byt
 from plait.config import ConfigError
 from plait.models.gpt import GPT
 from plait.models.tiny import tiny_config
-from plait.parallel.checkpointing import (
+from plait.parallel.activation_checkpoint import (
     CheckpointPolicyError,
     apply_activation_checkpointing,
     resolve_save_ops,

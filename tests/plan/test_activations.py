@@ -274,7 +274,7 @@ def test_bytes_alive_after_forward_match_the_planner(family, regime, mode):
     ``full`` (each block's input, rotary's cos and sin held for the recomputation); ``selective`` with the default
     policy (each block's input and its matmuls' and attention's outputs). Within 5%. (plait's GPT in bf16 is left
     out: CPU's LayerNorm keeps bf16 statistics, see test_every_saved_term_matches_the_op_list.)"""
-    from plait.parallel.checkpointing import apply_activation_checkpointing
+    from plait.parallel.activation_checkpoint import apply_activation_checkpointing
     from plait.parallel.memory import LiveTensorMeter
 
     model, shape, run = _build(family, regime)
@@ -339,7 +339,7 @@ def test_bytes_alive_under_tensor_and_sequence_parallelism(sp, regime, mode):
     shard of the width) and the row-parallel ones' partial sums (every token, the full width), and recomputes the
     sequence-parallel all-gathers; within 5%."""
     from plait.config import load_config
-    from plait.parallel.checkpointing import apply_activation_checkpointing
+    from plait.parallel.activation_checkpoint import apply_activation_checkpointing
     from plait.parallel.memory import LiveTensorMeter
     from plait.plan.record import fake_world, tensor_parallel
 

@@ -124,7 +124,7 @@ def test_context_parallelism_is_simulated_and_planned_for_long_sequences(monkeyp
         "comm_bytes_per_step"]
     assert len(piped["comm_bytes_per_step_by_pipeline_rank"]) == 2 and min(piped[
         "comm_bytes_per_step_by_pipeline_rank"]) > 0
-    with pytest.raises(ConfigError, match="cp=2 is simulated without expert parallelism"):
+    with pytest.raises(ConfigError, match="cp=2 is simulated with the flash attention kernel"):
         simulate(Workload(shape, Layout(dp=1, cp=2, micro_batch_size=1), 1, attention="unfused"), Cluster.of(A100, 2))
     with pytest.raises(ConfigError, match="needs zero=3"):
         simulate(Workload(shape, Layout(dp=4, zero=2, dp_shard=2, micro_batch_size=1), 4), Cluster.of(A100, 4))
@@ -185,8 +185,9 @@ def test_planner_enumerates_hsdp_and_pipelines_with_zero():
     assert any(lay.pp > 1 and lay.zero in (1, 2) for lay in layouts)
     assert any(lay.pp > 1 and lay.zero == 3 for lay in layouts)
     assert any(lay.hybrid for lay in layouts)
-    assert "zero=1-3 with pp>1" not in result.pruned and "zbv with zero=3" in result.pruned
-    assert not any(lay.schedule == "zbv" and lay.zero == 3 and lay.pp > 1 for lay in layouts)
+    assert "zero=1-3 with pp>1" not in result.pruned and "zbv with zero=3" not in result.pruned
+    # zbv over ZeRO-3 stages is screened like any layout (here none of zbv's fits: its weight passes keep more alive)
+    assert any(" zbv " in name and "zero=3" in name for name in result.pruned)
 
 
 def test_a_config_with_dp_shard_or_pipeline_zero_simulates_and_plans_to_a_runnable_config(tmp_path):

@@ -34,6 +34,7 @@ RUN = ["--model.n_layer=2", "--model.d_model=64", "--model.n_head=2", "--model.s
 
 
 @pytest.mark.slow
+@pytest.mark.timing  # the run's step time against the machine's calibration: a neighbour's load decides it
 def test_prediction_of_a_short_measured_run(tmp_path):
     profile_path = calibrate(tmp_path / "profile.toml", quick=True, log=lambda s: None)
     profile = load_profile(profile_path)

@@ -9,7 +9,7 @@ from helpers import run_ranks
 from references import DP_CFG, dp_batches, dp_model, local_micro_batches, param_groups, saved_activation_bytes
 
 from plait.observe.memory import measure_model_state_bytes
-from plait.parallel.checkpointing import apply_activation_checkpointing
+from plait.parallel.activation_checkpoint import apply_activation_checkpointing
 from plait.parallel.fsdp.shard import apply_fsdp
 from plait.parallel.zero.optimizer import ZeroOptimizer
 from plait.plan.memory import (

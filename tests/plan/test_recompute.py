@@ -45,7 +45,7 @@ def _model(family: str):
 
 
 def _backward_matmuls(family: str, mode: str) -> tuple[int, object]:
-    from plait.parallel.checkpointing import apply_activation_checkpointing
+    from plait.parallel.activation_checkpoint import apply_activation_checkpointing
 
     model, shape, run = _model(family)
     apply_activation_checkpointing(model, mode)

@@ -343,7 +343,7 @@ GPT_OPTIM = {"default": [], "plain": ["--optim.grad_clip=0", "--optim.weight_dec
 def _gpt_run(overrides: list[str], run_dir: str) -> dict | None:
     """``plait train``'s worker function; a worker returns its metrics and the exported weights (a server
     nothing)."""
-    from plait.components.export import load_safetensors
+    from plait.checkpoint.single_file import load_safetensors
     from plait.config import ModelConfig, MoeConfig
     from plait.models.gpt import GPT
 
@@ -679,9 +679,9 @@ def test_ps_checkpoint_loads_into_one_process_and_plait_sample(world4: tuple, ca
     model.safetensors exactly; ``plait sample`` generates from that export."""
     import torch.distributed.checkpoint as dcp
 
+    from plait.checkpoint.dcp import latest_checkpoint
+    from plait.checkpoint.single_file import load_safetensors
     from plait.cli import cmd_sample
-    from plait.components.checkpoint import latest_checkpoint
-    from plait.components.export import load_safetensors
     from plait.config import load_config, to_toml
     from plait.models.gpt import GPT
 

@@ -27,7 +27,7 @@ def _trainer(root: str, name: str, extra: list[str]):
 
 
 def _skip_nonfinite(root: str, precision: str) -> dict:
-    t = _trainer(root, precision, [f"--train.precision={precision}"])
+    t = _trainer(root, precision, [f"--train.precision={precision}", "--optim.skip_nonfinite=true"])
     first = t.train_step()
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
     scale_before = t.scaler.scale

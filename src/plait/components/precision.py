@@ -18,7 +18,16 @@ from collections.abc import Sequence
 
 import torch
 
+from plait.config import ConfigError
+
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_skip(precision: str, skip_nonfinite: bool | str) -> None:
+    """``optim.skip_nonfinite=false`` with fp16: its loss scaling lets a step overflow and must not apply it."""
+    if precision == "fp16" and skip_nonfinite is False:
+        raise ConfigError("optim.skip_nonfinite=false with train.precision=fp16: fp16's loss scaling skips the steps "
+                          "whose scaled gradients overflow, then lowers the scale; set optim.skip_nonfinite=auto")
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:

@@ -11,7 +11,7 @@
 
 It starts the process group itself under ``plait run``, ``torchrun`` or SLURM, and runs as one process
 otherwise. ``Plait`` is a facade: the layout is composed from the config (``plait.parallel.compose``) and the engine
-talks only to its contract (``plait.parallel.layout.Layout``); beside it are the accumulation window,
+talks only to its contract (``plait.parallel.layout.LayoutContract``); beside it are the accumulation window,
 the checkpointer, the run's files and its metrics. ``setup`` builds the optimizer after the layout is applied,
 so it holds the parameters the layout trains. The returned model is the user's own object (attributes and
 ``state_dict()`` keys unchanged); under pipeline parallelism ``forward_backward(model, batch)`` runs a step.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,36 +29,37 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.checkpoint.checkpointer import Checkpointer
 from plait.comm.auto import AutoCompress
 from plait.comm.collectives import comm_from_config
 from plait.comm.watchdog import StepWatchdog
-from plait.components.hf_checkpoint import DEFAULT_SHARD_BYTES
-from plait.components.losses import IGNORE_INDEX, Loss, infer_loss, resolve_loss
+from plait.components.losses import Loss, infer_loss, resolve_loss
 from plait.components.optim import optimizer_factory
 from plait.components.rng import RngStream, run_forward_in
 from plait.config import Config
 from plait.data.loader import to_device
-from plait.engine.checkpointer import Checkpointer
 from plait.engine.collectives import SmallCollectives, explained
-from plait.engine.export import export_weights
 from plait.engine.loaders import distributed_loader
 from plait.engine.metrics import MetricsSink
+from plait.engine.persistence import Persistence
 from plait.engine.run_access import RunAccess
 from plait.engine.run_files import RunFiles
-from plait.engine.setup import batch_size, check_setup_args, coerce_config, select_device, setup_loss
+from plait.engine.setup import batch_size, check_setup_args, coerce_config, select_device, setup_loss, skip_note
 from plait.engine.step_info import StepInfo
 from plait.engine.stepper import Stepper
 from plait.engine.stepper import StepperAttribute as _StepperAttr
+from plait.engine.tokens import TokenCounting
 from plait.fault.preempt import PreemptionFlag
 from plait.nn.moe import moe_layers
 from plait.observe.log import get_logger
 from plait.observe.memory import SetupMeter
 from plait.observe.prometheus import serve_metrics
 from plait.parallel import compose
-from plait.parallel.capabilities import Serving, agreement
+from plait.parallel.capabilities import Serving
 from plait.parallel.compile import compile_plan
+from plait.parallel.errors import PlaitError, RankDone, check_loss
 from plait.parallel.expert.dispatch import MoeMonitor
-from plait.parallel.layout import Layout, PlaitError, RankDone, check_loss
+from plait.parallel.layout import Layout
 from plait.parallel.meta_init import place
 from plait.parallel.prepare import unwrap_compiled
 from plait.parallel.spec import ModelSpec
@@ -68,7 +69,7 @@ from plait.topology import Topology
 from plait.validate import validate
 
 
-class Plait(SmallCollectives):
+class Plait(TokenCounting, Persistence, SmallCollectives):
     """Distributed training for the user's own loop; see the module docstring.
 
     ``config``: a ``plait.Config``, the path of a TOML file, or None for the defaults; keyword
@@ -244,16 +245,18 @@ class Plait(SmallCollectives):
         with self.rng.active():  # what setup draws (a pipeline stage's cost measurement) is plait's, not the user's
             self.stepper.layout = strategy = compose.parallelize(place(model, self.device), self.topology,
                                                                  self.config, self.comm, spec)
-            strategy.prepare_weights(weights, init_fn, self.config.train.seed, self.group)
+            strategy.state.prepare_weights(weights, init_fn, self.config.train.seed, self.group)
             if moe:
-                self.stepper.moe = MoeMonitor(strategy.model, self.topology, self.comm, self.config.train.log_every,
-                                              bias=any(layer.balance == "bias" for layer in moe))
+                # the layout's topology: a bias balances the loads of the ranks that step together (one DiLoCo
+                # replica's)
+                self.stepper.moe = MoeMonitor(strategy.model, strategy.topo, self.comm, self.config.train.log_every,
+                                              bias=any(layer.balance == "bias" for layer in moe),
+                                              sequence_parallel=p.sequence_parallel)
             opt = strategy.build_optimizer(factory)
         strategy.setup_memory = meter.stop()
-        if self.device.type == "cuda" and not strategy.skips_on_device():
-            self.logger.info("the optimizer cannot skip a non-finite step on the GPU (no found_inf): each step reads "
-                             "its non-finite flag on the host, one sync; a fused optimizer (AdamW(fused=True), "
-                             "plait's default) does not")
+        skips = strategy.nonfinite_skip()
+        if skips != "device" and self.config.optim.skip_nonfinite is not False:
+            self.logger.info(skip_note(skips == "host", self.device))
         self._start(strategy)
         if scheduler is not None:
             self.stepper.scheduler = scheduler(strategy.scheduler_target())
@@ -361,83 +364,6 @@ class Plait(SmallCollectives):
         with loss.per_items(num_items_in_batch):
             return self.stepper.forward_backward(model, self.to_device(batch), loss, samples)
 
-    @explained
-    def num_items_in_batch(self, batches: Any, loss_fn: Any = None, *, shift: bool = True) -> torch.Tensor:
-        """The divisor that makes a summed loss one mean over the real tokens of the whole optimizer step.
-
-        ``batches``: this rank's labels of every micro-batch of the optimizer step (a tensor or a list of them:
-        Hugging Face labels, ``-100`` where a token does not count), or its micro-batches (dicts with
-        ``labels``, or any batch ``loss_fn`` counts; ``loss_fn`` defaults to the one given to setup). Labels are
-        counted after the causal-LM shift (``labels[..., 1:]``; ``shift=False`` counts them as they are), as
-        transformers counts ``num_items_in_batch``. The counts are summed over the data-parallel ranks (one
-        all-reduce of one number when dp > 1; the only collective, on the device, nothing read back) and divided
-        by the micro-steps and ranks ``backward`` averages over (accumulation x the ranks gradients are averaged
-        over; under context parallelism the data-parallel ranks only, the value of cp=1: the model's forward divides
-        a shard's loss by cp itself), so that ``loss = token_losses.sum() / n`` per micro-step, or a Hugging Face
-        model's ``model(**batch, num_items_in_batch=n).loss``, through ``backward`` weighs every real token of the
-        step ``1 / N``. Returns a 0-dim float32 tensor on this rank's device; every data-parallel rank must call it."""
-        strategy = self._require_strategy()
-        if not self.model_whole:
-            raise PlaitError("num_items_in_batch: under pipeline parallelism the last stage computes the loss per "
-                             "pipeline micro-batch; use the mean loss given to setup (loss_fn)")
-        if not self.weighs_tokens:
-            raise PlaitError("num_items_in_batch: the data-parallel ranks of this layout run at their own pace (an "
-                             "asynchronous parameter server), so no step's token count is shared; use a mean loss")
-        items = list(batches) if isinstance(batches, list | tuple) else [batches]
-        if not items:
-            raise PlaitError("num_items_in_batch() got no labels: pass every micro-batch's labels of the step")
-        counts = [self._count_items(b, loss_fn, shift) for b in items]
-        ranks = strategy.items_ranks  # the data-parallel ranks backward averages over, and the micro-steps
-        divisor = ranks * self.window.accumulation
-        alone = self.dp == 1 or ranks == 1  # nothing to sum over the data-parallel group
-        # Host counts are added on the host and filled in on the device (a kernel, not a copy that waits for the
-        # stream); counts of labels already on the device stay there: nothing is read back.
-        host = sum(int(c.numpy()) for c in counts if c.device.type == "cpu")  # numpy: no tensor read is dispatched
-        on_device = [c for c in counts if c.device.type != "cpu"]
-        if alone and not on_device:  # one fill, the step's only op here
-            return self._items_fill(host)
-        total = torch.full((1,), float(host), dtype=torch.float64, device=self.device)
-        for c in on_device:
-            total += c.to(device=self.device, dtype=torch.float64)
-        if not alone:
-            self._meet()
-            self.comm.all_reduce_sum(total, self.topology.dp_group, name="num_items_in_batch")
-        return (total[0] / divisor).float()
-
-    def num_items_known(self, per_rank: int) -> torch.Tensor:
-        """``num_items_in_batch`` for a step whose count is known without counting: ``per_rank`` items on this
-        rank over the optimizer step's micro-steps, the same on every rank whose counts ``num_items_in_batch``
-        would sum (e.g. whole batches of a data set whose every target counts). Nothing is counted or
-        communicated: one fill on this rank's device."""
-        return self._items_fill(per_rank * self._require_strategy().items_ranks)
-
-    def _items_fill(self, total: int) -> torch.Tensor:
-        """The divisor for ``total`` items summed over the ranks and micro-steps backward averages over."""
-        divisor = self._require_strategy().items_ranks * self.window.accumulation
-        return torch.full((), total / divisor, dtype=torch.float32, device=self.device)
-
-    @property
-    def weighs_tokens(self) -> bool:
-        """Whether ``num_items_in_batch`` applies: the model runs whole on each rank (not a pipeline) and the
-        data-parallel ranks meet at every step (not an asynchronous parameter server)."""
-        strategy = self._require_strategy()
-        return self.model_whole and (self.dp == 1 or agreement(strategy, self.group)[0])
-
-    def _count_items(self, batch: Any, loss_fn: Any, shift: bool) -> torch.Tensor:
-        """One micro-batch's items: labels counted (HF convention), or what the loss counts in a batch."""
-        if isinstance(batch, torch.Tensor):
-            return ((batch[..., 1:] if shift else batch) != IGNORE_INDEX).sum()
-        loss = resolve_loss(loss_fn) if loss_fn is not None else self.loss
-        count = loss.count_items(batch) if loss is not None else None
-        if count is None and isinstance(batch, Mapping) and "shift_labels" in batch:
-            return self._count_items(batch["shift_labels"], None, False)
-        if count is None and isinstance(batch, Mapping) and "labels" in batch:
-            return self._count_items(batch["labels"], None, shift)
-        if count is None:
-            raise PlaitError("num_items_in_batch: cannot count the items of a batch of type "
-                             f"{type(batch).__name__}; pass the labels tensors (-100 where a token does not count)")
-        return count
-
     def _loss_for(self, model: nn.Module, batch: Any, loss_fn: Any) -> Loss:
         loss = resolve_loss(loss_fn) if loss_fn is not None else self.loss
         if loss is None:
@@ -483,125 +409,6 @@ class Plait(SmallCollectives):
         return self.preemption.requested
 
     # -- state -------------------------------------------------------------------------------------
-    @explained
-    def save(self, path: str | Path, *, model: nn.Module | None = None, optimizer: Any = None,
-             scheduler: Any = None, dataloader: Any = None, extra: dict[str, Any] | None = None,
-             on_complete: Callable[[Path], None] | None = None) -> Path:
-        """Save a complete, reshardable checkpoint at ``path`` (collective: every rank calls it).
-
-        Holds the model and optimizer state (DCP shards keyed by the single-process model's names, so
-        it loads at another world size or layout), the scheduler, the loader's position, the loss scale,
-        every rank's RNG and compressor residuals, and ``extra`` (JSON), with a SHA-256 manifest of every
-        file. Written to ``path.tmp`` and renamed when complete: a crash never leaves a half checkpoint
-        at ``path``. With ``checkpoint.async`` the shards are written in the background and the
-        checkpoint completes at the next optimizer step (or save, or ``close``); ``on_complete(path)``
-        then runs on rank 0.
-        """
-        strategy = self._check_objects(model, optimizer)
-        self.finish_saves()
-        self.phase("checkpoint save")
-        shared = self.stepper.run_state(scheduler, dataloader)
-        meta = {"extra": extra or {}, "world_size": self.world_size, "dp": self.dp,
-                "layout": strategy.describe() or "single process", "steps": self.steps}
-        rank_state = {"comm": self.comm.state_dict(), "rng": self.rng.state_dict()}
-        return self.checkpointer.save(Path(path), strategy, meta, self.rank, rank_state,
-                                      shared, self.steps, on_complete, self.is_main)
-
-    def finish_saves(self) -> None:
-        """Complete an asynchronous save still being written (collective; nothing when there is none)."""
-        if self.checkpointer.pending:
-            self.phase("checkpoint save")
-            self.checkpointer.finish(self.is_main)
-
-    def _saved(self, path: Path, step: int) -> None:
-        self.logger.info("checkpoint saved: %s", path)
-        self.stepper.saved_step = step
-        self.stepper.write_progress()
-        if self.prometheus is not None:
-            self.prometheus.checkpoint_done()
-
-    def _host_copy(self, cfg: Config) -> Any:
-        """``fault.memory_checkpoint``: this rank's holders (``plait.engine.host_copies``: its machine's, which the
-        launcher started, and on several machines the peer machine's); None when off, under a parameter server,
-        or where no holder runs (a worker not started by ``plait train``: said once). Collective on several
-        machines (one all-gather of the holders' addresses, at setup)."""
-        if not cfg.fault.memory_checkpoint or cfg.parallel.mode != "collective":
-            return None
-        from plait.engine.host_copies import holders_for
-
-        holders = holders_for(self.rank, self.world_size, self.group, self.device, self.logger)
-        if holders is None and self.is_main:
-            self.logger.warning("fault.memory_checkpoint: no holder runs beside this worker (plait train starts "
-                                "one for 2 or more workers, whose restarts use it); checkpoints go to disk only")
-        return holders
-
-    def memory_copy(self, accept: Callable[[int], bool]) -> Any:
-        """The in-memory checkpoint (``plait.engine.host_copies.HeldCopy``: step, this rank's decoded copy, where it
-        came from) that every rank found whole, from its own machine's holder or a peer machine's, and could fit
-        into its layout, of one same step that ``accept(step)`` takes on every rank, at this world size; None
-        otherwise, or with no holder (then every rank reads the disk). Collective (one all-reduce of six numbers
-        over every rank); ``load(path, memory=held.decoded)`` then loads it."""
-        from plait.components.memory_checkpoint import decode
-        from plait.engine.host_copies import find_copies
-
-        strategy = self._require_strategy()
-        return find_copies(self.checkpointer.host_copy, self.rank, self.world_size, accept,
-                           lambda payload: decode(payload, strategy),
-                           lambda t: self.reduce(t, op="sum", over="world"), self.logger)
-
-    @explained
-    def load(self, path: str | Path, *, model: nn.Module | None = None, optimizer: Any = None,
-             scheduler: Any = None, dataloader: Any = None, verify: bool | None = None,
-             memory: Any = None) -> dict[str, Any]:
-        """Load a checkpoint written by ``save`` (at any world size or layout) into this run's objects;
-        returns its ``extra``. Every file is first checked against the checkpoint's manifest
-        (``checkpoint.verify``; ``verify`` overrides it): a damaged one raises ``CheckpointError`` naming
-        the file. ``memory``: this rank's in-memory copy of the same checkpoint (``memory_copy``), read instead
-        of the disk. Collective: every rank calls it."""
-        strategy = self._check_objects(model, optimizer)
-        self.phase("checkpoint load")
-        self._meet()
-        check = self.config.checkpoint.verify if verify is None else verify
-        meta, rank_state, shared, same_world = self.checkpointer.load(Path(path), strategy, self.rank,
-                                                                      self.world_size, check, memory)
-        self.stepper.restore(shared, scheduler, dataloader, path)
-        strategy.finish_load()
-        if rank_state is not None:  # compressor residuals and the model's stream: the resumed run continues exactly
-            self.comm.load_state_dict(rank_state["comm"])
-            if "rng" in rank_state:
-                self.rng.load_state_dict(rank_state["rng"])
-        elif not same_world:
-            self.logger.info("checkpoint saved at world size %s, loading at %d: per-rank RNG and compressor "
-                             "residuals start fresh", meta.get("world_size"), self.world_size)
-        self.logger.info("loaded %s (step %d)%s", path, self.steps, " from host memory" if memory is not None else "")
-        self.stepper.write_progress()  # where this attempt starts, for the launcher's no-progress rule
-        if self.prometheus is not None:  # training since this checkpoint is what a failure would lose
-            self.prometheus.checkpoint_done()
-        self.stepper.start_step()
-        return meta.get("extra", {})
-
-    def _check_objects(self, model: Any, optimizer: Any) -> Layout:
-        strategy = self._require_strategy()
-        if model is not None and model is not strategy.model:
-            raise PlaitError("save/load got a model other than the one setup() returned; pass that one")
-        if optimizer is not None and optimizer is not strategy.optimizer:
-            raise PlaitError("save/load got an optimizer other than the one setup() returned; pass that one")
-        return strategy
-
-    @explained
-    def full_state_dict(self, model: nn.Module | None = None, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """The whole model's weights under its single-process names, unsharded, on the CPU, on every rank
-        (``rank0_only``: only rank 0's is sure to be filled, which spares the others the memory).
-        Collective: gathers FSDP, tensor-parallel and pipeline shards."""
-        strategy = self._check_objects(model, None)
-        self.phase("export")
-        return {k: v.detach().cpu() for k, v in strategy.full_model_state(rank0_only).items()}
-
-    def export(self, model: nn.Module | None, path: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-        """Write the weights under the single-process names (every rank calls it): ``*.safetensors`` is one file on
-        rank 0; any other path a Hugging Face directory written shard by shard (``plait.parallel.weights``)."""
-        return export_weights(self, model, Path(path), max_shard_bytes)
-
     # -- metrics -----------------------------------------------------------------------------------
     def log(self, record: dict[str, Any], step: int | None = None) -> None:
         """Record metrics (rank 0): a line of ``metrics.jsonl``, the same to each of ``observe.trackers``

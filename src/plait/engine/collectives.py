@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from plait.comm.guard import CollectiveTimeout
 from plait.parallel.capabilities import OwnPace
-from plait.parallel.layout import PlaitError
+from plait.parallel.errors import PlaitError
 from plait.runtime.dist import write_error
 
 

@@ -11,7 +11,7 @@ from plait.config import Config
 from plait.data.loader import DeviceLoader, DistributedLoader, is_rank_aware
 from plait.data.resumable import loader_for
 from plait.observe.log import get_logger
-from plait.parallel.layout import PlaitError
+from plait.parallel.errors import PlaitError
 from plait.topology import Topology
 
 LOADER_SETTINGS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "prefetch_factor", "persistent_workers")

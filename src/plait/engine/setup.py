@@ -12,7 +12,7 @@ from torch import nn
 
 from plait.components.losses import Loss, infer_loss, resolve_loss
 from plait.config import Config, from_sections, load_config
-from plait.parallel.layout import PlaitError
+from plait.parallel.errors import PlaitError
 
 
 def coerce_config(config: Config | str | Path | None, sections: dict[str, Any]) -> Config:
@@ -71,3 +71,15 @@ def setup_loss(model: nn.Module, loss_fn: Any, sample: Any, config: Config, mode
                              "(a name such as 'causal_lm', or fn(output, target))")
         loss = infer_loss(model, sample)
     return loss
+
+
+def skip_note(on_host: bool, device: torch.device) -> str:
+    """What setup says of an optimizer that cannot skip a non-finite step on the device (no ``found_inf``)."""
+    if on_host:
+        where = "one read on the host per step" + (" (a wait for the GPU)" if device.type != "cpu" else "")
+        return (f"optim.skip_nonfinite: this optimizer cannot skip a non-finite step on the device (no found_inf), so "
+                f"each step decides on the host: {where}; a fused optimizer (AdamW(fused=True)) skips on the device")
+    return ("optim.skip_nonfinite=auto: this optimizer cannot skip a non-finite step on the device (no found_inf); its "
+            "updates are applied as in your own loop, and a non-finite gradient norm is reported at the next log step. "
+            "Set optim.skip_nonfinite=true to skip them (one read on the host per step), or use a fused optimizer "
+            "(AdamW(fused=True)), which skips on the device")

@@ -6,7 +6,7 @@ the loss and on a stop request.
 The hot path is sacred (DESIGN.md, rule 11): a step that does not log reads nothing from the device, writes
 no file and runs no collective beyond the gradients' own. Its loss, gradient norm and non-finite flag stay on
 the device (``StepInfo`` reads one when the caller does); the update of a non-finite step is skipped on the
-device by optimizers that take torch's ``found_inf`` (``Layout.step_unless``). A log step (step 1, every
+device by optimizers that take torch's ``found_inf`` (``Layout.clip_and_step``). A log step (step 1, every
 ``train.log_every``-th, the last of ``train.steps``, or ``step(log=True)``) reads every value since the previous
 one in one transfer and, over several ranks, agrees on the losses and on a stop request in one all-reduce:
 a SIGTERM is seen by every rank at the first log step after it arrived. Where steps are slow, that could outlast
@@ -23,8 +23,10 @@ plait reports it is exact; after a kill (SIGKILL, a crash of the process) it lag
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,8 +49,9 @@ from plait.fault.preempt import PreemptionFlag
 from plait.observe.log import get_logger
 from plait.observe.memory import measure_model_state_bytes
 from plait.parallel.capabilities import agreement
+from plait.parallel.errors import PlaitError
 from plait.parallel.expert.dispatch import MoeMonitor
-from plait.parallel.layout import Layout, PlaitError
+from plait.parallel.layout import Layout
 from plait.parallel.tensor.plan import local_value
 
 PROGRESS_EVERY_S = 30.0  # progress.json at least this often between log steps (a clock read per step, no I/O)
@@ -113,6 +116,7 @@ class Stepper:
         self._torch_bytes: int | None = None
         self.in_window = False
         self.announced: int | None = None  # the accumulation last logged
+        self._recent_compute: collections.deque[float] = collections.deque(maxlen=5)  # fault.slow_rank's base
 
     # -- micro-steps ---------------------------------------------------------------------------------
     def enter_window(self) -> None:
@@ -157,20 +161,19 @@ class Stepper:
 
     def backward(self, loss: torch.Tensor, num_samples: int | None) -> None:
         """Backward of a loss the user's own forward computed."""
-        with self.layout.context():
-            scale = self.begin_micro() * self.weight(num_samples)
-            if self.moe is not None:  # the auxiliary losses get the main loss's scale in this backward
-                self.moe.set_grad_scale(scale)
-            t0 = time.perf_counter()
-            self.layout.backward(loss, scale)
-            self.window.times["backward_s"] += time.perf_counter() - t0
-            self.end_micro(loss)
+        scale = self.begin_micro() * self.weight(num_samples)
+        if self.moe is not None:  # the auxiliary losses get the main loss's scale in this backward
+            self.moe.set_grad_scale(scale)
+        t0 = time.perf_counter()
+        self.layout.backward(loss, scale)  # under the layout's context (tensor parallelism's loss parallelism)
+        self.window.times["backward_s"] += time.perf_counter() - t0
+        self.end_micro(loss)
 
     def forward_backward(self, model: Any, batch: Any, loss: Any, num_samples: int | None) -> torch.Tensor:
         """Forward, loss and backward of one micro-batch through the layout; returns the loss, detached."""
         self.enter_window()
         rng = self.rng.for_model(model.training) if self.rng is not None else contextlib.nullcontext()
-        with self.layout.context(), rng:
+        with rng:
             scale = self.begin_micro() * self.weight(num_samples)
             before: Callable[[float], None] | None = self.moe.set_grad_scale if self.moe is not None else None
             value = self.layout.forward_backward(model, batch, loss, scale, before, self.window.times)
@@ -222,8 +225,10 @@ class Stepper:
         if self.scheduler is not None:  # every step, skipped or not: the host does not know which yet
             self.scheduler.step()
         self.scaler.update(skipped)
-        layout.after_step()
+        # the step's MoE bias moves before the layout's step boundary, where a driver's quorum may hand this state
+        # to a replacement (fault.mode=replicas)
         moe = self.moe.after_step(self.steps + 1) if self.moe is not None else None
+        layout.after_step()
         layout.zero_grad()
         self.at_boundary()
         now = time.perf_counter()
@@ -255,13 +260,16 @@ class Stepper:
         return out
 
     def _slow_down_for_tests(self) -> None:
-        """Testing aid (``fault.slow_rank``): a slower worker, as on mixed hardware. A stop request cuts the extra
-        time short: scaled from a compute time that a loaded machine can stretch many times over, one such step
-        could otherwise outlast the grace the agent gives a stopped worker to save."""
+        """Testing aid (``fault.slow_rank``): a slower worker, as on mixed hardware. The extra time is scaled from
+        the median compute time of the last 5 steps, not this step's alone: a loaded machine can stall one step for
+        seconds, which ``slow_factor`` would multiply (a 3.4 s stall made one step of a test at slow_factor 40 last
+        132 s). A stop request cuts the extra time short: one slowed step could otherwise outlast the grace the agent
+        gives a stopped worker to save."""
         f = self.config.fault
         if self.rank == f.slow_rank and f.slow_factor > 1:
             times = self.window.times
-            extra = (f.slow_factor - 1) * (times["forward_s"] + times["backward_s"])
+            self._recent_compute.append(times["forward_s"] + times["backward_s"])
+            extra = (f.slow_factor - 1) * statistics.median(self._recent_compute)
             start = time.monotonic()
             while not self.preemption.requested and (left := start + extra - time.monotonic()) > 0:
                 time.sleep(min(left, 0.1))
@@ -340,6 +348,11 @@ class Stepper:
         info.history = [{"step": p.step, "loss": own[i], "global_loss": agreed_losses[i], "grad_norm": norms[i],
                          "skipped": flags[i] > 0} for i, p in enumerate(pending)]
         for p, h in zip(pending, info.history, strict=True):
+            finite = h["grad_norm"] == h["grad_norm"] and abs(h["grad_norm"]) != float("inf")
+            if not h["skipped"] and not finite:  # optim.skip_nonfinite: the optimizer could not skip it for free
+                self.logger.warning("step %d: gradient norm is %s; the update was applied (optim.skip_nonfinite=%s: "
+                                    "set it true to skip such steps)", p.step, h["grad_norm"],
+                                    self.config.optim.skip_nonfinite)
             if h["skipped"] and not isinstance(p.skipped, bool):  # a host decision was logged at its step
                 if h["grad_norm"] == h["grad_norm"] and abs(h["grad_norm"]) != float("inf"):  # not the norm's doing
                     self.logger.warning("step %d: update skipped by the layout (gradient norm %s, finite)", p.step,

@@ -7,7 +7,7 @@ and restarts every worker of the machine, so nothing a worker holds survives a r
 copy kept by another local rank. The launcher (``plait train``) outlives its workers; it starts the holder beside
 them (``start``) before the first attempt and ends it with the run (the holder also ends when its launcher is
 gone). It stores bytes and never interprets them: a rank's copy is the checkpoint's tensors as ``torch.save``
-bytes, loaded back with ``torch.load(weights_only=True)`` (``plait.components.memory_checkpoint``), with a
+bytes, loaded back with ``torch.load(weights_only=True)`` (``plait.checkpoint.memory``), with a
 CRC-32 the rank checks (the copy crossed a socket and sat in memory: a check against damage, not against an
 adversary, which the token keeps out).
 

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from plait.components.integrity import newest_good
+from plait.checkpoint.integrity import newest_good
 from plait.data.loader import DeviceLoader, DistributedLoader
 from plait.fault import goodput
 from plait.fault.spikes import SpikeDetector

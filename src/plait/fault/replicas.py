@@ -57,7 +57,8 @@ def replica_group() -> tuple[int, int] | None:
 
 def default_groups(nproc: int, model_parallel: int) -> int:
     """The replica groups of a run of ``nproc`` ranks when ``parallel.dp_replicate`` is 0: one per model replica, that
-    is per ``model_parallel`` (tp x pp) ranks; one rank each without tensor or pipeline parallelism."""
+    is per ``model_parallel`` ranks (tp x pp x cp, times ep: ``plait.parallel.replicas.topology.smallest_group``); one
+    rank each without model parallelism."""
     return max(1, nproc // model_parallel)
 
 

@@ -13,16 +13,22 @@ zeros, so the model's residual connection passes it through unchanged.
 
 Balancing, ``balance``:
 * ``aux``: the Switch load-balancing loss ``aux_loss_coef x E x sum_e f_e x P_e`` (``routing.switch_aux_loss``),
-  per forward (per micro-batch), per layer, on the local tokens. Under accumulation each micro-batch's aux loss
-  enters that micro-batch's scaled loss, so a step's aux loss is the mean over its micro-batches, as the main
-  loss is; over data-parallel ranks the gradients average, so it is the mean over ranks too. (GShard and
-  Megatron normalise alike; DeepSpeed counts f_e over top-1 only.)
+  per forward (per micro-batch), per layer, on the micro-batch's whole sequences. Under accumulation each
+  micro-batch's aux loss enters that micro-batch's scaled loss, so a step's aux loss is the mean over its
+  micro-batches, as the main loss is; over data-parallel ranks the gradients average, so it is the mean over
+  ranks too. (GShard and Megatron normalise alike; DeepSpeed counts f_e over top-1 only.)
 * ``bias``: auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for
   selection, moved after every optimizer step by ``bias_update_rate`` towards the experts that got fewer
-  tokens than the mean (``update_bias``, with the counts summed over the data-parallel world).
+  tokens than the mean (``update_bias``, with the counts summed over every rank routing other tokens).
 * ``none``.
 ``seq_aux_loss_coef`` adds DeepSeek-V3's sequence-wise balance loss (any ``balance``; DeepSeek-V3 pairs it with
 ``bias`` at a tiny coefficient) and ``z_loss_coef`` the router z-loss.
+
+Where a rank holds one shard of every sequence (context parallelism; sequence parallelism's tensor-parallel ranks),
+``tokens`` (installed by ``plait.parallel.expert.apply``; ``WholeTokens`` by default) sums the expert counts over the
+shards in the forward: each shard's term of the Switch and sequence-wise losses is then the shard's part of the whole
+sequences' loss, whose mean over the shards is that loss (and the z-loss a mean over tokens already), so the losses
+and their gradients equal one process's on the whole sequences. Capacity stays per rank's tokens.
 
 The balancing losses reach the router through the backward pass without being added to the value the model
 returns (Megatron's ``MoEAuxLossAutoScaler``): the layer's output carries them, and its backward gives them
@@ -73,6 +79,22 @@ class _AuxLossInjector(torch.autograd.Function):
         return grad, ctx.scale.clone(), None
 
 
+class WholeTokens:
+    """The layer sees whole sequences (the default): its balancing statistics are its own tokens'.
+
+    Under context or sequence parallelism a rank holds one of ``shards`` equal shards of every sequence; plait's
+    expert dimension then installs an object of the same shape (``plait.parallel.expert.apply.ShardedTokens``):
+    ``sum`` adds a statistic over the ranks holding the other shards, and ``summed`` counts those of them whose
+    gradients are summed (sequence parallelism's tensor-parallel ranks) rather than averaged (context
+    parallelism's, averaged with the data-parallel ranks)."""
+
+    shards = 1
+    summed = 1
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
 class LocalDispatcher:
     """All experts on this rank: group each expert's assignments, run it, and return them in assignment order."""
 
@@ -109,6 +131,7 @@ class MoE(nn.Module):
         self.shared = nn.ModuleList(_SharedMLP(d_model, d_hidden) for _ in range(shared_experts))
         self.register_buffer("expert_bias", torch.zeros(num_experts))
         self.dispatcher: Any = LocalDispatcher()
+        self.tokens: Any = WholeTokens()  # the shards of each sequence the balancing statistics are summed over
         # Plain tensors, not buffers: they are this rank's own figures (DDP would broadcast buffers) and
         # no checkpoint holds them; ``_apply`` moves them with the module.
         self._grad_scale = torch.ones((), dtype=torch.float32)  # the main loss's scale, filled by the engine
@@ -157,15 +180,23 @@ class MoE(nn.Module):
         experts, weights = top.reshape(-1), gates.reshape(-1)
         counts = count_ids(experts, e)
         zero = logits.new_zeros(())
-        aux = switch_aux_loss(p, counts, k, self.aux_loss_coef) if self.balance == "aux" and self.aux_loss_coef \
-            else zero
-        seq = sequence_aux_loss(p, top, seq_len or n, self.seq_aux_loss_coef) if self.seq_aux_loss_coef else zero
+        shards = self.tokens.shards  # > 1: this rank's rows are one shard of each sequence
+        aux = zero
+        if self.balance == "aux" and self.aux_loss_coef:
+            whole = self.tokens.sum(counts) if shards > 1 else counts  # the whole sequences' assignments
+            aux = switch_aux_loss(p, whole, k, self.aux_loss_coef, shards)
+        seq = zero
+        if self.seq_aux_loss_coef:
+            seq = sequence_aux_loss(p, top, seq_len or n, self.seq_aux_loss_coef, shards,
+                                    self.tokens.sum if shards > 1 else None)
         z = z_loss(logits, self.z_loss_coef) if self.z_loss_coef else zero
         routing = Routing(tokens, experts, weights, counts, torch.zeros((), dtype=torch.int64, device=x.device), n,
                           torch.stack([aux, z, seq]).detach())
         if self.capacity_factor:
             routing = self._drop(routing, chosen.detach().reshape(-1), math.ceil(self.capacity_factor * n * k / e))
-        return routing, aux + z + seq
+        # each shard's term averages to the whole's over the shards; where the shards' gradients add (sequence
+        # parallelism) each carries its share
+        return routing, (aux + z + seq) / self.tokens.summed
 
     def _drop(self, r: Routing, priority: torch.Tensor, capacity: int) -> Routing:
         """At most ``capacity`` assignments per expert, by the drop policy; the others marked dropped in place."""

@@ -26,6 +26,11 @@ Balancing losses (each a scalar that reaches the router through the backward pas
   or pipeline micro-batches that keeps sequences whole leaves each sequence's term unchanged.
 * ``z_loss`` (ST-MoE, Zoph et al., arXiv:2202.08906 eq. 5): ``coef x mean_tokens(logsumexp(logits)^2)``.
 
+A layer holding one of ``shards`` equal shards of each sequence (context or sequence parallelism) passes the whole
+sequences' counts (``switch_aux_loss``'s ``counts``, ``sequence_aux_loss``'s ``whole``): each loss is then this shard's
+term, ``f_e`` over the whole and ``P_e`` over the shard, and the mean of the terms over the shards is the loss of one
+process on the whole sequences (``P_e`` of the whole is the mean of the shards').
+
 Aux-loss-free balancing (``balance = "bias"``, DeepSeek-V3 section 2.1.2, Wang et al. arXiv:2408.15664): the
 per-expert bias moves after each optimizer step by ``rate x sign(mean load - load_e)`` from the load observed
 over the whole data-parallel world (``plait.nn.moe.MoE.update_bias``).
@@ -33,6 +38,7 @@ over the whole data-parallel world (``plait.nn.moe.MoE.update_bias``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -108,22 +114,30 @@ def select(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None
     return p, top, chosen, gates
 
 
-def switch_aux_loss(p: torch.Tensor, counts: torch.Tensor, top_k: int, coef: float) -> torch.Tensor:
-    """Switch's load-balancing loss over one micro-batch: ``p (N, E)``, ``counts (E,)`` assignments per expert."""
+def switch_aux_loss(p: torch.Tensor, counts: torch.Tensor, top_k: int, coef: float, shards: int = 1) -> torch.Tensor:
+    """Switch's load-balancing loss over one micro-batch: ``p (N, E)``, ``counts (E,)`` assignments per expert.
+    ``shards`` > 1: ``p`` is one of ``shards`` equal shards of the micro-batch's tokens (context or sequence
+    parallelism) and ``counts`` the whole micro-batch's; the value is this shard's term, whose mean over the shards
+    is the whole micro-batch's loss (``P_e`` is the mean of the shards' means)."""
     n, e = p.shape
-    f = counts.to(p.dtype) / (n * top_k)
+    f = counts.to(p.dtype) / (n * shards * top_k)
     return coef * e * (f * p.mean(0)).sum()
 
 
-def sequence_aux_loss(p: torch.Tensor, top: torch.Tensor, seq_len: int, coef: float) -> torch.Tensor:
+def sequence_aux_loss(p: torch.Tensor, top: torch.Tensor, seq_len: int, coef: float, shards: int = 1,
+                      whole: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss: ``p (N, E)`` and ``top (N, k)`` of ``N / seq_len`` whole
-    sequences; the mean over the sequences of ``coef x sum_e f_e P_e``."""
+    sequences; the mean over the sequences of ``coef x sum_e f_e P_e``. ``shards`` > 1: the rows are one of
+    ``shards`` equal shards of each sequence and ``whole`` sums a ``(B, E)`` tensor over the shards (the
+    assignments of the whole sequences); the value is this shard's term, as in ``switch_aux_loss``."""
     n, e = p.shape
     k = top.size(1)
     b = n // seq_len
     hits = torch.zeros(b, e, dtype=p.dtype, device=p.device)
     hits.scatter_add_(1, top.reshape(b, seq_len * k), torch.ones(b, seq_len * k, dtype=p.dtype, device=p.device))
-    f = hits * (e / (k * seq_len))  # (B, E)
+    if whole is not None:
+        hits = whole(hits)
+    f = hits * (e / (k * seq_len * shards))  # (B, E)
     prob = p.view(b, seq_len, e).mean(1)  # (B, E)
     return coef * (f * prob).sum(-1).mean()
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.plan.memory import Precision, predict_model_state_bytes
+from plait.plan.memory import Precision, predict_model_state_bytes, predict_setup_bytes
 
 
 def _plain(t: torch.Tensor) -> list[torch.Tensor]:
@@ -171,3 +171,24 @@ def memory_report(num_params: int, stage: int, dp: int, precision: Precision, me
                   "predicted_peak_bytes": column("predicted", "peak"),
                   "predicted_increase_bytes": column("predicted", "increase"),
                   "ranks": setups}}
+
+
+def layout_memory(params: list[torch.Tensor], buffers: list[torch.Tensor], topo: Any, p: Any, precision: str,
+                  meta: bool, measured: dict[str, int] | None, device: torch.device,
+                  setup: dict[str, Any] | None) -> dict[str, Any]:
+    """A layout's memory block of the run summary (``memory_report``): this rank's ``params`` (each once) and
+    ``buffers`` over the topology ``topo`` under the ``[parallel]`` section ``p``; the model-state prediction and the
+    setup prediction where the model runs whole on each rank (no tensor or pipeline split; ``meta``: each rank
+    allocated only its part). ZeRO shards over the shard group: every data-parallel rank, or dp_shard of them under
+    HSDP. Collective, as ``memory_report``."""
+    data_parallel_only = topo.degree("tp") == topo.degree("pp") == 1
+    predicted_setup = None
+    if data_parallel_only:  # the whole model given on every rank, or (meta-built) each rank allocating its part
+        predicted_setup = predict_setup_bytes(sum(q.numel() * q.element_size() for q in params),
+                                              sum(b.numel() * b.element_size() for b in buffers),
+                                              world=topo.world_size, zero=p.zero, dp=topo.degree("dp_cp"),
+                                              shard=topo.shard_degree, bucket_mb=p.bucket_mb,
+                                              source="shards" if meta else "whole")
+    return memory_report(sum(q.numel() for q in params), p.zero, topo.shard_degree,
+                         "bf16" if precision != "fp32" else "fp32", measured or None, device,
+                         predict=data_parallel_only, setup=setup, setup_predicted=predicted_setup)

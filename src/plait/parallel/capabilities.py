@@ -1,8 +1,10 @@
-"""What a layout may have beyond its contract (``plait.parallel.layout.Layout``): drivers that wrap the step from
-outside (``Driver``: DiLoCo's outer loop, torchft replica groups), and optional capabilities, small protocols a part
-of a layout implements and the engine finds with ``Layout.capability``: ``Serving`` (ranks that serve instead of
+"""What a layout may have beyond its contract (``plait.parallel.layout.LayoutContract``): drivers that wrap the step
+from outside (``Driver``: DiLoCo's outer loop, torchft replica groups), and optional capabilities, small protocols a
+part of a layout implements and the engine finds with ``Layout.capability``: ``Serving`` (ranks that serve instead of
 running the loop), ``OwnPace`` (ranks that do not meet at every step), ``CheckpointJoin`` (other ranks join a
-checkpoint's collectives)."""
+checkpoint's collectives). Between drivers: ``ReplicaMean`` (a driver that averages over the replicas it manages:
+torchft's live groups, which DiLoCo's outer all-reduce goes through) and ``Healing`` (a driver whose own state a
+replica group's heal carries: DiLoCo's outer momentum)."""
 
 from __future__ import annotations
 
@@ -46,6 +48,28 @@ class CheckpointJoin(Protocol):
     def begin_save(self, path: Path) -> None: ...
 
     def begin_load(self, path: Path, verify: bool) -> None: ...
+
+
+@runtime_checkable
+class ReplicaMean(Protocol):
+    """A driver that averages values over the replicas it manages (torchft's live replica groups)."""
+
+    def replica_mean(self, flat: torch.Tensor) -> bool:
+        """``flat`` (1-D float32, this rank's part) replaced by its mean over the live replicas (rank k of each
+        replica sends the same part), then the ranks of this replica agree whether it arrived everywhere (False:
+        discard it). Collective over this replica's ranks and its peers in the others."""
+
+
+@runtime_checkable
+class Healing(Protocol):
+    """A driver with state of its own that a replica group's heal carries (DiLoCo's outer momentum)."""
+
+    def heal_state(self) -> dict[str, Any]:
+        """This rank's part of a heal: plain local tensors and numbers, no collective."""
+
+    def heal(self, state: dict[str, Any] | None) -> None:
+        """After this rank's model entries were written from outside its training: a heal from a live peer
+        (``state``: the peer's ``heal_state()``), or the group's agreement on its first weights (None)."""
 
 
 def agreement(layout: Any, default: Any) -> tuple[bool, Any]:

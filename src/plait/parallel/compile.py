@@ -21,9 +21,10 @@ Two units (``train.compile = "auto" | "model" | "blocks" | false``; true is "aut
   data/ZeRO/FSDP wrapping (``plait.parallel.compose``).
 
 "auto" picks "model" wherever the layout allows (``plait.parallel.compose.compile_blocks_because`` is empty:
-activation checkpointing off, one rank, plait's reducer, DDP, ZeRO-1/2, a parameter server's worker), else "blocks";
-the choice and its reason are logged at ``setup``. "model" where the layout needs blocks is refused before any process
-starts. tests/parallel/test_compile.py checks each layout against eager single-process training.
+activation checkpointing off, one rank, plait's reducer, DDP, ZeRO-1/2, context parallelism, a parameter server's
+worker), else "blocks"; the choice and its reason are logged at ``setup``. "model" where the layout needs blocks is
+refused before any process starts. tests/parallel/test_compile.py checks each layout against eager single-process
+training.
 
 A model the user compiled (``torch.compile(model, backend=..., mode=..., options=...)``) is unwrapped (no
 ``_orig_mod.`` prefix) and compiled again with the user's own dynamo context, so backend, mode and options stay the
@@ -41,9 +42,16 @@ Expert parallelism compiles: the MoE layer and its all-to-all dispatch have stat
 changes. Refused (``check_compile``: a clear error before anything runs): the dispatchers that read the host,
 ``moe.dispatcher=alltoall_split`` (variable splits) and ``allgather`` (the reference path).
 
+Context parallelism compiles at either unit (it needs no blocks): dynamo traces the cut of each micro-batch and the
+``alltoall`` and ``allgather`` attention (their c10d collectives rewritten into functional ones, forward and
+backward: no graph break), while the ring attention's point-to-point transfers are not traceable and run eagerly
+between the graphs (``torch.compiler.disable``: one graph break per attention layer). Measured with
+``backend="aot_eager"`` on plait's 2-block GPT: ``alltoall`` one graph for the whole model and its loss, ``ring``
+5 graphs by blocks (9 when dynamo broke inside the ring on its own); tests/parallel/context/test_context_compile.py.
+
 The torch-collective counter (``observe.count_torch_collectives``) is a dispatch mode that lets dynamo
-trace (``ignore_compile_internals``); collectives traced into a compiled region (tensor parallelism's)
-are then not counted in ``comm_bytes``.
+trace (``ignore_compile_internals``); collectives traced into a compiled region (tensor parallelism's, context
+parallelism's all-to-all and all-gather) are then not counted in ``comm_bytes``.
 
 On CPU the inductor backend generates C++ (a compiler, ``g++``, must be installed); on CUDA Triton
 kernels. The first steps pay the compilation (seconds to minutes), cached on disk by inductor for the

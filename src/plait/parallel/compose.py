@@ -12,7 +12,10 @@
     layout = Layout(stages, policy, experts, split, drivers)   # drivers wrap the step from outside: DiLoCo, replicas
 
 float8 converts the model's linear layers first (before any layout: FSDP2 gathers the float8 weights, tensor
-parallelism shards them). A parameter server is data parallelism with its own consistency: its own layout
+parallelism shards them with torchao's float8 styles, a pipeline splits them into stages). Under DiLoCo the layout
+is composed on the topology inside one replica (``Topology.within`` the ``dp_replicate`` axis: the policy and the
+experts' sync average over the replica's ranks only) and its driver on the whole run's, whose ``dp_replicate`` axis
+holds the replicas. A parameter server is data parallelism with its own consistency: its own layout
 (``plait.ps.layout``), composed with nothing.
 
 Besides ``parallelize``, what the engine asks of a config before any model exists: the degrees (``resolve``), the
@@ -32,12 +35,12 @@ from plait.config import Config, ConfigError, ParallelConfig
 from plait.nn.moe import moe_layers
 from plait.observe.log import get_logger
 from plait.parallel import float8
+from plait.parallel.activation_checkpoint import apply_checkpointing
 from plait.parallel.capabilities import Driver
-from plait.parallel.checkpointing import apply_checkpointing
 from plait.parallel.compile import apply_compile
 from plait.parallel.context.split import ContextSplit, apply_context, check_context, route_stages
 from plait.parallel.data import sync as data_sync  # noqa: F401 - the built-in policies register themselves
-from plait.parallel.data.diloco import DiLoCo, check_diloco
+from plait.parallel.data.diloco import DiLoCo, check_diloco, diloco_replicas, replica_degrees_inside, replica_inside
 from plait.parallel.expert.apply import apply_expert, check_expert
 from plait.parallel.expert.hf import check_hf_experts, check_pipeline_router_loss
 from plait.parallel.expert.sync import ExpertSync
@@ -45,9 +48,9 @@ from plait.parallel.fsdp import sync as fsdp_sync  # noqa: F401
 from plait.parallel.grad_sync import GradSync, policies
 from plait.parallel.layout import Layout
 from plait.parallel.meta_init import ModelFacts, materialise
+from plait.parallel.model_specs import spec_for
 from plait.parallel.pipeline.split import pipeline_adapter, stage_layer_ranges
 from plait.parallel.pipeline.stages import PipelineStages, check_pipeline
-from plait.parallel.plans import plan_for
 from plait.parallel.prepare import broadcast_weights, sync_batchnorm
 from plait.parallel.replicas.driver import Replicas
 from plait.parallel.replicas.topology import check_replicas, group_config, replica_degrees, replica_topology
@@ -106,11 +109,22 @@ def wants_sample(cfg: Config) -> bool:
     return not model_whole(cfg) and cfg.parallel.pp_balance == "cost"
 
 
+def copies_state_per_rank(cfg: Config) -> bool:
+    """Whether every training rank holds its own part of the state a checkpoint saves, so that a copy of it can be
+    kept in host memory at each save (``fault.memory_checkpoint``): not under a parameter server, whose servers hold
+    the parameters and optimizer states outside the training ranks."""
+    return cfg.parallel.mode != "ps"
+
+
 def compile_blocks_because(cfg: Config) -> str:
-    """Why ``train.compile`` compiles this layout's model block by block (empty: the whole model may be one region)."""
+    """Why ``train.compile`` compiles this layout's model block by block (empty: the whole model may be one region).
+    Context parallelism needs no blocks: dynamo traces its cut and its all-to-all and all-gather attention, and the
+    ring attention runs eagerly between the graphs (``plait.parallel.context.split``'s docstring)."""
     p = cfg.parallel
     if cfg.train.activation_checkpointing != "none":
         return "activation checkpointing recomputes each block"
+    if cfg.train.activation_offload:
+        return "activation offload opens each block's saved-tensor hooks around it"
     if p.mode == "ps":
         return ""
     if p.pp > 1:
@@ -125,6 +139,7 @@ def check_layout(cfg: Config, degrees: dict[str, int]) -> None:
     starts."""
     for check in (check_replicas, check_diloco):  # the drivers first: they say what a replica can hold
         check(cfg, degrees)
+    degrees = replica_degrees_inside(cfg, degrees)  # DiLoCo: each replica's own layout
     for cls in policies().values():
         cls.check(cfg, degrees)
     for check in (check_tensor, check_pipeline, check_expert, check_context):
@@ -139,7 +154,7 @@ def check_model(model: nn.Module, topo: Topology, p: ParallelConfig, spec: Model
     raises the same one, before any collective."""
     tp, pp = topo.degree("tp"), topo.degree("pp")
     if topo.ep > 1 and not moe_layers(model):  # a Hugging Face MoE model: its blocks recognised, or an error
-        check_hf_experts(model, topo.ep, p)
+        check_hf_experts(model, topo.ep)
     if tp > 1 and spec.parallelize_fn is None:
         fn = tp_function(model, p, spec)  # raises when no plan applies
         plan = spec.tp_plan if isinstance(spec.tp_plan, dict) else None
@@ -159,25 +174,23 @@ def check_model(model: nn.Module, topo: Topology, p: ParallelConfig, spec: Model
 
 
 def _registered(model: nn.Module) -> bool:
-    plan = plan_for(model)
-    return plan is not None and plan.parallelize is not None
+    return getattr(spec_for(model), "parallelize", None) is not None
 
 
 def _policy(cfg: Config, topo: Topology, comm: Comm) -> GradSync:
-    """The policy over the ranks whose gradients are averaged every step: every data-parallel rank (x cp), or under
-    DiLoCo those inside one replica (its outer loop averages the replicas)."""
-    cls = policy_class(cfg)
-    if cfg.parallel.sync == "diloco":
-        cp = topo.degree("cp")
-        return cls(cfg, topo, comm, topo.group("cp") if cp > 1 else None, cp, None)
-    return cls(cfg, topo, comm, topo.group("dp_cp"), topo.degree("dp_cp"),
-               topo.fsdp_mesh if topo.mesh is not None else None)
+    """The policy over the ranks whose gradients are averaged every step: every data-parallel rank (x cp) of
+    ``topo`` (under DiLoCo, the topology inside one replica: its outer loop averages the replicas)."""
+    return policy_class(cfg)(cfg, topo, comm, topo.group("dp_cp"), topo.degree("dp_cp"),
+                             topo.fsdp_mesh if topo.mesh is not None else None)
 
 
 def _drivers(cfg: Config, topo: Topology, comm: Comm, model: nn.Module) -> list[Driver]:
+    """The drivers around the layout; ``topo`` is the whole run's (DiLoCo's replicas are its ``dp_replicate``
+    axis; under torchft replica groups, the groups themselves)."""
     drivers: list[Driver] = []
-    if cfg.parallel.sync == "diloco":  # each data-parallel rank a replica (its cp ranks one with it)
-        drivers.append(DiLoCo(cfg, comm, topo.dp_group if topo.dp > 1 else None, topo.dp))
+    if cfg.parallel.sync == "diloco":
+        group, replicas = diloco_replicas(cfg, topo)
+        drivers.append(DiLoCo(cfg, comm, group, replicas))
     if cfg.fault.mode == "replicas":
         drivers.append(Replicas(cfg, topo, model))
     return drivers
@@ -186,13 +199,14 @@ def _drivers(cfg: Config, topo: Topology, comm: Comm, model: nn.Module) -> list[
 def parallelize(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec: ModelSpec) -> Layout:
     """The layout around ``model`` (on this rank's device), in the order of the module docstring. The model is
     checked against the layout before any collective; then rank 0's weights are broadcast (a meta model has none:
-    each rank fills its part later, ``Layout.prepare_weights``)."""
-    if cfg.train.precision == "fp8":  # before any layout: FSDP2 gathers the float8 weights
+    each rank fills its part later, ``LayoutState.prepare_weights``)."""
+    if cfg.train.precision == "fp8":  # before any layout: tp shards, pp splits, FSDP2 gathers the Float8Linears
         float8.convert(model, topo.device, fsdp=cfg.parallel.zero == 3, logger=get_logger(topo.rank))
     if cfg.parallel.mode == "ps":
         return ParameterServer(model, cfg, topo, comm)
     if cfg.fault.mode == "replicas":  # the layout inside one group: its ranks, its data-parallel degree
         cfg, topo = group_config(cfg), topo.group_topology()
+    whole, topo = topo, replica_inside(cfg, topo)  # DiLoCo: the layout inside one replica
     p = cfg.parallel
     check_model(model, topo, p, spec)
     facts = ModelFacts.of(model)
@@ -202,7 +216,7 @@ def parallelize(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec:
     if p.sync_batchnorm and policy.ranks > 1:
         model = sync_batchnorm(model, policy.group, topo.device)
     model = apply_tensor(model, topo, p, spec)
-    model = apply_expert(model, topo, cfg.moe.dispatcher)
+    model = apply_expert(model, topo, cfg.moe.dispatcher, p.sequence_parallel)
     attention = apply_context(model, topo, cfg, whole=p.pp == 1)
     model = apply_checkpointing(model, cfg.train)
     model = apply_compile(model, cfg.train, spec.compile)
@@ -221,5 +235,7 @@ def parallelize(model: nn.Module, topo: Topology, cfg: Config, comm: Comm, spec:
     named = stages.named_parameters()
     policy.attach(stages.holder, [q for _, q in named if q.requires_grad and not is_expert(q)])
     experts = ExpertSync(policy, named, [q for _, q in named if is_expert(q)]) if topo.ep > 1 else None
+    if experts is not None and p.pp > 1:  # a schedule step keeps the experts' reduction for finish, as the policy's
+        stages.beside.append(experts)
     split = ContextSplit(attention, topo, stages) if attention is not None else None
-    return Layout(stages, policy, cfg, topo, comm, facts, experts, split, _drivers(cfg, topo, comm, stages.model))
+    return Layout(stages, policy, cfg, topo, comm, facts, experts, split, _drivers(cfg, whole, comm, stages.model))

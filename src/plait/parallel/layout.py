@@ -7,13 +7,17 @@ DDP, ZeRO-1/2, FSDP2/HSDP, a parameter server) with the experts' side beside it 
 of each micro-batch where cp > 1, and the ``drivers`` that wrap the step from outside (``Driver``: DiLoCo's outer loop,
 torchft replica groups). No class exists for a combination: every method below asks the parts.
 
-The engine (``plait.Plait``) calls, per optimizer step: ``backward`` or ``forward_backward`` per micro-step
-(``set_sync`` keeps gradients local on all but the last micro-step of an accumulation window), then ``finish``
-(complete the gradient synchronisation; its wait is the step's exposed communication), ``clip_and_step``,
-``after_step`` and ``zero_grad``. Checkpoints go through ``state_dicts`` / ``load_state_dicts`` (one format for every
-layout: the single-process model's names); ``full_model_state`` is the export; ``step_metrics`` and ``report`` feed
-metrics. Optional capabilities (a parameter server's serving ranks, its own pace, its part in a checkpoint) are small
-protocols a part implements (``plait.parallel.capabilities``), found with ``capability``.
+The engine (``plait.Plait``) calls only ``LayoutContract`` (about 20 methods): at setup ``build_optimizer``,
+``scheduler_target``, ``wrap_forward``, ``begin``; per micro-step ``backward`` or ``forward_backward`` (``set_sync``
+keeps gradients local on all but the last micro-step of an accumulation window), ``evaluate`` / ``evaluation`` /
+``reduce_loss``; per optimizer step ``finish`` (complete the gradient synchronisation; its wait is the step's exposed
+communication), ``clip_and_step`` (how it skips a non-finite step: ``nonfinite_skip``), ``after_step``,
+``zero_grad``, ``step_metrics``; at the end ``describe``, ``report``, ``close``. Checkpoints, weight loading and
+export go through ``state`` (``plait.checkpoint.layout_state``: one format for every layout, the single-process
+model's names). Optional capabilities (a parameter server's serving ranks, its own pace, its part in a checkpoint)
+are small protocols a part implements (``plait.parallel.capabilities``), found with ``capability``. The rest of the
+class (``named_parameters``, ``trainable``, ``grads``, ``composition``, the parts) is for the drivers, the state
+and tests.
 """
 
 from __future__ import annotations
@@ -22,59 +26,98 @@ import contextlib
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
+from plait.checkpoint.layout_state import LayoutState, StateContract
 from plait.comm.collectives import Comm
-from plait.components.dcp_pieces import PiecesLoadPlanner, PiecesSavePlanner
 from plait.components.precision import LossScaler
-from plait.config import Config, ConfigError
-from plait.observe.memory import memory_report
+from plait.config import Config
+from plait.observe.memory import layout_memory
 from plait.parallel.capabilities import Driver
 from plait.parallel.compile import CompilePlan, compile_model
 from plait.parallel.grad_sync import GradSync, OptimizerFactory, scale_down, squares_by_groups
-from plait.parallel.meta_init import InitFn, ModelFacts, initialise
+from plait.parallel.meta_init import ModelFacts
 from plait.parallel.prepare import route_forward
-from plait.parallel.tensor.plan import local_value, loss_context
-from plait.parallel.tensor.strided import is_strided, strided_entries
-from plait.parallel.weights import export_weights, load_weights
-from plait.plan.memory import predict_setup_bytes
+from plait.parallel.tensor.plan import loss_context
 from plait.topology import Topology
 
 
-class PlaitError(ConfigError):
-    """The API was used in a way that cannot work; the message says what to do instead (``plait.PlaitError``)."""
+@runtime_checkable
+class LayoutContract(Protocol):
+    """Everything the engine may call on a layout (each documented on ``Layout``): ``Layout`` and the parameter
+    server's ``ParameterServer`` implement it; what else a layout offers is a capability (``capability``)."""
 
+    topo: Topology  # the layout's mesh: its data-parallel group, its device
+    state: StateContract  # checkpoints, weight loading and export (``plait.checkpoint.layout_state``)
+    setup_memory: dict[str, Any] | None  # the engine's measurement of setup, reported by ``report``
 
-class RankDone(SystemExit):
-    """Raised by ``Plait.setup`` on a rank whose part of the run ends there (a parameter server's server
-    ranks, once every worker has finished): the process exits with status 0 unless the caller catches it.
-    ``stats`` is that rank's summary, under ``key`` in what ``plait train`` returns."""
+    @property
+    def model(self) -> nn.Module: ...
 
-    key = "rank_done"
+    @property
+    def optimizer(self) -> Any: ...
 
-    def __init__(self, stats: dict[str, Any]) -> None:
-        super().__init__(0)
-        self.stats = stats
+    @property
+    def optimizers(self) -> list[Any]: ...
+
+    @property
+    def torch_collectives(self) -> bool: ...
+
+    @property
+    def reduce_loss_every_step(self) -> bool: ...
+
+    def capability(self, protocol: type) -> Any: ...
+
+    def build_optimizer(self, factory: OptimizerFactory) -> Any: ...
+
+    def scheduler_target(self) -> torch.optim.Optimizer: ...
+
+    def wrap_forward(self, device: torch.device, plan: CompilePlan | None = None) -> None: ...
+
+    def begin(self, run: Any) -> None: ...
+
+    def set_sync(self, enabled: bool) -> None: ...
+
+    def backward(self, loss: torch.Tensor, scale: float | torch.Tensor) -> None: ...
+
+    def forward_backward(self, model: nn.Module, batch: Any, loss: Any, scale: float,
+                         before_backward: Callable[[float], None] | None = None,
+                         times: dict[str, float] | None = None) -> torch.Tensor: ...
+
+    def evaluate(self, model: nn.Module, batch: Any, loss: Any) -> torch.Tensor: ...
+
+    def evaluation(self) -> contextlib.AbstractContextManager: ...
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+    def finish(self) -> None: ...
+
+    def clip_and_step(self, max_norm: float, scaler: LossScaler, before_step: Callable[[], None]
+                      ) -> tuple[torch.Tensor | float, torch.Tensor | bool]: ...
+
+    def nonfinite_skip(self) -> str: ...
+
+    def after_step(self) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+    def step_metrics(self) -> dict[str, Any]: ...
+
+    def describe(self) -> str: ...
+
+    def report(self, run_dir: Path | None, measured: dict[str, int] | None, device: torch.device
+               ) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
 
 
 def nonfinite(norm: torch.Tensor) -> torch.Tensor:
     """1.0 where ``norm`` is NaN or infinite, else 0.0: a 0-dim float32 tensor on the norm's device (torch's
     ``found_inf``), computed without reading it."""
     return torch.logical_not(torch.isfinite(norm)).to(torch.float32)
-
-
-def check_loss(loss: Any) -> None:
-    """A clear error for a loss that cannot be backpropagated: not a scalar, or not from the model."""
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise PlaitError(f"backward() needs a scalar loss; got {shape}. Reduce it first (loss.mean()), or "
-                         "check the loss function returns one number per batch")
-    if not loss.requires_grad:
-        raise PlaitError("the loss does not require grad: compute it from the model returned by setup(), "
-                         "outside torch.no_grad()")
 
 
 class Layout:
@@ -87,9 +130,10 @@ class Layout:
         self.cfg, self.topo, self.comm, self.facts = cfg, topo, comm, facts
         self.precision = cfg.train.compute_precision
         self.setup_memory: dict[str, Any] | None = None  # what the engine measured of setup on this rank
+        self.state: StateContract = LayoutState(self)
         self._trainable: list[nn.Parameter] | None = None
 
-    # -- what the rest of plait reads --------------------------------------------------------------
+    # -- what the engine reads ----------------------------------------------------------------------
     @property
     def model(self) -> nn.Module:
         """What the user runs forward on: their own model object (a pipeline's ``PipelineModel``)."""
@@ -97,6 +141,7 @@ class Layout:
 
     @property
     def optimizer(self) -> Any:
+        """The optimizer ``build_optimizer`` returned (what the user holds)."""
         return self.policy.optimizer
 
     @property
@@ -113,19 +158,16 @@ class Layout:
 
     @property
     def reduce_loss_every_step(self) -> bool:
+        """Whether ``reduce_loss`` runs at every step, not only at log steps (a pipeline: the loss is the last
+        stage's, brought to every stage)."""
         return self.stages.reduce_loss_every_step
 
-    @property
-    def model_whole(self) -> bool:
-        return self.stages.model_whole
+    def capability(self, protocol: type) -> Any:
+        """The part (the layout itself, its policy or a driver) implementing ``protocol`` (``Serving``, ``OwnPace``,
+        ``CheckpointJoin``), or None."""
+        return next((part for part in (self, self.policy, *self.drivers) if isinstance(part, protocol)), None)
 
-    @property
-    def items_ranks(self) -> int:
-        """The data-parallel ranks ``num_items_in_batch`` sums over and divides by (not dp x cp: the cp ranks of a
-        group read the same micro-batches, so it returns what it would at cp=1; a loss over a shard is divided by cp
-        by the context split, and a loss the user computes from the whole logits takes it as it is)."""
-        return self.topo.dp
-
+    # -- what the layout's drivers and its state read (not the engine) ---------------------------------
     @property
     def composition(self) -> str:
         """The parts this layout is composed of, by class ("PipelineStages/Zero", "WholeModel/Fsdp/ExpertSync"): what
@@ -133,16 +175,12 @@ class Layout:
         parts = (self.stages, self.policy, self.experts, self.split, *self.drivers)
         return "/".join(type(part).__name__ for part in parts if part is not None)
 
-    def capability(self, protocol: type) -> Any:
-        """The part (the layout itself, its policy or a driver) implementing ``protocol`` (``Serving``, ``OwnPace``,
-        ``CheckpointJoin``), or None."""
-        return next((part for part in (self, self.policy, *self.drivers) if isinstance(part, protocol)), None)
-
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's trainable parameters under the single-process model's names (each once)."""
         return self.stages.named_parameters()
 
     def trainable(self) -> list[nn.Parameter]:
+        """The parameters of ``named_parameters`` that require a gradient (computed once)."""
         if self._trainable is None:
             self._trainable = [p for _, p in self.named_parameters() if p.requires_grad]
         return self._trainable
@@ -155,6 +193,7 @@ class Layout:
         return self.policy.build_optimizer(factory, self.model)
 
     def scheduler_target(self) -> torch.optim.Optimizer:
+        """The torch optimizer an LR scheduler steps and whose learning rates the metrics read."""
         return self.policy.scheduler_target()
 
     def begin(self, run: Any) -> None:
@@ -162,16 +201,14 @@ class Layout:
         for d in self.drivers:
             d.begin(self, run)
 
-    def uses_autocast(self) -> bool:
-        """Whether the model's forward runs under autocast (not where the policy casts: FSDP2's bf16)."""
-        return self.precision != "fp32" and not (self.precision == "bf16" and self.policy.casts_bf16)
-
     def wrap_forward(self, device: torch.device, plan: CompilePlan | None = None) -> None:
         """Make the user's ``model(...)`` run through the policy's wrapper (DDP) and under autocast; with a
         whole-model compile plan, as one compiled region, which ``forward_backward`` extends over the loss."""
         if not self.stages.model_whole:
             return  # the stages run inside the schedule, never through model(...)
-        route_forward(self.model, self.policy.forward_wrapper(), self.precision, self.uses_autocast(), device)
+        # under autocast unless the policy casts itself (FSDP2's bf16)
+        autocast = self.precision != "fp32" and not (self.precision == "bf16" and self.policy.casts_bf16)
+        route_forward(self.model, self.policy.forward_wrapper(), self.precision, autocast, device)
         if plan is not None and plan.unit == "model":
             compile_model(self.model, plan.compiler)
             self.stages.compiler = plan.compiler
@@ -185,24 +222,30 @@ class Layout:
         if self.experts is not None:
             self.experts.set_sync(enabled)
 
-    def context(self) -> contextlib.AbstractContextManager:
+    def _context(self) -> contextlib.AbstractContextManager:
         """The context forward and backward run in: tensor parallelism's loss parallelism, where the plan kept the
         logits vocabulary-sharded."""
         return loss_context(self.model) if self.stages.model_whole else contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, scale: float | torch.Tensor) -> None:
-        (self.split or self.stages).backward(loss, scale)
+        """Backward of a loss the user's own forward computed, its gradients multiplied by ``scale``."""
+        with self._context():
+            (self.split or self.stages).backward(loss, scale)
 
     def forward_backward(self, model: nn.Module, batch: Any, loss: Any, scale: float,
                          before_backward: Callable[[float], None] | None = None,
                          times: dict[str, float] | None = None) -> torch.Tensor:
-        return (self.split or self.stages).forward_backward(model, batch, loss, scale, before_backward, times)
+        """Forward, ``loss`` and backward of one micro-batch (a pipeline's schedule, a context-parallel shard);
+        returns the loss, detached. ``before_backward(scale)`` runs between the loss and its backward."""
+        with self._context():
+            return (self.split or self.stages).forward_backward(model, batch, loss, scale, before_backward, times)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batch: Any, loss: Any) -> torch.Tensor:
+        """The loss of one batch without gradients, on this rank (``reduce_loss`` makes it the replica's)."""
         if self.split is not None:
             return self.split.evaluate(model, batch, loss)
-        with self.context():
+        with self._context():
             return self.stages.evaluate(model, batch, loss)
 
     def evaluation(self) -> contextlib.AbstractContextManager:
@@ -233,7 +276,7 @@ class Layout:
         """The gradient tensors the optimizer will read (what loss-scale unscaling divides)."""
         return self.policy.grads() + (self.experts.grads() if self.experts is not None else [])
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor | float:
+    def _clip_grad_norm(self, max_norm: float) -> torch.Tensor | float:
         """Clip to ``max_norm`` (inf: measure only); returns the global pre-clip norm, a 0-dim tensor on the device.
         Where the policy's gradients are the only ones and none is sharded beyond it (no tensor or pipeline
         parallelism, no experts) the policy clips with torch's numerics; otherwise each rank's squares are summed
@@ -255,7 +298,7 @@ class Layout:
             scale_down(self.grads(), norm, max_norm)
         return norm
 
-    def step(self) -> None:
+    def _step(self) -> None:
         """The optimizer update (the gradients are finite and clipped)."""
         self.policy.optimizer.step()
         if self.experts is not None:
@@ -266,26 +309,25 @@ class Layout:
         """Unscale, clip (the global norm over every shard), and step unless the norm is non-finite (after
         ``before_step``); returns (pre-clip norm, skipped). Every rank sees the same norm, so all skip or step
         together. On the device: the norm is a 0-dim tensor and ``skipped`` a 0-dim float tensor (1.0: the update
-        did not run), decided by ``step_unless``; a part that reads the norm on the host decides there (``skipped``
+        did not run), decided by ``_step_unless``; a part that reads the norm on the host decides there (``skipped``
         a bool)."""
         if scaler.enabled:  # no gradient list for a scaler that is off
             scaler.unscale(self.grads())
-        norm = self.clip_grad_norm(max_norm)
+        norm = self._clip_grad_norm(max_norm)
         if not isinstance(norm, torch.Tensor):
             skipped = not math.isfinite(norm) or not all(d.commit(self) for d in self.drivers)
             if not skipped:
                 before_step()
-                self.step()
+                self._step()
             return norm, skipped
         found = nonfinite(norm)
         before_step()
-        if not all(d.commit(self) for d in self.drivers):  # a replica's step whose collectives failed
-            found.fill_(1.0)
-        self.step_unless(found)
-        return norm, found
+        if not all(d.commit(self) for d in self.drivers):  # a replica's step whose collectives failed: no update
+            return norm, found.fill_(1.0)
+        return norm, self._step_unless(found)
 
-    def torch_optimizers(self) -> list[torch.optim.Optimizer] | None:
-        """The torch optimizers ``step`` runs (a ZeRO optimizer's inner one), or None where one is not a torch
+    def _torch_optimizers(self) -> list[torch.optim.Optimizer] | None:
+        """The torch optimizers ``_step`` runs (a ZeRO optimizer's inner one), or None where one is not a torch
         optimizer (then the skip of a non-finite step is decided on the host)."""
         out = []
         for o in self.optimizers:
@@ -295,27 +337,55 @@ class Layout:
             out.append(o)
         return out
 
-    def skips_on_device(self) -> bool:
-        """Whether every optimizer ``step`` runs takes torch's ``found_inf`` (``step_unless``)."""
-        opts = self.torch_optimizers()
+    def _skips_on_device(self) -> bool:
+        """Whether every optimizer ``_step`` runs takes torch's ``found_inf`` (``_step_unless``)."""
+        opts = self._torch_optimizers()
         return bool(opts) and all(getattr(o, "_step_supports_amp_scaling", False) for o in opts)
 
-    def step_unless(self, found: torch.Tensor) -> None:
-        """``step``, unless ``found`` (a 0-dim float tensor on the device) is 1. Optimizers that take torch's
-        ``found_inf`` (fused Adam/AdamW/SGD/Adagrad: plait's AdamW on a GPU) skip on the device, parameters,
-        states and step counts untouched: the host reads nothing. Any other optimizer needs the decision on the
-        host: one read of ``found`` per step (on a GPU, a wait for the gradients)."""
-        opts = self.torch_optimizers()
-        if self.skips_on_device():
+    def _skips_on_host(self) -> bool:
+        """Whether a non-finite step is skipped by a decision on the host (``optim.skip_nonfinite``): asked for
+        (true), or fp16's loss scaling, where an overflow must not update (auto). Otherwise an optimizer that cannot
+        skip on the device applies the update, as the user's own loop would."""
+        mode = self.cfg.optim.skip_nonfinite
+        return mode is True or (mode == "auto" and self.cfg.train.precision == "fp16")
+
+    def nonfinite_skip(self) -> str:
+        """How a step with a non-finite gradient norm is skipped: "device" (every optimizer takes torch's
+        ``found_inf``: the host reads nothing), "host" (one read of the step's flag per step decides) or "none"
+        (the update is applied, as the user's own loop would; ``optim.skip_nonfinite=false`` or an optimizer that
+        cannot skip on the device under ``auto``). What setup tells the user."""
+        if self.cfg.optim.skip_nonfinite is False:
+            return "none"
+        if self._skips_on_device():
+            return "device"
+        return "host" if self._skips_on_host() else "none"
+
+    def _step_unless(self, found: torch.Tensor) -> torch.Tensor | bool:
+        """``_step``, unless ``found`` (a 0-dim float tensor on the device) is 1; returns whether the update was
+        skipped (a device tensor or a host bool). Optimizers that take torch's ``found_inf`` (fused
+        Adam/AdamW/SGD/Adagrad: plait's AdamW on a GPU) skip on the device, parameters, states and step counts
+        untouched: the host reads nothing. Any other optimizer skips only by a decision on the host, one read of
+        ``found`` per step (on a GPU, a wait for the gradients), made where ``_skips_on_host``; elsewhere it steps
+        (``optim.skip_nonfinite=false`` never skips)."""
+        opts = self._torch_optimizers()
+        if self.cfg.optim.skip_nonfinite is False:
+            self._step()
+            return False
+        if self._skips_on_device():
             for o in opts:
                 o.found_inf = found
             try:
-                self.step()
+                self._step()
             finally:
                 for o in opts:
                     del o.found_inf
-        elif not bool(found):
-            self.step()
+            return found
+        if not self._skips_on_host():
+            self._step()  # as the user's own loop: a non-finite norm is reported at the next log step
+            return False
+        if not bool(found):
+            self._step()
+        return found
 
     def after_step(self) -> None:
         """After every optimizer step, stepped or skipped, once the LR scheduler has stepped."""
@@ -334,99 +404,6 @@ class Layout:
         for d in self.drivers:
             out.update(d.step_metrics())
         return out
-
-    # -- state -------------------------------------------------------------------------------------
-    def state_dicts(self) -> tuple[dict, dict]:
-        """(model, {"state": optimizer states}) keyed by the single-process model's names: the one checkpoint
-        format of every layout. The optimizer state is created first if no step ran, so the result can serve as
-        a load template."""
-        model_sd = self.stages.model_state()
-        state = self.policy.optimizer_state(self.named_parameters())
-        if self.experts is not None:
-            model_sd, state = self.experts.state(model_sd, state)
-        model_sd = strided_entries(model_sd)  # packed expert weights split over tp go to DCP as boxes
-        optim_sd: dict[str, Any] = {"state": {k: strided_entries(st) for k, st in state.items()}}
-        for d in self.drivers:
-            model_sd, optim_sd = d.state(self, model_sd, optim_sd)
-        return model_sd, optim_sd
-
-    def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
-        """Load a checkpoint's states (read by DCP into the tensors ``state_dicts`` handed out); hyperparameters stay
-        this run's (an LR scheduler restores its own)."""
-        for d in reversed(self.drivers):
-            model_sd, optim_sd = d.load(self, model_sd, optim_sd)
-        state = optim_sd["state"]
-        if self.experts is not None:
-            model_sd, state = self.experts.load(model_sd, state)
-        if not self._strided():
-            self.stages.load_model_state(model_sd)
-        self.policy.load_optimizer_state(self.named_parameters(), state)
-
-    def _strided(self) -> bool:
-        return any(is_strided(p) for _, p in self.named_parameters())
-
-    def save_planner(self) -> Any:
-        """DCP's save planner for this layout's entries (None: DCP's default)."""
-        return PiecesSavePlanner(lowest_rank=False) if self._strided() else None
-
-    def load_planner(self) -> Any:
-        return PiecesLoadPlanner() if self._strided() else None
-
-    def finish_load(self) -> None:
-        """After a load's collective (a parameter server's workers pull; a replica group meets the others)."""
-        for d in self.drivers:
-            d.after_load(self)
-
-    def retie(self) -> None:
-        """After this rank's weights were written from outside the layout, each rank on its own (a replica group's
-        heal): the copies of a parameter the layout keeps on several ranks equal again (a pipeline's tied
-        embedding and head)."""
-        self.stages.retie()
-
-    def model_entries(self) -> dict[str, torch.Tensor]:
-        """This rank's state-dict entries under the single-process model's names: DTensors where sharded; the
-        model's own tensors, so writing into them writes the model."""
-        entries = self.stages.entries()
-        if self.experts is not None:
-            entries = self.experts.entries(entries)
-        for d in self.drivers:
-            entries = d.entries(self, entries)
-        return entries
-
-    def prepare_weights(self, weights: str | Path | None, init_fn: InitFn | None, seed: int, group: Any) -> None:
-        """Fill this rank's part of the model before the optimizer is built: from the checkpoint at ``weights``
-        (each rank reads its own slices; ``group`` is the training ranks'), else, for a model built on the meta
-        device, by ``plait.parallel.meta_init.initialise`` (``init_fn(module)`` or the modules' own init, seeded
-        by ``seed`` and module name). A model built normally keeps its weights."""
-        if weights is not None:
-            load_weights(self.facts, self.model_entries(), weights, group, self.facts.kind)
-        elif self.facts.meta:
-            initialise(self.facts, self.model_entries(), seed, init_fn)
-        elif init_fn is not None:
-            raise PlaitError("init_fn initialises a model built on the meta device (under torch.device('meta')); "
-                             "this model has its weights already: drop init_fn, or build it on the meta device")
-
-    def export_weights(self, out: Path, group: Any, coordinator: bool, max_shard_bytes: int) -> Path:
-        """Write the model as a Hugging Face directory, as ``save_pretrained`` names it: every rank writes its own
-        shards; collective over ``group``."""
-        return export_weights(self.facts, self.model_entries(), out, group, coordinator, max_shard_bytes)
-
-    def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """Full (unsharded) weights under the single-process names; every rank calls it. With ``rank0_only`` other
-        ranks may get an empty dict (layouts that gather save the memory)."""
-        full = None
-        if self.experts is None and not self.stages.is_pipeline:
-            full = self.policy.full_state(self.stages.holder, rank0_only)
-        if self.experts is not None and self.stages.is_pipeline:  # this stage's experts whole, then over pp
-            mine = {k: local_value(v) for k, v in self.stages.model_state().items()}
-            full = _gather_over_pp(self.topo, {**mine, **self.experts.full()})
-        elif self.experts is not None:
-            full = {**self.stages.full_state(), **self.experts.full()}
-        elif full is None:
-            full = self.stages.full_state()
-        for d in self.drivers:
-            full = d.entries(self, full)
-        return full
 
     # -- reporting ---------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -459,33 +436,13 @@ class Layout:
         return out
 
     def _memory(self, measured: dict[str, int] | None, device: torch.device) -> dict[str, Any]:
-        unique = {id(p): p for _, p in self.named_parameters()}.values()
-        params = sum(p.numel() for p in unique)
-        precision = "bf16" if self.precision != "fp32" else "fp32"
-        data_parallel_only = self.topo.degree("tp") == self.topo.degree("pp") == 1
-        t, p = self.topo, self.cfg.parallel
-        setup = None
-        if data_parallel_only:  # the whole model given on every rank, or (meta-built) each rank allocating its part
-            setup = predict_setup_bytes(sum(q.numel() * q.element_size() for q in unique),
-                                        sum(b.numel() * b.element_size() for b in self.model.buffers()),
-                                        world=t.world_size, zero=p.zero, dp=t.degree("dp_cp"),
-                                        shard=t.shard_degree,
-                                        bucket_mb=p.bucket_mb, source="shards" if self.facts.meta else "whole")
-        # ZeRO shards over the shard group: every data-parallel rank, or dp_shard of them under HSDP
-        return {"memory": memory_report(params, p.zero, t.shard_degree, precision, measured or None, device,
-                                        predict=data_parallel_only, setup=self.setup_memory, setup_predicted=setup)}
+        unique = list({id(p): p for _, p in self.named_parameters()}.values())
+        return {"memory": layout_memory(unique, list(self.model.buffers()), self.topo, self.cfg.parallel,
+                                        self.precision, self.facts.meta, measured, device, self.setup_memory)}
 
     def close(self) -> None:
         """At the end of the run (a parameter server's worker tells the servers it is done; a replica group leaves)."""
         for d in self.drivers:
             d.close()
         self.policy.close()
-
-
-def _gather_over_pp(topo: Topology, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    parts: list = [None] * topo.degree("pp")
-    torch.distributed.all_gather_object(parts, {k: v.detach().cpu() for k, v in mine.items()},
-                                        group=topo.group("pp"))
-    return {k: v for part in parts for k, v in part.items()}
-
 

@@ -53,7 +53,7 @@ MEANING: dict[frozenset[str], str] = {
                                            "interleaved", "zbv", "ep", "cp_ring", "cp_alltoall", "fp8",
                                            "powersgd", "diloco", "replicas")},
     **{frozenset(("ddp", f)): _DDP for f in ("zero1", "zero2", "zero3", "hsdp", "tp", "sp", "1f1b", "interleaved",
-                                             "zbv", "powersgd", "diloco", "replicas")},
+                                             "zbv", "powersgd", "diloco")},
     **{frozenset((c, "offload")): _RECOMPUTE for c in ("ckpt_full", "ckpt_selective")},
     **{frozenset((z, "powersgd")): _FSDP for z in ("zero3", "hsdp")},
 }
@@ -72,17 +72,21 @@ def settings(names: tuple[str, ...] | list[str]) -> tuple[list[str], int]:
     d: dict[str, Any] = {}
     for n in names:
         d.update(FEATURES[n][0])
+    if d.get("parallel.sync") == "diloco" and d.get("parallel.zero") and d.get("fault.mode") != "replicas":
+        d.setdefault("parallel.dp_shard", 2)  # DiLoCo's replicas of 2 ranks each, sharded inside
     tp, pp, cp = d.get("parallel.tp", 1), d.get("parallel.pp", 1), d.get("parallel.cp", 1)
     dp = 4 if d.get("parallel.dp_shard") else 2  # HSDP: 2 shard groups of 2; DiLoCo, ZeRO, ep: 2 ranks
+    replicas = d.get("fault.mode") == "replicas"
+    if replicas and dp == 2:  # 2 groups of what the layout inside needs (HSDP's 2 shard groups: 2 groups of 2)
+        dp *= 2
     world = tp * pp * cp * dp
     over = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in d.items()]
     over += ["--train.micro_batch_size=4", f"--train.global_batch_size={4 * dp}", "--parallel.microbatches=4"]
     if d.get("parallel.mode") == "ps":
         world = 3  # a server and 2 workers
         over[-2] = "--train.global_batch_size=8"
-    if d.get("fault.mode") == "replicas":  # 2 groups of what the layout inside needs
+    if replicas:
         over.append("--parallel.dp_replicate=2")
-        world *= 2 if dp == 2 else 1
     return over, world
 
 

@@ -16,10 +16,16 @@ Initialisation (``initialise``), and how it relates to one process. Each module 
 buffer this rank holds is initialised on a *full-size* temporary copy of its own tensors (one module at a
 time: the transient memory is the largest module, never the model), with the random generator seeded by
 ``seed`` and the module's name (``module_seed``); the rank then keeps its slice. The init of a module is
-``init_fn(module)`` when given, else its ``reset_parameters()`` followed by the root model's
-``_init_weights(module)`` where the root has one (Hugging Face models, plait's GPT), so computed buffers
-(a rotary embedding's ``inv_freq``, BatchNorm statistics) come out as construction would make them. A tied
-tensor takes the value its first owner's init gives it. So the weights are a function of (seed, module
+``init_fn(module)`` when given; else, for a torchtitan module (``_init_self_parameters`` /
+``_init_self_buffers``: the two halves of its ``init_states``, which its ``init_weights`` runs), those two; else its
+``reset_parameters()`` followed by the root model's ``_init_weights(module)`` where the root has one (Hugging Face
+models, plait's GPT). The temporaries start as NaN, so what an init leaves unwritten is seen, never trained as
+``torch.empty`` memory: a buffer no init computed (a rotary cache made in ``__init__``) is taken from the module
+built again on the CPU (``_rebuilt``: its class called with its own attributes as the constructor's arguments, for
+a module without parameters); a tied tensor takes the value of the first of its owners whose init writes it (a
+torchtitan embedding tied to its head skips its own init: the head's gives it); anything still unwritten is
+refused (``MetaInitError``, on every rank, before the first step) naming the tensor and the fix. So
+computed buffers come out as construction makes them. So the weights are a function of (seed, module
 name, module), the same at every layout and world size: *equal*, bit for bit, to ``initialise_like(model,
 seed)`` run on the whole model in one process (``tests/engine/test_big_models.py`` checks this at zero=3 and
 tp=2). They are not the values a normal construction after ``torch.manual_seed(seed)`` draws (that draws
@@ -29,6 +35,7 @@ per module they follow the same distributions.
 
 from __future__ import annotations
 
+import inspect
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -44,6 +51,14 @@ InitFn = Callable[[nn.Module], None]
 
 class MetaInitError(ConfigError):
     """A meta-device model that plait cannot initialise or place; the message says what to pass instead."""
+
+
+def uninitialised_message(names: list[str]) -> str:
+    """The one line refusing a meta-built model whose init leaves ``names`` (tensors) unwritten."""
+    return (f"the model was built on the meta device and nothing initialises {', '.join(names[:3])}"
+            f"{f' (and {len(names) - 3} more)' if len(names) > 3 else ''}: no init_fn, reset_parameters, _init_weights "
+            "or _init_self_buffers writes it, and its module cannot be built again from its attributes; pass "
+            "init_fn=fn(module) that sets it (or weights=PATH for parameters), or build the model on the CPU")
 
 
 def is_meta(model: nn.Module) -> bool:
@@ -110,14 +125,19 @@ def module_seed(seed: int, module_name: str) -> int:
 class ModelFacts:
     """What the whole model is, recorded on every rank before the layout is applied (see the module docstring).
 
-    ``shapes``/``dtypes``: every state-dict entry (parameters and persistent buffers) by name; ``canonical``:
-    name -> the first name of the same tensor (tied weights share one); ``owner``: canonical name -> (module
-    name, attribute); ``nonpersistent``: module name -> its buffers that are not in the state dict;
-    ``modules`` and ``root``: the module objects, kept only for a meta model."""
+    Two views. The checkpoint's: ``shapes``/``dtypes``, every entry of ``model.state_dict()`` by name (the names
+    its state-dict hooks give: torchtitan's fused ``wqkv`` saved as ``wq``/``wk``/``wv``), and ``canonical``:
+    name -> the first name of the same tensor (tied weights share one). The model's own tensors', for
+    initialisation: ``own``: each parameter's and persistent buffer's attribute path -> the first path of the same
+    tensor, ``own_shapes`` their whole shapes, ``owner``: first path -> (module name, attribute);
+    ``nonpersistent``: module name -> its buffers that are not in the state dict. Without renaming hooks the two
+    views name the same tensors. ``modules`` and ``root``: the module objects, kept only for a meta model."""
 
     shapes: dict[str, torch.Size] = field(default_factory=dict)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     canonical: dict[str, str] = field(default_factory=dict)
+    own: dict[str, str] = field(default_factory=dict)
+    own_shapes: dict[str, torch.Size] = field(default_factory=dict)
     owner: dict[str, tuple[str, str]] = field(default_factory=dict)
     nonpersistent: dict[str, list[str]] = field(default_factory=dict)
     modules: dict[str, nn.Module] = field(default_factory=dict)
@@ -131,26 +151,28 @@ class ModelFacts:
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelFacts:
-        from plait.components.hf_convert import model_conversions
+        from plait.checkpoint.hf_convert import model_conversions
 
         facts = cls(meta=is_meta(model), config=getattr(model, "config", None),
                     ignore_unexpected=list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
                     base_prefix=str(getattr(model, "base_model_prefix", "") or ""), kind=type(model).__name__,
                     conversions=model_conversions(model))
         first: dict[int, str] = {}
-        sd_names = set(model.state_dict(keep_vars=True))
+        for name, t in model.state_dict(keep_vars=True).items():
+            if isinstance(t, torch.Tensor):
+                facts.canonical[name] = first.setdefault(id(t), name)
+                facts.shapes[name], facts.dtypes[name] = t.shape, t.dtype
+        own_first: dict[int, str] = {}
         for mname, m in model.named_modules(remove_duplicate=False):
             for attr, t in list(m._parameters.items()) + list(m._buffers.items()):
                 if t is None:
                     continue
                 name = f"{mname}.{attr}" if mname else attr
-                if name not in sd_names:
-                    if attr in m._buffers:
-                        facts.nonpersistent.setdefault(mname, []).append(attr)
+                if attr in m._buffers and attr in m._non_persistent_buffers_set:
+                    facts.nonpersistent.setdefault(mname, []).append(attr)
                     continue
-                canon = first.setdefault(id(t), name)
-                facts.canonical[name] = canon
-                facts.shapes[name], facts.dtypes[name] = t.shape, t.dtype
+                canon = own_first.setdefault(id(t), name)
+                facts.own[name], facts.own_shapes[name] = canon, t.shape
                 if canon == name:
                     facts.owner[name] = (mname, attr)
         if facts.meta:  # free on meta: lets any rank initialise any tensor (see the module docstring)
@@ -165,6 +187,21 @@ class ModelFacts:
             out.setdefault(canon, []).append(name)
         return out
 
+    def owners(self) -> dict[str, list[tuple[str, str]]]:
+        """The model's own tensors (by first path) -> (module name, attribute) of each of their names, in model
+        order: a tied tensor has several."""
+        out: dict[str, list[tuple[str, str]]] = {}
+        for name, canon in self.own.items():
+            mname, _, attr = name.rpartition(".")
+            out.setdefault(canon, []).append((mname, attr))
+        return out
+
+
+def _titan(module: nn.Module) -> bool:
+    """Whether ``module`` follows torchtitan's init protocol (its ``Module``'s ``init_states`` halves)."""
+    return callable(getattr(module, "_init_self_parameters", None)) and callable(
+        getattr(module, "_init_self_buffers", None))
+
 
 def _module_init(facts: ModelFacts, init_fn: InitFn | None) -> InitFn:
     root = facts.root
@@ -173,6 +210,13 @@ def _module_init(facts: ModelFacts, init_fn: InitFn | None) -> InitFn:
     def init(module: nn.Module) -> None:
         if init_fn is not None:
             init_fn(module)
+            return
+        if _titan(module):  # init_states without its recursion: this module's own tensors, on the CPU
+            try:
+                module._init_self_parameters()
+            except ValueError as e:  # torchtitan's own refusal: a parameter without an initialiser
+                raise MetaInitError(f"{e}; or pass init_fn=fn(module) to setup") from None
+            module._init_self_buffers(buffer_device=torch.device("cpu"))
             return
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
@@ -194,13 +238,52 @@ def _swap(module: nn.Module, tensors: dict[str, Any], wrap: bool = True) -> dict
     return old
 
 
-def _full_values(facts: ModelFacts, mname: str, seed: int, init: InitFn) -> dict[str, Any]:
-    """Every direct tensor of module ``mname`` at full size, initialised as in one process: on the CPU, whose
-    random generator is the same on every machine."""
+def _unset(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A temporary an init writes into: NaN where the dtype has one, so what the init leaves is seen."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.full(shape, float("nan"), dtype=dtype)
+    return torch.zeros(shape, dtype=dtype)
+
+
+def written(t: torch.Tensor) -> bool:
+    """Whether an init wrote every element of ``t`` (one of ``_unset``'s temporaries, or what replaced it)."""
+    return not (t.is_floating_point() or t.is_complex()) or not bool(torch.isnan(t).any())
+
+
+def _rebuilt(module: nn.Module) -> nn.Module | None:
+    """``module`` constructed again on the CPU, its class called with its own attributes of the constructor's
+    parameter names (torchtitan's ``config``, Hugging Face's rotary ``config``, a user's ``dim``): what its
+    ``__init__`` computes into buffers. None for a module holding parameters (that would build them whole) or
+    whose constructor's arguments it does not keep."""
+    if next(module.parameters(), None) is not None:
+        return None
+    try:
+        params = list(inspect.signature(type(module).__init__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    kwargs = {}
+    for prm in params:
+        if prm.kind in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD):
+            continue
+        value = module.__dict__.get(prm.name, getattr(type(module), prm.name, None))
+        if value is not None and not callable(value) and prm.kind != prm.POSITIONAL_ONLY:
+            kwargs[prm.name] = value
+        elif prm.default is prm.empty:
+            return None
+    try:
+        with torch.device("cpu"):
+            return type(module)(**kwargs)
+    except Exception:  # noqa: BLE001  a constructor that does not take its attributes back: refused by the caller
+        return None
+
+
+def _full_values(facts: ModelFacts, mname: str, seed: int, init: InitFn) -> tuple[dict[str, Any], set[str]]:
+    """Every direct tensor of module ``mname`` at full size, initialised as in one process (on the CPU, whose
+    random generator is the same on every machine), and the attributes nothing wrote (module docstring)."""
     module = facts.modules[mname]
     # the whole model's shapes, recorded before the layout: expert parallelism replaced the experts' tensors by
     # this rank's (a DTensor's shape is the whole one already)
-    full = {attr: torch.empty(tuple(facts.shapes.get(f"{mname}.{attr}" if mname else attr, t.shape)), dtype=t.dtype)
+    full = {attr: _unset(tuple(facts.own_shapes.get(f"{mname}.{attr}" if mname else attr, t.shape)), t.dtype)
             for attr, t in list(module._parameters.items()) + list(module._buffers.items()) if t is not None}
     old = _swap(module, full)
     try:
@@ -213,15 +296,28 @@ def _full_values(facts: ModelFacts, mname: str, seed: int, init: InitFn) -> dict
     finally:
         _swap(module, old, wrap=False)  # the model's own objects back, exactly
         torch.random.set_rng_state(gen_state)
-    return {k: v.detach() for k, v in out.items()}
+    out = {k: v.detach() for k, v in out.items()}
+    missing = {k for k, v in out.items() if not written(v)}
+    if missing & set(module._buffers):  # computed by construction only: built again, seeded alike
+        torch.manual_seed(module_seed(seed, mname))
+        try:
+            again = _rebuilt(module)
+        finally:
+            torch.random.set_rng_state(gen_state)
+        for attr in missing & set(module._buffers):
+            b = again._buffers.get(attr) if again is not None else None
+            if b is not None and not b.is_meta and b.shape == full[attr].shape and b.dtype == full[attr].dtype:
+                out[attr] = b.detach()
+                missing.discard(attr)
+    return out, missing
 
 
-def _check_initialisable(facts: ModelFacts, names: list[str], init_fn: InitFn | None) -> None:
+def _check_initialisable(facts: ModelFacts, init_fn: InitFn | None) -> None:
     if init_fn is not None or callable(getattr(facts.root, "_init_weights", None)):
         return
-    bare = sorted({facts.owner[facts.canonical[n]][0] for n in names
-                   if not callable(getattr(facts.modules[facts.owner[facts.canonical[n]][0]], "reset_parameters",
-                                           None))})
+    bare = sorted({mname for mname, _ in facts.owner.values()
+                   if not callable(getattr(facts.modules[mname], "reset_parameters", None))
+                   and not _titan(facts.modules[mname]) and facts.modules[mname]._parameters})
     if bare:
         raise MetaInitError(f"the model was built on the meta device without weights, and these modules have no "
                             f"reset_parameters() to initialise them: {', '.join(bare[:5])}; pass weights=PATH or "
@@ -230,43 +326,78 @@ def _check_initialisable(facts: ModelFacts, names: list[str], init_fn: InitFn | 
 
 @torch.no_grad()
 def initialise(facts: ModelFacts, entries: dict[str, torch.Tensor], seed: int, init_fn: InitFn | None = None,
-               buffers_only: bool = False) -> None:
+               buffers_only: bool = False) -> list[str]:
     """Fill this rank's tensors of a meta-built model (see the module docstring). ``entries``: this rank's
-    state-dict entries under the single-process names (``Layout.model_entries``), plain tensors or DTensors;
-    the non-persistent buffers of the modules this rank holds are recomputed too. ``buffers_only``: only those
-    (the parameters came from a checkpoint)."""
+    state-dict entries under the single-process names (``LayoutState.model_entries``), plain tensors or DTensors;
+    the model's own tensors that no entry names (a state-dict hook renamed them) are taken from their modules.
+    The non-persistent buffers of the modules this rank holds are computed too. ``buffers_only``: only those (the
+    parameters came from a checkpoint). Returns the names of this rank's tensors nothing initialised (the caller
+    refuses the model on every rank: ``uninitialised_message``); they are left NaN."""
     if not facts.meta:
-        return
+        return []
     init = _module_init(facts, init_fn)
-    wanted: dict[str, list[tuple[str, torch.Tensor]]] = {}  # owner module -> (attribute, destination)
+    # owner module -> [(attribute, destination, the tensor's name, the owners left to try)]
+    wanted: dict[str, list[tuple[str, torch.Tensor, str, list[tuple[str, str]]]]] = {}
     if not buffers_only:
-        _check_initialisable(facts, list(entries), init_fn)
-        seen: set[tuple] = set()
+        _check_initialisable(facts, init_fn)
+        held: dict[str, torch.Tensor] = {}
         for name, t in entries.items():
-            if storage_key(t) in seen or name not in facts.canonical:
-                continue
-            seen.add(storage_key(t))
-            mname, attr = facts.owner[facts.canonical[name]]
-            wanted.setdefault(mname, []).append((attr, t))
+            if name in facts.own:
+                held.setdefault(facts.own[name], t)
+        for canon, ((mname, attr), *rest) in facts.owners().items():
+            module = facts.modules[mname]
+            t = held.get(canon, module._parameters.get(attr, module._buffers.get(attr)))
+            if t is not None and not t.is_meta:  # held by this rank
+                wanted.setdefault(mname, []).append((attr, t, canon, rest))
     for mname, attrs in facts.nonpersistent.items():
         module = facts.modules[mname]
         for attr in attrs:
-            b = module._buffers.get(attr)
+            name = f"{mname}.{attr}" if mname else attr
+            b = entries.get(name, module._buffers.get(attr))
             if b is not None and not b.is_meta:  # held by this rank
-                wanted.setdefault(mname, []).append((attr, b))
-    for mname in facts.modules:  # model order: deterministic, the same on every rank
+                wanted.setdefault(mname, []).append((attr, b, name, []))
+    missing = []
+    for mname in facts.modules:  # model order: deterministic, the same on every rank; a tie's later owners later
         if mname not in wanted:
             continue
-        full = _full_values(facts, mname, seed, init)
-        for attr, dest in wanted[mname]:
-            write_slice(dest, full[attr])
+        full, unset = _full_values(facts, mname, seed, init)
+        for attr, dest, name, rest in wanted[mname]:
+            if attr not in unset:
+                write_slice(dest, full[attr])
+            elif rest:  # a tied tensor this owner's init skips: the next owner's init gives it
+                wanted.setdefault(rest[0][0], []).append((rest[0][1], dest, name, rest[1:]))
+            else:
+                write_slice(dest, full[attr])
+                missing.append(name)
+    return missing
+
+
+def refuse_uninitialised(missing: list[str], group: Any, device: torch.device) -> None:
+    """Raise ``MetaInitError`` on every rank of ``group`` when ``initialise`` left a tensor unwritten on any of
+    them, naming the tensors. Collective where a process group exists: two all-gathers (the names' lengths, then
+    their UTF-8 bytes; nothing is unpickled)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        mine = torch.tensor(list("\n".join(missing).encode()), dtype=torch.uint8, device=device)
+        lengths = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(lengths, torch.tensor(mine.numel(), device=device), group=group)
+        width = max(int(n) for n in lengths)
+        if width == 0:
+            return
+        parts = [torch.zeros(width, dtype=torch.uint8, device=device) for _ in lengths]
+        dist.all_gather(parts, torch.cat([mine, mine.new_zeros(width - mine.numel())]), group=group)
+        missing = sorted({n for part, k in zip(parts, lengths, strict=True)
+                          for n in bytes(part[:int(k)].tolist()).decode().split("\n") if n})
+    if missing:
+        raise MetaInitError(uninitialised_message(missing))
 
 
 def write_slice(dest: torch.Tensor, full: torch.Tensor) -> None:
     """Copy this rank's part of ``full`` (the whole tensor) into ``dest``: a DTensor's local shard (its offset
     from the placements: tp's Megatron shards, FSDP2's dim-0 shards, both at once; tp's packed expert weights
-    block by block: ``plait.components.hf_checkpoint.local_boxes``), or a plain tensor whole."""
-    from plait.components.hf_checkpoint import local_boxes
+    block by block: ``plait.checkpoint.hf.local_boxes``), or a plain tensor whole."""
+    from plait.checkpoint.hf import local_boxes
 
     for view, offset in local_boxes(dest):
         view.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, view.shape, strict=True))])
@@ -279,5 +410,7 @@ def initialise_like(model: nn.Module, seed: int, init_fn: InitFn | None = None) 
     facts.modules = dict(model.named_modules(remove_duplicate=False))
     facts.root, facts.meta = model, True
     materialise(model, torch.device("cpu"))
-    initialise(facts, model.state_dict(keep_vars=True), seed, init_fn)
+    missing = initialise(facts, model.state_dict(keep_vars=True), seed, init_fn)
+    if missing:
+        raise MetaInitError(uninitialised_message(missing))
     return model

@@ -6,7 +6,8 @@ memory when it is saved and copied back when backward needs it, so between a blo
 the device holds none of its activations. What is moved: each distinct storage once per block and forward
 (a tensor saved by three operators, or a view of one, is one copy), parameters never (they stay on the device;
 autocast's half-precision copies of them are activations and move). A DTensor's local shard moves and the
-DTensor is rebuilt around it.
+DTensor is rebuilt around it; a tensor subclass (torchao's float8 tensors under tensor parallelism and FSDP2)
+moves the tensors it is made of and is rebuilt from them (``__tensor_flatten__`` / ``__tensor_unflatten__``).
 
 On a GPU the host buffers are pinned and the copies run on a side stream: a block's copies to the host overlap
 the forward that follows (the device memory is kept until its copy has finished, ``record_stream``), and when
@@ -17,8 +18,11 @@ nothing.
 
 ``OffloadStats`` counts the bytes moved each way and the host bytes alive; the planner prices the same
 figure (``plait.plan.stages``: every block's saved bytes, its host-link transfer against its compute).
-The offloaded forward is not compiled (``train.compile`` is refused with it: dynamo does not trace these
-hooks).
+Compiled blocks (``train.compile``) keep it: the hooks that open and close each block's saved-tensor context run
+eagerly around the block's compiled region (``torch.compiler.disable``), and the compiled graph's saved tensors go
+through the context as any autograd function's do (AOTAutograd saves what its backward needs; the same path moves
+them). A whole-model region would hold the hooks inside it, so the layout compiles block by block
+(``plait.parallel.compose.compile_blocks_because``).
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from plait.config import ConfigError
 from plait.parallel.units import find_blocks
 
 
@@ -88,6 +92,7 @@ class ActivationOffload:
         self._stream: Any = None
 
     # -- forward: the hooks around each block --------------------------------------------------------------
+    @torch.compiler.disable
     def enter(self, index: int, module: nn.Module) -> None:
         group = _Group(index, module, prev=self._last.get(index - 1))
         self._last[index] = weakref.ref(group)
@@ -95,6 +100,7 @@ class ActivationOffload:
         hooks.__enter__()
         self._active.append((hooks, group))
 
+    @torch.compiler.disable
     def leave(self) -> None:
         hooks, group = self._active.pop()
         hooks.__exit__(None, None, None)
@@ -107,7 +113,11 @@ class ActivationOffload:
         if isinstance(local, AsyncCollectiveTensor):  # a functional collective's result: the tensor it wraps
             local = local.trigger_wait()
         if group.params is None:
-            group.params = {_local(p).untyped_storage().data_ptr() for p in group.module.parameters()}
+            group.params = {x.untyped_storage().data_ptr() for p in group.module.parameters() for x in _plain(p)}
+        if is_traceable_wrapper_subclass(local):  # torchao's float8 tensors: what they are made of moves
+            names, ctx = local.__tensor_flatten__()  # type: ignore[attr-defined]
+            inner = {n: self._pack(group, getattr(local, n)) for n in names}
+            return _Wrapped(type(local), inner, ctx, local.size(), local.stride(), spec)
         storage = local.untyped_storage()
         key = storage.data_ptr()
         if key in group.params or storage.nbytes() == 0:
@@ -136,6 +146,10 @@ class ActivationOffload:
 
     # -- backward: bring a group back, and the one before it ahead of time ------------------------------
     def _unpack(self, handle: Any) -> torch.Tensor:
+        if isinstance(handle, _Wrapped):
+            inner = {n: self._unpack(h) for n, h in handle.inner.items()}
+            return _rebuild(handle.cls.__tensor_unflatten__(inner, handle.ctx, handle.size, handle.stride),
+                            handle.spec)
         if not isinstance(handle, _Handle):
             return handle
         group = handle.group
@@ -150,10 +164,7 @@ class ActivationOffload:
             raw.record_stream(torch.cuda.current_stream())
         t = torch.empty(0, dtype=handle.dtype, device=raw.device).set_(
             raw.untyped_storage(), handle.offset, handle.size, handle.stride)
-        if handle.spec is not None:
-            mesh, placements, shape, stride = handle.spec
-            t = DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
-        return t
+        return _rebuild(t, handle.spec)
 
     def _bring_back(self, group: _Group) -> None:
         if not group.host:
@@ -173,15 +184,32 @@ class ActivationOffload:
         group.host = {}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+class _Wrapped:
+    """A saved tensor subclass (``__tensor_flatten__``): its class and context, and its inner tensors, each packed."""
+
+    __slots__ = ("cls", "inner", "ctx", "size", "stride", "spec")
+
+    def __init__(self, cls: type, inner: dict[str, Any], ctx: Any, size: torch.Size, stride: tuple[int, ...],
+                 spec: Any) -> None:
+        self.cls, self.inner, self.ctx, self.size, self.stride, self.spec = cls, inner, ctx, size, stride, spec
 
 
-def check_offload(offload: bool, compile_: bool) -> None:
-    """Raise ``ConfigError`` for ``train.activation_offload`` with ``train.compile`` (module docstring)."""
-    if offload and compile_:
-        raise ConfigError("train.activation_offload=true runs each block's forward under saved-tensor hooks, which "
-                          "torch.compile does not trace; set train.compile=false or train.activation_offload=false")
+def _rebuild(t: torch.Tensor, spec: Any) -> torch.Tensor:
+    """``t`` again as the DTensor it was saved as (``spec``), or as it is."""
+    if spec is None:
+        return t
+    mesh, placements, shape, stride = spec
+    return DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s data: a DTensor's local shard, a tensor subclass's inner tensors, or ``t``."""
+    if isinstance(t, DTensor):
+        return _plain(t._local_tensor)
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        return [x for n in names for x in _plain(getattr(t, n))]
+    return [t]
 
 
 def offload_activations(model: nn.Module) -> ActivationOffload:

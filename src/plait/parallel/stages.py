@@ -22,7 +22,7 @@ from torch import nn
 
 from plait.components.precision import autocast
 from plait.parallel.compile import fusable, fused_loss
-from plait.parallel.layout import check_loss
+from plait.parallel.errors import check_loss
 from plait.parallel.tensor.plan import local_value
 
 CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
@@ -31,6 +31,18 @@ CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 def clean(name: str) -> str:
     """A parameter's single-process name (activation checkpointing inserts a wrapper level)."""
     return name.replace(CHECKPOINT_PREFIX, "")
+
+
+def own_entries(sd: dict[str, Any], modules: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """The tensors of a state dict ``sd`` of ``modules`` (keyed by the whole model's names), then, under their
+    attribute paths, every parameter and buffer of ``modules`` that ``sd`` does not name so (one a state-dict hook
+    renamed: torchtitan's fused ``wqkv`` saved as ``wq``/``wk``/``wv``; a non-persistent buffer): what meta
+    initialisation writes into, with the single-process names (the checkpoint wrapper's level removed)."""
+    out = {clean(k): v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    for m in modules:
+        for name, t in [*m.named_parameters(), *m.named_buffers()]:
+            out.setdefault(clean(name), t)
+    return out
 
 
 class WholeModel:
@@ -62,9 +74,9 @@ class WholeModel:
     def entries(self) -> dict[str, torch.Tensor]:
         """This rank's state-dict entries (parameters, persistent buffers) under the single-process names, as the
         model's own state dict names them (its state-dict hooks honoured): the model's tensors, so writing into
-        them writes the model."""
-        sd = self.model.state_dict(keep_vars=True)
-        return {clean(k): v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+        them writes the model; then its own tensors that the state dict names otherwise or not at all
+        (``own_entries``)."""
+        return own_entries(self.model.state_dict(keep_vars=True), [self.model])
 
     def model_state(self) -> dict[str, Any]:
         return self.model.state_dict()

@@ -1,9 +1,10 @@
 """A model's repeated blocks: the units FSDP shards one at a time and activation checkpointing recomputes.
 
 Found without knowing the model: a Hugging Face model names its block classes in
-``_no_split_modules`` (``LlamaDecoderLayer``, ``GPT2Block``); otherwise the blocks are the children of
-the ``nn.ModuleList`` or ``nn.Sequential`` holding the most parameters with at least two children
-(plait's GPT and CNN ``blocks``, a Sequential model's layers). A model without either has no blocks.
+``_no_split_modules`` (``LlamaDecoderLayer``, ``GPT2Block``; any model may set it); otherwise the blocks are the
+children of the ``nn.ModuleList``, ``nn.ModuleDict`` or ``nn.Sequential`` holding the most parameters with at least
+two children (plait's GPT and CNN ``blocks``, torchtitan's ``layers``, a Sequential model's layers). A model
+without either has no blocks (``NO_BLOCKS`` says how to name them).
 Batch normalisation: the running statistics of a model's BatchNorm layers, for averaging over ranks.
 Tied weights: the modules that share one parameter (``tied_uses``), found by identity, for every layout that
 rebuilds or shards the model's modules (tensor plans, pipeline stages, FSDP units) and must keep them one tensor.
@@ -31,6 +32,17 @@ def tied_uses(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
     return [u for u in uses.values() if len({name for name, _ in u}) > 1]
 
 
+NO_BLOCKS = ("no _no_split_modules naming its block class, no ModuleList, ModuleDict or Sequential of layers; "
+             "name the class of its repeated blocks in model._no_split_modules = ['Block']")
+
+
+def describe_blocks(blocks: list[tuple[str, nn.Module]]) -> str:
+    """``blocks`` (``find_blocks``) in a few words for a log line: ``layers.0 .. layers.3 (4 Block)``."""
+    kinds = sorted({type(getattr(m, "_checkpoint_wrapped_module", m)).__name__ for _, m in blocks})
+    span = blocks[0][0] if len(blocks) == 1 else f"{blocks[0][0]} .. {blocks[-1][0]}"
+    return f"{span} ({len(blocks)} {'/'.join(kinds)})"
+
+
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of the model's repeated blocks in order; empty when it has none."""
     classes = set(getattr(model, "_no_split_modules", None) or [])
@@ -40,7 +52,7 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
             return found
     best: tuple[int, str, nn.Module] | None = None
     for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList | nn.Sequential) and len(m) >= 2:
+        if isinstance(m, nn.ModuleList | nn.ModuleDict | nn.Sequential) and len(m) >= 2:
             size = _numel(m)
             if size and (best is None or size > best[0]):
                 best = (size, name, m)

@@ -8,7 +8,7 @@
     plait plan memory [CONFIG.toml] [--run-dir RUN_DIR] [--section.key=value ...]
     plait plan --hardware PROFILE --gpus N --jobs JOBS.toml     (several jobs sharing a pool: plait.plan.pool)
 
-``--hardware`` takes a shipped profile (a100-80gb, h100-sxm), ``local`` (this machine's calibration) or a
+``--hardware`` takes a shipped profile (a100-80gb, h100-sxm, h200-sxm), ``local`` (this machine's calibration) or a
 TOML path. ``--stack megatron`` / ``--attention unfused`` model software plait does not run (Megatron-LM's
 kernels, unfused attention), for comparing with published numbers; ``--recompute`` overrides
 ``train.activation_checkpointing`` (``selective`` is each stack's own: plait's keeps matmul and attention
@@ -44,8 +44,8 @@ def _profile(flags: dict[str, Any]) -> Any:
     from plait.plan.hardware import load_profile
 
     if "--hardware" not in flags:
-        raise ConfigError("--hardware PROFILE is required: a100-80gb, h100-sxm, local (after plait calibrate) or a "
-                          "TOML path")
+        raise ConfigError("--hardware PROFILE is required: a100-80gb, h100-sxm, h200-sxm, local (after plait "
+                          "calibrate) or a TOML path")
     return load_profile(flags["--hardware"])
 
 
@@ -115,9 +115,8 @@ def _load(config: str | None, overrides: list[str]) -> Any:
 
 def cmd_plan(argv: list[str]) -> int:
     """``plait plan CONFIG --hardware P --gpus N``: ranked layouts as JSON; ``--write`` the best as a config."""
-    from plait.plan.planner import plan, summary_row, write_config
+    from plait.plan.planner import base_of, plan, summary_row, write_config
     from plait.plan.record import shape_from_config
-    from plait.plan.workload import Layout, Workload
 
     config, flags, overrides = parse(argv, ("--hardware", "--gpus", "--top", "--write", "--jobs"))
     profile = _profile(flags)
@@ -136,10 +135,8 @@ def cmd_plan(argv: list[str]) -> int:
     from plait.plan.record import optimizer_traffic
 
     shape = shape_from_config(cfg, recipes)
-    base = Workload(shape, Layout(), cfg.train.global_batch_size, precision=cfg.train.compute_precision,
-                    fused_optimizer=cfg.optim.fused is not False, grad_clip=cfg.optim.grad_clip > 0)
-    result = plan(shape, profile, gpus, cfg.train.global_batch_size, base=base, top=flags.get("--top", 5),
-                  traffic=optimizer_traffic(cfg))
+    result = plan(shape, profile, gpus, cfg.train.global_batch_size, base=base_of(cfg, shape),
+                  top=flags.get("--top", 5), traffic=optimizer_traffic(cfg))
     out = {"model": {"name": shape.name, "params": shape.param_count()}, "gpus": gpus, "hardware": profile.name,
            "screened": result.screened, "ranked": [summary_row(s) for s in result.ranked], "pruned": result.pruned}
     if "--write" in flags:
@@ -175,7 +172,7 @@ def cmd_plan_memory(argv: list[str]) -> int:
     sim = simulate_config(cfg, profile, derive_tp=False, memory_only=True, models=recipes)
     m, t, p, lay = cfg.model, cfg.train, cfg.parallel, sim.work.layout
     lines = []
-    if not m.factory and m.name == "gpt" and lay.tp == lay.pp == 1:
+    if not m.factory and m.name == "gpt" and lay.tp == lay.pp == 1 and lay.sync != "diloco":
         # a context-parallel rank: its 1 / cp of the sequence, the states sharded over dp x cp
         shape = GPTShape(micro_batch=lay.micro_batch_size, seq_len=m.seq_len // lay.cp, d_model=m.d_model,
                          n_head=m.n_head, n_layer=m.n_layer, vocab_size=m.vocab_size)

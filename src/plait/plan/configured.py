@@ -47,7 +47,7 @@ def workload_from_config(cfg: Config, world: int, *, shape: ModelShape | None = 
     if stack == "plait" and (cfg.model.factory or cfg.model.name != "gpt"):  # plait's loss parallelism is its
         layout = replace(layout, loss_parallel=False)  # GPT's; a Hugging Face head gathers the whole vocabulary
     work = Workload(shape=shape, layout=layout, global_batch=cfg.train.global_batch_size,
-                    precision=cfg.train.compute_precision, attention=attention, stack=stack,
+                    precision=cfg.train.precision, attention=attention, stack=stack,
                     fused_optimizer=cfg.optim.fused is not False, grad_clip=cfg.optim.grad_clip > 0)
     work.check()
     return work

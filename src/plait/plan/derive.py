@@ -4,7 +4,8 @@
   (``plait.plan.buckets.reducer_groups``) over the rank's parameter sizes (25 MB buckets, the first capped
   at 1 MiB, reverse registration order).
 * ``zero_buckets``: ZeRO-1/2's flat buckets and their padding, by the ZeRO optimizer's own rule
-  (``plait.plan.buckets.zero_groups``).
+  (``plait.plan.buckets.zero_groups``; under tensor parallelism a bucket holds one sharding pattern: tp shards, or
+  parameters replicated over tp).
 * ``fsdp_units``: ZeRO-3's units as ``plait.parallel.fsdp.shard.apply_fsdp`` wraps them: each block
   (``plait.parallel.units.find_blocks``) and the root with everything else.
 * ``tp_collectives``: the tensor-parallel collectives of one block and of the rest of the model, recorded
@@ -38,9 +39,13 @@ def reducer_buckets(params: list[Param], tp: int, bucket_mb: float) -> list[list
 
 def zero_buckets(params: list[Param], tp: int, bucket_mb: float, world: int) -> list[tuple[list[int], int]]:
     """ZeRO-1/2 buckets (the optimizer's own grouping, one param group, fp32): (indices into ``params``, padded
-    element count) in launch order."""
+    element count) in launch order. Under tensor parallelism each sharding pattern (tp shards, replicated) fills its
+    own buckets, the patterns numbered as the parameters first show them (``plait.parallel.zero.optimizer``: a
+    bucket's squares are summed over one set of groups)."""
     numels = [p.local_numel(tp) for p in params]
-    groups = zero_groups(numels, [0] * len(params), max(1, int(bucket_mb * 2**20 / 4)))
+    patterns: dict[bool, int] = {}
+    owners = [patterns.setdefault(tp > 1 and p.shard_dim is not None, len(patterns)) for p in params]
+    groups = zero_groups(numels, owners, max(1, int(bucket_mb * 2**20 / 4)))
     return [(index, padded(sum(numels[i] for i in index), world)) for _, index in groups]
 
 

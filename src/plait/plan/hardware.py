@@ -1,7 +1,7 @@
 """Hardware profiles: what one device computes and how fast devices talk, read from TOML.
 
 A profile describes one kind of device in one kind of cluster. Shipped profiles (``profiles/*.toml``:
-``a100-80gb``, ``h100-sxm``) come from public specifications plus a few efficiency constants, each
+``a100-80gb``, ``h100-sxm``, ``h200-sxm``) come from public specifications plus a few efficiency constants, each
 stated and explained in its file; ``plait calibrate`` writes a profile of this machine from
 measurements (``kind = "cpu"``, with a ``[calibration]`` section of measured tables). One set of
 constants per profile: nothing in it is fitted to a particular model or layout.
@@ -12,7 +12,8 @@ keys the file gives)::
 
     name, kind ("gpu" | "cpu"), description
     [device]      memory_bytes, usable_memory_fraction, memory_bandwidth (bytes/s),
-                  cores (cpu only), [device.peak_flops] fp32, bf16, fp16 (FLOP/s; tf32 optional),
+                  cores (cpu only), [device.peak_flops] fp32, bf16, fp16 (FLOP/s, dense; tf32 optional;
+                  fp8 optional, where the device multiplies in float8: train.precision = "fp8"),
                   host_bandwidth (optional, gpu: bytes/s per direction between the device and pinned host
                   memory that a copy sustains, for activation offload; a cpu's host is its own memory)
     [efficiency]  matmul, attention, memory (fractions of peak), kernel_overhead_s
@@ -36,7 +37,7 @@ from typing import Any
 from plait.config import ConfigError
 from plait.plan.nccl import NcclTuning, parse_tuning
 
-DTYPES = ("fp32", "tf32", "bf16", "fp16")
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 # Per-event costs of plait's code paths on a calibrated cpu (``plait.plan.calibrate_paths``): what DTensor
 # adds to one operator, the host work around one tensor-parallel collective, FSDP2's work around one
 # unit's all-gather or reduce-scatter, one pipeline action's schedule and point-to-point handling.
@@ -107,7 +108,7 @@ class HardwareProfile:
         return self.memory_bytes * self.usable_memory_fraction
 
     def peak(self, dtype: str) -> float:
-        """Peak dense FLOP/s of one device for matmuls in ``dtype`` (fp32, tf32, bf16, fp16)."""
+        """Peak dense FLOP/s of one device for matmuls in ``dtype`` (fp32, tf32, bf16, fp16, fp8)."""
         if dtype == "tf32" and "tf32" not in self.peak_flops:
             dtype = "fp32"
         if dtype not in self.peak_flops:
@@ -192,8 +193,10 @@ def parse_profile(data: dict[str, Any], src: str) -> HardwareProfile:
     for dtype in ("fp32", "bf16", "fp16"):
         peaks[dtype] = _positive(_get(peaks_table, dtype, float, "[device.peak_flops] ", src),
                                  f"[device.peak_flops] {dtype}", src)
-    if "tf32" in peaks_table:
-        peaks["tf32"] = float(peaks_table["tf32"])
+    for dtype in ("tf32", "fp8"):  # optional: fp8 where the device has float8 tensor cores (H100, H200)
+        if dtype in peaks_table:
+            peaks[dtype] = _positive(_get(peaks_table, dtype, float, "[device.peak_flops] ", src),
+                                     f"[device.peak_flops] {dtype}", src)
     eff = _get(data, "efficiency", dict, "", src)
     net = _get(data, "network", dict, "", src)
     cores = int(_get(dev, "cores", int, "[device] ", src)) if kind == "cpu" else int(dev.get("cores", 0))
@@ -244,7 +247,7 @@ def default_profile_path() -> Path:
 
 
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
-    """A shipped profile by name (``a100-80gb``, ``h100-sxm``), ``local`` (this machine's calibration at
+    """A shipped profile by name (``a100-80gb``, ``h100-sxm``, ``h200-sxm``), ``local`` (this machine's calibration at
     ``default_profile_path()``), or a TOML file's path. Raises ``ConfigError`` naming what is wrong."""
     text = str(name_or_path)
     shipped = builtin_profiles()

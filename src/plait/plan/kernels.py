@@ -3,7 +3,8 @@
 GPU profiles (datasheet peaks and efficiency constants): a roofline per operator,
 ``max(flops / (peak x matmul_efficiency), bytes / (bandwidth x memory_efficiency)) + kernel_overhead_s``
 for matmuls, ``flops / (peak x attention_efficiency)`` for fused attention, and
-``bytes / (bandwidth x memory_efficiency)`` for memory-bound kernels.
+``bytes / (bandwidth x memory_efficiency)`` for memory-bound kernels. A matmul with its own ``dtype`` (a float8
+Linear's ``fp8``) takes that dtype's peak.
 
 Calibrated (cpu) profiles use the measured tables instead: a matmul's rate is interpolated in
 ``(log m, log n, log k)`` from the grid ``plait calibrate`` timed (inverse-distance weights over the
@@ -74,8 +75,8 @@ class ComputeModel:
     def _gpu(self, op: Op) -> float:
         p = self.p
         mem = op.bytes / (p.memory_bandwidth * p.memory_efficiency)
-        if op.kind == "matmul":
-            return max(op.flops / (p.peak(self.dtype) * p.matmul_efficiency), mem) + p.kernel_overhead_s
+        if op.kind == "matmul":  # a float8 Linear's at the fp8 peak (plait.plan.ops_float8)
+            return max(op.flops / (p.peak(op.dtype or self.dtype) * p.matmul_efficiency), mem) + p.kernel_overhead_s
         if op.kind == "attention":
             return op.flops / (p.peak(self.dtype) * p.attention_efficiency) + p.kernel_overhead_s
         return mem + p.kernel_overhead_s

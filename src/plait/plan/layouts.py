@@ -2,11 +2,10 @@
 a profile.
 
 Hybrid sharding (HSDP: FSDP over groups of ``dp_shard`` ranks, replicated across the ``dp / dp_shard``
-groups) and pipeline stages composed with ZeRO-1/2/3 run in plait (``parallel.dp_shard``,
-``plait.parallel.pipeline.sharded``): the step simulator (``plait.plan.simulate``) prices them with these
-functions and the planner enumerates them. Context parallelism (``cp``: ring attention or Ulysses all-to-all)
-does not run yet: ``Layout`` carries ``cp`` so its price has a home, and the simulator refuses it
-(``Workload.check``). Each function states its formula; bytes are per rank, seconds from
+groups), pipeline stages composed with ZeRO-1/2/3 (``parallel.dp_shard``, ``plait.parallel.pipeline.sharded``) and
+context parallelism (``cp``: ring attention, Ulysses all-to-all or all-gather; with pipelines, experts and hybrid
+sharding too, ``plait.plan.workload``): the step simulator (``plait.plan.simulate``) prices them with these
+functions and the planner enumerates them. Each function states its formula; bytes are per rank, seconds from
 ``plait.plan.network.collective_time`` (NCCL's model where the profile has it).
 
 * HSDP model states: ``(P + G + K) x psi / dp_shard`` (``16 psi / dp_shard`` for fp32 AdamW); gradients:

@@ -1,10 +1,13 @@
 """Where ranks sit and what a collective costs between them: an alpha-beta model per topology level.
 
-Placement follows ``plait.topology``: mesh axes ``pp, dp, ep, tp`` with tp innermost, so global rank
-``r = ((pp_i * dp + dp_i) * ep + ep_i) * tp + tp_i``, and ranks fill nodes in order
-(``node = r // devices_per_node``). ``Placement.dp`` is the mesh's ``dp_replicate``: with expert
-parallelism the data-parallel degree is ``dp x ep`` (``plait.topology``). A group is described by its
-size, the nodes it spans and its ranks per node.
+Placement follows ``plait.topology``: mesh axes ``pp, replicas, dp, ep, cp, tp`` with tp innermost, so global
+rank ``r = ((((pp_i * replicas + r_i) * dp + dp_i) * ep + ep_i) * cp + cp_i) * tp + tp_i``, and ranks fill nodes in
+order (``node = r // devices_per_node``). ``Placement.dp`` is the mesh's ``dp_replicate x dp_shard``: with expert
+parallelism the data-parallel degree is ``dp x ep`` (``plait.topology``); the context-parallel ranks of a sequence
+sit between ep and tp (``plait.topology``'s order) and average their gradients with the data-parallel ones
+(``dp_cp``); ``replicas`` are DiLoCo's replicas (the mesh's ``dp_replicate`` under ``parallel.sync = "diloco"``),
+which train apart and meet every H steps (``plait.plan.workload.Workload.replica_view``). A group is described by
+its size, the nodes it spans and its ranks per node.
 
 Cost of a collective over a group of ``n`` ranks on ``N`` nodes, ``k`` of them per node, on a buffer of
 ``S`` bytes (``S`` is the reduced buffer for all-reduce, the gathered output for all-gather, the input
@@ -82,33 +85,48 @@ class Placement:
     dp: int
     tp: int
     ep: int = 1
+    cp: int = 1
+    replicas: int = 1
 
-    def rank(self, pp_i: int, dp_i: int, tp_i: int, ep_i: int = 0) -> int:
-        return ((pp_i * self.dp + dp_i) * self.ep + ep_i) * self.tp + tp_i
+    def rank(self, pp_i: int, dp_i: int, tp_i: int, ep_i: int = 0, cp_i: int = 0, replica: int = 0) -> int:
+        outer = (pp_i * self.replicas + replica) * self.dp + dp_i
+        return ((outer * self.ep + ep_i) * self.cp + cp_i) * self.tp + tp_i
+
+    def _flat(self, f: int, pp_i: int, tp_i: int) -> int:
+        """Rank of the ``f``-th data-parallel rank of a replica (``dp_cp``'s order: dp, then ep, then cp)."""
+        return self.rank(pp_i, f // (self.ep * self.cp), tp_i, f // self.cp % self.ep, f % self.cp)
 
     def tp_group(self, pp_i: int = 0, dp_i: int = 0) -> list[int]:
         return [self.rank(pp_i, dp_i, t) for t in range(self.tp)]
 
     def dp_group(self, pp_i: int = 0, tp_i: int = 0) -> list[int]:
-        """Every data-parallel rank (expert-parallel ones included: they process their own batches)."""
-        return [self.rank(pp_i, d, tp_i, e) for d in range(self.dp) for e in range(self.ep)]
+        """Every rank gradients are averaged over (``dp_cp``: expert-parallel and context-parallel ones included)."""
+        return [self._flat(f, pp_i, tp_i) for f in range(self.dp * self.ep * self.cp)]
 
     def ep_group(self, pp_i: int = 0, dp_i: int = 0, tp_i: int = 0) -> list[int]:
         """The ranks that share out one MoE layer's experts."""
         return [self.rank(pp_i, dp_i, tp_i, e) for e in range(self.ep)]
 
+    def cp_group(self, pp_i: int = 0, dp_i: int = 0, tp_i: int = 0) -> list[int]:
+        """The ranks that split one sequence."""
+        return [self.rank(pp_i, dp_i, tp_i, 0, c) for c in range(self.cp)]
+
     def expert_dp_group(self, pp_i: int = 0, tp_i: int = 0, ep_i: int = 0) -> list[int]:
-        """The ranks holding the same experts (their gradients are summed over it)."""
-        return [self.rank(pp_i, d, tp_i, ep_i) for d in range(self.dp)]
+        """The ranks holding the same experts (their gradients are summed over it: ``dp x cp / ep`` of them)."""
+        return [self.rank(pp_i, d, tp_i, ep_i, c) for d in range(self.dp) for c in range(self.cp)]
 
     def shard_group(self, shard: int, pp_i: int = 0, tp_i: int = 0) -> list[int]:
         """Hybrid sharding: the ``shard`` consecutive data-parallel ranks of one shard group (the mesh's
-        ``dp_shard`` axis is inside ``dp_replicate``)."""
-        return [self.rank(pp_i, d, tp_i) for d in range(shard)]
+        ``dp_shard_cp``: ``dp_shard`` inside ``dp_replicate``, with the cp ranks inside it)."""
+        return [self._flat(f, pp_i, tp_i) for f in range(shard)]
 
     def replica_group(self, shard: int, pp_i: int = 0, tp_i: int = 0) -> list[int]:
         """Hybrid sharding: the ranks holding the same shard, one per shard group."""
-        return [self.rank(pp_i, d, tp_i) for d in range(0, self.dp, shard)]
+        return [self._flat(f, pp_i, tp_i) for f in range(0, self.dp * self.ep * self.cp, shard)]
+
+    def diloco_group(self, pp_i: int = 0, tp_i: int = 0) -> list[int]:
+        """DiLoCo: the ranks holding the same part of the model, one per replica (the outer all-reduce's group)."""
+        return [self.rank(pp_i, 0, tp_i, replica=r) for r in range(self.replicas)]
 
     def pp_group(self, dp_i: int = 0, tp_i: int = 0) -> list[int]:
         return [self.rank(p, dp_i, tp_i) for p in range(self.pp)]

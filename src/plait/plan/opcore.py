@@ -19,7 +19,8 @@ class Op:
     memory-bound kernel (``kind`` in ``MEMORY_KINDS``) or a collective (``kind="comm"``) in the compute
     stream. ``bytes`` is what it reads plus writes (a collective: its buffer); ``saves`` names the tensors
     it keeps for backward with their bytes; ``out`` is the bytes of its output (set for matmuls and attention
-    kernels, whose outputs plait's selective checkpointing keeps)."""
+    kernels, whose outputs plait's selective checkpointing keeps); ``dtype`` a matmul's own precision where it is not
+    the rank's (``fp8``: a float8 Linear's, ``plait.plan.ops_float8``)."""
 
     name: str
     kind: str
@@ -34,6 +35,7 @@ class Op:
     comm: str = ""
     saves: tuple[tuple[str, float], ...] = ()
     out: float = 0.0  # bytes of what it returns (matmuls and attention kernels: what a selective policy keeps)
+    dtype: str = ""
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,10 @@ class Setup:
     # each query attends to cp times its own keys; allgather saves the gathered keys and values
     cp: int = 1
     cp_impl: str = "ring"
+    # train.precision = "fp8": the block Linears multiply in float8 (plait.plan.ops_float8); float8_gathered: their
+    # weights arrive in float8 from FSDP2's all-gather (ZeRO-3), so no cast of them runs in the block
+    float8: bool = False
+    float8_gathered: bool = False
 
     @property
     def residual_bytes(self) -> int:

@@ -22,7 +22,8 @@ keeps them for backward), and checkpointed activations distributed over the tens
 (``--distribute-checkpointed-activations``: a block keeps ``1/t`` of its input and all-gathers it before
 recomputing). Both hold half-precision parameters (no autocast).
 
-Mixture of experts (``BlockOps(..., moe=True)``): ``plait.plan.ops_moe``.
+Mixture of experts (``BlockOps(..., moe=True)``): ``plait.plan.ops_moe``. Float8 Linears (``train.precision = "fp8"``,
+``Setup.float8``): ``plait.plan.ops_float8``, applied to a block's forward and backward lists.
 
 Saved tensors, as the code that runs them keeps them (each term checked against
 ``torch.autograd.graph.saved_tensors_hooks`` counts on plait's GPT and a Hugging Face Llama in
@@ -50,6 +51,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from plait.plan.opcore import MEMORY_KINDS, Op, Pass, Setup, comm, flops_of, matmul, matmul_backward, mem  # noqa: F401
+from plait.plan.ops_float8 import float8_linears, to_float8
 from plait.plan.ops_moe import moe_backward, moe_forward, moe_shape
 from plait.plan.shapes import ModelShape
 
@@ -104,7 +106,15 @@ class BlockOps:
         if not self.u.casts:
             return []
         n = self.weight_bytes() - (self.C * self.s.num_experts if self.moe else 0)
-        return [mem("weights.cast", "copy", n * (4 + 2), saves=(("w.block", 2 * n),))]
+        if self.u.float8:  # a float8 Linear casts its own weight (plait.plan.ops_float8), keeping no copy
+            n -= sum(float8_linears(self).values())
+        return [mem("weights.cast", "copy", n * (4 + 2), saves=(("w.block", 2 * n),))] if n else []
+
+    def _float8(self, ops: list[Op]) -> Pass:
+        """``ops``, with the float8 Linears' matmuls and casts under ``train.precision = "fp8"``."""
+        if not self.u.float8:
+            return Pass(ops)
+        return Pass(to_float8(ops, float8_linears(self), weight_cast=not self.u.float8_gathered))
 
     def _residual(self, tag: str) -> list[Op]:
         M, C, a, r = self.Mn, self.C, self.a, self.r
@@ -189,7 +199,7 @@ class BlockOps:
             ops.append(self._row_output("attn"))
         ops += self._residual("res1") + self._norm("ln2", 2 if s.gated_mlp and not self.moe else 1)
         if self.moe:
-            return Pass(ops + moe_forward(self) + self._residual("res2"))
+            return self._float8(ops + moe_forward(self) + self._residual("res2"))
         hidden = ("mlp.hidden", M * F * a)
         if s.gated_mlp:
             ops += [matmul("mlp.gate", M, F, C, a, saves=(("mlp.gate", M * F * a),)),
@@ -202,7 +212,7 @@ class BlockOps:
         if self.u.tp > 1:
             ops.append(self._row_output("mlp"))
         ops += self._residual("res2")
-        return Pass(ops)
+        return self._float8(ops)
 
     def _norm_backward(self, tag: str) -> list[Op]:
         M, C, a = self.Mn, self.C, self.a
@@ -231,7 +241,7 @@ class BlockOps:
         if s.dropout > 0:
             ops.append(mem("res1.dropout.bwd", "copy", 2 * self.Mn * C * a + self.Mn * C, backward=True))
         ops += self._attention_backward()
-        return Pass(ops)
+        return self._float8(ops)
 
     def _mlp_backward(self) -> list[Op]:
         s, a, M, C, F, b = self.s, self.a, self.M, self.C, self.F, self.s.bias

@@ -2,7 +2,7 @@
 
 The list follows the model's registration order (the order the data-parallel reducer and ZeRO bucket
 them in, reversed) for plait's GPT and for Llama-style Hugging Face decoders, and shards them as the
-tensor-parallel plans plait applies do: plait's GPT plan (``plait.recipes.gpt``: q, k, v and the MLP's
+tensor-parallel plans plait applies do: plait's GPT plan (``plait.models.gpt.parallelize``: q, k, v and the MLP's
 first layer column-parallel with their biases, the two output projections row-parallel with replicated
 biases, the token table vocabulary-parallel, norms and positions replicated) and the plan a Hugging Face
 model ships (block projections only; ``lm_head`` column-parallel). ``layer`` is -1 for the embedding,

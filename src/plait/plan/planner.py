@@ -10,12 +10,24 @@ matmuls' and attention's outputs kept, the rest recomputed; full);
 ``dp`` is what remains; for a mixture of experts the expert-parallel degree ``ep`` (a divisor of dp and
 of the experts).
 
+ZeRO-1/2 compose with tensor parallelism (the optimizer states of each tp shard sharded over its dp group). Context
+parallelism (``cp``: the sequence split over cp ranks inside tp, priced as ``Workload.rank_view`` plus its
+collectives) is enumerated for sequences of ``LONG_SEQUENCE`` tokens or more at every degree that divides the
+devices left by tp and splits the sequence into 2 x cp chunks, with every pipeline depth that divides what is left
+(each stage's blocks on a cp shard), with experts (a cp rank's tokens dispatched over ep, ep a divisor of dp) and
+with hybrid sharding (shard groups of ``dp_shard x cp`` ranks).
+
+What the planner does not choose, because it changes what is trained: the precision (``base.precision``: under
+fp8 every layout is priced with float8 Linears, on a profile with an fp8 peak) and DiLoCo (``base.layout.sync =
+"diloco"`` with its H and fragments: the planner then enumerates the data-parallel ranks per replica,
+``dp_shard``, at every ZeRO stage, and prices each layout's outer synchronisation).
+
 Pruned, each family with its reason: degrees that do not divide the devices, the heads, the MLP width,
 the vocabulary or the sequence; a global batch that does not split over dp; combinations plait refuses
-(``plait.validate``: ZeRO-1/2 with tp, hybrid sharding with ep, the zbv schedule with ZeRO-3;
-``plait.parallel.expert.dispatch``: ZeRO-3 with ep whose expert weights do not split evenly over the dp / ep
-replicas; the planner also leaves MoE models with tp or pp out of its search); layouts whose predicted
-peak memory exceeds the device's usable memory (with the bytes).
+(``plait.parallel.expert.dispatch``: ZeRO-3 with ep whose expert weights do not split evenly over the dp x cp /
+ep ranks holding the same experts; the planner also leaves MoE models with tp, pp, hybrid sharding or cp out of its
+search, though plait trains them); layouts whose predicted peak memory exceeds the device's usable memory (with the
+bytes).
 
 Ranked in two passes: a closed-form screen (``estimate``: the stages' summed costs, the pipeline bubble
 ``(p-1)/(v m)``, exposed gradient communication, the optimizer), then the full simulation
@@ -26,11 +38,8 @@ largest error there is about 10%), so a smaller predicted difference is not evid
 planner prefers the fewest pipeline stages (less activation memory on the first stage, fewer
 point-to-point hops, no bubble to lose to a straggler; Narayanan et al.'s rule: tensor parallelism up to
 a node, then pipelining), then the fastest; a ZeRO-3 layout in the band that is not itself the fastest
-comes after the band's others (``preference``). Context parallelism (``cp``, ring attention: the sequence split
-over cp ranks inside tp, priced as ``Workload.rank_view`` plus the ring's shifts) is enumerated for sequences of
-``LONG_SEQUENCE`` tokens or more, without pipelining (not searched with cp) or experts (not composed), at every
-degree that divides the devices left by tp and splits the sequence into 2 x cp chunks; within the band fewer cp
-ranks are preferred after fewer pipeline stages.
+comes after the band's others (``preference``). Within the band fewer cp ranks are preferred after fewer pipeline
+stages.
 """
 
 from __future__ import annotations
@@ -88,8 +97,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def _experts_shard(shape: ModelShape, zero: int, dp: int, ep: int) -> bool:
-    """Whether plait runs expert parallelism ``ep`` under ZeRO stage ``zero``: always, except ZeRO-3 with
-    experts left to shard (``dp > ep``), whose FSDP2 units split each expert weight's dim 1 evenly."""
+    """Whether plait runs expert parallelism ``ep`` under ZeRO stage ``zero`` over ``dp`` ranks (``dp x cp``: the
+    ranks gradients are averaged over): always, except ZeRO-3 with experts left to shard (``dp > ep``), whose FSDP2
+    units split each expert weight's dim 1 evenly."""
     edp = dp // ep
     return ep == 1 or zero != 3 or edp == 1 or (shape.d_model % edp == 0 and shape.expert_hidden % edp == 0)
 
@@ -103,8 +113,9 @@ def _shape_reason(shape: ModelShape, tp: int) -> str | None:
 
 
 def _layouts(shape: ModelShape, batch: int, gpus: int, per_node: int, pruned: dict[str, str],
-             space: Space) -> list[Layout]:
-    """Every layout to screen; families that cannot run go to ``pruned`` with their reason."""
+             space: Space, diloco: bool = False) -> list[Layout]:
+    """Every layout to screen (``diloco``: ``dp_shard`` is the data-parallel ranks of one DiLoCo replica); families
+    that cannot run go to ``pruned`` with their reason."""
     out = []
     for tp in _divisors(gpus):
         if tp > per_node or per_node % tp:
@@ -114,8 +125,7 @@ def _layouts(shape: ModelShape, batch: int, gpus: int, per_node: int, pruned: di
         if (reason := _shape_reason(shape, tp)) is not None:
             pruned[f"tp={tp}"] = reason
             continue
-        for cp, pp in [(c, p) for c in _context_degrees(shape, gpus // tp) for p in _divisors(gpus // (tp * c))
-                       if c == 1 or p == 1]:
+        for cp, pp in [(c, p) for c in _context_degrees(shape, gpus // tp) for p in _divisors(gpus // (tp * c))]:
             dp = gpus // (tp * pp * cp)
             if shape.num_experts and tp * pp > 1:
                 pruned[f"tp={tp} pp={pp}"] = ("the planner does not price MoE layers under tp or pp (plait trains "
@@ -131,41 +141,44 @@ def _layouts(shape: ModelShape, batch: int, gpus: int, per_node: int, pruned: di
             if batch % dp:
                 pruned[f"dp={dp} (tp={tp}, pp={pp})"] = f"global batch {batch} does not split over dp={dp}"
                 continue
-            variants = _variants(shape, batch, tp, pp, dp, pruned, space)
-            if cp > 1 and any(lay.hybrid for lay in variants):
-                pruned["dp_shard with cp"] = "plait does not compose hybrid sharding with context parallelism"
-            out += [replace(lay, cp=cp) for lay in variants if cp == 1 or not lay.hybrid]
+            out += _variants(shape, batch, tp, pp, dp, cp, pruned, space, diloco)
     return out
 
 
 def _context_degrees(shape: ModelShape, devices: int) -> list[int]:
     """The context-parallel degrees to enumerate on ``devices`` ranks (module docstring): 1, and for a long
-    sequence of a dense model every divisor that splits it into 2 x cp equal chunks."""
-    if shape.seq_len < LONG_SEQUENCE or shape.num_experts:
+    sequence every divisor that splits it into 2 x cp equal chunks."""
+    if shape.seq_len < LONG_SEQUENCE:
         return [1]
     return [c for c in _divisors(devices) if shape.seq_len % (2 * c) == 0]
 
 
-def _variants(shape: ModelShape, batch: int, tp: int, pp: int, dp: int, pruned: dict[str, str],
-              space: Space) -> list[Layout]:
+def _sharding(shape: ModelShape, dp: int, cp: int, ep: int, space: Space, diloco: bool) -> list[tuple[int, int]]:
+    """(ZeRO stage, ``dp_shard``) pairs: ZeRO-3 over every data-parallel rank (``dp_shard`` 1) or hybrid (shard
+    groups of n ranks, dp / n replicas); under DiLoCo, n data-parallel ranks per replica at every stage (ZeRO over
+    a replica's ``n x ep x cp`` ranks, so over more than one)."""
+    if diloco:
+        return [(z, n) for n in _divisors(dp // ep) for z in space.zeros if z == 0 or n * ep * cp > 1]
+    zeros = [z for z in space.zeros if z == 0 or dp * cp > 1]
+    shards = [1] + ([n for n in _divisors(dp) if 1 < n < dp] if space.hybrid and not shape.num_experts else [])
+    return [(z, n) for z in zeros for n in (shards if z == 3 else [1])]
+
+
+def _variants(shape: ModelShape, batch: int, tp: int, pp: int, dp: int, cp: int, pruned: dict[str, str],
+              space: Space, diloco: bool = False) -> list[Layout]:
     per_replica = batch // dp
     sps = [sp for sp in space.sequence_parallel if not sp or (tp > 1 and shape.seq_len % tp == 0)]
-    zeros = [z for z in space.zeros if z == 0 or dp > 1]
-    if tp > 1 and dp > 1:
-        pruned["zero=1/2 with tp>1"] = "plait's flat-buffer ZeRO-1/2 does not take tensor-parallel parameters"
-        zeros = [z for z in zeros if z in (0, 3)]
     eps = [e for e in _divisors(dp) if shape.num_experts and shape.num_experts % e == 0] or [1]
-    # ZeRO-3 over every data-parallel rank (dp_shard=1) or hybrid: shard groups of n ranks, dp / n replicas
-    shards = [1] + ([n for n in _divisors(dp) if 1 < n < dp] if space.hybrid and not shape.num_experts else [])
     out = []
-    for sp in sps:
-        for zero, dp_shard in [(z, n) for z in zeros for n in (shards if z == 3 else [1])]:
+    for sp, ep in [(sp, ep) for sp in sps for ep in eps]:
+        for zero, dp_shard in _sharding(shape, dp, cp, ep, space, diloco):
+            if not _experts_shard(shape, zero, dp * cp, ep):
+                continue
             for recompute in space.recomputes:
                 if pp == 1:
                     out += [Layout(dp=dp, tp=tp, pp=1, zero=zero, sp=sp, micro_batch_size=mb, recompute=recompute,
-                                   ep=ep, dp_shard=dp_shard)
-                            for mb in space.micro_batches if per_replica % mb == 0
-                            for ep in eps if _experts_shard(shape, zero, dp, ep)]
+                                   ep=ep, dp_shard=dp_shard, cp=cp)
+                            for mb in space.micro_batches if per_replica % mb == 0]
                     continue
                 for pm in space.micro_batches[:3]:
                     if per_replica % pm:
@@ -174,15 +187,11 @@ def _variants(shape: ModelShape, batch: int, tp: int, pp: int, dp: int, pruned: 
                     for schedule, v in SCHEDULE_CHOICES:
                         if schedule not in space.schedules or pp * v > shape.n_layer or (v > 1 and m < pp):
                             continue
-                        if schedule == "zbv" and zero == 3:
-                            pruned["zbv with zero=3"] = "the zero-bubble schedule's weight pass misses FSDP2's " \
-                                                        "gathered parameters (plait.parallel.pipeline.sharded)"
-                            continue
                         if schedule == "interleaved" and m % max(1, m // pp):
                             continue
                         out.append(Layout(dp=dp, tp=tp, pp=pp, zero=zero, sp=sp, schedule=schedule, virtual=v,
                                           microbatches=m, micro_batch_size=per_replica, recompute=recompute,
-                                          dp_shard=dp_shard))
+                                          dp_shard=dp_shard, cp=cp))
     return out
 
 
@@ -216,6 +225,10 @@ def estimate(work: Workload, cluster: Cluster, model: StageModel) -> float:
                                      group_span(place.replica_group(lay.shard), dpn))
     backward = sum(model.block(i).bwd for i in range(s.n_layer))
     exposed = grad if lay.pp > 1 or lay.zero == 1 else max(0.0, grad - backward)
+    if lay.replicas_apart > 1:  # DiLoCo: 1 / H of its outer all-reduce of what a rank holds
+        held = params / (lay.shard if lay.zero == 3 else 1)
+        exposed += collective_time(cluster.profile, "all_reduce", 4 * held, group_span(place.diloco_group(), dpn)) \
+            / lay.diloco_inner_steps
     optimizer = 32 * params / (max(lay.shard, 1) if lay.zero else 1) / (cluster.profile.memory_bandwidth
                                                                      * cluster.profile.memory_efficiency)
     return compute + exposed + optimizer
@@ -243,21 +256,26 @@ def plan(shape: ModelShape, profile: HardwareProfile, gpus: int, batch: int, *, 
     models: dict[tuple, StageModel] = {}
     floors: dict[tuple, float] = {}
     too_big: dict[str, float] = {}
-    for lay in _layouts(shape, batch, gpus, per_node, pruned, space or Space()):
+    b = base.layout
+    diloco = b.sync == "diloco"
+    for lay in _layouts(shape, batch, gpus, per_node, pruned, space or Space(), diloco):
+        lay = replace(lay, sync=b.sync, diloco_inner_steps=b.diloco_inner_steps, diloco_fragments=b.diloco_fragments)
         work = replace(base, shape=shape, layout=lay, global_batch=batch)
-        rank = work.rank_view()  # a cp rank as a data-parallel rank of its shard of the sequence
+        # one DiLoCo replica's layout; a cp rank as a data-parallel rank of its shard of the sequence
+        rank = work.replica_view().rank_view()
         fkey = (lay.tp, lay.pp, lay.dp, lay.zero, lay.ep, lay.dp_shard, lay.cp)
         if fkey not in floors:
             floors[fkey] = _model_state_floor(shape, rank.layout, rank)
-        key = (lay.tp, lay.sp, work.pipe_micro_batch, lay.recompute, lay.dp, lay.pp, lay.ep, lay.cp)
+        key = (lay.tp, lay.sp, work.pipe_micro_batch, lay.recompute, lay.dp, lay.pp, lay.ep, lay.cp, lay.dp_shard)
         if key not in models:
             models[key] = StageModel(rank, cluster)
         block = max((models[key].block(i) for i in range(min(shape.n_layer, shape.moe_every + 1))),
                     key=lambda c: c.saved)
         act = (block.saved * in_flight(lay) + block.weight_casts) * math.ceil(shape.n_layer / lay.pp) + block.transient
         if floors[fkey] + act > usable:
-            family = (f"tp={lay.tp} pp={lay.pp} zero={lay.zero}" + (f" dp_shard={lay.shard}" if lay.hybrid else "")
-                      + (f" cp={lay.cp}" if lay.cp > 1 else ""))
+            family = (f"tp={lay.tp} pp={lay.pp} zero={lay.zero}" + (f" dp_shard={lay.dp_shard}" if lay.hybrid
+                                                                    or diloco and lay.dp_shard > 1 else "")
+                      + (f" cp={lay.cp}" if lay.cp > 1 else "") + (f" ep={lay.ep}" if lay.ep > 1 else ""))
             too_big[family] = min(too_big.get(family, math.inf), floors[fkey] + act)
             continue
         screened.append((estimate(rank, cluster, models[key]), work))
@@ -290,6 +308,16 @@ def plan(shape: ModelShape, profile: HardwareProfile, gpus: int, batch: int, *, 
     return Plan(ranked=ranked[:top], pruned=pruned, screened=len(screened))
 
 
+def base_of(cfg: Config, shape: ModelShape) -> Workload:
+    """The workload ``plan`` keeps from ``cfg`` (``base``): what the planner does not choose because it changes what
+    is trained (the precision, DiLoCo and its settings), the optimizer's kernel and its clipping."""
+    p = cfg.parallel
+    return Workload(shape, Layout(sync=p.sync, diloco_inner_steps=p.diloco_inner_steps,
+                                  diloco_fragments=p.diloco_fragments), cfg.train.global_batch_size,
+                    precision=cfg.train.precision, fused_optimizer=cfg.optim.fused is not False,
+                    grad_clip=cfg.optim.grad_clip > 0)
+
+
 def preference(ranked: list[Simulation]) -> Any:
     """The planner's sort key (module docstring): layouts within ``TOLERANCE`` of the fastest first, the fewest
     pipeline stages among them, then the fastest; a fully sharded layout (ZeRO-3) in the band but slower
@@ -301,7 +329,7 @@ def preference(ranked: list[Simulation]) -> Any:
     def key(sim: Simulation) -> tuple:
         lay = sim.work.layout
         in_band = sim.step_s <= fastest * (1 + TOLERANCE)
-        doubted = in_band and lay.zero == 3 and lay.dp > 1 and sim.step_s > fastest
+        doubted = in_band and lay.zero == 3 and lay.dp * lay.cp > 1 and sim.step_s > fastest
         return (not in_band, doubted, lay.pp, lay.cp, sim.step_s)
 
     return key
@@ -333,7 +361,9 @@ def write_config(sim: Simulation, base: Config, path: str) -> None:
     p.nproc, p.dp, p.tp, p.pp, p.zero, p.ep = lay.world, lay.dp, lay.tp, lay.pp, lay.zero, lay.ep
     p.cp, p.cp_impl = lay.cp, lay.cp_impl
     p.sequence_parallel = lay.sp
-    p.dp_shard = lay.shard if lay.hybrid else 0
+    p.sync, p.diloco_inner_steps, p.diloco_fragments = lay.sync, lay.diloco_inner_steps, lay.diloco_fragments
+    # HSDP's shard group, or under DiLoCo the data-parallel ranks of one replica
+    p.dp_shard = lay.shard if lay.hybrid else (lay.dp_shard if lay.sync == "diloco" and lay.dp_shard > 1 else 0)
     if lay.pp > 1:
         p.pp_schedule, p.microbatches = lay.schedule, lay.microbatches
         p.pp_virtual_stages = lay.virtual if lay.schedule in ("interleaved", "zbv") else 0

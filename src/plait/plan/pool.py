@@ -88,16 +88,14 @@ def counts(job: Job, pool: int, per_node: int) -> list[int]:
 def options(job: Job, profile: Any, pool: int, models: Any) -> list[Option]:
     """The job planned at each of its counts (``counts``); counts where no layout fits or splits are left out."""
     from plait.data.tokenize import resolve_vocab_size
-    from plait.plan.planner import plan
+    from plait.plan.planner import base_of, plan
     from plait.plan.record import optimizer_traffic, shape_from_config
-    from plait.plan.workload import Layout, Workload
 
     cfg = models.load_recipe_config(job.config, job.overrides)
     resolve_vocab_size(cfg)
     shape = shape_from_config(cfg, models)
     batch = cfg.train.global_batch_size
-    base = Workload(shape, Layout(), batch, precision=cfg.train.compute_precision, fused_optimizer=cfg.optim.fused,
-                    grad_clip=cfg.optim.grad_clip > 0)
+    base = base_of(cfg, shape)
     per_node = profile.devices_per_node if profile.kind == "gpu" else pool
     out = []
     for g in counts(job, pool, per_node):

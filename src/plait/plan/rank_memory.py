@@ -12,6 +12,12 @@ for fp32 AdamW). Local parameters are the tensor-parallel shards of the rank's p
 on the last stage has its own copy of the token table). Pipeline stages compose with every ZeRO stage the
 same way (over the stage's data-parallel group).
 
+Under fp8 FSDP2 gathers the float8 Linears' weights in float8 (one byte per element: torchao's float8 all-gather,
+``gathered_bytes``). Under DiLoCo (a replica view, ``plait.plan.workload.Workload.replica_view``) each rank also keeps
+the outer optimizer's float32 start weights and momentum of what it holds (``outer_numel``): ``8`` bytes per element,
+counted with the optimizer states; the pseudo-gradient's buffer exists only during the synchronisation after the
+optimizer step, when the activations are gone, so it is not on the peak.
+
 Activations: the bytes saved for backward (``plait.plan.ops``) times the micro-batches alive at once:
 one accumulation micro-batch without pipelining, the schedule's peak (``plait.plan.schedule``) with it.
 Buffers: the largest transient (a checkpointed block's recompute, the logits and their gradient), plus
@@ -26,10 +32,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from plait.plan.derive import fsdp_shard_numel, fsdp_units, zero_buckets
+from plait.plan.ops_float8 import is_float8_weight
 from plait.plan.params import Param
 from plait.plan.workload import Workload
 
 STATE_BYTES = 8  # AdamW: exp_avg and exp_avg_sq, fp32
+OUTER_BYTES = 8  # DiLoCo: the start weights and the outer momentum, fp32 (plait.parallel.data.diloco)
 
 
 def state_bytes(work: Workload) -> tuple[int, int, int]:
@@ -43,8 +51,28 @@ def gather_bytes(work: Workload) -> int:
     """Bytes per element of an FSDP unit gathered for compute: FSDP2's bf16 ``param_dtype`` under plait's bf16,
     the stack's own half parameters otherwise."""
     if work.stack == "plait":
-        return 2 if work.precision == "bf16" else 4
+        return 2 if work.precision in ("bf16", "fp8") else 4
     return work.act_bytes
+
+
+def gathered_bytes(params: list[Param], work: Workload) -> float:
+    """Bytes of ``params`` (this rank's tensor-parallel shards) gathered whole for compute at ZeRO-3: ``gather_bytes``
+    per element, one for the float8 Linears' weights under fp8 (module docstring)."""
+    tp, n_layer, each = work.layout.tp, work.shape.n_layer, gather_bytes(work)
+    return float(sum(p.local_numel(tp) * (1 if work.float8 and is_float8_weight(p, n_layer) else each)
+                     for p in params))
+
+
+def outer_numel(params: list[Param], work: Workload) -> float:
+    """Elements of ``params`` a rank runs DiLoCo's outer step on (``plait.parallel.data.diloco``): its tensor-parallel
+    shards, at ZeRO-3 its FSDP shard of them (of its experts' over the ranks holding the same experts), at ZeRO-1/2
+    whole."""
+    lay = work.layout
+    if lay.zero != 3:
+        return float(sum(p.local_numel(lay.tp) for p in params))
+    edp = lay.dp // lay.ep
+    return float(sum(p.local_numel(lay.tp) / edp if p.expert and lay.ep > 1 else fsdp_shard_numel(p, lay.tp, lay.shard)
+                     for p in params))
 
 
 @dataclass
@@ -79,6 +107,15 @@ def model_states(params: list[Param], work: Workload, n_layer: int) -> tuple[Ran
     the dense parameters, over the ``dp / ep`` ranks holding the same experts (``plait.parallel.expert.dispatch``):
     their own ZeRO-1/2 buckets there, or FSDP2 units splitting each weight's dim 1 at ZeRO-3; whole (with
     a flattened gradient copy for their all-reduce) without ZeRO or when ``dp = ep``."""
+    mem, buf = _expert_and_dense(params, work, n_layer)
+    if work.layout.replicas_apart:  # DiLoCo's outer start weights and momentum
+        outer = OUTER_BYTES * outer_numel(params, work)
+        mem.optimizer += outer
+        mem.detail = {**mem.detail, "diloco_outer_state": int(outer)}
+    return mem, buf
+
+
+def _expert_and_dense(params: list[Param], work: Workload, n_layer: int) -> tuple[RankMemory, float]:
     lay = work.layout
     experts = [p for p in params if p.expert] if lay.ep > 1 else []
     if not experts:  # sharded over the data-parallel ranks, or over the shard group under HSDP
@@ -107,15 +144,14 @@ def _states(params: list[Param], work: Workload, n_layer: int, dp: int) -> tuple
     if lay.zero == 3:
         shard = sum(fsdp_shard_numel(p, tp, dp) for p in params)
         units = fsdp_units(params, n_layer)
-        full = [sum(params[i].local_numel(tp) for i in u) for u in units]
+        full = [gathered_bytes([params[i] for i in u], work) for u in units]
         if lay.reshard_after_forward and lay.pp == 1:  # the root unit stays gathered; two block units around one
             gathered = full[-1] + 2 * max(full[:-1] or [0])
         else:  # every unit stays gathered from its forward to its backward; in a pipeline, from the stage's first
             gathered = sum(full)  # backward to its reduce-scatter (torch's schedule turns resharding off there)
         if lay.offload == "params":  # FSDP2's CPUOffloadPolicy: the shards and the optimizer live in host memory
-            return (RankMemory(0.0, 0.0, 0.0, detail={"host_bytes": int((p_b + g_b + k_b) * shard)}),
-                    gather_bytes(work) * gathered)
-        return RankMemory(p_b * shard, g_b * shard, k_b * shard), gather_bytes(work) * gathered
+            return RankMemory(0.0, 0.0, 0.0, detail={"host_bytes": int((p_b + g_b + k_b) * shard)}), gathered
+        return RankMemory(p_b * shard, g_b * shard, k_b * shard), gathered
     if lay.zero in (1, 2):
         buckets = zero_buckets(params, tp, lay.bucket_mb, dp)
         padded = sum(n for _, n in buckets)

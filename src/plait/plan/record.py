@@ -21,12 +21,13 @@ from plait.components.optim import adamw
 from plait.config import Config, ConfigError
 from plait.data.tokenize import resolve_vocab_size
 from plait.models.gpt import GPT
-from plait.parallel.checkpointing import apply_activation_checkpointing
+from plait.parallel.activation_checkpoint import apply_activation_checkpointing
+from plait.parallel.model_specs import model_shape
 from plait.parallel.spec import ModelSpec
 from plait.parallel.tensor.apply import tp_function
 from plait.parallel.tensor.plan import loss_context
 from plait.plan.derive import Collective, OperatorCounts
-from plait.plan.shapes import ModelShape, gpt_shape, shape_from_model, with_moe
+from plait.plan.shapes import ModelShape
 
 
 def meta_model(cfg: Config, models: Any = None) -> Any:
@@ -42,16 +43,14 @@ def meta_model(cfg: Config, models: Any = None) -> Any:
 
 
 def shape_from_config(cfg: Config, models: Any = None) -> ModelShape:
-    """The configured model's shape: from ``[model]`` for plait's GPT, else from the model built on the meta
-    device (``meta_model``; its config and exact parameter count)."""
+    """The configured model's shape, from the model built on the meta device (``meta_model``): the shape of the spec
+    registered for its class (plait's GPT, with the ``[moe]`` section's experts), else its Hugging Face config's
+    (``plait.parallel.train_spec.model_shape``); its exact parameter count either way."""
     m = cfg.model
-    if not m.factory and m.name == "gpt":
-        if m.vocab_size == 0:  # the tokenizer's, as the run resolves it (on a copy: cfg stays as given)
-            cfg = copy.deepcopy(cfg)
-            resolve_vocab_size(cfg)
-            m = cfg.model
-        return with_moe(gpt_shape(m.n_layer, m.d_model, m.n_head, m.seq_len, m.vocab_size, m.dropout), cfg)
-    return shape_from_model(meta_model(cfg, models), m.seq_len)
+    if not m.factory and m.name == "gpt" and m.vocab_size == 0:
+        cfg = copy.deepcopy(cfg)  # the tokenizer's vocabulary, as the run resolves it (on a copy: cfg stays as given)
+        resolve_vocab_size(cfg)
+    return model_shape(meta_model(cfg, models), m.seq_len, cfg)
 
 
 _KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",

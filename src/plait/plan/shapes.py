@@ -10,8 +10,8 @@ Three ways in, one ``ModelShape`` out:
   configs get a gated (SwiGLU) MLP, RMSNorm and rotary positions;
 * any ``model.factory`` / ``model.name`` (``plait.plan.record.shape_from_config``): the model is built on
   the meta device
-  (no memory, so a 400B-parameter model is fine here) and read through its ``config`` (Hugging Face) or
-  ``cfg`` (plait's GPT); its exact parameter count is kept.
+  (no memory, so a 400B-parameter model is fine here) and read through its registered spec's shape (plait's
+  GPT: ``plait.models.gpt.shape``) or its ``config`` (Hugging Face); its exact parameter count is kept.
 
 Parameter count (``ModelShape.param_count``), per block: attention ``C (C + 2 C_kv) + C^2`` weights
 (``C_kv = n_kv_head * C / n_head``), MLP ``2 C F`` (gated: ``3 C F``), biases where the model has them,
@@ -195,25 +195,19 @@ def count_params(model: Any) -> int:
 
 
 def shape_from_model(model: Any, seq_len: int) -> ModelShape:
-    """The shape of a built model: plait's GPT through ``model.cfg``, a Hugging Face model through
-    ``model.config``; the exact parameter count is the model's. Raises ``ConfigError`` otherwise."""
-    from plait.config import ModelConfig
-
-    cfg = getattr(model, "cfg", None)
-    if isinstance(cfg, ModelConfig):
-        shape = gpt_shape(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.seq_len, cfg.vocab_size, cfg.dropout)
-    elif getattr(model, "config", None) is not None:
-        shape = shape_from_hf(model.config, seq_len)
-    else:
+    """The shape of a built Hugging Face model through its ``config``; the exact parameter count is the model's.
+    Raises ``ConfigError`` for a model without one. (A model class with a registered spec, plait's GPT, gives its
+    own: ``plait.parallel.train_spec.model_shape`` asks it first.)"""
+    if getattr(model, "config", None) is None:
         raise ConfigError(
             f"plait simulate needs a transformer's shape, and the model ({type(model).__name__}) has neither a "
-            "Hugging Face .config nor plait's GPT .cfg; build it from a Hugging Face config (e.g. "
-            "AutoModelForCausalLM.from_config) or use model.name=gpt")
-    return replace(shape, exact_params=count_params(model))
+            "Hugging Face .config nor a registered spec giving its shape (plait.register_train_spec); build it from a "
+            "Hugging Face config (e.g. AutoModelForCausalLM.from_config) or use model.name=gpt")
+    return replace(shape_from_hf(model.config, seq_len), exact_params=count_params(model))
 
 
 def with_moe(shape: ModelShape, cfg: Config) -> ModelShape:
-    """``shape`` with the ``[moe]`` section's experts (plait's GPT: ``plait.models.gpt._moe_layer``)."""
+    """``shape`` with the ``[moe]`` section's experts (plait's GPT: ``plait.models.gpt.model._moe_layer``)."""
     moe = getattr(cfg, "moe", None)
     if moe is None or moe.num_experts <= 0:
         return shape

@@ -7,6 +7,11 @@ time, throughput, MFU and HFU, per-rank peak memory with its breakdown, exposed 
 pipeline bubble and the scaling efficiency (the layout's throughput per device over one device's
 compute-only throughput on the same micro-batch). ``plait.plan.configured.simulate_config`` does the same
 for a plait config, deriving what it can from the code that trains (``plait.plan.record``).
+
+A context-parallel rank is simulated as a data-parallel rank of its shard of the sequence, and a DiLoCo layout as one
+replica's layout with the outer synchronisation added (``Workload.replica_view``, ``rank_view``; ``_diloco``): its
+step is the mean step, carrying ``1 / H`` of a period's synchronisations. Under fp8 the float8 Linears run at the
+profile's fp8 peak (``plait.plan.ops_float8``) and MFU stays against the bf16 peak.
 """
 
 from __future__ import annotations
@@ -19,13 +24,18 @@ from plait.plan.flops import hardware_flops, model_flops, utilisation
 from plait.plan.layouts import PipelineZero, hsdp_gradient_seconds, pipeline_zero
 from plait.plan.network import Group, collective_time, group_span
 from plait.plan.ops import Op
+from plait.plan.ops_float8 import is_float8_weight
 from plait.plan.params import Param, param_list
-from plait.plan.rank_memory import RankMemory, gather_bytes, model_states
+from plait.plan.rank_memory import RankMemory, gathered_bytes, model_states, outer_numel
 from plait.plan.schedule import in_flight, stage_owner, theoretical_bubble
 from plait.plan.stages import Cluster, StageModel
 from plait.plan.timeline import RankTimeline, Span, flat_step, pipeline_step
 from plait.plan.workload import Workload
 
+# DiLoCo's outer step per element (plait.parallel.data.diloco): the pseudo-gradient (read the start weights and the
+# weights, write it: 12 bytes), the momentum (read it and the pseudo-gradient, write it: 12), Nesterov's update (12),
+# the start weights stepped (12) and copied into the weights (8), float32
+OUTER_BYTES_PER_ELEMENT = 56
 MFU_FORMULA = "mfu = (6 N_matmul + 12 L d T) x tokens / (step_s x devices x peak)"
 HFU_FORMULA = "hfu = (model FLOPs + recomputed forward FLOPs) / (step_s x devices x peak)"
 
@@ -44,6 +54,7 @@ class Simulation:
     scaling_efficiency: float
     notes: list[str] = field(default_factory=list)
     context: dict[str, Any] | None = None  # context parallelism's collectives per step (simulate)
+    diloco: dict[str, Any] | None = None  # DiLoCo's outer synchronisation (simulate's _diloco)
 
     @property
     def world(self) -> int:
@@ -114,6 +125,7 @@ class Simulation:
             "exposed_comm_s": self.exposed(), "bubble": self.bubble(),
             "scaling_efficiency": round(self.scaling_efficiency, 4), "notes": self.notes,
             **({"context_parallel": self.context} if self.context else {}),
+            **({"diloco": self.diloco} if self.diloco else {}),
         }
 
 
@@ -157,10 +169,14 @@ def _comm_plan(model: StageModel, params: list[Param], dp_group: Any, shards: tu
             plan["expert"] = collective_time(profile, "all_reduce", experts, group)
         params = [p for p in params if not p.expert]  # the dense layout reduces the rest
     if lay.zero == 3 and params:
-        # FSDP2 gathers in its param_dtype (bf16 under plait's bf16); a half-precision stack holds half params
-        param_bytes = gather_bytes(work)
+        # FSDP2 gathers in its param_dtype (bf16 under plait's bf16; float8 for fp8's float8 Linears, each weight's
+        # scale from an amax all-reduced over the shard group first: torchao's fsdp_pre_all_gather); a
+        # half-precision stack holds half params
         units = derive.fsdp_units(params, work.shape.n_layer)
         sizes = [sum(params[i].local_numel(lay.tp) for i in u) for u in units]
+        gathered = [gathered_bytes([params[i] for i in u], work) for u in units]
+        amaxes = [sum(is_float8_weight(params[i], work.shape.n_layer) for i in u) if work.float8 else 0
+                  for u in units]
         keys = list(range(len(units) - 1)) + [-1]
         # one rank (ZeRO-3 with offload=params): no collective; the host copies of offload are not timed.
         # HSDP: gathers inside the shard group; gradients reduce-scattered there, then all-reduced across replicas
@@ -170,8 +186,9 @@ def _comm_plan(model: StageModel, params: list[Param], dp_group: Any, shards: tu
             if replicas is not None:
                 return hsdp_gradient_seconds(profile, nbytes, shard, replicas)
             return collective_time(profile, "reduce_scatter", nbytes, shard)
-        plan["unit_ag"] = {k: collective_time(profile, "all_gather", n * param_bytes, shard) if lay.dp > 1
-                           else 0.0 for k, n in zip(keys, sizes, strict=True)}
+        plan["unit_ag"] = {k: collective_time(profile, "all_gather", b, shard)
+                           + a * collective_time(profile, "all_reduce", 4, shard) if lay.dp > 1
+                           else 0.0 for k, b, a in zip(keys, gathered, amaxes, strict=True)}
         plan["unit_rs"] = {k: reduce(n * grad) if lay.dp > 1 else 0.0 for k, n in zip(keys, sizes, strict=True)}
         return plan
     if lay.dp == 1 or not params:
@@ -207,8 +224,9 @@ def _optimizer(model: StageModel, tl: RankTimeline, params: list[Param], plan: d
     seconds = compute.time(Op("optimizer", "optimizer", bytes=bytes_per_element * elements))
     seconds += ops_per_tensor * tensors * over
     # parameters that are DTensors (FSDP2's shards; tensor-parallel weights) step through DTensor's dispatch
+    # (ZeRO-1/2 steps plain tensors, its buckets' chunks, even of tensor-parallel parameters)
     dtensors = tensors if lay.zero == 3 else tensors * (model.op_counts.dtensor_params if model.op_counts
-                                                        and lay.tp > 1 else 0.0)
+                                                        and lay.tp > 1 and lay.zero == 0 else 0.0)
     seconds += (ops_per_tensor + (3 if work.grad_clip else 0)) * dtensors * compute.overhead("dtensor")
     if work.grad_clip:
         seconds += compute.time(Op("grad_norm", "reduce", bytes=4 * elements)) + 3 * tensors * over
@@ -233,7 +251,8 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
     (operators per tensor, bytes per element), ``plait.plan.record.optimizer_traffic`` for a config; ``derived_tp`` and
     ``op_counts`` what ``plait.plan.derive`` recorded from the real model (None: the analytic model alone)."""
     work.check()
-    whole, work = work, work.rank_view()  # a context-parallel rank: its shard of the sequence, cp folded into dp
+    # one DiLoCo replica's layout; a context-parallel rank: its shard of the sequence, cp folded into dp
+    whole, work = work, work.replica_view().rank_view()
     lay = work.layout
     model = StageModel(work, cluster, derived_tp, op_counts)
     n_stages = lay.pp * lay.virtual
@@ -282,6 +301,7 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
             states.detail["activation_host_bytes"] = int(host * held)
             states.detail["offload_bytes_per_step"] = int(host * lay.microbatches * work.accumulation)
         memory[r] = states
+    outer = _diloco(model, whole, params_of, ends, timelines) if whole.layout.sync == "diloco" else None
     step = max(ends.values())
     for tl in timelines.values():
         tl.expose("tp", sum(float(s.args.get("tp_comm_s", 0.0)) for s in tl.spans if s.lane == "compute"))
@@ -289,8 +309,12 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
             tl.expose("ep", sum(float(s.args.get("ep_comm_s", 0.0)) for s in tl.spans if s.lane == "compute"))
         tl.end = step
     single = _single_device_time(whole, cluster, op_counts)
+    notes = list(notes or [])
+    if whole.float8:
+        notes.append("fp8: the float8 Linears multiply at the profile's fp8 peak; MFU and HFU are against the bf16 "
+                     "peak, as for bf16")
     sim = Simulation(whole, cluster, step, memory, timelines, stages, model.compute.peak_flops,
-                     single * whole.global_batch / max(lay.world, 1) / step, notes or [])
+                     single * whole.global_batch / max(whole.layout.world, 1) / step, notes, diloco=outer)
     if whole.layout.cp > 1:  # the cp collectives of one optimizer step on a rank of each pipeline rank's stages
         runs = work.accumulation * (lay.microbatches if lay.pp > 1 else 1)  # block passes per step
         by_rank = []
@@ -303,6 +327,34 @@ def simulate(work: Workload, cluster: Cluster, derived_tp: Any = None, traffic: 
                        "exposed_s_per_step": max(e for _, e in by_rank),
                        "comm_bytes_per_step_by_pipeline_rank": [b for b, _ in by_rank]}
     return sim
+
+
+def _diloco(model: StageModel, whole: Workload, params_of: dict[int, list[Param]], ends: dict[int, float],
+            timelines: dict[int, RankTimeline]) -> dict[str, Any]:
+    """DiLoCo's outer synchronisation (``plait.parallel.data.diloco``) on each pipeline rank's timeline, from its
+    end: every ``H`` steps each rank all-reduces the float32 pseudo-gradient of what it holds (``outer_numel``) over
+    the ranks holding the same part in the other replicas (in ``F`` fragments of ``1 / F`` each, one every ``H / F``
+    steps), and runs the outer Nesterov step on it (``OUTER_BYTES_PER_ELEMENT``). The step carries ``1 / H`` of a
+    period's synchronisations: the mean step; the steps that synchronise take the whole of theirs."""
+    lay, dpn = whole.layout, model.cluster.devices_per_node
+    h, f = lay.diloco_inner_steps, lay.diloco_fragments
+    inner = max(ends.values())
+    per_rank = []
+    for r, tl in timelines.items():
+        held = outer_numel(params_of[r], model.work)
+        group = group_span(model.placement.diloco_group(r), dpn)
+        sync = (collective_time(model.profile, "all_reduce", 4 * held / f, group)
+                + model.compute.time(Op("diloco.outer", "optimizer", bytes=OUTER_BYTES_PER_ELEMENT * held / f)))
+        mean = f * sync / h
+        tl.spans.append(Span(f"DiLoCo outer sync (1/{h} of a period's {f})", "dp", ends[r], ends[r] + mean))
+        tl.expose("diloco", mean)
+        ends[r] += mean
+        per_rank.append((4 * held / f, sync, mean))
+    return {"replicas": lay.diloco_replicas, "inner_steps": h, "fragments": f, "ranks_per_replica": lay.world //
+            lay.diloco_replicas, "bytes_per_sync": int(max(b for b, _, _ in per_rank)),
+            "sync_s": max(s for _, s, _ in per_rank), "syncs_per_period": f,
+            "outer_bytes_per_step": int(max(b for b, _, _ in per_rank) * f / h),
+            "mean_s_per_step": max(m for _, _, m in per_rank), "inner_step_s": inner}
 
 
 def _pipelined(model: StageModel, timelines: dict[int, RankTimeline], stages: list[range], plans: dict[int, dict],
@@ -319,7 +371,8 @@ def _pipelined(model: StageModel, timelines: dict[int, RankTimeline], stages: li
         for r in range(lay.pp):
             numel = sum(p.local_numel(lay.tp) for p in params_of[r])
             shard, replicas = _shard_groups(model, r)
-            plans[r]["pipeline_zero"] = pipeline_zero(cluster.profile, 3, numel, gather_bytes(work),
+            per_element = gathered_bytes(params_of[r], work) / max(numel, 1)  # float8 Linears' weights: 1 byte
+            plans[r]["pipeline_zero"] = pipeline_zero(cluster.profile, 3, numel, per_element,
                                                       model.gradient_bytes, shard, lay.reshard_after_forward,
                                                       replicas)
     pz = {r: plans[r].get("pipeline_zero", PipelineZero()) for r in range(lay.pp)}

@@ -11,7 +11,7 @@ operator what DTensor adds, and each tensor-parallel collective the host work me
 (``plait.plan.calibrate_paths``). Activation checkpointing keeps only a
 checkpointed block's input and adds one block's activations while it is recomputed; plait's recomputation
 stops after the last operator whose input the block saves (torch's early stop). ``selective`` is
-what each stack runs: plait's (``plait.parallel.checkpointing``, torch's selective checkpointing with the
+what each stack runs: plait's (``plait.parallel.activation_checkpoint``, torch's selective checkpointing with the
 default policy) keeps the block's input and the outputs of its matmuls and attention kernel (``Op.out``) and
 recomputes every other forward operator up to the last one that saves a tensor (norms, activations, rotary,
 autocast's casts, the tensor-parallel all-gathers and reduce-scatters: their collectives run again in
@@ -129,14 +129,21 @@ class StageModel:
                  op_counts: OperatorCounts | None = None) -> None:
         lay = work.layout
         self.work, self.cluster, self.profile = work, cluster, cluster.profile
-        dtype = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}[work.precision]
+        if work.float8 and "fp8" not in cluster.profile.peak_flops:
+            raise ConfigError(f"precision fp8 multiplies in float8 tensor cores (compute capability 8.9+: H100, H200); "
+                              f"hardware profile {cluster.profile.name!r} gives no [device.peak_flops] fp8 (an A100 "
+                              "has none; a CPU computes float8 without a speed-up, unmeasured): simulate it with "
+                              "train.precision=bf16, or on a profile with an fp8 peak (h100-sxm, h200-sxm)")
+        dtype = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}[work.precision]
         self.compute = ComputeModel(cluster.profile, dtype, cluster.threads, cluster.oversubscription(lay.world))
-        self.placement = Placement(pp=lay.pp, dp=lay.dp // lay.ep, tp=lay.tp, ep=lay.ep)
+        self.placement = Placement(pp=lay.pp, dp=lay.dp // (lay.ep * lay.cp_folded), tp=lay.tp, ep=lay.ep,
+                                   cp=lay.cp_folded, replicas=max(1, lay.replicas_apart))
         self.tp_group: Group = group_span(self.placement.tp_group(), cluster.devices_per_node)
         self.ep_group: Group = group_span(self.placement.ep_group(), cluster.devices_per_node)
         self.setup = Setup(micro_batch=work.pipe_micro_batch, tp=lay.tp, sp=lay.sp, act_bytes=work.act_bytes,
                            attention=work.attention, stack=work.stack, ep=lay.ep, autocast=work.autocast,
-                           cp=lay.cp_folded, cp_impl=lay.cp_impl)
+                           cp=lay.cp_folded, cp_impl=lay.cp_impl, float8=work.float8,
+                           float8_gathered=work.float8 and lay.zero == 3)
         self.derived_tp = derived_tp
         self.op_counts = op_counts
         self.blocks = BlockOps(work.shape, self.setup)
@@ -333,7 +340,7 @@ class StageModel:
 
         lay, s, u = self.work.layout, self.work.shape, self.setup
         cp, impl = lay.cp_folded, lay.cp_impl
-        group = group_span([i * lay.tp for i in range(cp)], self.cluster.devices_per_node)
+        group = group_span(self.placement.cp_group(), self.cluster.devices_per_node)
         seq, a = s.seq_len * cp, u.act_bytes
         heads, kv_heads = s.n_head // lay.tp, max(1, s.n_kv_head // lay.tp)
         if impl == "ring":

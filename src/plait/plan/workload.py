@@ -5,7 +5,13 @@
 every data-parallel rank): ``layout_from_config`` reads it, the simulator prices it
 (``plait.plan.layouts``) and the planner enumerates it. ``Layout.cp`` is context parallelism
 (``parallel.cp``: the sequence split over ``cp`` ranks, which multiply the world): the simulator prices a cp rank
-as a data-parallel rank of its shard of the sequence (``Workload.rank_view``) plus the cp collectives.
+as a data-parallel rank of its shard of the sequence (``Workload.rank_view``) plus the cp collectives; it composes
+with pipelines (each stage's blocks on its shard), experts (a cp rank's tokens dispatched over ep, ep inside dp) and
+hybrid sharding (shard groups over ``dp_shard x cp``). ``Layout.sync = "diloco"`` is DiLoCo around the layout: the
+``dp / (ep x dp_shard)`` replicas train apart (``Workload.replica_view``: the layout inside one replica, which the
+simulator prices as it stands) and all-reduce their parameters' change every ``diloco_inner_steps`` steps
+(``plait.plan.simulate``). ``Workload.precision = "fp8"`` is bf16 with the Linears multiplying in float8
+(``plait.plan.ops_float8``).
 
 ``workload_from_config`` reads the same config ``plait train`` reads (file, ``--section.key=value``
 overrides, ``model.factory``), checks it for the world size with the trainer's own checks
@@ -56,21 +62,37 @@ class Layout:
     # stage may hold it alone (plait.plan.schedule.partition_units)
     split_embedding: bool = False
     split_head: bool = False
+    # parallel.sync, diloco_inner_steps (H), diloco_fragments: DiLoCo's replicas meet every H steps (module docstring)
+    sync: str = "every_step"
+    diloco_inner_steps: int = 100
+    diloco_fragments: int = 1
+    replicas_apart: int = 0  # in a replica view (Workload.replica_view): DiLoCo's replicas set apart (0: no DiLoCo)
+
+    @property
+    def diloco_replicas(self) -> int:
+        """DiLoCo's replicas: ``dp / (ep x dp_shard)`` (``dp_shard``: the data-parallel ranks of one replica, at any
+        ZeRO stage, as ``plait.parallel.data.diloco`` reads it); 1 without DiLoCo."""
+        return self.dp // (self.ep * max(self.dp_shard, 1)) if self.sync == "diloco" else 1
 
     @property
     def shard(self) -> int:
-        """The ranks ZeRO shards a parameter's states over: the HSDP shard group at zero=3, else every dp rank."""
+        """The ranks ZeRO shards a parameter's states over: the HSDP shard group at zero=3, under DiLoCo the ranks of
+        one replica, else every dp rank."""
+        if self.sync == "diloco":
+            return self.dp // self.diloco_replicas
         return self.dp_shard if self.zero == 3 and 1 < self.dp_shard < self.dp else self.dp
 
     @property
     def hybrid(self) -> bool:
-        """Hybrid sharding: ZeRO-3 over shard groups smaller than the data-parallel world."""
-        return self.shard < self.dp
+        """Hybrid sharding: ZeRO-3 over shard groups smaller than the data-parallel world (DiLoCo's replicas are
+        apart, not a replicate axis of HSDP)."""
+        return self.shard < self.dp and self.sync != "diloco"
 
     @property
     def world(self) -> int:
-        """``dp x cp x tp x pp``: expert-parallel ranks are data-parallel ranks (``ep`` divides ``dp``)."""
-        return self.dp * self.cp * self.tp * self.pp
+        """``dp x cp x tp x pp``: expert-parallel ranks are data-parallel ranks (``ep`` divides ``dp``); a replica
+        view's replicas set apart count too."""
+        return self.dp * self.cp * self.tp * self.pp * max(1, self.replicas_apart)
 
     def describe(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}" + ("+sp" if self.sp else ""), f"pp={self.pp}"]
@@ -89,14 +111,18 @@ class Layout:
                 n for n, on in (("embedding", self.split_embedding), ("head", self.split_head)) if on))
         if self.act_offload:
             parts.append("act_offload")
+        if self.sync == "diloco":
+            parts.append(f"diloco H={self.diloco_inner_steps}" + (f" F={self.diloco_fragments}"
+                                                                  if self.diloco_fragments > 1 else ""))
         return " ".join(parts)
 
 
 @dataclass(frozen=True)
 class Workload:
     """A model, a layout, the global batch (sequences per step) and how the software runs it:
-    ``precision`` (fp32, bf16, fp16), ``attention`` kernel (flash, unfused), ``stack`` (plait, megatron, metaseq;
-    see ``plait.plan.ops``), the optimizer kernel and whether gradients are clipped."""
+    ``precision`` (fp32, bf16, fp16, fp8: bf16 with float8 Linears), ``attention`` kernel (flash, unfused),
+    ``stack`` (plait, megatron, metaseq; see ``plait.plan.ops``), the optimizer kernel and whether gradients are
+    clipped."""
 
     shape: ModelShape
     layout: Layout
@@ -129,9 +155,31 @@ class Workload:
     def autocast(self) -> bool:
         """Whether forward runs under autocast over float32 parameters: plait's bf16 and fp16, except ZeRO-3 with
         bf16, which computes in bf16 through FSDP2's mixed-precision policy (``plait.parallel.fsdp``, and a
-        pipeline's stages: ``plait.parallel.pipeline.sharded``); other stacks hold half-precision parameters."""
+        pipeline's stages: ``plait.parallel.pipeline.sharded``); other stacks hold half-precision parameters.
+        fp8 is bf16 here (its Linears multiply in float8 inside either regime)."""
         lay = self.layout
-        return self.stack == "plait" and self.precision != "fp32" and not (lay.zero == 3 and self.precision == "bf16")
+        return self.stack == "plait" and self.precision != "fp32" and not (lay.zero == 3 and self.precision
+                                                                          in ("bf16", "fp8"))
+
+    @property
+    def float8(self) -> bool:
+        """Whether the block Linears multiply in float8 (``train.precision = "fp8"``; ``plait.plan.ops_float8``)."""
+        return self.precision == "fp8"
+
+    def replica_view(self) -> Workload:
+        """What one DiLoCo replica trains, as a layout of its own: its ``dp / replicas`` data-parallel ranks (ZeRO
+        over all of them: one replica holds no other), its share of every global batch, the replicas set apart
+        (``Layout.replicas_apart``: placed outermost after pp, as ``plait.topology``'s ``dp_replicate``). The
+        outer all-reduce every H steps is priced beside it (``plait.plan.simulate``). Without DiLoCo: this
+        workload."""
+        from dataclasses import replace
+
+        lay = self.layout
+        if lay.sync != "diloco":
+            return self
+        n = lay.diloco_replicas
+        layout = replace(lay, dp=lay.dp // n, dp_shard=1, sync="every_step", replicas_apart=n)
+        return replace(self, layout=layout, global_batch=self.global_batch // n)
 
     def rank_view(self) -> Workload:
         """What one rank of a context-parallel layout computes, as a data-parallel layout: its ``1 / cp`` of every
@@ -152,14 +200,22 @@ class Workload:
     def check(self) -> None:
         """Raise ``ConfigError`` for what the simulator cannot price (it is not a plait layout)."""
         lay, s = self.layout, self.shape
-        if lay.cp > 1 and (lay.ep > 1 or self.attention != "flash" or s.seq_len % (2 * lay.cp)
+        if lay.cp > 1 and (self.attention != "flash" or s.seq_len % (2 * lay.cp)
                            or lay.cp_impl not in ("ring", "alltoall", "allgather")):
-            raise ConfigError(f"cp={lay.cp} is simulated without expert parallelism (plait does not compose them), "
-                              f"with the flash attention kernel, cp_impl ring, alltoall or allgather and a sequence "
-                              f"({s.seq_len}) that divides by 2 x cp; change those or set cp=1")
-        if lay.dp_shard not in (1, lay.dp) and (lay.zero != 3 or lay.dp % lay.dp_shard or lay.ep > 1):
+            raise ConfigError(f"cp={lay.cp} is simulated with the flash attention kernel, cp_impl ring, alltoall or "
+                              f"allgather and a sequence ({s.seq_len}) that divides by 2 x cp; change those or set "
+                              "cp=1")
+        if lay.sync == "diloco":
+            if lay.dp % (lay.ep * max(lay.dp_shard, 1)) or lay.diloco_inner_steps < 1 or lay.diloco_fragments < 1:
+                raise ConfigError(f"sync=diloco needs dp_shard ({lay.dp_shard}: the data-parallel ranks of one "
+                                  f"replica) x ep ({lay.ep}) to divide dp={lay.dp}, and diloco_inner_steps and "
+                                  "diloco_fragments of at least 1; change them")
+        elif lay.dp_shard not in (1, lay.dp) and (lay.zero != 3 or lay.dp % lay.dp_shard or lay.ep > 1):
             raise ConfigError(f"dp_shard={lay.dp_shard} (HSDP) needs zero=3, a divisor of dp={lay.dp} and no expert "
                               "parallelism; set dp_shard=1 or change it")
+        if self.float8 and self.stack != "plait":
+            raise ConfigError(f"precision fp8 is simulated for plait's float8 Linears (torchao), not stack "
+                              f"{self.stack!r}; use precision bf16 for that stack")
         if lay.ep > 1 and (lay.dp % lay.ep or not s.num_experts or s.num_experts % lay.ep):
             raise ConfigError(f"parallel.ep={lay.ep} needs a mixture of experts whose {s.num_experts} experts and "
                               f"data-parallel degree {lay.dp} it divides; set parallel.ep among their common divisors")
@@ -194,4 +250,5 @@ def layout_from_config(cfg: Config) -> Layout:
                   every_k=t.checkpoint_every_k, reshard_after_forward=p.reshard_after_forward, bucket_mb=p.bucket_mb,
                   impl=p.impl, pp_balance=p.pp_balance, loss_parallel=p.loss_parallel, ep=p.ep,
                   offload=p.offload, dp_shard=p.dp_shard or 1, act_offload=t.activation_offload,
-                  split_embedding=p.pp_split_embedding, split_head=p.pp_split_head, cp=p.cp, cp_impl=p.cp_impl)
+                  split_embedding=p.pp_split_embedding, split_head=p.pp_split_head, cp=p.cp, cp_impl=p.cp_impl,
+                  sync=p.sync, diloco_inner_steps=p.diloco_inner_steps, diloco_fragments=p.diloco_fragments)

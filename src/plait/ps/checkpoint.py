@@ -1,6 +1,6 @@
 """Parameter-server checkpoints written and read by the servers themselves, through DCP.
 
-A PS checkpoint is every layout's checkpoint (``plait.components.checkpoint``: one DCP directory under the
+A PS checkpoint is every layout's checkpoint (``plait.checkpoint.dcp``: one DCP directory under the
 single-process names, a SHA-256 manifest, written to ``PATH.tmp`` and renamed): workers and servers
 take part in one DCP save over a gloo group of every rank, and each server contributes only what it
 holds. Its flat shard ``[lo, hi)`` overlaps each parameter in a contiguous range ``[a, b)`` of the
@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from plait.components.dcp_pieces import Pieces, PiecesLoadPlanner, PiecesSavePlanner
+from plait.checkpoint.pieces import Pieces, PiecesLoadPlanner, PiecesSavePlanner
 from plait.components.optim import single_names
 from plait.ps.shard import FlatLayout
 from plait.ps.state import ShardState

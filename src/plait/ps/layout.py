@@ -6,8 +6,8 @@ checkpoint are the layout's optional capabilities (``Serving``, ``OwnPace``, ``C
 Its topology spans the workers only (``plait.ps.roles``): the engine's collectives (logging, evaluation,
 the step agreement in sync modes) run among them, while the servers serve from ``start`` (called by
 ``Plait.setup`` once the optimizer is built) until every worker has finished, then end with ``ServerDone``.
-On a worker, ``Plait.step`` runs ``clip_and_step``: ``clip_grad_norm`` (measures the gradient's norm; the
-servers clip), ``step`` (only when the gradient is finite: marks it for pushing), then the PUSH to every
+On a worker, ``Plait.step`` runs ``clip_and_step``: ``_clip_grad_norm`` (measures the gradient's norm; the
+servers clip), ``_step`` (only when the gradient is finite: marks it for pushing), then the PUSH to every
 server, with the learning rates of this step (the LR scheduler steps after it), which answers with its
 parameters when a pull is due; a non-finite gradient is announced instead, so no server waits for it. Where
 the workers meet at every step (sync, ssp with staleness 0) the norm ``Plait.step`` reports is the applied
@@ -20,8 +20,10 @@ only its own shard's pieces of the parameters and optimizer states, with its ver
 under the single-process names (``plait.ps.checkpoint``); worker 0 writes the buffers. So a PS
 checkpoint loads into data parallelism, ZeRO or one process, and any checkpoint, of any layout or
 number of servers, loads into a PS run: the servers read their own pieces (``begin_load``), then every
-worker takes its clock from the servers and pulls (``finish_load``). A worker never holds optimizer
-state. BatchNorm running statistics are not parameters: each worker keeps its own (worker 0's are saved).
+worker takes its clock from the servers and pulls (``state.finish_load``). A worker's part of a checkpoint, its
+full state and its export (pulled fresh from the servers) are its ``state`` (``plait.ps.layout_state.PsState``).
+A worker never holds optimizer state. BatchNorm running statistics are not parameters: each worker keeps its own
+(worker 0's are saved).
 """
 
 from __future__ import annotations
@@ -35,9 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.checkpoint.dcp import load_state, save_state
 from plait.comm.collectives import Comm
-from plait.components.checkpoint import load_state, save_state
-from plait.components.dcp_pieces import PiecesSavePlanner
 from plait.components.optim import optimizer_recipe
 from plait.config import Config
 from plait.observe.log import get_logger
@@ -45,7 +46,8 @@ from plait.parallel.grad_sync import ELEMENTWISE, GradSync, LayoutError, Optimiz
 from plait.parallel.layout import Layout
 from plait.parallel.meta_init import ModelFacts
 from plait.parallel.stages import WholeModel
-from plait.ps.checkpoint import ServerCheckpoint, param_names, untrained_state
+from plait.ps.checkpoint import ServerCheckpoint, param_names
+from plait.ps.layout_state import PsState, install
 from plait.ps.protocol import Op
 from plait.ps.roles import PsTopology, ServerDone, check_ps, make_groups, merge_stats, ps_topology
 from plait.ps.server import Server
@@ -83,10 +85,7 @@ class ParameterServer(Layout):
         self._local_steps = 0
         self._pushed = False
         self._grad_norm_sq: float | None = None
-
-    @property
-    def items_ranks(self) -> int:
-        return self.topo.dp
+        self.state = PsState(self)
 
     # -- building ---------------------------------------------------------------------------------
     def build_optimizer(self, factory: OptimizerFactory) -> Any:
@@ -109,7 +108,7 @@ class ParameterServer(Layout):
                                    one_version=self.cfg.ps.mode in ("sync", "backup"))
             if g.rank == 0:
                 self.client.init_servers()
-            self._install(self.client.pull())
+            install(self.flat, self.client.pull())
         return opt
 
     def _build_server(self, opt: torch.optim.Optimizer) -> Any:
@@ -141,15 +140,11 @@ class ParameterServer(Layout):
                                           stats["updates"])
         raise ServerDone(stats)
 
-    @torch.no_grad()
-    def _install(self, flat: torch.Tensor) -> None:
-        self.flat.unflatten_into(flat.to(self.flat.params[0].device) if self.flat.params else flat)
-
     # -- one step ---------------------------------------------------------------------------------
-    # gradients stay local until ``step`` and nothing is in flight after backward (the push is the step):
+    # gradients stay local until ``_step`` and nothing is in flight after backward (the push is the step):
     # set_sync and finish are the no-op policy's
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def _clip_grad_norm(self, max_norm: float) -> float:
         """The norm of this step's gradient (the servers clip what they apply); accumulates the push."""
         grad = self.flat.flatten_grads()
         every = self.cfg.ps.push_every
@@ -167,7 +162,7 @@ class ParameterServer(Layout):
     def _push_due(self) -> bool:
         return self._local_steps % self.cfg.ps.push_every == 0
 
-    def step(self) -> None:
+    def _step(self) -> None:
         """The gradient is finite: it will be pushed (by ``clip_and_step``, which pushes either way)."""
         self._pushed = self._push_due() and self._grad is not None
         self.optimizer._opt_called = True  # the servers step it: no LR-scheduler order warning
@@ -177,7 +172,7 @@ class ParameterServer(Layout):
         now: the learning rates sent are this step's, since the engine steps the LR scheduler once this returns.
         Returns (norm, skipped): the applied update's where the workers meet at every step (see the module
         docstring), else this worker's own."""
-        norm, skipped = super().clip_and_step(max_norm, scaler, before_step)  # clip_grad_norm measures, step marks
+        norm, skipped = super().clip_and_step(max_norm, scaler, before_step)  # _clip_grad_norm measures, _step marks
         applied = self._push()
         if applied is not None and self.agreement_group(None)[0]:
             norm = applied ** 0.5
@@ -201,7 +196,7 @@ class ParameterServer(Layout):
         direct = not self.flat.params or self.flat.params[0].device.type == "cpu"
         params = c.push(grad, norm_sq, lrs, pull=pull, install=direct)
         if params is not None:
-            self._install(params)
+            install(self.flat, params)
         self._acc, self._grad, self._pushed = None, None, False
         return c.applied_norm_sq if pull else None
 
@@ -232,12 +227,12 @@ class ParameterServer(Layout):
         return ps.mode == "sync" or (ps.mode == "ssp" and ps.staleness == 0), default
 
     def before_collective(self) -> None:
-        self.meet()
+        self._meet()
 
     def checkpoint_group(self, default: Any) -> Any:
         return self.groups.world  # the servers join the checkpoint's collectives and write their own shards
 
-    def meet(self) -> None:
+    def _meet(self) -> None:
         """Before a collective among the workers: in backup mode, a version waiting for this worker's
         peers completes with the gradients it holds (they cannot push until the collective ends)."""
         if self.client is not None and self.cfg.ps.mode == "backup":
@@ -262,32 +257,16 @@ class ParameterServer(Layout):
         if self.client is not None:
             self.client.finish()
 
-    # -- state ------------------------------------------------------------------------------------
+    # -- its part in a checkpoint (CheckpointJoin); the worker's own part is ``state`` ------------
     def begin_save(self, path: Path) -> None:
         """Before ``save_state``: ask every server to join the save at ``path`` (after this worker's last
         push, so the server has applied it); the servers write their shards (``plait.ps.checkpoint``)."""
-        self.meet()
+        self._meet()
         self.client.checkpoint(Op.SAVE, {"path": str(path)})
 
     def begin_load(self, path: Path, verify: bool) -> None:
         """Before ``load_state``: ask every server to join the load from ``path``."""
         self.client.checkpoint(Op.LOAD, {"path": str(path), "verify": verify})
-
-    def finish_load(self) -> None:
-        """After ``load_state``: the servers' versions and this worker's clock, then pull the loaded weights."""
-        self.client.loaded()
-        self._install(self.client.pull())
-
-    def state_dicts(self) -> tuple[dict, dict]:
-        """This worker's part of a checkpoint: the model's entries the servers do not hold (buffers); the
-        servers contribute the parameters and optimizer states. A worker holds no optimizer state."""
-        return untrained_state(self.model, self.flat), {}
-
-    def load_state_dicts(self, model_sd: dict, optim_sd: dict) -> None:
-        """The buffers were read in place; the parameters come from the servers (``finish_load``)."""
-
-    def save_planner(self) -> Any:
-        return PiecesSavePlanner()  # replicated buffers: worker 0's are written
 
     def _server_checkpoint(self, op: Op, args: dict[str, Any]) -> None:
         """A server's part of a checkpoint save or load (collective with every rank; see ``begin_save``)."""
@@ -300,17 +279,6 @@ class ParameterServer(Layout):
         _, _, shared = load_state(Path(args["path"]), ckpt, g.rank, restore_rank=False, verify=bool(args["verify"]),
                                   group=g.world)
         st.restored(*ckpt.versions_and_clocks(int(shared.get("steps", 0))))
-
-    def full_model_state(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """The servers' current parameters (pulled fresh) under the single-process names."""
-        self._install(self.client.pull())
-        return self.model.state_dict()
-
-    def export_weights(self, out: Path, group: Any, coordinator: bool, max_shard_bytes: int) -> Path:
-        """The servers hold the current weights: pulled fresh into this worker's model, then written as any
-        whole model is (``Layout.export_weights``)."""
-        self._install(self.client.pull())
-        return super().export_weights(out, group, coordinator, max_shard_bytes)
 
     def describe(self) -> str:
         return "data-parallel" if self.topo.dp > 1 else ""

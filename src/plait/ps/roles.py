@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from plait.config import Config, ConfigError
-from plait.parallel.layout import RankDone
+from plait.parallel.errors import RankDone
 from plait.topology import Topology
 
 # How long a PS peer may be silent: a server waits for the workers' whole compute, so no timeout of

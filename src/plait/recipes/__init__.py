@@ -236,8 +236,10 @@ def check_recipe(cfg: Config, degrees: dict[str, int]) -> None:
 
 
 # The recipes keep the gradient clipping their other defaults were tuned with (a user's own loop gets none
-# unless it asks: optim.grad_clip defaults to 0).
-CLIPPED = {"optim": {"grad_clip": 1.0}}
+# unless it asks: optim.grad_clip defaults to 0), and skip a step whose gradient is not finite (plait's loop: a read
+# of one flag per step where the optimizer cannot skip on the device, which a user's own loop does not pay unless
+# it asks: optim.skip_nonfinite defaults to auto).
+CLIPPED = {"optim": {"grad_clip": 1.0, "skip_nonfinite": True}}
 register_model("gpt", ModelRecipe(build=gpt.build_model, data="text", loss="causal_lm", check=gpt.check_model,
                                   describe="plait's GPT (pre-LayerNorm decoder, tied embeddings)", defaults=CLIPPED))
 register_data("text", DataRecipe(build=gpt.build_text, check=gpt.check_text,
@@ -249,10 +251,10 @@ register_data("digits", DataRecipe(build=cnn.build_digits, describe="scikit-lear
 
 def check_weights(cfg: Config) -> None:
     """``model.weights`` against the model the config names, before any worker starts: the model is built on the
-    meta device (shapes only) and the checkpoint's headers are read (``plait.parallel.weights.check_weights``)."""
+    meta device (shapes only) and the checkpoint's headers are read (``plait.checkpoint.weights.check_weights``)."""
     import torch  # lazily, as every training import here: plait --help imports no torch
 
-    from plait.parallel.weights import check_weights as check
+    from plait.checkpoint.weights import check_weights as check
 
     with torch.device("meta"):
         model = build_model(cfg)
@@ -292,7 +294,7 @@ def build_trainer(cfg: Config, trainer_class: type[Trainer] | None = None) -> Tr
 def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:
     """``plait train`` on this worker: the configured model and data through ``Trainer`` (the process
     group, if any, is already initialised)."""
-    from plait.parallel.layout import RankDone
+    from plait.parallel.errors import RankDone
 
     cfg.run.dir = str(run_dir)
     try:

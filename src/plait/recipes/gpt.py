@@ -2,12 +2,10 @@
 
 Registered as model ``gpt`` (built from ``[model]``'s n_layer, d_model, ...; loss ``causal_lm``; data
 ``text``) and data ``text`` (the embedded corpus, a UTF-8 file or a uint16 ``.bin`` token file, cut
-into ``model.seq_len`` windows). The GPT class gets two parallelization hooks
-(``plait.parallel.plans``, which registers them): its Megatron tensor-parallel layout and its pipeline
-stages. The engine and the trainer know nothing of either; they find them through the registry.
-
-The tensor-parallel plan and the pipeline stages of the GPT live in ``plait.parallel.tensor.gpt`` and
-``plait.parallel.pipeline.gpt``.
+into ``model.seq_len`` windows). What plait knows of the GPT class (its Megatron tensor-parallel layout,
+its pipeline stages, its context-parallel routing, its shape and FLOPs) lives in its folder,
+``plait.models.gpt``, registered once as one spec (``plait.models.gpt.spec``). The engine and the trainer
+know nothing of it; they find it through the registry (``plait.parallel.train_spec.spec_for``).
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ def build_model(cfg: Config) -> GPT:
 
 def check_model(cfg: Config, degrees: dict[str, int]) -> None:
     """The GPT's shape against the layout, before any worker starts."""
-    from plait.parallel.tensor.gpt import check_tensor_parallel
+    from plait.models.gpt.parallelize import check_tensor_parallel
     from plait.plan.schedule import NATURAL_VIRTUAL
 
     m, p = cfg.model, cfg.parallel

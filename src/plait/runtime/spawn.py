@@ -73,7 +73,7 @@ def start_server() -> None:
     if START_METHOD == "forkserver":
         from multiprocessing import forkserver
 
-        mp.set_forkserver_preload(_PRELOAD)
+        mp.set_forkserver_preload([*_PRELOAD, "plait.runtime.gc_freeze"])  # last: freezes what the others made
         forkserver.ensure_running()
 
 

@@ -7,7 +7,8 @@ peak FLOP/s of the devices the run uses.
 
 FLOPs per item (``model_flops_per_item``), by the first method that applies (named in ``source``):
 
-* ``formula``: plait's dense GPT, PaLM's count (Chowdhery et al. 2022, appendix B), the one
+* ``formula``: the ``flops`` of the spec registered for the model's class (``plait.parallel.train_spec``). plait's
+  dense GPT's (``plait.models.gpt.shape``) is PaLM's count (Chowdhery et al. 2022, appendix B), the one
   ``plait.plan.flops.model_flops`` implements: ``6 N_mm + 12 L d T`` per token, ``N_mm`` the matmul
   weights including the (tied) head, ``L`` layers, ``d`` width, ``T`` sequence length; forward =
   ``2 N_mm + 4 L d T`` (attention's ``Q K^T`` and ``A V`` over the full ``T x T`` square), backward =
@@ -74,21 +75,13 @@ class ModelFlops:
     source: str  # formula, flop_counter, 6N or the reason there is none
 
 
-def dense_gpt(model: nn.Module) -> bool:
-    """Whether ``model`` is plait's GPT without MoE layers (the formula applies)."""
-    from plait.config import ModelConfig
-    from plait.models.gpt import GPT, MLP
+def formula_flops_per_token(model: nn.Module) -> float | None:
+    """FLOPs per token by the formula of the spec registered for ``model``'s class (plait's dense GPT: ``6 N_mm +
+    12 L d T``); None where there is none (no spec, no ``flops``, or a model it does not cover: an MoE GPT)."""
+    from plait.parallel.model_specs import spec_for
 
-    return isinstance(model, GPT) and isinstance(getattr(model, "cfg", None), ModelConfig) and \
-        all(isinstance(b.mlp, MLP) for b in model.blocks)
-
-
-def formula_flops_per_token(model: nn.Module) -> float:
-    """``6 N_mm + 12 L d T`` for plait's dense GPT (``plait.plan.flops.model_flops`` of one token)."""
-    from plait.plan.flops import model_flops
-    from plait.plan.shapes import shape_from_model
-
-    return model_flops(shape_from_model(model, model.cfg.seq_len), 1.0)
+    flops = getattr(spec_for(model), "flops", None)
+    return flops(model) if flops is not None else None
 
 
 def _to_meta(batch: Any) -> Any:
@@ -127,8 +120,9 @@ def model_flops_per_item(model: nn.Module, loss: Any = None, batch: Any = None, 
     module docstring for the methods. ``batch`` is one micro-batch of ``tokens`` tokens / ``samples``
     samples (0 tokens: not a token model)."""
     item, n = ("token", tokens) if tokens else ("sample", samples)
-    if dense_gpt(model):
-        return ModelFlops(formula_flops_per_token(model), "token", "formula")
+    formula = formula_flops_per_token(model)
+    if formula is not None:
+        return ModelFlops(formula, "token", "formula")
     if loss is not None and batch is not None and n:
         try:
             return ModelFlops(counted_flops(model, loss, batch) / n, item, "flop_counter")

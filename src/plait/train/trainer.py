@@ -10,7 +10,7 @@ each phase; ``comm_exposed_s`` is the time spent waiting for gradient communicat
 finished, the part that overlap did not hide. Every ``train.eval_every`` steps the evaluation set is
 scored, every ``checkpoint.every`` steps a checkpoint is saved (``RUN_DIR/checkpoints/step_N``, the
 newest named by ``latest``), and at the end the run is evaluated, saved, exported as ``model/`` (a Hugging
-Face directory, written shard by shard: ``plait.parallel.weights``) and summarised in ``summary.json``.
+Face directory, written shard by shard: ``plait.checkpoint.weights``) and summarised in ``summary.json``.
 """
 
 from __future__ import annotations
@@ -151,10 +151,11 @@ class Trainer:
         self.token_weighted = self.loss.counts_items_for(model) and p.weighs_tokens
         # A data set whose every sample holds the same number of counted targets (plait's token windows: no -100)
         # read in whole global batches: this rank's count over a step is known (its samples x targets_per_sample),
-        # and so the step's, so nothing is counted or all-reduced per step
+        # and so the step's, so nothing is counted or all-reduced per step (the cp ranks of a group read the same
+        # samples: the count is the same as at cp = 1, and the context split divides its shard's loss by cp)
         per = getattr(train_data, "targets_per_sample", None)
         self.items_per_step = (cfg.train.global_batch_size // p.dp * per if self.token_weighted and per is not None
-                               and isinstance(self.loss, CausalLMLoss) and cfg.parallel.cp == 1 else None)
+                               and isinstance(self.loss, CausalLMLoss) else None)
         self.peak = self._peak()
         self.state = RunState(step=p.steps)  # above 0 where setup joined live replicas at a later step
         self.state.skipped_steps = lambda: p.skipped_steps  # read from the engine only when looked up
@@ -185,11 +186,11 @@ class Trainer:
     # -- utilisation ------------------------------------------------------------------------------
     def _model_flops(self, model: nn.Module, sample: Any) -> Any:
         """Rank 0 (the rank that logs): the model's FLOPs per token or sample (``plait.train.mfu``)."""
-        from plait.train.mfu import dense_gpt, model_flops_per_item
+        from plait.train.mfu import formula_flops_per_token, model_flops_per_item
 
         if not self.rank0:
             return None
-        if sample is None and not dense_gpt(model):
+        if sample is None and formula_flops_per_token(model) is None:
             sample = self._peek()
         tokens, samples = _items(sample, self.loss) if sample is not None else (0, 0)
         return model_flops_per_item(model, self.loss, sample, tokens, samples)
@@ -230,7 +231,7 @@ class Trainer:
     def resume(self) -> bool:
         """Continue from the run directory's newest good checkpoint (damaged ones, and those of loss-spike
         steps, are skipped with a warning naming the problem); False when it has none."""
-        from plait.components.integrity import newest_good
+        from plait.checkpoint.integrity import newest_good
 
         if self.p.steps > 0:  # setup joined live replicas (fault.mode=replicas): their state is newer than any save
             self.log.info("joined the live replicas at step %d: their state, not a checkpoint, is continued",
@@ -254,8 +255,8 @@ class Trainer:
         """``fault.memory_checkpoint``: load the newest checkpoint from the holders' copies when every rank finds its
         copy of it, whole (the disk's newest complete checkpoint, not a loss spike's), in its own machine's holder
         or a peer machine's; else say why not."""
-        from plait.components.checkpoint import step_dir
-        from plait.components.integrity import checkpoints_newest_first, spike_steps
+        from plait.checkpoint.dcp import step_dir
+        from plait.checkpoint.integrity import checkpoints_newest_first, spike_steps
 
         holders = self.p.checkpointer.host_copy
         if holders is None:
@@ -301,7 +302,7 @@ class Trainer:
             self.p.truncate_metrics(step)
 
     def save(self) -> Path:
-        from plait.components.checkpoint import point_latest, step_dir
+        from plait.checkpoint.dcp import point_latest, step_dir
 
         s = self.state
         extra = {"step": s.step, "skipped_steps": s.skipped_steps, "tokens_seen": s.tokens_seen,

@@ -184,10 +184,6 @@ def test_bad_config_is_one_message() -> None:
     with pytest.raises(ConfigError, match=r"2 x cp = 8 equal chunks .* model.seq_len is 100"):
         validate_config(cfg, 4)
     cfg = Config()
-    cfg.parallel.cp, cfg.parallel.ep = 2, 2
-    with pytest.raises(ConfigError, match="parallel.ep=2 with context parallelism is not supported yet"):
-        validate_config(cfg, 4)
-    cfg = Config()
     cfg.parallel.cp, cfg.parallel.cp_impl, cfg.model.n_head, cfg.model.d_model = 4, "alltoall", 6, 48
     with pytest.raises(ConfigError, match=r"6 heads \(model.n_head\), which do not divide by 4; use "
                                           "parallel.cp_impl=ring"):

@@ -20,8 +20,9 @@ is lr / eps, so a rounding difference of tp's other summation order moves an ele
 to ~1e-9 by up to ~6e-5, measured for tp and tp-sp at cp=2, the same on torch 2.13 with and without plait's
 changes).
 
-Not composed yet and refused with one message (tested): expert parallelism, hybrid sharding (``dp_shard`` with
-``dp_replicate``), a Hugging Face decoder's pipeline (its stages make their own positions; refused at setup).
+Not composed and refused with one message (tested): a parameter server, a Hugging Face decoder's pipeline (its stages
+make their own positions; refused at setup). Expert parallelism and hybrid sharding with cp are compared with one
+process in ``tests/parallel/expert/test_expert_compose.py``.
 """
 
 from __future__ import annotations
@@ -162,18 +163,21 @@ def test_context_parallel_composes(tmp_path: Path, world: int) -> None:
                 assert run["held"] <= run["numel"] // ranks_sharded + 1024, (name, run["held"], run["numel"])
 
 
-def test_unsupported_compositions_are_one_message() -> None:
+def test_compositions_are_accepted_or_one_message() -> None:
     from plait.config import Config, ConfigError
     from plait.recipes import validate_config
 
     cfg = Config()
-    cfg.parallel.cp, cfg.parallel.ep = 2, 2
-    with pytest.raises(ConfigError, match="parallel.ep=2 with context parallelism is not supported yet"):
-        validate_config(cfg, 4)
+    cfg.parallel.cp, cfg.parallel.mode = 2, "ps"
+    with pytest.raises(ConfigError, match="parallel.mode=ps with context parallelism is not supported"):
+        validate_config(cfg, 3)
+    # accepted, and checked against one process in tests/parallel/expert/test_expert_compose.py
+    cfg = Config()
+    cfg.parallel.cp, cfg.parallel.ep, cfg.moe.num_experts = 2, 2, 4
+    validate_config(cfg, 4)
     cfg = Config()
     cfg.parallel.cp, cfg.parallel.zero, cfg.parallel.dp, cfg.parallel.dp_shard = 2, 3, 4, 2
-    with pytest.raises(ConfigError, match=r"parallel.dp_shard=2 \(hybrid sharding\) with parallel.cp=2"):
-        validate_config(cfg, 8)
+    validate_config(cfg, 8)
     for ac in ("full", "selective"):  # accepted: checked against one process above
         cfg = Config()
         cfg.parallel.cp, cfg.train.activation_checkpointing = 2, ac

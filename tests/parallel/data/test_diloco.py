@@ -252,7 +252,7 @@ def test_h8_trains_and_sends_an_eighth_of_data_parallel_bytes(runs: list[dict]) 
     ({"parallel": {"diloco_outer_momentum": 1.0}}, "diloco_outer_momentum must be in [0, 1)"),
     ({"parallel": {"diloco_outer_momentum": 0.0}}, "diloco_nesterov needs a momentum"),
     ({"parallel": {"diloco_fragments": 3, "diloco_inner_steps": 2}}, "diloco_fragments must lie in 1..diloco_inner"),
-    ({"parallel": {"zero": 2}}, "does not compose with parallel.zero=2"),
+    ({"parallel": {"zero": 2}}, "a replica here has one: set parallel.dp_shard=N"),
     ({"parallel": {"impl": "torch"}}, "set parallel.impl=plait"),
     ({"comm": {"compress": "auto"}}, "name a compressor for the pseudo-gradient"),
     ({"parallel": {"mode": "ps"}}, "parameter server"),

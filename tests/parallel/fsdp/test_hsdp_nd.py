@@ -1,8 +1,9 @@
 """Hybrid sharding composed with tensor and pipeline parallelism, at 8 gloo ranks (the fewest where HSDP keeps
 both a shard group and a replica beside tp or pp): tp=2 x dp=4 with dp_shard=2 (3-D: every parameter a
 DTensor on the (dp_replicate, dp_shard, tp) mesh), pp=2 x dp=4 with dp_shard=2 (FSDP2 per stage on the 2-D
-data-parallel mesh), and pp=2 x tp=2 x dp=2 at ZeRO-3; plait's GPT against one plain PyTorch process
-(the tolerances of ``references.sharded_*``)."""
+data-parallel mesh), and pp=2 x tp=2 x dp=2 at ZeRO-3, and at ZeRO-2 with sequence parallelism (plait's sharded
+optimizer over each stage's tensor-parallel shards; the tied embedding and head summed over the pipeline as
+DTensors); plait's GPT against one plain PyTorch process (the tolerances of ``references.sharded_*``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ CASES = {  # name: (parallel, micro-batch per rank)
     "tp2-hsdp": ({"tp": 2, "zero": 3, "dp_shard": 2}, 2),
     "pp2-hsdp": ({"pp": 2, "zero": 3, "dp_shard": 2, "microbatches": 2, "pp_balance": "count"}, 2),
     "pp2-tp2-zero3": ({"pp": 2, "tp": 2, "zero": 3, "microbatches": 2, "pp_balance": "count"}, 4),
+    "pp2-tp2-zero2-sp": ({"pp": 2, "tp": 2, "zero": 2, "sequence_parallel": True, "microbatches": 2,
+                          "pp_balance": "count"}, 4),
 }
 
 
@@ -47,3 +50,6 @@ def test_hsdp_with_tensor_and_pipeline_parallelism_matches_single_process(tmp_pa
     assert pp["meshes"] == {(("dp_replicate", "dp_shard"), (2, 2))}
     ptf = ranks[0]["pp2-tp2-zero3"]["inspect"]
     assert ptf["strategy"] == "PipelineStages/Fsdp" and ptf["describe"] == "tensor-parallel/pipeline/FSDP"
+    ptz = ranks[0]["pp2-tp2-zero2-sp"]["inspect"]
+    assert ptz["strategy"] == "PipelineStages/Zero" and ptz["describe"] == "tensor-parallel/pipeline/ZeRO"
+    assert ptz["meshes"] == {(("tp",), (2,))}  # the tp plan's DTensors (ZeRO shards their local tensors)

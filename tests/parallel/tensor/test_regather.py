@@ -42,7 +42,7 @@ def _model(family: str):
 def _run(family: str, mode: str) -> tuple[dict, dict, int, object]:
     """(all-gathers in forward, in backward) and the bytes saved inside q/k/v (q_proj, ...) of block 0."""
     from plait.config import load_config
-    from plait.parallel.checkpointing import apply_activation_checkpointing
+    from plait.parallel.activation_checkpoint import apply_activation_checkpointing
     from plait.plan.record import fake_world, tensor_parallel
 
     cfg = load_config(None, ["--parallel.nproc=2", "--parallel.tp=2", "--parallel.sequence_parallel=true",

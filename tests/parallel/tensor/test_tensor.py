@@ -17,8 +17,8 @@ from references import (
     mp_reference,
 )
 
+from plait.models.gpt.parallelize import check_tensor_parallel
 from plait.models.tiny import seeded_gpt
-from plait.parallel.tensor.gpt import check_tensor_parallel
 from plait.parallel.tensor.plan import (
     TensorParallelError,
     full_state_dict,
@@ -28,7 +28,7 @@ from plait.parallel.tensor.plan import (
 
 
 def _train_tp(cfg, data, tp_mesh, sp: bool, dp_group=None) -> tuple[list[float], object]:
-    from plait.parallel.tensor.gpt import apply_tensor_parallel
+    from plait.models.gpt.parallelize import apply_tensor_parallel
 
     model = apply_tensor_parallel(seeded_gpt(cfg), tp_mesh, sequence_parallel=sp)
     assert model.head.weight is model.tok_emb.weight
@@ -49,8 +49,8 @@ def _train_tp(cfg, data, tp_mesh, sp: bool, dp_group=None) -> tuple[list[float],
 
 def _activation_bytes(cfg, tp_mesh, sp: bool) -> int:
     """Live bytes saved for backward after one forward of a (B=4, T=16) batch."""
+    from plait.models.gpt.parallelize import apply_tensor_parallel
     from plait.parallel.memory import SavedTensorMeter
-    from plait.parallel.tensor.gpt import apply_tensor_parallel
 
     model = apply_tensor_parallel(seeded_gpt(cfg), tp_mesh, sequence_parallel=sp)
     idx, tgt = mp_batches(4, steps=1, seed=5)[0]

@@ -1,21 +1,20 @@
-"""The context-parallel attention a model's attention layers are routed through, and the routing for plait's GPT.
+"""The context-parallel attention a model's attention layers are routed through, and the routing for Hugging Face
+decoders.
 
 ``ContextAttention`` holds the group, the implementation (``ring``, ``alltoall`` or ``allgather``) and this step's shard
-positions; ``route_gpt`` makes every ``CausalSelfAttention`` of plait's GPT call it instead of
-``scaled_dot_product_attention`` (its projections and head split unchanged: the model's code stays as it is);
-when the GPT masks by document (``document_mask``) its layers ask for the document mask (``document_marker``
-stands for it: the GPT builds no mask of the shard) and the cp attention builds each block's from the whole
-sequence's ``doc_ids`` the context split gives ``active``.
-``route_hf`` does the same for Hugging Face decoders (Llama, Qwen2, Mistral): their attention layers pick their
-attention function by name from ``config._attn_implementation``, so each recognised layer gets its own copy of the
-config naming plait's (``plait_context``, registered with transformers' ``AttentionInterface``), which calls this
-layer's ``ContextAttention``. The model's own config (its mask construction, ``save_pretrained``) is untouched; the
-causal mask it builds for the shard's local positions is not used (the cp attention masks by global position), and
-a padding ``attention_mask`` is taken out of the model's call and given to ``active`` as document ids
-(``sharding.padding_docs``) by which every routed layer masks. Keys and values of grouped-query attention travel
-with their own heads under ``ring`` and ``allgather`` (repeated to the query heads per block, after the transfer);
-``alltoall`` splits heads, so it repeats them first (its transfers carry ``H / H_kv`` times the model's keys and
-values).
+positions; a model class with a registered spec routes its own layers to it (plait's GPT: ``plait.models.gpt.context``
+makes every ``CausalSelfAttention`` call it instead of ``scaled_dot_product_attention``).
+``route_hf`` does the same for Hugging Face decoders (``HF_ATTENTION``: Llama, Qwen2, Mistral, and the attention of the
+Mixtral and Qwen3-MoE mixtures of experts, Qwen3-MoE's with per-head q/k norms applied before the call, so unchanged
+under cp): their attention layers pick their attention function by name from ``config._attn_implementation``, so each
+recognised layer gets its own copy of the config naming plait's (``plait_context``, registered with transformers'
+``AttentionInterface``), which calls this layer's ``ContextAttention``. The model's own config (its mask construction,
+``save_pretrained``) is untouched; the causal mask it builds for the shard's local positions is not used (the cp
+attention masks by global position), and a padding ``attention_mask`` is taken out of the model's call and given to
+``active`` as document ids (``sharding.padding_docs``) by which every routed layer masks. Keys and values of
+grouped-query attention travel with their own heads under ``ring`` and ``allgather`` (repeated to the query heads per
+block, after the transfer); ``alltoall`` splits heads, so it repeats them first (its transfers carry ``H / H_kv`` times
+the model's keys and values).
 Outside ``active`` (the context split's micro-steps, and the forward of the model ``setup`` returns:
 ``user_forward``) a routed layer raises: a whole sequence given to a rank that holds a shard would be attended as
 if it were one.
@@ -25,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -94,18 +92,9 @@ class ContextAttention:
         return allgather_attention(q, k, v, self.group, scale, docs)
 
 
-def _gpt_attention_forward(attention: ContextAttention) -> Any:
-    def forward(self: nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        B, S, _ = x.shape  # (B, S, C): this rank's shard
-        q = self.q(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, H, S, D)
-        k = self.k(x).view(B, S, -1, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(B, S, -1, self.head_dim).transpose(1, 2)
-        y = attention(q, k, v, documents=attn_mask is not None).transpose(1, 2).reshape(B, S, -1)  # (B, S, C)
-        return self.proj(y)
-    return forward
-
-
-HF_ATTENTION = ("LlamaAttention", "Qwen2Attention", "MistralAttention")  # the layers ``route_hf`` recognises
+# the layers ``route_hf`` recognises: each computes q, k, v (and any per-head norm, rotary) itself, then calls the
+# attention function ``config._attn_implementation`` names with transformers' signature
+HF_ATTENTION = ("LlamaAttention", "Qwen2Attention", "MistralAttention", "MixtralAttention", "Qwen3MoeAttention")
 HF_NAME = "plait_context"
 
 
@@ -155,29 +144,4 @@ def route_hf(model: nn.Module, attention: ContextAttention) -> int:
         config._attn_implementation = HF_NAME
         layer.config = config
         layer._plait_context = attention
-    return len(layers)
-
-
-def document_marker(doc_ids: torch.Tensor) -> torch.Tensor:
-    """What plait's GPT passes its routed layers for the document mask under cp: one element saying "mask by
-    document" (the cp attention builds each block's mask from the whole sequence's ids), instead of the shard's
-    (B, 1, S, S) mask, which the cp attention would not use."""
-    return doc_ids.new_ones(1, dtype=torch.bool)
-
-
-def route_gpt(model: nn.Module, attention: ContextAttention) -> int:
-    """Route every attention layer of plait's GPT in ``model`` through ``attention``; returns how many."""
-    from plait.models.gpt import GPT, CausalSelfAttention
-
-    for gpt in (m for m in model.modules() if isinstance(m, GPT)):
-        gpt.document_mask_fn = document_marker
-
-    layers = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
-    for layer in layers:
-        if layer.dropout > 0:
-            raise ContextError(f"parallel.cp > 1 computes attention without dropout, but the model's attention "
-                               f"dropout is {layer.dropout}; set model.dropout=0")
-        if attention.impl == "alltoall":
-            check_heads(layer.n_head, attention.ring.size)
-        layer.forward = types.MethodType(_gpt_attention_forward(attention), layer)
     return len(layers)

@@ -1,9 +1,10 @@
 """Context parallelism's model side (``apply_context``) and its micro-step (``ContextSplit``): each micro-batch's
 sequence split over the context-parallel ranks.
 
-``apply_context`` routes the model's attention layers through the cp attention (``attention``: plait's GPT, Hugging
-Face Llama, Qwen2 and Mistral; a pipeline's GPT stages take their shard's positions). The engine gives whole
-micro-batches (the cp ranks of a group read the same ones) and ``ContextSplit``:
+``apply_context`` routes the model's attention layers through the cp attention: by the ``ContextRouting`` of the spec
+registered for its class (plait's GPT, whose pipeline stages also take their shard's positions from it;
+``plait.parallel.train_spec``), else Hugging Face Llama, Qwen2, Mistral, Mixtral and Qwen3-MoE (``attention.route_hf``).
+The engine gives whole micro-batches (the cp ranks of a group read the same ones) and ``ContextSplit``:
 
 1. splits the batch with the loss's own ``split``, so the causal-LM labels are shifted *before* the sequence is
    cut (no target crosses a shard);
@@ -12,10 +13,19 @@ micro-batches (the cp ranks of a group read the same ones) and ``ContextSplit``:
    ``attention_mask`` becomes masking by ids in the cp attention (``sharding.padding_docs``);
 3. runs the stages' micro-step with the model's attention routed through the cp attention, and the loss divided by
    real-token counts of the whole sequence / cp: the engine's ``num_items_in_batch`` (over the optimizer step; the
-   value it has at cp=1, ``Layout.items_ranks``) or, without it, this micro-batch's count, never a mean of the
+   value it has at cp=1, ``plait.engine.tokens``) or, without it, this micro-batch's count, never a mean of the
    shards' means;
-4. gradients: the gradient-sync policy averages them over dp x cp (the composition gives it the ``dp_cp`` ranks),
-   which with the counts above is the gradient of one process on the whole sequence.
+4. gradients: the gradient-sync policy averages them over dp x cp (the composition gives it the ``dp_cp`` ranks; under
+   HSDP its shard groups span ``dp_shard x cp``), which with the counts above is the gradient of one process on the
+   whole sequence; expert gradients are summed over the ranks holding the same experts, cp's included, and MoE
+   balancing statistics over the shards of each sequence (``plait.parallel.expert``).
+
+Compiled (``train.compile``: the whole model, and with the loss under ``forward_backward``, or its blocks): the cp
+attention composes at either unit, so cp does not ask for blocks (``compose.compile_blocks_because``). Dynamo
+traces the cut of the user's forward and the ``alltoall`` and ``allgather`` attention (it rewrites their c10d
+collectives into functional ones, forward and backward: no graph break; plait's GPT under ``alltoall`` is one graph
+with its loss); the ring's point-to-point transfers are not traceable, so the ring attention runs eagerly between
+the graphs, one break per attention layer (``ring.ring_attention``).
 
 The user's own loop (``model(...)``, ``p.backward(loss)``) cuts the batch in the model's forward instead
 (``user_forward``, installed by ``install``); backward then runs under that forward's cut. A rank's loss is its
@@ -34,10 +44,10 @@ from torch import nn
 
 from plait.components.losses import IGNORE_INDEX, Loss
 from plait.config import Config, ConfigError
-from plait.parallel.context.attention import ContextAttention, route_gpt, route_hf
+from plait.parallel.context.attention import ContextAttention, route_hf
 from plait.parallel.context.sharding import ContextError, check_length, padding_docs, shard, shard_index
 from plait.parallel.context.user_forward import UserForward, install
-from plait.parallel.pipeline.gpt import GPTStage
+from plait.parallel.model_specs import spec_for
 from plait.parallel.tensor.plan import local_value
 from plait.topology import MeshAxis, Topology
 
@@ -80,18 +90,10 @@ def check_context(cfg: Config, degrees: dict[str, int]) -> None:
     p = cfg.parallel
     if p.cp <= 1:
         return
-    unsupported = [f"parallel.{k}={v}" for k, v, off in (("ep", p.ep, 1), ("mode", p.mode, "collective")) if v != off]
-    if unsupported:
-        raise ConfigError(f"parallel.cp={p.cp} composes with data parallelism, ZeRO 1-3, tensor (and sequence) "
-                          f"parallelism, pipelines and activation checkpointing; {', '.join(unsupported)} with "
-                          "context parallelism is not supported yet: set parallel.cp=1, or leave those at their "
-                          "defaults")
-    if degrees.get("dp_shard", 1) > 1 and degrees.get("dp_replicate", 1) > 1:
-        raise ConfigError(f"parallel.dp_shard={p.dp_shard} (hybrid sharding) with parallel.cp={p.cp} is not "
-                          "supported yet: set parallel.dp_shard=0 (ZeRO-3 then shards over every dp x cp rank)")
-    if cfg.train.compile:
-        raise ConfigError(f"train.compile={cfg.train.compile!r} with parallel.cp > 1 is not supported yet; set "
-                          "train.compile=false")
+    if p.mode != "collective":
+        raise ConfigError(f"parallel.mode={p.mode} with context parallelism is not supported: a parameter server is "
+                          "data parallelism with its own consistency, composed with no other layout; set "
+                          "parallel.cp=1, or leave parallel.mode at its default")
 
 
 def apply_context(model: nn.Module, topo: Topology, cfg: Config, whole: bool) -> ContextAttention | None:
@@ -100,23 +102,25 @@ def apply_context(model: nn.Module, topo: Topology, cfg: Config, whole: bool) ->
     if topo.degree(MeshAxis.CP) == 1:
         return None
     attention = ContextAttention(topo.group(MeshAxis.CP), cfg.parallel.cp_impl)
-    attention.gpt = route_gpt(model, attention)
-    if whole and not (attention.gpt or route_hf(model, attention)):
-        raise ContextError(f"parallel.cp > 1 routes the attention of plait's GPT and of Hugging Face Llama, Qwen2 "
-                           f"and Mistral; {type(model).__name__} has no attention layer plait recognises: use one "
-                           "of those models or parallel.cp=1")
+    # the routing of the model's class; kept for its stages after a pipeline split and for its position ids' form
+    attention.routing = getattr(spec_for(model), "context", None)
+    routed = attention.routing.route(model, attention) if attention.routing is not None else 0
+    if whole and not (routed or route_hf(model, attention)):
+        raise ContextError(f"parallel.cp > 1 routes the attention of plait's GPT, of Hugging Face Llama, Qwen2 and "
+                           f"Mistral and of a class whose registered spec routes it (plait.register_train_spec); "
+                           f"{type(model).__name__} has no attention layer plait recognises: use one of those models "
+                           "or parallel.cp=1")
     return attention
 
 
 def route_stages(model: nn.Module, attention: ContextAttention) -> None:
-    """A pipeline's stages under cp: plait's GPT stages only (they take their shard's positions from here)."""
-    stages = [m for m in model.modules() if isinstance(m, GPTStage)]
-    if not stages:
-        raise ContextError("parallel.cp > 1 with parallel.pp > 1 runs plait's GPT (its pipeline stages embed each "
-                           f"shard's global positions); {type(model).__name__}'s stages are not plait's GPT: use "
-                           "parallel.pp=1 with cp, or parallel.cp=1")
-    for stage in stages:  # positional inputs only: the first stage reads its shard's positions here
-        stage.positions = lambda: attention.positions
+    """A pipeline's stages under cp: routed by the spec of the model's class (their first stage takes its shard's
+    positions from the cp attention), which must route them."""
+    if attention.routing is None or not attention.routing.route(model, attention):
+        raise ContextError("parallel.cp > 1 with parallel.pp > 1 runs plait's GPT, or a model whose registered spec "
+                           "routes its pipeline stages (they embed each shard's global positions); "
+                           f"{type(model).__name__}'s stages are not routed: use parallel.pp=1 with cp, or "
+                           "parallel.cp=1")
 
 
 class ContextSplit:
@@ -154,7 +158,8 @@ class ContextSplit:
             docs = padding_docs(mask, docs, T)
         kwargs = {k: shard(v, index, T) for k, v in kwargs.items()}
         if self.stages.model_whole:  # this rank's global positions (pipeline stages take theirs from the attention)
-            kwargs.setdefault("position_ids", index if self.attention.gpt else index.expand(B, -1))
+            row = self.attention.routing is not None and self.attention.routing.row_positions
+            kwargs.setdefault("position_ids", index if row else index.expand(B, -1))
         part = Shard(tuple(shard(a, index, T) for a in args), kwargs, shard(target, index, T))
         return part, Cut(index, docs, mask is not None), items
 
@@ -162,11 +167,14 @@ class ContextSplit:
                          before_backward: Callable[[float], None] | None = None,
                          times: dict[str, float] | None = None) -> torch.Tensor:
         part, cut, items = self._split(batch, loss)
-        # a pipeline averages its micro-batches' losses, which here are each already over the micro-step's items
+        # a pipeline averages its micro-batches' losses, which here are each already over the micro-step's items; the
+        # MoE balancing losses of each pipeline micro-batch keep their 1 / parts
         parts = getattr(self.stages, "loss_parts", 1)
+        balance = before_backward
+        if before_backward is not None and parts != 1:
+            balance = lambda s: before_backward(s / parts)  # noqa: E731
         with self.attention.active(*cut), loss.per_items(items):
-            value = self.stages.forward_backward(model, part, self._shard_loss(loss), scale * parts, before_backward,
-                                                 times)
+            value = self.stages.forward_backward(model, part, self._shard_loss(loss), scale * parts, balance, times)
         return value * parts if parts != 1 else value
 
     def backward(self, loss: torch.Tensor, scale: float) -> None:

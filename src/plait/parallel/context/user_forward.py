@@ -1,23 +1,28 @@
 """The user's own forward under ``parallel.cp > 1``: ``model(...)`` on the whole micro-batch the loader gave.
 
-``install`` wraps the forward of the model ``setup`` returns (plait's GPT, or a Hugging Face causal LM whose
-attention ``attention.route_hf`` routes), as torchtitan's and Accelerate's cp keep the user's forward. Inside
+``install`` wraps the forward of the model ``setup`` returns (a class whose registered spec routes it, plait's
+GPT (``plait.parallel.train_spec.ContextRouting``: the names of its token ids and targets), or a Hugging Face causal
+LM whose attention ``attention.route_hf`` routes), as torchtitan's and Accelerate's cp keep the user's forward. Inside
 ``p.forward_backward`` and ``p.evaluate`` the context split has already cut the batch (the cp attention is ``active``)
 and the call passes through; any other call is cut here:
 
-1. its tensors are taken by name (``input_ids``/``inputs_embeds`` or GPT's ``idx``, ``labels``/``shift_labels`` or
-   GPT's ``targets``, ``attention_mask``, ``position_ids``, ``doc_ids``); Hugging Face labels are shifted on the
-   whole sequence and passed as ``shift_labels`` (transformers' own argument for labels shifted by the caller, what
-   Accelerate's cp passes), so no target crosses a shard;
+1. its tensors are taken by name (``input_ids``/``inputs_embeds`` or the spec's (GPT's ``idx``), ``labels``/
+   ``shift_labels`` or the spec's (GPT's ``targets``), ``attention_mask``, ``position_ids``, ``doc_ids``); Hugging
+   Face labels are shifted on the whole sequence and passed as ``shift_labels`` (transformers' own argument for labels
+   shifted by the caller, what Accelerate's cp passes), so no target crosses a shard;
 2. every (B, T, ...) tensor is cut to this rank's load-balanced shard (``sharding``), the model gets the global
    ``position_ids`` of its tokens, and a padding ``attention_mask`` becomes masking by ids in the cp attention
-   (``sharding.padding_docs``; the model itself gets none);
+   (``sharding.padding_docs``); the decoder itself gets none, but a Hugging Face causal LM is given the whole (B, T)
+   mask and its base model's pre-hook takes it out of the decoder's call (``install``): the causal LM's auxiliary MoE
+   loss leaves the padding tokens out of the router logits, which are gathered whole, in token order
+   (``plait.parallel.expert.apply.WholeRouterLogits``);
 3. the loss is the model's sum over the shard's tokens divided by ``num_items_in_batch`` / cp, where
    ``num_items_in_batch`` is the caller's (from ``p.num_items_in_batch``, the value it has at cp=1: the cp ranks of
-   a group read the same micro-batches, ``Layout.items_ranks``) or the whole micro-batch's real tokens,
+   a group read the same micro-batches, ``plait.engine.tokens``) or the whole micro-batch's real tokens,
    counted on the device (nothing read back). Backward's average over dp x cp then gives one process's gradient.
-   The loss a rank returns is its shard's share; their mean over cp is the whole sequence's loss, what
-   ``StepInfo.loss`` (at log steps), ``global_loss`` and ``p.evaluate`` report (``ContextSplit.reduce_loss``);
+   The loss a rank returns is its shard's share (plus an MoE model's auxiliary term, taken over the whole sequences
+   on every cp rank); their mean over cp is the whole sequence's loss, what ``StepInfo.loss`` (at log steps),
+   ``global_loss`` and ``p.evaluate`` report (``ContextSplit.reduce_loss``);
 4. called without labels (a loss the user computes from the logits), the logits come back whole, (B, T, V) in token
    order, gathered over cp by ``gather_sequence``, whose backward sums every rank's gradient and keeps this rank's
    shard (a reduce-scatter): the user's loss is the same on every cp rank (with ``p.num_items_in_batch`` as at
@@ -26,8 +31,9 @@ and the call passes through; any other call is cut here:
    the shard's (B, T / cp, V), in the shard's order, and no rank holds the whole sequence's logits (at long context
    the largest tensor of the step);
 5. outside training (``model.eval()`` or ``torch.no_grad()``) the loss is the whole sequence's on every cp rank (the
-   shards' sums over the whole count, one all-reduce of one number) and the logits are gathered whole, neither
-   differentiable (plait's GPT given ``targets`` returns its loss so too).
+   mean over cp of the shares of 3., one all-reduce of one number: a sum of the shards' losses would count an MoE
+   model's auxiliary term cp times) and the logits are gathered whole, neither differentiable (plait's GPT given
+   ``targets`` returns its loss so too).
 
 The cut of a training call is kept (``last``) for ``p.backward``: ``ContextSplit.backward`` runs under it, since
 activation checkpointing calls the attention layers again in backward and they need that call's document ids.
@@ -53,6 +59,7 @@ from plait.components.losses import IGNORE_INDEX
 from plait.parallel.context.allgather import _gather, _reduce_to_owners
 from plait.parallel.context.attention import ContextAttention
 from plait.parallel.context.sharding import ContextError, check_length, padding_docs, shard, shard_index
+from plait.parallel.model_specs import spec_for
 
 # Hugging Face arguments whose results a shard cannot give: (name, the value that is fine)
 _HF_REFUSED = (("cache", None), ("past_key_values", None), ("use_cache", False), ("logits_to_keep", 0),
@@ -85,11 +92,10 @@ def gather_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def _kind(model: nn.Module) -> str | None:
-    """"gpt" (plait's GPT), "hf" (a transformers model taking input_ids, position_ids and labels), or None."""
-    from plait.models.gpt import GPT
-
-    if isinstance(model, GPT):
-        return "gpt"
+    """"spec" (a class whose registered spec routes it: plait's GPT), "hf" (a transformers model taking input_ids,
+    position_ids and labels), or None."""
+    if getattr(spec_for(model), "context", None) is not None:
+        return "spec"
     params = inspect.signature(type(model).forward).parameters
     transformers = any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
     if transformers and {"input_ids", "position_ids", "labels"} <= set(params):
@@ -104,10 +110,12 @@ class UserForward:
         self.model, self.attention, self.inner = model, attention, inner
         self.group, self.cp, self.rank = attention.group, attention.ring.size, attention.ring.rank
         self.kind = _kind(model)
+        self.routing = spec_for(model).context if self.kind == "spec" else None
         self.signature = inspect.signature(type(model).forward)
         # the cut of the last training forward: ``ContextSplit.backward`` runs its backward under it, where
         # activation checkpointing calls the attention layers again (with its document ids)
         self.last: tuple[torch.Tensor, Any, bool] | None = None
+        self.whole_mask = False  # the model takes the whole attention_mask (its decoder drops it: ``install``)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.attention.positions is not None:  # p.forward_backward / p.evaluate: the split cut the batch
@@ -119,7 +127,7 @@ class UserForward:
                                "p.forward_backward(model, batch) and evaluate with p.evaluate(model, batch)")
         named = self._named(args, kwargs)
         training = self.model.training and torch.is_grad_enabled()
-        return self._gpt(named, training) if self.kind == "gpt" else self._hf(named, training)
+        return self._own(named, training) if self.kind == "spec" else self._hf(named, training)
 
     def _named(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """The call's arguments by name (``**kwargs`` merged in)."""
@@ -143,26 +151,28 @@ class UserForward:
             docs = padding_docs(mask, docs, T)
         positions = named.pop("position_ids", None)
         part = {k: shard(v, index, T) for k, v in named.items()}
-        if positions is None:  # plait's GPT takes one (S,) row, Hugging Face decoders (B, S)
-            part["position_ids"] = index if self.kind == "gpt" else index.expand(B, -1)
+        if positions is None:  # plait's GPT takes one (S,) row (``row_positions``), Hugging Face decoders (B, S)
+            part["position_ids"] = index if self.routing is not None and self.routing.row_positions \
+                else index.expand(B, -1)
         else:
             part["position_ids"] = positions.index_select(positions.dim() - 1, index.to(positions.device))
         if training:
             self.last = (index, docs, mask is not None)
         return part, index, docs, mask is not None
 
-    def _items(self, labels: torch.Tensor, given: Any, training: bool) -> Any:
+    def _items(self, labels: torch.Tensor, given: Any) -> Any:
         """The divisor of the shard's summed loss: the caller's (``p.num_items_in_batch``: what it would be at
-        cp=1), else the whole micro-batch's real tokens (counted on the device); / cp in training, where backward
-        averages the shards' losses over cp, as it is outside training, where they are summed."""
+        cp=1), else the whole micro-batch's real tokens (counted on the device), / cp: the shards' losses are
+        averaged over cp (by backward's average in training, by ``_whole_loss`` outside it)."""
         items = given if given is not None else (labels != IGNORE_INDEX).sum().float()
-        return items / self.cp if training else items
+        return items / self.cp
 
     def _whole_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Outside training: the shards' losses (each over the whole count) summed over cp, not differentiable."""
+        """Outside training: the shards' losses averaged over cp, not differentiable. A mean, not a sum: an MoE
+        model's auxiliary term is the whole sequence's on every cp rank, once in each shard's loss."""
         loss = loss.detach().clone()
         dist.all_reduce(loss, group=self.group)
-        return loss
+        return loss / self.cp
 
     def _logits(self, logits: torch.Tensor, training: bool) -> torch.Tensor:
         if training:
@@ -170,11 +180,11 @@ class UserForward:
         with torch.no_grad():
             return gather_sequence(logits.detach(), self.group)
 
-    def _gpt(self, named: dict[str, Any], training: bool) -> torch.Tensor:
-        """plait's GPT: logits gathered whole, or with ``targets`` (already the next tokens) its mean cross-entropy
-        over the targets that count, computed as the shards' sums / the whole count."""
-        targets = named.pop("targets", None)
-        part, index, docs, padded = self._cut(named, named["idx"], training)
+    def _own(self, named: dict[str, Any], training: bool) -> torch.Tensor:
+        """A model its spec routes (plait's GPT): logits gathered whole, or with its targets (already the next
+        tokens) its mean cross-entropy over the targets that count, computed as the shards' sums / the whole count."""
+        targets = named.pop(self.routing.targets, None)
+        part, index, docs, padded = self._cut(named, named[self.routing.inputs], training)
         with self.attention.active(index, docs, padded):
             logits = self.inner(**part)  # (B, S, V)
         if targets is None:
@@ -182,7 +192,7 @@ class UserForward:
         target = targets.index_select(1, index.to(targets.device))
         total = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), ignore_index=IGNORE_INDEX,
                                 reduction="sum")
-        loss = total / self._items(targets, None, training)
+        loss = total / self._items(targets, None)
         return loss if training else self._whole_loss(loss)
 
     def _hf(self, named: dict[str, Any], training: bool) -> Any:
@@ -203,11 +213,14 @@ class UserForward:
             shifted = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
         if shifted is not None:
             self._check_loss(name)
-            named["num_items_in_batch"] = self._items(shifted, named.get("num_items_in_batch"), training)
+            named["num_items_in_batch"] = self._items(shifted, named.get("num_items_in_batch"))
         named.setdefault("use_cache", False)  # a cache of a shard's keys serves no generation
+        mask = named.get("attention_mask")
         part, index, docs, padded = self._cut(named, ids, training)
         if shifted is not None:
             part["labels"] = part["shift_labels"] = shifted.index_select(1, index.to(shifted.device))
+        if padded and self.whole_mask:  # for the auxiliary MoE loss over the whole router logits (not the decoder's)
+            part["attention_mask"] = mask
         with self.attention.active(index, docs, padded):
             out = self.inner(**part)
         if training:
@@ -231,10 +244,23 @@ class UserForward:
                                "use parallel.cp=1")
 
 
+def _no_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """A Hugging Face decoder's forward pre-hook under cp: its ``attention_mask`` (the whole sequence's, which its
+    causal LM takes for the auxiliary MoE loss) taken out; the cp attention masks the padding by ids."""
+    if kwargs.get("attention_mask") is None:
+        return None
+    return args, {**kwargs, "attention_mask": None}
+
+
 def install(model: nn.Module, attention: ContextAttention) -> UserForward:
     """Route ``model(...)`` through ``UserForward`` (around whatever forward the layout set: DDP, autocast); returns
-    it."""
+    it. A Hugging Face causal LM's decoder (its ``base_model``) loses any ``attention_mask`` it is given
+    (``_no_mask``)."""
     route = UserForward(model, attention, model.forward)
+    decoder = getattr(model, "base_model", model)
+    if route.kind == "hf" and decoder is not model:
+        decoder.register_forward_pre_hook(_no_mask, with_kwargs=True)
+        route.whole_mask = True
 
     def forward(*args: Any, **kwargs: Any) -> Any:  # a function: copy.deepcopy(model) shares it, copies no group
         return route(*args, **kwargs)

@@ -32,18 +32,23 @@ Checkpoints: expert weights and their optimizer states are saved as ``DTensor`` 
 other ``ep`` (1 included) on load. The balancing bias is a buffer, the same on every rank.
 
 Compositions (``plait.parallel.expert.sync.ExpertSync`` beside the gradient-sync policy of the dense parameters):
-plait's data-parallel reducer, PyTorch DDP, one-rank data parallelism; ZeRO 1-3 (the experts keep their own
-optimizer, and are sharded like the dense parameters over the remaining data-parallel axis, the ``dp / ep``
+plait's data-parallel reducer, PyTorch DDP, one-rank data parallelism; ZeRO 1-3 and HSDP (the experts keep their own
+optimizer, and are sharded like the dense parameters over the remaining data-parallel axes, the ``dp / ep``
 ranks holding the same experts: their optimizer states and gradients by a second ``ZeroOptimizer`` at stages
-1-2, their weights too by FSDP2 at stage 3; checkpoints then hold ``(ep, dp / ep)``-sharded DTensors of the
-global ``(E, ...)`` tensors); tensor parallelism (attention and dense MLPs tensor-parallel, MoE blocks whole
-on every tp rank: experts whole, not expert-tensor-parallel; ep groups are the ranks with the same tp
-coordinate); pipeline parallelism (each stage's MoE layers dispatch within the ranks of that stage; the same
-schedule on every ep rank keeps the all-to-alls in step). MoE with sequence parallelism or with tp and ZeRO-3
-together is refused with a message naming the alternative. """
+1-2, their weights too by FSDP2 at stage 3, under HSDP over a shard group's ``dp_shard x cp`` of them and replicated
+across the replicas; checkpoints then hold DTensors of the global ``(E, ...)`` tensors sharded over ep and those
+axes); tensor parallelism (attention and dense MLPs tensor-parallel, MoE blocks whole on every tp rank: experts
+whole, not expert-tensor-parallel; ep groups are the ranks with the same tp coordinate), at every ZeRO stage tp
+takes; sequence parallelism (each tp rank's MoE layers route its own sequence shard: ``plait.parallel.tensor.
+local_tokens``; their gradients summed over tp, the experts' with the expert-data-parallel ranks); context
+parallelism (each rank's shard of the tokens dispatched like any other; the expert-data-parallel ranks include cp);
+pipeline parallelism (each stage's MoE layers dispatch within the ranks of that stage; the same schedule on every ep
+rank keeps the all-to-alls in step). Under cp and sp the balancing statistics are summed over the shards of each
+sequence (``plait.parallel.expert.apply.ShardedTokens``). """
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -86,10 +91,6 @@ def check_expert_layout(m: MoeConfig, p: ParallelConfig) -> None:
         fits = [e for e in range(1, m.num_experts + 1) if m.num_experts % e == 0]
         raise ConfigError(f"moe.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep}: every "
                           f"expert-parallel rank holds the same number of experts; use ep in {fits}")
-    if m.num_experts and p.tp > 1 and (p.sequence_parallel or p.zero == 3):
-        raise ConfigError(f"MoE layers with tp={p.tp} and {'sequence_parallel' if p.sequence_parallel else 'zero=3'} "
-                          "are not available in this build: MoE blocks compose with plain tensor parallelism "
-                          "(sequence_parallel=false, zero=0) and with expert parallelism (parallel.ep)")
 
 
 # -- dispatchers ----------------------------------------------------------------------------------
@@ -266,14 +267,15 @@ def fsdp_shard_experts(model: nn.Module, topo: Any, *, param_dtype: torch.dtype 
                        reshard_after_forward: bool = True) -> None:
     """ZeRO-3 for the experts: each module of local experts (plait's ``GroupedExperts``, a Hugging Face
     experts module) becomes an FSDP2 unit over the expert-data-parallel ranks (the ``dp / ep`` ranks holding
-    the same experts), every weight sharded on its dim 1 (``C`` of ``w1``, ``H`` of ``w2``; dim 0, the expert
-    index, is already split over ``ep``), the reduce-scatter divided by the whole data-parallel degree ``dp``.
+    the same experts; under hybrid sharding, sharded over those of a shard group and replicated over the replicas:
+    ``Topology.expert_fsdp_mesh``), every weight sharded on its dim 1 (``C`` of ``w1``, ``H`` of ``w2``; dim 0, the
+    expert index, is already split over ``ep``), the reduction divided by the whole data-parallel degree ``dp``.
     Call before the dense FSDP units are built (they then leave these parameters to the nested unit)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
 
-    mesh = topo.sub_mesh("edp")
-    n = mesh.size()
+    mesh = topo.expert_fsdp_mesh
+    n = mesh.size(mesh.ndim - 1)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for ex, names in _expert_modules(model):
         shapes = {name: getattr(getattr(ex, name), "global_shape", tuple(getattr(ex, name).shape)) for name in names}
@@ -281,8 +283,8 @@ def fsdp_shard_experts(model: nn.Module, topo: Any, *, param_dtype: torch.dtype 
             size = getattr(ex, name).size(1)
             if size % n:
                 raise ExpertParallelError(
-                    f"parallel.zero=3 shards each expert weight's dim 1 over the {n} ranks holding the same "
-                    f"experts (dp / ep), but {name} has {size} there; choose parallel.ep so that dp / ep divides "
+                    f"parallel.zero=3 shards each expert weight's dim 1 over {n} of the ranks holding the same "
+                    f"experts (dp / ep), but {name} has {size} there; choose parallel.ep so that they divide "
                     f"both the model width and the expert width (e.g. ep = dp), or use parallel.zero=1 or 2")
         fully_shard(ex, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
                     shard_placement_fn=lambda _p: Shard(1))
@@ -300,17 +302,24 @@ def fsdp_shard_experts(model: nn.Module, topo: Any, *, param_dtype: torch.dtype 
 class MoeMonitor:
     """What the engine does for MoE layers around each step: the auxiliary losses' gradient scale before a
     backward, and after the optimizer step the bias balancing and the metrics (tokens per expert, MaxVio,
-    dropped fraction, aux/z/sequence losses, all-to-all bytes), summed over the data-parallel world.
+    dropped fraction, aux/z/sequence losses, all-to-all bytes), summed over the ranks routing different tokens
+    (the data-parallel ranks, cp's shards of the sequences, and sequence parallelism's tp ranks).
 
     Nothing is read to the host except on a reporting step (``every``: the log steps, and step 1). Under bias
     balancing the counts are summed over the ranks every step on the device (one small all-reduce) and the
     biases moved there; the reported figures cover the steps since the last report."""
 
-    def __init__(self, model: nn.Module, topo: Any, comm: Any, every: int = 1, bias: bool | None = None) -> None:
+    def __init__(self, model: nn.Module, topo: Any, comm: Any, every: int = 1, bias: bool | None = None,
+                 sequence_parallel: bool = False) -> None:
         """``model``: this rank's part (a pipeline stage may hold no MoE layer); ``bias``: whether any MoE layer
-        of the whole model balances by bias (the same on every stage; default: this part's layers)."""
+        of the whole model balances by bias (the same on every stage; default: this part's layers);
+        ``sequence_parallel``: the tp ranks' MoE layers route their own sequence shards (their counts add too)."""
         self.layers: list[MoE] = moe_layers(model)
         self.topo, self.comm = topo, comm
+        # the ranks routing different tokens: the data-parallel ranks, the cp ranks' shards, sp's tp ranks' shards
+        axes = ("dp_cp", "tp") if sequence_parallel and topo.degree("tp") > 1 else ("dp_cp",)
+        self.ranks = math.prod(topo.degree(a) for a in axes)
+        self.group = topo.group(*axes) if self.ranks > 1 else None
         self.every = max(1, every)
         self.bias = any(layer.balance == "bias" for layer in self.layers) if bias is None else bias
         self.stages = topo.degree("pp") if topo.mesh is not None else 1  # figures gathered over the stages
@@ -337,8 +346,8 @@ class MoeMonitor:
     def _balance(self) -> None:
         """The step's loads summed over the data-parallel ranks and the biases moved, on the device."""
         flat = torch.cat([layer.load for layer in self.layers])
-        if self.topo.dp > 1:
-            self.comm.all_reduce_sum(flat, self.topo.dp_group, name="moe loads")
+        if self.ranks > 1:
+            self.comm.all_reduce_sum(flat, self.group, name="moe loads")
         for layer, load in zip(self.layers, flat.split([layer.num_experts for layer in self.layers]), strict=True):
             layer.update_bias(load)
             layer.load.zero_()
@@ -350,8 +359,8 @@ class MoeMonitor:
         if not self.bias:
             parts = [layer.load for layer in self.layers] + parts
         flat = torch.cat(parts)
-        if self.topo.dp > 1:
-            self.comm.all_reduce_sum(flat, self.topo.dp_group, name="moe statistics")
+        if self.ranks > 1:
+            self.comm.all_reduce_sum(flat, self.group, name="moe statistics")
         if self.bias:
             loads = self._loads if self._loads is not None else torch.zeros(sum(sizes), dtype=torch.float64)
             self._loads = None

@@ -23,6 +23,12 @@ not touched, so the loss a user's loop computes is the model's own.
 A model with a mixture-of-experts module no adapter recognises (a fused 3-D expert weight or an ``experts``
 module list outside every recognised block) is refused before any collective, naming that module.
 
+The blocks compose with every other dimension: ZeRO 1-3 (the experts sharded again over the ranks holding the same
+experts, ``plait.parallel.expert.sync``), tensor parallelism (the blocks whole on every tp rank; under sequence
+parallelism each tp rank routes its own sequence shard through them, ``plait.parallel.tensor.hf_sequence``) and
+context parallelism; where a rank routes a shard of each sequence (cp, sp) the model's auxiliary loss is still the
+whole sequences' (``plait.parallel.expert.apply.WholeRouterLogits``).
+
 Under a pipeline the model's forward does not run (each stage runs its layers), so the auxiliary loss the
 model computes from every layer's router logits cannot be formed: ``output_router_logits=True`` with
 ``parallel.pp > 1`` is refused (``check_pipeline_router_loss``).
@@ -38,7 +44,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.config import ParallelConfig
 from plait.nn.experts import count_ids
 from plait.nn.routing import Routing
 from plait.parallel.expert.dispatch import DISPATCHERS, ExpertParallelError, keep_experts
@@ -154,10 +159,10 @@ def unrecognised_moe(model: nn.Module, blocks: list[MoeBlock]) -> tuple[str, nn.
     return None
 
 
-def check_hf_experts(model: nn.Module, ep: int, p: ParallelConfig) -> list[MoeBlock]:
+def check_hf_experts(model: nn.Module, ep: int) -> list[MoeBlock]:
     """Before any collective: the model's MoE blocks can be sharded over ``ep`` ranks (every block
-    recognised, every expert count divisible by ``ep``, no layout MoE blocks do not compose with). Raises
-    ``ExpertParallelError`` naming the module or setting; returns the blocks."""
+    recognised, every expert count divisible by ``ep``). Raises ``ExpertParallelError`` naming the module or
+    setting; returns the blocks. Every other dimension composes with them (the module docstring)."""
     blocks = find_moe_blocks(model)
     other = unrecognised_moe(model, blocks)
     if other is not None:
@@ -177,11 +182,6 @@ def check_hf_experts(model: nn.Module, ep: int, p: ParallelConfig) -> list[MoeBl
             fits = [e for e in range(1, b.num_experts + 1) if b.num_experts % e == 0]
             raise ExpertParallelError(f"{b.name} has {b.num_experts} experts, not divisible by parallel.ep={ep}: "
                                       f"every expert-parallel rank holds the same number of experts; use ep in {fits}")
-    if p.tp > 1 and (p.sequence_parallel or p.zero == 3):
-        raise ExpertParallelError(
-            f"MoE layers with tp={p.tp} and {'sequence_parallel' if p.sequence_parallel else 'zero=3'} are not "
-            "available in this build: MoE blocks compose with plain tensor parallelism (sequence_parallel=false, "
-            "zero=0) and with expert parallelism (parallel.ep)")
     return blocks
 
 

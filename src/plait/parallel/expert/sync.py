@@ -9,9 +9,11 @@ ranks holding the same experts) and divided by the data-parallel degree, here. U
 already divided ``ep`` ways, are sharded the same way over the expert-data-parallel ranks (``mode``):
 
 * ``"zero"`` (ZeRO-1/2): a second ``ZeroOptimizer`` over the expert parameters and the expert-data-parallel group;
-* ``"fsdp"`` (ZeRO-3): the experts are FSDP2 units over that group (``fsdp_shard_experts``, made by the policy's wrap);
+* ``"fsdp"`` (ZeRO-3): the experts are FSDP2 units over that group (``fsdp_shard_experts``, made by the policy's wrap;
+  under HSDP sharded over a shard group's part of it and replicated across the replicas);
 * ``"replicated"``: no sharding, or nothing left to shard over: whole local experts, their gradients summed over the
-  expert-data-parallel group and divided by the data-parallel degree in ``finish``;
+  expert-data-parallel group and divided by the data-parallel degree in ``finish`` (under sequence parallelism the
+  experts are replicated DTensors over tp whose gradients are partial sums: summed over tp in the same all-reduce);
 * ``"none"``: a pipeline stage holding no MoE layer (every rank of that stage alike): nothing to do.
 
 Under a sharding policy the experts have their own optimizer of the same class, groups and hyperparameters (the
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from plait.components.optim import materialize_optimizer_state, optimizer_recipe
 from plait.parallel.expert.dispatch import ExpertParallelError
@@ -49,6 +52,9 @@ class ExpertSync:
         self.mode = "replicated" if edp == 1 or not self.sharded else "fsdp" if self.fsdp else "zero"
         if not experts:  # a pipeline stage with no MoE layer (the same on every rank of the stage)
             self.mode = "none"
+        # under sequence parallelism each tp rank's experts saw its own tokens: replicated DTensors over tp whose
+        # gradients are partial sums (plait.parallel.tensor.local_tokens), summed with the expert-data-parallel ranks
+        self.over_tp = self.mode == "replicated" and isinstance(experts[0], DTensor)
         self.optimizer: Any = None
         self._group_of: list[int] = []  # expert group i -> the factory's group index
 
@@ -96,6 +102,10 @@ class ExpertSync:
             return self.optimizer.no_sync()
         return contextlib.nullcontext()
 
+    def schedule_context(self) -> contextlib.AbstractContextManager:
+        """A pipeline schedule step: the experts' ZeRO optimizer reduces once, in ``finish`` (as the policy's)."""
+        return self.no_sync()
+
     def grads(self) -> list[torch.Tensor]:
         """This rank's expert gradients: whole local experts, or its shards of them under a sharding policy."""
         if self.mode == "zero":
@@ -105,17 +115,23 @@ class ExpertSync:
         for p in self.experts:  # an expert no token reached still has a zero gradient
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        return [p.grad for p in self.experts]
+        return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.experts]
 
     def finish(self) -> None:
-        """Expert gradients summed over the expert-data-parallel group and divided by the whole data-parallel
-        degree: reduce-scattered by the expert ``ZeroOptimizer`` or FSDP2 under sharding, all-reduced here
-        otherwise."""
+        """Expert gradients summed over the expert-data-parallel group (and over tp, where each tp rank routed its
+        own sequence shard) and divided by the whole data-parallel degree: reduce-scattered by the expert
+        ``ZeroOptimizer`` or FSDP2 under sharding, all-reduced here otherwise."""
         if self.mode == "zero":
+            self.optimizer.gather_local()  # a zero-bubble weight pass's, written straight into .grad
             self.optimizer.finish_grad_sync()
         elif self.mode == "replicated":
-            group = self.topo.expert_dp_group if self.dp > self.topo.ep else None  # None: no replica
-            reduce_in_place(self.grads(), self.comm, group, self.dp, "expert gradients")
+            axes = ("edp", "tp") if self.over_tp else ("edp",)
+            many = self.dp > self.topo.ep or self.over_tp
+            reduce_in_place(self.grads(), self.comm, self.topo.group(*axes) if many else None, self.dp,
+                            "expert gradients")
+            if self.over_tp:  # the partial sums are whole now: replicated like the parameters
+                for p in self.experts:
+                    p.grad = DTensor.from_local(p.grad.to_local(), p.device_mesh, p.placements, run_check=False)
 
     def norm_pieces(self) -> list[NormPiece]:
         """The expert gradients' squares, summed over the ``ep`` ranks (each holds different experts) and over the
@@ -123,7 +139,10 @@ class ExpertSync:
         if self.mode == "none":  # a stage without experts: nothing to sum (its peers in the stage have none either)
             return []
         sq = sum((g.double().pow(2).sum() for g in self.grads()), torch.zeros((), dtype=torch.float64))
-        group = self.topo.ep_group if self.mode == "replicated" else self.topo.group("dp_cp")
+        if self.mode == "replicated":
+            group = self.topo.ep_group
+        else:  # the shards: every expert-data-parallel rank's, or under hybrid sharding a shard group's
+            group = self.topo.group("dp_shard_cp" if self.mode == "fsdp" and self.topo.hybrid else "dp_cp")
         return [(sq, (group,))]
 
     def zero_grad(self) -> None:
@@ -131,36 +150,38 @@ class ExpertSync:
             self.optimizer.zero_grad()
         elif self.mode == "fsdp":
             self.optimizer.zero_grad(set_to_none=True)
-        else:
+        else:  # none, not zeros: a zero gradient kept would take the next backward's partial sums over tp as whole
             for p in self.experts:
-                if p.grad is not None:
-                    p.grad.zero_()
+                p.grad = None
 
     # -- state --------------------------------------------------------------------------------------
     def _to_dtensor(self, t: torch.Tensor, p: nn.Parameter) -> Any:
         """A weight or optimizer state of ``p``'s shape as a DTensor of the global ``(E, ...)`` tensor:
-        ``Shard(0)`` over ``ep``, and under ZeRO-3 ``Shard(1)`` over the expert-data-parallel ranks
-        (the FSDP2 shard this rank holds). Other entries (a step counter) are returned as they are."""
-        from torch.distributed.tensor import DTensor, Shard
+        ``Shard(0)`` over ``ep``, and under ZeRO-3 ``Shard(1)`` over the expert-data-parallel axes (the FSDP2 shard
+        this rank holds: row-major over those axes, as FSDP2's flattened mesh orders them; under hybrid sharding
+        replicated over ``dp_replicate``). Other entries (a step counter) are returned as they are."""
+        from torch.distributed.tensor import Replicate, Shard
 
         if t.shape != p.shape or self.topo.mesh is None:
             return t
         shape = torch.Size(p.global_shape)
         stride = torch.empty(shape, device="meta").stride()
-        if self.mode == "fsdp":  # mesh axes in topology order: dp_replicate (dim 1), then ep (dim 0)
-            return DTensor.from_local(t.to_local(), self.topo.mesh["dp_replicate", "ep"], [Shard(1), Shard(0)],
-                                      run_check=False, shape=shape, stride=stride)
-        return DTensor.from_local(t, self.topo.mesh["ep"], [Shard(0)], run_check=False, shape=shape, stride=stride)
+        local = t.to_local() if isinstance(t, DTensor) else t
+        axes = ["ep"]
+        if self.mode == "fsdp":  # the live expert-data-parallel axes beside ep, in mesh order
+            axes = [a for a in ("dp_replicate", "dp_shard", "ep", "cp") if a == "ep" or self.topo.degree(a) > 1]
+        kinds = {"ep": Shard(0), "dp_replicate": Replicate() if self.topo.hybrid else Shard(1)}
+        mesh = self.topo.mesh[tuple(axes)] if len(axes) > 1 else self.topo.mesh["ep"]
+        return DTensor.from_local(local, mesh, [kinds.get(a, Shard(1)) for a in axes], run_check=False, shape=shape,
+                                  stride=stride)
 
     def _from_dtensor(self, v: Any, p: nn.Parameter) -> Any:
         """Inverse of ``_to_dtensor`` after a load: this rank's part, in the form ``p`` holds it."""
         if not hasattr(v, "to_local"):
             return v
         local = v.to_local()
-        if self.mode != "fsdp" or v.dim() != p.dim():
+        if not isinstance(p, DTensor) or v.dim() != p.dim():
             return local
-        from torch.distributed.tensor import DTensor
-
         return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride())
 
@@ -227,7 +248,7 @@ class ExpertSync:
         after its FSDP shards over the expert-data-parallel group under ZeRO-3."""
         experts = {}
         for name, p in self._names.items():
-            mine = p.detach().full_tensor() if self.mode == "fsdp" else p.detach()
+            mine = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
             parts = [torch.empty_like(mine) for _ in range(self.topo.ep)]
             dist.all_gather(parts, mine.contiguous(), group=self.topo.ep_group)
             experts[name] = torch.cat(parts)

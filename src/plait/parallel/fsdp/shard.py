@@ -38,7 +38,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from plait.parallel.units import find_blocks, tied_uses
+from plait.observe.log import get_logger
+from plait.parallel.units import NO_BLOCKS, describe_blocks, find_blocks, tied_uses
 from plait.parallel.zero.optimizer import ZeroConfigError
 
 
@@ -85,7 +86,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype |
             "already on the CPU (torch's CPUOffloadPolicy fails here with 'Cannot access accelerator "
             "device'). Set parallel.offload=none"
         )
-    blocks = blocks if blocks is not None else [m for _, m in find_blocks(model)]
+    if blocks is None:
+        found = find_blocks(model)
+        blocks = [m for _, m in found]
+        log = get_logger(mesh.get_rank())  # which units ZeRO-3 gathers one at a time, or why it gathers everything
+        if found:
+            log.info("ZeRO-3 shards %s as one unit each, the rest with the root", describe_blocks(found))
+        else:
+            log.warning("ZeRO-3 finds no repeated blocks in %s (%s): the whole model is one unit, gathered whole "
+                        "in forward", type(model).__name__, NO_BLOCKS)
     check_ties_within_units(model, blocks)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload_policy = CPUOffloadPolicy() if offload == "params" else OffloadPolicy()

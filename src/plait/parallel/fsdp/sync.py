@@ -5,13 +5,16 @@ built over the DTensor shards.
 It wraps whatever it is given: the whole model (its repeated blocks one unit each, the rest the root unit), or each
 pipeline stage before it becomes a ``PipelineStage`` (the model's blocks that stage holds, then the stage's root),
 tensor-parallel DTensors included (2-D: dim 0 sharded over dp, the Megatron placement kept over tp). Expert-parallel
-parameters are sharded again over the ranks holding the same experts (``fsdp_shard_experts``) where there are
-several, else left out and reduced by the expert sync. Under a pipeline, torch's schedules drive FSDP2 themselves: no
-reduction during the micro-batches' backwards, one reduce-scatter (and, under HSDP, the all-reduce across replicas)
-after a step's last backward. ``train.precision = "bf16"`` computes through FSDP2's mixed-precision policy (fp32
-sharded parameters, each unit gathered in bf16, gradients reduced in fp32) instead of autocast.
+parameters are sharded again over the ranks holding the same experts (``fsdp_shard_experts``; under HSDP over those of
+a shard group, replicated across the replicas) where there are several, else left out and reduced by the expert sync.
+Under a pipeline, torch's schedules drive FSDP2 themselves (every schedule, the zero-bubble V one included:
+``plait.parallel.pipeline.runner``): no reduction during the micro-batches' backwards, one reduce-scatter (and, under
+HSDP, the all-reduce across replicas) after a step's last backward. ``train.precision = "bf16"`` computes through
+FSDP2's mixed-precision policy (fp32 sharded parameters, each unit gathered in bf16, gradients reduced in fp32) instead
+of autocast.
 
-Its check owns ``parallel.dp_shard`` for every layout that shards with FSDP2.
+Its check owns ``parallel.dp_shard`` for every layout that shards with FSDP2 (under DiLoCo, the data-parallel ranks of
+one replica, inside which it shards over them: ``plait.parallel.data.diloco``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from plait.config import Config, ConfigError, ParallelConfig
 from plait.parallel.expert.dispatch import fsdp_shard_experts
@@ -102,13 +106,17 @@ class Fsdp(GradSync):
         return shard_shape(shape, mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1))
 
     def full_state(self, holder: nn.Module, rank0_only: bool) -> dict[str, torch.Tensor] | None:
+        """Each entry of the model's ``state_dict()`` (its hooks applied) gathered in turn; with ``rank0_only`` kept
+        only on rank 0, in its CPU memory, so no rank ever holds more than one whole tensor besides."""
         if self.root is None:
             return None
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        # cpu_offload: torch gathers the full tensors to rank 0's CPU memory only
-        return get_model_state_dict(self.root, options=StateDictOptions(full_state_dict=True,
-                                                                        cpu_offload=rank0_only))
+        keep = not rank0_only or self.topo.rank == 0
+        out = {}
+        for name, t in self.root.state_dict().items():
+            whole = t.full_tensor() if isinstance(t, DTensor) else t
+            if keep:
+                out[name] = whole.cpu() if rank0_only else whole
+        return out
 
     def describe(self) -> str:
         return self.kind
@@ -123,17 +131,15 @@ def shard_shape(shape: torch.Size, n: int, index: int) -> torch.Size:
 
 def check_dp_shard(p: ParallelConfig) -> None:
     """``parallel.dp_shard`` (hybrid sharding) needs ZeRO-3 and more than one rank per shard group; its divisibility
-    is the topology's (``plait.topology.resolve_degrees``)."""
+    is the topology's (``plait.topology.resolve_degrees``). Under DiLoCo it is the data-parallel ranks of one replica
+    (``plait.parallel.data.diloco``), whatever the ZeRO stage inside it, one included."""
+    diloco = p.sync == "diloco"
     if not p.dp_shard:
         return
-    if p.zero != 3:
+    if p.zero != 3 and not diloco:
         raise ConfigError(f"parallel.dp_shard={p.dp_shard} sets the shard groups of hybrid sharding, which shards "
                           f"parameters with FSDP2 (ZeRO-3); set parallel.zero=3, or parallel.dp_shard=0 with "
                           f"parallel.zero={p.zero}")
-    if p.dp_shard == 1:
+    if p.dp_shard == 1 and not diloco:
         raise ConfigError("parallel.dp_shard=1 makes shard groups of one rank, which shard nothing: use "
                           "parallel.zero=0 to replicate, or dp_shard >= 2 (0 shards over every data-parallel rank)")
-    if p.ep > 1:
-        raise ConfigError(f"parallel.dp_shard={p.dp_shard} with parallel.ep={p.ep}: hybrid sharding does not compose "
-                          "with expert parallelism in this build; set parallel.dp_shard=0 (ZeRO-3 over every "
-                          "data-parallel rank)")

@@ -17,7 +17,8 @@ single-process tied model. Every copy's key is in the checkpoint, as in the full
 
 Schedules: ``gpipe`` (ScheduleGPipe), ``1f1b`` (Schedule1F1B), ``interleaved``
 (ScheduleInterleaved1F1B, v >= 2 stages per rank placed round-robin) and ``zbv``
-(ScheduleZBVZeroBubble, exactly 2 stages per rank in a V: rank r holds stages r and 2p-1-r).
+(ScheduleZBVZeroBubble, exactly 2 stages per rank in a V: rank r holds stages r and 2p-1-r; its split backward takes
+FSDP2's gathered parameters where a stage is sharded, ``_Stage``).
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -226,6 +229,34 @@ class PipelineRunner:
             m.load_state_dict({k: state_dict[k] for k in own})
 
 
+class _Stage(PipelineStage):
+    """torch's ``PipelineStage``, whose split backward (the zero-bubble V schedule's input pass, then its weight pass)
+    computes the gradients of the parameters the forward used. torch 2.13 takes them from ``submod.parameters()``,
+    which under FSDP2 are the shards a unit registers between its forward and backward, not the gathered parameters
+    the autograd graph holds: no weight gradient would be computed, and FSDP2's reduce-scatter would find none. During
+    those passes the stage module lists its gathered parameters instead (``_gathered``); the rest is torch's."""
+
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        if backward_type == "full" or not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        weights = _gathered(self.submod)
+        self.submod.parameters = lambda recurse=True: iter(weights)  # read by torch's input and weight passes
+        try:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        finally:
+            del self.submod.parameters
+
+
+def _gathered(module: nn.Module) -> list[nn.Parameter]:
+    """``module``'s parameters, each FSDP2 shard replaced by the gathered parameter its unit computes with."""
+    gathered: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            for group in fully_shard.state(m)._fsdp_param_groups:
+                gathered.update({id(fp.sharded_param): fp.unsharded_param for fp in group.fsdp_params})
+    return [gathered.get(id(p), p) for p in module.parameters()]
+
+
 def _local_grad(p: nn.Parameter) -> torch.Tensor:
     if p.grad is None:
         p.grad = torch.zeros_like(p)
@@ -292,7 +323,7 @@ def build_pipeline(model: nn.Module, pp: DeviceMesh | dist.ProcessGroup, *, sche
         tie_group = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
     modules, stages, events = [], [], []
     for s in mine:
-        stage = PipelineStage(built[s], s, num_stages, device, group=group)
+        stage = _Stage(built[s], s, num_stages, device, group=group)
         instrument_stage(stage, rank, events)
         modules.append(built[s])
         stages.append(stage)

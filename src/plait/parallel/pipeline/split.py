@@ -8,7 +8,8 @@ model's and a checkpoint taken at one pp degree loads at another. A stage's ``fo
 previous stage's output (the first stage: the model's inputs) and returns its own (the last stage: the
 model's output, which the loss function receives).
 
-Adapters, tried in order: the one registered for the model's class (plait's GPT), Hugging Face
+Adapters, tried in order: the one in the spec registered for the model's class (plait's GPT:
+``plait.parallel.train_spec``), Hugging Face
 decoder models that ship a ``base_model_pp_plan`` (``plait.parallel.pipeline.hf``), ``nn.Sequential`` (its
 children are the layers). Anything else takes a ``stage_fn``.
 
@@ -85,12 +86,12 @@ class FunctionPipeline:
 
 def pipeline_adapter(model: nn.Module) -> PipelineAdapter:
     """The adapter for ``model`` (see the module docstring); raises ``PipelineConfigError`` if none fits."""
+    from plait.parallel.model_specs import spec_for
     from plait.parallel.pipeline.hf import decoder_pipeline
-    from plait.parallel.plans import plan_for
 
-    plan = plan_for(model)
-    if plan is not None and plan.pipeline is not None:
-        return plan.pipeline
+    registered = getattr(spec_for(model), "pipeline", None)
+    if registered is not None:
+        return registered
     hf = decoder_pipeline(model)
     if hf is not None:
         return hf
@@ -98,8 +99,9 @@ def pipeline_adapter(model: nn.Module) -> PipelineAdapter:
         return SequentialPipeline()
     raise PipelineConfigError(
         f"plait cannot split {type(model).__name__} into pipeline stages: it is not an nn.Sequential, not a Hugging "
-        "Face decoder with a base_model_pp_plan, and no adapter is registered for its class. Pass "
-        "stage_fn=fn(model, stage_index, num_stages) -> nn.Module to setup, or use parallel.pp=1")
+        "Face decoder with a base_model_pp_plan, and no spec with a pipeline adapter is registered for its class "
+        "(plait.register_train_spec). Pass stage_fn=fn(model, stage_index, num_stages) -> nn.Module to setup, or "
+        "use parallel.pp=1")
 
 
 def split_by_names(layer_names: list[str], split: list[str], num_stages: int, head: str | None = None) -> list[range]:

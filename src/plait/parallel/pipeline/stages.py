@@ -6,16 +6,18 @@ stage's rank; it is summed over the pp group so every rank can log it. The user 
 
 The gradient-sync policy (``plait.parallel.grad_sync``) is applied to each stage module before it becomes a
 ``PipelineStage`` (``GradSync.wrap``: FSDP2's units), then to this rank's stages together (``attach``); a schedule step
-runs in the policy's ``schedule_context`` (every pipeline micro-batch runs its own backward, so a policy that reduces at
-the end of backward reduces in ``finish`` instead). The tied copies of a parameter on several stages (a GPT's embedding
+runs in the policy's ``schedule_context`` and in those of the syncs ``beside`` it (the experts' under a sharding policy;
+every pipeline micro-batch runs its own backward, so a sync that reduces at the end of backward reduces in ``finish``
+instead). The tied copies of a parameter on several stages (a GPT's embedding
 and head) have their gradients summed over pp once per optimizer step, before the reduction where the policy keeps
 every micro-batch's gradient in its own buffers (``ties_first``: ZeRO-1/2), after it otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,14 +25,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from plait.components.precision import autocast
 from plait.config import ConfigError
 from plait.observe.log import get_logger
-from plait.parallel.layout import PlaitError
+from plait.parallel.errors import PlaitError
 from plait.parallel.meta_init import is_meta, materialise
 from plait.parallel.pipeline.runner import build_pipeline, measure_layer_costs
 from plait.parallel.pipeline.trace import bubble_summary, write_chrome_trace
+from plait.parallel.stages import own_entries
 from plait.parallel.tensor.plan import local_value, loss_context
 from plait.parallel.units import find_blocks
 from plait.plan.schedule import NATURAL_VIRTUAL, check_pipeline_layout
@@ -73,6 +77,17 @@ class PipelineModel(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self._runner[0].state_dict()
 
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Each stage takes the entries it holds (keys of the whole model), through its own load hooks; a key is
+        unexpected when no stage takes it."""
+        found = [m.load_state_dict(state_dict, strict=False, assign=assign) for m in self._runner[0].modules]
+        missing = [k for r in found for k in r.missing_keys]
+        unexpected = [k for k in state_dict if all(k in r.unexpected_keys for r in found)]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"this pipeline stage's load_state_dict: missing {missing[:5]}, unexpected "
+                               f"{unexpected[:5]}")
+        return _IncompatibleKeys(missing, unexpected)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("under pipeline parallelism (parallel.pp > 1) the model is split over ranks and "
                            "forward and backward interleave over micro-batches: call "
@@ -92,15 +107,6 @@ def check_pipeline(cfg: Any, degrees: dict[str, int]) -> None:
     if t.micro_batch_size % p.microbatches:
         raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} must divide into parallel.microbatches="
                           f"{p.microbatches} pipeline micro-batches; make it a multiple of {p.microbatches}")
-    if p.zero and p.ep > 1:
-        raise ConfigError(f"parallel.pp={p.pp} with parallel.ep={p.ep} composes with plait's data-parallel reducer "
-                          f"only in this build (parallel.zero={p.zero}); set parallel.zero=0")
-    if p.zero == 3 and p.pp_schedule == "zbv":
-        # the zero-bubble schedule's weight pass computes gradients for the parameters a stage module registers,
-        # which under FSDP2 are the shards, not the gathered tensors the forward used
-        raise ConfigError("parallel.pp_schedule=zbv does not compose with parallel.zero=3 in this build (its "
-                          "weight-gradient pass misses FSDP2's gathered parameters); use pp_schedule=1f1b, "
-                          "gpipe or interleaved, or zero=1 or 2")
 
 
 class PipelineStages:
@@ -125,6 +131,7 @@ class PipelineStages:
             args, _, target = loss.split(sample)
             mb = max(1, args[0].size(0) // p.microbatches)
             costs = measure_layer_costs(model, tuple(a[:mb] for a in args), target[:mb], loss=loss.loss, repeats=2)
+        self.beside: list[Any] = []  # syncs beside the policy (the experts'), whose schedule contexts a step enters too
         self.loss_fn = ScaledLoss(loss.loss)
         self.loss = loss
         self.schedule = p.pp_schedule
@@ -155,7 +162,7 @@ class PipelineStages:
         return self.runner.named_parameters()
 
     def entries(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.runner.state_dict().items() if isinstance(v, torch.Tensor)}
+        return own_entries(self.runner.state_dict(), self.runner.modules)
 
     def model_state(self) -> dict[str, Any]:
         return self.runner.state_dict()
@@ -197,9 +204,12 @@ class PipelineStages:
             return self._evaluate(batch, loss)
 
     def _split(self, batch: Any, loss: Any = None) -> tuple[tuple, Any]:
-        """The stages' positional inputs and the target, split by the loss given to setup, or by ``loss`` where it
-        takes a batch split already (``presplit``: context parallelism's shard)."""
-        args, kwargs, target = (loss if getattr(loss, "presplit", False) else self.loss).split(batch)
+        """The stages' positional inputs and the target, split by this micro-step's loss (the one the engine resolved
+        for it, context parallelism's shard loss, or the one given to setup), which the last stage then computes:
+        a ``loss_fn`` given to ``forward_backward`` or ``evaluate`` is the one the schedule runs."""
+        loss = loss if loss is not None else self.loss
+        self.loss_fn.loss = loss.loss
+        args, kwargs, target = loss.split(batch)
         if kwargs:
             raise ValueError(f"pipeline stages take positional inputs only; the batch gives keyword inputs "
                              f"{sorted(kwargs)}: pass (inputs, target) batches, or a loss whose split gives them")
@@ -209,9 +219,15 @@ class PipelineStages:
         args, target = self._split(batch, loss)
         # The schedule does not average over pipeline micro-batches (scale_grads=False): the loss does.
         self.loss_fn.factor = factor / self.runner.microbatches
-        with self.sync.schedule_context():
+        with self._schedule_context():
             value = self.runner.step(args, target, sync_tied=False)  # tied copies: once per optimizer step
         return value / self.loss_fn.factor if value is not None else torch.zeros(())
+
+    def _schedule_context(self) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        for sync in (self.sync, *self.beside):
+            stack.enter_context(sync.schedule_context())
+        return stack
 
     @torch.no_grad()
     def _evaluate(self, batch: Any, loss: Any = None) -> torch.Tensor:
@@ -243,7 +259,7 @@ class PipelineStages:
             p.grad = None
         self.loss_fn.factor, self.loss_fn.record = 0.0, []
         try:
-            with torch.enable_grad(), self.sync.schedule_context():
+            with torch.enable_grad(), self._schedule_context():
                 self.runner.step(args, target, sync_tied=False)
             values = self.loss_fn.record
         finally:

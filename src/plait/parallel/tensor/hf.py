@@ -21,9 +21,11 @@ parameter entries of such a module  the weight as a DTensor: ``colwise`` ``Shard
                                     ``[gate; up]`` dimension split so each rank holds its slice of both halves
                                     (torch's ``_StridedShard``, split factor 2)
 ``replicated_with_grad_allreduce``  a whole module (Qwen3's per-head ``q_norm``) whose gradient each rank only
-                                    partly computes: every backward's gradient is summed over tp before it
-                                    accumulates (transformers sums the accumulated gradient; the same without
-                                    gradient accumulation, and still right with it)
+                                    partly computes (its own heads'): its parameters become replicated DTensors
+                                    whose gradients are partial sums over tp (``plait.parallel.tensor.
+                                    local_tokens.LocalTokens``), summed where the gradient-sync policy reads
+                                    them (the reducer, ZeRO-1/2 and FSDP2's reduce-scatter alike; transformers
+                                    sums the accumulated gradient: the same sum)
 ``mla_kv_a_proj``                   latent attention's joint key-value down-projection, whole on every rank:
                                     the rotary key part of its output (the last ``qk_rope_head_dim`` columns,
                                     shared by every head) has its gradient summed over tp backward, as each rank
@@ -34,16 +36,17 @@ parameter entries of such a module  the weight as a DTensor: ``colwise`` ``Shard
                                     split): its forward runs with those parameters' local shards
 ==================================  ==========================================================================
 
-Families whose shipped plan leaves attention out get it from ``ADDED_PLANS``, the entries transformers ships for
-the same attention in a relative (DeepSeek-V3's multi-head latent attention: DeepSeek-V2's; GPT-OSS's attention
-with sinks: Granite-SWA's). Patterns of a shipped plan that match nothing in this model are skipped, as
-transformers skips them (Qwen3-MoE's
-dense-MLP entries when every layer is sparse). Under expert parallelism (``parallel.ep > 1``) the entries inside
-recognised MoE blocks (``plait.parallel.expert.hf``) are left out: those blocks stay whole on every tp rank and
-their experts are sharded over ep. A plan with a style plait does not apply (``REFUSED``, or a packed style on a
-module) is refused, with the reason, before anything is sharded or communicated; ``plan_refusals`` judges a plan
-alone. Encoders without a shipped plan (BERT, RoBERTa) get ``ENCODER_PLAN``: attention query/key/value
-colwise and its output rowwise, the intermediate dense colwise and the output dense rowwise.
+Families whose shipped plan leaves attention out get it from ``ADDED_PLANS``, the entries transformers ships for the
+same attention in a relative (DeepSeek-V3's multi-head latent attention: DeepSeek-V2's; GPT-OSS's attention with
+sinks: Granite-SWA's). Patterns of a shipped plan that match nothing in this model are skipped, as transformers
+skips them (Qwen3-MoE's dense-MLP entries when every layer is sparse). Under expert parallelism (``parallel.ep >
+1``) or sequence parallelism the entries inside recognised MoE blocks (``plait.parallel.expert.hf``) are left out:
+those blocks stay whole on every tp rank (their experts sharded over ep where ep > 1; under sequence parallelism
+each tp rank routes its own sequence shard through them, ``plait.parallel.tensor.hf_sequence``). A plan with a style
+plait does not apply (``REFUSED``, or a packed style on a module) is refused, with the reason, before anything is
+sharded or communicated; ``plan_refusals`` judges a plan alone. Encoders without a shipped plan (BERT, RoBERTa) get
+``ENCODER_PLAN``: attention query/key/value colwise and its output rowwise, the intermediate dense colwise and the
+output dense rowwise.
 """
 
 from __future__ import annotations
@@ -58,10 +61,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from plait.parallel.expert.hf import find_moe_blocks
 from plait.parallel.tensor.hf_sequence import check_sequence_parallel, mark_sequence_mesh, sequence_parallel_plan
+from plait.parallel.tensor.local_tokens import LocalTokens
 from plait.parallel.tensor.plan import (
     ALIASES,
     STYLES,
@@ -190,8 +195,8 @@ class HFPlan:
             apply_tp_plan(model, mesh, module_plan)
         for module, placements in experts:
             _shard_experts(module, mesh, placements)
-        for module in grad_sum:
-            _sum_grads_over(module, mesh.get_group())
+        for module in grad_sum:  # a parameter hook would be lost when FSDP2 re-registers the parameters
+            parallelize_module(module, mesh, LocalTokens())
         modules = dict(model.named_modules())
         for name, style in special.items():
             if style == MLA:
@@ -207,7 +212,7 @@ class HFPlan:
                 f"{type(model).__name__}'s tensor-parallel plan has a style plait does not apply ({refusals[0]}). "
                 "Set parallel.tp_plan to a table of module patterns -> plait's styles, pass parallelize_fn="
                 "fn(model, tp_mesh) to setup, or use parallel.tp=1")
-        skip = [b.name for b in find_moe_blocks(model)] if self.skip_moe else []
+        skip = [b.name for b in find_moe_blocks(model)] if self.skip_moe or self.sp else []
         modules = {n: m for n, m in model.named_modules() if n}
         experts_patterns = {k for k, v in self.plan.items() if v == EXPERTS}
         local_patterns = {k for k, v in self.plan.items() if v == LOCAL}
@@ -225,7 +230,8 @@ class HFPlan:
             if self.strict and len(found) < len(matched):
                 raise TensorParallelError(
                     f"tp plan pattern {pattern!r} names modules inside MoE blocks ({matched[0]}), which expert "
-                    "parallelism keeps whole on every tp rank (their experts sharded over parallel.ep); drop it")
+                    "and sequence parallelism keep whole on every tp rank (their experts sharded over parallel.ep, "
+                    "or each tp rank routing its own tokens); drop it")
             if style == EXPERTS:
                 experts += [(modules[n], self._placements(n, modules[n], tp)) for n in found]
             elif style == GRAD_SUM:
@@ -402,16 +408,3 @@ def _shard_own_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str,
         shard = distribute_tensor(full.detach(), mesh, [placement], src_data_rank=None)
         setattr(module, name, nn.Parameter(shard, requires_grad=full.requires_grad))
     module.__class__ = _local_class(type(module))
-
-
-def _sum_grad(grad: torch.Tensor, group: Any) -> torch.Tensor:
-    grad = grad.clone()
-    dist.all_reduce(grad, group=group)
-    return grad
-
-
-def _sum_grads_over(module: nn.Module, group: Any) -> None:
-    """Each backward's gradient of the module's own parameters summed over ``group`` before it accumulates."""
-    for p in module.parameters(recurse=False):
-        if p.requires_grad:
-            p.register_hook(functools.partial(_sum_grad, group=group))

@@ -17,9 +17,15 @@ backward: an all-gather of the gradient). In a pipeline the first stage slices t
 embedding alone sends the shard; a later stage receives the shards and computes its positions for ``T = tp x``
 its input's length (``sequence_shards``; ``plait.parallel.pipeline.hf``).
 
+Mixture-of-experts blocks (an ``mlp`` that ``plait.parallel.expert.hf`` recognises: Mixtral, Qwen3-MoE...) are not
+gathered: each tp rank routes its own sequence shard through the whole block (``LocalTokens``, as Megatron-LM runs
+MoE layers under sequence parallelism, and as plait's GPT does): its router and experts are replicated over tp (or
+their experts sharded over ``parallel.ep``), their gradients summed over tp where the gradient-sync policy reads them,
+and the model's auxiliary balancing loss is taken over the whole sequence (``plait.parallel.expert.apply``).
+
 Models: decoders with a ``base_model_pp_plan`` whose layers hold ``input_layernorm``, ``self_attn`` (called with
-``hidden_states=``), ``post_attention_layernorm`` and ``mlp`` (Llama, Mistral, Qwen2 and relatives); others are
-refused with a clear error rather than left silently unsplit.
+``hidden_states=``), ``post_attention_layernorm`` and ``mlp`` (Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE and
+relatives); others are refused with a clear error rather than left silently unsplit.
 
 Where attention's q, k and v (the MLP's gate and up) are the only Linears reading the gathered input, and all
 column-parallel, they keep its sequence shard for backward instead of the whole sequence and gather it again
@@ -42,6 +48,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from plait.parallel.expert.hf import find_moe_blocks
 from plait.parallel.pipeline.hf import _base, decoder_pipeline
 from plait.parallel.sequence import (  # noqa: F401  (re-exported)
     MESH_ATTR,
@@ -52,6 +59,7 @@ from plait.parallel.sequence import (  # noqa: F401  (re-exported)
     sequence_shards,
     slice_sequence,
 )
+from plait.parallel.tensor.local_tokens import LocalTokens
 from plait.parallel.tensor.plan import PrepareGatheredInput, TensorParallelError
 from plait.parallel.tensor.regather import ColwiseRegather, GatherSequence
 
@@ -94,8 +102,8 @@ def check_sequence_parallel(model: nn.Module) -> tuple[str, list[str], list[str]
             isinstance(getattr(layer, part, None), nn.Module) for layer in layers for part in LAYER_PARTS):
         raise TensorParallelError(
             f"parallel.sequence_parallel splits the residual stream of plait's GPT and of Hugging Face decoders "
-            f"whose layers hold {', '.join(LAYER_PARTS)} (Llama, Mistral, Qwen2); {type(model).__name__} is "
-            "neither: set parallel.sequence_parallel=false")
+            f"whose layers hold {', '.join(LAYER_PARTS)} (Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE...); "
+            f"{type(model).__name__} is neither: set parallel.sequence_parallel=false")
     prefix = _base(model)[0]
     names = [f"{prefix}.{adapter.layers}.{i}" for i in range(len(layers))]
     return prefix, names, [f"{prefix}.{n}" for n in adapter.after]
@@ -106,6 +114,7 @@ def sequence_parallel_plan(model: nn.Module, plan: dict[str, Any], tp: int) -> d
     docstring); marks the base model with its ``tp`` shards. Raises ``TensorParallelError`` for a model it does
     not apply to."""
     prefix, layers, after = check_sequence_parallel(model)
+    moe = {b.name for b in find_moe_blocks(model)}
     out = dict(plan)
     for name, style in plan.items():  # row-parallel outputs reduce-scattered onto the sequence shards
         if any(name.startswith(layer + ".") for layer in layers) and (
@@ -117,8 +126,9 @@ def sequence_parallel_plan(model: nn.Module, plan: dict[str, Any], tp: int) -> d
         attn, mlp = _regathered(model, out, f"{layer}.self_attn"), _regathered(model, out, f"{layer}.mlp")
         out[f"{layer}.self_attn"] = (GatherSequence if attn else PrepareGatheredInput)(
             input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()})
-        out[f"{layer}.mlp"] = (GatherSequence if mlp else PrepareGatheredInput)(input_layouts=(Shard(1),),
-                                                                            desired_input_layouts=(Replicate(),))
+        out[f"{layer}.mlp"] = LocalTokens() if f"{layer}.mlp" in moe else (
+            GatherSequence if mlp else PrepareGatheredInput)(input_layouts=(Shard(1),),
+                                                             desired_input_layouts=(Replicate(),))
         for name in attn + mlp:
             out[name] = ColwiseRegather()
     # the first layer takes its slice of the whole sequence the embedding gave every rank

@@ -23,10 +23,15 @@ style               forward / backward communication                modules
 Hugging Face names are accepted too (``colwise_gather_output``, ``rowwise_split_input``,
 ``embedding_rowwise``), so ``parallel.tp_plan = "auto"`` can use the plan a Hugging Face model ships:
 ``model._tp_plan`` (the full model's, with its prefix), else ``config.base_model_tp_plan`` under the
-model's ``base_model_prefix``. A class registered with ``plait.parallel.plans.register_plan`` (plait's
-GPT) uses its own function instead. ``validate_plan`` checks a plan before any collective: every
+model's ``base_model_prefix``. A class whose registered spec has a ``parallelize`` (plait's GPT;
+``plait.parallel.train_spec``) uses that function instead. ``validate_plan`` checks a plan before any collective: every
 pattern matches a module, the modules are of a supported kind, their widths, attention heads and
-key-value heads divide by the tp degree.
+key-value heads divide by the tp degree. The Linear and Embedding styles assume torch's own forward of those
+modules (``F.linear`` / ``F.embedding`` on the sharded DTensor weight): a subclass with a forward of its own
+(torchtitan's ``Embedding``, which reads ``weight.to_local()`` itself) is refused by name; give it a
+``ParallelStyle`` object (taken as is) or a ``parallelize_fn``. With ``parallel.sequence_parallel`` an explicit
+plan for another model than plait's GPT or a Hugging Face decoder must split the sequence itself
+(``splits_sequence``), or it is refused.
 
 Training under loss parallelism (plait's GPT with ``parallel.loss_parallel``) must run the forward
 *and* the backward inside ``loss_context(model)``.
@@ -55,6 +60,7 @@ from torch.distributed.tensor.parallel import (
 
 from plait.config import ConfigError
 from plait.parallel.data.reducer import local_grad
+from plait.parallel.tensor.float8 import float8_plan
 from plait.parallel.units import tied_uses
 
 _LOSS_PARALLEL_ATTR = "_plait_loss_parallel"
@@ -157,6 +163,14 @@ def _check_module(pattern: str, name: str, module: nn.Module, style: str, tp: in
         raise TensorParallelError(
             f"tp plan {pattern!r} -> {style}: {name} is a {type(module).__name__}, but {style} takes "
             f"{' or '.join(k.__name__ for k in kinds)}")
+    base = next((k for k in (nn.Linear, nn.Embedding) if k in kinds and isinstance(module, k)), None)
+    if base is not None and _own_forward(module, base):
+        cls = type(module)
+        raise TensorParallelError(
+            f"tp plan {pattern!r} -> {style}: {name} is a {cls.__module__}.{cls.__qualname__}, whose forward is its "
+            f"own, and plait's {style} style assumes {base.__name__}.forward (F.{base.__name__.lower()} on the sharded "
+            "DTensor weight, which a forward that reads the weight itself cannot take); leave it out of the plan, "
+            "give it a torch ParallelStyle object of yours, or pass parallelize_fn")
     width = None
     if isinstance(module, nn.Linear):
         width = module.out_features if style == "colwise" or style == "colwise_rep" else module.in_features
@@ -166,6 +180,12 @@ def _check_module(pattern: str, name: str, module: nn.Module, style: str, tp: in
     if width is not None and style != "replicate" and width % tp:
         raise TensorParallelError(f"{name} ({style}) splits its {what} width {width} over parallel.tp={tp}, "
                                   f"which does not divide it; choose tp among the divisors of {width}")
+
+
+def _own_forward(module: nn.Module, base: type) -> bool:
+    """Whether ``module`` runs a forward other than ``base``'s, which plait's styles were not written for. Hugging
+    Face's modules are exempt: their shipped plans name them, for their own forwards."""
+    return type(module).forward is not base.forward and not type(module).__module__.startswith("transformers.")
 
 
 def validate_plan(model: nn.Module, plan: Plan, tp: int) -> dict[str, ParallelStyle | None]:
@@ -212,20 +232,22 @@ def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan) -> nn.Modul
     an error, since the tie would break.
     """
     tp = tp_mesh.size()
-    resolved = validate_plan(model, plan, tp)
+    resolved = {name: style for pattern, style in validate_plan(model, plan, tp).items()
+                for name, _ in matched_modules(model, pattern)}  # every pattern matches (validated)
+    resolved = float8_plan(model, resolved)  # torchao's styles on its Float8Linears
     tied = tied_names(model)
-    for pattern, style in resolved.items():
+    for name, style in resolved.items():
         if style is None:
             continue
-        for name, module in matched_modules(model, pattern):
-            for pname, _ in module.named_parameters(recurse=False):
-                others = tied.get(f"{name}.{pname}")
-                if others and not all(any(_matches(p, o.rsplit(".", 1)[0]) and resolved[p] is not None
-                                          for p in resolved) for o in others):
-                    raise TensorParallelError(
-                        f"{name}.{pname} is tied to {', '.join(others)}, which the plan does not shard alike; "
-                        f"shard both or neither (drop {pattern!r} from the plan, or untie the weights)")
-            parallelize_module(module, tp_mesh, style)
+        module = model.get_submodule(name)
+        for pname, _ in module.named_parameters(recurse=False):
+            others = tied.get(f"{name}.{pname}")
+            if others and not all(resolved.get(o.rsplit(".", 1)[0]) is not None for o in others):
+                pattern = next(p for p in plan if _matches(p, name))
+                raise TensorParallelError(
+                    f"{name}.{pname} is tied to {', '.join(others)}, which the plan does not shard alike; "
+                    f"shard both or neither (drop {pattern!r} from the plan, or untie the weights)")
+        parallelize_module(module, tp_mesh, style)
     retie(model, tied)
     return model
 
@@ -260,14 +282,32 @@ def tied_names(model: nn.Module) -> dict[str, list[str]]:
     return {n: [o for o in names if o != n] for names in groups for n in names}
 
 
+def splits_sequence(plan: Plan) -> bool:
+    """Whether ``plan`` itself runs modules on sequence shards (a ``sequence_parallel`` style or torch's
+    ``SequenceParallel``)."""
+    return any(ALIASES.get(v, v) == "sequence_parallel" if isinstance(v, str) else isinstance(v, SequenceParallel)
+               for v in plan.values())
+
+
 def resolve_tp(model: nn.Module, tp_plan: Plan | str | None, parallelize_fn: Callable | None,
-               registered: Callable | None) -> Callable[[nn.Module, DeviceMesh], nn.Module]:
+               registered: Callable | None, sequence_parallel: bool = False
+               ) -> Callable[[nn.Module, DeviceMesh], nn.Module]:
     """The function that shards ``model`` over a tp mesh: ``parallelize_fn`` if given, else an explicit
     plan, else (``"auto"``) the class's registered function, else the plan a Hugging Face model ships.
-    Raises ``TensorParallelError`` when none applies (GPT-2's fused ``Conv1D`` attention, a plain model)."""
+    Raises ``TensorParallelError`` when none applies (GPT-2's fused ``Conv1D`` attention, a plain model), and for
+    ``sequence_parallel`` with an explicit plan that splits no sequence: plait adds sequence parallelism to its
+    GPT's and Hugging Face decoders' plans only, and a plan of another model must say where the sequence is split
+    (its norms ``sequence_parallel``, the inputs around them gathered and sliced)."""
     if parallelize_fn is not None:
         return parallelize_fn
     if isinstance(tp_plan, dict):
+        if sequence_parallel and not splits_sequence(tp_plan):
+            raise TensorParallelError(
+                f"parallel.sequence_parallel=true, and the tp plan given for {type(model).__name__} splits no "
+                "sequence (plait adds it to its GPT's and Hugging Face decoders' plans only): give the norms the "
+                "sequence_parallel style and gather/slice the inputs around them in the plan (torch "
+                "PrepareModuleInput, RowwiseParallel(output_layouts=Shard(1))), or set "
+                "parallel.sequence_parallel=false")
         return lambda m, mesh: apply_tp_plan(m, mesh, tp_plan)
     if tp_plan not in (None, "auto"):
         raise TensorParallelError(f"tp_plan must be 'auto' or a dict of patterns to styles; got {tp_plan!r}")

@@ -4,7 +4,7 @@ under tensor parallelism, ``plait.parallel.tensor.hf``), which DCP cannot write 
 A weight of global size ``G`` on the split dim, packed from ``s`` blocks (gate and up: ``s = 2``) and split
 over ``n`` ranks, leaves rank ``r`` the rows ``[b G/s + r G/(s n), b G/s + (r+1) G/(s n))`` of every block
 ``b``, stored one after another: ``s`` rectangular boxes of the single-process tensor, each a view of the
-local shard. ``strided_entries`` hands those boxes to DCP as ``plait.components.dcp_pieces.Pieces``, so the
+local shard. ``strided_entries`` hands those boxes to DCP as ``plait.checkpoint.pieces.Pieces``, so the
 checkpoint holds the single-process tensor under its name and loads into any layout (with that module's
 planners).
 """
@@ -17,8 +17,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from plait.components.dcp_pieces import Pieces
-from plait.components.hf_checkpoint import local_boxes
+from plait.checkpoint.hf import local_boxes
+from plait.checkpoint.pieces import Pieces
 
 
 def is_strided(t: Any) -> bool:

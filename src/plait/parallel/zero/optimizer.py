@@ -1,15 +1,16 @@
 """ZeRO stages 1 and 2: plait's sharded optimizer over the data-parallel ranks.
 
 Layout. Trainable parameters are packed, in reverse definition order (roughly the order backward
-produces their gradients), into buckets of about ``bucket_mb``; a bucket never mixes param groups.
-Each bucket is one flat buffer padded to a multiple of the world size, and the model's parameters
-become views into it (``p.data = flat[a:b].view_as(p)``), so the all-gather after the step updates
-the model in place with no copy. Rank ``r`` owns the ``r``-th 1/N of every bucket: every rank owns
-exactly the same number of elements, and each bucket's reduce-scatter lands directly in its owner's
-slot. The inner ``torch.optim`` optimizer is built on the rank's chunks (one tensor per bucket, one
-param group per trainer group with its hyperparameters); elementwise optimizers (AdamW, SGD) then
-compute exactly what they compute unsharded. The chunk of the fp32 flat buffer is itself the fp32
-master copy; a separate fp32 master is kept only when parameters are not fp32 or are offloaded.
+produces their gradients), into buckets of about ``bucket_mb``; a bucket never mixes param groups, nor
+sharding patterns (see tensor parallelism below). Each bucket is one flat buffer padded to a multiple of
+the world size, and the model's parameters become views into it (``p.data = flat[a:b].view_as(p)``), so
+the all-gather after the step updates the model in place with no copy. Rank ``r`` owns the ``r``-th
+1/N of every bucket: every rank owns exactly the same number of elements, and each bucket's
+reduce-scatter lands directly in its owner's slot. The inner ``torch.optim`` optimizer is built on the
+rank's chunks (one tensor per bucket, one param group per trainer group with its hyperparameters);
+elementwise optimizers (AdamW, SGD) then compute exactly what they compute unsharded. The chunk of the
+fp32 flat buffer is itself the fp32 master copy; a separate fp32 master is kept only when parameters
+are not fp32 or are offloaded.
 
 Gradients. Autograd accumulates each parameter's gradient as usual; a post-accumulate-grad hook adds
 it into the bucket's flat gradient buffer and drops ``p.grad``. Stage 1 keeps the full local gradient
@@ -23,6 +24,20 @@ gradients alive are a few buckets', and only the reduced 1/N shard survives back
 transient gradient memory thus scales with ``bucket_mb``, not the model: it needs buckets much smaller
 than the model. Reduce-scatter rather than all-reduce at stage 2: each rank only needs its own shard,
 and it moves half the bytes.
+
+Tensor (and sequence) parallelism. A parameter may be a DTensor (a tensor-parallel shard, or a norm
+replicated over tp): ZeRO works on its local tensor, which becomes the view into the flat buffer
+(``p._local_tensor``, as FSDP2 does with its shards), so the parameter stays the DTensor the tp plan's
+forward needs and the all-gather still updates it in place. A gradient with other placements than its
+parameter (a replicated norm's ``Partial`` gradient under sequence parallelism) is redistributed like the
+parameter before it enters the bucket (``plait.parallel.data.reducer.local_grad``: an all-reduce over tp,
+the gradient's own); a ``Partial`` one stays in ``.grad`` through the accumulation micro-steps (autograd
+sums it there), so it is summed over tp once per optimizer step. The ZeRO group then holds ranks of one tp
+coordinate, whose local shards have the same shapes. The global norm sums each bucket's squares over the
+ZeRO group and, for a bucket of tp shards, over tp too (a bucket of tp-replicated or plain parameters
+counts once): a bucket holds one sharding pattern (``Bucket.shard_groups``, ``plait.parallel.zero.buckets``),
+so its squares have one set of groups. Checkpoint states of a DTensor parameter are DTensors of its global
+tensor (``plait.parallel.zero.state``).
 
 Communication layer. ``use_comm(comm)`` routes every collective through plait's ``Comm`` (counted
 in ``comm_bytes``, guarded by the hang timeout). With compression on, a bucket is reduced with the
@@ -48,9 +63,10 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.comm.collectives import Comm, all_gather_flat, ring_allreduce_bytes, ring_half_bytes
-from plait.parallel.units import is_expert
+from plait.parallel.data.reducer import local_grad
+from plait.parallel.zero.buckets import Bucket, build_buckets, normalize_groups, param_fqns, partial_grad
 from plait.parallel.zero.state import gather_state_dict, scatter_state_dict
-from plait.plan.buckets import MAX_FULL_IN_FLIGHT, padded, zero_groups
+from plait.plan.buckets import MAX_FULL_IN_FLIGHT
 
 OFFLOAD_CHOICES = ("none", "optimizer", "params")
 # Stage 2: launched buckets that may still hold their full local gradient during backward (those whose
@@ -103,48 +119,15 @@ def validate_zero(stage: int, dp: int, offload: str, device_type: str) -> None:
         )
 
 
-class _Bucket:
-    """One flat parameter buffer, its gradient buffers and this rank's chunk of it."""
-
-    def __init__(self, params: list[nn.Parameter], group_index: int, world: int, rank: int) -> None:
-        self.params = params
-        self.group_index = group_index
-        self.offsets: list[int] = []
-        total = 0
-        for p in params:
-            self.offsets.append(total)
-            total += p.numel()
-        self.numel = padded(total, world)  # so the N chunks are equal
-        # What the flat buffer holds, padding included: PowerSGD compresses each matrix on its own.
-        self.shapes = [tuple(p.shape) for p in params] + ([(self.numel - total,)] if self.numel > total else [])
-        self.chunk = self.numel // world
-        ref = params[0]
-        self.flat = torch.zeros(self.numel, dtype=ref.dtype, device=ref.device)
-        with torch.no_grad():
-            for p, off in zip(params, self.offsets, strict=True):
-                self.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
-                p.data = self.flat[off:off + p.numel()].view_as(p)
-        self.shard = self.flat[rank * self.chunk:(rank + 1) * self.chunk]  # view: updated in place
-        self.grad_full: torch.Tensor | None = None  # local (unreduced) gradient, (numel,)
-        self.grad_shard = torch.zeros(self.chunk, dtype=torch.float32, device=ref.device)
-        self.master: torch.Tensor = self.shard
-        self.ready: set[int] = set()
-        self.work: Any = None
-        self.launched = False
-
-    def ensure_grad_full(self) -> torch.Tensor:
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(self.numel, dtype=torch.float32, device=self.flat.device)
-        return self.grad_full
-
-
 class ZeroOptimizer:
     """ZeRO-1/2 sharded optimizer wrapping any elementwise ``torch.optim`` optimizer.
 
     Contract: ``params`` are the trainer's param groups (dicts with ``"params"`` and per-group
     hyperparameters, or a plain iterable of parameters) covering every trainable parameter of
-    ``model`` exactly once; all must share one dtype and device. Construction rewrites the model's
-    parameters as views of flat buffers (same values) and registers gradient hooks; build it after
+    ``model`` exactly once; all must share one dtype and device. Parameters may be DTensors (tensor
+    parallelism): ``group`` is then the data-parallel ranks of one tp coordinate. Construction rewrites
+    the model's parameters as views of flat buffers (same values; a DTensor's local tensor), places them in
+    buckets (``plait.parallel.zero.buckets``) and registers gradient hooks; build it after
     the model is final (checkpointing applied) and before training. Per step: backward (wrap
     non-final accumulation micro-steps in ``no_sync()``), optionally ``clip_grad_norm_``, ``step()``,
     ``zero_grad()``. Gradients are summed over ``group`` and divided by ``grad_divisor`` (default: the
@@ -168,9 +151,9 @@ class ZeroOptimizer:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.divisor = grad_divisor or self.world
-        groups = _normalize_groups(params)
-        self._fqn = _param_fqns(model)
-        self.buckets = _build_buckets(model, groups, bucket_mb, self.world, self.rank, experts)
+        groups = normalize_groups(params)
+        self._fqn = param_fqns(model)
+        self.buckets = build_buckets(model, groups, bucket_mb, self.world, self.rank, experts)
         self._group_fqns = [[self._fqn[p] for p in g["params"]] for g in groups]
         self.offload = offload
         for b in self.buckets:
@@ -198,6 +181,13 @@ class ZeroOptimizer:
         Call once, before the first backward, on every rank."""
         self.comm = comm
         self.compressor = comm.make_compressor()
+
+    def _sum(self, t: torch.Tensor, group: Any) -> None:
+        """All-reduce (sum) ``t`` in place over ``group``, through the comm layer when there is one."""
+        if self.comm is not None:
+            self.comm.all_reduce_sum(t, group, name="zero gradient norm")
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
 
     def _wait(self, work: Any) -> None:
         if self.comm is not None:
@@ -253,22 +243,25 @@ class ZeroOptimizer:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm to ``max_norm``; return the (pre-clip) total norm.
 
-        Communication: one all-reduce (sum) of a scalar, the local shard's sum of squares, over the
-        group; no backward. Each element is owned by exactly one rank, so the sum over ranks is the
-        full gradient's squared norm. A non-finite norm is returned unchanged and nothing is scaled,
-        so the trainer can skip the step. Nothing is read on the host: the coefficient stays on the device
-        (``max_norm`` inf: the norm only).
+        Communication: one all-reduce (sum) of a scalar, the local shards' sum of squares, over the
+        group (and one more over the tp group for the buckets of tensor-parallel shards); no backward.
+        Each element is owned by exactly one rank of the group (of the group and tp for a tp shard), so
+        the sum is the full gradient's squared norm. A non-finite norm is returned unchanged and nothing
+        is scaled, so the trainer can skip the step. Nothing is read on the host: the coefficient stays
+        on the device (``max_norm`` inf: the norm only).
         """
         self._ensure_reduced()
-        dev = self.buckets[0].grad_shard.device
-        sq = torch.zeros((), dtype=torch.float32, device=dev)
+        squares: dict[tuple[int, ...], list[Any]] = {}  # one sum per sharding pattern: [squares, its groups]
         for b in self.buckets:
-            sq += b.grad_shard.pow(2).sum()
-        if self.comm is not None:
-            self.comm.all_reduce_sum(sq, self.group, name="zero gradient norm")
-        else:
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
-        total = sq.sqrt()
+            entry = squares.setdefault(tuple(id(g) for g in b.shard_groups), [b.grad_shard.new_zeros(()),
+                                                                              b.shard_groups])
+            entry[0] += b.grad_shard.pow(2).sum()
+        total = self.buckets[0].grad_shard.new_zeros(())
+        for sq, groups in squares.values():
+            for g in (self.group, *groups):
+                self._sum(sq, g)
+            total += sq
+        total = total.sqrt()
         if not math.isinf(max_norm):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # same formula as torch's clip
             coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
@@ -304,7 +297,7 @@ class ZeroOptimizer:
             self._wait(w)
         self._reset_sync_state()
 
-    def _all_gather(self, index: int, b: _Bucket) -> Any:
+    def _all_gather(self, index: int, b: Bucket) -> Any:
         # The input is a copy: gloo does not promise in-place all-gather when input aliases output.
         shard = b.shard.clone()
 
@@ -317,21 +310,37 @@ class ZeroOptimizer:
         return self.comm.issue_async(f"zero all-gather bucket {index}", self.group, issue, nbytes)
 
     # -- gradient synchronisation -------------------------------------------------------------------
-    def _make_hook(self, bucket: _Bucket, index: int):
-        off, n = bucket.offsets[index], bucket.params[index].numel()
-
+    def _make_hook(self, bucket: Bucket, index: int):
         def hook(p: torch.Tensor) -> None:
             if bucket.launched:
                 raise RuntimeError("a gradient arrived for a bucket already reduced in this step; "
                                    "call zero_grad()/step() between backward passes")
-            bucket.ensure_grad_full()[off:off + n].add_(p.grad.reshape(-1))
-            p.grad = None  # the bucket buffer holds it now
+            if not self._sync and partial_grad(p.grad):
+                return  # autograd sums it in p.grad over the micro-steps; it is summed over tp once, at the last
+            self._take(bucket, index)
             if self._sync:
                 bucket.ready.add(index)
                 if self.stage == 2:
                     self._launch_ready()
                     self._release_reduced()
         return hook
+
+    @staticmethod
+    def _take(b: Bucket, index: int) -> None:
+        """Move parameter ``index``'s ``.grad`` into the bucket's local gradient buffer, laid out like its local
+        tensor (a DTensor gradient first redistributed like its parameter: a ``Partial`` one summed over tp)."""
+        p = b.params[index]
+        if p.grad is not None:
+            b.view(index, b.ensure_grad_full()).add_(local_grad(p))
+            p.grad = None
+
+    def gather_local(self) -> None:
+        """Every gradient still in a parameter's ``.grad`` into its bucket: one assigned rather than accumulated
+        (torch's zero-bubble weight pass), or a ``Partial`` one kept there through accumulation micro-steps.
+        Communication: a tp all-reduce of each ``Partial`` gradient (the gradient's own sum)."""
+        for b in self.buckets:
+            for i in range(len(b.params)):
+                self._take(b, i)
 
     def _release_reduced(self) -> None:
         """Stage 2, during backward: free the full local buffer of every launched bucket whose
@@ -355,15 +364,18 @@ class ZeroOptimizer:
                 return
             self._launch(b)
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, b: Bucket) -> None:
         """Sum bucket ``b``'s local gradient over the group into this rank's shard; async.
 
         Communication (no autograd involvement): stage 2, one reduce-scatter of ``numel`` elements
         into the separate shard buffer; stage 1, one in-place all-reduce of the full local buffer,
         whose slice is the shard (the full buffer is kept at stage 1 anyway, so this holds no second
-        gradient buffer, at twice the reduce-scatter's bytes).
+        gradient buffer, at twice the reduce-scatter's bytes). Before it, a tp all-reduce of any ``Partial``
+        gradient the bucket still holds in ``.grad`` (``gather_local``).
         """
         self._reduced = False
+        for i in range(len(b.params)):  # what no hook moved this step (see gather_local)
+            self._take(b, i)
         index, full = self._next_launch, b.ensure_grad_full()
         stage1 = self.stage == 1
 
@@ -385,7 +397,7 @@ class ZeroOptimizer:
         b.launched = True
         self._next_launch += 1
 
-    def _compressed_shard(self, index: int, b: _Bucket, full: torch.Tensor) -> int:
+    def _compressed_shard(self, index: int, b: Bucket, full: torch.Tensor) -> int:
         """Comm thread: compressed average of the whole bucket, this rank's slice kept as a sum (the
         caller divides every shard by the world size). Returns the bytes put on the wire."""
         before = self.compressor.wire_bytes
@@ -434,45 +446,3 @@ def _master_copy(t: torch.Tensor, offload: bool) -> torch.Tensor:
     to and from the GPU can be asynchronous; a CPU-only build cannot pin), else on ``t``'s device."""
     out = t.detach().to(device="cpu" if offload else t.device, dtype=torch.float32, copy=True)
     return out.pin_memory() if offload and torch.cuda.is_available() else out
-
-
-def _normalize_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
-    items = list(params)
-    if not items:
-        raise ValueError("ZeroOptimizer got no parameters; pass the model's trainable parameters")
-    if not isinstance(items[0], dict):
-        items = [{"params": items}]
-    return [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in items]
-
-
-def _param_fqns(model: nn.Module) -> dict[nn.Parameter, str]:
-    """First name of each parameter (a tied weight keeps its first name, as torch's state dicts do)."""
-    # Activation checkpointing inserts a wrapper level into module names; state dicts do not show it.
-    out: dict[nn.Parameter, str] = {}
-    for name, p in model.named_parameters():
-        out.setdefault(p, name.replace("_checkpoint_wrapped_module.", ""))
-    return out
-
-
-def _build_buckets(model: nn.Module, groups: list[dict[str, Any]], bucket_mb: float, world: int,
-                   rank: int, experts: bool = False) -> list[_Bucket]:
-    owner: dict[nn.Parameter, int] = {}
-    for gi, g in enumerate(groups):
-        for p in g["params"]:
-            if p in owner:
-                raise ValueError("a parameter appears in two param groups; list each parameter once")
-            owner[p] = gi
-    # Dense and expert-parallel parameters are sharded by two instances over two groups
-    # (plait.parallel.expert.dispatch).
-    trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad
-                 and is_expert(p) == experts]
-    missing = [p for p in trainable if p not in owner]
-    if missing or len(owner) != len(trainable):
-        raise ValueError("the param groups must cover the model's trainable parameters exactly "
-                         f"({len(trainable)} in the model, {len(owner)} in the groups)")
-    kinds = {(p.dtype, p.device) for p in trainable}
-    if len(kinds) != 1:
-        raise ValueError(f"ZeroOptimizer needs one dtype and device for all parameters; got {kinds}")
-    limit = max(1, int(bucket_mb * 2**20 / trainable[0].element_size()))
-    groups = zero_groups([p.numel() for p in trainable], [owner[p] for p in trainable], limit)
-    return [_Bucket([trainable[i] for i in index], gi, world, rank) for gi, index in groups]

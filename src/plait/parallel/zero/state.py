@@ -6,6 +6,10 @@ the parameter's natural shape, "step": scalar}}, "param_groups": [{hyperparamete
 [fqn, ...]}]}``. So a checkpoint written through ``torch.distributed.checkpoint`` by a zero=2, dp=2 run
 loads into a zero=0, dp=1 run (and the reverse) with no conversion step.
 
+A parameter that is a DTensor (tensor parallelism) has DTensor states: this rank's local shard of each state,
+placed on the parameter's mesh as the parameter is, so DCP writes the global tensor and reads it back into any
+tp degree and any ZeRO stage (FSDP2's states, or a plain optimizer's).
+
 Memory: exporting gathers the states bucket by bucket and every rank returns full per-parameter
 tensors, so saving briefly holds the full optimizer state on each rank (the bucket all-gathers are
 bounded by one bucket; the returned dict is the full state). DCP then writes each replicated tensor
@@ -17,12 +21,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from plait.comm.collectives import all_gather_flat
 from plait.components.optim import materialize_optimizer_state
+from plait.parallel.zero.buckets import Bucket
 
-# (the ZeroOptimizer and its buckets, plait.parallel.zero.optimizer, which imports this module)
-ZeroOptimizer = _Bucket = Any
+# (the ZeroOptimizer, plait.parallel.zero.optimizer, which imports this module)
+ZeroOptimizer = Any
 
 
 def init_state(zopt: ZeroOptimizer) -> None:
@@ -31,7 +37,7 @@ def init_state(zopt: ZeroOptimizer) -> None:
     materialize_optimizer_state(zopt.optimizer, keep_grads=False)
 
 
-def _is_sharded(value: Any, bucket: _Bucket) -> bool:
+def _is_sharded(value: Any, bucket: Bucket) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == bucket.chunk
 
 
@@ -51,8 +57,8 @@ def gather_state_dict(zopt: ZeroOptimizer) -> dict[str, Any]:
             if _is_sharded(value, b):
                 full = torch.empty(b.numel, dtype=value.dtype, device=b.flat.device)
                 all_gather_flat(full, value.to(b.flat.device).contiguous(), group=zopt.group)
-                for p, off in zip(b.params, b.offsets, strict=True):
-                    state.setdefault(zopt._fqn[p], {})[key] = full[off:off + p.numel()].view_as(p).clone()
+                for i, p in enumerate(b.params):
+                    state.setdefault(zopt._fqn[p], {})[key] = _placed_like(p, b.view(i, full).clone())
             else:  # per-tensor scalars (AdamW's step): identical on every chunk of every rank
                 for p in b.params:  # one tensor per parameter, as the unsharded optimizer has
                     copy = value.clone() if torch.is_tensor(value) else value
@@ -93,6 +99,15 @@ def scatter_state_dict(zopt: ZeroOptimizer, state_dict: dict[str, Any]) -> None:
                 st[key] = saved.clone().to(value.device) if torch.is_tensor(saved) else saved
                 continue
             full = torch.zeros(b.numel, dtype=value.dtype)
-            for p, off in zip(b.params, b.offsets, strict=True):
-                full[off:off + p.numel()].copy_(states[zopt._fqn[p]][key].reshape(-1))
+            for i, p in enumerate(b.params):
+                saved = states[zopt._fqn[p]][key]
+                b.view(i, full).copy_(saved.to_local() if isinstance(saved, DTensor) else saved)
             value.copy_(full[zopt.rank * b.chunk:(zopt.rank + 1) * b.chunk])
+
+
+def _placed_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (a state of ``p``'s local tensor) as ``p`` is placed: a DTensor of the global shape on ``p``'s mesh
+    where ``p`` is one, else itself."""
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

@@ -12,6 +12,11 @@ all-reduces each bucket, ZeRO-2 reduce-scatters it. Gradients that torch's zero-
 ``.grad`` (its weight pass, which no accumulation hook sees) are added to the buckets first (``gather_local``), and
 the tied copies (a GPT's embedding and head on the first and last stage) are summed in the local buckets before the
 reduction (``ties_first``): a sum of sums either way.
+
+Under tensor (and sequence) parallelism the group is the data-parallel ranks of one tp coordinate, the optimizer
+works on each parameter's local shard (the parameters stay the plan's DTensors), and each bucket's squares are
+summed over the groups its parameters are sharded on as well (``norm_pieces``): Megatron-Core's distributed optimizer
+under tp.
 """
 
 from __future__ import annotations
@@ -47,11 +52,16 @@ class Zero(GradSync):
         import torch.cuda
 
         p = cfg.parallel  # every stage's and offload's arithmetic (ZeRO-3's too: the ranks it shards over)
-        # the ranks the state is sharded over: every rank whose gradients are averaged (dp x cp)
+        # the ranks the state is sharded over: every rank whose gradients are averaged (dp x cp; under DiLoCo the
+        # degrees are one replica's)
         dp = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["ep"] * degrees.get("cp", 1)
         try:
             validate_zero(p.zero, dp, p.offload, "cuda" if torch.cuda.is_available() else "cpu")
         except ValueError as e:
+            if p.sync == "diloco" and dp < 2:
+                raise ConfigError(f"parallel.zero={p.zero} shards each DiLoCo replica's state over its data-parallel "
+                                  "ranks, and a replica here has one: set parallel.dp_shard=N for N data-parallel "
+                                  "ranks per replica (N >= 2), or parallel.zero=0") from None
             raise ConfigError(str(e)) from None
 
     def build_optimizer(self, factory: OptimizerFactory, model: nn.Module) -> Any:
@@ -75,17 +85,12 @@ class Zero(GradSync):
         return self.optimizer.no_sync()
 
     def gather_local(self) -> None:
-        for b in self.optimizer.buckets:
-            for q, off in zip(b.params, b.offsets, strict=True):
-                if q.grad is not None:
-                    b.ensure_grad_full()[off:off + q.numel()].add_(q.grad.reshape(-1))
-                    q.grad = None
+        self.optimizer.gather_local()
 
     def local_grad(self, p: nn.Parameter) -> torch.Tensor | None:
-        """``p``'s local (unreduced) gradient: its slice of its bucket's flat buffer."""
+        """``p``'s local (unreduced) gradient: its slice of its bucket's flat buffer, shaped like its local tensor."""
         b, i = self._where[id(p)]
-        off = b.offsets[i]
-        return b.ensure_grad_full()[off:off + p.numel()].view_as(p)
+        return b.view(i, b.ensure_grad_full())
 
     def finish(self) -> None:
         self.optimizer.finish_grad_sync()
@@ -98,7 +103,8 @@ class Zero(GradSync):
 
     def norm_pieces(self, skip: set[int] = frozenset()) -> list[NormPiece]:
         """Each bucket's shard, less the ranges that belong to a skipped parameter (a later copy of a tied one),
-        summed over the ZeRO group."""
+        summed over the ZeRO group and over the groups its parameters are sharded on (tp for a bucket of
+        tensor-parallel shards; a bucket of tp-replicated parameters counts once)."""
         zopt = self.optimizer
         zopt.finish_grad_sync()
         pieces = []
@@ -108,10 +114,10 @@ class Zero(GradSync):
             lo, hi = zopt.rank * b.chunk, (zopt.rank + 1) * b.chunk
             for i, q in enumerate(b.params):
                 if id(q) in skip:
-                    a, e = max(b.offsets[i], lo), min(b.offsets[i] + q.numel(), hi)
+                    a, e = max(b.offsets[i], lo), min(b.offsets[i] + b.sizes[i], hi)
                     if a < e:
                         sq = sq - g[a - lo:e - lo].pow(2).sum()
-            pieces.append((sq, (self.group,)))
+            pieces.append((sq, (self.group, *b.shard_groups)))
         return pieces
 
     def zero_grad(self) -> None:

@@ -1,4 +1,4 @@
-"""plait's GPT cut into pipeline stages: the adapter ``plait.parallel.plans`` registers for the GPT class. The
+"""plait's GPT cut into pipeline stages: the adapter its spec (``plait.models.gpt.spec``) registers for the class. The
 blocks are the split units; the embeddings go with the first stage, the final norm and the head with the last
 (either may be alone on its stage: ``parallel.pp_split_embedding``, ``pp_split_head``).
 A tied head gets its own copy on the last stage from the pipeline's split (``plait.parallel.pipeline.split``).
@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from plait.models.gpt import GPT
+from plait.models.gpt.model import GPT
 
 
 class GPTStage(nn.Module):
@@ -20,7 +20,7 @@ class GPTStage(nn.Module):
     def __init__(self, model: GPT, layers: list[int], *, is_first: bool, is_last: bool) -> None:
         super().__init__()
         self.is_first, self.is_last, self.seq_len = is_first, is_last, model.cfg.seq_len
-        # context parallelism (plait.parallel.context): the global positions of the tokens this rank holds, (S,);
+        # context parallelism (plait.models.gpt.context): the global positions of the tokens this rank holds, (S,);
         # None: positions 0..T-1
         self.positions: Callable[[], torch.Tensor | None] | None = None
         if is_first:

@@ -1,11 +1,11 @@
 """A rank's part of the model filled from a checkpoint, by initialisation, and written out shard by shard: the
-default behind the strategy contract's ``prepare_weights`` and ``export_weights``.
+default behind a layout state's ``prepare_weights`` and ``export_weights`` (``plait.checkpoint.layout_state``).
 
-Every strategy gives ``model_entries()``: this rank's state-dict entries under the single-process model's
+Every layout's state gives ``model_entries()``: this rank's state-dict entries under the single-process model's
 names (DTensors where sharded), the tensors the model trains. Loading maps each tied group of names to the
 one checkpoint name it is read from (checked against the whole model's ``ModelFacts`` first, identically on
 every rank, so a bad checkpoint raises on all of them), then reads each rank's slices through
-``plait.components.hf_checkpoint``. Exporting writes every entry under every name
+``plait.checkpoint.hf``. Exporting writes every entry under every name
 (a tied tensor under each of its names, as ``state_dict()`` has them, so ``from_pretrained`` finds no key
 missing or unexpected) through DCP's Hugging Face writer, files cut at ``max_shard_bytes`` in model order.
 """
@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-from plait.components.hf_checkpoint import (
+from plait.checkpoint.hf import (
     DEFAULT_SHARD_BYTES,
     Checkpoint,
     candidates,
@@ -27,8 +28,8 @@ from plait.components.hf_checkpoint import (
     match_names,
     open_checkpoint,
 )
-from plait.components.hf_checkpoint import save_from as _save_from
-from plait.components.hf_convert import converted
+from plait.checkpoint.hf import save_from as _save_from
+from plait.checkpoint.hf_convert import converted
 from plait.config import ConfigError
 from plait.parallel.meta_init import ModelFacts, initialise, storage_key
 
@@ -39,7 +40,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _open(facts: ModelFacts, path: str | Path) -> Checkpoint:
     """The checkpoint's headers under the model's names: renamed and merged as ``from_pretrained`` would
-    (``plait.components.hf_convert``)."""
+    (``plait.checkpoint.hf_convert``)."""
     names = {c for n in facts.shapes for c in candidates(n, facts.base_prefix)}
     return converted(open_checkpoint(path), facts.conversions, names.__contains__)
 
@@ -52,10 +53,11 @@ def check_weights(model: torch.nn.Module, path: str | Path) -> None:
 
 
 def load_weights(facts: ModelFacts, entries: dict[str, torch.Tensor], path: str | Path, group: Any,
-                 what: str) -> None:
+                 what: str) -> list[str]:
     """Fill ``entries`` (this rank's) from the checkpoint at ``path``; no collective (``group`` is the one an
     override may use). A meta-built model's non-persistent buffers (rotary ``inv_freq``) are then computed as
-    construction would."""
+    construction would: returns those nothing computed (``plait.parallel.meta_init.initialise``). Entries a
+    state-dict hook made are filled, not yet the model: ``load_renamed`` loads them."""
     ckpt = _open(facts, path)
     chosen = match_names(facts.groups(), facts.shapes, facts.dtypes, ckpt, prefix=facts.base_prefix,
                          ignore=facts.ignore_unexpected, what=what)
@@ -76,8 +78,24 @@ def load_weights(facts: ModelFacts, entries: dict[str, torch.Tensor], path: str 
     with torch.no_grad():
         for t, key in copies:
             _local(t).copy_(_local(state[key]))
-    if facts.meta:
-        initialise(facts, entries, seed=0, buffers_only=True)
+    return initialise(facts, entries, seed=0, buffers_only=True)
+
+
+def load_renamed(model: nn.Module, loaded: dict[str, torch.Tensor]) -> None:
+    """Load into ``model`` the entries of ``loaded`` (its state dict's names, filled by DCP or from a checkpoint)
+    that its state-dict hooks made rather than handed out (torchtitan's ``wq``/``wk``/``wv``, split from its fused
+    ``wqkv``): through ``model.load_state_dict``, whose load hooks merge them back. Every other entry is the
+    model's own storage, filled in place already. Collective where the hooks are (a DTensor gathered)."""
+    own = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+    made = {k: loaded[k] for k, v in model.state_dict(keep_vars=True).items()
+            if k in loaded and isinstance(v, torch.Tensor) and storage_key(v) not in own}
+    if not made:
+        return
+    result = model.load_state_dict(made, strict=False)
+    if result.unexpected_keys:
+        raise ConfigError(f"{type(model).__name__}'s state dict names {', '.join(result.unexpected_keys[:3])}, which "
+                          "its load_state_dict does not take back (its load hooks leave them unused): give the "
+                          "module a load_state_dict pre-hook that merges what its state_dict hook splits")
 
 
 def export_weights(facts: ModelFacts, entries: dict[str, torch.Tensor], out: Path, group: Any, coordinator: bool,

@@ -1,10 +1,10 @@
 """A rank's checkpoint as bytes for the in-memory copy (``plait.fault.holder``), and back.
 
 ``pack`` takes what this rank writes to disk at a save (its share of the model and optimizer state as the
-strategy's ``state_dicts`` gives them, with DTensors as their local shards; its RNG and per-rank state; the
-shared run state and metadata) and returns ``torch.save`` bytes. ``decode`` reads them with
+layout's state, ``Layout.state.state_dicts``, gives them, with DTensors as their local shards; its RNG and
+per-rank state; the shared run state and metadata) and returns ``torch.save`` bytes. ``decode`` reads them with
 ``torch.load(weights_only=True)`` (tensors and plain values only: nothing is unpickled as code) and fits them
-into this run's strategy's state-dict template, so that every rank can agree before any loads; ``load`` then
+into this run's layout's state-dict template, so that every rank can agree before any loads; ``load`` then
 goes through the same ``load_state_dicts`` a disk load ends with. Each tensor goes into the template's place
 (a DTensor rebuilt from its local shard with the template's mesh and placements). A copy only fits the layout
 and world size it was taken at, which a restart of the same job keeps; anything else (another world size)
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from plait.components.checkpoint import rng_state, set_rng_state
+from plait.checkpoint.dcp import rng_state, set_rng_state
 
 
 def _local(tree: Any) -> Any:
@@ -55,9 +55,9 @@ def _fill(template: Any, saved: Any, where: str = "") -> Any:
     return saved
 
 
-def pack(strategy: Any, meta: dict[str, Any], rank_state: dict[str, Any] | None, shared: dict[str, Any]) -> memoryview:
+def pack(state: Any, meta: dict[str, Any], rank_state: dict[str, Any] | None, shared: dict[str, Any]) -> memoryview:
     """This rank's checkpoint as bytes (see the module docstring; a view of the buffer: no second copy)."""
-    model_sd, optim_sd = strategy.state_dicts()
+    model_sd, optim_sd = state.state_dicts()
     buffer = io.BytesIO()
     torch.save({"model": _local(model_sd), "optim": _local(optim_sd), "rng": rng_state(),
                 "rank_state": rank_state, "shared": shared, "meta": meta}, buffer)
@@ -71,18 +71,18 @@ class Decoded:
         self.model_sd, self.optim_sd, self.saved = model_sd, optim_sd, saved
 
 
-def decode(payload: bytes | bytearray, strategy: Any) -> Decoded:
-    """Read ``pack``'s bytes (``torch.load(weights_only=True)``) and fit them into ``strategy``'s state-dict
+def decode(payload: bytes | bytearray, state: Any) -> Decoded:
+    """Read ``pack``'s bytes (``torch.load(weights_only=True)``) and fit them into ``state``'s state-dict
     template; nothing is loaded yet. Raises ``ValueError`` (or torch's ``UnpicklingError`` for bytes that are
     not a plain copy) when the copy does not fit: the caller then reads the disk."""
     saved = torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
-    model_sd, optim_sd = strategy.state_dicts()
+    model_sd, optim_sd = state.state_dicts()
     return Decoded(_fill(model_sd, saved["model"], "model"), _fill(optim_sd, saved["optim"], "optim"), saved)
 
 
-def load(decoded: Decoded, strategy: Any) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
-    """Load a decoded copy into ``strategy`` and this rank's RNG; returns (meta, rank_state, shared) as
-    ``plait.components.checkpoint.load_state`` does."""
-    strategy.load_state_dicts(decoded.model_sd, decoded.optim_sd)
+def load(decoded: Decoded, state: Any) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+    """Load a decoded copy into ``state`` (a layout's) and this rank's RNG; returns (meta, rank_state, shared) as
+    ``plait.checkpoint.dcp.load_state`` does."""
+    state.load_state_dicts(decoded.model_sd, decoded.optim_sd)
     set_rng_state(decoded.saved["rng"])
     return decoded.saved["meta"], decoded.saved["rank_state"], decoded.saved["shared"]

@@ -12,7 +12,7 @@ renames each checkpoint key (``WeightRenaming``: ``.block_sparse_moe.`` -> ``.ml
 plait applies the same mapping to the checkpoint's *headers* (``converted``): a renamed key is the same tensor
 under the model's name, and a merged one becomes a ``TensorInfo`` with ``blocks``, where each checkpoint tensor
 sits in the fused tensor. A rank then reads, from each block, only the overlap with its own slice
-(``plait.components.hf_checkpoint.load_into``): an expert-parallel rank reads its experts' files and no other,
+(``plait.checkpoint.hf.load_into``): an expert-parallel rank reads its experts' files and no other,
 and no rank ever holds a fused tensor whole. Renaming and matching are transformers' own
 (``core_model_loading.rename_source_key``); the merge operations are interpreted on the blocks' positions here,
 because transformers' run on tensors. Operations that are not a stack or a concatenation (a transpose, a
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from plait.components.hf_checkpoint import Block, Checkpoint, TensorInfo, WeightsError
+from plait.checkpoint.hf import Block, Checkpoint, TensorInfo, WeightsError
 
 
 def model_conversions(model: Any) -> list[Any]:

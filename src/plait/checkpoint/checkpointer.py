@@ -1,6 +1,7 @@
 """Checkpoints of one run: complete, reshardable saves (synchronous or asynchronous) and loads, through
-the layout's state (``plait.components.checkpoint`` writes and reads the files); a part of the layout whose other
-ranks join a checkpoint (a parameter server's servers: ``plait.parallel.layout.CheckpointJoin``) is asked first."""
+the layout's state (``Layout.state``; ``plait.checkpoint.dcp`` writes and reads the files); a part of the layout
+whose other ranks join a checkpoint (a parameter server's servers: ``plait.parallel.capabilities.CheckpointJoin``)
+is asked first."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from plait.components.checkpoint import PendingSave, load_state, save_state
-from plait.components.memory_checkpoint import Decoded, load, pack
+from plait.checkpoint.dcp import PendingSave, load_state, save_state
+from plait.checkpoint.memory import Decoded, load, pack
 from plait.observe.log import get_logger
 from plait.parallel.capabilities import CheckpointJoin, checkpoint_group
 
@@ -44,11 +45,12 @@ class Checkpointer:
         if join is not None:
             join.begin_save(path)
         default = self.own_group if self.own_group is not None else self.train_group
-        pending = save_state(path, strategy, meta, rank, rank_state, shared, async_=self.async_save,
+        pending = save_state(path, strategy.state, meta, rank, rank_state, shared, async_=self.async_save,
                              group=checkpoint_group(strategy, default))
         if self.host_copy is not None:  # only a save pays for it: serialise and send this rank's copies
             t1 = time.perf_counter()
-            failed = self.host_copy.put(rank, step, int(meta["world_size"]), pack(strategy, meta, rank_state, shared))
+            failed = self.host_copy.put(rank, step, int(meta["world_size"]),
+                                        pack(strategy.state, meta, rank_state, shared))
             self.last_copy_s = time.perf_counter() - t1 if not failed else None
             if failed and not self._copy_failed:  # said once; the disk checkpoint is complete either way
                 get_logger(rank).warning("the in-memory copy of %s failed (holder %s unreachable): a restart loads "
@@ -84,9 +86,9 @@ class Checkpointer:
              memory: Decoded | None = None) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any], bool]:
         """Read a checkpoint into ``strategy``: (meta, this rank's own state or None, the shared state,
         whether it was saved at this world size). ``memory``: this rank's in-memory copy of the same checkpoint
-        (``plait.components.memory_checkpoint``), read instead of the disk."""
+        (``plait.checkpoint.memory``), read instead of the disk."""
         if memory is not None:
-            meta, rank_state, shared = load(memory, strategy)
+            meta, rank_state, shared = load(memory, strategy.state)
             return meta, rank_state, shared, True
         meta_path = Path(path) / "meta.json"
         same_world = True
@@ -95,6 +97,6 @@ class Checkpointer:
         join = strategy.capability(CheckpointJoin)
         if join is not None:
             join.begin_load(Path(path), verify)
-        meta, rank_state, shared = load_state(Path(path), strategy, rank, restore_rank=same_world, verify=verify,
-                                              group=checkpoint_group(strategy, self.train_group))
+        meta, rank_state, shared = load_state(Path(path), strategy.state, rank, restore_rank=same_world,
+                                              verify=verify, group=checkpoint_group(strategy, self.train_group))
         return meta, rank_state, shared, same_world

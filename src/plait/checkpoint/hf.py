@@ -25,7 +25,7 @@ shard at 2 ranks (``bench/bigmodel.py``). plait reads each slice's contiguous ru
 What plait adds, and why:
 
 * **Which tensors a rank holds, under which names.** Reading and writing take this rank's entries under the
-  single-process model's names (``Layout.model_entries``): a pipeline stage's layers only, an expert-parallel
+  single-process model's names (``LayoutState.model_entries``): a pipeline stage's layers only, an expert-parallel
   rank's experts as a slice of the global tensor, a later stage's copy of a tied embedding under the name the
   checkpoint has; each DTensor's placements say which slice (FSDP2's dim-0 shards, Megatron row and column
   shards, both at once). torch's classes know files, not layouts.
@@ -34,7 +34,7 @@ What plait adds, and why:
   ``base_model_prefix.``) loads into the model with a head and the other way round, as ``from_pretrained``
   does; keys the model lists in ``_keys_to_ignore_on_load_unexpected`` are ignored. transformers 5's
   per-model renames and merges (a Mixtral's experts, one tensor per expert in the checkpoint, fused in the
-  model) are applied to the headers (``plait.components.hf_convert``): a fused tensor is read from the blocks
+  model) are applied to the headers (``plait.checkpoint.hf_convert``): a fused tensor is read from the blocks
   its slice overlaps. A conversion other than a stack or a concatenation ends in a ``WeightsError``.
 * **Checks before anything is read.** plait reads the headers first (a few KB per file) and rejects, on
   every rank alike (no rank is left waiting for another), a PATH that does not exist, an index naming a
@@ -81,7 +81,7 @@ class WeightsError(ConfigError):
 @dataclass(frozen=True)
 class TensorInfo:
     """One tensor of the checkpoint: a tensor of one file, or (``blocks``) a tensor the model holds fused that
-    the checkpoint stores as several (``plait.components.hf_convert``); ``file`` is then the first block's."""
+    the checkpoint stores as several (``plait.checkpoint.hf_convert``); ``file`` is then the first block's."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype

@@ -20,8 +20,8 @@ def export_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
 
 def load_safetensors(model: nn.Module, path: Path) -> None:
     """Load exported weights into ``model`` (strict: every name must match): a ``.safetensors`` file, a Hugging
-    Face directory, or a plait run directory (``plait.components.hf_checkpoint.read_weights``)."""
-    from plait.components.hf_checkpoint import read_weights
+    Face directory, or a plait run directory (``plait.checkpoint.hf.read_weights``)."""
+    from plait.checkpoint.hf import read_weights
 
     state = read_weights(path)
     model.load_state_dict({k: v.to(torch.get_default_dtype()) if v.is_floating_point() else v

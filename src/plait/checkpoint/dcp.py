@@ -5,7 +5,7 @@
     PATH/                  DCP shards of {"model", "optim"}
         rank<r>.pt         each rank's own state: RNG, compressor residuals
         state.pt           state every rank shares: scheduler, data position, loss scale, counters
-        manifest.json      SHA-256 and size of every file above (``plait.components.integrity``)
+        manifest.json      SHA-256 and size of every file above (``plait.checkpoint.integrity``)
         meta.json          what the caller saved in ``extra`` plus the world size; written last
 
 Every rank writes into ``PATH.tmp``; after a barrier rank 0 writes the manifest and ``meta.json`` and
@@ -14,7 +14,7 @@ untouched), and a file damaged later is caught by the manifest before anything i
 ``async_`` the shards are written by DCP's background thread while training goes on; the returned
 ``PendingSave`` completes the checkpoint (manifest, meta, rename) when ``finish()`` is called, on every
 rank at the same point. Model
-and optimizer states come from the layout (``Layout.state_dicts``), keyed by the single-process
+and optimizer states come from the layout's state (``Layout.state.state_dicts``), keyed by the single-process
 model's parameter names whatever the sharding, so DCP can load them at another world size, ZeRO stage
 or layout (a layout with chunks of its own, a parameter server's, also gives DCP planners for them:
 ``save_planner()`` / ``load_planner()``). Nothing is ever unpickled: DCP reads tensors, ``*.pt`` files
@@ -44,8 +44,9 @@ from plait.config import ConfigError
 
 
 class StatefulLayout(Protocol):
-    """What a checkpoint is written from and read into: a layout (``plait.parallel.layout.Layout``), or a
-    parameter server's shard (``plait.ps.checkpoint.ServerCheckpoint``). The planners may be None (DCP's)."""
+    """What a checkpoint is written from and read into: a layout's state (``Layout.state``:
+    ``plait.checkpoint.layout_state``), or a parameter server's shard (``plait.ps.checkpoint.ServerCheckpoint``).
+    The planners may be None (DCP's)."""
 
     def state_dicts(self) -> tuple[dict, dict]: ...
 
@@ -114,7 +115,7 @@ class PendingSave:
                 self.future.result()
             _barrier(self.group)
             if self.rank == 0:
-                from plait.components.integrity import write_manifest
+                from plait.checkpoint.integrity import write_manifest
 
                 write_manifest(self.tmp)
                 (self.tmp / "meta.json").write_text(self.meta_text)
@@ -128,6 +129,8 @@ class PendingSave:
         else:
             self._complete()
         if self._error is not None:
+            if self.rank == 0:  # nothing half-written is left: the previous checkpoint stays the newest
+                shutil.rmtree(self.tmp, ignore_errors=True)
             raise self._error
         if self.rank == 0:
             if self.path.exists():
@@ -170,21 +173,27 @@ def save_state(path: Path, layout: StatefulLayout, meta: dict[str, Any], rank: i
         tmp.mkdir(parents=True)
     _barrier(group)
     _test_kill(path, rank, "before")
-    model_sd, optim_sd = layout.state_dicts()
-    state = {"model": model_sd, "optim": optim_sd}
-    planner = layout.save_planner()  # a layout's own chunks, or None for DCP's default
     future = None
-    with _quiet_single_process():
-        if async_ and _distributed():
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group, planner=planner)
-        elif async_:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), no_dist=True, planner=planner)
-        else:
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed(), process_group=group, planner=planner)
-    _test_kill(path, rank, "between")
-    torch.save({**rng_state(), "rank_state": rank_state}, tmp / f"rank{rank}.pt")
-    if rank == 0:
-        torch.save(shared or {}, tmp / "state.pt")
+    try:
+        model_sd, optim_sd = layout.state_dicts()
+        state = {"model": model_sd, "optim": optim_sd}
+        planner = layout.save_planner()  # a layout's own chunks, or None for DCP's default
+        with _quiet_single_process():
+            if async_ and _distributed():
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group, planner=planner)
+            elif async_:
+                future = dcp.async_save(state, checkpoint_id=str(tmp), no_dist=True, planner=planner)
+            else:
+                dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed(), process_group=group,
+                         planner=planner)
+        _test_kill(path, rank, "between")
+        torch.save({**rng_state(), "rank_state": rank_state}, tmp / f"rank{rank}.pt")
+        if rank == 0:
+            torch.save(shared or {}, tmp / "state.pt")
+    except Exception:  # a save that fails leaves no directory behind: the previous checkpoint stays the newest
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _test_kill(path, rank, "after")
     pending = PendingSave(path, tmp, meta_text, rank, future, group)
     if not async_:
@@ -194,7 +203,7 @@ def save_state(path: Path, layout: StatefulLayout, meta: dict[str, Any], rank: i
 
 def _verified_on_rank0(path: Path, group: Any = None) -> list[str]:
     """The manifest check, done once (rank 0 reads every file) and shared with every rank of ``group``."""
-    from plait.components.integrity import verify
+    from plait.checkpoint.integrity import verify
 
     problems = [verify(path)] if not _distributed() or dist.get_rank() == 0 else [None]
     if _distributed():

@@ -1,5 +1,5 @@
-"""plait's GPT under tensor parallelism: the hook ``plait.parallel.plans`` registers for the GPT class (the
-model itself knows nothing of parallelism; its pipeline stages are ``plait.parallel.pipeline.gpt``).
+"""plait's GPT under tensor parallelism: the plan its spec (``plait.models.gpt.spec``) registers for the GPT class
+(the model itself knows nothing of parallelism; its pipeline stages are ``plait.models.gpt.pipeline``).
 
 Tensor-parallel layout on a ``tp`` mesh of size t (Megatron, on DTensor):
 
@@ -21,12 +21,13 @@ Tensor-parallel layout on a ``tp`` mesh of size t (Megatron, on DTensor):
   positions. Before attention/MLP an all-gather restores the full sequence (backward: a
   reduce-scatter); after ``proj`` a reduce-scatter replaces the all-reduce (backward: all-gather).
   q, k, v and fc keep only their input's sequence shard for backward and gather it again there
-  (``plait.parallel.tensor.regather``): one more all-gather per block input in backward.
+  (``plait.parallel.tensor.regather``): one more all-gather per block input in backward. An MoE feed-forward
+  runs on the rank's own sequence shard, no gather (``plait.parallel.tensor.local_tokens``).
 
 Dropout: tensor-parallel ranks of a model replica share one random stream (the engine seeds them
 alike), so dropout on replicated activations draws the same mask on all of them, as it must. Attention
 dropout over a rank's own heads, and with sequence parallelism the residual dropout over its own
-sequence slice, draw from a per-rank stream instead (``plait.models.gpt.dropout_stream``).
+sequence slice, draw from a per-rank stream instead (``plait.models.gpt.model.dropout_stream``).
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from plait.config import ParallelConfig
-from plait.models.gpt import GPT
+from plait.models.gpt.model import GPT
 from plait.nn.moe import MoE
+from plait.parallel.tensor.float8 import float8_plan
+from plait.parallel.tensor.local_tokens import LocalTokens
 from plait.parallel.tensor.plan import PrepareGatheredInput, TensorParallelError, mark_loss_parallel
 from plait.parallel.tensor.regather import ColwiseRegather, GatherSequence
 
@@ -77,8 +80,10 @@ def check_tensor_parallel(n_head: int, d_model: int, vocab_size: int, seq_len: i
 
 def _block_plan(sp: bool, moe: bool = False) -> dict[str, object]:
     """Per-block plan: column-parallel in, row-parallel out, optional sequence-sharded norms. An MoE
-    feed-forward (``moe``) stays whole on every tp rank: its input is the replicated residual stream, so
-    each tp rank routes and computes the same tokens (experts whole, not expert-tensor-parallel)."""
+    feed-forward (``moe``) stays whole on every tp rank (experts whole, not expert-tensor-parallel): without
+    sequence parallelism its input is the replicated residual stream, so each tp rank routes and computes the
+    same tokens; with it, each tp rank routes its own sequence shard (``LocalTokens``: no gather, the MoE's
+    gradients summed over tp, its balancing statistics over the whole sequence by ``plait.parallel.expert``)."""
     seq = Shard(1) if sp else Replicate()
     colwise = ColwiseRegather if sp else ColwiseParallel  # sp: each keeps its input's shard (regather.py)
     plan: dict[str, object] = {
@@ -93,14 +98,12 @@ def _block_plan(sp: bool, moe: bool = False) -> dict[str, object]:
     # at this boundary (with sp: one reduce-scatter). Left to q, k and v, each would convert the plain
     # input itself and all-reduce its own gradient: three all-reduces per block instead of one.
     # With sp it is gathered once, in the autocast dtype under autocast, and q, k and v keep only its shard for
-    # backward, where it is gathered again (GatherSequence, ColwiseRegather). An MoE feed-forward reads the whole
-    # gathered input as a DTensor (PrepareGatheredInput) and keeps what its experts keep.
+    # backward, where it is gathered again (GatherSequence, ColwiseRegather).
     plan["attn"] = (GatherSequence if sp else PrepareGatheredInput)(input_layouts=(seq,),
                                                                     desired_input_layouts=(Replicate(),))
     if sp:
-        gather = PrepareGatheredInput if moe else GatherSequence
-        plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel(),
-                     "mlp": gather(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+        mlp = LocalTokens() if moe else GatherSequence(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel(), "mlp": mlp})
     return plan
 
 
@@ -146,7 +149,8 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
         _shard_position_embedding(model.pos_emb, tp_mesh)
     stream = tp_mesh.get_local_rank() + 1
     for block in model.blocks:
-        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel, isinstance(block.mlp, MoE)))
+        plan = _block_plan(sequence_parallel, isinstance(block.mlp, MoE))
+        parallelize_module(block, tp_mesh, float8_plan(block, plan))  # torchao's styles on its Float8Linears
         block.attn.n_head = cfg.n_head // tp  # local heads; the forward reshapes with -1 anyway
         block.attn.dropout_stream = stream  # this rank's heads: masks of their own
         if sequence_parallel:
@@ -159,6 +163,6 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
 
 
 def parallelize(model: GPT, tp_mesh: DeviceMesh, p: ParallelConfig) -> GPT:
-    """The registered tensor-parallel hook: ``apply_tensor_parallel`` with the config's sp/loss options."""
+    """The spec's tensor-parallel plan: ``apply_tensor_parallel`` with the config's sp/loss options."""
     return apply_tensor_parallel(model, tp_mesh, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
 

@@ -38,7 +38,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from plait.config import ConfigError, TrainConfig
 from plait.parallel.offload import offload_activations
 from plait.parallel.tensor.regather import keep_gathered
-from plait.parallel.units import find_blocks, replace_module
+from plait.parallel.units import NO_BLOCKS, find_blocks, replace_module
 
 Mode = Literal["none", "full", "every_k", "selective"]
 MODES = ("none", "full", "every_k", "selective")
@@ -160,8 +160,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: Mode = "none", k: int
     blocks = find_blocks(model)
     if not blocks:
         raise ValueError(f"activation checkpointing recomputes a model's repeated blocks, and {type(model).__name__} "
-                         "has none (no _no_split_modules, no ModuleList/Sequential of layers); set "
-                         "train.activation_checkpointing=none")
+                         f"has none ({NO_BLOCKS})")
     step = k if mode == "every_k" else 1
     for name, block in blocks[::step]:
         keep_gathered(block)  # sequence parallelism: its recomputation gathers the Linears' input again anyway

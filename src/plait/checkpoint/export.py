@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 
-from plait.components.export import export_safetensors
-from plait.components.hf_checkpoint import INDEX
-from plait.parallel.layout import Layout, PlaitError
+from plait.checkpoint.hf import INDEX
+from plait.checkpoint.single_file import export_safetensors
+from plait.parallel.errors import PlaitError
+from plait.parallel.layout import Layout
 
 
 def export_weights(plait: Any, model: Any, path: Path, max_shard_bytes: int) -> Path:
@@ -26,7 +27,7 @@ def export_weights(plait: Any, model: Any, path: Path, max_shard_bytes: int) -> 
 
 def export_directory(strategy: Layout, path: Path, group: Any, is_main: bool, barrier: Callable[[], None],
                      max_shard_bytes: int) -> Path:
-    """Write the model at directory ``path`` (``Layout.export_weights``); an earlier export's files there are
+    """Write the model at directory ``path`` (``LayoutState.export_weights``); an earlier export's files there are
     removed first, so the directory holds one checkpoint. Every rank calls it."""
     if path.is_file():  # checked on every rank: the same answer everywhere, no rank left waiting
         raise PlaitError(f"export to {path}: a file is there; give a directory, or a path ending in .safetensors "
@@ -35,7 +36,7 @@ def export_directory(strategy: Layout, path: Path, group: Any, is_main: bool, ba
         for old in [*path.glob("model*.safetensors"), path / INDEX]:
             old.unlink(missing_ok=True)
     barrier()
-    strategy.export_weights(path, group, is_main, max_shard_bytes)
+    strategy.state.export_weights(path, group, is_main, max_shard_bytes)
     barrier()
     return path
 
