@@ -74,33 +74,27 @@ def _float8_classes() -> tuple[type, type, type]:
     # gradient would then be summed from float8_e5m2 values. On a Linear with a bias the plain style's output is
     # kept, and the matmul's own backward casts that gradient (the same scale: the whole DTensor's), so the bias
     # gets the high-precision sum, as in one process.
-    class Float8Colwise(Float8ColwiseParallel):
-        @staticmethod
-        def _prepare_input_fn(input_layouts: Any, desired_input_layouts: Any, mod: nn.Module, inputs: Any,
-                              device_mesh: DeviceMesh) -> Any:
-            inputs = (_autocast_input(inputs[0]), *inputs[1:])
-            return Float8ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs,
-                                                           device_mesh)
+    def keep_bias_grad(float8_style: type, plain_style: type) -> type:
+        """``float8_style`` casting its input as autocast would, with ``plain_style``'s output on a Linear with a
+        bias."""
 
-        @staticmethod
-        def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
-                               device_mesh: DeviceMesh) -> Any:
-            base = ColwiseParallel if mod.bias is not None else Float8ColwiseParallel
-            return base._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        class Style(float8_style):
+            @staticmethod
+            def _prepare_input_fn(input_layouts: Any, desired_input_layouts: Any, mod: nn.Module, inputs: Any,
+                                  device_mesh: DeviceMesh) -> Any:
+                inputs = (_autocast_input(inputs[0]), *inputs[1:])
+                return float8_style._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
 
-    class Float8Rowwise(Float8RowwiseParallel):
-        @staticmethod
-        def _prepare_input_fn(input_layouts: Any, desired_input_layouts: Any, mod: nn.Module, inputs: Any,
-                              device_mesh: DeviceMesh) -> Any:
-            inputs = (_autocast_input(inputs[0]), *inputs[1:])
-            return Float8RowwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs,
-                                                           device_mesh)
+            @staticmethod
+            def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
+                                   device_mesh: DeviceMesh) -> Any:
+                base = plain_style if mod.bias is not None else float8_style
+                return base._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
-        @staticmethod
-        def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
-                               device_mesh: DeviceMesh) -> Any:
-            base = RowwiseParallel if mod.bias is not None else Float8RowwiseParallel
-            return base._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return Style
+
+    Float8Colwise = keep_bias_grad(Float8ColwiseParallel, ColwiseParallel)
+    Float8Rowwise = keep_bias_grad(Float8RowwiseParallel, RowwiseParallel)
 
     class PrepareFloat8Input(PrepareFloat8ModuleInput):
         def _prepare_input_arg(self, input: Any, mesh: DeviceMesh, input_layout: Any, desired_layout: Any) -> Any:
