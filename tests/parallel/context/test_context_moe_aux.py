@@ -37,9 +37,9 @@ import os
 import pytest
 import torch
 from helpers import run_ranks
-from references import adam_slack, beyond_slack
+from references import beyond_slack
 
-from ..expert.test_hf_compose import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL, V, _whole_grads, build
+from ..expert.test_hf_compose import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL, V, _whole_grads, build, user_loop
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 STEPS, GLOBAL, SEQ, LR, CLIP = 2, 4, 16, 1e-3, 1.0
@@ -76,26 +76,7 @@ def reference(dp: int) -> dict:
     """One plain process: each dp rank's evaluations, then the loop (each dp rank's rows one micro-step of 1/dp)."""
     model = build(0)
     evals = [evaluate(model, dp, r) for r in range(dp)]
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    names = {id(q): n for n, q in model.named_parameters()}
-    slack = {n: torch.zeros_like(q) for n, q in model.named_parameters()}
-    losses, grads = [], {}
-    for s in range(STEPS):
-        total = 0.0
-        for r in range(dp):
-            loss = model(**rows(batch(s), dp, r)).loss
-            (loss / dp).backward()
-            total += loss.item() / dp
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        grads = grads or {n: q.grad.detach().clone() for n, q in model.named_parameters()}
-        with torch.no_grad():
-            for q in model.parameters():
-                slack[names[id(q)]] += adam_slack(opt, q, s + 1, GRAD_RTOL * q.grad.abs().max())
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return {"evals": evals, "losses": losses, "grads": grads, "slack": slack,
-            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"evals": evals, **user_loop(model, lambda s: [rows(batch(s), dp, r) for r in range(dp)], STEPS, LR, CLIP)}
 
 
 def _train(root: str, name: str, rank: int) -> dict:

@@ -35,6 +35,7 @@ parameters 4.8e-7 (6e-9 beyond their slack).
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -67,18 +68,25 @@ def batch(step: int) -> torch.Tensor:
 def reference() -> dict:
     """The user's loop in one plain PyTorch process: losses, step-1 gradients (clipped), final state, each parameter's
     AdamW slack summed over the steps."""
-    model = build(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    return user_loop(build(0), lambda s: [{"input_ids": rows, "labels": rows} for rows in batch(s).chunk(DP)])
+
+
+def user_loop(model: torch.nn.Module, micro_steps: Any, steps: int = STEPS, lr: float = LR, clip: float = CLIP
+              ) -> dict:
+    """``steps`` AdamW steps (``lr``) of ``model`` in one process, each over ``micro_steps(step)`` (the model's keyword
+    arguments of each micro-step, each 1 / their number of the step), clipped at ``clip``: the losses, the step-1
+    gradients, the final state and each parameter's AdamW slack for gradients off by ``GRAD_RTOL``, summed."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     names = {id(q): n for n, q in model.named_parameters()}
     slack = {n: torch.zeros_like(q) for n, q in model.named_parameters()}
     losses, grads = [], {}
-    for s in range(STEPS):
-        total = 0.0
-        for rows in batch(s).chunk(DP):
-            loss = model(input_ids=rows, labels=rows).loss
-            (loss / DP).backward()
-            total += loss.item() / DP
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    for s in range(steps):
+        total, parts = 0.0, micro_steps(s)
+        for kwargs in parts:
+            loss = model(**kwargs).loss
+            (loss / len(parts)).backward()
+            total += loss.item() / len(parts)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         grads = grads or {n: q.grad.detach().clone() for n, q in model.named_parameters()}
         with torch.no_grad():
             for q in model.parameters():
